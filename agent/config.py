@@ -1,0 +1,403 @@
+"""Agent configuration: one table of settings, resolved with a fixed precedence.
+
+Precedence (highest first): command-line flag > environment variable > YAML config
+file > built-in default. Environment names are Istio's where Istio has one
+(``NODE_NAME``, ``TRUST_DOMAIN``, ``ZTUNNEL_UDS_ADDRESS``, ``SECRET_TTL``,
+``ISTIO_KUBE_APP_PROBERS``, ...; spec ``cni-zds.md`` §3.2 and ``sds-ca-status.md``
+§2.8, §4.7), otherwise ``AMBIENT_AGENT_<NAME>``.
+
+Every resolved value remembers where it came from, so ``ambient-agent config`` can
+print "value (source)". Bad values raise :class:`ConfigError` naming the setting,
+the value and the reason; the CLI turns that into one line on stderr, never a
+traceback.
+
+To add a setting, append a :class:`Setting` to ``SETTINGS``; it becomes a flag
+(``--name-with-dashes``), a config-file key (``name_with_underscores``) and an
+environment variable automatically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A setting has a value the agent can't use.
+
+    ``setting`` is the setting name, ``value`` the offending value, ``reason`` a
+    short explanation; ``str()`` gives one human line with all three.
+    """
+
+    def __init__(self, setting: str, value: Any, reason: str, origin: str = ""):
+        self.setting, self.value, self.reason, self.origin = setting, value, reason, origin
+        where = f" (from {origin})" if origin else ""
+        super().__init__(f"invalid setting {setting}={value!r}{where}: {reason}")
+
+
+# --- value parsers: str (or YAML scalar) -> typed value, ValueError on bad input ---
+
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: Any) -> float:
+    """Parse a Go-style duration (``"24h"``, ``"1h30m"``, ``"250ms"``) or a number of seconds.
+
+    Returns seconds as a float. Raises ValueError for anything else or a negative value.
+    """
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 30s, 5m, 24h")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        text = str(value).strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            pos, seconds = 0, 0.0
+            for m in _DURATION_RE.finditer(text):
+                if m.start() != pos:
+                    break
+                seconds += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+                pos = m.end()
+            if pos != len(text) or not text:
+                raise ValueError("expected a duration such as 30s, 5m, 24h") from None
+    if seconds < 0:
+        raise ValueError("duration must not be negative")
+    return seconds
+
+
+def parse_bool(value: Any) -> bool:
+    """Accept YAML booleans and the strings true/false/1/0/yes/no/on/off (any case)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def parse_port(value: Any) -> int:
+    """A TCP port 0..65535 (0 lets the kernel choose, useful in tests)."""
+    if isinstance(value, bool):
+        raise ValueError("expected a port number")
+    port = int(str(value).strip())
+    if not 0 <= port <= 65535:
+        raise ValueError("port must be between 0 and 65535")
+    return port
+
+
+def parse_str(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        raise ValueError("expected a string")
+    return "" if value is None else str(value)
+
+
+def parse_path(value: Any) -> str:
+    text = parse_str(value)
+    return os.path.abspath(text) if text else ""
+
+
+def parse_list(value: Any) -> list[str]:
+    """A comma-separated string or a YAML list of strings."""
+    if isinstance(value, list):
+        return [str(v).strip() for v in value if str(v).strip()]
+    return [p.strip() for p in parse_str(value).split(",") if p.strip()]
+
+
+def parse_ip(value: Any) -> str:
+    return str(ipaddress.ip_address(parse_str(value).strip()))
+
+
+def parse_json(value: Any) -> Any:
+    """A JSON document given as a string (as Istio's env vars are), or already-parsed YAML."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, (dict, list)):
+        return value
+    return json.loads(value)
+
+
+def parse_log_level(value: Any) -> str:
+    """A level spec for :func:`agent.logsetup.parse_levels`, validated now."""
+    from agent.logsetup import parse_levels
+
+    text = parse_str(value).strip() or "info"
+    parse_levels(text)
+    return text
+
+
+def choice(*allowed: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        text = parse_str(value).strip().lower()
+        if text not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}")
+        return text
+
+    return parse
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One configuration knob.
+
+    ``name`` is the config-file key and attribute name; the flag is ``--`` + name with
+    dashes; ``env`` is the environment variable (Istio's name where one exists).
+    ``default`` may be a callable taking the partially-resolved values (for defaults
+    derived from other settings, e.g. paths under ``state_dir``).
+    """
+
+    name: str
+    default: Any
+    parse: Callable[[Any], Any]
+    help: str
+    env: str | None = None
+    component: str = "agent"
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env_name(self) -> str:
+        return self.env or "AMBIENT_AGENT_" + self.name.upper()
+
+
+def _under_state(*parts: str) -> Callable[[dict], str]:
+    return lambda values: os.path.join(values["state_dir"], *parts)
+
+
+SETTINGS: list[Setting] = [
+    # --- process ---
+    Setting("state_dir", "/var/run/ambient-agent", parse_path,
+            "directory holding every socket and file the agent creates"),
+    Setting("config_file", "/etc/ambient-agent/config.yaml", parse_path,
+            "YAML file of settings (keys = setting names); a missing default file is ignored"),
+    Setting("log_level", "info", parse_log_level,
+            "log level, or per component: 'info,zds:debug,sds:warning'", env="LOG_LEVEL"),
+    Setting("log_format", "text", choice("text", "json"), "log line format: text or json"),
+    Setting("shutdown_grace", 5.0, parse_duration,
+            "how long in-flight work may take after SIGTERM before the agent exits",
+            env="TERMINATION_DRAIN_DURATION_SECONDS"),
+    Setting("node_name", lambda v: socket.gethostname(), parse_str,
+            "this node's name; pods of other nodes are ignored", env="NODE_NAME"),
+    # --- ambient index / config source ---
+    Setting("config_source", "files", choice("files", "kubernetes"),
+            "where pods, services and policies come from", component="ambient"),
+    Setting("config_dir", _under_state("cluster"), parse_path,
+            "directory of Kubernetes/Istio YAML the files source reads and watches",
+            component="ambient"),
+    Setting("kubeconfig", "", parse_path, "kubeconfig for the kubernetes source "
+            "(empty: in-cluster credentials)", env="KUBECONFIG", component="ambient"),
+    Setting("cluster_id", "Kubernetes", parse_str, "cluster name used in workload UIDs and CA "
+            "requests", env="CLUSTER_ID", component="ambient"),
+    Setting("network", "", parse_str, "network name of this cluster", env="NETWORK",
+            component="ambient"),
+    Setting("trust_domain", "cluster.local", parse_str, "SPIFFE trust domain", env="TRUST_DOMAIN"),
+    Setting("system_namespace", "istio-system", parse_str, "Istio system namespace",
+            env="SYSTEM_NAMESPACE"),
+    # --- CNI and enrollment ---
+    Setting("cni_event_socket", _under_state("pluginevent.sock"), parse_path,
+            "Unix socket the istio-cni plugin posts pod events to", component="cni"),
+    Setting("cni_manage_config", False, parse_bool,
+            "install istio-cni into the CNI conf dir at start, repair it, remove it at stop",
+            component="cni"),
+    Setting("cni_conf_dir", "/etc/cni/net.d", parse_path, "CNI network config directory",
+            env="MOUNTED_CNI_NET_DIR", component="cni"),
+    Setting("cni_bin_dir", "/opt/cni/bin", parse_path, "CNI plugin binary directory",
+            env="CNI_BIN_DIR", component="cni"),
+    Setting("cni_conf_name", "", parse_str, "conflist to chain into (empty: first by name)",
+            env="CNI_CONF_NAME", component="cni"),
+    Setting("exclude_namespaces", ["kube-system"], parse_list,
+            "namespaces never enrolled", env="EXCLUDE_NAMESPACES", component="cni"),
+    Setting("ambient_dns_capture", True, parse_bool, "redirect pod DNS to ztunnel's 15053",
+            env="AMBIENT_DNS_CAPTURE", component="cni"),
+    Setting("ambient_ipv6", True, parse_bool, "install IPv6 rules too", env="AMBIENT_IPV6",
+            component="cni"),
+    Setting("native_nftables", False, parse_bool, "use the nftables backend instead of iptables",
+            env="NATIVE_NFTABLES", component="cni"),
+    Setting("host_probe_snat_ip", "169.254.7.127", parse_ip,
+            "source address kubelet probes are SNATed to", env="HOST_PROBE_SNAT_IP",
+            component="cni"),
+    Setting("host_probe_snat_ipv6", "fd16:9254:7127:1337:ffff:ffff:ffff:ffff", parse_ip,
+            "IPv6 source address kubelet probes are SNATed to", env="HOST_PROBE_SNAT_IPV6",
+            component="cni"),
+    Setting("proc_dir", "/proc", parse_path, "where to scan for pod netns on restart",
+            component="cni"),
+    # --- ZDS ---
+    Setting("ztunnel_uds_address", "/var/run/ztunnel/ztunnel.sock", parse_path,
+            "ZDS socket ztunnel connects to", env="ZTUNNEL_UDS_ADDRESS", component="zds"),
+    Setting("ztunnel_wait", 30.0, parse_duration,
+            "how long a pod ADD waits for a ztunnel to connect", component="zds"),
+    # --- SDS / CA ---
+    Setting("sds_socket", _under_state("workload-spiffe-uds", "socket"), parse_path,
+            "SDS Unix socket", env="WORKLOAD_SPIFFE_UDS", component="sds"),
+    Setting("secret_ttl", 24 * 3600.0, parse_duration, "workload certificate lifetime",
+            env="SECRET_TTL", component="sds"),
+    Setting("secret_grace_ratio", 0.5, float, "rotate when this fraction of lifetime is left",
+            env="SECRET_GRACE_PERIOD_RATIO", component="sds"),
+    Setting("ecc_signature_algorithm", "", parse_str,
+            "ECDSA for P-256 workload keys (default RSA 2048)", env="ECC_SIGNATURE_ALGORITHM",
+            component="sds"),
+    Setting("ca_addr", "", parse_str, "Istio CA address host:port (empty: embedded CA)",
+            env="CA_ADDR", component="sds"),
+    Setting("ca_root_cert", "", parse_path, "root certificate to verify the Istio CA",
+            env="CA_ROOT_CERT", component="sds"),
+    Setting("ca_token_file", "", parse_path, "bearer token file sent to the Istio CA",
+            env="ISTIO_META_TOKEN_FILE", component="sds"),
+    Setting("service_account", "", parse_str,
+            "fixed workload identity's service account (empty: attest callers)",
+            env="SERVICE_ACCOUNT", component="sds"),
+    Setting("pod_namespace", "default", parse_str, "fixed workload identity's namespace",
+            env="POD_NAMESPACE", component="sds"),
+    Setting("ca_port", 0, parse_port, "serve the embedded CA as IstioCertificateService on this "
+            "port (0: off)", component="sds"),
+    # --- status server ---
+    Setting("status_port", 15020, parse_port, "status server port", env="STATUS_PORT",
+            component="status"),
+    Setting("health_port", 8000, parse_port, "node agent /healthz and /readyz port",
+            component="status"),
+    Setting("kube_app_probers", None, parse_json, "rewritten kubelet app probes (JSON)",
+            env="ISTIO_KUBE_APP_PROBERS", component="status"),
+    Setting("prometheus_annotations", None, parse_json,
+            "application metrics targets to merge (JSON)", env="ISTIO_PROMETHEUS_ANNOTATIONS",
+            component="status"),
+    Setting("envoy_admin_port", 0, parse_port, "Envoy admin port to merge stats and readiness "
+            "from (0: no Envoy)", component="status"),
+    # --- workload xDS ---
+    Setting("xds_port", 15010, parse_port, "plaintext workload xDS port", component="xds"),
+    Setting("xds_address", "127.0.0.1", parse_str, "address the plaintext xDS port binds",
+            component="xds"),
+    Setting("xds_tls_port", 15012, parse_port, "mTLS workload xDS port (0: off)",
+            component="xds"),
+]
+
+SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+@dataclasses.dataclass
+class Config:
+    """The effective configuration: typed values plus the origin of each.
+
+    Attribute access (``config.status_port``) returns the value; ``origins[name]`` is one
+    of ``"flag"``, ``"env NAME"``, ``"file PATH"``, ``"default"``.
+    """
+
+    values: dict[str, Any]
+    origins: dict[str, str]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["values"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with some values overridden (origin ``"override"``); used by tests and demo."""
+        values, origins = dict(self.values), dict(self.origins)
+        for name, value in changes.items():
+            if name not in SETTINGS_BY_NAME:
+                raise KeyError(name)
+            values[name] = value
+            origins[name] = "override"
+        return Config(values, origins)
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        """``{name: {"value": v, "source": origin}}``, JSON-friendly, for /debug and ``config``."""
+        return {n: {"value": self.values[n], "source": self.origins[n]} for n in self.values}
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError("config_file", path, f"malformed YAML{where}") from None
+    except OSError as e:
+        raise ConfigError("config_file", path, e.strerror or str(e)) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config_file", path, "top level must be a mapping of setting: value")
+    unknown = sorted(set(data) - set(SETTINGS_BY_NAME))
+    if unknown:
+        raise ConfigError(unknown[0], data[unknown[0]], f"unknown setting in {path}")
+    return data
+
+
+def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Resolve every setting.
+
+    ``flags`` maps setting names to raw command-line strings (only those given);
+    ``env`` defaults to ``os.environ``. Raises :class:`ConfigError` on the first bad value.
+    """
+    flags = dict(flags or {})
+    env = os.environ if env is None else env
+    raw: dict[str, tuple[Any, str]] = {}
+    for s in SETTINGS:
+        if s.name in flags and flags[s.name] is not None:
+            raw[s.name] = (flags[s.name], "flag " + s.flag)
+        elif s.env_name in env:
+            raw[s.name] = (env[s.env_name], "env " + s.env_name)
+
+    file_values: dict[str, Any] = {}
+    file_origin = ""
+    path_raw, path_origin = raw.get("config_file", (SETTINGS_BY_NAME["config_file"].default,
+                                                     "default"))
+    path = parse_path(path_raw)
+    try:
+        file_values = _read_config_file(path)
+        file_origin = "file " + path
+    except FileNotFoundError:
+        if path_origin != "default":
+            raise ConfigError("config_file", path, "file not found", path_origin) from None
+
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for s in SETTINGS:
+        if s.name in raw:
+            value, origin = raw[s.name]
+        elif s.name in file_values:
+            value, origin = file_values[s.name], file_origin
+        else:
+            values[s.name] = s.default(values) if callable(s.default) else s.default
+            origins[s.name] = "default"
+            continue
+        try:
+            values[s.name] = s.parse(value)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(s.name, value, str(e) or type(e).__name__, origin) from None
+        origins[s.name] = origin
+    return Config(values, origins)
+
+
+def prepare_state_dir(config: Config) -> Path:
+    """Create the state dir (mode 0700 when we create it) and check it is writable.
+
+    Raises :class:`ConfigError` naming ``state_dir`` when it can't be created or written.
+    """
+    path = Path(config.state_dir)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        probe = path / f".probe-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError("state_dir", str(path), e.strerror or str(e),
+                          config.origins.get("state_dir", "")) from None
+    return path

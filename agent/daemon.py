@@ -1,0 +1,104 @@
+"""``ambient-agent run``: wire the components into one asyncio process and run until told to stop.
+
+Start order follows the data flow (DESIGN.md): config source and ambient index first,
+then the servers that read from them, then the entry points that accept work.
+Stop order is the reverse, so nothing accepts work that its dependencies can no
+longer do.
+
+Signals: the first SIGTERM/SIGINT starts a graceful stop (each component gets
+``shutdown_grace`` seconds to finish in-flight work, sockets are closed and
+unlinked, exit 0); a second one exits at once with 128+signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import signal
+from typing import Callable
+
+from agent.config import Config, prepare_state_dir
+from agent.lifecycle import AgentContext, Component, Supervisor
+
+log = logging.getLogger("agent")
+
+# (module, function): each builder takes the AgentContext and returns a Component, or
+# None when the component is disabled by configuration. Imported lazily so that
+# `ambient-agent config` and `version` stay fast. Order = start order.
+COMPONENT_BUILDERS: list[tuple[str, str]] = [
+    # ambient index and its config source
+    # SDS and CA
+    # ZDS server
+    # enrollment (rules, host probe set, reconciler) and the CNI event server
+    # workload xDS
+    # status server (last: it reports the others' readiness)
+]
+
+
+def build(ctx: AgentContext) -> AgentContext:
+    """Instantiate every enabled component into ``ctx`` in start order."""
+    for module_name, function_name in COMPONENT_BUILDERS:
+        builder: Callable[[AgentContext], Component | None] = getattr(
+            importlib.import_module(module_name), function_name)
+        component = builder(ctx)
+        if component is not None:
+            ctx.add(component)
+    return ctx
+
+
+class Agent:
+    """A running agent: context + supervisor. Usable from tests and from ``demo``.
+
+    ``await agent.start()`` raises whatever a component's start raised (after stopping
+    the ones already started); ``await agent.stop()`` is idempotent.
+    """
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.ctx = AgentContext(config)
+        self.supervisor = Supervisor(self.ctx)
+        self._stopped = False
+
+    async def start(self) -> "Agent":
+        prepare_state_dir(self.config)
+        build(self.ctx)
+        await self.supervisor.start()
+        log.info("agent ready: %s", ", ".join(self.ctx.components) or "no components")
+        return self
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.supervisor.stop(self.config.shutdown_grace)
+
+    async def wait(self) -> None:
+        await self.ctx.shutdown.wait()
+
+
+async def run(config: Config) -> int:
+    """Run the agent until SIGTERM/SIGINT or a quit request. Returns the exit code."""
+    loop = asyncio.get_running_loop()
+    agent = Agent(config)
+    signals_seen: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        if signals_seen:
+            log.warning("second signal %s: exiting now", signal.Signals(signum).name)
+            os._exit(128 + signum)
+        signals_seen.append(signum)
+        agent.ctx.request_shutdown(signal.Signals(signum).name)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        await agent.start()
+        await agent.wait()
+    finally:
+        await agent.stop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+    log.info("agent stopped")
+    return 0

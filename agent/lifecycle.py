@@ -1,0 +1,129 @@
+"""The common component lifecycle and the context components share.
+
+Every long-running part of the agent (ZDS server, SDS server, status server, xDS
+server, CNI event server, enrollment reconciler, config source, ...) is a
+:class:`Component`: ``start()`` brings it up (bind sockets, spawn tasks) and returns,
+``stop(grace)`` stops accepting new work, lets in-flight work finish for at most
+``grace`` seconds, closes and unlinks its sockets. ``ready()`` says whether it is
+serving, with a short reason when not; ``debug_state()`` is its JSON view for
+``/debug``.
+
+:class:`AgentContext` is what components are built from: the effective config, the
+one Prometheus registry, the bounded thread pool for blocking work, and the other
+components by name (so enrollment can find the ZDS server without a global).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from typing import Any, Callable, TypeVar
+
+from prometheus_client import CollectorRegistry
+
+from agent.config import Config
+
+log = logging.getLogger("agent.lifecycle")
+T = TypeVar("T")
+
+
+class Component:
+    """Base class of the agent's components. Subclasses set ``name`` and override the hooks."""
+
+    name: str = "component"
+
+    async def start(self) -> None:
+        """Bring the component up. Raise to abort agent start-up (the error is shown)."""
+
+    async def stop(self, grace: float) -> None:
+        """Stop accepting work, finish in-flight work within ``grace`` seconds, release resources."""
+
+    def ready(self) -> tuple[bool, str]:
+        """``(True, "")`` when serving, else ``(False, short reason)``."""
+        return True, ""
+
+    def debug_state(self) -> Any:
+        """A JSON-serialisable snapshot for the ``/debug`` endpoints."""
+        return {}
+
+
+class AgentContext:
+    """Shared services for components.
+
+    Attributes: ``config`` (:class:`agent.config.Config`), ``registry`` (the agent's one
+    ``prometheus_client.CollectorRegistry``), ``components`` (name -> Component, in start
+    order), ``executor`` (bounded thread pool; use :meth:`run_blocking`), ``shutdown``
+    (an ``asyncio.Event`` set when the agent should stop, e.g. by ``/quitquitquit``).
+    """
+
+    def __init__(self, config: Config, registry: CollectorRegistry | None = None,
+                 max_workers: int = 8):
+        self.config = config
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.components: dict[str, Component] = {}
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="agent-blocking")
+        self.shutdown = asyncio.Event()
+        self.draining = False
+
+    def add(self, component: Component) -> Component:
+        if component.name in self.components:
+            raise ValueError(f"duplicate component name {component.name!r}")
+        self.components[component.name] = component
+        return component
+
+    def get(self, name: str) -> Component | None:
+        return self.components.get(name)
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a blocking call (netns entry, iptables-restore, RSA keygen) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def request_shutdown(self, reason: str) -> None:
+        log.info("shutdown requested: %s", reason)
+        self.shutdown.set()
+
+    def ready(self) -> tuple[bool, str]:
+        """Ready when every component is; the reason names the first that is not."""
+        for name, component in self.components.items():
+            ok, why = component.ready()
+            if not ok:
+                return False, f"{name}: {why or 'not ready'}"
+        return True, ""
+
+
+class Supervisor:
+    """Starts components in order and stops them in reverse.
+
+    If a component's ``start`` raises, the ones already started are stopped and the
+    error propagates (the CLI prints it and exits non-zero).
+    """
+
+    def __init__(self, ctx: AgentContext):
+        self.ctx = ctx
+        self.started: list[Component] = []
+
+    async def start(self) -> None:
+        for component in self.ctx.components.values():
+            log.debug("starting %s", component.name)
+            try:
+                await component.start()
+            except BaseException:
+                await self.stop(grace=1.0)
+                raise
+            self.started.append(component)
+            log.info("started %s", component.name)
+
+    async def stop(self, grace: float) -> None:
+        """Stop started components in reverse order; each gets ``grace`` seconds at most."""
+        self.ctx.draining = True
+        while self.started:
+            component = self.started.pop()
+            try:
+                await asyncio.wait_for(component.stop(grace), timeout=grace + 1.0)
+            except asyncio.TimeoutError:
+                log.warning("%s did not stop within %.1fs", component.name, grace)
+            except Exception:
+                log.exception("error stopping %s", component.name)
+        self.ctx.executor.shutdown(wait=False, cancel_futures=True)

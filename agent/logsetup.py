@@ -1,0 +1,101 @@
+"""One logging setup for the whole agent: text or JSON lines, a level per component.
+
+``--log-level`` takes a default level and optional per-component overrides, in the
+style of Istio's ``--log_output_level``: ``"info"``, ``"info,zds:debug,sds:warning"``.
+A component is a logger name prefix (``zds``, ``cni``, ``agent.sds``, ``ambient``).
+
+A redaction filter runs on every record: PEM private keys and bearer tokens are
+replaced by ``[REDACTED]`` so they never reach a log line, whatever a caller passes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING,
+          "warning": logging.WARNING, "error": logging.ERROR, "none": logging.CRITICAL + 10}
+
+_PEM_KEY = re.compile(r"-----BEGIN ([A-Z ]*)PRIVATE KEY-----.*?(-----END \1PRIVATE KEY-----|$)",
+                      re.S)
+_BEARER = re.compile(r"(?i)(bearer\s+)[A-Za-z0-9\-._~+/]+=*")
+_TOKEN_FIELD = re.compile(r'(?i)("?(?:token|private_key|authorization)"?\s*[:=]\s*"?)[^",\s}]+')
+
+
+def redact(text: str) -> str:
+    """Replace private keys and tokens in ``text`` with ``[REDACTED]``."""
+    text = _PEM_KEY.sub("[REDACTED PRIVATE KEY]", text)
+    text = _BEARER.sub(r"\1[REDACTED]", text)
+    return _TOKEN_FIELD.sub(r"\1[REDACTED]", text)
+
+
+class RedactingFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        cleaned = redact(message)
+        if cleaned != message:
+            record.msg, record.args = cleaned, None
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time (RFC 3339, UTC), level, scope (logger), msg, error."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "scope": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["error"] = redact(self.formatException(record.exc_info))
+        return json.dumps(entry, ensure_ascii=False)
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+
+    def formatException(self, ei) -> str:  # noqa: N802 (logging API name)
+        return redact(super().formatException(ei))
+
+
+def parse_levels(spec: str) -> tuple[int, dict[str, int]]:
+    """``"info,zds:debug"`` -> ``(INFO, {"zds": DEBUG})``. Raises ValueError naming the bad part."""
+    default = logging.INFO
+    per: dict[str, int] = {}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        name, _, level = part.rpartition(":")
+        if level.lower() not in LEVELS:
+            raise ValueError(f"unknown level {level!r} (use debug, info, warn, error, none)")
+        if name:
+            per[name] = LEVELS[level.lower()]
+        else:
+            default = LEVELS[level.lower()]
+    return default, per
+
+
+def setup(level_spec: str = "info", fmt: str = "text", stream=None) -> None:
+    """Configure the root logger once (idempotent: replaces our previous handler)."""
+    default, per = parse_levels(level_spec)
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "_ambient_agent", False):
+            root.removeHandler(handler)
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler._ambient_agent = True  # type: ignore[attr-defined]
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.addFilter(RedactingFilter())
+    root.addHandler(handler)
+    root.setLevel(default)
+    for name, level in per.items():
+        logging.getLogger(name).setLevel(level)
+    # Library chatter stays at warning unless asked for by name.
+    for noisy in ("asyncio", "aiohttp.access", "pyroute2", "watchfiles", "grpc"):
+        if noisy not in per:
+            logging.getLogger(noisy).setLevel(max(default, logging.WARNING))
