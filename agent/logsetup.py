@@ -53,7 +53,7 @@ class JsonFormatter(logging.Formatter):
             "msg": record.getMessage(),
         }
         if record.exc_info:
-            entry["error"] = redact(self.formatException(record.exc_info))
+            entry["error"] = redact(record.exc_text or self.formatException(record.exc_info))
         return json.dumps(entry, ensure_ascii=False)
 
 
@@ -61,8 +61,10 @@ class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
 
-    def formatException(self, ei) -> str:  # noqa: N802 (logging API name)
-        return redact(super().formatException(ei))
+    def format(self, record: logging.LogRecord) -> str:
+        # Redact the whole line: another handler may already have cached an
+        # unredacted traceback in record.exc_text.
+        return redact(super().format(record))
 
 
 def parse_levels(spec: str) -> tuple[int, dict[str, int]]:

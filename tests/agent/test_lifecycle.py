@@ -1,0 +1,81 @@
+"""The component lifecycle: start order, reverse stop, rollback on a failed start,
+readiness aggregation and bounded stop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from agent import config as cfg
+from agent.lifecycle import AgentContext, Component, Supervisor
+
+
+class Recorder(Component):
+    def __init__(self, name, log, fail=False, hang=False, ready=True):
+        self.name, self.log, self.fail, self.hang, self._ready = name, log, fail, hang, ready
+
+    async def start(self):
+        if self.fail:
+            raise RuntimeError(f"{self.name} cannot start")
+        self.log.append(("start", self.name))
+
+    async def stop(self, grace):
+        if self.hang:
+            await asyncio.sleep(3600)
+        self.log.append(("stop", self.name))
+
+    def ready(self):
+        return (self._ready, "" if self._ready else "warming up")
+
+
+def _ctx(tmp_path):
+    return AgentContext(cfg.load({"state_dir": str(tmp_path)}, env={}))
+
+
+async def test_start_in_order_stop_in_reverse(tmp_path):
+    ctx, log = _ctx(tmp_path), []
+    for n in ("a", "b", "c"):
+        ctx.add(Recorder(n, log))
+    sup = Supervisor(ctx)
+    await sup.start()
+    await sup.stop(grace=1)
+    assert log == [("start", "a"), ("start", "b"), ("start", "c"),
+                   ("stop", "c"), ("stop", "b"), ("stop", "a")]
+
+
+async def test_failed_start_rolls_back(tmp_path):
+    ctx, log = _ctx(tmp_path), []
+    ctx.add(Recorder("a", log))
+    ctx.add(Recorder("b", log, fail=True))
+    ctx.add(Recorder("c", log))
+    with pytest.raises(RuntimeError, match="b cannot start"):
+        await Supervisor(ctx).start()
+    assert log == [("start", "a"), ("stop", "a")]
+
+
+async def test_readiness_names_first_unready(tmp_path):
+    ctx, log = _ctx(tmp_path), []
+    ctx.add(Recorder("a", log))
+    ctx.add(Recorder("b", log, ready=False))
+    assert ctx.ready() == (False, "b: warming up")
+
+
+async def test_hanging_stop_is_bounded(tmp_path):
+    ctx, log = _ctx(tmp_path), []
+    ctx.add(Recorder("a", log))
+    ctx.add(Recorder("slow", log, hang=True))
+    sup = Supervisor(ctx)
+    await sup.start()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await sup.stop(grace=0.2)
+    assert loop.time() - t0 < 3
+    assert ("stop", "a") in log
+
+
+def test_duplicate_component_names_rejected(tmp_path):
+    ctx = _ctx(tmp_path)
+    ctx.add(Recorder("a", []))
+    with pytest.raises(ValueError, match="duplicate"):
+        ctx.add(Recorder("a", []))
