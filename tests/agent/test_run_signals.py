@@ -1,0 +1,61 @@
+"""`ambient-agent run` as a real process: starts on defaults, SIGTERM exits 0 and leaves
+no socket files behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.netns.toolkit import is_root
+
+EXPECTED_SOCKETS = {"pluginevent.sock", "workload-spiffe-uds/socket", "ztunnel/ztunnel.sock"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sockets_under(root: str) -> set[str]:
+    found = set()
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            if stat.S_ISSOCK(os.lstat(p).st_mode):
+                found.add(os.path.relpath(p, root))
+    return found
+
+
+@pytest.mark.skipif(not is_root(), reason="needs root: the agent enters netns and binds :15020-style ports")
+def test_sigterm_leaves_no_sockets(tmp_path):
+    state = tmp_path / "state"
+    env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=str(state / "ztunnel" / "ztunnel.sock"))
+    argv = [sys.executable, "-m", "agent.cli", "run", "--state-dir", str(state),
+            "--status-port", str(free_port()), "--health-port", str(free_port()),
+            "--xds-port", str(free_port()), "--xds-tls-port", "0", "--log-level", "info"]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            if EXPECTED_SOCKETS <= sockets_under(str(state)):
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stdout.read()
+        assert EXPECTED_SOCKETS <= sockets_under(str(state)), sockets_under(str(state))
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+        assert sockets_under(str(state)) == set(), out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
