@@ -1,0 +1,315 @@
+"""Host-side (node netns) rules for kubelet probes (spec ``cni-zds.md`` §3.11, §3.10, §3.12).
+
+Kubelet probes come from the node and would otherwise look like any other node-sourced
+traffic (kube-proxy forwarded traffic shares the node IP). Packets from a *local
+socket* on the node to an enrolled pod's IP are SNATed to ``169.254.7.127`` (IPv6
+``fd16:9254:7127:1337:ffff:ffff:ffff:ffff``); the in-pod rules accept that source
+unredirected. The "enrolled pod IPs" are a set whose entries carry the owning pod UID
+as comment, so an IP reused by a new pod is never removed by the old pod's teardown.
+
+Two backends, chosen like the in-pod ones:
+
+- iptables: ipsets ``istio-inpod-probes-v4``/``-v6`` (``hash:ip`` with comments,
+  managed over netlink with pyroute2, no ``ipset`` binary needed) and nat chain
+  ``ISTIO_POSTRT`` inserted at POSTROUTING position 1 with
+  ``-m owner --socket-exists ... -m set --match-set <set> dst -j SNAT``.
+- nftables: table ``inet istio-ambient-nat`` with sets of type ``ipv4_addr``/``ipv6_addr``
+  and a ``postrouting`` nat chain matching ``meta skuid <kubelet UID>``. Without a
+  kubelet on this host we match ``meta skuid >= 0`` instead, which, like
+  ``--socket-exists``, is true exactly for packets that have a local socket.
+
+All names are constructor arguments so tests use unique ones; defaults follow the spec.
+Every method blocks; the agent calls them via ``ctx.run_blocking``. ``netns`` (a path)
+makes them act on that netns instead of the caller's (tests use a scratch "node").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import logging
+import socket
+import subprocess
+from typing import Iterable, Iterator
+
+import psutil
+from pyroute2 import IPSet
+from pyroute2.netlink.exceptions import NetlinkError
+
+from cni import netns as netns_mod
+from cni.rules_common import RulesError
+from cni.rules_iptables import Rule, render_restore
+from cni.rules_nftables import run_nft
+
+log = logging.getLogger("cni.hostrules")
+TOOL_TIMEOUT = 60.0
+SET_COMMENT = "UUID of the pods that are part of ambient mesh"
+
+
+def find_kubelet_uid() -> int | None:
+    """UID of the first process that is kubelet (``comm`` kubelet, or kubelite with
+    "kubelet" in an argv element, or k3s); None when there is none (spec §3.11)."""
+    for p in psutil.process_iter(["name", "cmdline", "uids"]):
+        name = p.info.get("name") or ""
+        argv = p.info.get("cmdline") or []
+        if name == "kubelet" or name == "k3s" or (
+                name == "kubelite" and any("kubelet" in a for a in argv)):
+            uids = p.info.get("uids")
+            if uids is not None:
+                return uids.real
+    return None
+
+
+class HostProbeRules:
+    """The node's probe SNAT rules and the per-pod probe address sets.
+
+    Args: ``backend`` ``"iptables"`` or ``"nftables"``; ``flavor`` iptables ``"nft"`` or
+    ``"legacy"``; ``snat_ipv4``/``snat_ipv6`` the SNAT sources; ``ipv6`` manage the v6
+    set and rule too; ``chain`` (must start with ``ISTIO_``), ``set_v4``, ``set_v6``,
+    ``nft_table`` names; ``kubelet_uid`` (nftables; None = detect, else ``>= 0``).
+    Errors raise :class:`cni.rules_common.RulesError` naming the step.
+    """
+
+    def __init__(self, backend: str = "iptables", flavor: str = "nft",
+                 snat_ipv4: str = "169.254.7.127",
+                 snat_ipv6: str = "fd16:9254:7127:1337:ffff:ffff:ffff:ffff", ipv6: bool = True,
+                 chain: str = "ISTIO_POSTRT", set_v4: str = "istio-inpod-probes-v4",
+                 set_v6: str = "istio-inpod-probes-v6", nft_table: str = "istio-ambient-nat",
+                 kubelet_uid: int | None = None, netns: str | None = None):
+        if backend not in ("iptables", "nftables"):
+            raise ValueError(f"host rules backend must be iptables or nftables, got {backend!r}")
+        if not chain.startswith("ISTIO_"):
+            raise ValueError(f"host chain name must start with ISTIO_, got {chain!r}")
+        self.backend, self.flavor = backend, flavor
+        self.snat_ipv4, self.snat_ipv6, self.ipv6 = snat_ipv4, snat_ipv6, ipv6
+        self.chain, self.set_v4, self.set_v6, self.nft_table = chain, set_v4, set_v6, nft_table
+        self.kubelet_uid = kubelet_uid
+        self.netns = netns
+
+    # --- rendering (pure; the goldens) ---------------------------------------------
+
+    def render_iptables(self, v6: bool = False) -> str:
+        """``iptables-restore`` input for one family (spec §4.8 host golden)."""
+        set_name, snat = (self.set_v6, self.snat_ipv6) if v6 else (self.set_v4, self.snat_ipv4)
+        return render_restore([
+            Rule("nat", "POSTROUTING", f"1 -j {self.chain}", op="-I"),
+            Rule("nat", self.chain, f"-m owner --socket-exists -p tcp -m set --match-set "
+                                    f"{set_name} dst -j SNAT --to-source {snat}"),
+        ])
+
+    def render_nft(self, kubelet_uid: int | None) -> str:
+        """The ``nft -f`` transaction creating table, sets and chain (flushes old state)."""
+        t = f"inet {self.nft_table}"
+        owner = f"skuid {kubelet_uid}" if kubelet_uid is not None else "meta skuid >= 0"
+        lines = [f"add table {t}", f"flush table {t}",
+                 f'add set {t} {self.set_v4} {{ type ipv4_addr ; comment "{SET_COMMENT}" ; }}']
+        if self.ipv6:
+            lines.append(f'add set {t} {self.set_v6} {{ type ipv6_addr ; comment '
+                         f'"{SET_COMMENT}" ; }}')
+        lines += [f"add chain {t} postrouting {{ type nat hook postrouting priority 100 ; }}",
+                  f"add rule {t} postrouting meta l4proto tcp {owner} ip daddr "
+                  f"@{self.set_v4} counter snat to {self.snat_ipv4}"]
+        if self.ipv6:
+            lines.append(f"add rule {t} postrouting meta l4proto tcp {owner} ip6 daddr "
+                         f"@{self.set_v6} counter snat to {self.snat_ipv6}")
+        return "\n".join(lines) + "\n"
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _in_netns(self) -> Iterator[None]:
+        if self.netns:
+            with netns_mod.entered(self.netns):
+                yield
+        else:
+            yield
+
+    def setup(self) -> None:
+        """Start of day (§3.10/§3.11): (re)create the sets empty and the rules; stale rules
+        from an earlier run are deleted first so nothing is duplicated."""
+        with self._in_netns():
+            if self.backend == "nftables":
+                uid = self.kubelet_uid if self.kubelet_uid is not None else find_kubelet_uid()
+                run_nft(self.render_nft(uid), "host probe rules")
+                return
+            self._delete_iptables_rules()
+            with IPSet() as ips:
+                for name, family in self._sets():
+                    try:
+                        ips.create(name, stype="hash:ip", family=family, exclusive=False,
+                                   comment=True)
+                        ips.flush(name)
+                    except NetlinkError as e:
+                        raise RulesError(f"ipset create {name}: {e}") from None
+            for v6 in self._v6s():
+                self._restore(v6, self.render_iptables(v6), "create host rules")
+
+    def teardown(self) -> None:
+        """Remove the rules and the sets (clean shutdown, §3.12). Idempotent."""
+        with self._in_netns():
+            if self.backend == "nftables":
+                run_nft(f"add table inet {self.nft_table}\ndelete table inet {self.nft_table}\n",
+                        "delete host rules")
+                return
+            self._delete_iptables_rules()
+            with IPSet() as ips:
+                for name, _ in self._sets():
+                    try:
+                        ips.destroy(name)
+                    except NetlinkError:
+                        pass  # absent
+
+    def _v6s(self) -> list[bool]:
+        return [False, True] if self.ipv6 else [False]
+
+    def _sets(self) -> list[tuple[str, int]]:
+        sets = [(self.set_v4, socket.AF_INET)]
+        if self.ipv6:
+            sets.append((self.set_v6, socket.AF_INET6))
+        return sets
+
+    def _tool(self, v6: bool, what: str) -> str:
+        return f"{'ip6tables' if v6 else 'iptables'}-{self.flavor}-{what}"
+
+    def _restore(self, v6: bool, text: str, what: str) -> None:
+        p = subprocess.run([self._tool(v6, "restore"), "--noflush", "--wait=30"], input=text,
+                           capture_output=True, text=True, timeout=TOOL_TIMEOUT)
+        if p.returncode != 0:
+            raise RulesError(f"{self._tool(v6, 'restore')} ({what}) failed: {p.stderr.strip()}")
+
+    def _delete_iptables_rules(self) -> None:
+        for v6 in self._v6s():
+            p = subprocess.run([self._tool(v6, "save"), "-t", "nat"], capture_output=True,
+                               text=True, timeout=TOOL_TIMEOUT)
+            save = p.stdout if p.returncode == 0 else ""
+            jumps = [ln for ln in save.splitlines()
+                     if ln.startswith("-A POSTROUTING") and ln.endswith(f"-j {self.chain}")]
+            has_chain = f":{self.chain} " in save
+            if not jumps and not has_chain:
+                continue
+            lines = ["*nat"] + ["-D" + j[2:] for j in jumps]
+            if has_chain:
+                lines += [f"-F {self.chain}", f"-X {self.chain}"]
+            self._restore(v6, "\n".join(lines + ["COMMIT"]) + "\n", "delete host rules")
+
+    # --- per-pod entries --------------------------------------------------------------
+
+    def _family_set(self, ip: str) -> tuple[str, int] | None:
+        addr = ipaddress.ip_address(ip)
+        if getattr(addr, "ipv4_mapped", None):
+            addr = addr.ipv4_mapped  # v4-in-v6 compared unmapped (spec §3.4)
+        if addr.version == 4:
+            return self.set_v4, socket.AF_INET
+        return (self.set_v6, socket.AF_INET6) if self.ipv6 else None
+
+    def add_pod(self, uid: str, ips: Iterable[str]) -> None:
+        """Upsert each IP with comment ``uid`` (an IP reused by a new pod changes owner).
+        IPv6 addresses are skipped when IPv6 is off. Raises RulesError."""
+        pairs = [(str(ipaddress.ip_address(ip)), self._family_set(ip)) for ip in ips]
+        pairs = [(ip, fs) for ip, fs in pairs if fs]
+        if not pairs:
+            return
+        with self._in_netns():
+            if self.backend == "nftables":
+                t = f"inet {self.nft_table}"
+                lines = []
+                for ip, (name, _) in pairs:
+                    # add (no-op if present), delete, add: an upsert that also replaces the
+                    # comment, and never fails on absence, in one transaction
+                    lines += [f"add element {t} {name} {{ {ip} }}",
+                              f"delete element {t} {name} {{ {ip} }}",
+                              f'add element {t} {name} {{ {ip} comment "{uid}" }}']
+                run_nft("\n".join(lines) + "\n", f"add probe set entries for pod {uid}")
+                return
+            with IPSet() as ipset:
+                for ip, (name, family) in pairs:
+                    try:
+                        ipset.add(name, ip, etype="ip", family=family, comment=uid,
+                                  exclusive=False)
+                    except NetlinkError as e:
+                        raise RulesError(f"ipset add {name} {ip} (pod {uid}): {e}") from None
+
+    def remove_pod(self, uid: str, ips: Iterable[str]) -> list[str]:
+        """Remove each IP whose owner is ``uid``; IPs owned by another pod are kept (IP
+        reuse, §3.7). Returns the IPs removed."""
+        owners = self.entries()
+        removed = [str(ipaddress.ip_address(ip)) for ip in ips]
+        removed = [ip for ip in removed if owners.get(ip) == uid]
+        for ip in ips:
+            norm = str(ipaddress.ip_address(ip))
+            if norm in owners and owners[norm] != uid:
+                log.warning("probe set entry %s belongs to pod %s, not %s: kept", norm,
+                            owners[norm], uid)
+        if removed:
+            self._delete_entries(removed)
+        return removed
+
+    def _delete_entries(self, ips: list[str]) -> None:
+        with self._in_netns():
+            if self.backend == "nftables":
+                t = f"inet {self.nft_table}"
+                lines = []
+                for ip in ips:
+                    name = self._family_set(ip)[0]  # type: ignore[index]
+                    lines += [f"add element {t} {name} {{ {ip} }}",
+                              f"delete element {t} {name} {{ {ip} }}"]
+                run_nft("\n".join(lines) + "\n", "delete probe set entries")
+                return
+            with IPSet() as ipset:
+                for ip in ips:
+                    name, family = self._family_set(ip)  # type: ignore[misc]
+                    try:
+                        ipset.delete(name, ip, etype="ip", family=family)
+                    except NetlinkError as e:
+                        raise RulesError(f"ipset del {name} {ip}: {e}") from None
+
+    def entries(self) -> dict[str, str]:
+        """``{ip: owner pod uid}`` for every entry of the probe sets."""
+        result: dict[str, str] = {}
+        with self._in_netns():
+            if self.backend == "nftables":
+                for name, _ in self._sets():
+                    p = subprocess.run(["nft", "-j", "list", "set", "inet", self.nft_table, name],
+                                       capture_output=True, text=True, timeout=TOOL_TIMEOUT)
+                    if p.returncode != 0:
+                        continue
+                    for item in json.loads(p.stdout).get("nftables", []):
+                        for elem in item.get("set", {}).get("elem", []):
+                            e = elem.get("elem", {}) if isinstance(elem, dict) else {}
+                            if "val" in e:
+                                result[str(e["val"])] = e.get("comment", "")
+                            elif isinstance(elem, str):
+                                result[elem] = ""
+                return result
+            with IPSet() as ipset:
+                for name, _ in self._sets():
+                    try:
+                        msgs = ipset.list(name)
+                    except NetlinkError:
+                        continue
+                    for msg in msgs:
+                        adt = msg.get_attr("IPSET_ATTR_ADT")
+                        if adt is None:
+                            continue
+                        for data in adt.get_attrs("IPSET_ATTR_DATA"):
+                            ipfrom = data.get_attr("IPSET_ATTR_IP_FROM")
+                            ip = (ipfrom.get_attr("IPSET_ATTR_IPADDR_IPV4")
+                                  or ipfrom.get_attr("IPSET_ATTR_IPADDR_IPV6"))
+                            result[str(ipaddress.ip_address(ip))] = (
+                                data.get_attr("IPSET_ATTR_COMMENT") or "")
+        return result
+
+    def sync(self, pods: dict[str, list[str]]) -> list[str]:
+        """Startup sync (§3.9 step 1): upsert every pod's IPs, then prune entries whose IP
+        belongs to no pod, unless some pod has no IP (snapshot incomplete: pruning could
+        kill its probes, §7). Returns the pruned IPs."""
+        for uid, ips in pods.items():
+            self.add_pod(uid, ips)
+        if any(not ips for ips in pods.values()):
+            return []
+        wanted = {str(ipaddress.ip_address(ip)) for ips in pods.values() for ip in ips}
+        stale = [ip for ip in self.entries() if ip not in wanted]
+        if stale:
+            self._delete_entries(stale)
+        return stale

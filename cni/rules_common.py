@@ -1,0 +1,168 @@
+"""What both in-pod rule backends share: constants, per-pod options, and the routing.
+
+Constants are Istio's (spec ``cni-zds.md`` §4.1, ``istio/istio:cni/pkg/config/config.go``):
+ztunnel marks its own packets with 0x539 (ztunnel's ``PACKET_MARK``), connections it
+accepts are connmarked 0x111 and packets carrying that mark are routed locally via
+table 100 (§4.3). Pod overrides come from annotations (§3.6 step 3).
+
+The routing helpers block and act on the *calling thread's* netns: call them from a
+thread that already entered the pod's netns (``cni.netns.entered``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import socket
+from typing import Mapping
+
+from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
+
+INPOD_MARK = 0x539
+INPOD_MASK = 0xFFF
+INPOD_TPROXY_MARK = 0x111
+INPOD_TPROXY_MASK = 0xFFF
+INPOD_RESTORE_MASK = 0xFFFFFFFF
+ROUTE_TABLE_INBOUND = 100
+RULE_PRIORITY = 32764
+ZTUNNEL_OUTBOUND_PORT = 15001
+ZTUNNEL_INBOUND_PLAINTEXT_PORT = 15006
+ZTUNNEL_INBOUND_HBONE_PORT = 15008
+ZTUNNEL_DNS_PORT = 15053
+
+ANNOTATION_BYPASS_INBOUND = "ambient.istio.io/bypass-inbound-capture"
+ANNOTATION_DNS_CAPTURE = "ambient.istio.io/dns-capture"
+ANNOTATION_VIRTUAL_INTERFACES = "istio.io/reroute-virtual-interfaces"
+
+_RTN_LOCAL = 2
+
+
+class RulesError(RuntimeError):
+    """Applying or removing in-pod or host rules failed.
+
+    ``str()`` says which step failed and includes the tool's stderr when a tool ran.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleOptions:
+    """Everything that shapes one pod's redirection ruleset.
+
+    ``probe_snat_ipv4``/``probe_snat_ipv6``: kubelet probe source addresses accepted
+    unredirected (§3.11); ``ipv6``: also build/apply the IPv6 ruleset (§4.4);
+    ``dns_capture``: redirect port 53 to 15053 (global setting unless the pod overrides
+    it); ``ingress_mode``: no inbound capture (``bypass-inbound-capture``);
+    ``virtual_interfaces``: interfaces whose inbound TCP is treated as outbound.
+    """
+
+    probe_snat_ipv4: str = "169.254.7.127"
+    probe_snat_ipv6: str = "fd16:9254:7127:1337:ffff:ffff:ffff:ffff"
+    ipv6: bool = True
+    dns_capture: bool = True
+    ingress_mode: bool = False
+    virtual_interfaces: tuple[str, ...] = ()
+
+
+def _parse_bool(text: str) -> bool | None:
+    value = text.strip().lower()
+    if value in ("1", "t", "true"):
+        return True
+    if value in ("0", "f", "false"):
+        return False
+    return None  # Go's strconv.ParseBool failure: treated as "unset" upstream
+
+
+def pod_options(base: RuleOptions, annotations: Mapping[str, str] | None) -> RuleOptions:
+    """Apply a pod's annotation overrides to the global options (spec §3.6 step 3, §6.16).
+
+    ``dns-capture: "true"/"false"`` forces DNS capture (unparsable = unset);
+    ``bypass-inbound-capture: "true"`` selects ingress mode;
+    ``reroute-virtual-interfaces: "a, b,"`` gives ``("a", "b")``.
+    """
+    annotations = annotations or {}
+    changes: dict = {}
+    dns = _parse_bool(str(annotations.get(ANNOTATION_DNS_CAPTURE, "")))
+    if dns is not None:
+        changes["dns_capture"] = dns
+    if _parse_bool(str(annotations.get(ANNOTATION_BYPASS_INBOUND, ""))):
+        changes["ingress_mode"] = True
+    vifs = str(annotations.get(ANNOTATION_VIRTUAL_INTERFACES, ""))
+    names = tuple(p.strip() for p in vifs.split(",") if p.strip())
+    if names:
+        changes["virtual_interfaces"] = names
+    return dataclasses.replace(base, **changes) if changes else base
+
+
+def _families(ipv6: bool) -> list[int]:
+    return [socket.AF_INET, socket.AF_INET6] if ipv6 else [socket.AF_INET]
+
+
+def _ipv6_lo_disabled() -> bool:
+    # Read in the current netns (procfs net/ entries follow the reader's netns).
+    try:
+        with open("/proc/sys/net/ipv6/conf/lo/disable_ipv6") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False  # upstream: read errors -> still try
+
+
+def add_routing(ipv6: bool) -> None:
+    """In the current netns: ``ip rule fwmark 0x111/0xfff lookup 100 pref 32764`` (EEXIST
+    ignored) and ``ip route replace local <any> dev lo table 100`` per family (spec §4.3).
+
+    Raises :class:`RulesError` naming the failed netlink call.
+    """
+    with IPRoute() as ipr:
+        lo = ipr.link_lookup(ifname="lo")
+        if not lo:
+            raise RulesError("no loopback interface in the pod netns")
+        for family in _families(ipv6):
+            try:
+                ipr.rule("add", family=family, table=ROUTE_TABLE_INBOUND, priority=RULE_PRIORITY,
+                         fwmark=INPOD_TPROXY_MARK, fwmask=INPOD_TPROXY_MASK)
+            except NetlinkError as e:
+                if e.code != errno.EEXIST:
+                    raise RulesError(f"ip rule add (family {family}): {e}") from None
+            if family == socket.AF_INET6 and _ipv6_lo_disabled():
+                continue
+            dst = "0.0.0.0/0" if family == socket.AF_INET else "::/0"
+            try:
+                ipr.route("replace", family=family, dst=dst, type=_RTN_LOCAL, oif=lo[0], scope=254,
+                          table=ROUTE_TABLE_INBOUND)
+            except NetlinkError as e:
+                raise RulesError(f"ip route replace local {dst} table 100: {e}") from None
+
+
+def delete_routing(ipv6: bool) -> None:
+    """Remove what :func:`add_routing` added; missing entries are fine (idempotent)."""
+    with IPRoute() as ipr:
+        lo = ipr.link_lookup(ifname="lo")
+        for family in _families(ipv6):
+            while True:  # remove duplicates too, should an older agent have left any
+                try:
+                    ipr.rule("del", family=family, table=ROUTE_TABLE_INBOUND,
+                             priority=RULE_PRIORITY, fwmark=INPOD_TPROXY_MARK,
+                             fwmask=INPOD_TPROXY_MASK)
+                except NetlinkError:
+                    break
+            dst = "0.0.0.0/0" if family == socket.AF_INET else "::/0"
+            if lo:
+                try:
+                    ipr.route("del", family=family, dst=dst, type=_RTN_LOCAL, oif=lo[0], scope=254,
+                              table=ROUTE_TABLE_INBOUND)
+                except NetlinkError as e:
+                    if e.code not in (errno.ESRCH, errno.ENOENT):
+                        raise RulesError(f"ip route del local {dst} table 100: {e}") from None
+
+
+def routing_present(ipv6: bool) -> bool:
+    """True when our ip rule exists for every family (used by recovery and tests)."""
+    with IPRoute() as ipr:
+        for family in _families(ipv6):
+            found = any(r.get_attr("FRA_TABLE") == ROUTE_TABLE_INBOUND
+                        and r.get_attr("FRA_FWMARK") == INPOD_TPROXY_MARK
+                        for r in ipr.get_rules(family=family))
+            if not found:
+                return False
+    return True

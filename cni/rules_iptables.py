@@ -1,0 +1,337 @@
+"""In-pod redirection rules, iptables backend (spec ``cni-zds.md`` §4.2, §4.4, §4.5, §3.13).
+
+:func:`build_rules` gives the ordered rule list of one family; :func:`render_restore`
+turns it into ``iptables-restore`` input exactly as upstream renders it (the default
+IPv4 output equals the golden of §4.8 line for line). :class:`IptablesBackend` applies
+it inside a pod's netns.
+
+Apply algorithm (ours; upstream compares with ``iptables -C`` per rule and guards the
+reconcile with DROP rules). A fresh pod is the common case, so we try the plain
+``iptables-restore --noflush`` first: it is atomic and fails as a whole with
+"Chain already exists" when our chains are there, so nothing is ever duplicated.
+Only on failure do we look (``iptables-save``): no ``ISTIO_*`` residue means a real
+error (reported with stderr); residue means a pod carrying our rules, which we replace
+in one atomic restore (declaring ``:CHAIN`` flushes it under ``--noflush``, stale jumps
+are ``-D``'d in the same transaction). No window without rules, no guardrails needed.
+
+Flavor (nf_tables vs legacy) is detected once from the host's ``iptables --version``
+and recorded in the state dir so a restarted agent keeps using the variant the pods'
+rules were written with (§3.13; mixing variants inside one netns double-applies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from cni import rules_common as rc
+from cni.rules_common import RuleOptions, RulesError
+
+log = logging.getLogger("cni.rules")
+
+BUILTIN_CHAINS = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"})
+PRERT, OUTPUT = "ISTIO_PRERT", "ISTIO_OUTPUT"
+WAIT_SECONDS = "30"
+TOOL_TIMEOUT = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One iptables rule: ``op`` is ``-A`` or ``-I <pos>``; ``args`` excludes the chain."""
+
+    table: str
+    chain: str
+    args: str
+    op: str = "-A"
+
+
+def _mark(value: int, mask: int = rc.INPOD_MASK) -> str:
+    return f"{value:#x}/{mask:#x}"
+
+
+def build_rules(opts: RuleOptions, ipv6: bool = False) -> list[Rule]:
+    """The ordered in-pod ruleset for one family (spec §4.2; IPv6 per §4.4).
+
+    Order matters: it is the upstream insertion order, which fixes both the rendered
+    text and the evaluation order inside each chain.
+    """
+    lo_net = "::1/128" if ipv6 else "127.0.0.1/32"
+    probe = opts.probe_snat_ipv6 if ipv6 else opts.probe_snat_ipv4
+    ztunnel = _mark(rc.INPOD_MARK)
+    accepted = _mark(rc.INPOD_TPROXY_MARK)
+    rules = [Rule("mangle", "PREROUTING", f"-j {PRERT}"),
+             Rule("mangle", "OUTPUT", f"-j {OUTPUT}"),
+             Rule("nat", "OUTPUT", f"-j {OUTPUT}")]
+    if opts.dns_capture:
+        rules += [Rule("raw", "PREROUTING", f"-j {PRERT}"), Rule("raw", "OUTPUT", f"-j {OUTPUT}")]
+    rules.append(Rule("nat", "PREROUTING", f"-j {PRERT}"))
+    for ifname in opts.virtual_interfaces:
+        rules += [Rule("nat", PRERT, f"-i {ifname} -p tcp -j REDIRECT --to-ports "
+                                     f"{rc.ZTUNNEL_OUTBOUND_PORT}"),
+                  Rule("nat", PRERT, f"-i {ifname} -p tcp -j RETURN")]
+    if not opts.ingress_mode:
+        rules += [Rule("mangle", PRERT, f"-m mark --mark {ztunnel} -j CONNMARK --set-xmark "
+                                        f"{accepted}"),
+                  Rule("nat", PRERT, f"-s {probe} -p tcp -m tcp -j ACCEPT")]
+    rules.append(Rule("nat", OUTPUT, f"-d {probe} -p tcp -m tcp -j ACCEPT"))
+    if not opts.ingress_mode:
+        rules.append(Rule("nat", PRERT, f"! -d {lo_net} -p tcp ! --dport "
+                                        f"{rc.ZTUNNEL_INBOUND_HBONE_PORT} -m mark ! --mark "
+                                        f"{ztunnel} -j REDIRECT --to-ports "
+                                        f"{rc.ZTUNNEL_INBOUND_PLAINTEXT_PORT}"))
+    rules.append(Rule("mangle", OUTPUT, f"-m connmark --mark {accepted} -j CONNMARK "
+                                        f"--restore-mark --nfmask {rc.INPOD_RESTORE_MASK:#x} "
+                                        f"--ctmask {rc.INPOD_RESTORE_MASK:#x}"))
+    if opts.dns_capture:
+        rules += [
+            Rule("nat", OUTPUT, f"! -o lo -p udp -m mark ! --mark {ztunnel} -m udp --dport 53 "
+                                f"-j REDIRECT --to-port {rc.ZTUNNEL_DNS_PORT}"),
+            Rule("nat", OUTPUT, f"! -d {lo_net} -p tcp --dport 53 -m mark ! --mark {ztunnel} "
+                                f"-j REDIRECT --to-ports {rc.ZTUNNEL_DNS_PORT}"),
+            # separate conntrack zone for ztunnel<->upstream DNS (istio#33469)
+            Rule("raw", OUTPUT, f"-p udp -m mark --mark {ztunnel} -m udp --dport 53 "
+                                f"-j CT --zone 1"),
+            Rule("raw", PRERT, f"-p udp -m mark ! --mark {ztunnel} -m udp --sport 53 "
+                               f"-j CT --zone 1"),
+        ]
+    rules += [
+        Rule("nat", OUTPUT, f"-p tcp -m mark --mark {accepted} -j ACCEPT"),
+        Rule("nat", OUTPUT, f"! -d {lo_net} -o lo -j ACCEPT"),
+        Rule("nat", OUTPUT, f"! -d {lo_net} -p tcp -m mark ! --mark {ztunnel} -j REDIRECT "
+                            f"--to-ports {rc.ZTUNNEL_OUTBOUND_PORT}"),
+    ]
+    return rules
+
+
+def _jump_target(rule: Rule) -> str | None:
+    m = re.search(r"(?:^|\s)-j (\S+)", rule.args)
+    target = m.group(1) if m else None
+    return target if target and target.startswith("ISTIO_") else None
+
+
+def render_restore(rules: list[Rule]) -> str:
+    """``iptables-restore`` input (spec §4.5): tables sorted by name; per table ``-N`` for
+    custom chains in order of first use as a rule's chain, then ``-N`` for jump targets
+    not yet declared, then the rules in insertion order, then ``COMMIT``. Ends with a
+    newline (the goldens strip it)."""
+    lines: list[str] = []
+    for table in sorted({r.table for r in rules}):
+        in_table = [r for r in rules if r.table == table]
+        chains: list[str] = []
+        for r in in_table:
+            if r.chain not in BUILTIN_CHAINS and r.chain not in chains:
+                chains.append(r.chain)
+        for r in in_table:
+            target = _jump_target(r)
+            if target and target not in chains:
+                chains.append(target)
+        lines.append(f"* {table}")
+        lines += [f"-N {c}" for c in chains]
+        lines += [f"{r.op} {r.chain} {r.args}" for r in in_table]
+        lines.append("COMMIT")
+    return "\n".join(lines) + "\n"
+
+
+def golden_record(opts: RuleOptions, restore_v4: str | None = None,
+                  restore_v6: str | None = None) -> str:
+    """What upstream's test stub records for one apply (spec §4.7): the two state probes,
+    then the v4 restore lines, then (IPv6 on) the v6 lines, joined by newlines."""
+    v4 = restore_v4 if restore_v4 is not None else render_restore(build_rules(opts))
+    parts = ["iptables-save", "ip6tables-save", v4.rstrip("\n")]
+    if opts.ipv6:
+        v6 = restore_v6 if restore_v6 is not None else render_restore(build_rules(opts, True))
+        parts.append(v6.rstrip("\n"))
+    return "\n".join(parts)
+
+
+# --- tool invocation -------------------------------------------------------------------
+
+FLAVOR_FILE = "iptables-flavor"
+
+
+def detect_flavor(state_dir: str | None = None) -> str:
+    """``"nft"`` or ``"legacy"``: recorded value from ``<state_dir>/iptables-flavor`` if
+    present, else from ``iptables --version`` in the current (host) netns, then recorded.
+
+    Raises :class:`RulesError` when no iptables is installed.
+    """
+    path = Path(state_dir, FLAVOR_FILE) if state_dir else None
+    if path and path.exists():
+        flavor = path.read_text().strip()
+        if flavor in ("nft", "legacy") and shutil.which(f"iptables-{flavor}-restore"):
+            return flavor
+        log.warning("ignoring recorded iptables flavor %r in %s", flavor, path)
+    try:
+        out = subprocess.run(["iptables", "--version"], capture_output=True, text=True,
+                             timeout=TOOL_TIMEOUT).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RulesError(f"cannot run iptables --version: {e}") from None
+    flavor = "legacy" if "legacy" in out else "nft"
+    if not shutil.which(f"iptables-{flavor}-restore"):
+        raise RulesError(f"iptables flavor {flavor!r} detected but iptables-{flavor}-restore "
+                         "is not installed")
+    if path:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(flavor + "\n")
+        os.replace(tmp, path)
+    return flavor
+
+
+def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
+    # Forked children inherit the calling thread's netns (real-peers.md §3).
+    try:
+        return subprocess.run(argv, input=stdin, capture_output=True, text=True,
+                              timeout=TOOL_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RulesError(f"{argv[0]} failed to run: {e}") from None
+
+
+def _istio_residue(save_text: str) -> dict[str, dict[str, list[str]]]:
+    """From ``iptables-save`` text: ``{table: {"chains": [...], "jumps": [...]}}`` for our
+    ``ISTIO_*`` chains and the built-in-chain rules jumping to them."""
+    result: dict[str, dict[str, list[str]]] = {}
+    table = ""
+    for line in save_text.splitlines():
+        if line.startswith("*"):
+            table = line[1:].strip()
+        elif line.startswith(":ISTIO_"):
+            result.setdefault(table, {"chains": [], "jumps": []})["chains"].append(
+                line[1:].split()[0])
+        elif line.startswith("-A ") and re.search(r"-j ISTIO_\S+$", line):
+            chain = line.split()[1]
+            if not chain.startswith("ISTIO_"):
+                result.setdefault(table, {"chains": [], "jumps": []})["jumps"].append(line)
+    return result
+
+
+class IptablesBackend:
+    """Applies/removes the in-pod ruleset with ``iptables[-nft|-legacy]-restore``.
+
+    Every method blocks and acts on the *calling thread's* netns; the enrollment code
+    runs them in a worker thread that entered the pod's netns. ``flavor`` is ``"nft"``
+    or ``"legacy"`` (see :func:`detect_flavor`).
+    """
+
+    name = "iptables"
+
+    def __init__(self, flavor: str = "nft"):
+        if flavor not in ("nft", "legacy"):
+            raise ValueError(f"iptables flavor must be nft or legacy, got {flavor!r}")
+        self.flavor = flavor
+
+    def _tool(self, v6: bool, what: str) -> str:
+        return f"{'ip6tables' if v6 else 'iptables'}-{self.flavor}-{what}"
+
+    def save(self, v6: bool = False) -> str:
+        """``iptables-save`` of the current netns. Raises :class:`RulesError`."""
+        p = _run([self._tool(v6, "save")])
+        if p.returncode != 0:
+            raise RulesError(f"{self._tool(v6, 'save')} failed: {p.stderr.strip()}")
+        return p.stdout
+
+    def _restore(self, v6: bool, text: str) -> subprocess.CompletedProcess:
+        return _run([self._tool(v6, "restore"), "--noflush", f"--wait={WAIT_SECONDS}"], text)
+
+    def apply(self, opts: RuleOptions) -> str:
+        """Install the ruleset (both families when ``opts.ipv6``) plus routing (§4.3, created
+        first). Returns ``"applied"`` or ``"replaced"`` (our rules were already there and
+        were atomically rewritten). Raises :class:`RulesError` with the tool's stderr."""
+        rc.add_routing(opts.ipv6)
+        outcomes = [self._apply_family(opts, False)]
+        if opts.ipv6:
+            outcomes.append(self._apply_family(opts, True))
+        return "replaced" if "replaced" in outcomes else "applied"
+
+    def _apply_family(self, opts: RuleOptions, v6: bool) -> str:
+        text = render_restore(build_rules(opts, v6))
+        first = self._restore(v6, text)
+        if first.returncode == 0:
+            return "applied"
+        residue = _istio_residue(self.save(v6))
+        if not residue:
+            raise RulesError(f"{self._tool(v6, 'restore')} failed: {first.stderr.strip()}")
+        second = self._restore(v6, self._replace_text(build_rules(opts, v6), residue))
+        if second.returncode != 0:
+            raise RulesError(f"{self._tool(v6, 'restore')} (replacing existing rules) failed: "
+                             f"{second.stderr.strip()}")
+        return "replaced"
+
+    @staticmethod
+    def _replace_text(rules: list[Rule], residue: dict) -> str:
+        """One atomic transaction per table: flush/declare our chains, drop stale jumps,
+        delete ISTIO_* chains we no longer want, add the desired rules."""
+        lines: list[str] = []
+        tables = sorted({r.table for r in rules} | set(residue))
+        for table in tables:
+            wanted = [r for r in rules if r.table == table]
+            have = residue.get(table, {"chains": [], "jumps": []})
+            chains: list[str] = []
+            for r in wanted:
+                for c in (r.chain, _jump_target(r)):
+                    if c and c not in BUILTIN_CHAINS and c not in chains:
+                        chains.append(c)
+            stale = [c for c in have["chains"] if c not in chains]
+            lines.append(f"*{table}")
+            lines += [f":{c} - [0:0]" for c in chains + stale]  # create or flush
+            lines += ["-D" + j[2:] for j in have["jumps"]]
+            lines += [f"-X {c}" for c in stale]
+            lines += [f"{r.op} {r.chain} {r.args}" for r in wanted]
+            lines.append("COMMIT")
+        return "\n".join(lines) + "\n"
+
+    def delete(self, ipv6: bool) -> None:
+        """Remove every ISTIO_* chain and jump (both families when ``ipv6``), then the
+        routing. Idempotent: a clean netns is fine. Raises :class:`RulesError`."""
+        for v6 in ([False, True] if ipv6 else [False]):
+            residue = _istio_residue(self.save(v6))
+            if not residue:
+                continue
+            lines: list[str] = []
+            for table, have in sorted(residue.items()):
+                lines.append(f"*{table}")
+                lines += ["-D" + j[2:] for j in have["jumps"]]
+                lines += [f"-F {c}" for c in have["chains"]]
+                lines += [f"-X {c}" for c in have["chains"]]
+                lines.append("COMMIT")
+            p = self._restore(v6, "\n".join(lines) + "\n")
+            if p.returncode != 0:
+                raise RulesError(f"{self._tool(v6, 'restore')} (delete) failed: "
+                                 f"{p.stderr.strip()}")
+            if self.flavor == "nft":
+                self._drop_empty_tables(v6)
+        rc.delete_routing(ipv6)
+
+    def _drop_empty_tables(self, v6: bool) -> None:
+        """iptables-nft creates its tables on first use and never removes them; drop the
+        ones left empty (only accept-policy base chains, no rules) so un-enrollment leaves
+        the netns as it found it. Such a table has no effect, so dropping a pre-existing
+        empty one is harmless too; iptables-nft recreates it on demand."""
+        empty: list[str] = []
+        table, ok = "", False
+        for line in self.save(v6).splitlines() + ["*"]:
+            if line.startswith("*") or line == "COMMIT":
+                if table and ok:
+                    empty.append(table)
+                table, ok = (line[1:].strip(), True) if line.startswith("*") else ("", False)
+            elif line.startswith(":"):
+                name, policy = line[1:].split()[:2]
+                ok = ok and name in BUILTIN_CHAINS and policy == "ACCEPT"
+            elif line.startswith("-"):
+                ok = False
+        if empty:
+            family = "ip6" if v6 else "ip"
+            text = "".join(f"delete table {family} {t}\n" for t in empty)
+            try:
+                subprocess.run(["nft", "-f", "-"], input=text, capture_output=True, text=True,
+                               timeout=TOOL_TIMEOUT)
+            except (OSError, subprocess.TimeoutExpired):
+                pass  # cosmetic only
+
+    def present(self, ipv6: bool) -> bool:
+        """True when our chains exist in the current netns (every family asked for)."""
+        return all(_istio_residue(self.save(v6)) for v6 in ([False, True] if ipv6 else [False]))
