@@ -20,7 +20,9 @@ from importlib import metadata
 from agent import config as agent_config
 
 # name -> (module, help). The module provides add_arguments(parser) and main(args).
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "status": ("agent.status.cli", "show a running agent's pods, ztunnels, certificates, xDS clients"),
+}
 
 
 def version_string() -> str:

@@ -275,6 +275,17 @@ SETTINGS: list[Setting] = [
             component="status"),
     Setting("envoy_admin_port", 0, parse_port, "Envoy admin port to merge stats and readiness "
             "from (0: no Envoy)", component="status"),
+    Setting("status_address", "", parse_str, "address the status and health ports bind "
+            "(empty: all addresses)", component="status"),
+    Setting("instance_ip", "", parse_str, "pod IP app probes and metrics targets are sent to "
+            "(empty: 127.0.0.1)", env="INSTANCE_IP", component="status"),
+    Setting("probe_source_ip", "127.0.0.6", parse_str, "source address of IPv4 app probes, "
+            "skipped by inbound capture (empty: kernel's choice)", component="status"),
+    Setting("probe_source_ipv6", "", parse_str, "source address of IPv6 app probes (empty: "
+            "kernel's choice; upstream's ::6 is not a local address on most hosts)",
+            component="status"),
+    Setting("metrics_localhost_only", False, parse_bool, "serve merged metrics to loopback "
+            "clients only", env="METRICS_LOCALHOST_ACCESS_ONLY", component="status"),
     # --- workload xDS ---
     Setting("xds_port", 15010, parse_port, "plaintext workload xDS port", component="xds"),
     Setting("xds_address", "127.0.0.1", parse_str, "address the plaintext xDS port binds",

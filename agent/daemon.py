@@ -34,6 +34,7 @@ COMPONENT_BUILDERS: list[tuple[str, str]] = [
     # enrollment (rules, host probe set, reconciler) and the CNI event server
     # workload xDS
     # status server (last: it reports the others' readiness)
+    ("agent.status.server", "build"),
 ]
 
 

@@ -1,0 +1,115 @@
+"""Envoy readiness derived from its admin ``/stats`` (spec ``sds-ca-status.md`` §4.3, case 30).
+
+Upstream does not call Envoy's ``/ready``; it asks two stats queries and latches each
+result once it succeeds (so a later admin outage does not flip readiness):
+
+1. config received: ``cluster_manager.cds`` and ``listener_manager.lds`` ``update_success``
+   both > 0 (messages name the counts and any rejection);
+2. Envoy live: ``server.state`` is 0 (LIVE) and ``listener_manager.workers_started`` is 1.
+
+Shutting down is checked between the two and is never latched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+import aiohttp
+
+CONFIG_QUERY = (r"/stats?usedonly&filter=^(cluster_manager\.cds|listener_manager\.lds)"
+                r"\.(update_success|update_rejected)$")
+LIVE_QUERY = r"/stats?usedonly&filter=^(server\.state|listener_manager\.workers_started)"
+SERVER_STATES = {0: "LIVE", 1: "DRAINING", 2: "PRE_INITIALIZING", 3: "INITIALIZING"}
+
+
+def parse_stats(text: str) -> dict[str, float]:
+    """``name: value`` lines → dict; the first occurrence of a name wins, bad lines skipped."""
+    stats: dict[str, float] = {}
+    for line in text.splitlines():
+        name, sep, value = line.partition(":")
+        if not sep:
+            continue
+        try:
+            stats.setdefault(name.strip(), float(value.strip()))
+        except ValueError:
+            continue
+    return stats
+
+
+def config_error(stats: dict[str, float]) -> str | None:
+    """None when both CDS and LDS have succeeded, else upstream's message (case 30)."""
+    cds_ok = int(stats.get("cluster_manager.cds.update_success", 0))
+    cds_rej = int(stats.get("cluster_manager.cds.update_rejected", 0))
+    lds_ok = int(stats.get("listener_manager.lds.update_success", 0))
+    lds_rej = int(stats.get("listener_manager.lds.update_rejected", 0))
+    if cds_ok > 0 and lds_ok > 0:
+        return None
+    summary = (f"cds updates: {cds_ok} successful, {cds_rej} rejected; "
+               f"lds updates: {lds_ok} successful, {lds_rej} rejected")
+    if cds_ok == 0 and lds_ok == 0:
+        return f"config not received from XDS server (is Istiod running?): {summary}"
+    if cds_rej > 0 or lds_rej > 0:
+        return f"config received from XDS server, but was rejected: {summary}"
+    return f"config not fully received from XDS server: {summary}"
+
+
+def live_error(text: str) -> str | None:
+    """None when Envoy is LIVE with workers started, else the reason."""
+    if "server.state" not in text or "listener_manager.workers_started" not in text:
+        return "server.state or listener_manager.workers_started missing from Envoy stats"
+    stats = parse_stats(text)
+    state = int(stats.get("server.state", -1))
+    if state != 0:
+        return f"server is not live, current state is: {SERVER_STATES.get(state, state)}"
+    if int(stats.get("listener_manager.workers_started", 0)) != 1:
+        return "workers have not yet started"
+    return None
+
+
+class EnvoyReadiness:
+    """Checks an Envoy admin endpoint; results latch once true.
+
+    ``admin_url`` is ``http://127.0.0.1:<port>``; ``terminated`` returns the shutdown cause
+    or "" while running; ``on_live(seconds)`` is called once, with the time since this
+    object was created (``istio_agent_startup_duration_seconds``).
+    """
+
+    def __init__(self, admin_url: str, terminated: Callable[[], str],
+                 on_live: Callable[[float], None] | None = None):
+        self.admin_url = admin_url
+        self.terminated = terminated
+        self.on_live = on_live
+        self.config_received = False
+        self.live = False
+        self.created = time.monotonic()
+
+    async def _get(self, session: aiohttp.ClientSession, query: str, timeout: float) -> str:
+        async with session.get(self.admin_url + query,
+                               timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status != 200:
+                raise ValueError(f"HTTP status code {resp.status}")
+            return await resp.text()
+
+    async def check(self, session: aiohttp.ClientSession) -> str | None:
+        """None when ready, else a short reason. Never raises for Envoy failures."""
+        try:
+            if not self.config_received:
+                error = config_error(parse_stats(await self._get(session, CONFIG_QUERY, 1.0)))
+                if error:
+                    return error
+                self.config_received = True
+            cause = self.terminated()
+            if cause:
+                return f"server is terminated: {cause}"
+            if not self.live:
+                error = live_error(await self._get(session, LIVE_QUERY, 3.0))
+                if error:
+                    return error
+                self.live = True
+                if self.on_live:
+                    self.on_live(time.monotonic() - self.created)
+            return None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            return f"Envoy admin not reachable: {e or type(e).__name__}"

@@ -1,0 +1,289 @@
+"""The status server (component ``status``): readiness, app probes, merged metrics, quit/drain, debug.
+
+Two aiohttp listeners (spec ``sds-ca-status.md`` §4.1, §4.2, §4.8):
+
+``status_port`` (15020), on ``status_address`` (default: all addresses):
+
+- ``/healthz/ready`` — 200 (empty) when every component is ready, the agent is not
+  shutting down or draining and, with ``envoy_admin_port`` set, Envoy's admin stats say
+  config received and LIVE (§4.3); else 503 with a one-line reason.
+- ``/app-health/<container>/{livez,readyz,startupz}``, ``/app-lifecycle/<container>/
+  {prestopz,poststartz}`` — the rewritten kubelet probes from ``ISTIO_KUBE_APP_PROBERS``
+  (:mod:`agent.status.probes`); an unknown path → 400.
+- ``/stats/prometheus``, ``/metrics`` — merged metrics (:mod:`agent.status.metrics_merge`);
+  loopback-only when ``metrics_localhost_only``.
+- ``POST /quitquitquit``, ``POST /drain`` — loopback only (403), POST only (405).
+- ``/debug/...`` — loopback-only JSON (:mod:`agent.status.debug`).
+- anything else → 404.
+
+``health_port`` (8000): ``/healthz`` always 200; ``/readyz`` 200 when every component is
+ready, else 503 ``Service Unavailable: <reason>`` (not latched).
+
+``start()`` raises :class:`agent.config.ConfigError` naming ``kube_app_probers`` or
+``prometheus_annotations`` when those values are invalid, so the CLI prints one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import Gauge
+
+from agent.config import ConfigError
+from agent.lifecycle import AgentContext, Component
+from agent.status import debug, metrics_merge, probes
+from agent.status.access import is_loopback, require_loopback
+from agent.status.readiness import EnvoyReadiness
+
+log = logging.getLogger("agent.status")
+
+COMPRESS_MIN_BYTES = 1024  # smaller bodies are not worth compressing
+
+
+@web.middleware
+async def _compress(request: web.Request, handler) -> web.StreamResponse:
+    """gzip/deflate negotiated from ``Accept-Encoding`` for buffered bodies (§4.2)."""
+    response = await handler(request)
+    if (isinstance(response, web.Response) and response.body is not None
+            and len(response.body) >= COMPRESS_MIN_BYTES):
+        response.enable_compression()
+    return response
+
+
+class StatusServer(Component):
+    """The ``status`` component. After ``start()``, ``port`` and ``health_port`` hold the
+    bound ports (useful when configured as 0)."""
+
+    name = "status"
+
+    def __init__(self, ctx: AgentContext):
+        self.ctx = ctx
+        cfg = ctx.config
+        self.port = 0
+        self.health_port = 0
+        self.probes: dict[str, probes.AppProbe] = {}
+        self.app_targets: list[metrics_merge.ScrapeTarget] = []
+        self.probe_target = probes.ProbeTarget(
+            host=cfg.instance_ip or "127.0.0.1", source_ip=cfg.probe_source_ip,
+            source_ip6=cfg.probe_source_ipv6, status_port=cfg.status_port)
+        self.envoy_admin = (f"http://127.0.0.1:{cfg.envoy_admin_port}"
+                            if cfg.envoy_admin_port else None)
+        self.envoy_ready: EnvoyReadiness | None = None
+        if self.envoy_admin:
+            startup = Gauge("istio_agent_startup_duration_seconds",
+                            "Seconds from agent start until Envoy first became LIVE",
+                            registry=ctx.registry)
+            self.envoy_ready = EnvoyReadiness(self.envoy_admin, self._terminated, startup.set)
+        self.merger: metrics_merge.MetricsMerger | None = None
+        self.shutdown_cause = ""
+        self._was_ready = False
+        self._runners: list[web.AppRunner] = []
+        self._session: aiohttp.ClientSession | None = None
+
+    # --- configuration ---------------------------------------------------------------
+
+    def _parse_config(self) -> None:
+        cfg = self.ctx.config
+        try:
+            self.probes = probes.parse_probers(cfg.kube_app_probers)
+        except probes.ProberConfigError as e:
+            raise ConfigError("kube_app_probers", _short(cfg.kube_app_probers), str(e),
+                              cfg.origins.get("kube_app_probers", "")) from None
+        given = cfg.origins.get("prometheus_annotations", "default") != "default"
+        try:
+            self.app_targets = metrics_merge.parse_annotations(
+                cfg.prometheus_annotations, cfg.status_port or 15020, given)
+        except metrics_merge.AnnotationsError as e:
+            raise ConfigError("prometheus_annotations", _short(cfg.prometheus_annotations),
+                              str(e), cfg.origins.get("prometheus_annotations", "")) from None
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._parse_config()
+        cfg = self.ctx.config
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(use_dns_cache=False, force_close=True))
+        self.merger = metrics_merge.MetricsMerger(
+            self.ctx.registry,
+            f"{self.envoy_admin}/stats/prometheus" if self.envoy_admin else None,
+            self.app_targets, self.probe_target.host, self.ctx.run_blocking)
+        await self.merger.start()
+        host = cfg.status_address or None
+        try:
+            status_runner = await self._serve(self._status_app(), host, cfg.status_port)
+            self.port = _bound_port(status_runner)
+            health_runner = await self._serve(self._health_app(), host, cfg.health_port)
+            self.health_port = _bound_port(health_runner)
+        except OSError as e:
+            setting = "health_port" if self.port else "status_port"
+            await self.stop(1.0)
+            raise ConfigError(setting, getattr(cfg, setting),
+                              f"cannot listen: {e.strerror or e}") from None
+        log.info("status server on port %d (health %d), %d app probes, %d metrics targets%s",
+                 self.port, self.health_port, len(self.probes), len(self.app_targets),
+                 ", Envoy " + self.envoy_admin if self.envoy_admin else "")
+
+    async def _serve(self, app: web.Application, host: str | None, port: int) -> web.AppRunner:
+        runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                               shutdown_timeout=self.ctx.config.shutdown_grace)
+        await runner.setup()
+        self._runners.append(runner)
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        return runner
+
+    async def stop(self, grace: float) -> None:
+        """Close both listeners and in-flight requests within ``grace`` seconds."""
+        runners, self._runners = self._runners, []
+        for runner in runners:
+            try:
+                await asyncio.wait_for(runner.cleanup(), timeout=max(grace, 0.1))
+            except asyncio.TimeoutError:
+                log.warning("status listener did not close within %.1fs", grace)
+        if self.merger:
+            await self.merger.close()
+        if self._session:
+            await self._session.close()
+        self.port = 0
+
+    def ready(self) -> tuple[bool, str]:
+        return (True, "") if self.port else (False, "not listening")
+
+    def debug_state(self) -> Any:
+        return {
+            "port": self.port, "health_port": self.health_port,
+            "app_probes": {path: vars(p) for path, p in self.probes.items()},
+            "probe_destination": self.probe_target.host,
+            "probe_source": [self.probe_target.source_ip, self.probe_target.source_ip6],
+            "metrics_targets": [vars(t) for t in self.app_targets],
+            "envoy_admin": self.envoy_admin,
+            "envoy_config_received": self.envoy_ready.config_received if self.envoy_ready else None,
+            "envoy_live": self.envoy_ready.live if self.envoy_ready else None,
+        }
+
+    # --- readiness -------------------------------------------------------------------
+
+    def _terminated(self) -> str:
+        if self.ctx.shutdown.is_set():
+            return self.shutdown_cause or "agent is shutting down"
+        return ""
+
+    async def readiness_reason(self) -> str:
+        """"" when ready, else the first failing check's reason (§4.3)."""
+        if self.envoy_ready is not None:
+            reason = await self.envoy_ready.check(self._session)
+            if reason:
+                return reason
+        cause = self._terminated()
+        if cause:
+            return f"server is terminated: {cause}"
+        if self.ctx.draining:
+            return "agent is draining"
+        ok, why = self.ctx.ready()
+        return "" if ok else why
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        reason = await self.readiness_reason()
+        if reason:
+            if self._was_ready:
+                log.info("agent no longer ready: %s", reason)
+            self._was_ready = False
+            return web.Response(status=503, text=reason + "\n")
+        if not self._was_ready:
+            log.info("agent is ready")
+            self._was_ready = True
+        return web.Response(status=200)
+
+    # --- handlers --------------------------------------------------------------------
+
+    async def _app_probe(self, request: web.Request) -> web.Response:
+        probe = self.probes.get(request.path)
+        if probe is None:
+            return web.Response(status=400, text=f"app prober config does not exists for "
+                                                 f"{request.path}\n")
+        result = await probes.run_probe(probe, self.probe_target, request.headers)
+        return web.Response(status=result.status, body=result.body)
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        if self.ctx.config.metrics_localhost_only and not is_loopback(request):
+            return web.Response(status=403, text="Only requests from localhost are allowed\n")
+        return await self.merger.serve(request)
+
+    async def _quit(self, request: web.Request) -> web.Response:
+        require_loopback(request)
+        if request.method != "POST":
+            raise web.HTTPMethodNotAllowed(request.method, ["POST"])
+        self.shutdown_cause = "/quitquitquit called"
+        # After the response is on its way: the shutdown stops this very server.
+        asyncio.get_running_loop().call_soon(self.ctx.request_shutdown, self.shutdown_cause)
+        return web.Response(text="OK")
+
+    async def _drain(self, request: web.Request) -> web.Response:
+        require_loopback(request)
+        if request.method != "POST":
+            raise web.HTTPMethodNotAllowed(request.method, ["POST"])
+        self.ctx.draining = True
+        log.info("drain requested from %s", request.remote)
+        if self.envoy_admin:
+            try:
+                async with self._session.post(
+                        f"{self.envoy_admin}/drain_listeners?graceful",
+                        timeout=aiohttp.ClientTimeout(total=3)) as resp:
+                    if resp.status != 200:
+                        log.warning("Envoy drain_listeners answered %d", resp.status)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                log.warning("could not drain Envoy: %s", e)
+        return web.Response(text="OK")
+
+    def _status_app(self) -> web.Application:
+        app = web.Application(middlewares=[_compress])
+        app.router.add_route("*", "/healthz/ready", self._ready)
+        app.router.add_route("*", "/app-health/{container}/{probe}", self._app_probe)
+        app.router.add_route("*", "/app-lifecycle/{container}/{probe}", self._app_probe)
+        app.router.add_route("*", "/stats/prometheus", self._metrics)
+        app.router.add_route("*", "/metrics", self._metrics)
+        app.router.add_route("*", "/quitquitquit", self._quit)
+        app.router.add_route("*", "/drain", self._drain)
+        debug.add_routes(app, self.ctx)
+        return app
+
+    # --- node agent health port (istio-cni healthServer.go) --------------------------
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="OK\n")
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        ok, why = self.ctx.ready()
+        if self._terminated():
+            ok, why = False, "agent is shutting down"
+        if ok:
+            return web.Response(text="OK\n")
+        return web.Response(status=503, text=f"Service Unavailable: {why}\n")
+
+    def _health_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_route("*", "/healthz", self._healthz)
+        app.router.add_route("*", "/readyz", self._readyz)
+        return app
+
+
+def _bound_port(runner: web.AppRunner) -> int:
+    for addr in runner.addresses:
+        if isinstance(addr, (tuple, list)) and len(addr) >= 2:
+            return int(addr[1])
+    raise OSError("listener has no TCP address")
+
+
+def _short(value: Any, limit: int = 80) -> Any:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def build(ctx: AgentContext) -> StatusServer:
+    """Builder listed in ``agent.daemon.COMPONENT_BUILDERS`` (last: it reports the others)."""
+    return StatusServer(ctx)
+

@@ -1,0 +1,80 @@
+"""Fixtures for the status server tests: a real AgentContext with small real components,
+and a running StatusServer on ephemeral ports."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from agent import config as agent_config
+from agent.lifecycle import AgentContext, Component
+from agent.status.server import StatusServer
+
+
+class FakeComponent(Component):
+    """A real Component whose readiness and debug state the test controls."""
+
+    def __init__(self, name: str, state: Any = None, ok: bool = True, why: str = ""):
+        self.name, self.state, self.ok, self.why = name, state, ok, why
+
+    def ready(self) -> tuple[bool, str]:
+        return self.ok, self.why
+
+    def debug_state(self) -> Any:
+        if isinstance(self.state, Exception):
+            raise self.state
+        return self.state
+
+
+def make_config(tmp_path, env: dict[str, str] | None = None, **overrides):
+    """A Config resolved the real way (env strings parsed), with ephemeral ports."""
+    base = {"AMBIENT_AGENT_STATE_DIR": str(tmp_path / "state"),
+            "AMBIENT_AGENT_CONFIG_FILE": str(tmp_path / "none.yaml"),
+            "STATUS_PORT": "0", "AMBIENT_AGENT_HEALTH_PORT": "0",
+            "AMBIENT_AGENT_STATUS_ADDRESS": "127.0.0.1",
+            "AMBIENT_AGENT_SHUTDOWN_GRACE": "2"}
+    base.update(env or {})
+    (tmp_path / "none.yaml").write_text("")
+    cfg = agent_config.load({}, base)
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+@contextlib.asynccontextmanager
+async def running_status(tmp_path, components=(), env=None, **overrides):
+    """Yield (ctx, server) with the status server started; always stopped."""
+    ctx = AgentContext(make_config(tmp_path, env, **overrides))
+    for c in components:
+        ctx.add(c)
+    server = StatusServer(ctx)
+    ctx.add(server)
+    await server.start()
+    try:
+        yield ctx, server
+    finally:
+        await server.stop(1.0)
+        ctx.executor.shutdown(wait=False)
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: web.Application, host: str = "127.0.0.1", ssl_context=None):
+    """Run an aiohttp app on an ephemeral port; yields the port."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, 0, ssl_context=ssl_context)
+    await site.start()
+    try:
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (for connection-refused cases)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
