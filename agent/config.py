@@ -292,6 +292,14 @@ SETTINGS: list[Setting] = [
             component="xds"),
     Setting("xds_tls_port", 15012, parse_port, "mTLS workload xDS port (0: off)",
             component="xds"),
+    Setting("xds_tls_address", "0.0.0.0", parse_str, "address the mTLS xDS port binds",
+            component="xds"),
+    Setting("xds_token_file", "", parse_path, "if set, xDS clients must send "
+            "'authorization: Bearer <this file's content>'", component="xds"),
+    Setting("xds_debounce", 0.1, parse_duration, "xDS push debounce: quiet period after an "
+            "index change", component="xds"),
+    Setting("xds_debounce_max", 1.0, parse_duration, "xDS push debounce: longest delay after "
+            "the first change of a burst", component="xds"),
 ]
 
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}

@@ -32,7 +32,10 @@ COMPONENT_BUILDERS: list[tuple[str, str]] = [
     # SDS and CA
     # ZDS server
     # enrollment (rules, host probe set, reconciler) and the CNI event server
+    ("cni.install", "build"),  # cni-installer (only with cni_manage_config)
+    ("cni.eventserver", "build"),
     # workload xDS
+    ("ambient.xds_server", "build"),
     # status server (last: it reports the others' readiness)
     ("agent.status.server", "build"),
 ]

@@ -1,0 +1,500 @@
+"""The workload xDS server (component ``xds``): delta ADS of Address, Workload (legacy)
+and Authorization for ztunnel and waypoints (spec ``ambient-wds.md`` §2, §4.3–4.6, §7).
+
+- gRPC service ``envoy.service.discovery.v3.AggregatedDiscoveryService`` on grpc.aio:
+  ``DeltaAggregatedResources`` (what ztunnel speaks) and ``StreamAggregatedResources``
+  (state of the world, for clients that speak only that). Server reflection is on, so
+  ``grpcurl`` can list, describe and call it.
+- Listeners: plaintext on ``xds_address:xds_port`` (loopback by default) and mTLS on
+  ``xds_tls_address:xds_tls_port`` with a certificate from a provider callable (wired to
+  the ``sds`` component when it offers one); client certificates are verified against the
+  mesh root and the caller's SPIFFE ID (peer cert URI SAN) becomes its identity. A client
+  whose identity namespace differs from its node namespace is refused, as istiod does.
+- Optional bearer token (``xds_token_file``): every stream must send
+  ``authorization: Bearer <token>``.
+- Pushes come from the index change feed (``AmbientIndex.subscribe``): the resource cache
+  is invalidated at once, the fan-out to streams is debounced (``xds_debounce`` quiet
+  period, at most ``xds_debounce_max`` after the first change) and merged, and each stream
+  gets only the resources it wants that changed (one changed pod -> one resource).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import os
+import time
+from typing import Awaitable, Callable
+
+import grpc
+from cryptography import x509
+from envoy.service.discovery.v3 import ads_pb2, ads_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from agent.lifecycle import AgentContext, Component
+from ambient.api import AmbientIndex, IndexChange
+from ambient.xds_generators import Generator, default_generators
+from ambient.xds_stream import RequestError, XdsStream
+
+log = logging.getLogger("ambient.xds")
+
+SERVICE_NAME = ads_pb2.DESCRIPTOR.services_by_name["AggregatedDiscoveryService"].full_name
+MAX_MESSAGE = 200 * 1024 * 1024  # ztunnel's max decode size (§2.1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsMaterial:
+    """PEM bytes for the mTLS listener: server chain + key, and the mesh root that client
+    certificates must chain to. ``not_after`` (epoch seconds) drives refresh."""
+
+    cert_chain_pem: bytes
+    key_pem: bytes
+    root_pem: bytes
+    not_after: float = 0.0
+
+    def __repr__(self) -> str:  # never print the key
+        return f"TlsMaterial(not_after={self.not_after})"
+
+
+TlsProvider = Callable[[], Awaitable[TlsMaterial]]
+
+
+class AuthError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        self.code = code
+        super().__init__(message)
+
+
+def spiffe_id_from_pem(pem: bytes) -> str | None:
+    """The first ``spiffe://`` URI SAN of a PEM certificate, or None."""
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound):
+        return None
+    for uri in san.get_values_for_type(x509.UniformResourceIdentifier):
+        if uri.startswith("spiffe://"):
+            return uri
+    return None
+
+
+def spiffe_namespace(spiffe_id: str) -> str | None:
+    """``ns`` of ``spiffe://<td>/ns/<ns>/sa/<sa>``, else None."""
+    parts = spiffe_id.removeprefix("spiffe://").split("/")
+    if len(parts) >= 5 and parts[1] == "ns" and parts[3] == "sa":
+        return parts[2]
+    return None
+
+
+class Authenticator:
+    """Who is calling: the mTLS peer's SPIFFE ID (None on plaintext), after the optional
+    bearer-token check. Raises :class:`AuthError` (UNAUTHENTICATED) on a bad token."""
+
+    def __init__(self, token_file: str = "", run_blocking=None):
+        self.token_file = token_file
+        self._token: bytes | None = None
+        self._read_at = 0.0
+        self._run_blocking = run_blocking
+
+    def _read_token(self) -> bytes:
+        with open(self.token_file, "rb") as f:
+            return f.read().strip()
+
+    async def _expected(self) -> bytes | None:
+        if not self.token_file:
+            return None
+        if self._token is None or time.monotonic() - self._read_at > 10.0:
+            try:
+                if self._run_blocking:
+                    self._token = await self._run_blocking(self._read_token)
+                else:
+                    self._token = await asyncio.to_thread(self._read_token)
+            except OSError as e:
+                raise AuthError(grpc.StatusCode.UNAVAILABLE,
+                                f"xds_token_file={self.token_file!r}: {e.strerror}") from None
+            self._read_at = time.monotonic()
+        return self._token
+
+    async def authenticate(self, context) -> str | None:
+        expected = await self._expected()
+        if expected is not None:
+            got = dict(context.invocation_metadata() or ()).get("authorization", "")
+            token = got[7:].strip().encode() if got.lower().startswith("bearer ") else b""
+            if not token or not hmac.compare_digest(token, expected):
+                raise AuthError(grpc.StatusCode.UNAUTHENTICATED,
+                                "authorization: missing or wrong bearer token")
+        auth = context.auth_context() or {}
+        if auth.get("transport_security_type") != [b"ssl"]:
+            return None
+        pems = auth.get("x509_pem_cert") or []
+        identity = spiffe_id_from_pem(pems[0]) if pems else None
+        if identity is None:
+            raise AuthError(grpc.StatusCode.UNAUTHENTICATED,
+                            "client certificate: no spiffe:// URI SAN")
+        return identity
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.clients = Gauge("ambient_xds_connected_clients",
+                             "Connected workload xDS clients by proxy type and type URL",
+                             ["proxy_type", "type_url"], registry=registry)
+        self.pushes = Counter("ambient_xds_pushes", "xDS responses sent, by type URL",
+                              ["type_url"], registry=registry)
+        self.resources = Counter("ambient_xds_pushed_resources",
+                                 "Resources (updated + removed) sent, by type URL",
+                                 ["type_url"], registry=registry)
+        self.nacks = Counter("ambient_xds_nacks", "NACKs received, by type URL",
+                             ["type_url"], registry=registry)
+        self.latency = Histogram("ambient_xds_push_latency_seconds",
+                                 "Index change to response handed to gRPC, seconds",
+                                 ["type_url"], registry=registry,
+                                 buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+
+
+class _Connection:
+    """Transport side of one stream: an inbox of requests and push wake-ups, drained
+    by the response generator so requests and pushes are handled strictly in order."""
+
+    EOF = object()
+    PUSH = object()
+
+    def __init__(self, state: XdsStream):
+        self.state = state
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.pending: IndexChange | None = None
+        self.pending_since = 0.0
+        self.counted: set[str] = set()
+        self.error = ""
+
+    def notify(self, change: IndexChange, since: float) -> None:
+        if self.pending is None:
+            self.pending, self.pending_since = change, since
+            self.inbox.put_nowait(self.PUSH)
+        else:
+            self.pending = merge_changes(self.pending, change)
+
+    def take(self) -> tuple[IndexChange | None, float]:
+        change, since = self.pending, self.pending_since
+        self.pending = None
+        return change, since
+
+
+def merge_changes(a: IndexChange, b: IndexChange) -> IndexChange:
+    """Set-union of two changes; a name changed in the later one is no longer removed."""
+    ac = a.addresses_changed | b.addresses_changed
+    zc = a.authorizations_changed | b.authorizations_changed
+    return IndexChange(
+        addresses_changed=ac,
+        addresses_removed=(a.addresses_removed - b.addresses_changed) | b.addresses_removed,
+        authorizations_changed=zc,
+        authorizations_removed=(a.authorizations_removed - b.authorizations_changed)
+        | b.authorizations_removed)
+
+
+class _Servicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
+    def __init__(self, server: "XdsServer"):
+        self.server = server
+
+    async def DeltaAggregatedResources(self, request_iterator, context):
+        async for resp in self.server.serve_stream(request_iterator, context, delta=True):
+            yield resp
+
+    async def StreamAggregatedResources(self, request_iterator, context):
+        async for resp in self.server.serve_stream(request_iterator, context, delta=False):
+            yield resp
+
+
+class XdsServer(Component):
+    """The ``xds`` component. ``port``/``tls_port`` are the bound ports after start
+    (useful with port 0). ``tls_port=None`` disables the mTLS listener; so does a
+    missing ``tls_provider``.
+
+    ``index`` may be an :class:`AmbientIndex` or a zero-argument callable returning one
+    at start (the ``ambient-index`` component is built before us but started first).
+    """
+
+    name = "xds"
+
+    def __init__(self, index: AmbientIndex | Callable[[], AmbientIndex | None], *,
+                 address: str = "127.0.0.1", port: int = 15010,
+                 tls_address: str = "0.0.0.0", tls_port: int | None = None,
+                 tls_provider: TlsProvider | None = None, token_file: str = "",
+                 debounce: float = 0.1, debounce_max: float = 1.0,
+                 registry: CollectorRegistry | None = None, run_blocking=None):
+        self._index_source = index
+        self.index: AmbientIndex | None = None
+        self.address, self.port = address, port
+        self.tls_address, self.tls_port = tls_address, tls_port
+        self.tls_provider = tls_provider
+        self.authenticator = Authenticator(token_file, run_blocking)
+        self.debounce, self.debounce_max = debounce, debounce_max
+        self.metrics = _Metrics(registry or CollectorRegistry())
+        self.generators: dict[str, Generator] = {}
+        self.connections: dict[int, _Connection] = {}
+        self._server: grpc.aio.Server | None = None
+        self._unsubscribe: Callable[[], None] | None = None
+        self._pending: IndexChange | None = None
+        self._first_change = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._tls: TlsMaterial | None = None
+        self._tls_task: asyncio.Task | None = None
+        self._tls_note = "disabled"
+        self.pushes = 0
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        source = self._index_source
+        index = source if hasattr(source, "addresses") else source()
+        if index is None:
+            raise RuntimeError("xds: no ambient index (component 'ambient-index' missing)")
+        self.index = index
+        self.generators = default_generators(index)
+        self._unsubscribe = index.subscribe(self.on_index_change)
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE),
+                                          ("grpc.max_receive_message_length", MAX_MESSAGE),
+                                          ("grpc.so_reuseport", 0)])
+        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(_Servicer(self), server)
+        reflection.enable_server_reflection([SERVICE_NAME, reflection.SERVICE_NAME], server)
+        self.port = server.add_insecure_port(f"{_host(self.address)}:{self.port}")
+        if self.port == 0:
+            raise RuntimeError(f"xds: cannot bind {self.address}:{self.port}")
+        if self.tls_port is not None and self.tls_provider is not None:
+            self._tls = await self.tls_provider()
+            creds = grpc.dynamic_ssl_server_credentials(
+                _cert_config(self._tls), self._fetch_tls, require_client_authentication=True)
+            bound = server.add_secure_port(f"{_host(self.tls_address)}:{self.tls_port}", creds)
+            if bound == 0:
+                raise RuntimeError(f"xds: cannot bind {self.tls_address}:{self.tls_port}")
+            self.tls_port = bound
+            self._tls_note = "serving"
+            self._tls_task = asyncio.create_task(self._refresh_tls())
+        elif self.tls_port is not None:
+            self._tls_note = "no certificate provider (sds component absent)"
+            log.warning("xds: mTLS listener on port %s skipped: %s", self.tls_port, self._tls_note)
+            self.tls_port = None
+        await server.start()
+        self._server = server
+        log.info("xds: serving plaintext on %s:%d%s", self.address, self.port,
+                 f", mTLS on {self.tls_address}:{self.tls_port}" if self.tls_port else "")
+
+    async def stop(self, grace: float) -> None:
+        if self._unsubscribe:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self._timer:
+            self._timer.cancel()
+        if self._tls_task:
+            self._tls_task.cancel()
+        for conn in list(self.connections.values()):
+            conn.inbox.put_nowait(_Connection.EOF)
+        if self._server:
+            await self._server.stop(grace)
+            self._server = None
+
+    def ready(self) -> tuple[bool, str]:
+        return (self._server is not None, "" if self._server else "not started")
+
+    # ---------------------------------------------------------------- TLS
+    def _fetch_tls(self):
+        # Called by gRPC core on each handshake (its own thread): only hand over what
+        # the refresh task already fetched.
+        material = self._tls
+        if material is None or material is getattr(self, "_tls_served", None):
+            return None
+        self._tls_served = material
+        return _cert_config(material)
+
+    async def _refresh_tls(self) -> None:
+        self._tls_served = self._tls
+        while True:
+            left = (self._tls.not_after - time.time()) if self._tls and self._tls.not_after else 0
+            await asyncio.sleep(min(3600.0, max(30.0, left / 2)) if left else 3600.0)
+            try:
+                self._tls = await self.tls_provider()
+            except Exception as e:  # keep serving the previous certificate
+                log.warning("xds: refreshing the mTLS certificate failed: %s", e)
+
+    # ---------------------------------------------------------------- index feed
+    def on_index_change(self, change: IndexChange) -> None:
+        """The index's updater: invalidate cached resources now, fan out debounced."""
+        if change.empty():
+            return
+        for gen in self.generators.values():
+            gen.invalidate(change)
+        now = time.monotonic()
+        if self._pending is None:
+            self._pending, self._first_change = change, now
+        else:
+            self._pending = merge_changes(self._pending, change)
+        if self._timer:
+            self._timer.cancel()
+        delay = max(0.0, min(self.debounce, self._first_change + self.debounce_max - now))
+        self._timer = asyncio.get_running_loop().call_later(delay, self._flush)
+
+    def _flush(self) -> None:
+        change, since = self._pending, self._first_change
+        self._pending, self._timer = None, None
+        if change is None:
+            return
+        self.pushes += 1
+        for conn in self.connections.values():
+            conn.notify(change, since)
+
+    # ---------------------------------------------------------------- streams
+    async def serve_stream(self, request_iterator, context, delta: bool):
+        try:
+            identity = await self.authenticator.authenticate(context)
+        except AuthError as e:
+            await context.abort(e.code, str(e))
+            return
+        state = XdsStream(self.generators, self.index, peer=context.peer(),
+                          identity=identity, delta=delta)
+        conn = _Connection(state)
+        self.connections[state.id] = conn
+        reader = asyncio.create_task(self._read(request_iterator, conn))
+        try:
+            while True:
+                item = await conn.inbox.get()
+                if item is _Connection.EOF:
+                    return
+                if isinstance(item, BaseException):
+                    log.debug("xds: stream %d ended: %r", state.id, item)
+                    return
+                if item is _Connection.PUSH:
+                    change, since = conn.take()
+                    if change is None:
+                        continue
+                    responses = state.handle_push(change)
+                else:
+                    since = None
+                    responses = self._handle_request(state, conn, item)
+                    if responses is None:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, conn.error)
+                        return
+                for resp in responses:
+                    self._count(resp, since)
+                    yield resp
+        finally:
+            reader.cancel()
+            self.connections.pop(state.id, None)
+            for key in conn.counted:
+                self.metrics.clients.labels(*key.split("|", 1)).dec()
+
+    def _handle_request(self, state: XdsStream, conn: _Connection, req):
+        nacks = sum(t.nack_count for t in state.types.values())
+        try:
+            responses = state.handle_request(req)
+        except RequestError as e:
+            log.warning("xds: stream %d from %s: bad request: %s", state.id, state.peer, e)
+            conn.error = str(e)
+            return None
+        if sum(t.nack_count for t in state.types.values()) > nacks:
+            self.metrics.nacks.labels(req.type_url).inc()
+            log.warning("xds: %s NACKed %s: %s", state.node.id if state.node else state.peer,
+                        req.type_url, req.error_detail.message[:500])
+        if state.identity and state.node and state.node.namespace:
+            ns = spiffe_namespace(state.identity)
+            if ns is not None and ns != state.node.namespace:
+                conn.error = (f"node.id={state.node.id!r}: namespace {state.node.namespace!r} "
+                              f"does not match the caller identity {state.identity}")
+                return None
+        key = f"{state.node.proxy_type}|{req.type_url}"
+        if key not in conn.counted:
+            conn.counted.add(key)
+            self.metrics.clients.labels(state.node.proxy_type, req.type_url).inc()
+        return responses
+
+    async def _read(self, request_iterator, conn: _Connection) -> None:
+        try:
+            async for req in request_iterator:
+                conn.inbox.put_nowait(req)
+            conn.inbox.put_nowait(_Connection.EOF)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a broken stream ends this client only
+            conn.inbox.put_nowait(e)
+
+    def _count(self, resp, since: float | None) -> None:
+        self.metrics.pushes.labels(resp.type_url).inc()
+        n = len(resp.resources) + len(getattr(resp, "removed_resources", ()))
+        self.metrics.resources.labels(resp.type_url).inc(n)
+        if since is not None:
+            self.metrics.latency.labels(resp.type_url).observe(time.monotonic() - since)
+
+    # ---------------------------------------------------------------- debug
+    def debug_state(self) -> dict:
+        return {
+            "plaintext": f"{self.address}:{self.port}",
+            "mtls": f"{self.tls_address}:{self.tls_port}" if self.tls_port else self._tls_note,
+            "token_required": bool(self.authenticator.token_file),
+            "debounce_seconds": [self.debounce, self.debounce_max],
+            "pushes": self.pushes,
+            "cached_resources": {t: g.cached() for t, g in self.generators.items()},
+            "clients": [c.state.debug() for c in self.connections.values()],
+        }
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
+
+
+def _cert_config(material: TlsMaterial):
+    return grpc.ssl_server_certificate_configuration(
+        [(material.key_pem, material.cert_chain_pem)], root_certificates=material.root_pem)
+
+
+def sds_tls_provider(ctx: AgentContext) -> TlsProvider | None:
+    """A provider backed by the ``sds`` component, if it offers one: an async
+    ``tls_material(spiffe_id)``/``certificate_for(spiffe_id)`` returning
+    ``(cert_chain_pem, key_pem[, not_after])`` plus ``root_pem`` (attribute or method).
+    None when the component or those methods are missing."""
+    sds = ctx.get("sds")
+    if sds is None:
+        return None
+    get_cert = getattr(sds, "certificate_for", None) or getattr(sds, "tls_material", None)
+    root = getattr(sds, "root_pem", None)
+    if get_cert is None or root is None:
+        return None
+    cfg = ctx.config
+    identity = f"spiffe://{cfg.trust_domain}/ns/{cfg.system_namespace}/sa/ambient-agent"
+
+    async def provide() -> TlsMaterial:
+        got = get_cert(identity)
+        if asyncio.iscoroutine(got):
+            got = await got
+        root_pem = root() if callable(root) else root
+        if asyncio.iscoroutine(root_pem):
+            root_pem = await root_pem
+        chain, key = got[0], got[1]
+        not_after = float(got[2]) if len(got) > 2 else 0.0
+        return TlsMaterial(_b(chain), _b(key), _b(root_pem), not_after)
+
+    return provide
+
+
+def _b(value) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def build(ctx: AgentContext) -> XdsServer:
+    """Component ``xds`` from the agent config: settings ``xds_address``, ``xds_port``,
+    ``xds_tls_address``, ``xds_tls_port`` (0: off), ``xds_token_file``, ``xds_debounce``,
+    ``xds_debounce_max``; the index from component ``ambient-index``."""
+    cfg = ctx.config
+
+    def index() -> AmbientIndex | None:
+        comp = ctx.get("ambient-index")
+        return getattr(comp, "index", None) if comp is not None else None
+
+    tls_port = cfg.xds_tls_port or None
+    provider = sds_tls_provider(ctx) if tls_port else None
+    return XdsServer(index, address=cfg.xds_address, port=cfg.xds_port,
+                     tls_address=getattr(cfg, "xds_tls_address", "0.0.0.0"), tls_port=tls_port,
+                     tls_provider=provider, token_file=getattr(cfg, "xds_token_file", ""),
+                     debounce=getattr(cfg, "xds_debounce", 0.1),
+                     debounce_max=getattr(cfg, "xds_debounce_max", 1.0),
+                     registry=ctx.registry, run_blocking=ctx.run_blocking)

@@ -1,0 +1,441 @@
+"""Per-stream state of the workload xDS server and the response algorithms.
+
+One :class:`XdsStream` per gRPC stream. It holds the client's node (parsed from the
+node id and metadata, spec ``ambient-wds.md`` §2.1 and §7), and per type URL a
+:class:`TypeState`: the subscription (wildcard or explicit names/on-demand keys),
+what the client holds (name -> version), the last nonce sent, ACK/NACK history.
+
+The methods are synchronous and never await: a request or a push is turned into the
+responses to send while the state is updated in the same step, so the state always
+matches what went out (the server yields the responses right after).
+
+Rules implemented (spec §2.4–2.7, §4.3–4.5, go-control-plane lessons in anchors.md §3):
+- the first request of every type is answered, even with nothing in it;
+- ``initial_resource_versions`` (first request of a type only): resources the client
+  already holds at the same version are skipped, names it holds that no longer exist
+  are sent as removed;
+- an ACK without a subscription change gets no response; a NACK is recorded with its
+  detail and nothing is resent; a nonce that is not the last one sent is stale and ignored
+  (a nonce on the first request of a type, e.g. after a server restart, is accepted);
+- on-demand keys (``network/IP``, ``namespace/hostname``, uid) are resolved with the
+  index lookup; the answer carries aliases and *also echoes the requested key* in
+  ``removed_resources`` when the key is not itself a returned resource name, so
+  ztunnel's on-demand waiter (which only matches ``resources[].name`` and
+  ``removed_resources``) wakes up; a key that resolves to nothing is answered as removed;
+- waypoint clients (node type ``waypoint``) see only ``index.waypoint_resources``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+import uuid
+from typing import Iterable
+
+from envoy.service.discovery.v3 import discovery_pb2
+from google.protobuf import json_format
+
+from ambient.api import AmbientIndex, IndexChange
+from ambient.xds_generators import AUTHORIZATION_TYPE, Generator
+
+WAYPOINT_LABEL = "gateway.networking.k8s.io/gateway-name"
+_NACK_HISTORY = 10
+
+
+class RequestError(ValueError):
+    """A request the server refuses; ``field`` and ``value`` name what was wrong.
+    The server closes the stream with INVALID_ARGUMENT and this message."""
+
+    def __init__(self, field: str, value: object, reason: str):
+        self.field, self.value = field, value
+        super().__init__(f"{field}={value!r}: {reason}")
+
+
+@dataclasses.dataclass
+class NodeInfo:
+    """A client's node, from ``Node.id`` ``<type>~<ip>~<pod>.<ns>~<ns>.svc.<domain>``
+    (§2.1) and ``Node.metadata`` (string values; ``NODE_NAME``, ``CLUSTER_ID``, ``LABELS``).
+
+    ``proxy_type`` is ``ztunnel``, ``waypoint``, ``sidecar``, ``router`` or whatever the
+    first field says (``"unknown"`` for ids without ``~``).
+    """
+
+    id: str
+    proxy_type: str = "unknown"
+    ip: str = ""
+    pod_name: str = ""
+    namespace: str = ""
+    dns_domain: str = ""
+    metadata: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def node_name(self) -> str:
+        return str(self.metadata.get("NODE_NAME", ""))
+
+    @property
+    def cluster_id(self) -> str:
+        return str(self.metadata.get("CLUSTER_ID", ""))
+
+    def waypoint_name(self) -> str:
+        """The Gateway a waypoint proxy serves: its ``gateway-name`` label (metadata
+        ``LABELS``), else ``WORKLOAD_NAME``/``WAYPOINT_NAME`` metadata, else the pod name
+        without the Deployment's two hash suffixes (``<gw>-<rs>-<pod>``)."""
+        labels = self.metadata.get("LABELS")
+        if isinstance(labels, dict) and labels.get(WAYPOINT_LABEL):
+            return str(labels[WAYPOINT_LABEL])
+        for key in ("WAYPOINT_NAME", "WORKLOAD_NAME"):
+            if self.metadata.get(key):
+                return str(self.metadata[key])
+        parts = self.pod_name.rsplit("-", 2)
+        return parts[0] if len(parts) == 3 else self.pod_name
+
+
+def parse_node(node) -> NodeInfo:
+    """Parse an ``envoy.config.core.v3.Node``. Raises :class:`RequestError` for an
+    empty id. Ids without the four ``~`` fields are accepted as type ``unknown``."""
+    if not node.id:
+        raise RequestError("node.id", node.id, "missing on the first request of the stream")
+    metadata = json_format.MessageToDict(node.metadata) if node.HasField("metadata") else {}
+    info = NodeInfo(id=node.id, metadata=metadata)
+    parts = node.id.split("~")
+    if len(parts) == 4:
+        info.proxy_type, info.ip = parts[0], parts[1]
+        pod, _, ns = parts[2].rpartition(".")
+        info.pod_name, info.namespace = (pod, ns) if pod else (parts[2], "")
+        info.dns_domain = parts[3]
+    if not info.namespace:
+        info.namespace = str(metadata.get("NAMESPACE", ""))
+    if not info.pod_name:
+        info.pod_name = str(metadata.get("NAME", ""))
+    return info
+
+
+@dataclasses.dataclass
+class TypeState:
+    """What one stream has for one type URL."""
+
+    wildcard: bool = True
+    names: set[str] = dataclasses.field(default_factory=set)  # explicit names / on-demand keys
+    held: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> version sent
+    last_nonce: str = ""
+    sent: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # nonce -> names
+    responses: int = 0
+    acks: int = 0
+    stale: int = 0
+    nacks: list[dict] = dataclasses.field(default_factory=list)
+    nack_count: int = 0
+    sotw_version: int = 0
+
+    def debug(self) -> dict:
+        return {"wildcard": self.wildcard, "subscribed": len(self.names),
+                "subscribed_sample": sorted(self.names)[:20], "held": len(self.held),
+                "last_nonce": self.last_nonce, "responses": self.responses, "acks": self.acks,
+                "stale_nonces": self.stale, "nacks": self.nack_count,
+                "last_nacks": self.nacks[-3:]}
+
+
+_ids = itertools.count(1)
+
+
+class XdsStream:
+    """State and algorithms of one delta (or SotW, ``delta=False``) ADS stream.
+
+    ``generators`` is the server's registry (type URL -> :class:`Generator`);
+    ``index`` serves the waypoint scope. ``identity`` is the caller's SPIFFE ID (mTLS)
+    or None; ``peer`` the gRPC peer string.
+    """
+
+    def __init__(self, generators: dict[str, Generator], index: AmbientIndex, *,
+                 peer: str = "", identity: str | None = None, delta: bool = True):
+        self.id = next(_ids)
+        self.generators = generators
+        self.index = index
+        self.peer, self.identity, self.delta = peer, identity, delta
+        self.node: NodeInfo | None = None
+        self.types: dict[str, TypeState] = {}
+        self.connected_at = time.time()
+        self.push_version = 0
+
+    # ---------------------------------------------------------------- views
+    def _generator(self, type_url: str) -> Generator:
+        gen = self.generators.get(type_url)
+        if gen is None:
+            raise RequestError("type_url", type_url,
+                               "unsupported; this server speaks " + ", ".join(self.generators))
+        return gen
+
+    def is_waypoint(self) -> bool:
+        return self.node is not None and self.node.proxy_type == "waypoint"
+
+    def _scope(self, type_url: str) -> set[str] | None:
+        """Names this client may see for a type, or None for everything."""
+        if self.is_waypoint() and type_url != AUTHORIZATION_TYPE:
+            return set(self.index.waypoint_resources(self.node.namespace,
+                                                     self.node.waypoint_name()))
+        return None
+
+    def _new_nonce(self) -> str:
+        return f"{self.push_version}-{uuid.uuid4().hex[:12]}"
+
+    # ---------------------------------------------------------------- requests
+    def handle_request(self, req) -> list:
+        """Apply one DeltaDiscoveryRequest (or DiscoveryRequest when ``delta`` is
+        False); return the responses to send (possibly none). Raises RequestError."""
+        if self.node is None:
+            self.node = parse_node(req.node)
+        gen = self._generator(req.type_url)
+        ts = self.types.get(req.type_url)
+        first = ts is None
+        if first:
+            ts = self.types[req.type_url] = TypeState()
+        if not self.delta:
+            return self._sotw_request(gen, ts, req, first)
+        nonce = req.response_nonce
+        if nonce and not first:
+            if nonce != ts.last_nonce:
+                ts.stale += 1
+                return []
+            sent = ts.sent.pop(nonce, [])
+            if req.error_detail.code or req.error_detail.message:
+                self._record_nack(ts, nonce, req.error_detail.message, sent)
+            else:
+                ts.acks += 1
+        subscribe, unsubscribe = list(req.resource_names_subscribe), list(req.resource_names_unsubscribe)
+        if first:
+            return self._initial(gen, ts, subscribe, unsubscribe, dict(req.initial_resource_versions))
+        if not subscribe and not unsubscribe:
+            return []
+        return self._resubscribe(gen, ts, subscribe, unsubscribe)
+
+    def _record_nack(self, ts: TypeState, nonce: str, message: str, sent: list[str]) -> None:
+        ts.nack_count += 1
+        ts.nacks.append({"nonce": nonce, "detail": message[:1000], "at": time.time()})
+        del ts.nacks[:-_NACK_HISTORY]
+        # ztunnel does not remember rejected resources as held (§2.5): forget the names
+        # its detail ("name: reason; ...") mentions, so a later change resends them.
+        for name in sent:
+            if f"{name}:" in message:
+                ts.held.pop(name, None)
+
+    def _initial(self, gen: Generator, ts: TypeState, subscribe: list[str],
+                 unsubscribe: list[str], initial: dict[str, str]) -> list:
+        ts.held = dict(initial)
+        explicit = set(subscribe) - {"*"} - set(unsubscribe)
+        # Istio: wildcard if "*" subscribed (and not unsubscribed) or no name at all.
+        ts.wildcard = ("*" in subscribe and "*" not in unsubscribe) or (
+            not subscribe and not unsubscribe)
+        ts.names = explicit
+        if ts.wildcard:
+            return [self._full_wildcard(gen, ts)]
+        if gen.on_demand and self.node and self.node.node_name:
+            ts.names |= self._node_local(gen)
+        keys = ts.names | set(initial)
+        return [self._answer_keys(gen, ts, keys, always=True)]
+
+    def _resubscribe(self, gen: Generator, ts: TypeState, subscribe: list[str],
+                     unsubscribe: list[str]) -> list:
+        became_wildcard = "*" in subscribe and not ts.wildcard
+        if "*" in unsubscribe:
+            ts.wildcard = False
+        if "*" in subscribe:
+            ts.wildcard = True
+        for name in unsubscribe:
+            ts.names.discard(name)
+            ts.held.pop(name, None)  # the client forgets it; no removal is sent
+        new = set(subscribe) - {"*"} - ts.names
+        ts.names |= new
+        if became_wildcard:
+            return [self._full_wildcard(gen, ts)]
+        if not new:
+            return []
+        return [self._answer_keys(gen, ts, new, always=True)]
+
+    def _node_local(self, gen: Generator) -> set[str]:
+        """Workloads on this client's node (§4.4 node-local warm-up)."""
+        node = self.node.node_name
+        return {n for n, a in self.index.addresses().items()
+                if a.WhichOneof("type") == "workload" and a.workload.node == node}
+
+    # ---------------------------------------------------------------- responses
+    def _response(self, gen: Generator, ts: TypeState, resources: list, removed: Iterable[str]):
+        resp = discovery_pb2.DeltaDiscoveryResponse(
+            type_url=gen.type_url, system_version_info=str(self.push_version),
+            nonce=self._new_nonce())
+        resp.resources.extend(resources)
+        resp.removed_resources.extend(sorted(removed))
+        for r in resources:
+            ts.held[r.name] = r.version
+        for name in resp.removed_resources:
+            ts.held.pop(name, None)
+        ts.last_nonce = resp.nonce
+        ts.sent = {resp.nonce: [r.name for r in resources]}
+        ts.responses += 1
+        return resp
+
+    def _full_wildcard(self, gen: Generator, ts: TypeState):
+        """All resources in view, minus those held at the same version; removed = held
+        names no longer in view (§4.3 client request)."""
+        scope = self._scope(gen.type_url)
+        names = gen.names() if scope is None else [n for n in scope if gen.resource(n)]
+        held = ts.held
+        resources, present = [], set()
+        for name in names:
+            res = gen.resource(name)
+            if res is None:
+                continue
+            present.add(name)
+            if held.get(name) != res.version:
+                resources.append(res)
+        removed = [n for n in held if n not in present]
+        return self._response(gen, ts, resources, removed)
+
+    def _answer_keys(self, gen: Generator, ts: TypeState, keys: Iterable[str], always: bool):
+        """Resolve subscribed names / on-demand keys (§4.4), grow the subscription by
+        the names returned, echo keys that are not names themselves."""
+        scope = self._scope(gen.type_url)
+        out: dict[str, object] = {}
+        removed: set[str] = set()
+        for key in keys:
+            names = [n for n in gen.lookup(key) if scope is None or n in scope]
+            if not names:
+                removed.add(key)
+                continue
+            for name in names:
+                if name not in out:
+                    res = gen.resource_with_aliases(name)
+                    if res is not None and ts.held.get(name) != res.version:
+                        out[name] = res
+                ts.names.add(name)
+            if key not in names:
+                removed.add(key)  # wake ztunnel's waiter keyed by this string (§2.4)
+        resources = list(out.values())
+        removed -= set(out)
+        if not resources and not removed and not always:
+            return None
+        return self._response(gen, ts, resources, removed)
+
+    # ---------------------------------------------------------------- pushes
+    def handle_push(self, change: IndexChange) -> list:
+        """Responses for an index change (one per type whose view changed)."""
+        self.push_version += 1
+        out = []
+        for type_url, ts in self.types.items():
+            gen = self.generators[type_url]
+            if not self.delta:
+                resp = self._sotw_push(gen, ts, change)
+            else:
+                resp = self._delta_push(gen, ts, change)
+            if resp is not None:
+                out.append(resp)
+        return out
+
+    def _delta_push(self, gen: Generator, ts: TypeState, change: IndexChange):
+        changed, removed = gen.touched(change)
+        if not changed and not removed:
+            return None
+        held = ts.held
+        scope = self._scope(gen.type_url)
+        if ts.wildcard:
+            candidates = changed | removed
+            if scope is not None:
+                # names that left the waypoint's view are removed for this client
+                gone = [n for n in held if n not in scope]
+                candidates = (candidates & scope) | set(gone)
+        else:
+            candidates = (changed | removed) & ts.names
+            candidates |= self._additional(gen, ts, changed - ts.names)
+            if scope is not None:
+                candidates = {n for n in candidates if n in scope or n in held}
+        resources, gone_names = [], []
+        for name in candidates:
+            res = gen.resource(name) if (scope is None or name in scope) else None
+            if res is None:
+                if name in held:
+                    gone_names.append(name)
+            elif held.get(name) != res.version:
+                resources.append(res)
+        if not resources and not gone_names:
+            return None
+        return self._response(gen, ts, resources, gone_names)
+
+    def _additional(self, gen: Generator, ts: TypeState, names: Iterable[str]) -> set[str]:
+        """On-demand streams also get (and subscribe to) changed workloads on their node
+        or behind a subscribed service (§4.4 AdditionalPodSubscriptions)."""
+        if not gen.on_demand:
+            return set()
+        node = self.node.node_name if self.node else ""
+        extra = set()
+        for name in names:
+            wl = gen.workload(name)
+            if wl is None:
+                continue
+            if (node and wl.node == node) or any(s in ts.names for s in wl.services):
+                extra.add(name)
+        ts.names |= extra
+        return extra
+
+    # ---------------------------------------------------------------- state of the world
+    def _sotw_current(self, gen: Generator, ts: TypeState) -> list:
+        scope = self._scope(gen.type_url)
+        if ts.wildcard:
+            names = gen.names() if scope is None else scope
+        else:
+            names = set()
+            for key in ts.names:
+                names.update(gen.lookup(key))
+            if scope is not None:
+                names &= scope
+        out = []
+        for name in sorted(names):
+            res = gen.resource(name)
+            if res is not None:
+                out.append(res)
+        return out
+
+    def _sotw_response(self, gen: Generator, ts: TypeState):
+        current = self._sotw_current(gen, ts)
+        ts.held = {r.name: r.version for r in current}
+        ts.sotw_version += 1
+        resp = discovery_pb2.DiscoveryResponse(
+            type_url=gen.type_url, version_info=str(ts.sotw_version), nonce=self._new_nonce())
+        resp.resources.extend(r.resource for r in current)
+        ts.last_nonce = resp.nonce
+        ts.responses += 1
+        return resp
+
+    def _sotw_request(self, gen: Generator, ts: TypeState, req, first: bool) -> list:
+        names = set(req.resource_names) - {"*"}
+        wildcard = not req.resource_names or "*" in req.resource_names
+        if not first and req.response_nonce:
+            if req.response_nonce != ts.last_nonce:
+                ts.stale += 1
+                return []
+            if req.error_detail.code or req.error_detail.message:
+                self._record_nack(ts, req.response_nonce, req.error_detail.message, [])
+            else:
+                ts.acks += 1
+            if wildcard == ts.wildcard and names == ts.names:
+                return []
+        ts.wildcard, ts.names = wildcard, names
+        return [self._sotw_response(gen, ts)]
+
+    def _sotw_push(self, gen: Generator, ts: TypeState, change: IndexChange):
+        changed, removed = gen.touched(change)
+        if not changed and not removed:
+            return None
+        current = {r.name: r.version for r in self._sotw_current(gen, ts)}
+        if current == ts.held:
+            return None
+        return self._sotw_response(gen, ts)
+
+    # ---------------------------------------------------------------- debug
+    def debug(self) -> dict:
+        node = self.node
+        return {"stream": self.id, "peer": self.peer, "identity": self.identity,
+                "protocol": "delta" if self.delta else "sotw",
+                "node_id": node.id if node else None,
+                "proxy_type": node.proxy_type if node else None,
+                "node_name": node.node_name if node else None,
+                "connected_at": self.connected_at,
+                "types": {t: s.debug() for t, s in self.types.items()}}
