@@ -235,6 +235,9 @@ SETTINGS: list[Setting] = [
             component="cni"),
     Setting("proc_dir", "/proc", parse_path, "where to scan for pod netns on restart",
             component="cni"),
+    Setting("host_rules_netns", "", parse_path, "netns path for the host probe SNAT rules and "
+            "probe sets (empty: the agent's own netns; tests use a scratch netns)",
+            component="cni"),
     # --- ZDS ---
     Setting("ztunnel_uds_address", "/var/run/ztunnel/ztunnel.sock", parse_path,
             "ZDS socket ztunnel connects to", env="ZTUNNEL_UDS_ADDRESS", component="zds"),

@@ -32,6 +32,7 @@ COMPONENT_BUILDERS: list[tuple[str, str]] = [
     # SDS and CA
     # ZDS server
     # enrollment (rules, host probe set, reconciler) and the CNI event server
+    ("cni.enrollment", "build"),
     ("cni.install", "build"),  # cni-installer (only with cni_manage_config)
     ("cni.eventserver", "build"),
     # workload xDS

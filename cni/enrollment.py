@@ -1,0 +1,619 @@
+"""The enrollment reconciler (component ``enrollment``; spec ``cni-zds.md`` §3.6–§3.10).
+
+Keyed by pod UID (``CniPodEvent.key``). Desired state = pods that should be ambient
+(CNI ADDs the event server accepted, plus pods the config source says are enrolled);
+actual state = in-pod rules present, ZDS acked, probe set entry, status. Steps, in
+order, each idempotent:
+
+1. **rules**: enter the pod netns in a worker thread, install routing + ruleset
+   (:mod:`cni.rules_iptables` or :mod:`cni.rules_nftables`). Failure is permanent for
+   this ADD: rules are rolled back and :class:`EnrollmentError` carries the tool's stderr.
+2. **ZDS add**: hand the netns fd to ztunnel and wait for its ACK. Failure is
+   retryable: the pod stays ``pending`` (rules kept: fail closed) and a background task
+   retries with exponential backoff; the CNI ADD gets the error.
+3. **host probe set**: the pod's IPs, owner = UID (:mod:`cni.hostrules`). Retryable.
+4. **status**: ``ambient.istio.io/redirection: enabled`` (Kubernetes mode, when the store
+   can patch), else visible in :meth:`Enrollment.debug_state`.
+
+A pod is reported enrolled only when all four succeeded. Each enrolled pod is persisted
+as ``<state_dir>/pods/<uid>.json`` (uid, name, namespace, service account, netns path,
+IPs, annotations) so a restarted agent recovers it even without Kubernetes: by its
+netns path if that still holds the pod IP, else by scanning ``/proc``
+(:mod:`cni.podnetns`). Recovered pods are re-snapshotted to ztunnel (``wait_ack=False``),
+their rules reconciled (replaced atomically, never duplicated), probe set re-synced.
+A pod whose netns can't be found is reported (``netns-missing``) and retried, and it
+is still announced to ZDS without a netns (``Keep``, §3.10) so ztunnel doesn't drop it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from agent.lifecycle import AgentContext, Component
+from cni import netns as netns_mod
+from cni import podnetns
+from cni.events import CniPodEvent
+from cni.hostrules import HostProbeRules
+from cni.rules_common import RuleOptions, RulesError, pod_options
+from cni.rules_iptables import IptablesBackend, detect_flavor
+from cni.rules_nftables import NftablesBackend
+
+log = logging.getLogger("cni.enrollment")
+
+STATUS_ANNOTATION = "ambient.istio.io/redirection"
+BACKOFF_INITIAL, BACKOFF_MAX = 0.2, 30.0
+
+
+class EnrollmentError(Exception):
+    """Enrolling or removing one pod failed; ``str()`` says which pod, which step and why
+    (the CNI plugin shows it as the ADD error). ``retryable`` is True when the agent
+    keeps retrying in the background (ztunnel, host set or status failures)."""
+
+    def __init__(self, message: str, retryable: bool = False):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+@dataclasses.dataclass
+class PodRecord:
+    """One pod the agent enrolls. Persisted (JSON) minus the runtime-only fields."""
+
+    uid: str
+    name: str = ""
+    namespace: str = ""
+    service_account: str = "default"
+    netns: str = ""
+    ips: list[str] = dataclasses.field(default_factory=list)
+    annotations: dict[str, str] = dataclasses.field(default_factory=dict)
+    # runtime-only
+    status: str = "pending"  # pending | enabled | failed | netns-missing
+    error: str = ""
+    steps: dict[str, bool] = dataclasses.field(default_factory=dict)
+    attempts: int = 0
+    updated: float = 0.0
+
+    PERSISTED = ("uid", "name", "namespace", "service_account", "netns", "ips", "annotations")
+
+    def label(self) -> str:
+        who = f"{self.namespace}/{self.name}" if self.name else "pod"
+        return f"{who} (uid {self.uid})"
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.PERSISTED}
+
+
+class PodStateStore:
+    """``<state_dir>/pods/<uid>.json`` files (dir 0700, files 0600, atomic writes)."""
+
+    def __init__(self, state_dir: str):
+        self.dir = Path(state_dir, "pods")
+
+    def save(self, rec: PodRecord) -> None:
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = self.dir / f"{_safe(rec.uid)}.json"
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(rec.to_json(), f)
+        os.replace(tmp, path)
+
+    def remove(self, uid: str) -> None:
+        try:
+            (self.dir / f"{_safe(uid)}.json").unlink()
+        except FileNotFoundError:
+            pass
+
+    def load(self) -> list[PodRecord]:
+        """Every readable record; a malformed file is logged and skipped, never fatal."""
+        records = []
+        for path in sorted(self.dir.glob("*.json")) if self.dir.exists() else []:
+            try:
+                data = json.loads(path.read_text())
+                if not isinstance(data, dict) or not isinstance(data.get("uid"), str):
+                    raise ValueError("field 'uid' missing or not a string")
+                records.append(PodRecord(**{k: data[k] for k in PodRecord.PERSISTED
+                                            if k in data}))
+            except (OSError, ValueError, TypeError) as e:
+                log.error("skipping pod state file %s: %s", path, e)
+        return records
+
+
+def _safe(uid: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in uid)
+
+
+class Enrollment(Component):
+    """The reconciler. Public API for the CNI event server: :meth:`enroll`,
+    :meth:`unenroll`; for tools and tests: :meth:`pods`, :meth:`recover`."""
+
+    name = "enrollment"
+
+    def __init__(self, ctx: AgentContext, backend=None, host_rules: HostProbeRules | None = None):
+        self.ctx = ctx
+        cfg = ctx.config
+        self.base_options = RuleOptions(probe_snat_ipv4=cfg.host_probe_snat_ip,
+                                        probe_snat_ipv6=cfg.host_probe_snat_ipv6,
+                                        ipv6=cfg.ambient_ipv6, dns_capture=cfg.ambient_dns_capture)
+        self.backend = backend
+        self.host_rules = host_rules
+        self.state = PodStateStore(cfg.state_dir)
+        self.records: dict[str, PodRecord] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._retry_tasks: dict[str, asyncio.Task] = {}
+        self._host_netns = podnetns.host_netns_id()
+        self._started = False
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Pick the backend, set up host rules (retried 10 times, 2 s apart, §3.11), then
+        recover pods enrolled before a restart. Raises RulesError if host rules can't be
+        installed."""
+        if self.backend is None:
+            self.backend = await self.ctx.run_blocking(self._choose_backend)
+        if self.host_rules is None:
+            self.host_rules = self._default_host_rules()
+        for attempt in range(11):
+            try:
+                await self.ctx.run_blocking(self.host_rules.setup)
+                break
+            except RulesError as e:
+                if attempt == 10:
+                    raise
+                log.warning("host probe rules: %s (retrying)", e)
+                await asyncio.sleep(2.0)
+        self._started = True
+        await self.recover()
+
+    def _choose_backend(self):
+        """§3.13: nftables when asked, unless iptables artifacts (our probe ipset) exist
+        (stay on iptables until reboot); the iptables flavor is detected once and
+        recorded in the state dir."""
+        cfg = self.ctx.config
+        if cfg.native_nftables and not _ipset_exists("istio-inpod-probes-v4"):
+            return NftablesBackend()
+        return IptablesBackend(detect_flavor(cfg.state_dir))
+
+    def _default_host_rules(self) -> HostProbeRules:
+        cfg = self.ctx.config
+        kind = "nftables" if isinstance(self.backend, NftablesBackend) else "iptables"
+        return HostProbeRules(backend=kind, flavor=getattr(self.backend, "flavor", "nft"),
+                              snat_ipv4=cfg.host_probe_snat_ip, snat_ipv6=cfg.host_probe_snat_ipv6,
+                              ipv6=cfg.ambient_ipv6,
+                              netns=getattr(cfg, "host_rules_netns", "") or None)
+
+    async def stop(self, grace: float) -> None:
+        """Cancel background retries. In-pod rules, probe sets and host rules stay: a
+        restart or upgrade must not open a window where enrolled pods bypass the mesh
+        (§3.12); the next start re-creates host rules and reconciles pods."""
+        tasks = list(self._retry_tasks.values())
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)
+        self._retry_tasks.clear()
+
+    def ready(self) -> tuple[bool, str]:
+        return (True, "") if self._started else (False, "not started")
+
+    def debug_state(self) -> Any:
+        return {
+            "backend": getattr(self.backend, "name", None),
+            "iptables_flavor": getattr(self.backend, "flavor", None),
+            "pods": {uid: {"pod": r.label(), "status": r.status, "error": r.error,
+                           "steps": r.steps, "netns": r.netns, "ips": r.ips,
+                           "attempts": r.attempts} for uid, r in self.records.items()},
+        }
+
+    def pods(self) -> dict[str, PodRecord]:
+        """Current records by UID (read-only view for tools and tests)."""
+        return dict(self.records)
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _lock(self, uid: str) -> asyncio.Lock:
+        return self._locks.setdefault(uid, asyncio.Lock())
+
+    def _store(self):
+        source = self.ctx.get("config-source")
+        return getattr(source, "store", None) if source is not None else None
+
+    def _pod_object(self, uid: str, namespace: str, name: str) -> dict | None:
+        store = self._store()
+        if store is None:
+            return None
+        try:
+            return store.pod_by_uid(uid) or (store.get("Pod", namespace, name) if name else None)
+        except Exception as e:  # noqa: BLE001 - a broken store must not break enrollment
+            log.warning("config source lookup for pod %s failed: %s", uid, e)
+            return None
+
+    def _record_from_event(self, event: CniPodEvent) -> PodRecord:
+        rec = PodRecord(uid=event.key, name=event.pod_name, namespace=event.pod_namespace,
+                        netns=event.netns, ips=list(event.ips))
+        pod = self._pod_object(rec.uid, rec.namespace, rec.name)
+        if pod:
+            meta = pod.get("metadata") or {}
+            rec.annotations = {str(k): str(v) for k, v in (meta.get("annotations") or {}).items()}
+            rec.service_account = ((pod.get("spec") or {}).get("serviceAccountName")
+                                   or "default")
+        return rec
+
+    def _zds(self):
+        return self.ctx.get("zds")
+
+    # --- enroll ---------------------------------------------------------------------------
+
+    async def enroll(self, event: CniPodEvent) -> None:
+        """Enroll one ambient pod; returns only when rules, ZDS ack, host probe set and
+        status all succeeded. Raises :class:`EnrollmentError` naming the pod, the step
+        and the cause. Idempotent (a repeated ADD re-runs each step harmlessly)."""
+        rec = self._record_from_event(event)
+        if not rec.netns:
+            raise EnrollmentError(f"{rec.label()}: field 'netns' is empty")
+        if not rec.ips:
+            raise EnrollmentError(f"{rec.label()}: no pod IP in the CNI result (field 'ips' "
+                                  "is empty); nothing to redirect")
+        async with self._lock(rec.uid):
+            self._cancel_retry(rec.uid)
+            old = self.records.get(rec.uid)
+            if old is not None and old.netns == rec.netns and old.status == "enabled":
+                rec.steps = dict(old.steps)
+            self.records[rec.uid] = rec
+            try:
+                fd = netns_mod.open_netns(rec.netns)
+            except OSError as e:
+                self._fail(rec, "netns", str(e))
+                raise EnrollmentError(f"{rec.label()}: netns path {rec.netns!r}: "
+                                      f"{os.strerror(e.errno or 0)}") from None
+            try:
+                await self._enroll_steps(rec, fd)
+            finally:
+                os.close(fd)
+
+    async def _enroll_steps(self, rec: PodRecord, fd: int) -> None:
+        inode = os.fstat(fd).st_ino
+        opts = pod_options(self.base_options, rec.annotations)
+        try:
+            outcome = await self.ctx.run_blocking(self._apply_rules, fd, opts)
+        except (RulesError, OSError) as e:
+            await self._rollback_rules(fd, opts)
+            self._fail(rec, "rules", str(e))
+            raise EnrollmentError(f"{rec.label()}: in-pod rules failed (rolled back): {e}") from None
+        rec.steps["rules"] = True
+        log.info("%s: in-pod rules %s (%s)", rec.label(), outcome, self.backend.name)
+        try:
+            await self._remaining_steps(rec, fd, wait_ack=True)
+        except EnrollmentError as e:
+            if not self._same_netns(rec.netns, inode):
+                await self._rollback_all(rec, fd, opts)
+                raise EnrollmentError(f"{rec.label()}: netns {rec.netns} disappeared during "
+                                      f"enrollment; rolled back ({e})") from None
+            self._schedule_retry(rec)
+            raise
+        if not self._same_netns(rec.netns, inode):
+            await self._rollback_all(rec, fd, opts)
+            raise EnrollmentError(f"{rec.label()}: netns {rec.netns} disappeared during "
+                                  "enrollment; rolled back")
+
+    def _apply_rules(self, fd: int, opts: RuleOptions) -> str:
+        with netns_mod.entered(fd):
+            return self.backend.apply(opts)
+
+    async def _rollback_rules(self, fd: int, opts: RuleOptions) -> None:
+        def undo():
+            with netns_mod.entered(fd):
+                self.backend.delete(opts.ipv6)
+        try:
+            await self.ctx.run_blocking(undo)
+        except (RulesError, OSError) as e:
+            log.warning("rollback of in-pod rules failed: %s", e)
+
+    async def _rollback_all(self, rec: PodRecord, fd: int, opts: RuleOptions) -> None:
+        zds = self._zds()
+        if zds is not None and rec.steps.get("zds"):
+            try:
+                await zds.delete(rec.uid)
+            except Exception as e:  # noqa: BLE001
+                log.warning("%s: ZDS delete during rollback: %s", rec.label(), e)
+        if rec.steps.get("hostset"):
+            try:
+                await self.ctx.run_blocking(self.host_rules.remove_pod, rec.uid, rec.ips)
+            except (RulesError, OSError) as e:
+                log.warning("%s: probe set rollback: %s", rec.label(), e)
+        await self._rollback_rules(fd, opts)
+        self.records.pop(rec.uid, None)
+        self.state.remove(rec.uid)
+
+    @staticmethod
+    def _same_netns(path: str, inode: int) -> bool:
+        try:
+            return os.stat(path).st_ino == inode
+        except OSError:
+            return False
+
+    async def _remaining_steps(self, rec: PodRecord, fd: int | None, wait_ack: bool) -> None:
+        """ZDS add, host probe set, status. Raises retryable EnrollmentError."""
+        import zds as zds_mod  # lazy: keep cni importable without the zds package's server
+
+        zds = self._zds()
+        if zds is None:
+            self._fail(rec, "zds", "no ZDS server component", status="pending")
+            raise EnrollmentError(f"{rec.label()}: this agent runs no ZDS server", True)
+        info = zds_mod.PodInfo(uid=rec.uid, name=rec.name, namespace=rec.namespace,
+                               service_account=rec.service_account, netns_fd=fd)
+        try:
+            await zds.add(info, wait_ack=wait_ack)
+        except zds_mod.ZdsError as e:
+            self._fail(rec, "zds", f"{type(e).__name__}: {e}", status="pending")
+            await self._set_status(rec, "pending")
+            raise EnrollmentError(f"{rec.label()}: ztunnel did not accept the pod "
+                                  f"({type(e).__name__}: {e}); will retry", True) from None
+        rec.steps["zds"] = True
+        try:
+            await self.ctx.run_blocking(self.host_rules.add_pod, rec.uid, rec.ips)
+        except (RulesError, OSError, ValueError) as e:
+            self._fail(rec, "hostset", str(e), status="pending")
+            raise EnrollmentError(f"{rec.label()}: host probe set: {e}; will retry", True) from None
+        rec.steps["hostset"] = True
+        if not await self._set_status(rec, "enabled"):
+            self._fail(rec, "status", "status annotation patch failed", status="pending")
+            raise EnrollmentError(f"{rec.label()}: could not write status annotation; "
+                                  "will retry", True)
+        rec.steps["status"] = True
+        rec.status, rec.error, rec.updated = "enabled", "", time.time()
+        self.state.save(rec)
+
+    async def _set_status(self, rec: PodRecord, value: str | None) -> bool:
+        """Patch ``ambient.istio.io/redirection`` (None removes it) in Kubernetes mode when
+        the store can; True when done or not applicable."""
+        store = self._store()
+        patch = getattr(store, "patch_pod_annotations", None)
+        if self.ctx.config.config_source != "kubernetes" or patch is None or not rec.name:
+            return True
+        try:
+            await patch(rec.namespace, rec.name, {STATUS_ANNOTATION: value})
+            return True
+        except Exception as e:  # noqa: BLE001 - any API failure is retryable
+            log.warning("%s: status patch %s: %s", rec.label(), value, e)
+            return False
+
+    def _fail(self, rec: PodRecord, step: str, why: str, status: str = "failed") -> None:
+        rec.status, rec.error, rec.updated = status, f"{step}: {why}", time.time()
+        rec.steps[step] = False
+        log.warning("%s: %s failed: %s", rec.label(), step, why)
+
+    # --- retries ------------------------------------------------------------------------------
+
+    def _cancel_retry(self, uid: str) -> None:
+        task = self._retry_tasks.pop(uid, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    def _schedule_retry(self, rec: PodRecord) -> None:
+        if rec.uid not in self._retry_tasks:
+            self._retry_tasks[rec.uid] = asyncio.create_task(self._retry_loop(rec.uid),
+                                                             name=f"enroll-retry-{rec.uid}")
+
+    async def _retry_loop(self, uid: str) -> None:
+        """Exponential backoff (0.2 s doubling to 30 s) until the pod is enabled or gone."""
+        delay = BACKOFF_INITIAL
+        try:
+            while True:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, BACKOFF_MAX)
+                async with self._lock(uid):
+                    rec = self.records.get(uid)
+                    if rec is None or rec.status == "enabled":
+                        return
+                    rec.attempts += 1
+                    if await self._retry_once(rec):
+                        log.info("%s: enrolled after %d retries", rec.label(), rec.attempts)
+                        return
+        finally:
+            if self._retry_tasks.get(uid) is asyncio.current_task():
+                self._retry_tasks.pop(uid, None)
+
+    async def _retry_once(self, rec: PodRecord) -> bool:
+        if rec.status == "netns-missing":
+            found = await self._find_netns({rec.uid: rec})
+            if rec.uid not in found:
+                return False
+            rec.netns = found[rec.uid]
+        try:
+            fd = netns_mod.open_netns(rec.netns)
+        except OSError as e:
+            self._fail(rec, "netns", str(e), status="netns-missing")
+            return False
+        try:
+            try:
+                opts = pod_options(self.base_options, rec.annotations)
+                await self.ctx.run_blocking(self._apply_rules, fd, opts)
+                rec.steps["rules"] = True
+            except (RulesError, OSError) as e:
+                self._fail(rec, "rules", str(e))
+                return False
+            await self._remaining_steps(rec, fd, wait_ack=True)
+            return True
+        except EnrollmentError:
+            return False
+        finally:
+            os.close(fd)
+
+    # --- unenroll ---------------------------------------------------------------------------
+
+    async def unenroll(self, event: CniPodEvent) -> None:
+        """Remove a pod (CNI DEL): probe set entries it owns, in-pod rules and routing when
+        its netns still exists, ZDS delete, status annotation, persisted record. Best
+        effort: a missing netns is fine; raises :class:`EnrollmentError` only when a step
+        that could have run failed (after trying every step)."""
+        uid = event.key
+        async with self._lock(uid):
+            self._cancel_retry(uid)
+            rec = self.records.pop(uid, None) or self._record_from_event(event)
+            if not rec.ips:
+                rec.ips = list(event.ips)
+            errors = await self._remove(rec, event.netns or rec.netns)
+            self.state.remove(uid)
+            self._locks.pop(uid, None)
+        if errors:
+            raise EnrollmentError(f"{rec.label()}: removal incomplete: " + "; ".join(errors))
+
+    async def _remove(self, rec: PodRecord, netns_path: str) -> list[str]:
+        errors: list[str] = []
+        if rec.ips and self.host_rules is not None:
+            try:
+                await self.ctx.run_blocking(self.host_rules.remove_pod, rec.uid, rec.ips)
+            except (RulesError, OSError, ValueError) as e:
+                errors.append(f"host probe set: {e}")
+        if netns_path and os.path.exists(netns_path):
+            opts = pod_options(self.base_options, rec.annotations)
+
+            def undo():
+                with netns_mod.entered(netns_path):
+                    self.backend.delete(opts.ipv6)
+            try:
+                await self.ctx.run_blocking(undo)
+            except netns_mod.NetnsError:
+                pass  # vanished between the check and the entry: nothing left to clean
+            except (RulesError, OSError) as e:
+                errors.append(f"in-pod rules: {e}")
+        zds = self._zds()
+        if zds is not None:
+            try:
+                await zds.delete(rec.uid)
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"ZDS delete: {e}")
+        await self._set_status(rec, None)
+        return errors
+
+    # --- restart recovery -------------------------------------------------------------------
+
+    async def recover(self) -> dict[str, str]:
+        """Re-adopt pods enrolled before a restart (§3.9/§3.10). Sources: persisted records,
+        and in Kubernetes mode pods of this node annotated ``enabled``. Returns
+        ``{uid: status}``. Pods whose netns can't be found are reported and retried."""
+        wanted: dict[str, PodRecord] = {r.uid: r for r in self.state.load()}
+        for rec in self._enrolled_from_store():
+            wanted.setdefault(rec.uid, rec)
+        if not wanted:
+            return {}
+        found = await self._find_netns(wanted)
+        results = await asyncio.gather(*(self._recover_one(rec, found.get(rec.uid))
+                                         for rec in wanted.values()))
+        try:
+            pruned = await self.ctx.run_blocking(
+                self.host_rules.sync, {r.uid: r.ips for r in wanted.values()})
+            if pruned:
+                log.info("pruned stale probe set entries: %s", ", ".join(pruned))
+        except (RulesError, OSError, ValueError) as e:
+            log.error("probe set sync at start: %s", e)
+        log.info("recovered %d pods (%d without netns)", len(wanted),
+                 sum(1 for s in results if s != "enabled"))
+        return {rec.uid: s for rec, s in zip(wanted.values(), results)}
+
+    def _enrolled_from_store(self) -> list[PodRecord]:
+        store = self._store()
+        if store is None or self.ctx.config.config_source != "kubernetes":
+            return []
+        out = []
+        try:
+            pods = list(store.list("Pod"))
+        except Exception as e:  # noqa: BLE001
+            log.warning("config source pod list failed: %s", e)
+            return out
+        for pod in pods:
+            meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+            status = pod.get("status") or {}
+            annotations = meta.get("annotations") or {}
+            if annotations.get(STATUS_ANNOTATION) != "enabled" or not meta.get("uid"):
+                continue
+            if spec.get("nodeName") not in (None, "", self.ctx.config.node_name):
+                continue
+            ips = [p.get("ip") for p in status.get("podIPs") or [] if p.get("ip")] or (
+                [status["podIP"]] if status.get("podIP") else [])
+            out.append(PodRecord(uid=meta["uid"], name=meta.get("name", ""),
+                                 namespace=meta.get("namespace", ""),
+                                 service_account=spec.get("serviceAccountName") or "default",
+                                 ips=ips, annotations=dict(annotations)))
+        return out
+
+    async def _find_netns(self, wanted: dict[str, PodRecord]) -> dict[str, str]:
+        """``{uid: netns path}``: the recorded path when it still holds the pod IP, else a
+        ``/proc`` scan (the returned path is ``<proc>/<pid>/ns/net``)."""
+        def find() -> dict[str, str]:
+            paths: dict[str, str] = {}
+            for uid, rec in wanted.items():
+                if rec.netns and os.path.exists(rec.netns) and podnetns.netns_holds_ip(
+                        rec.netns, rec.ips):
+                    paths[uid] = rec.netns
+            missing = {u: r.ips for u, r in wanted.items() if u not in paths}
+            if missing:
+                for uid, hit in podnetns.scan(self.ctx.config.proc_dir, missing,
+                                              self._host_netns).items():
+                    os.close(hit.fd)
+                    paths[uid] = hit.path
+            return paths
+        return await self.ctx.run_blocking(find)
+
+    async def _recover_one(self, rec: PodRecord, path: str | None) -> str:
+        import zds as zds_mod
+
+        async with self._lock(rec.uid):
+            self.records[rec.uid] = rec
+            zds = self._zds()
+            if path is None:
+                self._fail(rec, "netns", "netns not found (recorded path gone and no process "
+                           "of this pod in /proc)", status="netns-missing")
+                if zds is not None:  # Keep, so a reconnecting ztunnel doesn't drop it
+                    await zds.add(zds_mod.PodInfo(uid=rec.uid, name=rec.name,
+                                                  namespace=rec.namespace,
+                                                  service_account=rec.service_account),
+                                  wait_ack=False)
+                self._schedule_retry(rec)
+                return rec.status
+            rec.netns = path
+            try:
+                fd = netns_mod.open_netns(path)
+            except OSError as e:
+                self._fail(rec, "netns", str(e), status="netns-missing")
+                self._schedule_retry(rec)
+                return rec.status
+            try:
+                opts = pod_options(self.base_options, rec.annotations)
+                try:
+                    await self.ctx.run_blocking(self._apply_rules, fd, opts)
+                    rec.steps["rules"] = True
+                except (RulesError, OSError) as e:
+                    self._fail(rec, "rules", f"reconcile at start: {e}; restart the pod")
+                try:
+                    await self._remaining_steps(rec, fd, wait_ack=False)
+                except EnrollmentError:
+                    self._schedule_retry(rec)
+            finally:
+                os.close(fd)
+            return rec.status
+
+
+def _ipset_exists(name: str) -> bool:
+    from pyroute2 import IPSet
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    try:
+        with IPSet() as ipset:
+            ipset.list(name)
+        return True
+    except (NetlinkError, OSError):
+        return False
+
+
+def build(ctx: AgentContext) -> Enrollment:
+    """Builder for ``agent.daemon.COMPONENT_BUILDERS`` (after ``zds``, before ``cni-events``)."""
+    return Enrollment(ctx)

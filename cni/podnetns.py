@@ -1,0 +1,183 @@
+"""Finding running pods' network namespaces by scanning ``/proc`` (spec ``cni-zds.md`` §3.9).
+
+Used at agent start for pods enrolled before a restart whose netns path we don't have
+(or whose recorded path is gone): for every process, read its cgroup path to get the
+pod UID, and take its ``ns/net`` if that netns really holds the pod's IP.
+
+Upstream rules kept here, each for a reason (§7):
+- skip the host netns: a hostNetwork pod's processes live there (istio#55139). We
+  compare with the agent's own netns taken at start, since ``/proc/1/ns`` is
+  unreadable in some sandboxes (real-peers.md pitfall 9);
+- a process's cgroup may name pod A while it sits in pod B's netns, so the pod IP must
+  be an address inside the netns, and a rejected netns is not marked "seen" (the
+  rightful pod may still claim it);
+- a pod may have several netns (sandbox recreated): the oldest process wins.
+
+Everything here blocks (it reads /proc and enters netns); run it in a worker thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import logging
+import os
+import re
+
+from pyroute2 import IPRoute
+
+from cni import netns as netns_mod
+
+log = logging.getLogger("cni.podnetns")
+
+_P = r"""[!-/:-@\[-`{-~]"""  # POSIX [[:punct:]] in ASCII
+_N = r"""[^!-/:-@\[-`{-~]"""
+_UID = rf"[0-9a-fA-F]{{8}}{_P}?[0-9a-fA-F]{{4}}{_P}?[0-9a-fA-F]{{4}}{_P}?[0-9a-fA-F]{{4}}{_P}?[0-9a-fA-F]{{12}}"
+_POD_RE = re.compile(rf"{_P}pod({_UID}){_P}(?:{_N}+{_P})*({_N}+)$")
+_CRIO_RE = re.compile(rf"{_P}crio-({_N}+)$")
+
+
+class CgroupError(ValueError):
+    """A process's cgroup file names more than one pod or container."""
+
+
+def canonical_uid(uid: str) -> str:
+    """Compare-form of a pod UID: lowercase hex digits only (``_`` or ``-`` separators and
+    none at all name the same pod)."""
+    return re.sub(r"[^0-9a-f]", "", uid.lower())
+
+
+def parse_cgroup(text: str) -> tuple[str, str]:
+    """``(pod uid, container id)`` from a ``/proc/<pid>/cgroup`` text; ``("", "")`` when
+    the process is not in a pod. The uid has its punctuation replaced by ``-``
+    (``pod2c48913c_b29f_...`` -> ``2c48913c-b29f-...``). CRI-O paths without a pod uid
+    give ``("", container id)``. Raises :class:`CgroupError` on malformed lines or on
+    several different uids / container ids (§6.23)."""
+    uids: set[str] = set()
+    cids: set[str] = set()
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        parts = line.split(":", 2)
+        if len(parts) < 3:
+            raise CgroupError(f"cgroup line {line!r} has fewer than 3 fields")
+        path = parts[2]
+        if path.endswith(".scope"):
+            path = path[: -len(".scope")]
+        m = _POD_RE.search(path)
+        if m:
+            uids.add(re.sub(_P, "-", m.group(1)))
+            cids.add(m.group(2))
+            continue
+        m = _CRIO_RE.search(path)
+        if m:
+            cids.add(m.group(1))
+    if len(cids) > 1:
+        raise CgroupError(f"multiple container IDs found in cgroups ({', '.join(sorted(cids))})")
+    if len(uids) > 1:
+        raise CgroupError(f"multiple pod UIDs found in cgroups ({', '.join(sorted(uids))})")
+    return (uids.pop() if uids else ""), (cids.pop() if cids else "")
+
+
+def starttime(proc_dir: str, pid: str) -> int:
+    """Field 22 of ``<pid>/stat`` (clock ticks since boot), parsed after the last ``)``."""
+    with open(os.path.join(proc_dir, pid, "stat")) as f:
+        text = f.read()
+    return int(text[text.rindex(")") + 1:].split()[19])
+
+
+def netns_addresses() -> set[str]:
+    """Every interface address in the calling thread's netns (v4-mapped shown unmapped)."""
+    out: set[str] = set()
+    with IPRoute() as ipr:
+        for msg in ipr.get_addr():
+            addr = msg.get_attr("IFA_ADDRESS")
+            if addr:
+                out.add(_unmap(addr))
+    return out
+
+
+def _unmap(ip: str) -> str:
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return str(mapped or addr)
+
+
+def netns_holds_ip(target: str | int, ips: list[str]) -> bool:
+    """True when some interface in netns ``target`` has one of ``ips``. Blocks (enters
+    the netns on a short-lived thread)."""
+    wanted = {_unmap(ip) for ip in ips}
+    try:
+        have = netns_mod.run_in_netns_thread(target, netns_addresses)
+    except OSError:
+        return False
+    return bool(wanted & have)
+
+
+@dataclasses.dataclass
+class FoundNetns:
+    """A pod netns found by the scan: ``fd`` is open (caller closes it), ``path`` is the
+    ``<proc>/<pid>/ns/net`` it came from, ``inode`` identifies the netns."""
+
+    uid: str
+    pid: int
+    path: str
+    fd: int
+    inode: int
+    starttime: int
+
+
+def scan(proc_dir: str, wanted: dict[str, list[str]], host_netns: tuple[int, int]
+         ) -> dict[str, FoundNetns]:
+    """Find the netns of each pod in ``wanted`` (``{uid: [pod IPs]}``), spec §3.9.
+
+    ``host_netns`` is ``(st_ino, st_dev)`` of the node's netns (skipped). Pods without
+    IPs can't be verified and are not returned. Returns ``{uid as given: FoundNetns}``;
+    pods not found are absent (the caller reports them). Unreadable processes (exited
+    mid-scan, permission) are skipped.
+    """
+    by_canon = {canonical_uid(u): u for u, ips in wanted.items() if ips}
+    found: dict[str, FoundNetns] = {}
+    seen_inodes: set[int] = set()
+    try:
+        pids = sorted((p for p in os.listdir(proc_dir) if p.isdigit()), key=int)
+    except OSError as e:
+        log.error("cannot list %s: %s", proc_dir, e)
+        return found
+    for pid in pids:
+        ns_path = os.path.join(proc_dir, pid, "ns", "net")
+        try:
+            st = os.stat(ns_path)
+            if (st.st_ino, st.st_dev) == host_netns or st.st_ino in seen_inodes:
+                continue
+            with open(os.path.join(proc_dir, pid, "cgroup")) as f:
+                uid, _cid = parse_cgroup(f.read())
+            if not uid or canonical_uid(uid) not in by_canon:
+                continue
+            started = starttime(proc_dir, pid)
+        except (OSError, ValueError) as e:
+            log.debug("skipping pid %s: %s", pid, e)
+            continue
+        pod_uid = by_canon[canonical_uid(uid)]
+        try:
+            fd = netns_mod.open_netns(ns_path)
+        except OSError:
+            continue
+        if not netns_holds_ip(fd, wanted[pod_uid]):
+            os.close(fd)  # not this pod's netns; don't mark it seen
+            continue
+        seen_inodes.add(st.st_ino)
+        current = found.get(pod_uid)
+        if current is None or started < current.starttime:
+            if current is not None:
+                os.close(current.fd)
+            found[pod_uid] = FoundNetns(pod_uid, int(pid), ns_path, fd, st.st_ino, started)
+        else:
+            os.close(fd)
+    return found
+
+
+def host_netns_id() -> tuple[int, int]:
+    """``(st_ino, st_dev)`` of the agent process's netns; take it at start (§7)."""
+    st = os.stat("/proc/self/ns/net")
+    return st.st_ino, st.st_dev
