@@ -266,6 +266,21 @@ SETTINGS: list[Setting] = [
             env="POD_NAMESPACE", component="sds"),
     Setting("ca_port", 0, parse_port, "serve the embedded CA as IstioCertificateService on this "
             "port (0: off)", component="sds"),
+    Setting("ca_listen_address", "0.0.0.0", parse_str, "address the embedded CA port binds "
+            "(callers are authenticated by client cert or token)", component="sds"),
+    Setting("ca_cert_file", "", parse_path, "root certificate for the embedded CA (with "
+            "ca_key_file; empty: a self-signed root under <state dir>/ca)", component="sds"),
+    Setting("ca_key_file", "", parse_path, "private key of ca_cert_file", component="sds"),
+    Setting("ca_tokens_file", "", parse_path, "YAML {token: namespace/serviceaccount} of bearer "
+            "tokens the embedded CA port accepts", component="sds"),
+    Setting("ca_trusted_node_accounts", ["istio-system/ztunnel"], parse_list,
+            "namespace/serviceaccount allowed to request certificates for other identities "
+            "(ImpersonatedIdentity)", env="CA_TRUSTED_NODE_ACCOUNTS", component="sds"),
+    Setting("workload_certs_dir", "/etc/certs", parse_path, "file-mounted cert-chain.pem, "
+            "key.pem, root-cert.pem served as default/ROOTCA when present (fixed identity only)",
+            component="sds"),
+    Setting("sds_socket_mode", "0600", parse_str, "octal mode of the SDS socket (upstream "
+            "uses 0666 so Envoy as uid 1337 can connect)", component="sds"),
     # --- status server ---
     Setting("status_port", 15020, parse_port, "status server port", env="STATUS_PORT",
             component="status"),

@@ -30,6 +30,7 @@ log = logging.getLogger("agent")
 COMPONENT_BUILDERS: list[tuple[str, str]] = [
     # ambient index and its config source
     # SDS and CA
+    ("agent.sds.server", "build"),
     # ZDS server
     # enrollment (rules, host probe set, reconciler) and the CNI event server
     ("cni.enrollment", "build"),

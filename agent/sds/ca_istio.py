@@ -1,0 +1,189 @@
+"""CA clients: the Istio CA over gRPC (``istio.v1.auth.IstioCertificateService``) and an
+adapter that gives the embedded CA the same shape.
+
+Both implement ``async sign(csr_pem, ttl_seconds, identity) -> list[str]`` (the
+response ``cert_chain``: leaf first, root bundle last) and raise :class:`CAClientError`.
+
+Istio CA protocol (spec ``sds-ca-status.md`` §3.2-3.4; upstream
+``security/pkg/nodeagent/caclient/providers/citadel/client.go``):
+
+- request ``csr`` (PEM text), ``validity_duration`` (seconds), ``metadata``
+  ``{"CertSigner": ""}`` plus ``ImpersonatedIdentity`` when asking on behalf of an
+  attested workload (ztunnel's node-proxy mode, §3.7);
+- gRPC metadata ``clusterid`` and, when the token file is readable and non-empty,
+  ``authorization: Bearer <token>`` (re-read on every call; a missing token is not an
+  error, mTLS may still authenticate);
+- TLS with ``ca_root_cert`` unless the address ends in ``:15010`` (plaintext); a host
+  containing ``localhost`` is verified as ``istiod.istio-system.svc``;
+- retry CANCELLED, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, INTERNAL, UNAVAILABLE
+  up to 5 times, 100 ms doubling with ±10 % jitter; rebuild the channel after any
+  failure (re-reading the root file) so a rotated istiod root is picked up;
+- fewer than 2 chain elements → ``invalid empty CertChain``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Awaitable, Callable, Protocol
+
+import grpc
+from google.protobuf import struct_pb2
+
+from agent.sds import ca_pb2, ca_pb2_grpc
+from agent.sds.ca_embedded import CAError, EmbeddedCA
+
+log = logging.getLogger("agent.sds.ca")
+
+RETRY_CODES = {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
+               grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
+               grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE}
+MAX_RETRIES = 5
+ISTIOD_SAN = "istiod.istio-system.svc"
+
+
+class CAClientError(Exception):
+    """Signing failed. ``code`` is the gRPC status code name (e.g. ``"UNAVAILABLE"``)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"code = {code} desc = {message}")
+        self.code = code
+
+
+class CAClient(Protocol):
+    async def sign(self, csr_pem: bytes, ttl_seconds: int, identity: str) -> list[str]:
+        """Sign a CSR for ``identity`` (a SPIFFE ID or list of SANs joined by commas)."""
+
+    async def close(self) -> None: ...
+
+
+class EmbeddedCAClient:
+    """The embedded CA behind the CA-client interface; signing runs on ``run_blocking``."""
+
+    def __init__(self, ca: EmbeddedCA, run_blocking: Callable[..., Awaitable]):
+        self.ca = ca
+        self._run = run_blocking
+
+    async def sign(self, csr_pem: bytes, ttl_seconds: int, identity: str) -> list[str]:
+        try:
+            return await self._run(self.ca.sign, csr_pem, identity.split(","), int(ttl_seconds))
+        except CAError as e:
+            raise CAClientError(e.code, str(e)) from None
+
+    async def close(self) -> None:
+        return None
+
+
+class IstioCAClient:
+    """Client of a remote ``IstioCertificateService`` (istiod, or another agent's CA port).
+
+    ``address`` is ``host:port``; ``root_cert`` a PEM file path (required for TLS);
+    ``token_file`` a bearer token path ("" for none); ``own_identity`` the identity the
+    token/cert authenticates as: other identities are requested with
+    ``ImpersonatedIdentity``. Raises :class:`CAClientError` from :meth:`sign`.
+    """
+
+    def __init__(self, address: str, root_cert: str = "", token_file: str = "",
+                 cluster_id: str = "Kubernetes", own_identity: str = "",
+                 client_cert: tuple[bytes, bytes] | None = None,
+                 server_name: str = "", retry_base: float = 0.1):
+        if not address or ":" not in address:
+            raise ValueError(f"ca_addr={address!r}: expected host:port")
+        self.address = address
+        self.root_cert = root_cert
+        self.token_file = token_file
+        self.cluster_id = cluster_id
+        self.own_identity = own_identity
+        self.client_cert = client_cert
+        self.server_name = server_name
+        self.retry_base = retry_base
+        self.plaintext = address.endswith(":15010")
+        self.retries = 0
+        self._channel: grpc.aio.Channel | None = None
+
+    def _build_channel(self) -> grpc.aio.Channel:
+        if self.plaintext:
+            return grpc.aio.insecure_channel(self.address)
+        if not self.root_cert:
+            raise CAClientError("FAILED_PRECONDITION",
+                                "ca_root_cert: a root certificate file is required for TLS to "
+                                f"{self.address}")
+        try:
+            with open(self.root_cert, "rb") as f:
+                root = f.read()
+        except OSError as e:
+            raise CAClientError("FAILED_PRECONDITION",
+                                f"ca_root_cert={self.root_cert!r}: {e.strerror or e}") from None
+        if b"-----BEGIN CERTIFICATE-----" not in root:
+            raise CAClientError("FAILED_PRECONDITION",
+                                f"ca_root_cert={self.root_cert!r}: no PEM certificate in file")
+        key, chain = (self.client_cert[1], self.client_cert[0]) if self.client_cert else (None, None)
+        creds = grpc.ssl_channel_credentials(root_certificates=root, private_key=key,
+                                             certificate_chain=chain)
+        host = self.address.rsplit(":", 1)[0].strip("[]")
+        name = self.server_name or (ISTIOD_SAN if "localhost" in host else "")
+        options = [("grpc.ssl_target_name_override", name)] if name else []
+        return grpc.aio.secure_channel(self.address, creds, options=options)
+
+    def _token(self) -> str:
+        """The bearer token, re-read each call; missing/unreadable → "" (not an error)."""
+        if not self.token_file:
+            return ""
+        try:
+            with open(self.token_file, encoding="utf-8") as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    def _request(self, csr_pem: bytes, ttl_seconds: int, identity: str):
+        metadata = struct_pb2.Struct()
+        metadata.update({"CertSigner": ""})
+        if identity and self.own_identity and identity != self.own_identity:
+            metadata.update({"ImpersonatedIdentity": identity})
+        req = ca_pb2.IstioCertificateRequest(
+            csr=csr_pem.decode() if isinstance(csr_pem, bytes) else csr_pem,
+            validity_duration=int(ttl_seconds), metadata=metadata)
+        headers = [("clusterid", self.cluster_id)]
+        token = self._token()
+        if token:
+            headers.append(("authorization", f"Bearer {token}"))
+        return req, tuple(headers)
+
+    async def sign(self, csr_pem: bytes, ttl_seconds: int, identity: str = "") -> list[str]:
+        """One CreateCertificate with retries. Returns ``cert_chain`` (>= 2 elements)."""
+        req, headers = self._request(csr_pem, ttl_seconds, identity)
+        attempt = 0
+        while True:
+            try:
+                if self._channel is None:
+                    self._channel = self._build_channel()
+                stub = ca_pb2_grpc.IstioCertificateServiceStub(self._channel)
+                resp = await stub.CreateCertificate(req, metadata=headers, timeout=10.0)
+                break
+            except grpc.aio.AioRpcError as e:
+                await self._reset()
+                if e.code() in RETRY_CODES and attempt < MAX_RETRIES:
+                    delay = self.retry_base * (2 ** attempt) * random.uniform(0.9, 1.1)
+                    attempt += 1
+                    self.retries += 1
+                    log.debug("CA %s: %s, retry %d in %.2fs", self.address, e.code().name,
+                              attempt, delay)
+                    await asyncio.sleep(delay)
+                    continue
+                raise CAClientError(e.code().name, e.details() or "") from None
+            except CAClientError:
+                await self._reset()
+                raise
+        chain = list(resp.cert_chain)
+        if len(chain) < 2:
+            raise CAClientError("INTERNAL", "invalid empty CertChain")
+        return chain
+
+    async def _reset(self) -> None:
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            await channel.close()
+
+    async def close(self) -> None:
+        await self._reset()

@@ -1,0 +1,342 @@
+"""The ``sds`` component: the SDS gRPC server on a Unix socket, its secret cache, the CA
+(embedded by default, or a remote Istio CA) and, optionally, the embedded CA's own
+``IstioCertificateService`` port. Built by :func:`build` (``agent.daemon``).
+
+Who gets which identity (spec ``sds-ca-status.md`` §2.2, issue 6):
+
+- **fixed** — ``service_account`` set: every caller is
+  ``spiffe://<trust_domain>/ns/<pod_namespace>/sa/<service_account>``, as pilot-agent
+  does for its one workload. ``file-cert:``/``file-root:`` names and the
+  ``workload_certs_dir`` files are served in this mode only.
+- **attested** — otherwise: the caller's PID (``SO_PEERCRED``, via the front door in
+  :mod:`agent.sds.attest`) → its pod UID (cgroup) → the Pod in the config source →
+  its namespace and service account. A caller that can't be attested gets
+  PERMISSION_DENIED, never someone else's certificate. File names are refused in this
+  mode: they would let any pod read any file the agent can read.
+
+Other components use :meth:`SdsServer.root_pem` (the mesh root bundle) and
+:meth:`SdsServer.certificate_for` (a certificate + key for given SANs, e.g. the xDS
+server's mTLS listener).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import random
+from typing import Callable
+
+import grpc
+from envoy.service.secret.v3 import sds_pb2, sds_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from agent.config import Config
+from agent.lifecycle import AgentContext, Component
+from agent.sds import attest, ca_server, files, keys
+from agent.sds.ca_embedded import CAError, EmbeddedCA
+from agent.sds.ca_istio import CAClientError, EmbeddedCAClient, IstioCAClient
+from agent.sds.cache import DEFAULT, ROOTCA, CacheError, SecretCache
+from agent.sds.service import GenerateError, IdentityError, SdsService, root_secret, tls_secret
+
+log = logging.getLogger("agent.sds")
+
+SDS_SERVICE = sds_pb2.DESCRIPTOR.services_by_name["SecretDiscoveryService"].full_name
+_MOUNTED_WORKLOAD = "@workload"  # watcher tokens for workload_certs_dir files
+_MOUNTED_ROOT = "@root"
+
+
+@dataclasses.dataclass
+class CertBundle:
+    """A certificate for another component: PEM ``chain`` (leaf first), ``key``, ``root``."""
+
+    chain: bytes
+    key: bytes
+    root: bytes
+
+
+def _is_workload_name(name: str) -> bool:
+    return name != ROOTCA and files.parse(name) is None
+
+
+class SdsServer(Component):
+    """The SDS component. ``store_getter`` returns the config source's ObjectStore (or None);
+    ``identify`` overrides caller identification (benchmarks)."""
+
+    name = "sds"
+
+    def __init__(self, config: Config, run_blocking: Callable,
+                 store_getter: Callable[[], object | None] = lambda: None,
+                 identify: Callable | None = None):
+        self.config = config
+        self._run = run_blocking
+        self._store = store_getter
+        self.fixed: keys.Identity | None = (
+            keys.Identity(config.trust_domain, config.pod_namespace, config.service_account)
+            if config.service_account else None)
+        self.algorithm = keys.key_algorithm(config.ecc_signature_algorithm)
+        try:
+            self.socket_mode = int(str(config.sds_socket_mode), 8)
+        except ValueError:
+            raise ValueError(f"sds_socket_mode={config.sds_socket_mode!r}: expected an octal "
+                             "mode such as 0600") from None
+        self._custom_identify = identify
+        self.embedded: EmbeddedCA | None = None
+        self.ca_client = None
+        self.cache: SecretCache | None = None
+        self.service: SdsService | None = None
+        self.front_door: attest.FrontDoor | None = None
+        self.attestor = attest.PodAttestor(store_getter, config.trust_domain)
+        self.watcher: files.FileWatcher | None = None
+        self.ca_port: int = 0
+        self._grpc: grpc.aio.Server | None = None
+        self._ca_grpc: grpc.aio.Server | None = None
+        self._ca_service: ca_server.CertificateService | None = None
+        self._backend_path = ""
+        self._tasks: list[asyncio.Task] = []
+        self._started = False
+
+    @property
+    def mode(self) -> str:
+        return "fixed" if self.fixed else "attested"
+
+    # --- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        await self._start_ca()
+        self.cache = SecretCache(self.ca_client, self._run, self.algorithm, cfg.secret_ttl,
+                                 cfg.secret_grace_ratio)
+        self.cache.subscribe(self._on_cache_update)
+        self.watcher = files.FileWatcher(self._on_file_change)
+        self.service = SdsService(self._identify, self._generate,
+                                  on_watch=lambda i: self.cache.watch(i.spiffe_id),
+                                  on_unwatch=lambda i: self.cache.unwatch(i.spiffe_id))
+        await self._start_sds()
+        if cfg.ca_port and self.embedded:
+            await self._start_ca_port()
+        if self.fixed:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._warm_up()))
+        self._started = True
+        log.info("SDS serving on %s (%s identity, CA %s)", cfg.sds_socket, self.mode,
+                 cfg.ca_addr or "embedded")
+
+    async def _start_ca(self) -> None:
+        cfg = self.config
+        if cfg.ca_addr:
+            own = self.fixed.spiffe_id if self.fixed else ""
+            self.ca_client = IstioCAClient(cfg.ca_addr, cfg.ca_root_cert, cfg.ca_token_file,
+                                           cfg.cluster_id, own_identity=own)
+            return
+        try:
+            self.embedded = await self._run(
+                EmbeddedCA.load_or_create, os.path.join(cfg.state_dir, "ca"), cfg.trust_domain,
+                cfg.ca_cert_file, cfg.ca_key_file)
+        except CAError as e:
+            raise RuntimeError(f"embedded CA: {e}") from None
+        self.ca_client = EmbeddedCAClient(self.embedded, self._run)
+
+    async def _start_sds(self) -> None:
+        path = self.config.sds_socket
+        os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
+        server = grpc.aio.server(options=[("grpc.max_concurrent_streams", 100000)])
+        sds_pb2_grpc.add_SecretDiscoveryServiceServicer_to_server(self.service, server)
+        reflection.enable_server_reflection((SDS_SERVICE, reflection.SERVICE_NAME), server)
+        if self.fixed or self._custom_identify:
+            bind = path
+        else:
+            private = os.path.join(self.config.state_dir, "sds-private")
+            os.makedirs(private, mode=0o700, exist_ok=True)
+            os.chmod(private, 0o700)
+            bind = self._backend_path = os.path.join(private, "backend.sock")
+        _unlink(bind)
+        server.add_insecure_port("unix:" + bind)
+        await server.start()
+        os.chmod(bind, self.socket_mode if bind == path else 0o600)
+        self._grpc = server
+        if self._backend_path:
+            self.front_door = attest.FrontDoor(path, self._backend_path, self.config.proc_dir)
+            await self.front_door.start()
+            os.chmod(path, self.socket_mode)
+
+    async def _start_ca_port(self) -> None:
+        cfg = self.config
+        chain, key = await self._run(self.embedded.issue, ca_server.server_sans(cfg.node_name),
+                                     "ECDSA", 0)
+        self._ca_service = ca_server.CertificateService(
+            self.embedded, self._run, cfg.trust_domain,
+            ca_server.TokenFile(cfg.ca_tokens_file, cfg.trust_domain),
+            cfg.ca_trusted_node_accounts, self._store, cfg.node_name)
+        self._ca_grpc, self.ca_port = await ca_server.start_ca_server(
+            self._ca_service, cfg.ca_listen_address, cfg.ca_port, chain, key)
+        log.info("embedded CA serving IstioCertificateService on %s:%d",
+                 cfg.ca_listen_address, self.ca_port)
+
+    async def _warm_up(self) -> None:
+        """Fixed mode: mint ``default`` and ``ROOTCA`` before anyone asks (§1.8)."""
+        delay = 0.5
+        while True:
+            try:
+                await self._generate(DEFAULT, self.fixed)
+                await self._generate(ROOTCA, self.fixed)
+                return
+            except GenerateError as e:
+                log.warning("SDS warm-up failed, retry in %.1fs: %s", delay, e)
+                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
+                delay = min(delay * 1.5, 60.0)
+
+    async def stop(self, grace: float) -> None:
+        self._started = False
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.front_door:
+            await self.front_door.stop()
+        for server in (self._grpc, self._ca_grpc):
+            if server is not None:
+                await server.stop(grace)
+        self._grpc = self._ca_grpc = None
+        _unlink(self.config.sds_socket)
+        if self._backend_path:
+            _unlink(self._backend_path)
+        if self.cache:
+            await self.cache.close()
+        if self.watcher:
+            await self.watcher.close()
+        if self.ca_client:
+            await self.ca_client.close()
+
+    def ready(self) -> tuple[bool, str]:
+        return (True, "") if self._started else (False, "SDS server not started")
+
+    # --- identity and generation ------------------------------------------------------
+    def _identify(self, context) -> keys.Identity:
+        if self._custom_identify:
+            return self._custom_identify(context)
+        if self.fixed:
+            return self.fixed
+        cred = self.front_door.lookup(context.peer()) if self.front_door else None
+        if cred is None:
+            raise IdentityError("connection did not come through the attested SDS socket")
+        try:
+            return self.attestor.identify(cred)
+        except attest.AttestationError as e:
+            raise IdentityError(str(e)) from None
+
+    async def _generate(self, name: str, identity: keys.Identity):
+        """One Secret for ``name`` as seen by ``identity``. Raises GenerateError."""
+        try:
+            fr = files.parse(name)
+            if fr is not None:
+                return await self._file_secret(fr)
+            if name == ROOTCA:
+                mounted = self._mounted("root-cert.pem")
+                if mounted:
+                    bundle = await self._run(files.read_root, mounted)
+                    self.watcher.watch(mounted, _MOUNTED_ROOT)
+                    return root_secret(name, keys.merge_trust(bundle, self.cache.extra_trust))
+                return root_secret(name, await self.cache.root_bundle(identity.spiffe_id))
+            cert, key = self._mounted("cert-chain.pem"), self._mounted("key.pem")
+            if cert and key:
+                chain, key_pem = await self._run(files.read_pair, cert, key)
+                self.watcher.watch(cert, _MOUNTED_WORKLOAD)
+                return tls_secret(name, chain, key_pem)
+            item = await self.cache.workload(identity.spiffe_id)
+            return tls_secret(name, item.chain, item.key)
+        except (CacheError, files.FileSecretError, CAClientError) as e:
+            raise GenerateError(str(e)) from None
+
+    async def _file_secret(self, fr: files.FileResource):
+        if not self.fixed:
+            raise GenerateError("file-cert:/file-root: names are served only with a fixed "
+                                "identity (service_account set), not to attested pods")
+        if fr.kind == "cert":
+            chain, key = await self._run(files.read_pair, fr.cert, fr.key)
+            self.watcher.watch(fr.cert, fr.name)
+            return tls_secret(fr.name, chain, key)
+        bundle = await self._run(files.read_root, fr.cert)
+        self.watcher.watch(fr.cert, fr.name)
+        return root_secret(fr.name, bundle)
+
+    def _mounted(self, filename: str) -> str:
+        """A non-empty file in ``workload_certs_dir`` (fixed mode only), else ""."""
+        if not self.fixed or not self.config.workload_certs_dir:
+            return ""
+        path = os.path.join(self.config.workload_certs_dir, filename)
+        try:
+            return path if os.path.getsize(path) > 0 else ""
+        except OSError:
+            return ""
+
+    # --- pushes ----------------------------------------------------------------------
+    def _on_cache_update(self, spiffe_id: str | None, name: str) -> None:
+        if name == ROOTCA:
+            self.service.push(lambda c: {ROOTCA}, spiffe_id)
+        else:
+            self.service.push(lambda c: {n for n in (c.names or ()) if _is_workload_name(n)},
+                              spiffe_id)
+
+    def _on_file_change(self, name: str) -> None:
+        if name == _MOUNTED_WORKLOAD:
+            self._on_cache_update(None, DEFAULT)
+        elif name == _MOUNTED_ROOT:
+            self._on_cache_update(None, ROOTCA)
+        else:
+            self.service.push(lambda c: {name})
+
+    # --- API for other components ------------------------------------------------------
+    def root_pem(self) -> bytes:
+        """The mesh root bundle (PEM): the embedded CA's root, else the last root the
+        Istio CA returned merged with extra anchors (b"" before the first certificate)."""
+        if self.embedded:
+            return self.embedded.root_pem
+        return keys.merge_trust(self.cache.last_root, self.cache.extra_trust) if self.cache else b""
+
+    async def certificate_for(self, sans: list[str], algorithm: str = "ECDSA",
+                              ttl: float | None = None) -> CertBundle:
+        """A fresh certificate for ``sans`` (SPIFFE IDs, DNS names, IPs) and its key.
+
+        With the embedded CA the SANs are used as given; a remote Istio CA decides the
+        identity itself (from our token). Raises :class:`CAClientError` on failure.
+        """
+        ttl = int(ttl or self.config.secret_ttl)
+        if self.embedded:
+            try:
+                chain, key = await self._run(self.embedded.issue, sans, algorithm, ttl)
+            except CAError as e:
+                raise CAClientError(e.code, str(e)) from None
+            return CertBundle(chain, key, self.embedded.root_pem)
+        key, csr = await self._run(keys.new_key_and_csr, algorithm, sans)
+        chain = await self.ca_client.sign(csr, ttl, sans[0] if sans else "")
+        return CertBundle(keys.concat_certs(chain).encode(), key, chain[-1].encode())
+
+    def debug_state(self) -> dict:
+        """Mode, socket, CA, streams (peer, names, versions, nonces) and cached certificates."""
+        return {
+            "mode": self.mode,
+            "identity": self.fixed.spiffe_id if self.fixed else None,
+            "socket": self.config.sds_socket,
+            "ca": self.config.ca_addr or "embedded",
+            "ca_port": self.ca_port or None,
+            "ca_issued": self._ca_service.issued if self._ca_service else 0,
+            "streams": self.service.debug_state() if self.service else [],
+            "nacks": self.service.nacks if self.service else 0,
+            **(self.cache.debug_state() if self.cache else {}),
+        }
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def build(ctx: AgentContext) -> SdsServer:
+    """The ``sds`` component for the daemon (always on)."""
+
+    def store():
+        source = ctx.get("config-source")
+        return getattr(source, "store", None) if source is not None else None
+
+    return SdsServer(ctx.config, ctx.run_blocking, store)

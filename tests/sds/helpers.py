@@ -1,0 +1,70 @@
+"""Helpers for SDS tests: an agent config in a tmp state dir, an SDS stream client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
+from envoy.service.discovery.v3 import discovery_pb2
+from envoy.service.secret.v3 import sds_pb2_grpc
+
+from agent import config as agent_config
+from agent.sds.service import SECRET_TYPE
+
+
+def make_config(state_dir, **overrides) -> agent_config.Config:
+    """Defaults, state under ``state_dir``, no config file, plus ``overrides``."""
+    cfg = agent_config.load(flags={"state_dir": str(state_dir)}, env={})
+    overrides.setdefault("workload_certs_dir", str(state_dir / "no-certs"))
+    return cfg.replace(**overrides)
+
+
+def request(names, nonce="", version="", node="sidecar~1.2.3.4~x.ns~ns.svc.cluster.local",
+            type_url=SECRET_TYPE, error=None) -> discovery_pb2.DiscoveryRequest:
+    req = discovery_pb2.DiscoveryRequest(resource_names=list(names), response_nonce=nonce,
+                                         version_info=version, type_url=type_url)
+    if node:
+        req.node.CopyFrom(base_pb2.Node(id=node))
+    if error:
+        req.error_detail.message = error
+    return req
+
+
+def secrets_of(resp) -> dict[str, secret_pb2.Secret]:
+    out = {}
+    for any_ in resp.resources:
+        s = secret_pb2.Secret()
+        any_.Unpack(s)
+        out[s.name] = s
+    return out
+
+
+class Stream:
+    """A bidi StreamSecrets call driven by hand: send() requests, recv() responses."""
+
+    def __init__(self, channel: grpc.aio.Channel, method: str = "StreamSecrets"):
+        stub = sds_pb2_grpc.SecretDiscoveryServiceStub(channel)
+        self.call = getattr(stub, method)()
+
+    async def send(self, req) -> None:
+        await self.call.write(req)
+
+    async def recv(self, timeout: float = 10.0):
+        return await asyncio.wait_for(self.call.read(), timeout)
+
+    async def silent(self, within: float = 0.2) -> bool:
+        """True when nothing arrives within ``within`` seconds."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._peek()), within)
+        except asyncio.TimeoutError:
+            return True
+        return False
+
+    async def _peek(self):
+        self._pending = await self.call.read()
+        return self._pending
+
+    def cancel(self) -> None:
+        self.call.cancel()
