@@ -1,0 +1,144 @@
+"""Pure parsing rules of the status server: ISTIO_KUBE_APP_PROBERS (spec §4.4, case 25),
+ISTIO_PROMETHEUS_ANNOTATIONS (§4.6, case 32), Accept filtering (§4.6, case 31),
+Envoy admin stats readiness messages (§4.3, case 30)."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.status import metrics_merge as mm
+from agent.status import probes, readiness
+
+
+# --- ISTIO_KUBE_APP_PROBERS ---------------------------------------------------------------
+
+@pytest.mark.parametrize("value, message", [
+    ("{not json", "failed to decode"),
+    ('{"abc": {"httpGet": {"port": 80}}}', "invalid path"),
+    ('{"/app-health/c/livez": {"exec": {"command": ["x"]}}}', "invalid prober type"),
+    ('{"/app-health/c/livez": {"httpGet": {"port": 80}, "tcpSocket": {"port": 80}}}',
+     "must be one of type httpGet, tcpSocket or gRPC"),
+    ('{"/app-health/c/livez": {"httpGet": {"port": "80"}}}', "must be int type"),
+    ('{"/app-health/c/livez": {"tcpSocket": {"port": "http"}}}', "must be int type"),
+    ('{"/app-health/c/readyz": {"grpc": {"port": 0}}}', "grpc.port=0"),
+    ('{"/app-health/c/livez": {"httpGet": {"port": 80}, "timeoutSeconds": "1"}}',
+     "timeoutSeconds"),
+    ('[1]', "expected a JSON object"),
+])
+def test_probers_rejected_with_path_and_field(value, message):
+    with pytest.raises(probes.ProberConfigError, match=message):
+        probes.parse_probers(value)
+
+
+def test_probers_accepted_shapes():
+    parsed = probes.parse_probers(
+        '{"/app-health/hello/livez":{"httpGet":{"port":80}},'
+        '"/app-health/hello/readyz":{"httpGet":{"path":"health","port":3333,"scheme":"HTTPS"},'
+        '"timeoutSeconds":2},'
+        '"/app-lifecycle/hello/poststartz":{"tcpSocket":{"port":93}},'
+        '"/app-health/g/startupz":{"gRPC":{"port":50051,"service":null}},'
+        '"/app-health/h/livez":{"HttpGet":{"Port":81,"Path":"/x"}}}')
+    assert parsed["/app-health/hello/livez"] == probes.AppProbe("httpGet", 80, path="/")
+    assert parsed["/app-health/hello/readyz"] == probes.AppProbe(
+        "httpGet", 3333, path="/health", scheme="https", timeout=2.0)
+    assert parsed["/app-lifecycle/hello/poststartz"].kind == "tcpSocket"
+    assert parsed["/app-health/g/startupz"] == probes.AppProbe("grpc", 50051, service="")
+    assert parsed["/app-health/h/livez"] == probes.AppProbe("httpGet", 81, path="/x")
+    assert probes.parse_probers("{}") == {}
+    assert probes.parse_probers(None) == {}
+
+
+# --- ISTIO_PROMETHEUS_ANNOTATIONS ---------------------------------------------------------
+
+def test_annotations_default_target_and_targets():
+    assert mm.parse_annotations('{"scrape":"true"}', 15020) == [mm.ScrapeTarget(80, "/metrics")]
+    assert mm.parse_annotations('{"scrape":"false","port":"8080"}', 15020) == []
+    assert mm.parse_annotations(None, 15020) == []
+    assert mm.parse_annotations(
+        '{"scrape":"true","path":"/metrics","port":"8080","targets":[{"port":"8080",'
+        '"path":"/metrics"},{"port":"9100","path":"/custom"},{"port":9200}]}', 15020) == [
+        mm.ScrapeTarget(8080, "/metrics"), mm.ScrapeTarget(9100, "/custom"),
+        mm.ScrapeTarget(9200, "/metrics")]
+
+
+@pytest.mark.parametrize("port", ["15020", "015020", "15000", "015000", "15090", "15006",
+                                  "abc", "0", "70000", ""])
+def test_annotations_reserved_or_bad_port_rejected(port):
+    with pytest.raises(mm.AnnotationsError, match=r"targets\[0\]\.port"):
+        mm.parse_annotations({"targets": [{"port": port}]}, 15020)
+
+
+def test_annotations_custom_status_port_and_empty_value():
+    with pytest.raises(mm.AnnotationsError, match="reserved"):
+        mm.parse_annotations('{"port":"16000"}', 16000)
+    with pytest.raises(mm.AnnotationsError, match="empty"):
+        mm.parse_annotations(None, 15020, given=True)
+    with pytest.raises(mm.AnnotationsError, match="failed to decode"):
+        mm.parse_annotations("{", 15020)
+
+
+# --- Accept filtering ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("header, expected", [
+    ("", "text/plain;version=0.0.4"),
+    (None, "text/plain;version=0.0.4"),
+    ("/", "text/plain;version=0.0.4"),
+    ("application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;"
+     "encoding=delimited", "text/plain;version=0.0.4"),
+    ("*/*", "text/plain;version=0.0.4;q=0.1"),
+    ("application/*", "application/openmetrics-text;version=0.0.1;q=0.1"),
+    ("application/openmetrics-text;version=1.0.0;q=0.9,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+     "application/openmetrics-text;version=1.0.0;q=0.3,text/plain;version=0.0.4;q=0.2,"
+     "text/plain;version=0.0.4;q=0.1"),
+])
+def test_filter_accept_for_app(header, expected):
+    assert mm.filter_accept(header, mm.APP_ACCEPT) == expected
+
+
+def test_filter_accept_for_envoy_never_openmetrics():
+    got = mm.filter_accept("application/openmetrics-text;version=1.0.0,application/*",
+                           mm.ENVOY_ACCEPT)
+    assert got == "text/plain;version=0.0.4"
+
+
+def test_body_format_and_strip_eof():
+    assert mm.body_format("application/openmetrics-text; version=1.0.0; charset=utf-8") == "om-1.0.0"
+    assert mm.body_format("application/openmetrics-text") == "om-0.0.1"
+    assert mm.body_format("text/plain; version=0.0.4") == "text"
+    assert mm.strip_eof(b"a 1\n# EOF\n") == b"a 1\n"
+    assert mm.strip_eof(b"a 1\n# EOF \t\r\n\n") == b"a 1\n"
+    assert mm.strip_eof(b"a 1") == b"a 1\n"
+    assert mm.strip_eof(b"# EOF\n") == b""
+
+
+def test_dedup_drops_repeated_metadata_only():
+    d = mm.MetadataDedup()
+    assert d.filter(b"# HELP a A\n# TYPE a counter\na_total 1\n") == \
+        b"# HELP a A\n# TYPE a counter\na_total 1\n"
+    assert d.filter(b"# HELP a again\n# TYPE a counter\na_total{x=\"1\"} 2\n# TYPE b gauge\nb 1\n") == \
+        b"a_total{x=\"1\"} 2\n# TYPE b gauge\nb 1\n"
+
+
+# --- Envoy admin stats → readiness messages -----------------------------------------------
+
+def test_envoy_config_messages():
+    summary = "cds updates: 0 successful, 0 rejected; lds updates: 1 successful, 0 rejected"
+    assert readiness.config_error(readiness.parse_stats(
+        "listener_manager.lds.update_success: 1\n")) == \
+        f"config not fully received from XDS server: {summary}"
+    assert readiness.config_error({}).startswith(
+        "config not received from XDS server (is Istiod running?): cds updates: 0")
+    assert readiness.config_error(readiness.parse_stats(
+        "cluster_manager.cds.update_rejected: 1\nlistener_manager.lds.update_success: 1\n")
+    ).startswith("config received from XDS server, but was rejected:")
+    assert readiness.config_error(readiness.parse_stats(
+        "cluster_manager.cds.update_success: 2\nlistener_manager.lds.update_success: 1\n")) is None
+
+
+def test_envoy_live_messages():
+    assert readiness.live_error("server.state: 0\nlistener_manager.workers_started: 0\n") == \
+        "workers have not yet started"
+    assert readiness.live_error("server.state: 3\nlistener_manager.workers_started: 0\n") == \
+        "server is not live, current state is: INITIALIZING"
+    assert readiness.live_error("server.state: 0\nlistener_manager.workers_started: 1\n") is None
+    assert "missing" in readiness.live_error("")

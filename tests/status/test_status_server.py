@@ -1,0 +1,269 @@
+"""The status server end to end on loopback: readiness, the node-agent health port,
+quit/drain, /debug, the merged metrics (with real local aiohttp apps as metrics
+targets and a fake Envoy admin serving canned stats: where noted, the real Envoy is in
+tests/peers/test_status_envoy.py), and the ``ambient-agent status`` CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
+from prometheus_client.parser import text_string_to_metric_families as text_parse
+
+from agent import cli as agent_cli
+from agent.config import ConfigError
+from agent.status import metrics_merge
+from tests.status.conftest import FakeComponent, free_port, running_status, serve_app
+
+OM_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+
+
+async def request(method: str, url: str, raw: bool = False, **kw) -> tuple[int, dict, bytes]:
+    """One request; ``raw`` keeps a compressed body compressed."""
+    async with aiohttp.ClientSession(auto_decompress=not raw) as c:
+        async with c.request(method, url, **kw) as r:
+            return r.status, dict(r.headers), await r.read()
+
+
+async def test_readiness_follows_components_and_shutdown(tmp_path):
+    zds = FakeComponent("zds", ok=False, why="no ztunnel connected")
+    async with running_status(tmp_path, [zds]) as (ctx, server):
+        url = f"http://127.0.0.1:{server.port}/healthz/ready"
+        status, _, body = await request("GET", url)
+        assert (status, body) == (503, b"zds: no ztunnel connected\n")
+        health = f"http://127.0.0.1:{server.health_port}"
+        assert (await request("GET", health + "/healthz"))[0] == 200
+        status, _, body = await request("GET", health + "/readyz")
+        assert status == 503 and body.startswith(b"Service Unavailable")
+        zds.ok = True
+        assert (await request("GET", url))[:1] == (200,)
+        assert (await request("GET", health + "/readyz"))[0] == 200
+        zds.ok = False  # not latched: flips back
+        assert (await request("GET", health + "/readyz"))[0] == 503
+        zds.ok = True
+        ctx.draining = True
+        assert (await request("GET", url))[2] == b"agent is draining\n"
+        ctx.draining = False
+        ctx.request_shutdown("test")
+        status, _, body = await request("GET", url)
+        assert status == 503 and body.startswith(b"server is terminated")
+
+
+async def test_quit_and_drain_from_loopback(tmp_path):
+    async with running_status(tmp_path) as (ctx, server):
+        base = f"http://127.0.0.1:{server.port}"
+        assert (await request("GET", base + "/quitquitquit"))[0] == 405
+        assert (await request("GET", base + "/drain"))[0] == 405
+        assert not ctx.shutdown.is_set()
+        status, _, body = await request("POST", base + "/drain")
+        assert (status, body) == (200, b"OK") and ctx.draining
+        status, _, body = await request("POST", base + "/quitquitquit")
+        assert (status, body) == (200, b"OK")
+        await asyncio.wait_for(ctx.shutdown.wait(), 2)
+        assert server.shutdown_cause == "/quitquitquit called"
+
+
+async def test_quit_over_ipv6_loopback(tmp_path):
+    async with running_status(tmp_path, status_address="::1") as (ctx, server):
+        status, _, _ = await request("POST", f"http://[::1]:{server.port}/quitquitquit")
+        assert status == 200
+        await asyncio.wait_for(ctx.shutdown.wait(), 2)
+
+
+async def test_debug_endpoints(tmp_path):
+    pods = FakeComponent("enrollment", {"pods": [{"uid": "u1", "name": "p", "status": "enrolled"}]})
+    broken = FakeComponent("sds", RuntimeError("boom"))
+    async with running_status(tmp_path, [pods, broken]) as (ctx, server):
+        base = f"http://127.0.0.1:{server.port}"
+        status, headers, body = await request("GET", base + "/debug")
+        index = json.loads(body)
+        assert status == 200 and headers["Content-Type"].startswith("application/json")
+        assert "/debug/pods" in index["endpoints"] and index["components"] == [
+            "enrollment", "sds", "status"]
+        assert body.startswith(b"{\n  ")  # pretty
+        config = json.loads((await request("GET", base + "/debug/config"))[2])
+        assert config["status_port"] == {"value": 0, "source": "env STATUS_PORT"}
+        comps = json.loads((await request("GET", base + "/debug/components"))[2])
+        assert comps["status"]["ready"] is True
+        assert json.loads((await request("GET", base + "/debug/pods"))[2])["pods"][0]["uid"] == "u1"
+        status, _, body = await request("GET", base + "/debug/sds")
+        assert status == 500 and "boom" in json.loads(body)["error"]
+        status, _, body = await request("GET", base + "/debug/xds")
+        assert status == 404 and "'xds' is not running" in json.loads(body)["error"]
+        status, _, body = await request("GET", base + "/debug/component/status")
+        assert status == 200 and json.loads(body)["port"] == server.port
+        assert (await request("GET", base + "/debug/nothing"))[0] == 404
+        doc = json.loads((await request("GET", base + "/debug/all"))[2])
+        assert doc["sds"]["error"] == "RuntimeError: boom" and doc["xds"]["missing"]
+        # the server survived the failing component
+        assert (await request("GET", base + "/debug/pods"))[0] == 200
+
+
+async def test_status_cli(tmp_path, capsys):
+    pods = FakeComponent("enrollment", {"pods": [
+        {"uid": "u1", "name": "web-1", "namespace": "default", "status": "enrolled"},
+        {"uid": "u2", "name": "db-0", "namespace": "data", "status": "pending"}]})
+    zds = FakeComponent("zds", [{"ztunnel": "conn-1", "pods": ["u1"]}])
+    async with running_status(tmp_path, [pods, zds]) as (_, server):
+        code = await asyncio.to_thread(
+            agent_cli.main, ["status", "--addr", f"http://127.0.0.1:{server.port}"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Enrolled pods (2)" in out and "web-1" in out and "NAMESPACE" in out
+    assert "ZDS connections (ztunnels) (1)" in out and "conn-1" in out
+    assert "SDS certificates: not running in this agent" in out
+    code = await asyncio.to_thread(
+        agent_cli.main, ["status", "--addr", f"http://127.0.0.1:{free_port()}"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("ambient-agent status: no agent answering at")
+    assert err.count("\n") == 1
+
+
+# --- merged metrics ---------------------------------------------------------------------
+
+ENVOY_TEXT = (b"# TYPE envoy_cluster_upstream_cx_total counter\n"
+              b"envoy_cluster_upstream_cx_total{envoy_cluster_name=\"x\"} 3\n"
+              b"# TYPE envoy_server_live gauge\nenvoy_server_live 1")  # no final newline
+APP_TEXT = (b"# HELP app_requests_total Requests.\n# TYPE app_requests_total counter\n"
+            b"app_requests_total 7\n")
+APP_OM = (b"# HELP app_jobs Jobs.\n# TYPE app_jobs counter\napp_jobs_total 1.0\n# EOF\n")
+APP_OM2 = (b"# HELP app_jobs Jobs.\n# TYPE app_jobs counter\napp_jobs_total{k=\"b\"} 2.0\n"
+           b"# TYPE app_temp gauge\napp_temp 21.5\n# EOF\n")
+
+
+def metrics_app(routes: dict[str, tuple[int, bytes, str]], seen: list) -> web.Application:
+    async def handle(request: web.Request) -> web.Response:
+        seen.append(dict(request.headers) | {"path_qs": request.path_qs})
+        status, body, ctype = routes[request.path]
+        return web.Response(status=status, body=body, headers={"Content-Type": ctype})
+
+    app = web.Application()
+    for path in routes:
+        app.router.add_get(path, handle)
+    return app
+
+
+TEXT_CT = "text/plain; version=0.0.4; charset=utf-8"
+OM_CT = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+
+
+async def scrape(server, accept: str | None = None, query: str = "", raw: bool = False,
+                 **headers):
+    if accept is not None:
+        headers["Accept"] = accept
+    return await request("GET", f"http://127.0.0.1:{server.port}/stats/prometheus{query}",
+                         raw=raw, headers=headers)
+
+
+async def test_metrics_envoy_then_app_text(tmp_path):
+    seen: list = []
+    routes = {"/stats/prometheus": (200, ENVOY_TEXT, TEXT_CT), "/metrics": (200, APP_TEXT, TEXT_CT)}
+    async with serve_app(metrics_app(routes, seen)) as port:
+        env = {"ISTIO_PROMETHEUS_ANNOTATIONS": json.dumps({"scrape": "true", "port": str(port)})}
+        async with running_status(tmp_path, env=env, envoy_admin_port=port) as (_, server):
+            status, headers, body = await scrape(
+                server, "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily",
+                "?usedonly", **{"User-Agent": "Prometheus/2.42",
+                                "X-Prometheus-Scrape-Timeout-Seconds": "5"})
+    assert status == 200 and headers["Content-Type"] == TEXT_CT
+    text = body.decode()
+    assert text.index("istio_agent_scrapes_total") < text.index("envoy_server_live") \
+        < text.index("app_requests_total")
+    assert "envoy_server_live 1\n" in text  # final newline repaired
+    names = {f.name for f in text_parse(text)}
+    assert {"istio_agent_scrapes", "envoy_cluster_upstream_cx", "app_requests"} <= names
+    envoy_req, app_req = seen
+    assert envoy_req["path_qs"] == "/stats/prometheus?usedonly"  # query passed to Envoy only
+    assert app_req["path_qs"] == "/metrics"
+    for req in seen:  # protobuf never forwarded
+        assert req["Accept"] == "text/plain;version=0.0.4"
+        assert req["User-Agent"] == "Prometheus/2.42"
+        assert req["X-Prometheus-Scrape-Timeout-Seconds"] == "5"
+
+
+async def test_metrics_failing_sources_counted_not_fatal(tmp_path):
+    seen: list = []
+    routes = {"/stats/prometheus": (500, b"oops", "text/plain"), "/metrics": (200, APP_TEXT, TEXT_CT)}
+    async with serve_app(metrics_app(routes, seen)) as port:
+        env = {"ISTIO_PROMETHEUS_ANNOTATIONS": json.dumps({"targets": [
+            {"port": str(port)}, {"port": str(free_port())}]})}
+        async with running_status(tmp_path, env=env, envoy_admin_port=port) as (ctx, server):
+            status, _, body = await scrape(server)
+            failures = {kind: ctx.registry.get_sample_value(
+                "istio_agent_scrape_failures_total", {"type": kind})
+                for kind in ("envoy", "application")}
+    assert status == 200
+    assert failures == {"envoy": 1.0, "application": 1.0}
+    families = {f.name: f for f in text_parse(body.decode())}
+    assert "app_requests" in families and b"oops" not in body
+
+
+async def test_metrics_openmetrics_two_targets_one_eof(tmp_path):
+    seen: list = []
+    routes = {"/stats/prometheus": (200, ENVOY_TEXT, TEXT_CT), "/a": (200, APP_OM, OM_CT),
+              "/b": (200, APP_OM2, OM_CT), "/t": (200, APP_TEXT, TEXT_CT)}
+    async with serve_app(metrics_app(routes, seen)) as port:
+        env = {"ISTIO_PROMETHEUS_ANNOTATIONS": json.dumps({"targets": [
+            {"port": str(port), "path": "/a"}, {"port": str(port), "path": "/b"}]})}
+        async with running_status(tmp_path, env=env, envoy_admin_port=port) as (_, server):
+            status, headers, body = await scrape(server, "application/openmetrics-text;"
+                                                 "version=1.0.0,text/plain;version=0.0.4;q=0.5")
+    assert status == 200 and headers["Content-Type"] == OM_CT
+    text = body.decode()
+    assert text.count("# EOF") == 1 and text.endswith("# EOF\n")
+    assert text.count("# TYPE app_jobs counter") == 1 and text.count("# HELP app_jobs") == 1
+    fams = {f.name: f for f in om_parse(text)}  # the whole body is valid OpenMetrics
+    assert len(fams["app_jobs"].samples) == 2 and "envoy_server_live" in fams
+    assert seen[1]["Accept"].startswith("application/openmetrics-text;version=1.0.0;q=0.2")
+    assert seen[0]["Accept"] == "text/plain;version=0.0.4;q=0.1"  # Envoy: text only
+
+
+async def test_metrics_mixed_formats_fall_back_to_text(tmp_path):
+    routes = {"/a": (200, APP_OM, OM_CT), "/t": (200, APP_TEXT, TEXT_CT)}
+    async with serve_app(metrics_app(routes, [])) as port:
+        env = {"ISTIO_PROMETHEUS_ANNOTATIONS": json.dumps({"targets": [
+            {"port": str(port), "path": "/a"}, {"port": str(port), "path": "/t"}]})}
+        async with running_status(tmp_path, env=env) as (_, server):
+            status, headers, body = await scrape(server, "application/*")
+    assert headers["Content-Type"] == TEXT_CT and b"# EOF" not in body
+
+
+async def test_metrics_body_cap_drops_target(tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics_merge, "APP_BODY_CAP", 100)
+    body100 = b"# TYPE a gauge\n" + b"a " + b"1" * 82 + b"\n"
+    assert len(body100) == 100
+    routes = {"/ok": (200, body100, TEXT_CT), "/big": (200, body100 + b"\n", TEXT_CT)}
+    async with serve_app(metrics_app(routes, [])) as port:
+        env = {"ISTIO_PROMETHEUS_ANNOTATIONS": json.dumps({"targets": [
+            {"port": str(port), "path": "/ok"}, {"port": str(port), "path": "/big"}]})}
+        async with running_status(tmp_path, env=env) as (_, server):
+            _, _, body = await scrape(server)
+    text = body.decode()
+    assert text.count("# TYPE a gauge") == 1
+    assert 'istio_agent_scrape_failures_total{type="application"} 1.0' in text
+
+
+async def test_metrics_gzip_and_localhost_only(tmp_path):
+    async with running_status(tmp_path, metrics_localhost_only=True) as (_, server):
+        status, headers, body = await scrape(server, raw=True, **{"Accept-Encoding": "gzip"})
+        assert status == 200 and headers.get("Content-Encoding") == "gzip"
+        assert b"istio_agent_scrapes_total" in gzip.decompress(body)
+
+
+@pytest.mark.parametrize("value", ['{"targets":[{"port":"015020"}]}', '{"port":"15090"}'])
+async def test_bad_annotations_stop_start_up(tmp_path, value):
+    with pytest.raises(ConfigError, match="prometheus_annotations"):
+        async with running_status(tmp_path, env={"ISTIO_PROMETHEUS_ANNOTATIONS": value}):
+            pass
+
+
+async def test_listen_failure_is_one_line_config_error(tmp_path):
+    async with running_status(tmp_path) as (_, first):
+        with pytest.raises(ConfigError, match="status_port.*cannot listen"):
+            async with running_status(tmp_path, status_port=first.port):
+                pass
