@@ -22,6 +22,7 @@ from agent import config as agent_config
 # name -> (module, help). The module provides add_arguments(parser) and main(args).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "status": ("agent.status.cli", "show a running agent's pods, ztunnels, certificates, xDS clients"),
+    "cni": ("cni.install", "install or uninstall the istio-cni plugin and its conflist entry"),
 }
 
 

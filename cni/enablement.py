@@ -1,0 +1,134 @@
+"""Is this pod ambient? The agent's decision for a CNI ADD.
+
+Istio's rules (spec ``cni-zds.md`` §2.4, ``cni/pkg/util/enablement_selector.go``), in
+order: a pod in an excluded namespace is never ambient; a host-network pod is never
+ambient; a pod with the ``sidecar.istio.io/status`` annotation (a sidecar pod) is never
+ambient; otherwise it is ambient when any enablement selector matches (pod selector
+on the pod's labels AND namespace selector on its namespace's labels). The default
+selectors make a pod ambient when it carries ``istio.io/dataplane-mode=ambient``, or
+its namespace does and the pod is not labelled ``istio.io/dataplane-mode=none``.
+
+Our addition: on a host without Kubernetes there is no Pod object; then the
+network's plugin config decides (``ambient_default``) and the pod is named by its
+container ID (:attr:`cni.events.CniPodEvent.key`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+from cni.events import CniPodEvent
+
+DATAPLANE_MODE_LABEL = "istio.io/dataplane-mode"
+SIDECAR_STATUS_ANNOTATION = "sidecar.istio.io/status"
+
+DEFAULT_SELECTORS: list[dict[str, Any]] = [
+    {"podSelector": {"matchLabels": {DATAPLANE_MODE_LABEL: "ambient"}}},
+    {"podSelector": {"matchExpressions": [
+        {"key": DATAPLANE_MODE_LABEL, "operator": "NotIn", "values": ["none"]}]},
+     "namespaceSelector": {"matchLabels": {DATAPLANE_MODE_LABEL: "ambient"}}},
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """``ambient``: enroll or not; ``reason``: one human line; ``pod``: the Pod object used."""
+
+    ambient: bool
+    reason: str
+    pod: dict | None = None
+
+
+def label_selector_matches(selector: dict | None, labels: dict | None) -> bool:
+    """Kubernetes LabelSelector semantics: ``matchLabels`` AND every ``matchExpressions``
+    entry (operators In, NotIn, Exists, DoesNotExist). An empty/None selector matches all.
+
+    Raises ValueError naming the operator or field when the selector is malformed.
+    """
+    labels = labels or {}
+    if not selector:
+        return True
+    for key, value in (selector.get("matchLabels") or {}).items():
+        if labels.get(key) != value:
+            return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op = expr.get("key"), expr.get("operator")
+        values = expr.get("values") or []
+        if not isinstance(key, str):
+            raise ValueError(f"matchExpressions key must be a string, got {key!r}")
+        if op == "In":
+            ok = key in labels and labels[key] in values
+        elif op == "NotIn":
+            ok = key not in labels or labels[key] not in values
+        elif op == "Exists":
+            ok = key in labels
+        elif op == "DoesNotExist":
+            ok = key not in labels
+        else:
+            raise ValueError(f"matchExpressions operator must be In, NotIn, Exists or "
+                             f"DoesNotExist, got {op!r}")
+        if not ok:
+            return False
+    return True
+
+
+def pod_matches(pod: dict, namespace_labels: dict | None,
+                selectors: Iterable[dict] = DEFAULT_SELECTORS) -> tuple[bool, str]:
+    """Istio's ``Matches(pod, nsLabels)``; returns ``(ambient, reason)``."""
+    spec = pod.get("spec") or {}
+    meta = pod.get("metadata") or {}
+    if spec.get("hostNetwork"):
+        return False, "host-network pod"
+    if SIDECAR_STATUS_ANNOTATION in (meta.get("annotations") or {}):
+        return False, f"sidecar pod (annotation {SIDECAR_STATUS_ANNOTATION})"
+    labels = meta.get("labels") or {}
+    for sel in selectors:
+        if (label_selector_matches(sel.get("podSelector"), labels)
+                and label_selector_matches(sel.get("namespaceSelector"), namespace_labels)):
+            return True, f"matches enablement selector {sel}"
+    mode = labels.get(DATAPLANE_MODE_LABEL)
+    return False, (f"pod label {DATAPLANE_MODE_LABEL}={mode}" if mode
+                   else "no enablement selector matches")
+
+
+def split_exclude_namespaces(text: str) -> list[str]:
+    """``" a , b ,, "`` -> ``["a", "b"]`` (Istio's SplitExcludeNamespaces)."""
+    return [p.strip() for p in (text or "").split(",") if p.strip()]
+
+
+def find_pod(store: Any, event: CniPodEvent) -> dict | None:
+    """The Pod object for the event: by UID when given, else by namespace/name; None if absent."""
+    if store is None:
+        return None
+    if event.pod_uid:
+        pod = store.pod_by_uid(event.pod_uid)
+        if pod is not None:
+            return pod
+    if event.pod_namespace and event.pod_name:
+        return store.get("Pod", event.pod_namespace, event.pod_name)
+    return None
+
+
+def decide(event: CniPodEvent, store: Any, exclude_namespaces: Iterable[str],
+           selectors: Iterable[dict] = DEFAULT_SELECTORS, pod: dict | None = None) -> Decision:
+    """Decide for one ADD. ``store`` is an :class:`ambient.api.ObjectStore` or None;
+    ``pod`` may be passed when the caller already looked it up.
+
+    Raises ValueError for a malformed selector (a config error, reported to the plugin).
+    """
+    namespace = event.pod_namespace
+    if pod is not None:
+        namespace = (pod.get("metadata") or {}).get("namespace") or namespace
+    if namespace and namespace in set(exclude_namespaces):
+        return Decision(False, f"namespace {namespace} is excluded", pod)
+    if pod is None:
+        pod = find_pod(store, event)
+    if pod is None:
+        if event.ambient_default:
+            return Decision(True, "no Pod object; plugin config ambient_default is true")
+        return Decision(False, "no Pod object and plugin config ambient_default is not true")
+    ns_obj = store.get("Namespace", "", namespace) if (store is not None and namespace) else None
+    ns_labels = ((ns_obj or {}).get("metadata") or {}).get("labels") or {}
+    ambient, reason = pod_matches(pod, ns_labels, selectors)
+    return Decision(ambient, reason, pod)

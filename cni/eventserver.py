@@ -1,0 +1,260 @@
+"""The agent's CNI event server (component ``cni-events``): where ``istio-cni`` asks.
+
+HTTP/1.1 (aiohttp) on the Unix socket ``config.cni_event_socket`` (default
+``<state dir>/pluginevent.sock``, mode 0600, parent 0700 when we create it). Istio's
+listener is 0666 (spec ``cni-zds.md`` §3.4); ours is 0600 because only the runtime
+(root) runs the plugin, and the socket triggers netns work.
+
+Routes (the body is a :class:`cni.events.CniPodEvent` JSON):
+
+- ``POST /cmdadd``: decide "is this pod ambient" (:mod:`cni.enablement`); if yes, await
+  ``ctx.get("enrollment").enroll(event)`` and answer only when the pod is enrolled, so
+  no pod starts outside the mesh by accident. 200 ``{"ambient": bool, "reason": str}``;
+  400 malformed event (message names the field); 500 enrollment failed or impossible
+  (the reason becomes the plugin's CNI error); 503 the agent is shutting down (the
+  plugin maps it to "try again later").
+- ``POST /cmddel``: await ``enrollment.unenroll(event)`` (best effort). 200 or 500.
+- ``GET /healthz``: 200 while serving, 503 while draining (the plugin's STATUS).
+
+ADD and DEL of one pod (:attr:`CniPodEvent.key`) are serialised. An enrollment
+already running is not cancelled when the plugin gives up (its 5 s timeout): a
+half-applied enrollment is worse than a complete one that the runtime's following
+DEL undoes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import Counter, Histogram
+
+from agent.lifecycle import AgentContext, Component
+from cni import enablement
+from cni.events import CniPodEvent, EventError
+
+log = logging.getLogger("cni.events")
+
+POD_LOOKUP_RETRIES = 10  # Istio: a just-created pod may be missing from a stale cache
+POD_LOOKUP_INTERVAL = 0.01
+
+
+def _enrollment_error() -> type[BaseException] | None:
+    try:
+        from cni.enrollment import EnrollmentError
+    except ImportError:
+        return None
+    return EnrollmentError
+
+
+class CniEventServer(Component):
+    """The ``cni-events`` component. ``socket_path``: where to listen (str)."""
+
+    name = "cni-events"
+
+    def __init__(self, ctx: AgentContext, socket_path: str):
+        self.ctx = ctx
+        self.socket_path = socket_path
+        self._runner: web.AppRunner | None = None
+        self._locks: dict[str, list] = {}  # key -> [lock, users]
+        self._inflight: dict[str, str] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._stats = {"add": 0, "add_ambient": 0, "add_failed": 0, "del": 0, "bad": 0}
+        self.requests = Counter(
+            "istio_cni_plugin_requests", "CNI plugin requests by command and HTTP response code",
+            ["command", "response_code"], registry=ctx.registry)
+        self.add_seconds = Histogram(
+            "ambient_cni_add_seconds", "time from CNI ADD request to answer, seconds",
+            registry=ctx.registry, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+
+    # --- lifecycle ---
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_post("/cmdadd", self._handle_add)
+        app.router.add_post("/cmddel", self._handle_del)
+        app.router.add_get("/healthz", self._handle_healthz)
+        parent = os.path.dirname(self.socket_path)
+        if not os.path.isdir(parent):
+            os.makedirs(parent, mode=0o700, exist_ok=True)
+        try:
+            os.unlink(self.socket_path)  # stale socket of a previous run
+        except FileNotFoundError:
+            pass
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await web.UnixSite(self._runner, self.socket_path).start()
+        os.chmod(self.socket_path, 0o600)
+        log.info("CNI event server listening on %s", self.socket_path)
+
+    async def stop(self, grace: float) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=grace)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+
+    def ready(self) -> tuple[bool, str]:
+        if self._runner is None:
+            return False, "not listening"
+        return True, ""
+
+    def debug_state(self) -> Any:
+        return {"socket": self.socket_path, "in_flight": dict(self._inflight), **self._stats}
+
+    # --- handlers ---
+
+    async def _read_event(self, request: web.Request, command: str) -> CniPodEvent:
+        body = await request.read()
+        if not body:
+            raise web.HTTPBadRequest(text="empty request body; expected a CNI pod event JSON")
+        try:
+            data = json.loads(body)
+        except ValueError as e:
+            raise web.HTTPBadRequest(text=f"malformed JSON in CNI pod event: {e}") from None
+        try:
+            event = CniPodEvent.from_json(data)
+        except EventError as e:
+            raise web.HTTPBadRequest(text=f"invalid CNI pod event: {e}") from None
+        if event.command != command:
+            raise web.HTTPBadRequest(
+                text=f"invalid CNI pod event: field 'command' is {event.command!r} "
+                     f"on {request.path}; expected {command!r}")
+        return event
+
+    def _respond(self, command: str, status: int, body: dict | str) -> web.Response:
+        self.requests.labels(command, str(status)).inc()
+        if isinstance(body, dict):
+            return web.json_response(body, status=status)
+        return web.Response(text=body, status=status)
+
+    async def _handle_add(self, request: web.Request) -> web.Response:
+        started = time.monotonic()
+        try:
+            event = await self._read_event(request, "ADD")
+        except web.HTTPBadRequest as e:
+            self._stats["bad"] += 1
+            log.warning("rejected CNI ADD: %s", e.text)
+            return self._respond("ADD", 400, e.text or "bad request")
+        self._stats["add"] += 1
+        if self.ctx.draining:
+            return self._respond("ADD", 503, "node agent is shutting down; try again later")
+        try:
+            status, body = await self._run_serialised(event, self._add(event))
+        finally:
+            self.add_seconds.observe(time.monotonic() - started)
+        return self._respond("ADD", status, body)
+
+    async def _add(self, event: CniPodEvent) -> tuple[int, dict | str]:
+        name = _pod_name(event)
+        try:
+            decision = await self._decide(event)
+        except ValueError as e:
+            return 500, f"cannot decide whether pod {name} is ambient: {e}"
+        if not decision.ambient:
+            log.info("pod %s is not ambient (%s): not enrolled", name, decision.reason)
+            return 200, {"ambient": False, "reason": decision.reason}
+        enrollment = self.ctx.get("enrollment")
+        if enrollment is None:
+            self._stats["add_failed"] += 1
+            return 500, (f"pod {name} should be enrolled in ambient mode ({decision.reason}) but "
+                         f"this agent runs no enrollment component")
+        try:
+            await enrollment.enroll(event)  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001 - one bad pod never stops the server
+            self._stats["add_failed"] += 1
+            known = _enrollment_error()
+            if known is not None and isinstance(e, known):
+                reason = str(e)
+            else:
+                log.exception("enrollment of pod %s crashed", name)
+                reason = f"internal error: {type(e).__name__}: {e}"
+            log.warning("enrollment of pod %s failed: %s", name, reason)
+            return 500, f"enrollment of pod {name} failed: {reason}"
+        self._stats["add_ambient"] += 1
+        log.info("pod %s enrolled (%s)", name, decision.reason)
+        return 200, {"ambient": True, "reason": decision.reason}
+
+    async def _decide(self, event: CniPodEvent) -> enablement.Decision:
+        source = self.ctx.get("config-source")
+        store = getattr(source, "store", None)
+        exclude = self.ctx.config.exclude_namespaces
+        pod = enablement.find_pod(store, event)
+        # a pod the runtime is creating right now may not have reached a watch cache yet
+        if pod is None and store is not None and event.pod_namespace and event.pod_name:
+            for _ in range(POD_LOOKUP_RETRIES):
+                await asyncio.sleep(POD_LOOKUP_INTERVAL)
+                pod = enablement.find_pod(store, event)
+                if pod is not None:
+                    break
+        return enablement.decide(event, store, exclude, pod=pod)
+
+    async def _handle_del(self, request: web.Request) -> web.Response:
+        try:
+            event = await self._read_event(request, "DEL")
+        except web.HTTPBadRequest as e:
+            self._stats["bad"] += 1
+            return self._respond("DEL", 400, e.text or "bad request")
+        self._stats["del"] += 1
+        status, body = await self._run_serialised(event, self._del(event))
+        return self._respond("DEL", status, body)
+
+    async def _del(self, event: CniPodEvent) -> tuple[int, dict | str]:
+        enrollment = self.ctx.get("enrollment")
+        if enrollment is None:
+            return 200, {"unenrolled": False, "reason": "no enrollment component"}
+        try:
+            await enrollment.unenroll(event)  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001
+            log.warning("unenrolling pod %s failed: %s", _pod_name(event), e)
+            return 500, f"unenrolling pod {_pod_name(event)} failed: {e}"
+        return 200, {"unenrolled": True}
+
+    async def _run_serialised(self, event: CniPodEvent, work) -> tuple[int, dict | str]:
+        """Run ``work`` under the pod's lock in its own task, shielded from the plugin
+        hanging up: the request may be cancelled, the enrollment is not."""
+        entry = self._locks.setdefault(event.key, [asyncio.Lock(), 0])
+        entry[1] += 1  # users of this pod's lock; dropped from the map at zero
+
+        async def locked():
+            try:
+                async with entry[0]:
+                    self._inflight[event.key] = event.command
+                    try:
+                        return await work
+                    finally:
+                        self._inflight.pop(event.key, None)
+            finally:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    self._locks.pop(event.key, None)
+
+        task = asyncio.get_running_loop().create_task(locked())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    async def _handle_healthz(self, request: web.Request) -> web.Response:
+        if self.ctx.draining:
+            return self._respond("STATUS", 503, "draining")
+        return self._respond("STATUS", 200, "ok")
+
+
+def _pod_name(event: CniPodEvent) -> str:
+    if event.pod_namespace and event.pod_name:
+        return f"{event.pod_namespace}/{event.pod_name} ({event.key})"
+    return event.key
+
+
+def build(ctx: AgentContext) -> CniEventServer:
+    """Builder for ``agent.daemon.COMPONENT_BUILDERS``: always on."""
+    return CniEventServer(ctx, ctx.config.cni_event_socket)

@@ -1,0 +1,119 @@
+"""The ``cni-installer`` component: install at start, keep the chain intact, uninstall at stop.
+
+Istio's loop (spec ``cni-zds.md`` §5.5): install, then forever watch the CNI conf dir
+and the bin dir; on any change re-check and reinstall when the primary CNI rewrote
+its file without us (or removed our launcher). A throttle (at most one repair per
+``REPAIR_INTERVAL`` seconds after ``BURST`` quick ones) doubles as Istio's loop
+detector: another component that keeps reverting the file gets a warning, not a
+busy loop. ``watchfiles`` watches directories, so a file replaced by rename (how CNIs
+write) is seen, unlike a per-file fsnotify watch.
+
+When there is no primary config yet (the node's CNI starts after us), the component
+is not ready and installs as soon as one appears.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+from agent.lifecycle import AgentContext, Component
+from cni import conflist
+from cni.install import Installer, NoPrimaryConfig
+
+log = logging.getLogger("cni.install")
+
+BURST = 5
+REPAIR_INTERVAL = 1.0
+WATCH_DEBOUNCE_MS = 50
+
+
+class CniInstallerComponent(Component):
+    """Owns ``installer``'s files while the agent runs."""
+
+    name = "cni-installer"
+
+    def __init__(self, ctx: AgentContext, installer: Installer):
+        self.ctx = ctx
+        self.installer = installer
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._problem: str | None = "not installed yet"
+        self.repairs = 0
+        self._recent: list[float] = []
+
+    async def start(self) -> None:
+        os.makedirs(self.installer.conf_dir, mode=0o755, exist_ok=True)
+        await self._reconcile("start")
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def stop(self, grace: float) -> None:
+        self._stop.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout=grace)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+        for line in await self.ctx.run_blocking(self.installer.uninstall):
+            log.info("%s", line)
+
+    def ready(self) -> tuple[bool, str]:
+        return (self._problem is None), (self._problem or "")
+
+    def debug_state(self) -> Any:
+        return {"conf_dir": self.installer.conf_dir, "bin_dir": self.installer.bin_dir,
+                "problem": self._problem, "repairs": self.repairs}
+
+    async def _reconcile(self, why: str) -> None:
+        """Check; install if needed. Never raises: a bad file is logged and waited out."""
+        problem = await self.ctx.run_blocking(self.installer.check)
+        if problem is None:
+            self._problem = None
+            return
+        await self._throttle()
+        try:
+            path = await self.ctx.run_blocking(self.installer.install)
+        except NoPrimaryConfig as e:
+            self._problem = str(e)
+            log.warning("cannot install istio-cni yet: %s", e)
+            return
+        except (conflist.ConflistError, OSError) as e:
+            self._problem = str(e)
+            log.error("cannot install istio-cni: %s", e)
+            return
+        if why != "start":
+            self.repairs += 1
+            log.info("repaired istio-cni in %s (%s)", path, problem)
+        self._problem = await self.ctx.run_blocking(self.installer.check)
+
+    async def _throttle(self) -> None:
+        now = time.monotonic()
+        self._recent = [t for t in self._recent if now - t < BURST * REPAIR_INTERVAL] + [now]
+        if len(self._recent) > BURST:
+            log.warning("istio-cni config rewritten %d times in %.0fs: another component keeps "
+                        "reverting %s (with Cilium set cni.exclusive=false)", len(self._recent),
+                        BURST * REPAIR_INTERVAL, self.installer.conf_dir)
+            await asyncio.sleep(REPAIR_INTERVAL)
+
+    async def _watch(self) -> None:
+        import watchfiles
+
+        paths = [self.installer.conf_dir, self.installer.bin_dir]
+        while not self._stop.is_set():
+            try:
+                for p in paths:
+                    os.makedirs(p, mode=0o755, exist_ok=True)
+                # re-check whenever the watch (re)starts: changes while it was down count
+                await self._reconcile("watch")
+                async for _changes in watchfiles.awatch(
+                        *paths, stop_event=self._stop, debounce=WATCH_DEBOUNCE_MS, step=20,
+                        recursive=False, rust_timeout=1000, yield_on_timeout=False):
+                    await self._reconcile("change")
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - keep watching; the agent must not die
+                log.exception("CNI config watch failed; restarting it")
+                await asyncio.sleep(REPAIR_INTERVAL)
