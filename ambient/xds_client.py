@@ -122,9 +122,8 @@ class DeltaXdsClient:
         if self.token:
             metadata.append(("authorization", f"Bearer {self.token}"))
         stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(self._channel)
-        call = stub.DeltaAggregatedResources(self._requests(self._outbox),
-                                             metadata=metadata or None)
-        self._task = asyncio.create_task(self._receive(call))
+        call = stub.DeltaAggregatedResources(metadata=metadata or None)
+        self._task = asyncio.create_task(self._run(call, self._outbox))
         return self
 
     async def reconnect(self) -> "DeltaXdsClient":
@@ -150,20 +149,30 @@ class DeltaXdsClient:
         await self.close()
 
     @staticmethod
-    async def _requests(outbox: asyncio.Queue):
-        while True:
-            req = await outbox.get()
-            if req is None:
-                return
-            yield req
+    async def _write(call, outbox: asyncio.Queue) -> None:
+        # Explicit writes (not a request iterator): when the server ends the stream, a
+        # failing write must not mask the server's status, which the reader reports.
+        with contextlib.suppress(Exception):
+            while True:
+                req = await outbox.get()
+                if req is None:
+                    await call.done_writing()
+                    return
+                await call.write(req)
 
-    async def _receive(self, call) -> None:
+    async def _run(self, call, outbox: asyncio.Queue) -> None:
+        writer = asyncio.create_task(self._write(call, outbox))
         try:
-            async for resp in call:
+            while True:
+                resp = await call.read()
+                if resp is grpc.aio.EOF:
+                    break
                 await self._apply(resp)
         except grpc.RpcError as e:
             self.error = e
         finally:
+            writer.cancel()
+            call.cancel()
             async with self._changed:
                 self._changed.notify_all()
 

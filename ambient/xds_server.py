@@ -21,6 +21,7 @@ and Authorization for ztunnel and waypoints (spec ``ambient-wds.md`` §2, §4.3�
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import logging
@@ -349,6 +350,12 @@ class XdsServer(Component):
         try:
             identity = await self.authenticator.authenticate(context)
         except AuthError as e:
+            log.warning("xds: refused %s: %s", context.peer(), e)
+            # Answer after the client's first request: a gRPC client still writing its
+            # initial requests would otherwise see a local write failure (INTERNAL)
+            # instead of this status.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(request_iterator.__anext__(), 1.0)
             await context.abort(e.code, str(e))
             return
         state = XdsStream(self.generators, self.index, peer=context.peer(),

@@ -1,0 +1,97 @@
+"""On-demand lookups (spec ambient-wds.md §2.4, §4.2, §4.4) and waypoint scoping (§7)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ambient.xds_generators import ADDRESS_TYPE, AUTHORIZATION_TYPE
+from tests.xds.fake_index import pod, service
+
+POD_A = "Kubernetes//Pod/default/a"
+POD_B = "Kubernetes//Pod/default/b"
+SVC = "default/web.default.svc.cluster.local"
+
+
+async def test_on_demand_initial_holds_only_node_local_workloads(connect, index):
+    # subscribe ["*"] + unsubscribe ["*"] = subscribed to nothing; node-local warm-up (§4.4)
+    client = await connect(on_demand=True, metadata={"NODE_NAME": "node1"})
+    await client.wait_synced()
+    assert set(client.resources(ADDRESS_TYPE)) == {POD_A}
+    assert set(client.resources(AUTHORIZATION_TYPE)) == {"default/deny-9999"}  # never on-demand
+    # a pod created on another node is not pushed; one on our node is (spec §5 case 33)
+    n = len(client.responses)
+    index.put(pod("remote", ip="10.0.0.50", node="node9"))
+    index.put(pod("local", ip="10.0.0.51", node="node1"))
+    await client.wait_for("Kubernetes//Pod/default/local")
+    assert "Kubernetes//Pod/default/remote" not in client.resources()
+    assert all("Kubernetes//Pod/default/remote" not in [r.name for r in x.resources]
+               for x in client.responses[n:])
+
+
+async def test_on_demand_by_ip_wakes_the_waiter(connect):
+    client = await connect(on_demand=True, metadata={"NODE_NAME": "nodeX"})
+    await client.wait_synced()
+    # ztunnel's waiter only matches resources[].name / removed_resources: the key is echoed
+    names = await client.request("/10.0.0.2")
+    assert names == [POD_B]
+    assert POD_B in client.resources()
+    resp = client.responses[-1]
+    assert list(resp.resources[0].aliases) == ["/10.0.0.2"]
+    assert "/10.0.0.2" in resp.removed_resources
+
+
+async def test_on_demand_by_vip_returns_service_and_members(connect, index):
+    client = await connect(on_demand=True, metadata={"NODE_NAME": "nodeX"})
+    await client.wait_synced()
+    names = await client.request("/10.96.0.10")
+    assert set(names) == {SVC, POD_A}
+    # later changes to a pod behind the subscribed service are pushed by uid
+    index.put(pod("a", ip="10.0.0.77", services={SVC: (80, 8080)}))
+    await client.wait(lambda: client.resources()[POD_A].workload.addresses[0] == bytes([10, 0, 0, 77]))
+    # a new member of the subscribed service is pushed too
+    index.put(pod("a2", ip="10.0.0.78", node="nodeZ", services={SVC: (80, 8080)}))
+    await client.wait_for("Kubernetes//Pod/default/a2")
+
+
+async def test_on_demand_by_hostname_and_uid(connect):
+    client = await connect(on_demand=True, metadata={"NODE_NAME": "nodeX"})
+    await client.wait_synced()
+    assert set(await client.request(SVC)) == {SVC, POD_A}
+    assert "/" + SVC not in client.responses[-1].removed_resources
+    assert await client.request(POD_B) == [POD_B]
+    assert POD_B not in client.responses[-1].removed_resources  # a name is not echoed
+
+
+async def test_on_demand_not_found_is_a_removal_of_the_key(connect):
+    client = await connect(on_demand=True, metadata={"NODE_NAME": "nodeX"})
+    await client.wait_synced()
+    assert await client.request("/10.9.9.9") == []
+    assert list(client.responses[-1].removed_resources) == ["/10.9.9.9"]
+
+
+async def test_waypoint_sees_only_its_services_and_workloads(connect, index):
+    host = "wp.default.svc.cluster.local"
+    index.put(service("bound", vip="10.96.0.20", waypoint=host),
+              pod("c", ip="10.0.0.30", waypoint=host), pod("d", ip="10.0.0.31"))
+    node_id = "waypoint~10.0.0.99~wp-5d8f7c9b4-x2x7q.default~default.svc.cluster.local"
+    wp = await connect(node_id=node_id)
+    await wp.wait_synced()
+    assert set(wp.resources()) == {"default/bound.default.svc.cluster.local",
+                                   "Kubernetes//Pod/default/c"}
+    # binding a pod to the waypoint pushes it; unbinding removes it from the waypoint's view
+    index.put(pod("d", ip="10.0.0.31", waypoint=host))
+    await wp.wait_for("Kubernetes//Pod/default/d")
+    index.put(pod("c", ip="10.0.0.30"))
+    await wp.wait_for("Kubernetes//Pod/default/c", present=False)
+    n = len(wp.responses)
+    index.put(pod("b", ip="10.0.0.2", node="node3"))  # unrelated to the waypoint
+    await asyncio.sleep(0.05)
+    assert len(wp.responses) == n
+
+
+async def test_waypoint_name_from_labels_metadata(connect, index):
+    index.put(service("bound", vip="10.96.0.20", waypoint="gw.default.svc.cluster.local"))
+    wp = await connect(node_id="waypoint~10.0.0.99~whatever.default~default.svc.cluster.local",
+                       metadata={"LABELS": {"gateway.networking.k8s.io/gateway-name": "gw"}})
+    await wp.wait_synced()
+    assert set(wp.resources()) == {"default/bound.default.svc.cluster.local"}
