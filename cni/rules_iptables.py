@@ -209,6 +209,17 @@ def _istio_residue(save_text: str) -> dict[str, dict[str, list[str]]]:
     return result
 
 
+def _chain_exists_error(stderr: str, text: str) -> bool:
+    """True when iptables-restore failed on one of our ``-N`` lines: nf_tables says
+    "Chain already exists", legacy only "line N failed" (so look at line N)."""
+    if "already exists" in stderr:
+        return True
+    m = re.search(r"line:? (\d+)", stderr)
+    lines = text.splitlines()
+    return bool(m) and 0 < int(m.group(1)) <= len(lines) and (
+        lines[int(m.group(1)) - 1].startswith("-N "))
+
+
 class IptablesBackend:
     """Applies/removes the in-pod ruleset with ``iptables[-nft|-legacy]-restore``.
 
@@ -252,7 +263,9 @@ class IptablesBackend:
         first = self._restore(v6, text)
         if first.returncode == 0:
             return "applied"
-        residue = _istio_residue(self.save(v6))
+        # Only "our chain exists" sends us down the replace path; any other failure
+        # (bad interface name, missing module, ...) is reported as is.
+        residue = _istio_residue(self.save(v6)) if _chain_exists_error(first.stderr, text) else {}
         if not residue:
             raise RulesError(f"{self._tool(v6, 'restore')} failed: {first.stderr.strip()}")
         second = self._restore(v6, self._replace_text(build_rules(opts, v6), residue))
