@@ -1,0 +1,273 @@
+"""The object store every config source fills and the ambient index reads.
+
+Objects are Kubernetes-shaped plain dicts (``apiVersion``, ``kind``, ``metadata``,
+``spec``, ``status``) keyed by ``(kind, namespace, name)``; ``namespace`` is ``""``
+for cluster-scoped kinds (Namespace, Node, GatewayClass). A source changes the store in
+*transactions* (:meth:`ObjectStore.apply`, :meth:`ObjectStore.replace_origin`); after each
+one every listener gets the list of :class:`StoreEvent` it produced, so the index never
+knows whether a change came from a file or from the Kubernetes API (DESIGN.md:
+"a config store interface with interchangeable backends").
+
+Bad objects never raise out of the store: :func:`validate` names the problem, the object
+is skipped, a log line names origin/kind/name and ``ambient_config_objects_rejected_total``
+counts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+log = logging.getLogger("ambient.store")
+
+# Kinds the index consumes. The Local* kinds carry entries of ztunnel's local-config
+# format (spec ambient-wds.md §6), see ambient.localconfig.
+NAMESPACED_KINDS = frozenset({
+    "Pod", "Service", "EndpointSlice", "ServiceEntry", "WorkloadEntry", "AuthorizationPolicy",
+    "PeerAuthentication", "Gateway", "LocalWorkload", "LocalService", "LocalPolicy"})
+CLUSTER_KINDS = frozenset({"Namespace", "Node", "GatewayClass"})
+KINDS = NAMESPACED_KINDS | CLUSTER_KINDS
+
+Key = tuple[str, str, str]  # (kind, namespace, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreEvent:
+    """One object change: ``old`` is None for an add, ``new`` is None for a delete."""
+
+    kind: str
+    namespace: str
+    name: str
+    old: dict | None
+    new: dict | None
+
+
+Listener = Callable[[list[StoreEvent]], None]
+
+
+class InvalidObject(ValueError):
+    """An object the store refuses; the message names the field and the value."""
+
+
+def validate(obj: object) -> Key:
+    """Check the fields every object needs and return its key.
+
+    Fills ``metadata.namespace`` with ``"default"`` for namespaced kinds that omit it
+    (as ``kubectl apply`` does). Raises :class:`InvalidObject` naming the bad field.
+    """
+    if not isinstance(obj, dict):
+        raise InvalidObject(f"object must be a mapping, got {type(obj).__name__}")
+    kind = obj.get("kind")
+    if not isinstance(kind, str) or not kind:
+        raise InvalidObject(f"field 'kind' must be a non-empty string, got {kind!r}")
+    if kind not in KINDS:
+        raise InvalidObject(f"kind {kind!r} is not one the ambient index uses")
+    meta = obj.get("metadata")
+    if not isinstance(meta, dict):
+        raise InvalidObject(f"field 'metadata' must be a mapping, got {meta!r}")
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidObject(f"field 'metadata.name' must be a non-empty string, got {name!r}")
+    if kind in CLUSTER_KINDS:
+        namespace = ""
+    else:
+        namespace = meta.setdefault("namespace", "default")
+        if not isinstance(namespace, str) or not namespace:
+            raise InvalidObject(f"field 'metadata.namespace' must be a non-empty string, "
+                                f"got {namespace!r}")
+    for field in ("labels", "annotations"):
+        value = meta.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise InvalidObject(f"field 'metadata.{field}' must map strings to strings, "
+                                f"got {value!r}")
+    uid = meta.get("uid")
+    if uid is not None and not isinstance(uid, str):
+        raise InvalidObject(f"field 'metadata.uid' must be a string, got {uid!r}")
+    for field in ("spec", "status"):
+        value = obj.get(field)
+        if value is not None and not isinstance(value, dict):
+            raise InvalidObject(f"field {field!r} must be a mapping, got {value!r}")
+    return kind, namespace, name
+
+
+class ObjectStore:
+    """In-memory implementation of :class:`ambient.api.ObjectStore` with change events.
+
+    Thread-affinity: mutate only from the event loop (sources parse off-loop and apply
+    on-loop); reads are plain dict lookups.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, source: str = "files"):
+        self.source = source
+        self._objects: dict[Key, dict] = {}
+        self._by_kind: dict[str, dict[Key, dict]] = {k: {} for k in KINDS}
+        self._by_ns: dict[tuple[str, str], dict[Key, dict]] = {}
+        self._by_uid: dict[str, Key] = {}
+        self._origin: dict[Key, str] = {}
+        self._by_origin: dict[str, set[Key]] = {}
+        self._listeners: list[Listener] = []
+        registry = registry if registry is not None else CollectorRegistry()
+        self.rejected = Counter("ambient_config_objects_rejected", "config objects skipped "
+                                "because they are malformed or conflict", ["source", "reason"],
+                                registry=registry)
+        self._count = Gauge("ambient_config_objects", "objects held by the config source",
+                            ["kind"], registry=registry)
+
+    # --- read side (ambient.api.ObjectStore) ---
+
+    def get(self, kind: str, namespace: str, name: str) -> dict | None:
+        return self._objects.get((kind, namespace, name))
+
+    def list(self, kind: str, namespace: str | None = None) -> Iterable[dict]:
+        if namespace is None:
+            return list(self._by_kind.get(kind, {}).values())
+        return list(self._by_ns.get((kind, namespace), {}).values())
+
+    def pod_by_uid(self, uid: str) -> dict | None:
+        key = self._by_uid.get(uid)
+        return self._objects.get(key) if key and key[0] == "Pod" else None
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def counts(self) -> dict[str, int]:
+        return {k: len(v) for k, v in self._by_kind.items() if v}
+
+    # --- change feed ---
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener(events)`` after every transaction. Returns an unsubscribe function."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    # --- write side (used by sources) ---
+
+    def reject(self, reason: str, where: str, detail: str) -> None:
+        """Log and count one skipped object; ``where`` names its origin (file#doc, watch)."""
+        self.rejected.labels(self.source, reason).inc()
+        log.warning("skipping object from %s: %s", where, detail)
+
+    def apply(self, upserts: Iterable[tuple[dict, str]] = (), deletes: Iterable[Key] = (),
+              origin: str = "") -> list[StoreEvent]:
+        """One transaction: upsert ``(object, where)`` pairs and delete keys; notify listeners.
+
+        Invalid objects and duplicate UIDs are skipped (logged with ``where``, counted).
+        Returns the events produced (objects that did not change produce none).
+        """
+        events: list[StoreEvent] = []
+        for key in deletes:
+            ev = self._delete(key)
+            if ev:
+                events.append(ev)
+        for obj, where in upserts:
+            ev = self._upsert(obj, where, origin)
+            if ev:
+                events.append(ev)
+        self._notify(events)
+        return events
+
+    def replace_origin(self, origin: str, objects: Iterable[tuple[dict, str]]) -> list[StoreEvent]:
+        """Make ``objects`` the complete set owned by ``origin`` (a file path, a watch).
+
+        Objects the origin held before and no longer lists are deleted; objects another
+        origin already owns are skipped with a logged conflict.
+        """
+        before = set(self._by_origin.get(origin, ()))
+        events: list[StoreEvent] = []
+        seen: set[Key] = set()
+        for obj, where in objects:
+            ev = self._upsert(obj, where, origin, seen)
+            if ev:
+                events.append(ev)
+        for key in before - seen:
+            ev = self._delete(key)
+            if ev:
+                events.append(ev)
+        self._notify(events)
+        return events
+
+    def keys_of_origin(self, origin: str) -> set[Key]:
+        return set(self._by_origin.get(origin, ()))
+
+    # --- internals ---
+
+    def _upsert(self, obj: dict, where: str, origin: str,
+                seen: set[Key] | None = None) -> StoreEvent | None:
+        try:
+            key = validate(obj)
+        except InvalidObject as e:
+            kind = obj.get("kind") if isinstance(obj, dict) else None
+            self.reject("invalid", where, f"{kind or 'object'}: {e}")
+            return None
+        kind, namespace, name = key
+        label = f"{kind} {namespace + '/' if namespace else ''}{name}"
+        if seen is not None:
+            if key in seen:
+                self.reject("duplicate", where, f"{label} is defined twice; keeping the first")
+                return None
+            seen.add(key)
+        owner = self._origin.get(key)
+        if owner is not None and owner != origin:
+            self.reject("conflict", where, f"{label} is already defined by {owner}")
+            return None
+        uid = obj["metadata"].get("uid")
+        if uid:
+            other = self._by_uid.get(uid)
+            if other is not None and other != key:
+                self.reject("duplicate-uid", where, f"{label} has uid {uid!r} already used by "
+                            f"{other[0]} {other[1]}/{other[2]}")
+                return None
+        old = self._objects.get(key)
+        if old == obj:
+            return None
+        if old is not None:
+            old_uid = old["metadata"].get("uid")
+            if old_uid and self._by_uid.get(old_uid) == key:
+                del self._by_uid[old_uid]
+        self._objects[key] = obj
+        self._by_kind[kind][key] = obj
+        self._by_ns.setdefault((kind, namespace), {})[key] = obj
+        self._origin[key] = origin
+        self._by_origin.setdefault(origin, set()).add(key)
+        if uid:
+            self._by_uid[uid] = key
+        self._count.labels(kind).set(len(self._by_kind[kind]))
+        return StoreEvent(kind, namespace, name, old, obj)
+
+    def _delete(self, key: Key) -> StoreEvent | None:
+        old = self._objects.pop(key, None)
+        if old is None:
+            return None
+        self._by_kind[key[0]].pop(key, None)
+        bucket = self._by_ns.get((key[0], key[1]))
+        if bucket is not None:
+            bucket.pop(key, None)
+            if not bucket:
+                del self._by_ns[(key[0], key[1])]
+        origin = self._origin.pop(key, None)
+        if origin is not None:
+            keys = self._by_origin.get(origin)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_origin[origin]
+        uid = old["metadata"].get("uid")
+        if uid and self._by_uid.get(uid) == key:
+            del self._by_uid[uid]
+        self._count.labels(key[0]).set(len(self._by_kind[key[0]]))
+        return StoreEvent(key[0], key[1], key[2], old, None)
+
+    def _notify(self, events: list[StoreEvent]) -> None:
+        if not events:
+            return
+        for listener in list(self._listeners):
+            try:
+                listener(events)
+            except Exception:  # a broken consumer must not break the source
+                log.exception("store listener failed")

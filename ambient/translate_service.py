@@ -1,0 +1,241 @@
+"""Kubernetes Service and Istio ServiceEntry -> ``istio.workload.Service`` (spec ambient-wds.md
+§3.2, §3.4), plus the per-workload port mapping of §3.3.
+
+The functions here see one object at a time. What depends on other objects — waypoint
+binding (§3.7), ``canonical`` and hostname dedup (§3.6) — is filled in by the index on the
+:class:`ServiceInfo` these functions return.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+from typing import Any
+
+from ambient import workload_pb2 as wl
+from ambient.objects import (Mesh, TranslateError, annotations, field, labels, meta, spec,
+                             str_map)
+
+TRAFFIC_DISTRIBUTION = "networking.istio.io/traffic-distribution"
+LB = wl.LoadBalancing
+
+
+@dataclasses.dataclass
+class PortInfo:
+    """One service port as the membership rules need it (not all of it is sent)."""
+
+    port: int
+    target_port: int          # numeric target (0 = named / resolved per workload)
+    name: str = ""
+    target_name: str = ""     # k8s named targetPort
+    se_target_zero: bool = False  # ServiceEntry port without targetPort (§3.3)
+
+
+@dataclasses.dataclass
+class ServiceInfo:
+    """A translated service candidate for one hostname.
+
+    ``key`` is ``namespace/hostname`` (the resource name); ``source`` is ``Service`` or
+    ``ServiceEntry`` (or ``LocalService``); ``created`` the creationTimestamp string (ISO 8601
+    sorts chronologically); ``selector`` selects member pods/WorkloadEntries in ``namespace``
+    (None = selector-less).
+    """
+
+    key: str
+    namespace: str
+    name: str
+    hostname: str
+    source: str
+    created: str
+    proto: wl.Service
+    selector: dict[str, str] | None
+    ports: list[PortInfo]
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    visibility_public: bool = True
+
+    @property
+    def source_key(self) -> tuple[str, str, str]:
+        return self.source, self.namespace, self.name
+
+
+def app_protocol(name: str, app_proto: str | None) -> int:
+    """``appProtocol`` else port-name prefix -> AppProtocol (§3.2)."""
+    value = (app_proto or "").lower()
+    if value:
+        if value in ("http", "http1", "http/1.1"):
+            return wl.HTTP11
+        if value in ("http2", "kubernetes.io/h2c", "h2c"):
+            return wl.HTTP2
+        if value == "grpc":
+            return wl.GRPC
+        if value in ("tls", "https"):
+            return wl.TLS
+        if value == "tcp":
+            return wl.TCP
+    prefix = name.lower().split("-", 1)[0]
+    return {"http": wl.HTTP11, "http2": wl.HTTP2, "grpc": wl.GRPC, "tls": wl.TLS,
+            "https": wl.TLS, "tcp": wl.TCP}.get(prefix, wl.UNKNOWN)
+
+
+def _se_protocol(protocol: str | None) -> int:
+    return {"HTTP": wl.HTTP11, "HTTP2": wl.HTTP2, "GRPC": wl.GRPC, "TLS": wl.TLS,
+            "HTTPS": wl.TLS, "TCP": wl.TCP}.get((protocol or "").upper(), wl.UNKNOWN)
+
+
+def _port_number(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 65535:
+        raise TranslateError(f"field {path!r} must be a port number 1..65535, got {value!r}")
+    return value
+
+
+def traffic_distribution_lb(value: str | None) -> wl.LoadBalancing | None:
+    """PreferClose/PreferSameZone/PreferSameNode -> LoadBalancing (§3.2); unknown -> None."""
+    if value in ("PreferClose", "PreferSameZone"):
+        return LB(routing_preference=[LB.NETWORK, LB.REGION, LB.ZONE], mode=LB.FAILOVER)
+    if value == "PreferSameNode":
+        return LB(routing_preference=[LB.NETWORK, LB.REGION, LB.ZONE, LB.SUBZONE, LB.NODE],
+                  mode=LB.FAILOVER)
+    return None
+
+
+def _network_address(text: str, network: str, path: str) -> wl.NetworkAddress:
+    try:
+        net = ipaddress.ip_network(text.strip(), strict=False)
+    except ValueError:
+        raise TranslateError(f"field {path!r} is not an IP address or CIDR: {text!r}") from None
+    if "/" in text and net.prefixlen != net.max_prefixlen:
+        return wl.NetworkAddress(network=network, address=net.network_address.packed,
+                                 length=net.prefixlen)
+    return wl.NetworkAddress(network=network, address=net.network_address.packed)
+
+
+def k8s_service(svc: dict, mesh: Mesh, namespace_obj: dict | None) -> ServiceInfo | None:
+    """One Kubernetes Service -> ServiceInfo; None for ``type: ExternalName`` (§3.2).
+
+    Raises TranslateError naming the first malformed field.
+    """
+    m, s = meta(svc), spec(svc)
+    if s.get("type") == "ExternalName":
+        return None
+    ns, name = m["namespace"], m["name"]
+    host = f"{name}.{ns}.svc.{mesh.domain_suffix}"
+    proto = wl.Service(name=name, namespace=ns, hostname=host)
+    ips = field(svc, "spec.clusterIPs", list) or (
+        [field(svc, "spec.clusterIP", str)] if s.get("clusterIP") else [])
+    families = set()
+    for i, ip in enumerate(ips):
+        if not ip or ip == "None":
+            continue
+        addr = _network_address(str(ip), mesh.network, f"spec.clusterIPs[{i}]")
+        families.add(len(addr.address))
+        proto.addresses.append(addr)
+    proto.ip_families = ({4: wl.IPV4_ONLY, 16: wl.IPV6_ONLY}[families.pop()]
+                         if len(families) == 1 else wl.DUAL if families else wl.AUTOMATIC)
+    ports: list[PortInfo] = []
+    for i, p in enumerate(field(svc, "spec.ports", list, [])):
+        if not isinstance(p, dict):
+            raise TranslateError(f"field 'spec.ports[{i}]' must be a mapping, got {p!r}")
+        if (p.get("protocol") or "TCP") != "TCP":
+            continue  # ztunnel carries TCP only
+        port = _port_number(p.get("port"), f"spec.ports[{i}].port")
+        pname = p.get("name") or ""
+        target = p.get("targetPort", port)  # the API server defaults targetPort to port
+        if isinstance(target, str) and not target.isdigit():
+            info = PortInfo(port, 0, pname, target_name=target)
+        else:
+            info = PortInfo(port, _port_number(int(target), f"spec.ports[{i}].targetPort"), pname)
+        ports.append(info)
+        proto.ports.append(wl.Port(service_port=port, target_port=info.target_port,
+                                   app_protocol=app_protocol(pname, p.get("appProtocol"))))
+    lb = None
+    if s.get("internalTrafficPolicy") == "Local":
+        lb = LB(routing_preference=[LB.NODE], mode=LB.STRICT)
+    else:
+        td = (s.get("trafficDistribution") or annotations(svc).get(TRAFFIC_DISTRIBUTION)
+              or (annotations(namespace_obj).get(TRAFFIC_DISTRIBUTION) if namespace_obj else None))
+        lb = traffic_distribution_lb(td)
+    if s.get("publishNotReadyAddresses") is True:
+        lb = lb or LB()
+        lb.health_policy = LB.ALLOW_ALL
+    if lb is not None:
+        proto.load_balancing.CopyFrom(lb)
+    proto.canonical = True
+    selector = str_map(s.get("selector"), "spec.selector") or None
+    return ServiceInfo(f"{ns}/{host}", ns, name, host, "Service",
+                       m.get("creationTimestamp") or "", proto, selector, ports,
+                       dict(labels(svc)), dict(annotations(svc)))
+
+
+def service_entry_services(se: dict, mesh: Mesh, namespace_obj: dict | None) -> list[ServiceInfo]:
+    """One ServiceEntry -> one ServiceInfo per ``spec.hosts`` entry (§3.4)."""
+    m = meta(se)
+    ns, name = m["namespace"], m["name"]
+    hosts = field(se, "spec.hosts", list, [])
+    if not hosts or not all(isinstance(h, str) and h for h in hosts):
+        raise TranslateError(f"field 'spec.hosts' must be a non-empty list of hostnames, "
+                             f"got {hosts!r}")
+    addresses = [_network_address(str(a), mesh.network, f"spec.addresses[{i}]")
+                 for i, a in enumerate(field(se, "spec.addresses", list, []))]
+    ports: list[PortInfo] = []
+    proto_ports: list[wl.Port] = []
+    for i, p in enumerate(field(se, "spec.ports", list, [])):
+        if not isinstance(p, dict):
+            raise TranslateError(f"field 'spec.ports[{i}]' must be a mapping, got {p!r}")
+        number = _port_number(p.get("number"), f"spec.ports[{i}].number")
+        target = p.get("targetPort") or 0
+        if target:
+            target = _port_number(target, f"spec.ports[{i}].targetPort")
+        ports.append(PortInfo(number, target or number, p.get("name") or "",
+                              se_target_zero=not target))
+        proto_ports.append(wl.Port(service_port=number, target_port=target or number,
+                                   app_protocol=_se_protocol(p.get("protocol"))))
+    s = spec(se)
+    if s.get("resolution") == "NONE":
+        lb = LB(mode=LB.PASSTHROUGH, health_policy=LB.ALLOW_ALL)
+    else:
+        lb = traffic_distribution_lb(
+            annotations(se).get(TRAFFIC_DISTRIBUTION)
+            or (annotations(namespace_obj).get(TRAFFIC_DISTRIBUTION) if namespace_obj else None))
+    selector = str_map(field(se, "spec.workloadSelector.labels", dict), "spec.workloadSelector")
+    sans = [str(x) for x in field(se, "spec.subjectAltNames", list, [])]
+    public = (s.get("exportTo") or ["*"]) != ["."]
+    out = []
+    for host in hosts:
+        proto = wl.Service(name=name, namespace=ns, hostname=host, addresses=addresses,
+                           ports=proto_ports, subject_alt_names=sans)
+        if lb is not None:
+            proto.load_balancing.CopyFrom(lb)
+        if not public:
+            proto.visibility = wl.Service.NAMESPACE
+        out.append(ServiceInfo(f"{ns}/{host}", ns, name, host, "ServiceEntry",
+                               m.get("creationTimestamp") or "", proto, selector or None, ports,
+                               dict(labels(se)), dict(annotations(se)), public))
+    return out
+
+
+def workload_ports(info: ServiceInfo, named_ports: dict[str, int],
+                   override_by_name: bool = False) -> wl.PortList:
+    """The PortList a workload lists for one service (§3.3).
+
+    ``named_ports`` maps the workload's port names to numbers (TCP container ports, or a
+    WorkloadEntry's ``spec.ports``, or a ServiceEntry endpoint's ``ports``). A Service port
+    with a named targetPort the workload doesn't have is dropped. ``override_by_name``
+    (WorkloadEntry, ServiceEntry endpoints): a workload port named like the service port wins
+    over the numeric target; for pods only a ServiceEntry port without targetPort is
+    resolved by name.
+    """
+    out = wl.PortList()
+    for p in info.ports:
+        if p.target_name:
+            if p.target_name not in named_ports:
+                continue
+            target = named_ports[p.target_name]
+        elif p.name and p.name in named_ports and (p.se_target_zero or override_by_name):
+            target = named_ports[p.name]
+        elif p.se_target_zero:
+            target = p.port
+        else:
+            target = p.target_port
+        out.ports.append(wl.Port(service_port=p.port, target_port=target))
+    return out
