@@ -23,6 +23,7 @@ from agent import config as agent_config
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "status": ("agent.status.cli", "show a running agent's pods, ztunnels, certificates, xDS clients"),
     "cni": ("cni.install", "install or uninstall the istio-cni plugin and its conflist entry"),
+    "xds": ("ambient.xds_cli", "dump what a workload xDS server serves (as a ztunnel-like client)"),
 }
 
 

@@ -233,7 +233,8 @@ class XdsServer(Component):
         self.tls_provider = tls_provider
         self.authenticator = Authenticator(token_file, run_blocking)
         self.debounce, self.debounce_max = debounce, debounce_max
-        self.metrics = _Metrics(registry or CollectorRegistry())
+        self.registry = registry or CollectorRegistry()
+        self.metrics = _Metrics(self.registry)
         self.generators: dict[str, Generator] = {}
         self.connections: dict[int, _Connection] = {}
         self._server: grpc.aio.Server | None = None
@@ -455,30 +456,32 @@ def _cert_config(material: TlsMaterial):
 
 
 def sds_tls_provider(ctx: AgentContext) -> TlsProvider | None:
-    """A provider backed by the ``sds`` component, if it offers one: an async
-    ``tls_material(spiffe_id)``/``certificate_for(spiffe_id)`` returning
-    ``(cert_chain_pem, key_pem[, not_after])`` plus ``root_pem`` (attribute or method).
-    None when the component or those methods are missing."""
+    """A provider backed by the ``sds`` component (``certificate_for(sans)`` returning a
+    bundle with ``chain``/``key``/``root`` PEM, and ``root_pem()``), or None when that
+    component or API is missing.
+
+    The server certificate carries the SPIFFE ID
+    ``spiffe://<trust_domain>/ns/<system_namespace>/sa/ambient-agent`` and the DNS names
+    ``istiod.<system_namespace>.svc`` (+ ``.svc.cluster.local``), the names ztunnel verifies
+    by default when its ``XDS_ADDRESS`` points at istiod's service (spec §2.1).
+    """
     sds = ctx.get("sds")
-    if sds is None:
-        return None
-    get_cert = getattr(sds, "certificate_for", None) or getattr(sds, "tls_material", None)
+    get_cert = getattr(sds, "certificate_for", None)
     root = getattr(sds, "root_pem", None)
     if get_cert is None or root is None:
         return None
     cfg = ctx.config
-    identity = f"spiffe://{cfg.trust_domain}/ns/{cfg.system_namespace}/sa/ambient-agent"
+    ns = cfg.system_namespace
+    sans = [f"spiffe://{cfg.trust_domain}/ns/{ns}/sa/ambient-agent",
+            f"istiod.{ns}.svc", f"istiod.{ns}.svc.cluster.local"]
 
     async def provide() -> TlsMaterial:
-        got = get_cert(identity)
-        if asyncio.iscoroutine(got):
-            got = await got
+        bundle = await get_cert(sans)
         root_pem = root() if callable(root) else root
-        if asyncio.iscoroutine(root_pem):
-            root_pem = await root_pem
-        chain, key = got[0], got[1]
-        not_after = float(got[2]) if len(got) > 2 else 0.0
-        return TlsMaterial(_b(chain), _b(key), _b(root_pem), not_after)
+        chain = _b(bundle.chain)
+        leaf = x509.load_pem_x509_certificate(chain)
+        return TlsMaterial(chain, _b(bundle.key), _b(root_pem or bundle.root),
+                           leaf.not_valid_after_utc.timestamp())
 
     return provide
 

@@ -1,0 +1,90 @@
+"""``ambient-agent xds dump``: connect to a workload xDS server as a ztunnel-like delta
+client and print what it serves as JSON (``google.protobuf.json_format``).
+
+Output: ``{"<type URL>": {"<resource name>": {...message as JSON...}}}``. Exit 0 on
+success, 1 when the server could not be reached or refused the stream (one line on
+stderr with the gRPC status), 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+import grpc
+from google.protobuf import json_format
+
+from ambient.xds_client import DEFAULT_NODE_ID, ClientTls, DeltaXdsClient
+from ambient.xds_generators import SHORT_NAMES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="xds_command", metavar="ACTION", required=True)
+    dump = sub.add_parser("dump", help="print the resources a workload xDS server serves")
+    dump.add_argument("--addr", default="127.0.0.1:15010", help="server host:port")
+    dump.add_argument("--type", dest="types", action="append", default=[],
+                      choices=sorted(SHORT_NAMES) + ["all"],
+                      help="resource type (repeatable; default: address and authorization)")
+    dump.add_argument("--node-id", default=DEFAULT_NODE_ID, help="Node.id to present")
+    dump.add_argument("--node-name", default="", help="NODE_NAME node metadata")
+    dump.add_argument("--on-demand", action="append", default=[], metavar="KEY",
+                      help="instead of wildcard, look up KEY (network/IP, ns/hostname or uid)")
+    dump.add_argument("--ca", help="mesh root PEM (enables TLS)")
+    dump.add_argument("--cert", help="client certificate chain PEM (mTLS)")
+    dump.add_argument("--key", help="client private key PEM (mTLS)")
+    dump.add_argument("--server-name", help="TLS name to verify instead of the address host")
+    dump.add_argument("--token-file", help="send 'authorization: Bearer <file content>'")
+    dump.add_argument("--timeout", type=float, default=10.0, help="seconds to wait")
+
+
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+async def dump(args: argparse.Namespace) -> dict:
+    names = args.types or ["address", "authorization"]
+    types = list(SHORT_NAMES.values()) if "all" in names else [SHORT_NAMES[n] for n in names]
+    tls = None
+    if args.ca:
+        tls = ClientTls(_read(args.ca), _read(args.cert), _read(args.key), args.server_name)
+    token = _read(args.token_file).decode().strip() if args.token_file else None
+    metadata = {"NODE_NAME": args.node_name} if args.node_name else {}
+    client = DeltaXdsClient(args.addr, node_id=args.node_id, metadata=metadata, tls=tls,
+                            token=token, types=types, on_demand=bool(args.on_demand))
+    try:
+        await client.connect()
+        await client.wait_synced(args.timeout)
+        for key in args.on_demand:
+            for type_url in types:
+                if type_url in (SHORT_NAMES["address"], SHORT_NAMES["workload"]):
+                    await client.request(key, type_url, args.timeout)
+        return {t: {name: json_format.MessageToDict(msg)
+                    for name, msg in sorted(client.resources(t).items())} for t in types}
+    finally:
+        await client.close()
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        for path in (args.ca, args.cert, args.key, args.token_file):
+            _read(path)
+    except OSError as e:
+        print(f"ambient-agent xds: {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
+    try:
+        out = asyncio.run(dump(args))
+    except grpc.RpcError as e:
+        print(f"ambient-agent xds: {args.addr}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except (TimeoutError, asyncio.TimeoutError):
+        print(f"ambient-agent xds: {args.addr}: no response within {args.timeout}s",
+              file=sys.stderr)
+        return 1
+    json.dump(out, sys.stdout, indent=2, sort_keys=True)
+    print()
+    return 0
