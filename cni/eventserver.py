@@ -11,8 +11,8 @@ Routes (the body is a :class:`cni.events.CniPodEvent` JSON):
   ``ctx.get("enrollment").enroll(event)`` and answer only when the pod is enrolled, so
   no pod starts outside the mesh by accident. 200 ``{"ambient": bool, "reason": str}``;
   400 malformed event (message names the field); 500 enrollment failed or impossible
-  (the reason becomes the plugin's CNI error); 503 the agent is shutting down (the
-  plugin maps it to "try again later").
+  (the reason becomes the plugin's CNI error); 503 the agent is shutting down or the
+  enrollment error is ``retryable`` (the plugin maps 503 to "try again later", code 11).
 - ``POST /cmddel``: await ``enrollment.unenroll(event)`` (best effort). 200 or 500.
 - ``GET /healthz``: 200 while serving, 503 while draining (the plugin's STATUS).
 
@@ -173,13 +173,16 @@ class CniEventServer(Component):
         except Exception as e:  # noqa: BLE001 - one bad pod never stops the server
             self._stats["add_failed"] += 1
             known = _enrollment_error()
+            status = 500
             if known is not None and isinstance(e, known):
                 reason = str(e)
+                # retryable (e.g. no ztunnel yet): the plugin reports "try again later"
+                status = 503 if getattr(e, "retryable", False) else 500
             else:
                 log.exception("enrollment of pod %s crashed", name)
                 reason = f"internal error: {type(e).__name__}: {e}"
             log.warning("enrollment of pod %s failed: %s", name, reason)
-            return 500, f"enrollment of pod {name} failed: {reason}"
+            return status, f"enrollment of pod {name} failed: {reason}"
         self._stats["add_ambient"] += 1
         log.info("pod %s enrolled (%s)", name, decision.reason)
         return 200, {"ambient": True, "reason": decision.reason}

@@ -1,0 +1,144 @@
+"""The CNI event server over its real Unix socket (aiohttp client), with the recording
+enroller of conftest.py as the `enrollment` component and a dict-backed ObjectStore as
+the config source."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+
+import aiohttp
+
+from tests.cni.conftest import DictStore, EnrollmentError, start_agent
+
+
+def event(command="ADD", **kw):
+    e = {"command": command, "container_id": "cid1", "netns": "/var/run/netns/p1",
+         "pod_name": "web-0", "pod_namespace": "demo", "pod_uid": "uid-1", "ips": ["10.1.1.5"]}
+    e.update(kw)
+    return e
+
+
+def pod(name="web-0", ns="demo", uid="uid-1", labels=None, annotations=None, host_network=False):
+    return {"kind": "Pod", "metadata": {"name": name, "namespace": ns, "uid": uid,
+                                        "labels": labels or {}, "annotations": annotations or {}},
+            "spec": {"hostNetwork": host_network}}
+
+
+def namespace(name, labels=None):
+    return {"kind": "Namespace", "metadata": {"name": name, "labels": labels or {}}}
+
+
+async def post(agent, path, body=None, data=None):
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(agent.socket_path)) as s:
+        async with s.post(f"http://localhost{path}", json=body, data=data) as r:
+            return r.status, await r.text()
+
+
+async def test_socket_mode_and_unlinked_on_stop(state_dir):
+    agent = await start_agent(state_dir)
+    assert stat.S_IMODE(os.stat(agent.socket_path).st_mode) == 0o600
+    assert agent.server.ready() == (True, "")
+    await agent.server.stop(1)
+    assert not os.path.exists(agent.socket_path)
+
+
+async def test_malformed_requests_are_400_and_server_survives(cni_agent):
+    assert (await post(cni_agent, "/cmdadd", data=b""))[0] == 400
+    status, text = await post(cni_agent, "/cmdadd", data=b"notjson")
+    assert status == 400 and "malformed JSON" in text
+    status, text = await post(cni_agent, "/cmdadd", body={"command": "ADD"})
+    assert status == 400 and "container_id" in text
+    status, text = await post(cni_agent, "/cmdadd", body=event(ips="10.0.0.1"))
+    assert status == 400 and "'ips'" in text
+    status, text = await post(cni_agent, "/cmdadd", body=event("DEL"))
+    assert status == 400 and "'command'" in text
+    assert (await post(cni_agent, "/cmdadd", body=event(ambient_default=True)))[0] == 200
+    assert len(cni_agent.enroller.enrolled) == 1
+
+
+async def test_store_decides_by_labels(cni_agent):
+    cni_agent.set_store(DictStore([
+        namespace("demo", {"istio.io/dataplane-mode": "ambient"}), namespace("plain"),
+        pod(), pod("opt-out", uid="u2", labels={"istio.io/dataplane-mode": "none"}),
+        pod("side", uid="u3", annotations={"sidecar.istio.io/status": "{}"}),
+        pod("hostnet", uid="u4", host_network=True),
+        pod("labelled", ns="plain", uid="u5", labels={"istio.io/dataplane-mode": "ambient"}),
+        pod("unlabelled", ns="plain", uid="u6"),
+        pod("sys", ns="kube-system", uid="u7", labels={"istio.io/dataplane-mode": "ambient"}),
+    ]))
+    cases = {"uid-1": True, "u2": False, "u3": False, "u4": False, "u5": True, "u6": False,
+             "u7": False}
+    for uid, want in cases.items():
+        p = cni_agent.ctx.get("config-source").store.pod_by_uid(uid)["metadata"]
+        status, text = await post(cni_agent, "/cmdadd", body=event(
+            pod_uid=uid, pod_name=p["name"], pod_namespace=p["namespace"], container_id=uid,
+            ambient_default=True))  # ambient_default is ignored when the Pod object exists
+        assert status == 200, text
+        assert (f'"ambient": {str(want).lower()}' in text), (uid, text)
+    assert sorted(e.pod_uid for e in cni_agent.enroller.enrolled) == ["u5", "uid-1"]
+
+
+async def test_missing_pod_object_falls_back_to_ambient_default(cni_agent):
+    cni_agent.set_store(DictStore([namespace("demo", {"istio.io/dataplane-mode": "ambient"})]))
+    status, text = await post(cni_agent, "/cmdadd", body=event(pod_uid=""))
+    assert status == 200 and '"ambient": false' in text
+    status, text = await post(cni_agent, "/cmdadd", body=event(pod_uid="", pod_name="",
+                                                               pod_namespace="",
+                                                               ambient_default=True))
+    assert status == 200 and '"ambient": true' in text
+    assert cni_agent.enroller.enrolled[0].key == "cid1"  # named by its container ID
+
+
+async def test_enrollment_errors(cni_agent):
+    cni_agent.enroller.fail_with = "rules failed in netns"
+    status, text = await post(cni_agent, "/cmdadd", body=event(ambient_default=True, pod_uid=""))
+    assert status == 500 and "rules failed in netns" in text and "demo/web-0" in text
+    if "retryable" in EnrollmentError.__init__.__code__.co_varnames:
+        async def retryable(ev):
+            raise EnrollmentError("no ztunnel", retryable=True)
+        cni_agent.enroller.enroll = retryable
+        status, text = await post(cni_agent, "/cmdadd", body=event(ambient_default=True))
+        assert status == 503 and "no ztunnel" in text
+
+    async def crash(ev):
+        raise KeyError("boom")
+    cni_agent.enroller.enroll = crash
+    status, text = await post(cni_agent, "/cmdadd", body=event(ambient_default=True))
+    assert status == 500 and "internal error: KeyError" in text
+    assert cni_agent.server.ready()[0]
+
+
+async def test_add_and_del_of_one_pod_are_serialised(cni_agent):
+    cni_agent.enroller.delay = 0.2
+    body = event(ambient_default=True)
+    results = await asyncio.gather(post(cni_agent, "/cmdadd", body=body),
+                                   post(cni_agent, "/cmdadd", body=body),
+                                   post(cni_agent, "/cmddel", body=event("DEL")))
+    assert [r[0] for r in results] == [200, 200, 200]
+    assert cni_agent.enroller.max_concurrent_per_pod == 1
+    assert len(cni_agent.enroller.unenrolled) == 1
+    assert cni_agent.server.debug_state()["in_flight"] == {}
+    assert cni_agent.server._locks == {}
+
+
+async def test_healthz_and_draining(cni_agent):
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(cni_agent.socket_path)) as s:
+        async with s.get("http://localhost/healthz") as r:
+            assert r.status == 200
+        cni_agent.ctx.draining = True
+        async with s.get("http://localhost/healthz") as r:
+            assert r.status == 503
+    status, text = await post(cni_agent, "/cmdadd", body=event(ambient_default=True))
+    assert status == 503 and "shutting down" in text
+
+
+async def test_metrics_count_requests(cni_agent):
+    await post(cni_agent, "/cmdadd", body=event())
+    await post(cni_agent, "/cmdadd", data=b"x")
+    reg = cni_agent.ctx.registry
+    assert reg.get_sample_value("istio_cni_plugin_requests_total",
+                                {"command": "ADD", "response_code": "200"}) == 1
+    assert reg.get_sample_value("istio_cni_plugin_requests_total",
+                                {"command": "ADD", "response_code": "400"}) == 1

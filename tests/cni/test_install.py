@@ -1,0 +1,153 @@
+"""The installer on tmp CNI dirs: idempotent bytes, .conf conversion and exact undo, the
+CLI, and the agent component repairing the chain when the primary CNI rewrites its file
+(real watchfiles)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from agent.lifecycle import AgentContext
+from cni import conflist, install
+from cni.installwatch import CniInstallerComponent
+from tests.cni.conftest import make_config
+
+DATA = os.path.join(os.path.dirname(__file__), "testdata")
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    conf, bin_ = tmp_path / "net.d", tmp_path / "bin"
+    conf.mkdir()
+    return conf, bin_
+
+
+def installer(dirs, **kw):
+    return install.Installer(conf_dir=str(dirs[0]), bin_dir=str(dirs[1]),
+                             run_dir="/var/run/ambient-agent", exclude_namespaces=["kube-system"],
+                             **kw)
+
+
+def snapshot(d):
+    return {p: open(os.path.join(d, p), "rb").read() for p in sorted(os.listdir(d))}
+
+
+def test_install_is_idempotent_and_uninstall_exact(dirs):
+    conf, _ = dirs
+    shutil.copy(os.path.join(DATA, "list.conflist"), conf / "10-list.conflist")
+    os.chmod(conf / "10-list.conflist", 0o640)
+    before = snapshot(conf)
+    inst = installer(dirs)
+    path = inst.install()
+    assert path == str(conf / "10-list.conflist") and inst.check() is None
+    first = snapshot(conf)
+    assert first[os.path.basename(path)] == open(os.path.join(DATA, "list.conflist.golden"),
+                                                 "rb").read()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+    assert inst.install_config() == (path, False)
+    inst.install()
+    assert snapshot(conf) == first
+    assert os.access(inst.binary_path, os.X_OK)
+    inst.uninstall()
+    assert json.loads(snapshot(conf)["10-list.conflist"]) == json.loads(before["10-list.conflist"])
+    assert not os.path.exists(inst.binary_path)
+
+
+def test_conf_converted_then_restored(dirs):
+    conf, _ = dirs
+    shutil.copy(os.path.join(DATA, "bridge.conf"), conf / "10-bridge.conf")
+    original = json.loads((conf / "10-bridge.conf").read_text())
+    inst = installer(dirs)
+    assert inst.install() == str(conf / "10-bridge.conflist")
+    assert sorted(os.listdir(conf)) == ["10-bridge.conflist"]
+    assert inst.check() is None
+    inst.uninstall()
+    assert sorted(os.listdir(conf)) == ["10-bridge.conf"]
+    assert json.loads((conf / "10-bridge.conf").read_text()) == original
+
+
+def test_no_primary_and_invalid(dirs):
+    with pytest.raises(install.NoPrimaryConfig):
+        installer(dirs).install()
+    (dirs[0] / "10-x.conflist").write_text('{"name": "x", "plugins": "nope"}')
+    with pytest.raises(install.NoPrimaryConfig):  # invalid files are skipped
+        installer(dirs).install()
+
+
+def cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "agent.cli", "cni", *args,
+                           "--config-file", os.devnull], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=os.path.dirname(DATA) + "/../..")
+
+
+def test_cli_install_uninstall(dirs, tmp_path):
+    conf, bin_ = dirs
+    shutil.copy(os.path.join(DATA, "minikube.conf"), conf / "05-minikube.conf")
+    flags = ["--conf-dir", str(conf), "--bin-dir", str(bin_), "--state-dir", str(tmp_path / "s")]
+    r = cli("install", *flags)
+    assert r.returncode == 0, r.stderr
+    assert "05-minikube.conflist" in r.stdout
+    entry = json.loads((conf / "05-minikube.conflist").read_text())["plugins"][-1]
+    assert entry["cni_agent_run_dir"] == str(tmp_path / "s")
+    assert cli("install", *flags).returncode == 0
+    r = cli("uninstall", *flags)
+    assert r.returncode == 0 and "restored" in r.stdout
+    assert os.listdir(conf) == ["05-minikube.conf"] and not os.path.exists(bin_ / "istio-cni")
+    r = cli("install", "--conf-dir", str(tmp_path / "empty"), "--bin-dir", str(bin_))
+    assert r.returncode == 1 and "no valid CNI network config" in r.stderr
+
+
+async def wait_for(predicate, timeout=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_component_installs_repairs_and_uninstalls(dirs, state_dir):
+    conf, bin_ = dirs
+    ctx = AgentContext(make_config(state_dir, cni_manage_config=True, cni_conf_dir=str(conf),
+                                   cni_bin_dir=str(bin_)))
+    component = install.build(ctx)
+    assert isinstance(component, CniInstallerComponent)
+    await component.start()
+    try:
+        assert component.ready()[0] is False  # no primary CNI config yet
+        # the node's CNI writes its config after us: installed as soon as it appears
+        shutil.copy(os.path.join(DATA, "bridge.conf"), conf / "10-bridge.conf")
+        await wait_for(lambda: component.ready()[0])
+        assert os.listdir(conf) == ["10-bridge.conflist"]
+        # the primary CNI writes its .conf again (atomic rename, as CNIs do): it sorts
+        # before our .conflist, so the runtime would use it unchained until we repair
+        tmp = conf / ".tmp-write"
+        shutil.copy(os.path.join(DATA, "bridge.conf"), tmp)
+        os.rename(tmp, conf / "10-bridge.conf")
+        await wait_for(lambda: component.repairs >= 1 and component.installer.check() is None
+                       and os.listdir(conf) == ["10-bridge.conflist"])
+        # ... or rewrites the chain as a list without us
+        plain = conflist.remove(json.loads((conf / "10-bridge.conflist").read_text()))[0]
+        tmp.write_text(json.dumps({"cniVersion": "0.4.0", "name": "mynet", "plugins": [plain]}))
+        os.rename(tmp, conf / "10-bridge.conflist")
+        await wait_for(lambda: component.repairs >= 2 and component.installer.check() is None)
+        os.rename(conf / "10-bridge.conflist", tmp)  # back to the converted form for the end
+        tmp.write_text(conflist.dumps(conflist.insert(plain, component.installer.entry)).decode())
+        os.rename(tmp, conf / "10-bridge.conflist")
+        os.unlink(bin_ / "istio-cni")
+        await wait_for(lambda: os.path.exists(bin_ / "istio-cni"))
+    finally:
+        await component.stop(2.0)
+        ctx.executor.shutdown(wait=False)
+    assert sorted(os.listdir(conf)) == ["10-bridge.conf"]
+    assert not os.path.exists(bin_ / "istio-cni")
+
+
+def test_build_disabled_by_default(state_dir):
+    ctx = AgentContext(make_config(state_dir))
+    assert install.build(ctx) is None
