@@ -18,6 +18,7 @@ does this in its updater callback, ahead of the debounced fan-out).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import ipaddress
 from typing import Iterable
@@ -65,6 +66,15 @@ def address_aliases(address: workload_pb2.Address) -> list[str]:
     return []
 
 
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """``payload``: serialized ``DeltaDiscoveryResponse.resources`` of every resource;
+    ``versions``: name -> version of the same resources."""
+
+    payload: bytes
+    versions: dict[str, str]
+
+
 class Generator:
     """Resources of one type URL, built from the index and cached by resource name.
 
@@ -79,6 +89,7 @@ class Generator:
     def __init__(self, index: AmbientIndex):
         self.index = index
         self._cache: dict[str, discovery_pb2.Resource | None] = {}
+        self._snapshot: Snapshot | None = None
 
     # -- index views --
     def names(self) -> Iterable[str]:
@@ -123,6 +134,25 @@ class Generator:
         copy.aliases.extend(aliases)
         return copy
 
+    def snapshot(self) -> "Snapshot":
+        """Every resource of this type, pre-serialized as the ``resources`` field of a
+        DeltaDiscoveryResponse, shared by all streams until the next change of this type.
+
+        Protobuf concatenation is a merge (a documented wire-format property), so a
+        response is these bytes followed by the serialized rest of the response; this is
+        what keeps an initial push to N clients close to one serialization (benchmarks).
+        """
+        if self._snapshot is None:
+            resp = discovery_pb2.DeltaDiscoveryResponse()
+            versions = {}
+            for name in self.names():
+                res = self.resource(name)
+                if res is not None:
+                    resp.resources.append(res)
+                    versions[name] = res.version
+            self._snapshot = Snapshot(resp.SerializeToString(), versions)
+        return self._snapshot
+
     def touched(self, change: IndexChange) -> tuple[frozenset[str], frozenset[str]]:
         """``(changed, removed)`` names of this type in ``change``."""
         return getattr(change, self.change_fields[0]), getattr(change, self.change_fields[1])
@@ -130,6 +160,8 @@ class Generator:
     def invalidate(self, change: IndexChange) -> None:
         """Forget cached resources the change touched (call before reading the index)."""
         changed, removed = self.touched(change)
+        if changed or removed:
+            self._snapshot = None
         for name in changed:
             self._cache.pop(name, None)
         for name in removed:
@@ -137,6 +169,7 @@ class Generator:
 
     def clear(self) -> None:
         self._cache.clear()
+        self._snapshot = None
 
     def cached(self) -> int:
         return len(self._cache)

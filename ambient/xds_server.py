@@ -31,14 +31,14 @@ from typing import Awaitable, Callable
 
 import grpc
 from cryptography import x509
-from envoy.service.discovery.v3 import ads_pb2, ads_pb2_grpc
+from envoy.service.discovery.v3 import ads_pb2, ads_pb2_grpc, discovery_pb2
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from agent.lifecycle import AgentContext, Component
 from ambient.api import AmbientIndex, IndexChange
 from ambient.xds_generators import Generator, default_generators
-from ambient.xds_stream import RequestError, XdsStream
+from ambient.xds_stream import PreparedResponse, RequestError, XdsStream
 
 log = logging.getLogger("ambient.xds")
 
@@ -259,7 +259,7 @@ class XdsServer(Component):
         server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE),
                                           ("grpc.max_receive_message_length", MAX_MESSAGE),
                                           ("grpc.so_reuseport", 0)])
-        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(_Servicer(self), server)
+        server.add_generic_rpc_handlers((_handler(_Servicer(self)),))
         reflection.enable_server_reflection([SERVICE_NAME, reflection.SERVICE_NAME], server)
         self.port = server.add_insecure_port(f"{_host(self.address)}:{self.port}")
         if self.port == 0:
@@ -428,7 +428,10 @@ class XdsServer(Component):
 
     def _count(self, resp, since: float | None) -> None:
         self.metrics.pushes.labels(resp.type_url).inc()
-        n = len(resp.resources) + len(getattr(resp, "removed_resources", ()))
+        if isinstance(resp, PreparedResponse):
+            n = resp.count
+        else:
+            n = len(resp.resources) + len(getattr(resp, "removed_resources", ()))
         self.metrics.resources.labels(resp.type_url).inc(n)
         if since is not None:
             self.metrics.latency.labels(resp.type_url).observe(time.monotonic() - since)
@@ -444,6 +447,26 @@ class XdsServer(Component):
             "cached_resources": {t: g.cached() for t, g in self.generators.items()},
             "clients": [c.state.debug() for c in self.connections.values()],
         }
+
+
+def _serialize(resp) -> bytes:
+    # PreparedResponse is already wire bytes (see Generator.snapshot); the rest are messages.
+    return resp.data if isinstance(resp, PreparedResponse) else resp.SerializeToString()
+
+
+def _handler(servicer: _Servicer) -> grpc.GenericRpcHandler:
+    """The ADS service as generated code registers it, with :func:`_serialize` as the
+    response serializer."""
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        "DeltaAggregatedResources": grpc.stream_stream_rpc_method_handler(
+            servicer.DeltaAggregatedResources,
+            request_deserializer=discovery_pb2.DeltaDiscoveryRequest.FromString,
+            response_serializer=_serialize),
+        "StreamAggregatedResources": grpc.stream_stream_rpc_method_handler(
+            servicer.StreamAggregatedResources,
+            request_deserializer=discovery_pb2.DiscoveryRequest.FromString,
+            response_serializer=_serialize),
+    })
 
 
 def _host(address: str) -> str:

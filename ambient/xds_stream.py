@@ -135,6 +135,20 @@ class TypeState:
                 "last_nacks": self.nacks[-3:]}
 
 
+@dataclasses.dataclass(frozen=True)
+class PreparedResponse:
+    """An already serialized DeltaDiscoveryResponse (the server's serializer passes it
+    through); ``count`` is the number of resources in it."""
+
+    data: bytes
+    type_url: str
+    nonce: str
+    count: int
+
+    def parse(self) -> discovery_pb2.DeltaDiscoveryResponse:
+        return discovery_pb2.DeltaDiscoveryResponse.FromString(self.data)
+
+
 _ids = itertools.count(1)
 
 
@@ -277,6 +291,8 @@ class XdsStream:
         """All resources in view, minus those held at the same version; removed = held
         names no longer in view (§4.3 client request)."""
         scope = self._scope(gen.type_url)
+        if scope is None and not ts.held:
+            return self._snapshot_response(gen, ts)
         names = gen.names() if scope is None else [n for n in scope if gen.resource(n)]
         held = ts.held
         resources, present = [], set()
@@ -289,6 +305,19 @@ class XdsStream:
                 resources.append(res)
         removed = [n for n in held if n not in present]
         return self._response(gen, ts, resources, removed)
+
+    def _snapshot_response(self, gen: Generator, ts: TypeState) -> "PreparedResponse":
+        """A client holding nothing gets the generator's shared pre-serialized snapshot."""
+        snap = gen.snapshot()
+        tail = discovery_pb2.DeltaDiscoveryResponse(
+            type_url=gen.type_url, system_version_info=str(self.push_version),
+            nonce=self._new_nonce())
+        ts.held = dict(snap.versions)
+        ts.last_nonce = tail.nonce
+        ts.sent = {tail.nonce: list(snap.versions)}
+        ts.responses += 1
+        return PreparedResponse(snap.payload + tail.SerializeToString(), gen.type_url,
+                                tail.nonce, len(snap.versions))
 
     def _answer_keys(self, gen: Generator, ts: TypeState, keys: Iterable[str], always: bool):
         """Resolve subscribed names / on-demand keys (§4.4), grow the subscription by
