@@ -271,6 +271,8 @@ SETTINGS: list[Setting] = [
     Setting("ca_cert_file", "", parse_path, "root certificate for the embedded CA (with "
             "ca_key_file; empty: a self-signed root under <state dir>/ca)", component="sds"),
     Setting("ca_key_file", "", parse_path, "private key of ca_cert_file", component="sds"),
+    Setting("ca_client_cert_auth", False, parse_bool, "embedded CA port requires client "
+            "certificates from its root (mTLS; tokens are still checked too)", component="sds"),
     Setting("ca_tokens_file", "", parse_path, "YAML {token: namespace/serviceaccount} of bearer "
             "tokens the embedded CA port accepts", component="sds"),
     Setting("ca_trusted_node_accounts", ["istio-system/ztunnel"], parse_list,

@@ -5,8 +5,11 @@ agent. Spec ``sds-ca-status.md`` §3.5-3.6; upstream ``security/pkg/server/ca/se
 
 - TLS with a server certificate from the embedded CA, valid for
   ``istiod.istio-system.svc`` (the name istio-agent verifies when CA_ADDR is localhost),
-  ``localhost``, ``127.0.0.1``, ``::1`` and the node name. Client certificates are
-  optional and, when present, verified against the embedded root.
+  ``localhost``, ``127.0.0.1``, ``::1`` and the node name. With
+  ``ca_client_cert_auth`` the port *requires* a client certificate signed by the
+  embedded root: Python grpc can either not request a client certificate or require
+  one (``require_client_auth`` maps to DONT_REQUEST / REQUEST_AND_REQUIRE in grpc
+  core), so "optional mTLS" as istiod does it is not possible; tokens work either way.
 - Authentication, first match wins: (1) a verified client certificate → its
   ``spiffe://`` URI SANs; (2) ``authorization: Bearer <token>`` looked up in
   ``ca_tokens_file`` (YAML ``{token: "namespace/serviceaccount"}``; there is no
@@ -30,6 +33,7 @@ from typing import Awaitable, Callable
 import grpc
 import yaml
 from cryptography import x509
+from grpc_reflection.v1alpha import reflection
 
 from agent.sds import ca_pb2, ca_pb2_grpc, keys
 from agent.sds.ca_embedded import CAError, EmbeddedCA
@@ -171,12 +175,19 @@ def server_sans(node_name: str) -> list[str]:
 
 
 async def start_ca_server(service: CertificateService, address: str, port: int,
-                          cert_chain: bytes, key: bytes) -> tuple[grpc.aio.Server, int]:
-    """Serve ``service`` over TLS on ``address:port`` (0 = pick). Returns ``(server, port)``."""
+                          cert_chain: bytes, key: bytes,
+                          require_client_cert: bool = False) -> tuple[grpc.aio.Server, int]:
+    """Serve ``service`` over TLS on ``address:port`` (0 = pick). Returns ``(server, port)``.
+
+    ``require_client_cert``: clients must present a certificate from the embedded root.
+    """
     server = grpc.aio.server()
     ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(service, server)
+    reflection.enable_server_reflection(
+        (ca_pb2.DESCRIPTOR.services_by_name["IstioCertificateService"].full_name,
+         reflection.SERVICE_NAME), server)
     creds = grpc.ssl_server_credentials([(key, cert_chain)], root_certificates=service.ca.root_pem,
-                                        require_client_auth=False)
+                                        require_client_auth=require_client_cert)
     host = f"[{address}]" if ":" in address else address
     bound = server.add_secure_port(f"{host}:{port}", creds)
     await server.start()

@@ -168,7 +168,8 @@ class SdsServer(Component):
             ca_server.TokenFile(cfg.ca_tokens_file, cfg.trust_domain),
             cfg.ca_trusted_node_accounts, self._store, cfg.node_name)
         self._ca_grpc, self.ca_port = await ca_server.start_ca_server(
-            self._ca_service, cfg.ca_listen_address, cfg.ca_port, chain, key)
+            self._ca_service, cfg.ca_listen_address, cfg.ca_port, chain, key,
+            cfg.ca_client_cert_auth)
         log.info("embedded CA serving IstioCertificateService on %s:%d",
                  cfg.ca_listen_address, self.ca_port)
 
