@@ -1,0 +1,205 @@
+"""Status server benchmarks, each next to a floor measured in the same run.
+
+1. ``/healthz/ready`` requests per second under ``wrk`` (2 threads, 32 connections),
+   next to a bare aiohttp hello-world server (floor); target ≥ 0.8× the floor.
+2. A scrape of ``/stats/prometheus`` whose Envoy source serves a 5 MB stats body, next
+   to fetching that body from the source directly (floor); target ≤ 1.5× the floor.
+   The Envoy source is an aiohttp server serving a generated Envoy-shaped body (a real
+   Envoy would need thousands of clusters to reach 5 MB).
+
+Every server runs in its own process so client and server don't share a GIL/event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+
+from benchmarks.common import Result, ratio_result
+
+STATS_BYTES = 5 * 1024 * 1024
+
+
+def envoy_like_body(size: int = STATS_BYTES) -> bytes:
+    """Envoy-shaped Prometheus text (TYPE lines, labelled counters) of about ``size`` bytes."""
+    parts, total, i = [], 0, 0
+    while total < size:
+        block = (f"# TYPE envoy_cluster_m{i}_total counter\n" + "".join(
+            f'envoy_cluster_m{i}_total{{envoy_cluster_name="outbound|80||svc-{j}.ns.svc.'
+            f'cluster.local"}} {j * 7}\n' for j in range(20))).encode()
+        parts.append(block)
+        total += len(block)
+        i += 1
+    return b"".join(parts)
+
+
+# --- server processes -------------------------------------------------------------------
+
+def _hello_server(conn) -> None:
+    from aiohttp import web
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/healthz/ready", lambda r: _ok())
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        conn.send(runner.addresses[0][1])
+        await asyncio.Event().wait()
+
+    async def _ok():
+        return web.Response(status=200)
+
+    asyncio.run(main())
+
+
+def _stats_server(conn) -> None:
+    from aiohttp import web
+
+    body = envoy_like_body()
+
+    async def stats(request):
+        return web.Response(body=body, content_type="text/plain")
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/stats/prometheus", stats)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        conn.send(runner.addresses[0][1])
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def _status_server(conn, envoy_admin_port: int) -> None:
+    from agent import config as agent_config
+    from agent.lifecycle import AgentContext, Component
+    from agent.status.server import StatusServer
+
+    class Ready(Component):
+        def __init__(self, name):
+            self.name = name
+
+    async def main() -> None:
+        tmp = tempfile.mkdtemp()
+        open(os.path.join(tmp, "no.yaml"), "w").close()
+        cfg = agent_config.load({}, {"AMBIENT_AGENT_STATE_DIR": tmp,
+                                     "AMBIENT_AGENT_CONFIG_FILE": os.path.join(tmp, "no.yaml")})
+        cfg = cfg.replace(status_port=0, health_port=0, status_address="127.0.0.1",
+                          envoy_admin_port=envoy_admin_port)
+        ctx = AgentContext(cfg)
+        for name in ("zds", "sds", "enrollment", "xds"):
+            ctx.add(Ready(name))
+        server = ctx.add(StatusServer(ctx))
+        if envoy_admin_port:  # readiness would ask the stats source; bench the agent path
+            server.envoy_ready = None
+        await server.start()
+        conn.send(server.port)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+class _Proc:
+    """A server in a child process; ``port`` once listening; always terminated."""
+
+    def __init__(self, target, *args):
+        parent, child = multiprocessing.Pipe()
+        self.proc = multiprocessing.get_context("fork").Process(
+            target=target, args=(child, *args), daemon=True)
+        self.proc.start()
+        if not parent.poll(30):
+            self.close()
+            raise RuntimeError(f"{target.__name__} did not start")
+        self.port = parent.recv()
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+# --- measurements -----------------------------------------------------------------------
+
+def wrk_rps(url: str, seconds: int = 3) -> float:
+    out = subprocess.run(["wrk", "-t2", "-c32", f"-d{seconds}s", url], capture_output=True,
+                         text=True, timeout=seconds + 30, check=True).stdout
+    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    if not m:
+        raise RuntimeError(f"unexpected wrk output: {out}")
+    return float(m.group(1))
+
+
+async def _fetch_times(url: str, repeat: int) -> list[float]:
+    import aiohttp
+
+    times = []
+    async with aiohttp.ClientSession() as session:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            async with session.get(url, headers={"Accept-Encoding": "identity"}) as r:
+                body = await r.read()
+            times.append(time.perf_counter() - t0)
+            assert r.status == 200 and len(body) >= STATS_BYTES, (r.status, len(body))
+    return times
+
+
+def bench_ready_rps() -> list[Result]:
+    if not shutil.which("wrk"):
+        return [Result("healthz/ready rps", float("nan"), "req/s", note="wrk not installed")]
+    hello = _Proc(_hello_server)
+    try:
+        status = _Proc(_status_server, 0)
+    except BaseException:
+        hello.close()
+        raise
+    try:
+        wrk_rps(f"http://127.0.0.1:{status.port}/healthz/ready", 1)  # warm-up
+        floor = wrk_rps(f"http://127.0.0.1:{hello.port}/healthz/ready")
+        value = wrk_rps(f"http://127.0.0.1:{status.port}/healthz/ready")
+    finally:
+        hello.close()
+        status.close()
+    result = Result("/healthz/ready requests/s (wrk -t2 -c32)", value, "req/s", floor,
+                    "ratio >= 0.8", None, "floor: bare aiohttp hello-world")
+    result.passed = result.ratio is not None and result.ratio >= 0.8
+    return [result]
+
+
+def bench_merge_5mb() -> list[Result]:
+    source = _Proc(_stats_server)
+    try:
+        status = _Proc(_status_server, source.port)
+    except BaseException:
+        source.close()
+        raise
+    try:
+        direct = f"http://127.0.0.1:{source.port}/stats/prometheus"
+        merged = f"http://127.0.0.1:{status.port}/stats/prometheus"
+        asyncio.run(_fetch_times(merged, 2))  # warm-up
+        floor = min(asyncio.run(_fetch_times(direct, 7)))
+        value = min(asyncio.run(_fetch_times(merged, 7)))
+    finally:
+        status.close()
+        source.close()
+    return [ratio_result("merged scrape with a 5 MB Envoy body (best of 7)", value * 1000,
+                         floor * 1000, "ms", 1.5, "floor: fetching the 5 MB body directly")]
+
+
+def run() -> list[Result]:
+    return bench_ready_rps() + bench_merge_5mb()
+
+
+if __name__ == "__main__":
+    for r in run():
+        print(r.as_dict())
