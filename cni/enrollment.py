@@ -177,7 +177,8 @@ class Enrollment(Component):
         (stay on iptables until reboot); the iptables flavor is detected once and
         recorded in the state dir."""
         cfg = self.ctx.config
-        if cfg.native_nftables and not _ipset_exists("istio-inpod-probes-v4"):
+        if cfg.native_nftables and not _ipset_exists("istio-inpod-probes-v4",
+                                                     cfg.host_rules_netns or None):
             return NftablesBackend()
         return IptablesBackend(detect_flavor(cfg.state_dir))
 
@@ -602,16 +603,19 @@ class Enrollment(Component):
             return rec.status
 
 
-def _ipset_exists(name: str) -> bool:
+def _ipset_exists(name: str, netns: str | None) -> bool:
+    """Whether ipset ``name`` exists in the node netns (``netns`` path, None = ours)."""
     from pyroute2 import IPSet
     from pyroute2.netlink.exceptions import NetlinkError
 
-    try:
-        with IPSet() as ipset:
-            ipset.list(name)
-        return True
-    except (NetlinkError, OSError):
-        return False
+    def probe() -> bool:
+        try:
+            with IPSet() as ipset:
+                list(ipset.list(name))  # a generator: errors surface only when consumed
+            return True
+        except (NetlinkError, OSError):
+            return False
+    return netns_mod.run_in_netns(netns, probe) if netns else probe()
 
 
 def build(ctx: AgentContext) -> Enrollment:

@@ -285,7 +285,7 @@ class HostProbeRules:
             with IPSet() as ipset:
                 for name, _ in self._sets():
                     try:
-                        msgs = ipset.list(name)
+                        msgs = list(ipset.list(name))  # lazy generator
                     except NetlinkError:
                         continue
                     for msg in msgs:

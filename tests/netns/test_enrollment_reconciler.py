@@ -1,0 +1,316 @@
+"""The enrollment component end to end: real netns pods on a bridge, real rules, the real
+ZDS server (``zds.server.ZdsServer``) and a ztunnel stand-in speaking real ZDS
+(tests/netns/enrollment_ztunnel.py, since ztunnel can't run here). Host probe rules
+and sets go into a scratch "node" netns (setting ``host_rules_netns``) so the real
+host is never touched. The config source, where used, is a minimal in-memory
+ObjectStore (the ``ambient.api.ObjectStore`` read side), no Kubernetes API here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+import subprocess
+
+import pytest
+from pyroute2 import netns as pr_netns
+
+from agent.config import load
+from agent.lifecycle import AgentContext, Component
+from cni.enrollment import Enrollment, EnrollmentError
+from cni.events import CniPodEvent
+from tests.netns.enrollment_ztunnel import FakeZtunnel
+from tests.netns.test_enrollment_rules import accept_one, dial, original_dst, snapshot
+from zds.server import ZdsServer
+
+
+class FakeConfigSource(Component):
+    """In-memory stand-in for the ``config-source`` component (pods by uid)."""
+
+    name = "config-source"
+
+    def __init__(self):
+        self.store = self
+        self.pods: dict[str, dict] = {}
+
+    def pod_by_uid(self, uid):
+        return self.pods.get(uid)
+
+    def get(self, kind, namespace, name):
+        return None
+
+    def list(self, kind, namespace=None):
+        return list(self.pods.values()) if kind == "Pod" else []
+
+
+@pytest.fixture
+def node_netns():
+    name = "tn" + secrets.token_hex(3)
+    pr_netns.create(name)
+    try:
+        yield f"/var/run/netns/{name}"
+    finally:
+        pr_netns.remove(name)
+
+
+class Harness:
+    def __init__(self, state_dir, node_netns, **overrides):
+        self.state_dir = str(state_dir)
+        self.config = load({}, env={}).replace(
+            state_dir=self.state_dir, ztunnel_uds_address=os.path.join(self.state_dir, "zds.sock"),
+            ztunnel_wait=2.0, host_rules_netns=node_netns, ambient_ipv6=False, **overrides)
+        self.ztunnels: list[FakeZtunnel] = []
+
+    async def start(self, source: FakeConfigSource | None = None):
+        self.ctx = AgentContext(self.config)
+        if source is not None:
+            self.ctx.add(source)
+        self.zds = self.ctx.add(ZdsServer(self.config.ztunnel_uds_address, ztunnel_wait=2.0))
+        self.enrollment = self.ctx.add(Enrollment(self.ctx))
+        await self.zds.start()
+        await self.enrollment.start()
+        return self
+
+    async def ztunnel(self, **kw) -> FakeZtunnel:
+        zt = await asyncio.to_thread(FakeZtunnel(self.config.ztunnel_uds_address, **kw).start)
+        self.ztunnels.append(zt)
+        return zt
+
+    async def kill(self):
+        """What a SIGKILL leaves: no component stop hooks ran (rules, sets, state files
+        stay); only the process's sockets are gone."""
+        for zt in self.ztunnels:
+            zt.close()
+        self.ztunnels.clear()
+        for task in list(self.enrollment._retry_tasks.values()):
+            task.cancel()
+        await self.zds.stop(0.5)
+        self.ctx.executor.shutdown(wait=False)
+
+    async def stop(self):
+        for zt in self.ztunnels:
+            zt.close()
+        await self.enrollment.stop(1.0)
+        await self.zds.stop(0.5)
+        self.ctx.executor.shutdown(wait=False)
+
+
+def event(pod, command="ADD", **kw) -> CniPodEvent:
+    return CniPodEvent(command=command, container_id="c-" + pod.name, netns=pod.netns_path,
+                       pod_name=pod.name, pod_namespace="default", pod_uid=pod.uid,
+                       ips=[pod.ip], **kw)
+
+
+async def host_entries(h: Harness) -> dict[str, str]:
+    return await asyncio.to_thread(h.enrollment.host_rules.entries)
+
+
+async def test_enroll_traffic_and_unenroll(bridge, state_dir, node_netns):
+    h = await Harness(state_dir, node_netns).start()
+    try:
+        zt = await h.ztunnel(open_listeners=True)
+        a, b, c = [await asyncio.to_thread(bridge.add_pod, n) for n in ("ta", "tb", "tc")]
+        before = snapshot(a)
+        await asyncio.gather(h.enrollment.enroll(event(a)), h.enrollment.enroll(event(b)))
+        assert zt.adds[a.uid] == os.stat(a.netns_path).st_ino
+        state = h.enrollment.debug_state()["pods"]
+        assert state[a.uid]["status"] == state[b.uid]["status"] == "enabled"
+        assert await host_entries(h) == {a.ip: a.uid, b.ip: b.uid}
+        assert os.path.exists(os.path.join(h.state_dir, "pods", f"{a.uid}.json"))
+
+        # A -> B lands on ztunnel's outbound listener inside A, original dst recoverable
+        client = await asyncio.to_thread(dial, a, b.ip, 8080)
+        conn = accept_one(zt.listeners[a.uid][15001])
+        assert original_dst(conn) == (b.ip, 8080)
+        conn.close(), client.close()
+        # unenrolled C -> B lands on ztunnel's inbound listener inside B
+        client = await asyncio.to_thread(dial, c, b.ip, 8080)
+        conn = accept_one(zt.listeners[b.uid][15006])
+        assert original_dst(conn) == (b.ip, 8080)
+        conn.close(), client.close()
+
+        # re-ADD of an enrolled pod is harmless: rules not duplicated
+        await h.enrollment.enroll(event(a))
+        assert a.exec("iptables-save").stdout.count("-A PREROUTING -j ISTIO_PRERT") == 3
+
+        await h.enrollment.unenroll(event(a, "DEL"))
+        assert snapshot(a) == before
+        assert await host_entries(h) == {b.ip: b.uid}
+        assert await asyncio.to_thread(zt.wait, lambda: a.uid in zt.deleted)
+        assert not os.path.exists(os.path.join(h.state_dir, "pods", f"{a.uid}.json"))
+        # DEL after the netns is gone is fine
+        await asyncio.to_thread(bridge.remove_pod, b)
+        await h.enrollment.unenroll(event(b, "DEL"))
+        assert await host_entries(h) == {}
+    finally:
+        await h.stop()
+
+
+async def test_bad_input_errors_and_rollback(bridge, state_dir, node_netns):
+    source = FakeConfigSource()
+    h = await Harness(state_dir, node_netns).start(source)
+    try:
+        zt = await h.ztunnel()
+        good, bad, gone = [await asyncio.to_thread(bridge.add_pod, n) for n in ("tg", "tx", "tz")]
+        clean_bad = snapshot(bad)
+
+        ev = event(good)
+        ev.netns = "/var/run/netns/does-not-exist-" + secrets.token_hex(3)
+        with pytest.raises(EnrollmentError, match="does-not-exist.*No such file"):
+            await h.enrollment.enroll(ev)
+
+        ev = event(good)
+        ev.ips = []
+        with pytest.raises(EnrollmentError, match="no pod IP"):
+            await h.enrollment.enroll(ev)
+
+        # iptables-restore failure: its stderr is in the error, nothing left behind
+        source.pods[bad.uid] = {"metadata": {"uid": bad.uid, "name": bad.name,
+                                             "namespace": "default", "annotations": {
+                                                 "istio.io/reroute-virtual-interfaces": "bad if!"}}}
+        with pytest.raises(EnrollmentError, match=r"rolled back.*Bad argument") as err:
+            await h.enrollment.enroll(event(bad))
+        assert "line" in str(err.value)
+        assert snapshot(bad) == clean_bad
+        assert h.enrollment.debug_state()["pods"][bad.uid]["status"] == "failed"
+
+        # netns disappears while ztunnel is being told: rolled back, error says so
+        orig_handle = zt._handle
+
+        def vanish(packet):
+            req = __import__("zds.wire", fromlist=["x"]).decode_request(packet.data)
+            if req.WhichOneof("payload") == "add" and req.add.uid == gone.uid:
+                bridge.remove_pod(gone)
+            orig_handle(packet)
+        zt._handle = vanish
+        with pytest.raises(EnrollmentError, match="disappeared"):
+            await h.enrollment.enroll(event(gone))
+        assert gone.uid not in h.enrollment.pods()
+        assert await asyncio.to_thread(zt.wait, lambda: gone.uid in zt.deleted)
+
+        # the good pod is unaffected by all of the above
+        await h.enrollment.enroll(event(good))
+        assert h.enrollment.debug_state()["pods"][good.uid]["status"] == "enabled"
+        assert await host_entries(h) == {good.ip: good.uid}
+    finally:
+        await h.stop()
+
+
+async def test_ztunnel_nack_is_retried_until_enrolled(bridge, state_dir, node_netns):
+    h = await Harness(state_dir, node_netns).start()
+    try:
+        zt = await h.ztunnel(nack="proxy start failed")
+        pod = await asyncio.to_thread(bridge.add_pod, "tp")
+        with pytest.raises(EnrollmentError, match="proxy start failed.*will retry") as err:
+            await h.enrollment.enroll(event(pod))
+        assert err.value.retryable
+        assert h.enrollment.debug_state()["pods"][pod.uid]["status"] == "pending"
+        assert ":ISTIO_OUTPUT" in pod.exec("iptables-save").stdout  # fail closed
+        zt.nack = ""
+        for _ in range(100):
+            if h.enrollment.debug_state()["pods"][pod.uid]["status"] == "enabled":
+                break
+            await asyncio.sleep(0.05)
+        assert h.enrollment.debug_state()["pods"][pod.uid]["status"] == "enabled"
+        assert await host_entries(h) == {pod.ip: pod.uid}
+    finally:
+        await h.stop()
+
+
+async def test_no_ztunnel_is_a_retryable_error(bridge, state_dir, node_netns):
+    h = Harness(state_dir, node_netns)
+    h.config = h.config.replace(ztunnel_wait=0.3)
+    await h.start()
+    try:
+        pod = await asyncio.to_thread(bridge.add_pod, "tp")
+        with pytest.raises(EnrollmentError, match="NoZtunnel") as err:
+            await h.enrollment.enroll(event(pod))
+        assert err.value.retryable
+    finally:
+        await h.stop()
+
+
+async def test_restart_recovers_20_pods(bridge, state_dir, node_netns):
+    h = await Harness(state_dir, node_netns).start()
+    pods = [await asyncio.to_thread(bridge.add_pod, "tr") for _ in range(20)]
+    await h.ztunnel()
+    await asyncio.gather(*(h.enrollment.enroll(event(p)) for p in pods))
+    saves = {p.uid: p.exec("iptables-save").stdout for p in pods}
+    await h.kill()
+
+    h2 = await Harness(state_dir, node_netns).start()
+    try:
+        status = h2.enrollment.debug_state()["pods"]
+        assert {u: s["status"] for u, s in status.items()} == {p.uid: "enabled" for p in pods}
+        zt = await h2.ztunnel()
+        assert await asyncio.to_thread(zt.wait, lambda: zt.snapshot_uids is not None)
+        assert zt.snapshot_uids == {p.uid for p in pods}
+        assert all(zt.adds[p.uid] == os.stat(p.netns_path).st_ino for p in pods)
+        for p in pods:  # rules reconciled in place, nothing duplicated
+            save = p.exec("iptables-save").stdout
+            assert save.count("-A PREROUTING -j ISTIO_PRERT") == 3
+            assert _rules(save) == _rules(saves[p.uid])
+        assert await host_entries(h2) == {p.ip: p.uid for p in pods}
+    finally:
+        await h2.stop()
+
+
+async def test_restart_reports_pod_whose_netns_is_gone(bridge, state_dir, node_netns):
+    h = await Harness(state_dir, node_netns).start()
+    kept, lost = [await asyncio.to_thread(bridge.add_pod, n) for n in ("tk", "tl")]
+    await h.ztunnel()
+    await h.enrollment.enroll(event(kept))
+    await h.enrollment.enroll(event(lost))
+    await h.kill()
+    await asyncio.to_thread(bridge.remove_pod, lost)
+
+    h2 = await Harness(state_dir, node_netns).start()
+    try:
+        status = h2.enrollment.debug_state()["pods"]
+        assert status[kept.uid]["status"] == "enabled"
+        assert status[lost.uid]["status"] == "netns-missing"
+        assert "netns not found" in status[lost.uid]["error"]
+        zt = await h2.ztunnel()
+        assert await asyncio.to_thread(zt.wait, lambda: zt.snapshot_uids is not None)
+        assert zt.snapshot_uids == {kept.uid, lost.uid}  # Keep for the lost one
+        assert zt.adds[lost.uid] is None
+    finally:
+        await h2.stop()
+
+
+async def test_nftables_backend_end_to_end(bridge, state_dir, node_netns):
+    h = Harness(state_dir, node_netns)
+    h.config = h.config.replace(native_nftables=True)
+    await h.start()
+    try:
+        zt = await h.ztunnel(open_listeners=True)
+        a, b = [await asyncio.to_thread(bridge.add_pod, n) for n in ("ta", "tb")]
+        before = snapshot(a)
+        await h.enrollment.enroll(event(a))
+        await h.enrollment.enroll(event(b))
+        assert h.enrollment.debug_state()["backend"] == "nftables"
+        client = await asyncio.to_thread(dial, a, b.ip, 8080)
+        conn = accept_one(zt.listeners[a.uid][15001])
+        assert original_dst(conn) == (b.ip, 8080)
+        conn.close(), client.close()
+        # DNS capture (on by default): UDP/53 from A lands on ztunnel's 15053
+        await asyncio.to_thread(a.run, _send_dns, b.ip)
+        udp = zt.listeners[a.uid]["udp15053"]
+        udp.settimeout(3)
+        assert udp.recvfrom(64)[0] == b"q"
+        assert await host_entries(h) == {a.ip: a.uid, b.ip: b.uid}
+        await h.enrollment.unenroll(event(a, "DEL"))
+        assert snapshot(a) == before
+    finally:
+        await h.stop()
+
+
+def _send_dns(host):
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.sendto(b"q", (host, 53))
+
+
+def _rules(save: str) -> list[str]:
+    return sorted(ln for ln in save.splitlines() if ln.startswith(("-A", ":ISTIO")))
