@@ -29,6 +29,8 @@ log = logging.getLogger("agent")
 # `ambient-agent config` and `version` stay fast. Order = start order.
 COMPONENT_BUILDERS: list[tuple[str, str]] = [
     # ambient index and its config source
+    ("ambient.source", "build"),
+    ("ambient.index", "build"),
     # SDS and CA
     ("agent.sds.server", "build"),
     # ZDS server

@@ -26,6 +26,7 @@ from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from agent.lifecycle import AgentContext, Component
 from ambient import authorization_pb2 as az
 from ambient import localconfig
 from ambient import translate_authz as tz
@@ -931,3 +932,45 @@ class AmbientIndex:
             return f"{network}/{ipaddress.ip_address(ip)}"
         except ValueError:
             return key
+
+
+# ---------------------------------------------------------------------- component
+
+
+class IndexComponent(Component):
+    """Component ``ambient-index``: ``.index`` is the :class:`AmbientIndex` over the
+    ``config-source`` store, built at start (after the source's initial load)."""
+
+    name = "ambient-index"
+
+    def __init__(self, index: AmbientIndex):
+        self.index = index
+        self.started = False
+
+    async def start(self) -> None:
+        change = self.index.start()
+        self.started = True
+        log.info("ambient index built: %d addresses, %d authorizations",
+                 len(change.addresses_changed), len(change.authorizations_changed))
+
+    async def stop(self, grace: float) -> None:
+        self.index.stop()
+
+    def ready(self) -> tuple[bool, str]:
+        return (True, "") if self.started else (False, "index not built")
+
+    def debug_state(self) -> dict:
+        return self.index.debug_state()
+
+
+def build(ctx: AgentContext) -> IndexComponent | None:
+    """Builder for ``agent.daemon.COMPONENT_BUILDERS``; needs the ``config-source`` component."""
+    source = ctx.get("config-source")
+    if source is None:
+        return None
+    cfg = ctx.config
+    mesh = Mesh(cluster_id=cfg.cluster_id, root_namespace=cfg.system_namespace,
+                trust_domain=cfg.trust_domain, network=cfg.network)
+    index = AmbientIndex(source.store, mesh, ctx.registry,
+                         derive_hbone_from_labels=cfg.config_source == "files")
+    return IndexComponent(index)

@@ -192,6 +192,10 @@ class ObjectStore:
         self._notify(events)
         return events
 
+    def origin_of(self, key: Key) -> str | None:
+        """The origin (file path, ``kubernetes:<Kind>``) that owns ``key``, or None."""
+        return self._origin.get(key)
+
     def keys_of_origin(self, origin: str) -> set[Key]:
         return set(self._by_origin.get(origin, ()))
 

@@ -1,0 +1,132 @@
+"""The directory source on a real tmp directory with real inotify watching (watchfiles)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import textwrap
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from ambient.index import AmbientIndex
+from ambient.objects import Mesh
+from ambient.source_files import DirectorySource, parse_file
+from ambient.store import ObjectStore
+
+
+async def run_blocking(fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+async def eventually(predicate, timeout=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+POD = textwrap.dedent("""\
+    apiVersion: v1
+    kind: Pod
+    metadata: {name: %s, namespace: demo, uid: %s}
+    spec: {nodeName: n1, serviceAccountName: sa}
+    status: {podIP: %s, phase: Running}
+    """)
+
+
+def test_parse_multi_doc_list_local_config_and_bad_objects(tmp_path, caplog):
+    f = tmp_path / "all.yaml"
+    f.write_text(POD % ("a", "u-a", "10.0.0.1") + "---\n" + textwrap.dedent("""\
+        apiVersion: v1
+        kind: List
+        items:
+        - {apiVersion: v1, kind: Service, metadata: {name: s, namespace: demo}, spec: {}}
+        - {apiVersion: v1, kind: Service, metadata: {name: 7}}
+        ---
+        workloads:
+        - {uid: w1, name: local, namespace: default, workloadIps: ["127.0.0.1"], services: {}}
+        - {name: broken, workloadIps: ["x"], services: {}}
+        policies: []
+        """))
+    objects, errors = parse_file(str(f))
+    kinds = [o.get("kind") for o, _ in objects]
+    assert kinds == ["Pod", "Service", "Service", "LocalWorkload"]
+    assert "#1.items[1] Service ?/7" not in objects[2][1]  # where names the document and item
+    assert objects[2][1].startswith(f"{f}#1.items[1]")
+    assert len(errors) == 1 and "workloads[1]" in errors[0][0] and "namespace" in errors[0][1]
+
+
+def test_parse_syntax_error_keeps_earlier_documents(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text(POD % ("a", "u-a", "10.0.0.1") + "---\nkind: [unclosed\n")
+    objects, errors = parse_file(str(f))
+    assert [o["metadata"]["name"] for o, _ in objects] == ["a"]
+    assert "malformed YAML at line" in errors[0][1]
+    j = tmp_path / "x.json"
+    j.write_text("{nope")
+    assert "malformed JSON" in parse_file(str(j))[1][0][1]
+
+
+@pytest.mark.asyncio
+async def test_directory_source_loads_watches_and_reports_bad_objects(tmp_path, caplog):
+    registry = CollectorRegistry()
+    store = ObjectStore(registry)
+    directory = tmp_path / "cluster"  # created by start()
+    src = DirectorySource(store, str(directory), run_blocking, debounce_ms=10)
+    index = AmbientIndex(store, Mesh(cluster_id="c"), registry, derive_hbone_from_labels=True)
+    try:
+        directory.mkdir()
+        (directory / "sub").mkdir()
+        (directory / "sub" / "pods.yml").write_text(
+            POD % ("a", "u-a", "10.0.0.1") + "---\n" + POD % ("b", "u-b", "not-an-ip")
+            + "---\n" + POD % ("dup", "u-a", "10.0.0.3")
+            + "---\n" + json.dumps({"kind": "Pod", "metadata": {"name": "c", "labels": 5}}))
+        (directory / "notes.txt").write_text("ignored")
+        await src.start()
+        assert src.loaded
+        assert store.pod_by_uid("u-a")["metadata"]["name"] == "a"
+        assert store.get("Pod", "demo", "dup") is None  # duplicate uid skipped
+        assert store.get("Pod", "default", "c") is None  # labels of the wrong type
+        assert "duplicate-uid" in caplog.text or "already used" in caplog.text
+        assert "metadata.labels" in caplog.text
+        assert registry.get_sample_value("ambient_config_objects_rejected_total",
+                                         {"source": "files", "reason": "duplicate-uid"}) == 1
+        index.start()
+        assert index.address("c//Pod/demo/a") is not None
+        assert index.address("c//Pod/demo/b") is None  # invalid IP: skipped by the index
+        assert registry.get_sample_value("ambient_index_rejected_total", {"kind": "Pod"}) == 1
+
+        changes = []
+        index.subscribe(changes.append)
+        # a new file: upsert
+        (directory / "new.yaml").write_text(POD % ("n", "u-n", "10.0.0.9"))
+        await eventually(lambda: index.address("c//Pod/demo/n") is not None)
+        assert any("c//Pod/demo/n" in c.addresses_changed for c in changes)
+        # an edit: only what changed is announced
+        changes.clear()
+        (directory / "new.yaml").write_text(POD % ("n", "u-n", "10.0.0.10"))
+        await eventually(lambda: any(c.addresses_changed for c in changes))
+        assert set().union(*(c.addresses_changed for c in changes)) == {"c//Pod/demo/n"}
+        # deleting the file deletes its objects
+        (directory / "new.yaml").unlink()
+        await eventually(lambda: index.address("c//Pod/demo/n") is None)
+        assert store.pod_by_uid("u-n") is None
+        # the source survived all of it
+        assert store.get("Pod", "demo", "a") is not None
+    finally:
+        await src.stop()
+        index.stop()
+
+
+@pytest.mark.asyncio
+async def test_creates_missing_directory(tmp_path):
+    store = ObjectStore()
+    src = DirectorySource(store, str(tmp_path / "a" / "b"), run_blocking)
+    await src.start()
+    try:
+        assert (tmp_path / "a" / "b").is_dir()
+        assert len(store) == 0
+    finally:
+        await src.stop()
