@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only bench_<NAME> (repeatable)")
     parser.add_argument("--json", default=str(Path(__file__).with_name("results.json")))
     args = parser.parse_args(argv)
-    names = sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent))
+    names = sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)])
                    if m.name.startswith("bench_"))
     if args.only:
         names = [n for n in names if n.removeprefix("bench_") in args.only or n in args.only]
