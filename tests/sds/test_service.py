@@ -1,0 +1,270 @@
+"""SDS stream state machine against the real server over a real Unix socket (spec
+``sds-ca-status.md`` §5 cases 1-9), DeltaSecrets, FetchSecrets, file-backed names and bad
+input. The CA is the real embedded CA; ``SwitchableCA`` injects outages."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+
+import grpc
+import pytest
+from envoy.service.discovery.v3 import discovery_pb2
+from envoy.service.secret.v3 import sds_pb2_grpc
+
+from agent.sds import keys
+from agent.sds.server import SdsServer
+from tests.sds.helpers import (Stream, SwitchableCA, executor_runner, make_config, request,
+                               secrets_of)
+
+ID = "spiffe://cluster.local/ns/shop/sa/cart"
+
+
+@pytest.fixture
+async def sds(state_dir):
+    run = executor_runner()
+    servers = []
+
+    async def start(**overrides):
+        overrides.setdefault("service_account", "cart")
+        overrides.setdefault("pod_namespace", "shop")
+        cfg = make_config(state_dir, ecc_signature_algorithm="ECDSA", **overrides)
+        server = SdsServer(cfg, run)
+        await server.start()
+        servers.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for s in servers:
+            await s.stop(0.2)
+        run.pool.shutdown(wait=False)
+
+
+@pytest.fixture
+async def channel_for():
+    channels = []
+
+    def make(server):
+        ch = grpc.aio.insecure_channel("unix:" + server.config.sds_socket)
+        channels.append(ch)
+        return ch
+
+    try:
+        yield make
+    finally:
+        for ch in channels:
+            await ch.close()
+
+
+async def test_default_then_ack_is_silent_and_added_names_only(sds, channel_for):
+    server = await sds()
+    st = Stream(channel_for(server))
+    await st.send(request(["default"]))
+    r1 = await st.recv()
+    got = secrets_of(r1)["default"].tls_certificate
+    item = server.cache.items[ID]
+    assert got.certificate_chain.inline_bytes == item.chain
+    assert got.private_key.inline_bytes == item.key
+    assert "/" in r1.version_info and len(r1.nonce) == 36
+    await st.send(request(["default"], nonce=r1.nonce, version=r1.version_info, node=""))
+    assert await st.silent(0.2)  # case 1: ACK → nothing
+    st2 = Stream(channel_for(server))
+    await st2.send(request(["default"]))
+    r = await st2.recv()
+    await st2.send(request(["default", "ROOTCA"], nonce=r.nonce, node=""))
+    r2 = await st2.recv()  # case 2: only the added name
+    assert list(secrets_of(r2)) == ["ROOTCA"]
+    assert secrets_of(r2)["ROOTCA"].validation_context.trusted_ca.inline_bytes == \
+        keys.merge_trust(server.root_pem())
+    await st2.send(request(["default", "ROOTCA"], nonce=r2.nonce, node=""))
+    assert await st2.silent(0.2)
+
+
+async def test_fresh_request_on_same_stream_and_replayed_nonce(sds, channel_for):
+    server = await sds()
+    st = Stream(channel_for(server))
+    await st.send(request(["ROOTCA"]))
+    await st.recv()
+    await st.send(request(["default"], node=""))  # case 3: empty nonce = fresh subscription
+    assert list(secrets_of(await st.recv())) == ["default"]
+    fresh = Stream(channel_for(server))  # case 8: a new stream replaying an old nonce
+    await fresh.send(request(["default", "ROOTCA"], nonce="from-before-restart", version="x/9"))
+    assert sorted(secrets_of(await fresh.recv())) == ["ROOTCA", "default"]
+    await fresh.send(request(["default", "ROOTCA", "foo"], nonce="stale-nonce", node=""))
+    assert await fresh.silent(0.2)  # stale nonce on a stream that sent one: ignored
+
+
+async def test_nack_and_unsubscribe_send_nothing(sds, channel_for):
+    server = await sds()
+    st = Stream(channel_for(server))
+    await st.send(request(["default"]))
+    r = await st.recv()
+    await st.send(request(["default"], nonce=r.nonce, node="", error="bad key"))
+    assert await st.silent(0.2)
+    await st.send(request([], nonce=r.nonce, node=""))
+    assert await st.silent(0.2)
+    assert server.debug_state()["nacks"] == 1
+    assert server.debug_state()["streams"][0]["last_nack"] == "bad key"
+
+
+async def test_rotation_pushes_only_to_default_watchers(sds, channel_for):
+    server = await sds(secret_ttl=2.0)
+    cert, root = Stream(channel_for(server)), Stream(channel_for(server))
+    await cert.send(request(["default"]))
+    first = await cert.recv()
+    await cert.send(request(["default"], nonce=first.nonce, node=""))
+    await root.send(request(["ROOTCA"]))
+    r = await root.recv()
+    await root.send(request(["ROOTCA"], nonce=r.nonce, node=""))
+    pushed = await cert.recv(10)  # case 4: rotation → only the default stream
+    assert list(secrets_of(pushed)) == ["default"]
+    assert secrets_of(pushed)["default"].tls_certificate.certificate_chain.inline_bytes != \
+        secrets_of(first)["default"].tls_certificate.certificate_chain.inline_bytes
+    assert await root.silent(0.3)
+
+
+async def test_generation_failure_ends_stream_then_recovers(sds, channel_for):
+    server = await sds()
+    server._tasks[0].cancel()  # no warm-up: the first request must hit the CA
+    flaky = SwitchableCA(server.cache.ca)
+    flaky.down = True
+    server.cache.ca = flaky
+    st = Stream(channel_for(server))
+    await st.send(request(["default"]))
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # case 5
+        await st.recv()
+    assert e.value.code() == grpc.StatusCode.UNKNOWN
+    assert "failed to generate secret for default" in e.value.details()
+    assert "UNAVAILABLE" in e.value.details()
+    flaky.down = False
+    st2 = Stream(channel_for(server))
+    await st2.send(request(["default"]))
+    assert list(secrets_of(await st2.recv())) == ["default"]
+
+
+async def test_bad_requests_get_clear_statuses_and_server_keeps_going(sds, channel_for):
+    server = await sds()
+    ch = channel_for(server)
+    good = Stream(ch)
+    await good.send(request(["default"]))
+    await good.recv()
+    no_node = Stream(ch)
+    await no_node.send(request(["default"], node=""))
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # case 9
+        await no_node.recv()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "missing node information"
+    wrong_type = Stream(ch)
+    await wrong_type.send(request(["default"], type_url="type.googleapis.com/foo.Bar"))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await wrong_type.recv()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "foo.Bar" in e.value.details()
+    stub = sds_pb2_grpc.SecretDiscoveryServiceStub(ch)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.FetchSecrets(discovery_pb2.DiscoveryRequest())
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "resource_names" in e.value.details()
+    missing = Stream(ch)
+    await missing.send(request(["file-root:/no/such/root.pem"]))
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # case 18
+        await missing.recv()
+    assert "/no/such/root.pem" in e.value.details()
+    assert "No such file or directory" in e.value.details()
+    # the first stream is still served
+    await good.send(request(["default", "ROOTCA"], node=""))
+    assert sorted(secrets_of(await good.recv())) == ["ROOTCA", "default"]
+
+
+async def test_fetch_and_delta(sds, channel_for):
+    server = await sds()
+    stub = sds_pb2_grpc.SecretDiscoveryServiceStub(channel_for(server))
+    resp = await stub.FetchSecrets(discovery_pb2.DiscoveryRequest(resource_names=["ROOTCA",
+                                                                                  "default"]))
+    assert list(secrets_of(resp)) == ["ROOTCA", "default"]
+    call = stub.DeltaSecrets()
+    req = discovery_pb2.DeltaDiscoveryRequest(resource_names_subscribe=["default", "ROOTCA"])
+    req.node.id = "n1"
+    await call.write(req)
+    d1 = await asyncio.wait_for(call.read(), 5)
+    versions = {r.name: r.version for r in d1.resources}
+    assert sorted(versions) == ["ROOTCA", "default"]
+    await call.write(discovery_pb2.DeltaDiscoveryRequest(response_nonce=d1.nonce))
+    call.cancel()
+    # reconnect with the versions we hold: nothing changed → nothing re-sent
+    call2 = stub.DeltaSecrets()
+    req2 = discovery_pb2.DeltaDiscoveryRequest(resource_names_subscribe=["default", "ROOTCA"],
+                                               initial_resource_versions=versions)
+    req2.node.id = "n1"
+    await call2.write(req2)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(asyncio.shield(call2.read()), 0.3)
+    call2.cancel()
+
+
+async def test_file_names_are_served_and_pushed_on_cert_change(sds, channel_for, tmp_path):
+    server = await sds()
+    d = tmp_path / "certs"
+    d.mkdir()
+    pair1 = await server.certificate_for(["spiffe://cluster.local/ns/x/sa/one"])
+    pair2 = await server.certificate_for(["spiffe://cluster.local/ns/x/sa/two"])
+    (d / "tls.key").write_bytes(pair1.key)
+    (d / "tls.crt").write_bytes(pair1.chain)
+    (d / "ca.crt").write_bytes(b"garbage\n" + server.root_pem())
+    name = f"file-cert:{d}/tls.crt~{d}/tls.key"
+    st = Stream(channel_for(server))
+    await st.send(request([name, f"file-root:{d}/ca.crt"]))
+    r = await st.recv()
+    got = secrets_of(r)
+    assert got[name].tls_certificate.certificate_chain.inline_bytes == pair1.chain
+    assert keys.pem_blocks(got[f"file-root:{d}/ca.crt"].validation_context.trusted_ca
+                           .inline_bytes) == keys.pem_blocks(server.root_pem())
+    await st.send(request([name, f"file-root:{d}/ca.crt"], nonce=r.nonce, node=""))
+    await server.watcher.wait_ready()
+    tmp = d / ".tls.crt.new"  # atomic rename-over, key first (as a secret update does)
+    (d / "tls.key").write_bytes(pair2.key)
+    tmp.write_bytes(pair2.chain)
+    os.replace(tmp, d / "tls.crt")
+    pushed = await st.recv(10)
+    assert list(secrets_of(pushed)) == [name]
+    assert secrets_of(pushed)[name].tls_certificate.private_key.inline_bytes == pair2.key
+
+
+async def test_attested_mode_refuses_file_names_and_direct_backend(state_dir, channel_for):
+    run = executor_runner()
+    server = SdsServer(make_config(state_dir, ecc_signature_algorithm="ECDSA"), run)
+    await server.start()
+    try:
+        st = Stream(channel_for(server))  # this test process is not in a pod cgroup
+        await st.send(request(["default"]))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await st.recv()
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        async with grpc.aio.insecure_channel("unix:" + server._backend_path) as direct:
+            st = Stream(direct)  # bypassing the front door: no credentials recorded
+            await st.send(request(["default"]))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await st.recv()
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert oct(os.stat(os.path.dirname(server._backend_path)).st_mode & 0o777) == "0o700"
+    finally:
+        await server.stop(0.2)
+        run.pool.shutdown(wait=False)
+    assert not os.path.exists(server.config.sds_socket)
+
+
+async def test_mounted_workload_certs_win_in_fixed_mode(sds, channel_for, tmp_path):
+    d = tmp_path / "etc-certs"
+    d.mkdir()
+    server = await sds(workload_certs_dir=str(d))
+    pair = await server.certificate_for([ID])
+    (d / "key.pem").write_bytes(pair.key)
+    (d / "cert-chain.pem").write_bytes(pair.chain)
+    (d / "root-cert.pem").write_bytes(pair.root)
+    st = Stream(channel_for(server))
+    await st.send(request(["default", "ROOTCA"]))
+    got = secrets_of(await st.recv())
+    assert got["default"].tls_certificate.certificate_chain.inline_bytes == pair.chain
+    shutil.rmtree(d)
