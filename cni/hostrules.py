@@ -131,7 +131,10 @@ class HostProbeRules:
         with self._in_netns():
             if self.backend == "nftables":
                 uid = self.kubelet_uid if self.kubelet_uid is not None else find_kubelet_uid()
-                run_nft(self.render_nft(uid), "host probe rules")
+                # "flush table" leaves set elements; start-of-day wants empty sets (§3.10)
+                flush = "".join(f"flush set inet {self.nft_table} {name}\n"
+                                for name, _ in self._sets())
+                run_nft(self.render_nft(uid) + flush, "host probe rules")
                 return
             self._delete_iptables_rules()
             with IPSet() as ips:
