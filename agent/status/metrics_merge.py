@@ -39,7 +39,6 @@ log = logging.getLogger("agent.status.metrics")
 RESERVED_PORTS = frozenset({15000, 15001, 15004, 15006, 15008, 15020, 15021, 15053, 15090})
 APP_BODY_CAP = 10 * 1024 * 1024  # bytes per application target (upstream's cap)
 DEFAULT_SOURCE_TIMEOUT = 10.0  # seconds, when Prometheus sends no scrape-timeout header
-ENVOY_CHUNK = 256 * 1024  # bytes per streamed write: few enough writes, still pipelined
 TEXT_DEFAULT = "text/plain;version=0.0.4"
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OM_CONTENT_TYPE = "application/openmetrics-text; version={}; charset=utf-8"
@@ -51,6 +50,7 @@ _MEDIA_RE = re.compile(rf"^({_TOKEN})(?:/({_TOKEN}))?$")
 # re.M on a 5 MB body); the first line of a chunk is matched separately.
 _META_RE = re.compile(rb"\n# (HELP|TYPE) (\S+)")
 _META_FIRST_RE = re.compile(rb"# (HELP|TYPE) (\S+)")
+_NL_RE = re.compile(rb"\n")
 _EOF_RE = re.compile(rb"(?:^|\n)# EOF[ \t\r\n]*\Z")
 _COPIED_HEADERS = ("User-Agent", "X-Prometheus-Scrape-Timeout-Seconds")
 
@@ -210,25 +210,27 @@ class MetadataDedup:
     def __init__(self) -> None:
         self.seen: set[tuple[bytes, bytes]] = set()
 
-    def filter(self, data: bytes) -> bytes:
+    def filter(self, data: bytes | memoryview) -> bytes | memoryview:
+        """``data`` without repeated metadata lines. Accepts a memoryview so streamed
+        chunks are scanned without copying; returns it unchanged when nothing repeats."""
         cuts: list[tuple[int, int]] = []
         seen = self.seen
         first = _META_FIRST_RE.match(data)
         matches = ([(0, first)] if first else []) + [(1, m) for m in _META_RE.finditer(data)]
         for skip, m in matches:
-            key = (m.group(1), m.group(2))
+            key = (bytes(m.group(1)), bytes(m.group(2)))
             if key in seen:
-                end = data.find(b"\n", m.end())
-                cuts.append((m.start() + skip, len(data) if end < 0 else end + 1))
+                nl = _NL_RE.search(data, m.end())
+                cuts.append((m.start() + skip, len(data) if nl is None else nl.end()))
             else:
                 seen.add(key)
         if not cuts:
             return data
         out, pos = [], 0
         for start, end in cuts:
-            out.append(data[pos:start])
+            out.append(bytes(data[pos:start]))
             pos = end
-        out.append(data[pos:])
+        out.append(bytes(data[pos:]))
         return b"".join(out)
 
 
@@ -399,12 +401,20 @@ class MetricsMerger:
                     await self.run_blocking(text_to_openmetrics, body)))
                 return
             tail = b""
-            async for chunk in resp.content.iter_chunked(ENVOY_CHUNK):
-                data = tail + chunk if tail else chunk
-                cut = data.rfind(b"\n") + 1
-                tail = data[cut:]
+            async for chunk in resp.content.iter_any():
+                cut = chunk.rfind(b"\n") + 1
+                if not cut:
+                    tail += chunk
+                    continue
+                view = memoryview(chunk)
+                if tail:  # complete the line split across chunks; a small copy
+                    first = chunk.find(b"\n") + 1
+                    await response.write(dedup.filter(tail + chunk[:first]))
+                    view = view[first:]
+                    cut -= first
                 if cut:
-                    await response.write(dedup.filter(data[:cut]))
+                    await response.write(dedup.filter(view[:cut]))
+                tail = chunk[len(chunk) - len(view) + cut:]
             if tail:  # a body without a final newline: repair it
                 await response.write(dedup.filter(tail + b"\n"))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:

@@ -267,3 +267,19 @@ async def test_listen_failure_is_one_line_config_error(tmp_path):
         with pytest.raises(ConfigError, match="status_port.*cannot listen"):
             async with running_status(tmp_path, status_port=first.port):
                 pass
+
+
+async def test_large_envoy_body_streams_byte_exact(tmp_path):
+    """A multi-megabyte Envoy body arrives in many socket-sized chunks split mid-line; the
+    streamed copy must equal the source (plus the repaired final newline), with one
+    repeated TYPE line (declared again at the very end) removed."""
+    from benchmarks.bench_status import envoy_like_body
+
+    big = envoy_like_body(3 * 1024 * 1024)
+    source = big + b"# TYPE envoy_cluster_m0_total counter\nenvoy_cluster_m0_total{x=\"y\"} 1"
+    routes = {"/stats/prometheus": (200, source, TEXT_CT)}
+    async with serve_app(metrics_app(routes, [])) as port:
+        async with running_status(tmp_path, envoy_admin_port=port) as (_, server):
+            _, _, body = await scrape(server)
+    envoy_part = body[body.index(b"# TYPE envoy_cluster_m0_total"):]
+    assert envoy_part == big + b"envoy_cluster_m0_total{x=\"y\"} 1\n"
