@@ -21,6 +21,7 @@ from agent import config as agent_config
 
 # name -> (module, help). The module provides add_arguments(parser) and main(args).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("agent.demo", "bring up a node in a box: agent, CNI network, pods, ztunnel, Envoy"),
     "status": ("agent.status.cli", "show a running agent's pods, ztunnels, certificates, xDS clients"),
     "cni": ("cni.install", "install or uninstall the istio-cni plugin and its conflist entry"),
     "xds": ("ambient.xds_cli", "dump what a workload xDS server serves (as a ztunnel-like client)"),
