@@ -1,0 +1,66 @@
+"""deploy/kubernetes/ manifests: schema-valid (kubernetes-validate, offline schemas), RBAC
+matching exactly what the kubernetes source uses, ConfigMap keys being real settings."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from agent import config as agent_config
+from ambient.source_kube import RESOURCES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEPLOY = os.path.join(ROOT, "deploy", "kubernetes")
+
+
+def documents() -> list[tuple[str, dict]]:
+    out = []
+    for path in sorted(glob.glob(os.path.join(DEPLOY, "*.yaml"))):
+        with open(path, encoding="utf-8") as f:
+            out += [(os.path.basename(path), d) for d in yaml.safe_load_all(f) if d]
+    return out
+
+
+@pytest.mark.parametrize("name,doc", documents(), ids=lambda v: v if isinstance(v, str) else
+                         f"{v.get('kind')}")
+def test_manifest_is_schema_valid(name, doc):
+    kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_all_expected_objects_present():
+    kinds = sorted(d["kind"] for _, d in documents())
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet",
+                     "ServiceAccount"]
+
+
+def test_cluster_role_grants_exactly_what_the_agent_uses():
+    role = next(d for _, d in documents() if d["kind"] == "ClusterRole")
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
+               for r in rule["resources"] for v in rule["verbs"]}
+    wanted = {(group, plural, verb) for _, group, _, plural in RESOURCES.values()
+              for verb in ("list", "watch")}
+    wanted.add(("", "pods/status", "patch"))
+    assert granted == wanted
+
+
+def test_configmap_holds_valid_settings(tmp_path):
+    cm = next(d for _, d in documents() if d["kind"] == "ConfigMap")
+    path = tmp_path / "config.yaml"
+    path.write_text(cm["data"]["config.yaml"])
+    cfg = agent_config.load({"config_file": str(path)}, env={})
+    assert cfg.config_source == "kubernetes"
+
+
+def test_daemonset_mounts_the_host_paths_the_agent_needs():
+    ds = next(d for _, d in documents() if d["kind"] == "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True
+    paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert paths == {"/opt/cni/bin", "/etc/cni/net.d", "/proc", "/var/run/netns",
+                     "/var/run/ztunnel", "/var/run/ambient-agent"}
+    caps = pod["containers"][0]["securityContext"]["capabilities"]["add"]
+    assert {"NET_ADMIN", "SYS_ADMIN"} <= set(caps)
