@@ -107,7 +107,7 @@ class Connection:
     nonce_acked: str = ""
     version_sent: str = ""
     last_nack: str = ""
-    versions: dict[str, str] = dataclasses.field(default_factory=dict)  # delta
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> content hash
     queue: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
 
     def debug(self) -> dict:
@@ -211,7 +211,7 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
                 if kind == "push":
                     if conn.names is not None:
                         await self._respond(conn, [n for n in sorted(item) if n in conn.names],
-                                            context)
+                                            context, only_changed=True)
                     continue
                 req: discovery_pb2.DiscoveryRequest = item
                 if first:
@@ -256,13 +256,25 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         if added:
             await self._respond(conn, added, context)
 
-    async def _respond(self, conn: Connection, names: list[str], context) -> None:
+    async def _respond(self, conn: Connection, names: list[str], context,
+                       only_changed: bool = False) -> None:
+        """Send ``names``; for pushes (``only_changed``) skip secrets this stream already
+        has byte for byte (e.g. the first root announcement racing the first answer)."""
         if not names:
             return
-        secrets = await self._secrets(names, conn.identity, context)
+        packed = []
+        for secret in await self._secrets(names, conn.identity, context):
+            body = _pack(secret)
+            digest = hashlib.sha256(body.value).hexdigest()[:16]
+            if only_changed and conn.versions.get(secret.name) == digest:
+                continue
+            conn.versions[secret.name] = digest
+            packed.append(body)
+        if not packed:
+            return
         resp = discovery_pb2.DiscoveryResponse(
             type_url=SECRET_TYPE, version_info=next_version(), nonce=str(uuid.uuid4()),
-            resources=[_pack(s) for s in secrets])
+            resources=packed)
         await context.write(resp)
         conn.nonce_sent, conn.version_sent = resp.nonce, resp.version_info
 

@@ -1,0 +1,105 @@
+"""Embedded CA signing rules (spec §3.5 steps 5-9, §5 case 23) and root handling."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+
+import pytest
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from agent.sds import keys
+from agent.sds.ca_embedded import CAError, EmbeddedCA, create_root
+
+ID = "spiffe://cluster.local/ns/a/sa/b"
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory):
+    return EmbeddedCA.load_or_create(tmp_path_factory.mktemp("ca") / "ca", "cluster.local")
+
+
+def test_root_stored_private_and_reloaded(tmp_path):
+    ca = EmbeddedCA.load_or_create(tmp_path / "ca", "example.org")
+    assert os.stat(tmp_path / "ca").st_mode & 0o777 == 0o700
+    assert os.stat(tmp_path / "ca" / "root-key.pem").st_mode & 0o777 == 0o600
+    root = x509.load_pem_x509_certificate(ca.root_pem)
+    assert root.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert root.subject.rfc4514_string() == "O=example.org"
+    again = EmbeddedCA.load_or_create(tmp_path / "ca", "example.org")
+    assert again.root_pem == ca.root_pem
+
+
+def test_leaf_follows_istiod_rules(ca):
+    _, csr = keys.new_key_and_csr("ECDSA", ["spiffe://cluster.local/ns/evil/sa/x", "evil.com"])
+    now = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+    chain = ca.sign(csr, [ID], 7200, now=now)
+    assert len(chain) == 2 and chain[1] == ca.root_pem.decode() and chain[0].endswith("\n")
+    leaf = x509.load_pem_x509_certificate(chain[0].encode())
+    assert keys.uri_sans(leaf) == [ID]  # CSR SANs ignored
+    san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    assert san.critical and san.value.get_values_for_type(x509.DNSName) == []
+    assert leaf.not_valid_before_utc == now - dt.timedelta(minutes=2)
+    assert leaf.not_valid_after_utc == now + dt.timedelta(hours=2)
+    ku = leaf.extensions.get_extension_for_class(x509.KeyUsage)
+    assert ku.critical and ku.value.digital_signature and ku.value.key_encipherment
+    eku = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert set(eku) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+    bc = leaf.extensions.get_extension_for_class(x509.BasicConstraints)
+    assert bc.critical and not bc.value.ca
+    leaf.verify_directly_issued_by(x509.load_pem_x509_certificate(ca.root_pem))
+    assert len(leaf.subject) == 0
+
+
+def test_ttl_rules(ca):
+    _, csr = keys.new_key_and_csr("ECDSA", [ID])
+    leaf = x509.load_pem_x509_certificate(ca.sign(csr, [ID], 0)[0].encode())
+    life = leaf.not_valid_after_utc - leaf.not_valid_before_utc
+    assert life == dt.timedelta(hours=24, minutes=2)
+    with pytest.raises(CAError) as e:
+        ca.sign(csr, [ID], 91 * 86400)
+    assert e.value.code == "INVALID_ARGUMENT" and "max allowed TTL" in str(e.value)
+    late = ca.cert.not_valid_after_utc - dt.timedelta(hours=1)
+    clamped = x509.load_pem_x509_certificate(ca.sign(csr, [ID], 86400, now=late)[0].encode())
+    assert clamped.not_valid_after_utc == ca.cert.not_valid_after_utc
+    with pytest.raises(CAError) as e:
+        ca.sign(csr, [ID], 3600, now=ca.cert.not_valid_after_utc + dt.timedelta(seconds=1))
+    assert e.value.code == "INTERNAL" and "expired" in str(e.value)
+
+
+def test_malformed_or_forged_csr(ca):
+    with pytest.raises(CAError) as e:
+        ca.sign("not a csr", [ID])
+    assert e.value.code == "INVALID_ARGUMENT" and "csr" in str(e.value)
+    _, csr = keys.new_key_and_csr("ECDSA", [ID])
+    body = csr.decode().splitlines()
+    body[5] = body[5][:-4] + ("AAAA" if body[5][-4:] != "AAAA" else "BBBB")
+    with pytest.raises(CAError) as e:
+        ca.sign("\n".join(body), [ID])
+    assert e.value.code == "INVALID_ARGUMENT"
+
+
+def test_user_root_and_bad_root_files(tmp_path):
+    cert, key = create_root("cluster.local")
+    from cryptography.hazmat.primitives import serialization
+    (tmp_path / "c.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "k.pem").write_bytes(keys.key_pem(key))
+    ca = EmbeddedCA.load_or_create(tmp_path / "unused", "cluster.local",
+                                   str(tmp_path / "c.pem"), str(tmp_path / "k.pem"))
+    assert ca.cert.serial_number == cert.serial_number
+    assert not (tmp_path / "unused").exists()
+    (tmp_path / "bad.pem").write_text("garbage")
+    with pytest.raises(CAError, match="bad.pem"):
+        EmbeddedCA.load_or_create(tmp_path, "cluster.local", str(tmp_path / "bad.pem"),
+                                  str(tmp_path / "k.pem"))
+    other_cert, _ = create_root("cluster.local")
+    (tmp_path / "o.pem").write_bytes(other_cert.public_bytes(serialization.Encoding.PEM))
+    with pytest.raises(CAError, match="does not match"):
+        EmbeddedCA.load_or_create(tmp_path, "cluster.local", str(tmp_path / "o.pem"),
+                                  str(tmp_path / "k.pem"))
+    (tmp_path / "kbad.pem").write_text("-----BEGIN PRIVATE KEY-----\nsecret\n")
+    with pytest.raises(CAError) as e:
+        EmbeddedCA.load_or_create(tmp_path, "cluster.local", str(tmp_path / "c.pem"),
+                                  str(tmp_path / "kbad.pem"))
+    assert "secret" not in str(e.value)
