@@ -200,6 +200,8 @@ class Enrollment(Component):
         if tasks:
             await asyncio.wait(tasks, timeout=grace)
         self._retry_tasks.clear()
+        if self.host_rules is not None:
+            await self.ctx.run_blocking(self.host_rules.close)
 
     def ready(self) -> tuple[bool, str]:
         return (True, "") if self._started else (False, "not started")

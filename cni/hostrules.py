@@ -31,6 +31,7 @@ import json
 import logging
 import socket
 import subprocess
+import threading
 from typing import Iterable, Iterator
 
 import psutil
@@ -86,6 +87,8 @@ class HostProbeRules:
         self.chain, self.set_v4, self.set_v6, self.nft_table = chain, set_v4, set_v6, nft_table
         self.kubelet_uid = kubelet_uid
         self.netns = netns
+        self._ipset_lock = threading.Lock()
+        self._ipset_sock: IPSet | None = None
 
     # --- rendering (pure; the goldens) ---------------------------------------------
 
@@ -118,6 +121,32 @@ class HostProbeRules:
     # --- lifecycle --------------------------------------------------------------------
 
     @contextlib.contextmanager
+    def _ipset(self) -> Iterator[IPSet]:
+        """One netlink socket, opened in the node netns on first use and kept (it stays
+        in that netns), serialised by a lock: saves a socket setup per pod."""
+        with self._ipset_lock:
+            if self._ipset_sock is None:
+                with self._in_netns():
+                    self._ipset_sock = IPSet()
+            try:
+                yield self._ipset_sock
+            except OSError:
+                self._close_ipset()
+                raise
+
+    def _close_ipset(self) -> None:
+        if self._ipset_sock is not None:
+            try:
+                self._ipset_sock.close()
+            finally:
+                self._ipset_sock = None
+
+    def close(self) -> None:
+        """Release the kept netlink socket (rules and sets stay)."""
+        with self._ipset_lock:
+            self._close_ipset()
+
+    @contextlib.contextmanager
     def _in_netns(self) -> Iterator[None]:
         if self.netns:
             with netns_mod.entered(self.netns):
@@ -137,7 +166,7 @@ class HostProbeRules:
                 run_nft(self.render_nft(uid) + flush, "host probe rules")
                 return
             self._delete_iptables_rules()
-            with IPSet() as ips:
+            with self._ipset() as ips:
                 for name, family in self._sets():
                     try:
                         ips.create(name, stype="hash:ip", family=family, exclusive=False,
@@ -156,7 +185,7 @@ class HostProbeRules:
                         "delete host rules")
                 return
             self._delete_iptables_rules()
-            with IPSet() as ips:
+            with self._ipset() as ips:
                 for name, _ in self._sets():
                     try:
                         ips.destroy(name)
@@ -225,7 +254,7 @@ class HostProbeRules:
                               f'add element {t} {name} {{ {ip} comment "{uid}" }}']
                 run_nft("\n".join(lines) + "\n", f"add probe set entries for pod {uid}")
                 return
-            with IPSet() as ipset:
+            with self._ipset() as ipset:
                 for ip, (name, family) in pairs:
                     try:
                         ipset.add(name, ip, etype="ip", family=family, comment=uid,
@@ -259,7 +288,7 @@ class HostProbeRules:
                               f"delete element {t} {name} {{ {ip} }}"]
                 run_nft("\n".join(lines) + "\n", "delete probe set entries")
                 return
-            with IPSet() as ipset:
+            with self._ipset() as ipset:
                 for ip in ips:
                     name, family = self._family_set(ip)  # type: ignore[misc]
                     try:
@@ -285,7 +314,7 @@ class HostProbeRules:
                             elif isinstance(elem, str):
                                 result[elem] = ""
                 return result
-            with IPSet() as ipset:
+            with self._ipset() as ipset:
                 for name, _ in self._sets():
                     try:
                         msgs = list(ipset.list(name))  # lazy generator

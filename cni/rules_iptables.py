@@ -249,18 +249,50 @@ class IptablesBackend:
         return _run([self._tool(v6, "restore"), "--noflush", f"--wait={WAIT_SECONDS}"], text)
 
     def apply(self, opts: RuleOptions) -> str:
-        """Install the ruleset (both families when ``opts.ipv6``) plus routing (§4.3, created
-        first). Returns ``"applied"`` or ``"replaced"`` (our rules were already there and
-        were atomically rewritten). Raises :class:`RulesError` with the tool's stderr."""
-        rc.add_routing(opts.ipv6)
-        outcomes = [self._apply_family(opts, False)]
-        if opts.ipv6:
-            outcomes.append(self._apply_family(opts, True))
+        """Install the ruleset (both families when ``opts.ipv6``) plus routing (§4.3).
+        Returns ``"applied"`` or ``"replaced"`` (our rules were already there and were
+        atomically rewritten). Raises :class:`RulesError` with the tool's stderr.
+
+        The restore processes are started first and the routing is set up while they
+        run (both are done before we return, so before ztunnel hears of the pod):
+        this hides the netlink round trips behind the fork/exec of iptables.
+        """
+        families = [False, True] if opts.ipv6 else [False]
+        texts = {v6: render_restore(build_rules(opts, v6)) for v6 in families}
+        procs = {v6: self._start_restore(v6, texts[v6]) for v6 in families}
+        try:
+            rc.add_routing(opts.ipv6)
+        finally:
+            firsts = {v6: self._finish(v6, p) for v6, p in procs.items()}
+        outcomes = [self._after_first(opts, v6, texts[v6], firsts[v6]) for v6 in families]
         return "replaced" if "replaced" in outcomes else "applied"
 
-    def _apply_family(self, opts: RuleOptions, v6: bool) -> str:
-        text = render_restore(build_rules(opts, v6))
-        first = self._restore(v6, text)
+    def _start_restore(self, v6: bool, text: str) -> subprocess.Popen:
+        argv = [self._tool(v6, "restore"), "--noflush", f"--wait={WAIT_SECONDS}"]
+        try:
+            p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        except OSError as e:
+            raise RulesError(f"{argv[0]} failed to run: {e}") from None
+        try:
+            p.stdin.write(text)  # a few KiB: fits the pipe buffer, never blocks
+            p.stdin.close()
+        except OSError:
+            pass  # the tool died early; its exit status and stderr say why
+        p.stdin = None  # so communicate() only collects output
+        return p
+
+    def _finish(self, v6: bool, p: subprocess.Popen) -> subprocess.CompletedProcess:
+        try:
+            out, err = p.communicate(timeout=TOOL_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            raise RulesError(f"{self._tool(v6, 'restore')} timed out") from None
+        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+    def _after_first(self, opts: RuleOptions, v6: bool, text: str,
+                     first: subprocess.CompletedProcess) -> str:
         if first.returncode == 0:
             return "applied"
         # Only "our chain exists" sends us down the replace path; any other failure

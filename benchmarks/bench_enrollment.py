@@ -1,0 +1,95 @@
+"""Enrollment benchmarks (needs root): per-pod enrollment latency and restart recovery.
+
+- ``enroll p50/p99``: one CNI pod event -> in-pod rules -> ZDS add -> ztunnel ACK -> host
+  probe set, for 50 fresh netns pods, one after another, through the real component,
+  the real ZDS server and the ZDS-speaking ztunnel stand-in used by the tests. IPv4
+  only (``ambient_ipv6=False``) so the work matches the floor.
+- floor: ``ip netns exec <ns> iptables-restore --noflush < rules`` of the same default
+  ruleset into 50 other fresh pods (the minimum any agent must pay per pod).
+- ``recover 100 pods``: start a new agent (kill without cleanup first) over 100 enrolled
+  pods: find each netns, reconcile rules, re-snapshot to ZDS. Report only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+import time
+
+from pyroute2 import netns as pr_netns
+
+from benchmarks.common import Result, median, percentile, ratio_result
+from cni.events import CniPodEvent
+from cni.rules_common import RuleOptions
+from cni.rules_iptables import build_rules, render_restore
+
+
+def _event(pod) -> CniPodEvent:
+    return CniPodEvent(command="ADD", container_id="c-" + pod.name, netns=pod.netns_path,
+                       pod_name=pod.name, pod_namespace="bench", pod_uid=pod.uid, ips=[pod.ip])
+
+
+async def _bench(bridge, node: str, tmp: str) -> list[Result]:
+    from tests.netns.test_enrollment_reconciler import Harness
+
+    rules = render_restore(build_rules(RuleOptions(ipv6=False)))
+    floor_pods = [await asyncio.to_thread(bridge.add_pod, "bf") for _ in range(50)]
+    floor = []
+    for pod in floor_pods:
+        t0 = time.perf_counter()
+        subprocess.run(["ip", "netns", "exec", pod.name, "iptables-restore", "--noflush"],
+                       input=rules, text=True, check=True)
+        floor.append(time.perf_counter() - t0)
+    for pod in floor_pods:
+        await asyncio.to_thread(bridge.remove_pod, pod)
+
+    state = os.path.join(tmp, "state")
+    os.makedirs(state, mode=0o700)
+    h = await Harness(state, f"/var/run/netns/{node}").start()
+    await h.ztunnel()
+    pods = [await asyncio.to_thread(bridge.add_pod, "be") for _ in range(100)]
+    samples = []
+    for pod in pods[:50]:
+        t0 = time.perf_counter()
+        await h.enrollment.enroll(_event(pod))
+        samples.append(time.perf_counter() - t0)
+    await asyncio.gather(*(h.enrollment.enroll(_event(p)) for p in pods[50:]))
+    await h.kill()
+
+    t0 = time.perf_counter()
+    h2 = await Harness(state, f"/var/run/netns/{node}").start()
+    recover = time.perf_counter() - t0
+    enabled = sum(1 for r in h2.enrollment.pods().values() if r.status == "enabled")
+    await h2.stop()
+
+    p50f = median(floor)
+    return [
+        ratio_result("enrollment: enroll p50 (event -> rules -> ZDS ack -> probe set)",
+                     median(samples) * 1e3, p50f * 1e3, "ms", 1.5,
+                     "floor: ip netns exec <ns> iptables-restore <default v4 rules>, p50"),
+        Result("enrollment: enroll p99", percentile(samples, 99) * 1e3, "ms",
+               percentile(floor, 99) * 1e3, "report", None, "floor: restore p99"),
+        Result("enrollment: restart recovery of 100 pods", recover, "s", None, "report", None,
+               f"{enabled}/100 enabled after start()"),
+    ]
+
+
+async def run() -> list[Result]:
+    if os.geteuid() != 0:
+        return [Result("enrollment: skipped (needs root)", 0.0, "", note="not root")]
+    from tests.netns.toolkit import Bridge
+
+    node = "bn" + secrets.token_hex(3)
+    tmp = tempfile.mkdtemp(prefix="bench-enroll-")
+    bridge = await asyncio.to_thread(Bridge)
+    pr_netns.create(node)
+    try:
+        return await _bench(bridge, node, tmp)
+    finally:
+        await asyncio.to_thread(bridge.close)
+        pr_netns.remove(node)
+        shutil.rmtree(tmp, ignore_errors=True)
