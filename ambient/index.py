@@ -847,6 +847,9 @@ class AmbientIndex:
             self._update_workload_entry(*d.wes.pop())
         while d.pods:
             self._update_pod(*d.pods.pop())
+        # fresh sets: an emptied set keeps its grown table and pop() then scans it, which
+        # would make every later single-pod change cost O(cluster)
+        self._dirty = _Dirty()
         return self._announce()
 
     def _announce(self) -> IndexChange:
