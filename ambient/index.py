@@ -35,8 +35,7 @@ from ambient import translate_workload as tw
 from ambient import waypoints as wpmod
 from ambient import workload_pb2 as wl
 from ambient.api import IndexChange, Updater
-from ambient.objects import (Mesh, TranslateError, field, ip_text, labels, meta, spec,
-                             str_map)
+from ambient.objects import Mesh, TranslateError, field, ip_text, labels, meta, spec
 from ambient.store import ObjectStore, StoreEvent
 
 log = logging.getLogger("ambient.index")
