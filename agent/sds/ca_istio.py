@@ -66,8 +66,12 @@ class EmbeddedCAClient:
         self._run = run_blocking
 
     async def sign(self, csr_pem: bytes, ttl_seconds: int, identity: str) -> list[str]:
+        return await self._run(self.sign_blocking, csr_pem, ttl_seconds, identity)
+
+    def sign_blocking(self, csr_pem: bytes, ttl_seconds: int, identity: str) -> list[str]:
+        """Same as :meth:`sign`, on the calling (worker) thread."""
         try:
-            return await self._run(self.ca.sign, csr_pem, identity.split(","), int(ttl_seconds))
+            return self.ca.sign(csr_pem, identity.split(","), int(ttl_seconds))
         except CAError as e:
             raise CAClientError(e.code, str(e)) from None
 

@@ -170,11 +170,28 @@ class SecretCache:
             self._notify(None, ROOTCA)
 
     async def _mint(self, spiffe_id: str) -> SecretItem:
-        key_pem, csr_pem = await self._run(keys.new_key_and_csr, self.algorithm, [spiffe_id])
+        """Key + CSR + signature + validity checks. With a local CA (``sign_blocking``)
+        all of it runs in one worker-thread hop; a remote CA needs one hop for the key
+        and CSR, the RPC on the loop, and one hop to parse the answer."""
+        local = getattr(self.ca, "sign_blocking", None)
+        if local is not None:
+            key_pem, chain, validity = await self._run(self._mint_local, local, spiffe_id)
+        else:
+            key_pem, csr_pem = await self._run(keys.new_key_and_csr, self.algorithm, [spiffe_id])
+            self.csr_count += 1
+            chain = await self.ca.sign(csr_pem, int(self.ttl), spiffe_id)
+            validity = await self._run(keys.leaf_validity, chain[0])
+        return self._item(spiffe_id, key_pem, chain, validity)
+
+    def _mint_local(self, sign_blocking, spiffe_id: str):
+        key_pem, csr_pem = keys.new_key_and_csr(self.algorithm, [spiffe_id])
         self.csr_count += 1
-        chain = await self.ca.sign(csr_pem, int(self.ttl), spiffe_id)
+        chain = sign_blocking(csr_pem, int(self.ttl), spiffe_id)
+        return key_pem, chain, keys.leaf_validity(chain[0])
+
+    def _item(self, spiffe_id: str, key_pem: bytes, chain: list[str], validity) -> SecretItem:
         now = self.clock()
-        not_before, not_after, serial = keys.leaf_validity(chain[0])
+        not_before, not_after, serial = validity
         if not_before.timestamp() > now + CLOCK_SKEW_TOLERANCE:
             raise CacheError(f"clock skew: certificate from the CA is not valid before "
                              f"{not_before.isoformat()} but local time is "
