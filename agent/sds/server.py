@@ -103,6 +103,15 @@ class SdsServer(Component):
 
     # --- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        """Bring up CA, cache, SDS socket (and CA port). On failure, release what was
+        started and raise (RuntimeError/ValueError/OSError naming the setting or path)."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop(0)
+            raise
+
+    async def _start(self) -> None:
         cfg = self.config
         await self._start_ca()
         self.cache = SecretCache(self.ca_client, self._run, self.algorithm, cfg.secret_ttl,

@@ -1,0 +1,95 @@
+"""The ``sds`` component as the daemon builds it: lifecycle, debug state, the API other
+components use, a second agent using the first one's CA port as its Istio CA, and no key
+material or token in any log line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import grpc
+import pytest
+from cryptography import x509
+
+from agent.envoy import free_port
+from agent.lifecycle import AgentContext
+from agent.sds import keys
+from agent.sds.server import build
+from tests.sds.helpers import Stream, make_config, request, secrets_of
+
+
+async def test_component_lifecycle_api_and_no_secrets_in_logs(state_dir, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("s3cr3t-token-value: shop/cart\n")
+    ctx = AgentContext(make_config(state_dir, service_account="cart", pod_namespace="shop",
+                                   ca_port=free_port(), ca_listen_address="127.0.0.1",
+                                   ca_tokens_file=str(tokens), ecc_signature_algorithm="ECDSA"))
+    ca_agent = ctx.add(build(ctx))
+    await ca_agent.start()
+    client_state = tmp_path / "client-state"
+    client_state.mkdir(mode=0o700)
+    root = tmp_path / "root.pem"
+    root.write_bytes(ca_agent.root_pem())
+    token = tmp_path / "token"
+    token.write_text("s3cr3t-token-value")
+    cctx = AgentContext(make_config(client_state, service_account="cart", pod_namespace="shop",
+                                    ca_addr=f"localhost:{ca_agent.ca_port}",
+                                    ca_root_cert=str(root), ca_token_file=str(token)))
+    client_agent = cctx.add(build(cctx))
+    try:
+        assert ca_agent.ready() == (True, "")
+        sock = ca_agent.config.sds_socket
+        assert os.stat(sock).st_mode & 0o777 == 0o600
+        assert os.stat(os.path.dirname(sock)).st_mode & 0o777 == 0o750
+        await client_agent.start()
+        async with grpc.aio.insecure_channel("unix:" + client_agent.config.sds_socket) as ch:
+            st = Stream(ch)
+            await st.send(request(["default", "ROOTCA"]))
+            got = secrets_of(await st.recv())
+        leaf = x509.load_pem_x509_certificate(
+            got["default"].tls_certificate.certificate_chain.inline_bytes)
+        assert keys.uri_sans(leaf) == ["spiffe://cluster.local/ns/shop/sa/cart"]
+        assert got["ROOTCA"].validation_context.trusted_ca.inline_bytes == \
+            keys.merge_trust(ca_agent.root_pem())
+        assert client_agent.root_pem() == keys.merge_trust(ca_agent.root_pem())
+        server_cert = await ca_agent.certificate_for(["istiod.istio-system.svc", "127.0.0.1"])
+        assert server_cert.root == ca_agent.root_pem()
+        state = json.loads(json.dumps(client_agent.debug_state()))
+        assert state["streams"][0]["resource_names"] == ["ROOTCA", "default"]
+        assert state["certificates"][0]["spiffe_id"] == "spiffe://cluster.local/ns/shop/sa/cart"
+        assert ca_agent.debug_state()["ca_issued"] >= 1
+        # a missing token: the SDS stream fails with the CA's reason, the agent keeps going
+        token.unlink()
+        client_agent.cache.items.clear()
+        async with grpc.aio.insecure_channel("unix:" + client_agent.config.sds_socket) as ch:
+            st = Stream(ch)
+            await st.send(request(["default"]))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await st.recv()
+        assert "request authenticate failure" in e.value.details()
+        assert client_agent.ready() == (True, "")
+    finally:
+        await client_agent.stop(0.5)
+        await ca_agent.stop(0.5)
+        ctx.executor.shutdown(wait=False)
+        cctx.executor.shutdown(wait=False)
+    assert not os.path.exists(ca_agent.config.sds_socket)
+    logs = caplog.text
+    assert "PRIVATE KEY" not in logs and "s3cr3t-token-value" not in logs
+
+
+async def test_bad_settings_are_clear_errors(state_dir):
+    ctx = AgentContext(make_config(state_dir, ecc_signature_algorithm="DSA"))
+    with pytest.raises(ValueError, match="ecc_signature_algorithm='DSA'"):
+        build(ctx)
+    ctx = AgentContext(make_config(state_dir, sds_socket_mode="rw"))
+    with pytest.raises(ValueError, match="sds_socket_mode"):
+        build(ctx)
+    ctx = AgentContext(make_config(state_dir, ca_cert_file=str(state_dir / "missing.pem"),
+                                   ca_key_file=str(state_dir / "missing.key")))
+    comp = build(ctx)
+    with pytest.raises(RuntimeError, match="missing.pem"):
+        await comp.start()
+    ctx.executor.shutdown(wait=False)
