@@ -48,6 +48,8 @@ async def test_component_lifecycle_api_and_no_secrets_in_logs(state_dir, tmp_pat
             st = Stream(ch)
             await st.send(request(["default", "ROOTCA"]))
             got = secrets_of(await st.recv())
+            state = json.loads(json.dumps(client_agent.debug_state()))
+            assert state["streams"][0]["resource_names"] == ["ROOTCA", "default"]
         leaf = x509.load_pem_x509_certificate(
             got["default"].tls_certificate.certificate_chain.inline_bytes)
         assert keys.uri_sans(leaf) == ["spiffe://cluster.local/ns/shop/sa/cart"]
@@ -56,8 +58,6 @@ async def test_component_lifecycle_api_and_no_secrets_in_logs(state_dir, tmp_pat
         assert client_agent.root_pem() == keys.merge_trust(ca_agent.root_pem())
         server_cert = await ca_agent.certificate_for(["istiod.istio-system.svc", "127.0.0.1"])
         assert server_cert.root == ca_agent.root_pem()
-        state = json.loads(json.dumps(client_agent.debug_state()))
-        assert state["streams"][0]["resource_names"] == ["ROOTCA", "default"]
         assert state["certificates"][0]["spiffe_id"] == "spiffe://cluster.local/ns/shop/sa/cart"
         assert ca_agent.debug_state()["ca_issued"] >= 1
         # a missing token: the SDS stream fails with the CA's reason, the agent keeps going
