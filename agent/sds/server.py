@@ -168,14 +168,26 @@ class SdsServer(Component):
             await self.front_door.start()
             os.chmod(path, self.socket_mode)
 
+    def ca_servicer(self) -> ca_server.CertificateService | None:
+        """The embedded CA's ``IstioCertificateService`` servicer, for a component that
+        wants to serve it on its own gRPC server (e.g. xDS on 15012, as istiod does):
+        ``ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(servicer, server)``.
+        None when a remote Istio CA is configured."""
+        if self.embedded is None:
+            return None
+        if self._ca_service is None:
+            cfg = self.config
+            self._ca_service = ca_server.CertificateService(
+                self.embedded, self._run, cfg.trust_domain,
+                ca_server.TokenFile(cfg.ca_tokens_file, cfg.trust_domain),
+                cfg.ca_trusted_node_accounts, self._store, cfg.node_name)
+        return self._ca_service
+
     async def _start_ca_port(self) -> None:
         cfg = self.config
         chain, key = await self._run(self.embedded.issue, ca_server.server_sans(cfg.node_name),
                                      "ECDSA", 0)
-        self._ca_service = ca_server.CertificateService(
-            self.embedded, self._run, cfg.trust_domain,
-            ca_server.TokenFile(cfg.ca_tokens_file, cfg.trust_domain),
-            cfg.ca_trusted_node_accounts, self._store, cfg.node_name)
+        self.ca_servicer()
         self._ca_grpc, self.ca_port = await ca_server.start_ca_server(
             self._ca_service, cfg.ca_listen_address, cfg.ca_port, chain, key,
             cfg.ca_client_cert_auth)
