@@ -34,6 +34,7 @@ COMPONENT_BUILDERS: list[tuple[str, str]] = [
     # SDS and CA
     ("agent.sds.server", "build"),
     # ZDS server
+    ("zds.server", "build"),
     # enrollment (rules, host probe set, reconciler) and the CNI event server
     ("cni.enrollment", "build"),
     ("cni.install", "build"),  # cni-installer (only with cni_manage_config)

@@ -1,0 +1,23 @@
+"""ZDS: the agent↔ztunnel protocol that hands pod netns fds to ztunnel (spec cni-zds.md §1).
+
+- :mod:`zds.server`: the agent side (component ``zds``): :class:`ZdsServer` with
+  ``add(PodInfo)``, ``delete(uid)``, ``debug_state()``.
+- :mod:`zds.client`: a reference ztunnel-side client, :class:`ZdsClient`.
+- :mod:`zds.wire`: framing (SEQPACKET, SCM_RIGHTS, 1024-byte limit) and encoders.
+"""
+
+from zds.api import NoZtunnel, PodInfo, ZdsError, ZdsNack, ZdsTimeout
+
+__all__ = ["PodInfo", "ZdsError", "ZdsNack", "ZdsTimeout", "NoZtunnel", "ZdsServer", "build",
+           "ZdsClient"]
+
+
+def __getattr__(name):
+    # Lazy so `import zds` (e.g. for the pb2 module) stays light and import-cycle free.
+    if name in ("ZdsServer", "build"):
+        from zds import server
+        return getattr(server, name)
+    if name == "ZdsClient":
+        from zds import client
+        return client.ZdsClient
+    raise AttributeError(name)

@@ -1,0 +1,625 @@
+"""The ZDS server (agent side): hands each enrolled pod's netns to ztunnel.
+
+Implements spec ``cni-zds.md`` §1 (Istio's ``cni/pkg/nodeagent/ztunnelserver*.go``):
+
+- a SOCK_SEQPACKET Unix socket at ``ztunnel_uds_address``: a stale file is unlinked,
+  the socket is created 0600 (bound under a temporary name, chmod'ed, then renamed into
+  place so it is never reachable with looser permissions), accepts are rate-limited to
+  5/s with burst 1 (§1.1, a reconnect loop must not exhaust the agent);
+- per connection (:class:`ZdsConnection`, one task = the one writer, because acks are
+  matched only by order, §1.4/§7): ``ZdsHello`` within 5 s, then the snapshot (one
+  ``AddWorkload`` + SCM_RIGHTS netns fd per pod with a netns, ``KeepWorkload`` per pod
+  without, then ``SnapshotSent``), then live adds/deletes from its queue, every message
+  acked within 5 s; while idle the socket is watched, so EOF is a clean exit and any
+  message from ztunnel is "unexpected" and drops the connection; a keepalive probe also
+  runs every 5 s of idleness (the upstream keepalive check);
+- several ztunnels (§1.6): each gets the full snapshot; adds go to the newest live
+  connection, deletes to all; when the newest goes away the previous one is used.
+
+Deliberate differences from upstream, and why:
+
+- An ack timeout **drops the connection** (upstream keeps it, and a late ack is then
+  taken as the next message's ack, §7). ztunnel reconnects and gets a fresh snapshot
+  that includes the pod, so nothing is lost.
+- A pod deleted while a snapshot is in flight is skipped when the snapshot reaches it
+  (the fd is looked up in the same loop step as ``sendmsg``), so it is never announced
+  after its delete; a queued live Add whose pod was deleted or replaced is withdrawn.
+- ``add(pod, wait_ack=False)`` records the pod and, if a ztunnel is connected, also
+  sends it without waiting (upstream's restart path only caches it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import struct
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from agent.lifecycle import AgentContext, Component
+from zds import wire
+from zds.api import NoZtunnel, PodInfo, ZdsError, ZdsNack, ZdsTimeout
+from zds.metrics import ZdsMetrics
+
+log = logging.getLogger("zds")
+
+HELLO_TIMEOUT = 5.0       # seconds to wait for ZdsHello after accept (§1.4)
+ACK_TIMEOUT = 5.0         # seconds for each write and each ack (readWriteDeadline)
+KEEPALIVE_INTERVAL = 5.0  # seconds of idleness between keepalive probes
+ACCEPT_RATE = 5.0         # accepts per second, burst 1 (§1.1)
+QUEUE_SIZE = 100          # per-connection update queue, as upstream's channel buffer
+
+
+class _PodRecord:
+    """A recorded pod and the server's own dup of its netns fd (closed exactly once)."""
+
+    __slots__ = ("info", "fd")
+
+    def __init__(self, info: PodInfo):
+        self.info = info
+        self.fd: int | None = None
+        if info.netns_fd is not None:
+            try:
+                self.fd = os.dup(info.netns_fd)  # non-inheritable, as Python makes dups
+            except OSError as e:
+                raise ValueError(f"PodInfo.netns_fd={info.netns_fd!r} of pod {info.uid!r} "
+                                 f"is not an open fd: {e.strerror}") from None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class _NotSent(Exception):
+    """The connection went away before the message was written; safe to retry elsewhere."""
+
+
+class _Drop(Exception):
+    """End this connection; the text is the logged reason, ``timeout`` says it was one."""
+
+    def __init__(self, reason: str, timeout: bool = False):
+        super().__init__(reason)
+        self.timeout = timeout
+
+
+class _Request:
+    __slots__ = ("kind", "uid", "record", "future")
+
+    def __init__(self, kind: str, uid: str, record: _PodRecord | None, future: asyncio.Future):
+        self.kind, self.uid, self.record, self.future = kind, uid, record, future
+
+
+_READABLE = object()  # queue sentinel: the socket became readable while idle
+
+
+class ZdsConnection:
+    """One ztunnel connection and its single writer task.
+
+    ``held`` maps pod uid -> ``"add"``/``"keep"`` for what ztunnel acked on this
+    connection (for ``debug_state``); ``latest`` is decided by the server.
+    """
+
+    def __init__(self, server: "ZdsServer", sock: socket.socket, conn_id: int):
+        self.server, self.sock, self.id = server, sock, conn_id
+        self.queue: asyncio.Queue = asyncio.Queue(QUEUE_SIZE)
+        self.connected_at = time.time()
+        self.peer_pid = _peer_pid(sock)
+        self.version: int | None = None
+        self.snapshot_sent = False
+        self.closed = False
+        self.held: dict[str, str] = {}
+        self.last_keepalive: float | None = None
+        self.task: asyncio.Task | None = None
+
+    # ---------------------------------------------------------------- requests from the API
+
+    def enqueue(self, kind: str, uid: str, record: _PodRecord | None) -> asyncio.Future:
+        """Queue an add/del for the writer; the future gets the Ack or an exception.
+
+        Raises :class:`_NotSent` when the connection is closed or its queue is full.
+        """
+        if self.closed:
+            raise _NotSent(f"connection {self.id} is closed")
+        fut = asyncio.get_running_loop().create_future()
+        try:
+            self.queue.put_nowait(_Request(kind, uid, record, fut))
+        except asyncio.QueueFull:
+            raise _NotSent(f"connection {self.id} has {QUEUE_SIZE} updates queued") from None
+        return fut
+
+    # ---------------------------------------------------------------- the writer task
+
+    async def serve(self) -> None:
+        reason = "stopped"
+        try:
+            await self._read_hello()
+            self.server._on_hello(self)
+            await self._send_snapshot()
+            await self._serve_updates()
+        except _Drop as e:
+            reason = str(e)
+        except asyncio.CancelledError:
+            reason = "server stopping"
+        except Exception as e:  # noqa: BLE001 - one bad peer never takes the server down
+            reason = f"internal error: {e!r}"
+            log.exception("zds connection %d failed", self.id)
+        finally:
+            self._close(reason)
+
+    async def _read_hello(self) -> None:
+        try:
+            packet = await wire.recv_packet_async(self.sock, self.server.hello_timeout, max_fds=0)
+        except TimeoutError:
+            raise _Drop(f"no ZdsHello within {self.server.hello_timeout:g}s") from None
+        except (wire.WireError, OSError) as e:
+            raise _Drop(f"bad ZdsHello: {e}") from None
+        if packet is None:
+            raise _Drop("ztunnel closed the connection before ZdsHello")
+        try:
+            hello = wire.decode_hello(packet.data)
+        except wire.WireError as e:
+            raise _Drop(str(e)) from None
+        self.version = hello.version
+        self.server.metrics.messages.labels("hello", "received").inc()
+        log.info("ztunnel connected (connection %d, pid %s, ZDS version %d)", self.id,
+                 self.peer_pid, hello.version)
+
+    async def _send_snapshot(self) -> None:
+        pods = self.server._pods
+        for uid in list(pods):
+            record = pods.get(uid)
+            if record is None:  # deleted since the snapshot started: never announce it
+                continue
+            info = record.info
+            if record.fd is not None:
+                data = wire.encode_add(uid, info.name, info.namespace, info.service_account)
+                ack = await self._exchange("add", uid, data, self._fd_source(uid, record))
+            else:
+                ack = await self._exchange("keep", uid, wire.encode_keep(uid), None)
+            if ack is None:
+                continue
+            if ack.error:  # upstream only logs NACKs during the snapshot
+                log.warning("ztunnel NACKed pod %s in snapshot (connection %d): %s", uid,
+                            self.id, ack.error)
+            else:
+                self.held[uid] = "add" if record.fd is not None else "keep"
+        ack = await self._exchange("snapshot_sent", "", wire.encode_snapshot_sent(), None)
+        if ack is not None and ack.error:
+            log.warning("ztunnel NACKed SnapshotSent (connection %d): %s", self.id, ack.error)
+        self.snapshot_sent = True
+        self.server._notify()
+        log.info("snapshot of %d pods sent to connection %d", len(self.held), self.id)
+
+    def _fd_source(self, uid: str, record: _PodRecord):
+        """The fd to attach, or None once the pod was deleted or replaced (message withdrawn)."""
+        pods = self.server._pods
+        return lambda: record.fd if pods.get(uid) is record else None
+
+    async def _serve_updates(self) -> None:
+        while True:
+            request = await self._next_request()
+            fut = request.future
+            if fut.done():  # requester gave up (cancelled)
+                continue
+            if request.kind == "add":
+                info = request.record.info
+                data = wire.encode_add(request.uid, info.name, info.namespace,
+                                       info.service_account)
+                fd_source = self._fd_source(request.uid, request.record)
+            else:
+                data, fd_source = wire.encode_del(request.uid), None
+            try:
+                ack = await self._exchange(request.kind, request.uid, data, fd_source)
+            except _Drop as e:
+                if not fut.done():
+                    fut.set_exception(ZdsTimeout(str(e)) if e.timeout
+                                      else ZdsError(f"ztunnel connection {self.id}: {e}"))
+                raise
+            if ack is None:
+                fut.done() or fut.set_exception(ZdsError(
+                    f"pod {request.uid} was deleted or replaced before AddWorkload was sent"))
+                continue
+            if not ack.error:
+                if request.kind == "add":
+                    self.held[request.uid] = "add"
+                else:
+                    self.held.pop(request.uid, None)
+            fut.done() or fut.set_result(ack)
+
+    async def _next_request(self) -> _Request:
+        """The next queued request; while idle, watch the socket and probe every keepalive."""
+        loop = asyncio.get_running_loop()
+        fd = self.sock.fileno()
+        while True:
+            item: Any = None
+            if not self.queue.empty():
+                item = self.queue.get_nowait()
+            else:
+                loop.add_reader(fd, self._on_idle_readable)
+                try:
+                    async with asyncio.timeout(self.server.keepalive_interval):
+                        item = await self.queue.get()
+                except TimeoutError:
+                    item = None
+                finally:
+                    loop.remove_reader(fd)
+            if isinstance(item, _Request):
+                return item
+            self._keepalive_probe()
+
+    def _on_idle_readable(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.sock.fileno())
+        try:
+            self.queue.put_nowait(_READABLE)
+        except asyncio.QueueFull:
+            pass  # a full queue means the writer is busy and will read anyway
+
+    def _keepalive_probe(self) -> None:
+        """Upstream's keepalive check: nothing to read = alive, EOF = clean exit,
+        a message = protocol error (ztunnel never sends unsolicited data, §7)."""
+        self.last_keepalive = time.time()
+        try:
+            packet = wire.recv_packet(self.sock, max_fds=0)
+        except (BlockingIOError, InterruptedError):
+            return
+        except (wire.WireError, OSError) as e:
+            raise _Drop(f"keepalive: {e}") from None
+        if packet is None:
+            raise _Drop("ztunnel closed the connection")
+        self.server.metrics.messages.labels("unexpected", "received").inc()
+        raise _Drop(f"ztunnel protocol error, unexpected message ({len(packet.data)} bytes)")
+
+    async def _exchange(self, kind: str, uid: str, data: bytes, fd_source) -> Any:
+        """Send one request and read its ack. Returns the Ack, or None if withdrawn.
+
+        Raises :class:`_Drop` on write/ack timeout, EOF, a socket error or a bad ack.
+        """
+        metrics = self.server.metrics
+        timeout = self.server.ack_timeout
+        try:
+            sent = await wire.send_packet_async(self.sock, data, fd_source, timeout)
+        except TimeoutError:
+            raise _Drop(f"{kind} {uid}: socket not writable within {timeout:g}s",
+                        timeout=True) from None
+        except OSError as e:
+            raise _Drop(f"{kind} {uid}: sendmsg: {e.strerror or e}") from None
+        if not sent:
+            return None
+        started = time.perf_counter()
+        metrics.messages.labels(kind, "sent").inc()
+        try:
+            packet = await wire.recv_packet_async(self.sock, timeout, max_fds=0)
+        except TimeoutError:
+            raise _Drop(f"{kind} {uid}: no ack within {timeout:g}s", timeout=True) from None
+        except (wire.WireError, OSError) as e:
+            raise _Drop(f"{kind} {uid}: reading ack: {e}") from None
+        if packet is None:
+            raise _Drop(f"{kind} {uid}: ztunnel closed the connection before acking")
+        try:
+            ack = wire.decode_ack(packet.data)
+        except wire.WireError as e:
+            raise _Drop(f"{kind} {uid}: {e}") from None
+        metrics.ack_latency.observe(time.perf_counter() - started)
+        metrics.messages.labels("ack", "received").inc()
+        metrics.acks.labels("nack" if ack.error else "ok").inc()
+        return ack
+
+    def _close(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        level = logging.INFO if reason in ("ztunnel closed the connection", "server stopping",
+                                           "stopped") else logging.WARNING
+        log.log(level, "ztunnel connection %d closed: %s", self.id, reason)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        # Wake every requester still waiting on this connection (upstream's "close done
+        # first" deadlock fix): they retry elsewhere or report the error.
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if isinstance(item, _Request) and not item.future.done():
+                item.future.set_exception(_NotSent(f"connection {self.id} closed: {reason}"))
+        self.server._on_close(self)
+
+    def debug_state(self) -> dict:
+        return {"id": self.id, "peer_pid": self.peer_pid, "version": self.version,
+                "connected_at": self.connected_at, "snapshot_sent": self.snapshot_sent,
+                "queued": self.queue.qsize(), "last_keepalive": self.last_keepalive,
+                "holds": dict(sorted(self.held.items()))}
+
+
+def _peer_pid(sock: socket.socket) -> int | None:
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return struct.unpack("3i", creds)[0]
+    except OSError:
+        return None
+
+
+def _bind_listener(path: str) -> tuple[socket.socket, int]:
+    """Create the 0600 SEQPACKET listener at ``path`` (blocking; run off the loop).
+
+    Returns the socket and the socket file's inode (so stop only unlinks its own file).
+    """
+    parent = os.path.dirname(path)
+    if parent and not os.path.isdir(parent):
+        os.makedirs(parent, mode=0o750, exist_ok=True)
+    try:
+        os.unlink(path)  # stale socket of a previous agent; "not exist" is fine
+    except FileNotFoundError:
+        pass
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK
+                         | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind(tmp)
+        os.chmod(tmp, 0o600)
+        os.rename(tmp, path)
+        sock.listen(128)
+        return sock, os.stat(path).st_ino
+    except BaseException:
+        sock.close()
+        for p in (tmp,):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+        raise
+
+
+class ZdsServer(Component):
+    """The agent's ZDS server (component ``zds``); see the module docstring for behavior.
+
+    ``path``: socket path; ``registry``: Prometheus registry for :class:`ZdsMetrics`;
+    ``ztunnel_wait``: seconds :meth:`add` waits for a ztunnel; the other timeouts are
+    seconds and default to upstream's values.
+    """
+
+    name = "zds"
+
+    def __init__(self, path: str, registry: CollectorRegistry | None = None, *,
+                 ztunnel_wait: float = 30.0, ack_timeout: float = ACK_TIMEOUT,
+                 hello_timeout: float = HELLO_TIMEOUT,
+                 keepalive_interval: float = KEEPALIVE_INTERVAL,
+                 accept_rate: float = ACCEPT_RATE):
+        self.path = path
+        self.metrics = ZdsMetrics(registry or CollectorRegistry())
+        self.ztunnel_wait = ztunnel_wait
+        self.ack_timeout = ack_timeout
+        self.hello_timeout = hello_timeout
+        self.keepalive_interval = keepalive_interval
+        self.accept_interval = 1.0 / accept_rate if accept_rate > 0 else 0.0
+        self._pods: dict[str, _PodRecord] = {}
+        self._conns: list[ZdsConnection] = []  # in connect order; latest = last with hello
+        self._next_id = 1
+        self._sock: socket.socket | None = None
+        self._inode: int | None = None
+        self._accept_task: asyncio.Task | None = None
+        self._changed: asyncio.Event | None = None
+        self._stopped = False
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Bind the socket and start accepting. Raises OSError if the path is unusable."""
+        loop = asyncio.get_running_loop()
+        self._changed = asyncio.Event()
+        self._sock, self._inode = await loop.run_in_executor(None, _bind_listener, self.path)
+        self._accept_task = asyncio.create_task(self._accept_loop(), name="zds-accept")
+        log.info("ZDS server listening on %s", self.path)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        """Stop accepting, close every connection and the socket, unlink the socket file
+        (only if it is still ours), close every dup'd netns fd."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._accept_task:
+            self._accept_task.cancel()
+            await asyncio.gather(self._accept_task, return_exceptions=True)
+        tasks = [c.task for c in list(self._conns) if c.task]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            try:
+                if os.stat(self.path).st_ino == self._inode:
+                    os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        for record in self._pods.values():
+            record.close()
+        self._pods.clear()
+        self._notify()
+
+    def ready(self) -> tuple[bool, str]:
+        if self._sock is None:
+            return False, "ZDS socket not listening"
+        return True, ""
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_allowed = 0.0
+        while True:
+            delay = next_allowed - loop.time()
+            if delay > 0:  # rate limit: 5 accepts/s, burst 1
+                await asyncio.sleep(delay)
+            try:
+                sock, _ = await loop.sock_accept(self._sock)
+            except asyncio.CancelledError:
+                raise
+            except OSError as e:  # EMFILE and friends: back off, keep serving
+                log.warning("ZDS accept failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            next_allowed = loop.time() + self.accept_interval
+            sock.setblocking(False)
+            conn = ZdsConnection(self, sock, self._next_id)
+            self._next_id += 1
+            self._conns.append(conn)
+            self.metrics.connected.inc()
+            conn.task = asyncio.create_task(conn.serve(), name=f"zds-conn-{conn.id}")
+
+    # ---------------------------------------------------------------- connection bookkeeping
+
+    def _on_hello(self, conn: ZdsConnection) -> None:
+        self._notify()
+
+    def _on_close(self, conn: ZdsConnection) -> None:
+        if conn in self._conns:
+            self._conns.remove(conn)
+            self.metrics.connected.dec()
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    def latest(self) -> ZdsConnection | None:
+        """The newest live connection that said hello (adds go there), or None."""
+        for conn in reversed(self._conns):
+            if not conn.closed and conn.version is not None:
+                return conn
+        return None
+
+    @property
+    def connections(self) -> list[ZdsConnection]:
+        """Live connections, oldest first."""
+        return [c for c in self._conns if not c.closed]
+
+    def pods(self) -> list[str]:
+        """UIDs of the recorded pods (what the next snapshot will carry)."""
+        return list(self._pods)
+
+    async def wait_connected(self, count: int = 1, timeout: float | None = None,
+                             snapshot_sent: bool = True) -> None:
+        """Wait until ``count`` connections are live (and have been sent their snapshot).
+        Raises TimeoutError."""
+        async with asyncio.timeout(timeout):
+            while sum(1 for c in self.connections
+                      if c.snapshot_sent or not snapshot_sent) < count:
+                await self._changed.wait()
+
+    async def _wait_latest(self, deadline: float) -> ZdsConnection:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn = self.latest()
+            if conn is not None:
+                return conn
+            if self._stopped:
+                raise ZdsError("ZDS server is stopped")
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise NoZtunnel(f"no ztunnel connected to {self.path} within "
+                                f"{self.ztunnel_wait:g}s")
+            try:
+                async with asyncio.timeout(remaining):
+                    await self._changed.wait()
+            except TimeoutError:
+                pass
+
+    # ---------------------------------------------------------------- the enrollment API
+
+    async def add(self, pod: PodInfo, wait_ack: bool = True) -> None:
+        """Record ``pod`` and announce it to the newest ztunnel (``AddWorkload`` + netns fd).
+
+        The server dups ``pod.netns_fd`` (the caller keeps its own). With ``wait_ack``
+        it returns after ztunnel's ack and raises :class:`ZdsNack` (ztunnel's error
+        text), :class:`ZdsTimeout` (no ack within 5 s; the connection is dropped and the
+        pod goes out in the reconnect snapshot), :class:`NoZtunnel` (none connected
+        within ``ztunnel_wait`` s) or :class:`ZdsError` (connection lost after sending,
+        or the pod was deleted/replaced before its message went out). The pod stays
+        recorded in every case, so the next snapshot carries it; call :meth:`delete` to
+        forget it. ``ValueError`` names a bad PodInfo field.
+        """
+        if not isinstance(pod, PodInfo):
+            raise ValueError(f"pod must be a zds.PodInfo, got {type(pod).__name__}")
+        pod.validate()
+        if self._stopped:
+            raise ZdsError("ZDS server is stopped")
+        record = _PodRecord(pod)
+        old = self._pods.pop(pod.uid, None)
+        if old is not None:
+            old.close()
+        self._pods[pod.uid] = record
+        if not wait_ack:
+            conn = self.latest()
+            if conn is not None:
+                try:
+                    conn.enqueue("add", pod.uid, record).add_done_callback(_log_background)
+                except _NotSent:
+                    pass  # the next snapshot carries it
+            return
+        deadline = asyncio.get_running_loop().time() + self.ztunnel_wait
+        while True:
+            conn = await self._wait_latest(deadline)
+            try:
+                ack = await conn.enqueue("add", pod.uid, record)
+            except _NotSent:
+                if self._pods.get(pod.uid) is not record:
+                    raise ZdsError(f"pod {pod.uid} was deleted or replaced before "
+                                   "AddWorkload was sent") from None
+                continue  # that connection died before sending: use the next newest
+            if ack.error:
+                raise ZdsNack(ack.error, pod.uid)
+            return
+
+    async def delete(self, uid: str) -> None:
+        """Forget pod ``uid``, close its dup'd fd, and send ``DelWorkload`` to every
+        connection (§1.4: broadcast; ack errors ignored). Returns when each connection
+        acked or went away; never raises for connection problems (the next snapshot no
+        longer carries the pod). Unknown uids are still broadcast (ztunnel: no-op)."""
+        if not isinstance(uid, str) or not uid:
+            raise ValueError(f"uid must be a non-empty string, got {uid!r}")
+        record = self._pods.pop(uid, None)
+        if record is not None:
+            record.close()
+        futures = []
+        for conn in list(self._conns):
+            try:
+                futures.append(conn.enqueue("del", uid, None))
+            except _NotSent:
+                pass
+        for result in await asyncio.gather(*futures, return_exceptions=True):
+            if isinstance(result, Exception) and not isinstance(result, _NotSent):
+                log.warning("DelWorkload %s: %s", uid, result)
+
+    def debug_state(self) -> dict:
+        latest = self.latest()
+        return {
+            "socket": self.path,
+            "pods": {uid: {"name": r.info.name, "namespace": r.info.namespace,
+                           "service_account": r.info.service_account,
+                           "netns": r.fd is not None} for uid, r in self._pods.items()},
+            "connections": [dict(c.debug_state(), latest=c is latest) for c in self.connections],
+        }
+
+
+def _log_background(fut: asyncio.Future) -> None:
+    if fut.cancelled():
+        return
+    exc = fut.exception()
+    if exc is not None and not isinstance(exc, _NotSent):
+        log.warning("background AddWorkload failed: %s", exc)
+    elif exc is None and fut.result().error:
+        log.warning("background AddWorkload NACKed: %s", fut.result().error)
+
+
+def build(ctx: AgentContext) -> ZdsServer:
+    """The ``zds`` component from ``ztunnel_uds_address`` and ``ztunnel_wait``."""
+    return ZdsServer(ctx.config.ztunnel_uds_address, ctx.registry,
+                     ztunnel_wait=ctx.config.ztunnel_wait)
