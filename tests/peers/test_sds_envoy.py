@@ -136,14 +136,15 @@ async def test_sds_restart_envoy_reconnects_with_old_nonce(env):
 
 
 async def test_ca_outage_serves_cached_then_rotates_on_recovery(env):
-    server = await env["start_sds"](secret_ttl=8.0)
+    server = await env["start_sds"](secret_ttl=12.0)
     flaky = SwitchableCA(server.cache.ca)
     server.cache.ca = flaky
+    server.cache.max_retry_interval = 0.5  # keep retries frequent so recovery is quick
     envoy = env["start_envoy"](server.config.sds_socket)
     await envoy.wait_ready_async()
     first = server.cache.items[SPIFFE]
     flaky.down = True
-    # rotation is due at ~4 s; while the CA is down the cached certificate stays served
+    # rotation is due at ~6 s; while the CA is down the cached certificate stays served
     await until(lambda: asyncio.sleep(0, flaky.failures >= 2), 10, "failed renewals")
     assert server.cache.items[SPIFFE] is first
     assert (await served(envoy.port, server.root_pem())).serial_number == first.serial
