@@ -19,6 +19,7 @@ class ZdsMetrics:
     """The four ZDS series; one instance per server, bound to ``registry``."""
 
     def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
         self.connected = Gauge("ztunnel_connected", "ztunnel ZDS connections currently open",
                                registry=registry)
         self.messages = Counter("zds_messages", "ZDS messages by type and direction",

@@ -1,0 +1,363 @@
+"""ZDS server against the reference client and hand-driven misbehaving peers, over real
+SOCK_SEQPACKET sockets with real netns fds (spec cni-zds.md §1.3-1.6, §6 items 1-7, §7).
+
+The peer is ztunnel's protocol as our reference client (zds.client) implements it from
+the spec; no real ztunnel runs on this machine (see spec/real-peers.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+
+import pytest
+
+from agent import config as agent_config
+from agent.lifecycle import AgentContext
+from zds import NoZtunnel, PodInfo, ZdsError, ZdsNack, ZdsTimeout, wire
+from zds.server import ZdsServer, build
+from tests.zds.helpers import (RawPeer, eventually, fd_count, metric, netns_fd, running_client,
+                               running_server, short_dir)
+
+
+def pod(uid: str, fd: int | None) -> PodInfo:
+    return PodInfo(uid, f"name-{uid}", "ns", "sa", fd)
+
+
+@pytest.fixture
+def nsfd():
+    fd = netns_fd()
+    yield fd
+    os.close(fd)
+
+
+async def test_socket_permissions_stale_file_and_unlink():
+    d = short_dir()
+    path = os.path.join(d, "sub", "ztunnel.sock")
+    os.makedirs(os.path.dirname(path))
+    open(path, "w").close()  # a stale file from a previous agent
+    server = ZdsServer(path)
+    await server.start()
+    try:
+        st = os.stat(path)
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+        assert server.ready() == (True, "")
+    finally:
+        await server.stop()
+    assert not os.path.exists(path)
+    assert server.ready()[0] is False
+
+
+async def test_full_session_with_reference_client(nsfd):
+    async with running_server(ztunnel_wait=3) as server:
+        await server.add(pod("a", nsfd), wait_ack=False)
+        await server.add(pod("k", None), wait_ack=False)  # no netns: KeepWorkload
+        async with running_client(server.path) as client:
+            await client.wait_snapshot(timeout=3)
+            assert set(client.pods) == {"a"}
+            assert client.snapshot_set == {"a", "k"}
+            assert client.ready
+            kinds = [(k, u) for _, k, u in client.received]
+            assert kinds[-1] == ("snapshot_sent", "")
+            assert sorted(kinds[:-1]) == [("add", "a"), ("keep", "k")]
+            assert client.pods["a"].identity[0] == os.fstat(nsfd).st_ino
+            assert client.pods["a"].namespace == "ns"
+
+            await server.add(pod("b", nsfd))  # live add: returns after the ack
+            assert "b" in client.pods
+            await server.delete("a")
+            assert "a" not in client.pods and "a" not in server.pods()
+
+            state = server.debug_state()
+            (conn,) = state["connections"]
+            assert conn["latest"] and conn["snapshot_sent"] and conn["version"] == 1
+            assert conn["holds"] == {"b": "add", "k": "keep"}
+        await eventually(lambda: not server.connections)
+
+
+async def test_metrics(nsfd):
+    async with running_server() as server:
+        registry = server.metrics.registry
+        await server.add(pod("a", nsfd), wait_ack=False)
+        async with running_client(server.path) as client:
+            await client.wait_snapshot(timeout=3)
+            assert metric(registry, "ztunnel_connected") == 1
+            await server.add(pod("b", nsfd))
+            await server.delete("b")
+            sent = lambda t: metric(registry, "zds_messages_total", {"type": t, "direction": "sent"})
+            assert (sent("add"), sent("del"), sent("snapshot_sent")) == (2, 1, 1)
+            assert metric(registry, "zds_messages_total",
+                          {"type": "hello", "direction": "received"}) == 1
+            assert metric(registry, "zds_acks_total", {"result": "ok"}) == 4
+            assert metric(registry, "zds_ack_latency_seconds_count") == 4
+        await eventually(lambda: metric(registry, "ztunnel_connected") == 0)
+
+
+async def test_no_ztunnel_within_wait(nsfd):
+    async with running_server(ztunnel_wait=0.2) as server:
+        with pytest.raises(NoZtunnel, match="no ztunnel connected"):
+            await server.add(pod("a", nsfd))
+        assert server.pods() == ["a"]  # still recorded: the next snapshot carries it
+        assert issubclass(NoZtunnel, ZdsError)
+
+
+async def test_add_waits_for_a_ztunnel_that_connects_later(nsfd):
+    async with running_server(ztunnel_wait=5) as server:
+        adding = asyncio.create_task(server.add(pod("a", nsfd)))
+        await asyncio.sleep(0.1)
+        assert not adding.done()
+        async with running_client(server.path) as client:
+            await asyncio.wait_for(adding, 3)
+            assert "a" in client.pods
+
+
+async def test_bad_pod_info_names_the_field():
+    async with running_server() as server:
+        with pytest.raises(ValueError, match="PodInfo.uid"):
+            await server.add(PodInfo("", "n", "ns", "sa", None))
+        with pytest.raises(ValueError, match="PodInfo.netns_fd"):
+            await server.add(PodInfo("u", "n", "ns", "sa", -1))
+        with pytest.raises(ValueError, match="not an open fd"):
+            await server.add(PodInfo("u", "n", "ns", "sa", 999_999))
+        with pytest.raises(ValueError, match="uid"):
+            await server.delete("")
+
+
+async def test_nack_from_ztunnel(nsfd):
+    async with running_server() as server:
+        peer = RawPeer(server.path)
+        try:
+            await peer.hello()
+            assert await peer.read_snapshot() == [("snapshot_sent", "")]
+            adding = asyncio.create_task(server.add(pod("a", nsfd)))
+            assert await peer.recv_and_ack("failure to start proxy : port in use") == ("add", "a")
+            with pytest.raises(ZdsNack, match="failure to start proxy") as info:
+                await adding
+            assert info.value.text == "failure to start proxy : port in use"
+            assert server.connections  # a NACK keeps the connection
+        finally:
+            peer.close()
+
+
+async def test_ack_timeout_drops_connection_and_next_snapshot_has_the_pod(nsfd):
+    async with running_server(ack_timeout=0.3) as server:
+        peer = RawPeer(server.path)
+        try:
+            await peer.hello()
+            await peer.read_snapshot()
+            adding = asyncio.create_task(server.add(pod("a", nsfd)))
+            kind, uid, fds = await peer.recv()  # never acked
+            for fd in fds:
+                os.close(fd)
+            with pytest.raises(ZdsTimeout, match="no ack within"):
+                await adding
+            assert await peer.closed_by_server()
+        finally:
+            peer.close()
+        async with running_client(server.path) as client:
+            await client.wait_for_pod("a", timeout=3)
+
+
+async def test_hello_timeout_and_garbage_hello_keep_others_alive(nsfd):
+    async with running_server(hello_timeout=0.3) as server:
+        async with running_client(server.path) as good:
+            await good.wait_snapshot(timeout=3)
+            silent = RawPeer(server.path)
+            garbage = RawPeer(server.path)
+            oversized = RawPeer(server.path)
+            try:
+                await garbage.send(b"\xff\xff\xff\xff")
+                await oversized.send(b"\x08" * 5000)
+                assert await garbage.closed_by_server()
+                assert await oversized.closed_by_server()
+                assert await silent.closed_by_server()
+            finally:
+                for p in (silent, garbage, oversized):
+                    p.close()
+            await server.add(pod("a", nsfd))  # the good connection still works
+            assert "a" in good.pods
+            assert len(server.connections) == 1
+
+
+async def test_unexpected_message_when_idle_drops_connection():
+    async with running_server(keepalive_interval=30) as server:
+        peer = RawPeer(server.path)
+        try:
+            await peer.hello()
+            await peer.read_snapshot()
+            await peer.send(wire.encode_ack())  # unsolicited
+            assert await peer.closed_by_server()
+            assert server.metrics.messages.labels("unexpected", "received")._value.get() == 1
+        finally:
+            peer.close()
+
+
+async def test_fd_on_ack_and_garbage_ack_drop_connection(nsfd):
+    async with running_server() as server:
+        for bad in ("fd", "garbage"):
+            peer = RawPeer(server.path)
+            try:
+                await peer.hello()
+                kind, uid, _ = await peer.recv()
+                assert kind == "snapshot_sent"
+                if bad == "fd":
+                    await peer.send(wire.encode_ack(), [nsfd])
+                else:
+                    await peer.send(b"\x0a\xff")
+                assert await peer.closed_by_server()
+            finally:
+                peer.close()
+        await eventually(lambda: not server.connections)
+
+
+async def test_keepalive_probe_runs_while_idle():
+    async with running_server(keepalive_interval=0.05) as server:
+        async with running_client(server.path) as client:
+            await client.wait_snapshot(timeout=3)
+            await eventually(lambda: server.connections[0].last_keepalive is not None)
+            assert len(server.connections) == 1
+
+
+async def test_client_disconnect_mid_snapshot(nsfd):
+    async with running_server() as server:
+        for i in range(5):
+            await server.add(pod(f"p{i}", nsfd), wait_ack=False)
+        peer = RawPeer(server.path)
+        await peer.hello()
+        kind, uid, fds = await peer.recv()
+        assert kind == "add" and len(fds) == 1
+        os.close(fds[0])
+        peer.close()  # gone without acking
+        await eventually(lambda: not server.connections)
+        assert server.metrics.connected._value.get() == 0
+        async with running_client(server.path) as client:
+            await client.wait_snapshot(timeout=3)
+            assert set(client.pods) == {f"p{i}" for i in range(5)}
+
+
+async def test_pod_deleted_during_snapshot_is_never_announced_after(nsfd):
+    async with running_server() as server:
+        for i in range(4):
+            await server.add(pod(f"p{i}", nsfd), wait_ack=False)
+        peer = RawPeer(server.path)
+        try:
+            await peer.hello()
+            first = await peer.recv_and_ack()
+            deleting = asyncio.create_task(server.delete("p3"))
+            await asyncio.sleep(0.05)
+            rest = await peer.read_snapshot()
+            assert ("add", "p3") not in rest and first != ("add", "p3")
+            assert await peer.recv_and_ack() == ("del", "p3")  # after SnapshotSent
+            await asyncio.wait_for(deleting, 3)
+        finally:
+            peer.close()
+
+
+async def test_add_withdrawn_when_pod_deleted_before_send(nsfd):
+    async with running_server() as server:
+        peer = RawPeer(server.path)
+        try:
+            await peer.hello()
+            await peer.read_snapshot()
+            first = asyncio.create_task(server.add(pod("a", nsfd)))
+            kind, uid, fds = await peer.recv()  # "a" in flight, not acked yet
+            os.close(fds[0])
+            second = asyncio.create_task(server.add(pod("b", nsfd)))
+            await asyncio.sleep(0.05)
+            deleting = asyncio.create_task(server.delete("b"))  # queued Add b is withdrawn
+            await asyncio.sleep(0.05)
+            await peer.send(wire.encode_ack())
+            await first
+            assert await peer.recv_and_ack() == ("del", "b")
+            with pytest.raises(ZdsError, match="deleted or replaced before AddWorkload"):
+                await second
+            await deleting
+        finally:
+            peer.close()
+
+
+async def test_no_fd_leak(nsfd):
+    before = fd_count()
+    async with running_server() as server:
+        for i in range(50):
+            await server.add(pod(f"p{i}", nsfd), wait_ack=False)
+        async with running_client(server.path) as client:
+            await client.wait_snapshot(timeout=5)
+            assert len(client.pods) == 50
+            for i in range(25):
+                await server.delete(f"p{i}")
+            await server.add(pod("p30", nsfd))  # re-add: old dup closed
+    assert fd_count() == before
+
+
+async def test_two_ztunnels_adds_to_newest_deletes_to_all(nsfd):
+    async with running_server() as server:
+        await server.add(pod("s", nsfd), wait_ack=False)
+        registry = server.metrics.registry
+        async with running_client(server.path) as old:
+            await old.wait_snapshot(timeout=3)
+            async with running_client(server.path) as new:
+                await new.wait_snapshot(timeout=3)
+                assert "s" in old.pods and "s" in new.pods  # each gets the full snapshot
+                assert metric(registry, "ztunnel_connected") == 2
+                await server.add(pod("n1", nsfd))
+                assert "n1" in new.pods and "n1" not in old.pods
+                await server.delete("s")
+                assert "s" not in new.pods and "s" not in old.pods
+                assert [c["latest"] for c in server.debug_state()["connections"]] == [False, True]
+            await eventually(lambda: len(server.connections) == 1)
+            assert metric(registry, "ztunnel_connected") == 1
+            await server.add(pod("n2", nsfd))  # newest gone: the previous takes over
+            assert "n2" in old.pods
+        await eventually(lambda: metric(registry, "ztunnel_connected") == 0)
+
+
+async def test_reconnecting_ztunnel_gets_fresh_snapshot_and_agent_restart(nsfd):
+    d = short_dir()
+    path = os.path.join(d, "ztunnel.sock")
+    first = ZdsServer(path, accept_rate=1000)
+    await first.start()
+    await first.add(pod("a", nsfd), wait_ack=False)
+    await first.add(pod("gone", nsfd), wait_ack=False)
+    async with running_client(path) as client:
+        await client.wait_snapshot(timeout=3)
+        assert set(client.pods) == {"a", "gone"}
+        await first.stop()  # agent restart: ztunnel keeps its proxies and reconnects
+        assert set(client.pods) == {"a", "gone"}
+        second = ZdsServer(path, accept_rate=1000)
+        await second.start()
+        try:
+            await second.add(pod("a", nsfd), wait_ack=False)  # restart path: pods still known
+            await second.add(pod("k", None), wait_ack=False)
+            await client.wait_snapshot(timeout=5, count=2)
+            assert client.sessions == 2
+            assert set(client.pods) == {"a"}  # reconcile drained the pod not in the snapshot
+            assert client.snapshot_set == {"a", "k"}
+        finally:
+            await second.stop()
+
+
+async def test_wait_ack_false_with_ztunnel_connected_still_sends(nsfd):
+    async with running_server() as server:
+        async with running_client(server.path) as client:
+            await client.wait_snapshot(timeout=3)
+            await server.add(pod("bg", nsfd), wait_ack=False)
+            await client.wait_for_pod("bg", timeout=3)
+
+
+async def test_component_build_from_config():
+    d = short_dir()
+    config = agent_config.load({}, env={}).replace(
+        ztunnel_uds_address=os.path.join(d, "zt", "ztunnel.sock"), ztunnel_wait=0.5)
+    ctx = AgentContext(config)
+    server = build(ctx)
+    assert server.name == "zds" and server.ztunnel_wait == 0.5
+    await server.start()
+    try:
+        async with running_client(config.ztunnel_uds_address) as client:
+            await client.wait_snapshot(timeout=3)
+            assert ctx.registry.get_sample_value("ztunnel_connected") == 1
+    finally:
+        await server.stop()
+        ctx.executor.shutdown()

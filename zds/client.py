@@ -1,0 +1,508 @@
+"""A reference ZDS client: the ztunnel side of the protocol, in Python.
+
+Faithful to ztunnel's in-pod manager (spec ``cni-zds.md`` §1.5, ``istio/ztunnel:
+src/inpod/{protocol,workloadmanager,statemanager}.rs``):
+
+- connects (retry wait doubles from 20 ms up to 15 s), sends ``ZdsHello{V1}``, and on
+  every (re)connect resets its snapshot bookkeeping while **keeping running proxies**;
+- reads with a 1024-byte buffer and room for one fd (close-on-exec); fds are parsed
+  first so they are always closed on error; ``Add`` without an fd ("No control
+  message"), any other message with an fd ("Unexpected control message"), truncation
+  or garbage → ``Ack{error="failure to read message : ..."}``, then reconnect;
+- ``Add``: the netns identity is ``(st_ino, st_dev)`` of the fd; same identity as a
+  running proxy = idempotent success; a different one replaces the proxy; a proxy that
+  fails to start (e.g. its port is taken) is kept pending, NACKed
+  ``"failure to start proxy : ..."`` and retried every 5 s;
+- ``Keep`` after ``SnapshotSent``, a second ``SnapshotSent``, or ``Add`` without
+  ``workload_info`` are protocol errors: NACKed, then treated as **fatal** (the client
+  stops; :attr:`ZdsClient.fatal` holds the error), as ztunnel does;
+- ``Del`` before the snapshot drops the uid from the snapshot set and pending; after,
+  drains the proxy at once; ``SnapshotSent`` drains every proxy not named since connect.
+
+A "proxy" here is, with ``open_listeners=True``, ztunnel's in-pod listeners opened
+inside the pod's netns through the received fd: TCP 15001 (outbound; reports
+``SO_ORIGINAL_DST``), 15006 (inbound plaintext) and 15008 (HBONE), both
+``IP_TRANSPARENT``, and DNS on 127.0.0.1:15053 (UDP and TCP); all with ``SO_MARK``
+1337 and ``SO_REUSEPORT`` as ztunnel sets them. Each accepted connection (or DNS
+datagram) becomes an :class:`Accepted` on :attr:`ZdsClient.accepted`, or is handed to
+``on_accept(accepted, sock)`` which then owns the socket.
+
+Usage::
+
+    client = ZdsClient("/var/run/ztunnel/ztunnel.sock", open_listeners=True)
+    task = asyncio.create_task(client.run())
+    await client.wait_snapshot(timeout=5)
+    await client.wait_for_pod(uid, timeout=5)
+    ...
+    client.stop(); await task
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import inspect
+import logging
+import os
+import socket
+import struct
+from typing import Any, Awaitable, Callable
+
+from cni.netns import run_in_netns_thread
+from zds import wire
+
+log = logging.getLogger("zds.client")
+
+OUTBOUND_PORT, INBOUND_PORT, HBONE_PORT, DNS_PORT = 15001, 15006, 15008, 15053
+PACKET_MARK = 1337           # ztunnel's default in-pod socket mark (0x539)
+SO_ORIGINAL_DST = 80         # linux/netfilter_ipv4.h; IP6T_SO_ORIGINAL_DST has the same value
+PENDING_RETRY = 5.0          # seconds between retries of pending proxies
+CONNECT_BACKOFF_MAX = 15.0   # seconds
+
+
+class ProtocolError(Exception):
+    """A message ztunnel treats as fatal (it stops in-pod handling entirely)."""
+
+
+@dataclasses.dataclass
+class Accepted:
+    """One connection (TCP) or datagram (UDP, DNS) that landed on a pod's listener.
+
+    ``uid``: pod uid; ``port``: listener port; ``protocol``: "tcp"|"udp"; ``peer`` and
+    ``local``: socket addresses; ``original_dst``: ``SO_ORIGINAL_DST`` when the kernel
+    has one (REDIRECTed traffic), else ``local`` (TPROXY/IP_TRANSPARENT delivery keeps
+    the original destination as the local address); ``data``: the datagram for UDP.
+    """
+
+    uid: str
+    port: int
+    protocol: str
+    peer: tuple
+    local: tuple
+    original_dst: tuple | None
+    data: bytes = b""
+
+
+@dataclasses.dataclass
+class HeldPod:
+    """A running "proxy" for a pod: its workload info, netns fd, identity and listeners."""
+
+    uid: str
+    name: str
+    namespace: str
+    service_account: str
+    netns_fd: int
+    identity: tuple[int, int]
+    listeners: list[socket.socket] = dataclasses.field(default_factory=list)
+    tasks: list[asyncio.Task] = dataclasses.field(default_factory=list)
+
+
+def original_dst(sock: socket.socket) -> tuple | None:
+    """``SO_ORIGINAL_DST`` of an accepted TCP socket as (host, port), or None if none."""
+    try:
+        if sock.family == socket.AF_INET6:
+            raw = sock.getsockopt(socket.SOL_IPV6, SO_ORIGINAL_DST, 28)
+            port = struct.unpack_from("!H", raw, 2)[0]
+            return socket.inet_ntop(socket.AF_INET6, raw[8:24]), port
+        raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+        port = struct.unpack_from("!H", raw, 2)[0]
+        return socket.inet_ntop(socket.AF_INET, raw[4:8]), port
+    except OSError:
+        return None
+
+
+def _listener(family: int, kind: int, host: str, port: int, transparent: bool,
+              mark: int) -> socket.socket:
+    sock = socket.socket(family, kind | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        if transparent:
+            level = socket.SOL_IPV6 if family == socket.AF_INET6 else socket.SOL_IP
+            opt = 75 if family == socket.AF_INET6 else 19  # IPV6_TRANSPARENT / IP_TRANSPARENT
+            sock.setsockopt(level, opt, 1)
+        sock.bind((host, port))
+        if kind == socket.SOCK_STREAM:
+            sock.listen(128)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+def open_pod_listeners(netns_fd: int, mark: int = PACKET_MARK) -> list[socket.socket]:
+    """Open ztunnel's in-pod listeners inside the netns ``netns_fd`` (blocking; a thread).
+
+    IPv4 listeners are required (OSError, e.g. EADDRINUSE, propagates after closing
+    what was opened); IPv6 ones are best effort (a pod netns may have IPv6 disabled).
+    """
+    def body() -> list[socket.socket]:
+        socks: list[socket.socket] = []
+        try:
+            for port in (OUTBOUND_PORT, INBOUND_PORT, HBONE_PORT):
+                transparent = port != OUTBOUND_PORT
+                socks.append(_listener(socket.AF_INET, socket.SOCK_STREAM, "0.0.0.0", port,
+                                       transparent, mark))
+            for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
+                socks.append(_listener(socket.AF_INET, kind, "127.0.0.1", DNS_PORT, False, mark))
+            v6 = [(socket.SOCK_STREAM, "::", p, p != OUTBOUND_PORT)
+                  for p in (OUTBOUND_PORT, INBOUND_PORT, HBONE_PORT)]
+            v6 += [(socket.SOCK_DGRAM, "::1", DNS_PORT, False),
+                   (socket.SOCK_STREAM, "::1", DNS_PORT, False)]
+            for kind, host, port, transparent in v6:
+                try:
+                    socks.append(_listener(socket.AF_INET6, kind, host, port, transparent, mark))
+                except OSError:
+                    break  # no IPv6 in this netns
+        except BaseException:
+            for s in socks:
+                s.close()
+            raise
+        return socks
+
+    return run_in_netns_thread(netns_fd, body)
+
+
+AcceptCallback = Callable[[Accepted, "socket.socket | None"], "Awaitable[None] | None"]
+
+
+class ZdsClient:
+    """The reference ztunnel-side ZDS client.
+
+    ``path``: the agent's ZDS socket; ``open_listeners``: open ztunnel's in-pod
+    listeners for every held pod; ``on_accept``: optional callback for landed traffic
+    (default: each :class:`Accepted` goes to :attr:`accepted`, TCP peers get the line
+    ``"zds-client <uid> <port>\\n"`` and are closed); ``reconnect``: keep reconnecting
+    after EOF (ztunnel does; False ends :meth:`run` after the first session).
+
+    State: :attr:`pods` (uid -> :class:`HeldPod`, running proxies), :attr:`pending`
+    (uid -> reason), :attr:`snapshot_received`, :attr:`connected`, :attr:`sessions`
+    (connections made), :attr:`snapshots` (SnapshotSent handled), :attr:`received`
+    (``(session, kind, uid)`` of every request, newest last), :attr:`fatal`.
+    """
+
+    def __init__(self, path: str, *, open_listeners: bool = False,
+                 on_accept: AcceptCallback | None = None, reconnect: bool = True,
+                 pending_retry: float = PENDING_RETRY, mark: int = PACKET_MARK):
+        self.path = path
+        self.open_listeners = open_listeners
+        self.on_accept = on_accept
+        self.reconnect = reconnect
+        self.pending_retry = pending_retry
+        self.mark = mark
+        self.pods: dict[str, HeldPod] = {}
+        self.pending: dict[str, str] = {}
+        self._pending_add: dict[str, tuple[Any, int]] = {}
+        self.snapshot_set: set[str] = set()
+        self.snapshot_received = False
+        self.connected = False
+        self.sessions = 0
+        self.snapshots = 0
+        self.received: collections.deque = collections.deque(maxlen=100_000)
+        self.fatal: ProtocolError | None = None
+        self.accepted: asyncio.Queue[Accepted] = asyncio.Queue()
+        self._sock: socket.socket | None = None
+        self._stopping = False
+        self._session: asyncio.Task | None = None
+        self._changed = asyncio.Event()
+
+    # ---------------------------------------------------------------- public control
+
+    @property
+    def ready(self) -> bool:
+        """ztunnel's readiness: connected, snapshot received, nothing pending."""
+        return self.connected and self.snapshot_received and not self.pending
+
+    async def run(self) -> None:
+        """Connect, serve, reconnect, until :meth:`stop`, a fatal protocol error, or
+        (with ``reconnect=False``) the end of the first session. Drains every proxy
+        (closes listeners and netns fds) before returning."""
+        retry_task = asyncio.create_task(self._retry_pending())
+        wait = 0.01
+        try:
+            while not self._stopping and self.fatal is None:
+                try:
+                    sock = await self._connect()
+                except OSError as e:
+                    wait = min(wait * 2, CONNECT_BACKOFF_MAX)
+                    log.debug("connect %s failed (%s); retry in %.2fs", self.path, e, wait)
+                    await self._sleep(wait)
+                    continue
+                wait = 0.01
+                self._session = asyncio.create_task(self._serve(sock))
+                try:
+                    await self._session
+                except asyncio.CancelledError:
+                    if not self._stopping:
+                        raise
+                if not self.reconnect:
+                    break
+        finally:
+            retry_task.cancel()
+            await asyncio.gather(retry_task, return_exceptions=True)
+            for uid in list(self.pods):
+                self._drain(uid)
+            for uid in list(self._pending_add):
+                self._drop_pending(uid)
+            self.connected = False
+            self._notify()
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to finish (it drains proxies and returns). Idempotent."""
+        self._stopping = True
+        if self._session is not None:
+            self._session.cancel()
+        self._notify()
+
+    async def wait_snapshot(self, timeout: float | None = None, count: int = 1) -> None:
+        """Wait until ``count`` snapshots were received in total; TimeoutError otherwise."""
+        await self._wait(lambda: self.snapshots >= count, timeout)
+
+    async def wait_for_pod(self, uid: str, timeout: float | None = None) -> HeldPod:
+        """Wait until a proxy for ``uid`` runs; returns it. TimeoutError otherwise."""
+        await self._wait(lambda: uid in self.pods, timeout)
+        return self.pods[uid]
+
+    async def wait_pod_gone(self, uid: str, timeout: float | None = None) -> None:
+        await self._wait(lambda: uid not in self.pods, timeout)
+
+    async def wait_connected(self, timeout: float | None = None) -> None:
+        await self._wait(lambda: self.connected, timeout)
+
+    async def _wait(self, predicate: Callable[[], bool], timeout: float | None) -> None:
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                if self.fatal is not None:
+                    raise self.fatal
+                await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            async with asyncio.timeout(seconds):
+                while not self._stopping:
+                    await self._changed.wait()
+        except TimeoutError:
+            pass
+
+    # ---------------------------------------------------------------- one session
+
+    async def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK
+                             | socket.SOCK_CLOEXEC)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, self.path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def _serve(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.sessions += 1
+        session = self.sessions
+        # reset_snapshot(): forget snapshot bookkeeping, keep running proxies.
+        self.snapshot_set.clear()
+        self.snapshot_received = False
+        for uid in list(self._pending_add):
+            self._drop_pending(uid)
+        try:
+            wire.send_packet(sock, wire.encode_hello())
+            self.connected = True
+            self._notify()
+            while True:
+                try:
+                    packet = await wire.recv_packet_async(sock, None, max_fds=1)
+                except wire.WireError as e:
+                    self._ack(sock, f"failure to read message : {e}")
+                    return
+                if packet is None:
+                    log.info("ZDS server closed the connection")
+                    return
+                try:
+                    request = self._parse(packet)
+                except wire.WireError as e:
+                    self._ack(sock, f"failure to read message : {e}")
+                    return
+                kind = request.WhichOneof("payload")
+                uid = getattr(request, kind).uid if kind != "snapshot_sent" else ""
+                self.received.append((session, kind, uid))
+                try:
+                    error = await self._handle(request, packet.fds)
+                except ProtocolError as e:
+                    self._ack(sock, str(e))
+                    self.fatal = e
+                    log.error("fatal ZDS protocol error: %s", e)
+                    return
+                self._ack(sock, error)
+                self._notify()
+        except OSError as e:
+            log.info("ZDS connection failed: %s", e)
+        finally:
+            self.connected = False
+            self._sock = None
+            sock.close()
+            self._notify()
+
+    def _ack(self, sock: socket.socket, error: str) -> None:
+        try:
+            wire.send_packet(sock, wire.encode_ack(error))
+        except OSError:
+            pass  # the read side reports the broken connection
+
+    def _parse(self, packet: wire.Packet):
+        """fds were already taken out of the packet, so every error path closes them."""
+        try:
+            request = wire.decode_request(packet.data)
+            kind = request.WhichOneof("payload")
+            if kind == "add" and not packet.fds:
+                raise wire.WireError("No control message")
+            if kind != "add" and packet.fds:
+                raise wire.WireError("Unexpected control message")
+            return request
+        except wire.WireError:
+            packet.close_fds()
+            raise
+
+    async def _handle(self, request, fds: list[int]) -> str:
+        kind = request.WhichOneof("payload")
+        if kind == "add":
+            return await self._on_add(request.add, fds[0])
+        if kind == "keep":
+            if self.snapshot_received:
+                raise ProtocolError(f"KeepWorkload {request.keep.uid} after SnapshotSent")
+            self.snapshot_set.add(request.keep.uid)
+            return ""
+        if kind == "del":
+            uid = getattr(request, "del").uid
+            self._drop_pending(uid)
+            if not self.snapshot_received:
+                self.snapshot_set.discard(uid)  # a running proxy is drained at reconcile
+            else:
+                self._drain(uid)
+            return ""
+        # snapshot_sent
+        if self.snapshot_received:
+            raise ProtocolError("second SnapshotSent on one connection")
+        for uid in list(self.pods):
+            if uid not in self.snapshot_set:
+                self._drain(uid)
+        self.snapshot_received = True
+        self.snapshots += 1
+        return ""
+
+    async def _on_add(self, add, fd: int) -> str:
+        if not add.HasField("workload_info"):
+            os.close(fd)
+            raise ProtocolError(f"AddWorkload {add.uid} without workload_info")
+        uid = add.uid
+        if not self.snapshot_received:
+            self.snapshot_set.add(uid)
+        st = os.fstat(fd)
+        identity = (st.st_ino, st.st_dev)
+        running = self.pods.get(uid)
+        if running is not None and running.identity == identity:
+            os.close(fd)
+            return ""
+        if running is not None:  # sandbox re-created: new netns replaces the proxy
+            self._drain(uid)
+        self._drop_pending(uid)
+        pod = HeldPod(uid, add.workload_info.name, add.workload_info.namespace,
+                      add.workload_info.service_account, fd, identity)
+        try:
+            await self._start_proxy(pod)
+        except OSError as e:
+            self._pending_add[uid] = (pod, fd)
+            self.pending[uid] = str(e)
+            return f"failure to start proxy : {e}"
+        return ""
+
+    # ---------------------------------------------------------------- proxies
+
+    async def _start_proxy(self, pod: HeldPod) -> None:
+        if self.open_listeners:
+            pod.listeners = await asyncio.to_thread(open_pod_listeners, pod.netns_fd, self.mark)
+            for sock in pod.listeners:
+                pod.tasks.append(asyncio.create_task(self._serve_listener(pod.uid, sock)))
+        self.pods[pod.uid] = pod
+        self._notify()
+
+    def _drain(self, uid: str) -> None:
+        """Immediate drain (the pod is gone): close listeners and the netns fd."""
+        pod = self.pods.pop(uid, None)
+        if pod is None:
+            return
+        for task in pod.tasks:
+            task.cancel()
+        for sock in pod.listeners:
+            sock.close()
+        os.close(pod.netns_fd)
+        self._notify()
+
+    def _drop_pending(self, uid: str) -> None:
+        entry = self._pending_add.pop(uid, None)
+        self.pending.pop(uid, None)
+        if entry is not None:
+            os.close(entry[1])
+
+    async def _retry_pending(self) -> None:
+        """Every ``pending_retry`` s, try to start each pending proxy again (ztunnel's 5 s)."""
+        while True:
+            await asyncio.sleep(self.pending_retry)
+            for uid in list(self._pending_add):
+                entry = self._pending_add.pop(uid, None)  # take ownership while starting
+                if entry is None:
+                    continue
+                pod, fd = entry
+                try:
+                    await self._start_proxy(pod)
+                except OSError as e:
+                    if uid in self._pending_add:  # a newer Add replaced it meanwhile
+                        os.close(fd)
+                    else:
+                        self._pending_add[uid] = entry
+                        self.pending[uid] = str(e)
+                    continue
+                self.pending.pop(uid, None)
+                self._notify()
+
+    async def _serve_listener(self, uid: str, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        port = sock.getsockname()[1]
+        while True:
+            if sock.type == socket.SOCK_DGRAM:
+                data, peer = await loop.sock_recvfrom(sock, 4096)
+                await self._deliver(Accepted(uid, port, "udp", peer, sock.getsockname(),
+                                             sock.getsockname(), data), None)
+                continue
+            conn, peer = await loop.sock_accept(sock)
+            local = conn.getsockname()
+            dst = original_dst(conn)
+            accepted = Accepted(uid, port, "tcp", peer, local, dst or local)
+            await self._deliver(accepted, conn)
+
+    async def _deliver(self, accepted: Accepted, conn: socket.socket | None) -> None:
+        if self.on_accept is not None:
+            try:
+                result = self.on_accept(accepted, conn)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:  # noqa: BLE001 - a bad callback must not kill the listener
+                log.exception("on_accept callback failed")
+            return
+        self.accepted.put_nowait(accepted)
+        if conn is not None:
+            try:
+                conn.setblocking(False)
+                await asyncio.get_running_loop().sock_sendall(
+                    conn, f"zds-client {accepted.uid} {accepted.port}\n".encode())
+            except OSError:
+                pass
+            finally:
+                conn.close()
