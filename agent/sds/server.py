@@ -37,6 +37,7 @@ from agent.lifecycle import AgentContext, Component
 from agent.sds import attest, ca_server, files, keys
 from agent.sds.ca_embedded import CAError, EmbeddedCA
 from agent.sds.ca_istio import CAClientError, EmbeddedCAClient, IstioCAClient
+from agent.sds.metrics import SdsCollector
 from agent.sds.cache import DEFAULT, ROOTCA, CacheError, SecretCache
 from agent.sds.service import GenerateError, IdentityError, SdsService, root_secret, tls_secret
 
@@ -361,4 +362,6 @@ def build(ctx: AgentContext) -> SdsServer:
         source = ctx.get("config-source")
         return getattr(source, "store", None) if source is not None else None
 
-    return SdsServer(ctx.config, ctx.run_blocking, store)
+    server = SdsServer(ctx.config, ctx.run_blocking, store)
+    ctx.registry.register(SdsCollector(server))
+    return server

@@ -60,6 +60,11 @@ async def test_component_lifecycle_api_and_no_secrets_in_logs(state_dir, tmp_pat
         assert server_cert.root == ca_agent.root_pem()
         assert state["certificates"][0]["spiffe_id"] == "spiffe://cluster.local/ns/shop/sa/cart"
         assert ca_agent.debug_state()["ca_issued"] >= 1
+        from prometheus_client import generate_latest
+        exposition = generate_latest(cctx.registry).decode()
+        assert "ambient_agent_sds_csrs_total 1.0" in exposition
+        assert 'ambient_agent_sds_cert_expiry_seconds{spiffe_id="spiffe://cluster.local/ns/' \
+            'shop/sa/cart"}' in exposition
         # a missing token: the SDS stream fails with the CA's reason, the agent keeps going
         token.unlink()
         client_agent.cache.items.clear()
