@@ -102,7 +102,7 @@ def original_dst(sock: socket.socket) -> tuple | None:
     """``SO_ORIGINAL_DST`` of an accepted TCP socket as (host, port), or None if none."""
     try:
         if sock.family == socket.AF_INET6:
-            raw = sock.getsockopt(socket.SOL_IPV6, SO_ORIGINAL_DST, 28)
+            raw = sock.getsockopt(socket.IPPROTO_IPV6, SO_ORIGINAL_DST, 28)
             port = struct.unpack_from("!H", raw, 2)[0]
             return socket.inet_ntop(socket.AF_INET6, raw[8:24]), port
         raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
@@ -121,7 +121,7 @@ def _listener(family: int, kind: int, host: str, port: int, transparent: bool,
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         if transparent:
-            level = socket.SOL_IPV6 if family == socket.AF_INET6 else socket.SOL_IP
+            level = socket.IPPROTO_IPV6 if family == socket.AF_INET6 else socket.SOL_IP
             opt = 75 if family == socket.AF_INET6 else 19  # IPV6_TRANSPARENT / IP_TRANSPARENT
             sock.setsockopt(level, opt, 1)
         sock.bind((host, port))
@@ -344,6 +344,8 @@ class ZdsClient:
                 self._notify()
         except OSError as e:
             log.info("ZDS connection failed: %s", e)
+        except Exception:  # noqa: BLE001 - a bug in one session must not end run(); reconnect
+            log.exception("ZDS session failed")
         finally:
             self.connected = False
             self._sock = None
@@ -417,7 +419,7 @@ class ZdsClient:
                       add.workload_info.service_account, fd, identity)
         try:
             await self._start_proxy(pod)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - any start failure is a NACK, as in ztunnel
             self._pending_add[uid] = (pod, fd)
             self.pending[uid] = str(e)
             return f"failure to start proxy : {e}"
@@ -462,7 +464,7 @@ class ZdsClient:
                 pod, fd = entry
                 try:
                     await self._start_proxy(pod)
-                except OSError as e:
+                except Exception as e:  # noqa: BLE001
                     if uid in self._pending_add:  # a newer Add replaced it meanwhile
                         os.close(fd)
                     else:
