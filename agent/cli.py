@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import importlib
 import json
+import os
 import sys
 from importlib import metadata
 
@@ -102,6 +103,9 @@ def _lazy(module_name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The agent forks helpers (iptables-restore, nft) while gRPC threads run; none of the
+    # children use gRPC, so gRPC's fork handlers would only add noise and risk.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -46,6 +46,7 @@ import yaml
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "cluster"
 CNI_PLUGIN_DIRS = ["/usr/lib/cni", "/opt/cni/bin"]
 APP_PORT = 8080
+LOOPBACK_CONF = {"cniVersion": "1.0.0", "name": "cni-loopback", "type": "loopback"}
 
 
 @dataclasses.dataclass
@@ -136,6 +137,7 @@ class Demo:
         self.agent = None
         self.zds_client = None
         self.zds_task: asyncio.Task | None = None
+        self.seen: list = []  # zds.client.Accepted: traffic that landed on ztunnel's listeners
         self.xds_client = None
         self.envoy = None
         self.envoy_port = 0
@@ -183,10 +185,21 @@ class Demo:
                 await stop.wait()
         except DemoError as e:
             print(f"\ndemo failed: {e}", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - any failure still tears everything down
+            import traceback
+
+            traceback.print_exc()
+            print(f"\ndemo failed: {type(e).__name__}: {e}", file=sys.stderr)
         finally:
             print("\ntearing down ...", flush=True)
             await self.teardown()
-            print("clean: no netns, interfaces, rules, conflist entries, processes or sockets left")
+            left = await asyncio.to_thread(self.leftovers)
+            if left:
+                failed = True
+                print("left behind: " + "; ".join(left), file=sys.stderr)
+            else:
+                print("clean: no netns, interfaces, rules, conflist entries, processes or "
+                      "sockets left")
         if failed:
             print("some checks FAILED", file=sys.stderr)
             return 1
@@ -195,7 +208,7 @@ class Demo:
     async def bring_up(self) -> None:
         p = self.progress
         async with p.step("preparing workspace and the primary CNI network (bridge + host-local)"):
-            self.prepare_workspace()
+            await asyncio.to_thread(self.prepare_workspace)
         async with p.step("starting the agent (directory source, embedded CA, SDS, ZDS, CNI, "
                           "xDS, status)"):
             await self.start_agent()
@@ -295,7 +308,7 @@ class Demo:
         await self.xds_client.wait_synced(timeout=10)
 
     async def _stop_zds(self) -> None:
-        await self.zds_client.stop()
+        self.zds_client.stop()
         if self.zds_task:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(self.zds_task, 5)
@@ -329,7 +342,7 @@ class Demo:
         from pyroute2 import netns
 
         pod.netns = f"ambdemo-{pod.name}-{self.suffix}"
-        netns.create(pod.netns)
+        await asyncio.to_thread(netns.create, pod.netns)
         self.on_cleanup(f"netns {pod.netns}", lambda: netns.remove(pod.netns))
         self.write_pod(pod)
         store = self.agent.ctx.get("config-source").store
@@ -341,6 +354,10 @@ class Demo:
         self.on_cleanup(f"CNI DEL {pod.name}", lambda: self.runtime.delete(
             conflist, pod.container_id, pod.netns_path, "eth0", args))
         try:
+            # A runtime brings up the pod's loopback first (CRI's and podman's "lo"
+            # network); the in-pod rules need it (routes on lo, 127.0.0.1 listeners).
+            await asyncio.to_thread(self.runtime.exec_plugin, "ADD", LOOPBACK_CONF,
+                                    pod.container_id, pod.netns_path, "lo", args)
             result = await asyncio.to_thread(self.runtime.add, conflist, pod.container_id,
                                              pod.netns_path, "eth0", args)
         except Exception as e:  # noqa: BLE001 - shown to the user with the plugin's reason
@@ -360,12 +377,13 @@ class Demo:
         return conflist
 
     def workload_for(self, pod: DemoPod):
-        """The Address the reference ztunnel holds for ``pod`` (by uid and IP), or None."""
+        """The Workload the reference ztunnel holds for ``pod`` (by name and IP), or None.
+        (Workload uids are ``cluster//Pod/ns/name``, spec ambient-wds.md §3.1.)"""
         for address in self.xds_client.resources().values():
             if address.WhichOneof("type") != "workload":
                 continue
             w = address.workload
-            if pod.uid in w.uid:
+            if (w.name, w.namespace) == (pod.name, pod.namespace):
                 ips = [str(ipaddress.ip_address(a)) for a in w.addresses]
                 if pod.ip in ips:
                     return w
@@ -406,7 +424,7 @@ class Demo:
         rules = await asyncio.to_thread(self.rules_present, pod)
         self.add(subject, "redirection rules", rules == pod.ambient,
                  "present" if rules else "absent")
-        held = self.zds_client.holds(pod.uid)
+        held = pod.uid in self.zds_client.pods
         self.add(subject, "ZDS (netns fd acked by ztunnel)", held == pod.ambient,
                  "held by ztunnel" if held else "not sent")
         w = self.workload_for(pod)
@@ -473,7 +491,8 @@ class Demo:
 
     async def connect_and_observe(self, src: DemoPod, ip: str, port: int) -> list:
         """Connect from ``src`` to ``ip:port``; return what the reference ztunnel saw."""
-        before = len(self.zds_client.connections_seen())
+        self.drain_accepted()
+        before = len(self.seen)
 
         def dial() -> None:
             with socket.create_connection((ip, port), timeout=3):
@@ -482,7 +501,13 @@ class Demo:
         with contextlib.suppress(OSError):
             await asyncio.to_thread(run_in_pod, src, dial)
         await asyncio.sleep(0.3)
-        return self.zds_client.connections_seen()[before:]
+        self.drain_accepted()
+        return self.seen[before:]
+
+    def drain_accepted(self) -> None:
+        queue = self.zds_client.accepted
+        while not queue.empty():
+            self.seen.append(queue.get_nowait())
 
     async def check_endpoints(self) -> None:
         port = self.agent_port("status")
@@ -510,13 +535,31 @@ class Demo:
               f"status: ambient-agent status --addr http://127.0.0.1:{port}")
 
     # ------------------------------------------------------------------ teardown
+    def leftovers(self) -> list[str]:
+        """What the demo created and is still there (empty after a clean teardown)."""
+        from pyroute2 import IPRoute
+
+        left = [f"netns {p.netns}" for p in self.pods
+                if p.netns and os.path.exists(p.netns_path)]
+        with IPRoute() as ipr:
+            if ipr.link_lookup(ifname=self.bridge):
+                left.append(f"bridge {self.bridge}")
+        if self.root.exists():
+            left.append(f"workdir {self.root}")
+        if self.envoy is not None and self.envoy.proc is not None:
+            left.append("envoy process")
+        return left
+
     async def teardown(self) -> None:
         while self._cleanups:
             what, fn = self._cleanups.pop()
             try:
-                result = fn() if not asyncio.iscoroutinefunction(fn) else await fn()
-                if asyncio.iscoroutine(result):
-                    await result
+                if asyncio.iscoroutinefunction(fn):
+                    await fn()
+                else:  # blocking undo steps (pyroute2, subprocess) run off the loop
+                    result = await asyncio.to_thread(fn)
+                    if asyncio.iscoroutine(result):
+                        await result
             except Exception as e:  # noqa: BLE001 - keep cleaning up, report what failed
                 print(f"  cleanup of {what} failed: {e}", file=sys.stderr)
 
