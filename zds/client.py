@@ -312,13 +312,15 @@ class ZdsClient:
         self.snapshot_received = False
         for uid in list(self._pending_add):
             self._drop_pending(uid)
+        reader = None
         try:
             wire.send_packet(sock, wire.encode_hello())
             self.connected = True
             self._notify()
+            reader = wire.PacketReader(sock, max_fds=1)
             while True:
                 try:
-                    packet = await wire.recv_packet_async(sock, None, max_fds=1)
+                    packet = await reader.next()
                 except wire.WireError as e:
                     self._ack(sock, f"failure to read message : {e}")
                     return
@@ -347,6 +349,8 @@ class ZdsClient:
         except Exception:  # noqa: BLE001 - a bug in one session must not end run(); reconnect
             log.exception("ZDS session failed")
         finally:
+            if reader is not None:
+                reader.close()
             self.connected = False
             self._sock = None
             sock.close()

@@ -31,6 +31,7 @@ Deliberate differences from upstream, and why:
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import socket
@@ -115,6 +116,12 @@ class ZdsConnection:
         self.held: dict[str, str] = {}
         self.last_keepalive: float | None = None
         self.task: asyncio.Task | None = None
+        # After the hello, one reader stays registered for the connection's life (no
+        # epoll_ctl per message): it files every packet/EOF/error into the inbox.
+        self._inbox: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._reading = False
+        self._idle = False
 
     # ---------------------------------------------------------------- requests from the API
 
@@ -138,6 +145,8 @@ class ZdsConnection:
         reason = "stopped"
         try:
             await self._read_hello()
+            asyncio.get_running_loop().add_reader(self.sock.fileno(), self._on_readable)
+            self._reading = True
             self.server._on_hello(self)
             await self._send_snapshot()
             await self._serve_updates()
@@ -231,48 +240,79 @@ class ZdsConnection:
                     self.held.pop(request.uid, None)
             fut.done() or fut.set_result(ack)
 
+    def _on_readable(self) -> None:
+        """Reader callback: move every queued packet (or EOF/error) into the inbox."""
+        while True:
+            try:
+                outcome: Any = wire.recv_packet(self.sock, max_fds=0)
+            except (BlockingIOError, InterruptedError):
+                break
+            except (wire.WireError, OSError) as e:
+                outcome = e
+            self._inbox.append(outcome)
+            if outcome is None or isinstance(outcome, OSError):  # EOF/error: stop reading
+                self._stop_reading()
+                break
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+        if self._idle:
+            self._idle = False
+            try:
+                self.queue.put_nowait(_READABLE)
+            except asyncio.QueueFull:
+                pass  # a full queue means the writer is busy and will look at the inbox
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+
+    async def _next_packet(self, timeout: float) -> Any:
+        """The next inbox entry (Packet, None for EOF, or an exception); TimeoutError."""
+        if not self._inbox:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._waiter
+            finally:
+                self._waiter = None
+        return self._inbox.popleft()
+
     async def _next_request(self) -> _Request:
-        """The next queued request; while idle, watch the socket and probe every keepalive."""
-        loop = asyncio.get_running_loop()
-        fd = self.sock.fileno()
+        """The next queued request; while idle, any packet from ztunnel is handled as the
+        upstream keepalive check would, and a probe runs every keepalive interval."""
         while True:
             item: Any = None
-            if not self.queue.empty():
-                item = self.queue.get_nowait()
-            else:
-                loop.add_reader(fd, self._on_idle_readable)
+            if self.queue.empty() and not self._inbox:
+                self._idle = True
                 try:
                     async with asyncio.timeout(self.server.keepalive_interval):
                         item = await self.queue.get()
                 except TimeoutError:
                     item = None
                 finally:
-                    loop.remove_reader(fd)
-            if isinstance(item, _Request):
+                    self._idle = False
+            elif not self._inbox:
+                item = self.queue.get_nowait()
+            if isinstance(item, _Request) and not self._inbox:
                 return item
+            if isinstance(item, _Request):  # ztunnel spoke first: requeue, drop below
+                self.queue.put_nowait(item)
             self._keepalive_probe()
-
-    def _on_idle_readable(self) -> None:
-        asyncio.get_running_loop().remove_reader(self.sock.fileno())
-        try:
-            self.queue.put_nowait(_READABLE)
-        except asyncio.QueueFull:
-            pass  # a full queue means the writer is busy and will read anyway
 
     def _keepalive_probe(self) -> None:
         """Upstream's keepalive check: nothing to read = alive, EOF = clean exit,
         a message = protocol error (ztunnel never sends unsolicited data, §7)."""
         self.last_keepalive = time.time()
-        try:
-            packet = wire.recv_packet(self.sock, max_fds=0)
-        except (BlockingIOError, InterruptedError):
+        if not self._inbox:
             return
-        except (wire.WireError, OSError) as e:
-            raise _Drop(f"keepalive: {e}") from None
-        if packet is None:
+        outcome = self._inbox.popleft()
+        if outcome is None:
             raise _Drop("ztunnel closed the connection")
+        if isinstance(outcome, Exception):
+            raise _Drop(f"keepalive: {outcome}")
         self.server.metrics.messages.labels("unexpected", "received").inc()
-        raise _Drop(f"ztunnel protocol error, unexpected message ({len(packet.data)} bytes)")
+        raise _Drop(f"ztunnel protocol error, unexpected message ({len(outcome.data)} bytes)")
 
     async def _exchange(self, kind: str, uid: str, data: bytes, fd_source) -> Any:
         """Send one request and read its ack. Returns the Ack, or None if withdrawn.
@@ -293,11 +333,11 @@ class ZdsConnection:
         started = time.perf_counter()
         metrics.messages.labels(kind, "sent").inc()
         try:
-            packet = await wire.recv_packet_async(self.sock, timeout, max_fds=0)
+            packet = await self._next_packet(timeout)
         except TimeoutError:
             raise _Drop(f"{kind} {uid}: no ack within {timeout:g}s", timeout=True) from None
-        except (wire.WireError, OSError) as e:
-            raise _Drop(f"{kind} {uid}: reading ack: {e}") from None
+        if isinstance(packet, Exception):
+            raise _Drop(f"{kind} {uid}: reading ack: {packet}")
         if packet is None:
             raise _Drop(f"{kind} {uid}: ztunnel closed the connection before acking")
         try:
@@ -313,6 +353,10 @@ class ZdsConnection:
         if self.closed:
             return
         self.closed = True
+        self._stop_reading()
+        for outcome in self._inbox:
+            if isinstance(outcome, wire.Packet):
+                outcome.close_fds()
         level = logging.INFO if reason in ("ztunnel closed the connection", "server stopping",
                                            "stopped") else logging.WARNING
         log.log(level, "ztunnel connection %d closed: %s", self.id, reason)
