@@ -4,12 +4,17 @@ set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 pkgs=(iptables nftables iproute2 containernetworking-plugins podman runc busybox-static
       tcpdump wrk procps psmisc)
-missing=()
-for p in "${pkgs[@]}" prometheus; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
+missing() {
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || echo "$p"
+  done
+}
+need=($(missing "${pkgs[@]}"))
+need_prom=($(missing prometheus))
+if [ ${#need[@]} -gt 0 ] || [ ${#need_prom[@]} -gt 0 ]; then
   apt-get update -q || true
-  # prometheus only for promtool: skip its recommends (no service is started).
-  apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
+# podman needs its recommends (conmon, netavark, slirp4netns, catatonit, ...).
+[ ${#need[@]} -eq 0 ] || apt-get install -y -q "${need[@]}"
+# prometheus only for promtool: skip its recommends; no service is started.
+[ ${#need_prom[@]} -eq 0 ] || apt-get install -y -q --no-install-recommends prometheus
