@@ -29,6 +29,7 @@ from aiohttp import web
 
 from agent.lifecycle import AgentContext
 from agent.status.access import require_loopback
+from agent.status.compression import compress_large
 
 log = logging.getLogger("agent.status.debug")
 
@@ -59,7 +60,8 @@ def _fallback(value: Any) -> Any:
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
-    return web.Response(text=dumps(data), status=status, content_type="application/json")
+    return compress_large(web.Response(text=dumps(data), status=status,
+                                       content_type="application/json"))
 
 
 def component_state(ctx: AgentContext, name: str) -> Any:

@@ -37,21 +37,10 @@ from agent.config import ConfigError
 from agent.lifecycle import AgentContext, Component
 from agent.status import debug, metrics_merge, probes
 from agent.status.access import is_loopback, require_loopback
+from agent.status.compression import compress_large
 from agent.status.readiness import EnvoyReadiness
 
 log = logging.getLogger("agent.status")
-
-COMPRESS_MIN_BYTES = 1024  # smaller bodies are not worth compressing
-
-
-@web.middleware
-async def _compress(request: web.Request, handler) -> web.StreamResponse:
-    """gzip/deflate negotiated from ``Accept-Encoding`` for buffered bodies (§4.2)."""
-    response = await handler(request)
-    if (isinstance(response, web.Response) and response.body is not None
-            and len(response.body) >= COMPRESS_MIN_BYTES):
-        response.enable_compression()
-    return response
 
 
 class StatusServer(Component):
@@ -206,7 +195,7 @@ class StatusServer(Component):
             return web.Response(status=400, text=f"app prober config does not exists for "
                                                  f"{request.path}\n")
         result = await probes.run_probe(probe, self.probe_target, request.headers)
-        return web.Response(status=result.status, body=result.body)
+        return compress_large(web.Response(status=result.status, body=result.body))
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
         if self.ctx.config.metrics_localhost_only and not is_loopback(request):
@@ -240,7 +229,7 @@ class StatusServer(Component):
         return web.Response(text="OK")
 
     def _status_app(self) -> web.Application:
-        app = web.Application(middlewares=[_compress])
+        app = web.Application()
         app.router.add_route("*", "/healthz/ready", self._ready)
         app.router.add_route("*", "/app-health/{container}/{probe}", self._app_probe)
         app.router.add_route("*", "/app-lifecycle/{container}/{probe}", self._app_probe)

@@ -119,6 +119,21 @@ def test_dedup_drops_repeated_metadata_only():
         b"a_total{x=\"1\"} 2\n# TYPE b gauge\nb 1\n"
 
 
+def test_dedup_fast_path_passes_chunk_through_and_catches_repeats():
+    """The common case (no repeat) hands back the very same buffer, no copy; a repeat
+    within one chunk, across chunks, or of a family an earlier source declared is cut."""
+    d = mm.MetadataDedup()
+    own = b"# HELP istio_x X\n# TYPE istio_x gauge\nistio_x 1\n"
+    assert d.filter(own) is own
+    view = memoryview(b"# TYPE envoy_a counter\nenvoy_a 1\n# TYPE envoy_b gauge\nenvoy_b 2\n")
+    assert d.filter(view) is view
+    assert d.filter(b"# TYPE istio_x gauge\nistio_x{y=\"1\"} 2\n") == b'istio_x{y="1"} 2\n'
+    assert d.filter(b"# TYPE envoy_c gauge\nenvoy_c 1\n# TYPE envoy_c gauge\nenvoy_c 2\n") == \
+        b"# TYPE envoy_c gauge\nenvoy_c 1\nenvoy_c 2\n"
+    assert d.filter(b"envoy_d 1\n# TYPE envoy_b gauge") == b"envoy_d 1\n"  # no final newline
+    assert d.filter(b"envoy_e 1\n") == b"envoy_e 1\n"  # no metadata at all
+
+
 # --- Envoy admin stats → readiness messages -----------------------------------------------
 
 def test_envoy_config_messages():

@@ -255,6 +255,25 @@ async def test_metrics_gzip_and_localhost_only(tmp_path):
         assert b"istio_agent_scrapes_total" in gzip.decompress(body)
 
 
+async def test_large_buffered_bodies_compressed_probe_is_not(tmp_path):
+    """Compression is per handler: a ≥ 1 KiB debug body is gzipped when asked, the
+    bodiless readiness probe never carries a Content-Encoding."""
+    many = FakeComponent("enrollment", {"pods": [{"uid": f"u{i}", "name": f"pod-{i}"}
+                                                 for i in range(100)]})
+    async with running_status(tmp_path, [many]) as (_, server):
+        base = f"http://127.0.0.1:{server.port}"
+        status, headers, body = await request("GET", base + "/debug/all", raw=True,
+                                              headers={"Accept-Encoding": "gzip"})
+        assert status == 200 and headers.get("Content-Encoding") == "gzip"
+        assert b"pod-99" in gzip.decompress(body)
+        status, headers, body = await request("GET", base + "/debug/all", raw=True,
+                                              headers={"Accept-Encoding": "identity"})
+        assert status == 200 and "Content-Encoding" not in headers and b"pod-99" in body
+        status, headers, body = await request("GET", base + "/healthz/ready", raw=True,
+                                              headers={"Accept-Encoding": "gzip"})
+        assert (status, body) == (200, b"") and "Content-Encoding" not in headers
+
+
 @pytest.mark.parametrize("value", ['{"targets":[{"port":"015020"}]}', '{"port":"15090"}'])
 async def test_bad_annotations_stop_start_up(tmp_path, value):
     with pytest.raises(ConfigError, match="prometheus_annotations"):

@@ -1,0 +1,20 @@
+"""Response compression for buffered status-port bodies (spec ``sds-ca-status.md`` §4.2).
+
+Applied per handler, not as an application middleware: a middleware would wrap every
+request, including the ``/healthz/ready`` probe that kubelet and load balancers hit most
+and that never has a body worth compressing.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+COMPRESS_MIN_BYTES = 1024  # smaller bodies are not worth compressing
+
+
+def compress_large(response: web.Response) -> web.Response:
+    """``response``, with gzip/deflate negotiated from the request's ``Accept-Encoding``
+    (at send time) when its buffered body is at least :data:`COMPRESS_MIN_BYTES`."""
+    if response.body is not None and len(response.body) >= COMPRESS_MIN_BYTES:
+        response.enable_compression()
+    return response
