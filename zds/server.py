@@ -56,13 +56,21 @@ QUEUE_SIZE = 100          # per-connection update queue, as upstream's channel b
 
 
 class _PodRecord:
-    """A recorded pod and the server's own dup of its netns fd (closed exactly once)."""
+    """A recorded pod, the server's own dup of its netns fd (closed exactly once), and
+    its request bytes (``AddWorkload`` with a netns, else ``KeepWorkload``), encoded
+    once here rather than for every connection's snapshot."""
 
-    __slots__ = ("info", "fd")
+    __slots__ = ("info", "fd", "kind", "message")
 
     def __init__(self, info: PodInfo):
         self.info = info
         self.fd: int | None = None
+        if info.netns_fd is None:
+            self.kind, self.message = "keep", wire.encode_keep(info.uid)
+        else:
+            self.kind = "add"
+            self.message = wire.encode_add(info.uid, info.name, info.namespace,
+                                           info.service_account)
         if info.netns_fd is not None:
             try:
                 self.fd = os.dup(info.netns_fd)  # non-inheritable, as Python makes dups
@@ -98,6 +106,61 @@ class _Request:
 _READABLE = object()  # queue sentinel: the socket became readable while idle
 
 
+class _Flight:
+    """The one request on a connection awaiting its ack (acks match by order only, §1.4).
+    ``on_ack(ack, error)`` gets the Ack, or None and the :class:`_Drop` to raise."""
+
+    __slots__ = ("kind", "uid", "sent_at", "on_ack")
+
+    def __init__(self, kind: str, uid: str, sent_at: float, on_ack):
+        self.kind, self.uid, self.sent_at, self.on_ack = kind, uid, sent_at, on_ack
+
+
+class _SnapshotPump:
+    """Sends the snapshot from the reader callback: each ack sends the next pod's
+    request in the same loop step, so a 1,000-pod snapshot costs no task wake-up, future
+    or timer per message. :attr:`done` gets None (every pod sent), ``(uid, record)``
+    when the socket buffer is full (the writer then waits for room and resumes), or
+    the :class:`_Drop` that ends the connection."""
+
+    __slots__ = ("conn", "uids", "done", "uid", "record")
+
+    def __init__(self, conn: "ZdsConnection", uids):
+        self.conn, self.uids = conn, uids
+        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.uid: str = ""
+        self.record: _PodRecord | None = None
+
+    def next(self) -> None:
+        pods = self.conn.server._pods
+        for uid in self.uids:
+            record = pods.get(uid)
+            if record is None:  # deleted since the snapshot started: never announce it
+                continue
+            try:
+                sent = self.conn._send_now(record.kind, uid, record.message, record,
+                                            self._on_ack)
+            except BlockingIOError:
+                self.done.set_result((uid, record))
+                return
+            except _Drop as e:
+                self.done.set_exception(e)
+                return
+            if sent:
+                self.uid, self.record = uid, record
+                return
+        self.done.set_result(None)
+
+    def _on_ack(self, ack, error) -> None:
+        if self.done.done():  # the writer was cancelled meanwhile
+            return
+        if error is not None:
+            self.done.set_exception(error)
+            return
+        self.conn._snapshot_acked(self.uid, self.record, ack)
+        self.next()
+
+
 class ZdsConnection:
     """One ztunnel connection and its single writer task.
 
@@ -119,9 +182,18 @@ class ZdsConnection:
         # After the hello, one reader stays registered for the connection's life (no
         # epoll_ctl per message): it files every packet/EOF/error into the inbox.
         self._inbox: collections.deque = collections.deque()
-        self._waiter: asyncio.Future | None = None
         self._reading = False
         self._idle = False
+        # The request awaiting its ack; one timer checks its deadline, re-armed only
+        # when it fires (no timer per message).
+        self._flight: _Flight | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        m = server.metrics
+        self._m_sent = {k: m.messages.labels(k, "sent")
+                        for k in ("add", "keep", "del", "snapshot_sent")}
+        self._m_acks = m.messages.labels("ack", "received")
+        self._m_ok, self._m_nack = m.acks.labels("ok"), m.acks.labels("nack")
+        self._m_latency = m.ack_latency
 
     # ---------------------------------------------------------------- requests from the API
 
@@ -179,24 +251,17 @@ class ZdsConnection:
                  self.peer_pid, hello.version)
 
     async def _send_snapshot(self) -> None:
-        pods = self.server._pods
-        for uid in list(pods):
-            record = pods.get(uid)
-            if record is None:  # deleted since the snapshot started: never announce it
-                continue
-            info = record.info
-            if record.fd is not None:
-                data = wire.encode_add(uid, info.name, info.namespace, info.service_account)
-                ack = await self._exchange("add", uid, data, self._fd_source(uid, record))
-            else:
-                ack = await self._exchange("keep", uid, wire.encode_keep(uid), None)
-            if ack is None:
-                continue
-            if ack.error:  # upstream only logs NACKs during the snapshot
-                log.warning("ztunnel NACKed pod %s in snapshot (connection %d): %s", uid,
-                            self.id, ack.error)
-            else:
-                self.held[uid] = "add" if record.fd is not None else "keep"
+        uids = iter(list(self.server._pods))
+        while True:
+            pump = _SnapshotPump(self, uids)
+            pump.next()
+            blocked = await pump.done
+            if blocked is None:
+                break
+            uid, record = blocked  # buffer full: wait for room (write timeout), then resume
+            ack = await self._exchange(record.kind, uid, record.message, record)
+            if ack is not None:
+                self._snapshot_acked(uid, record, ack)
         ack = await self._exchange("snapshot_sent", "", wire.encode_snapshot_sent(), None)
         if ack is not None and ack.error:
             log.warning("ztunnel NACKed SnapshotSent (connection %d): %s", self.id, ack.error)
@@ -204,10 +269,12 @@ class ZdsConnection:
         self.server._notify()
         log.info("snapshot of %d pods sent to connection %d", len(self.held), self.id)
 
-    def _fd_source(self, uid: str, record: _PodRecord):
-        """The fd to attach, or None once the pod was deleted or replaced (message withdrawn)."""
-        pods = self.server._pods
-        return lambda: record.fd if pods.get(uid) is record else None
+    def _snapshot_acked(self, uid: str, record: _PodRecord, ack) -> None:
+        if ack.error:  # upstream only logs NACKs during the snapshot
+            log.warning("ztunnel NACKed pod %s in snapshot (connection %d): %s", uid,
+                        self.id, ack.error)
+        else:
+            self.held[uid] = record.kind
 
     async def _serve_updates(self) -> None:
         while True:
@@ -216,14 +283,11 @@ class ZdsConnection:
             if fut.done():  # requester gave up (cancelled)
                 continue
             if request.kind == "add":
-                info = request.record.info
-                data = wire.encode_add(request.uid, info.name, info.namespace,
-                                       info.service_account)
-                fd_source = self._fd_source(request.uid, request.record)
+                data, record = request.record.message, request.record
             else:
-                data, fd_source = wire.encode_del(request.uid), None
+                data, record = wire.encode_del(request.uid), None
             try:
-                ack = await self._exchange(request.kind, request.uid, data, fd_source)
+                ack = await self._exchange(request.kind, request.uid, data, record)
             except _Drop as e:
                 if not fut.done():
                     fut.set_exception(ZdsTimeout(str(e)) if e.timeout
@@ -241,7 +305,8 @@ class ZdsConnection:
             fut.done() or fut.set_result(ack)
 
     def _on_readable(self) -> None:
-        """Reader callback: move every queued packet (or EOF/error) into the inbox."""
+        """Reader callback: every queued packet (or EOF/error) completes the request in
+        flight, or goes to the inbox (ztunnel spoke unasked; the writer drops it)."""
         while True:
             try:
                 outcome: Any = wire.recv_packet(self.sock, max_fds=0)
@@ -249,34 +314,26 @@ class ZdsConnection:
                 break
             except (wire.WireError, OSError) as e:
                 outcome = e
-            self._inbox.append(outcome)
-            if outcome is None or isinstance(outcome, OSError):  # EOF/error: stop reading
+            last = outcome is None or isinstance(outcome, OSError)
+            if last:  # EOF/error: stop reading
                 self._stop_reading()
+            if self._flight is not None:
+                self._land(outcome)
+            else:
+                self._inbox.append(outcome)
+                if self._idle:
+                    self._idle = False
+                    try:
+                        self.queue.put_nowait(_READABLE)
+                    except asyncio.QueueFull:
+                        pass  # a full queue means the writer is busy and will look at the inbox
+            if last:
                 break
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-        if self._idle:
-            self._idle = False
-            try:
-                self.queue.put_nowait(_READABLE)
-            except asyncio.QueueFull:
-                pass  # a full queue means the writer is busy and will look at the inbox
 
     def _stop_reading(self) -> None:
         if self._reading:
             self._reading = False
             asyncio.get_running_loop().remove_reader(self.sock.fileno())
-
-    async def _next_packet(self, timeout: float) -> Any:
-        """The next inbox entry (Packet, None for EOF, or an exception); TimeoutError."""
-        if not self._inbox:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                async with asyncio.timeout(timeout):
-                    await self._waiter
-            finally:
-                self._waiter = None
-        return self._inbox.popleft()
 
     async def _next_request(self) -> _Request:
         """The next queued request; while idle, any packet from ztunnel is handled as the
@@ -314,46 +371,115 @@ class ZdsConnection:
         self.server.metrics.messages.labels("unexpected", "received").inc()
         raise _Drop(f"ztunnel protocol error, unexpected message ({len(outcome.data)} bytes)")
 
-    async def _exchange(self, kind: str, uid: str, data: bytes, fd_source) -> Any:
-        """Send one request and read its ack. Returns the Ack, or None if withdrawn.
+    def _send_now(self, kind: str, uid: str, data: bytes, record: _PodRecord | None,
+                  on_ack) -> bool:
+        """Send one request now and put it in flight. ``record`` (for an Add) supplies
+        the fd, looked up in the same loop step as ``sendmsg`` so a deleted or replaced
+        pod is withdrawn (returns False) and its fd can't be closed under the send.
+
+        Raises BlockingIOError (nothing sent; socket buffer full) or :class:`_Drop`.
+        """
+        fd = None
+        if kind == "add":
+            fd = record.fd if self.server._pods.get(uid) is record else None
+            if fd is None:
+                return False
+        try:
+            wire.send_packet(self.sock, data, fd)
+        except InterruptedError:
+            raise BlockingIOError from None
+        except BlockingIOError:
+            raise
+        except OSError as e:
+            raise _Drop(f"{kind} {uid}: sendmsg: {e.strerror or e}") from None
+        self._start_flight(kind, uid, on_ack)
+        return True
+
+    def _start_flight(self, kind: str, uid: str, on_ack) -> None:
+        self._flight = _Flight(kind, uid, time.perf_counter(), on_ack)
+        self._m_sent[kind].inc()
+        if self._deadline is None:
+            self._deadline = asyncio.get_running_loop().call_later(self.server.ack_timeout,
+                                                                   self._check_deadline)
+        if self._inbox:  # ztunnel spoke before this request: that packet is its "ack"
+            asyncio.get_running_loop().call_soon(self._land_inbox)
+
+    def _land_inbox(self) -> None:
+        if self._flight is not None and self._inbox:
+            self._land(self._inbox.popleft())
+
+    def _check_deadline(self) -> None:
+        """Ack timeout (readWriteDeadline): fail the flight once it is ``ack_timeout`` old."""
+        self._deadline = None
+        flight = self._flight
+        if flight is None:
+            return
+        timeout = self.server.ack_timeout
+        left = timeout - (time.perf_counter() - flight.sent_at)
+        if left > 0.001:
+            self._deadline = asyncio.get_running_loop().call_later(left, self._check_deadline)
+            return
+        self._flight = None
+        flight.on_ack(None, _Drop(f"{flight.kind} {flight.uid}: no ack within {timeout:g}s",
+                                  timeout=True))
+
+    def _land(self, outcome: Any) -> None:
+        """Complete the flight with ``outcome`` (Packet, None = EOF, or an exception)."""
+        flight, self._flight = self._flight, None
+        kind, uid = flight.kind, flight.uid
+        ack = error = None
+        if outcome is None:
+            error = _Drop(f"{kind} {uid}: ztunnel closed the connection before acking")
+        elif isinstance(outcome, Exception):
+            error = _Drop(f"{kind} {uid}: reading ack: {outcome}")
+        else:
+            try:
+                ack = wire.decode_ack(outcome.data)
+            except wire.WireError as e:
+                error = _Drop(f"{kind} {uid}: {e}")
+        if ack is not None:
+            self._m_latency.observe(time.perf_counter() - flight.sent_at)
+            self._m_acks.inc()
+            (self._m_nack if ack.error else self._m_ok).inc()
+        flight.on_ack(ack, error)
+
+    async def _exchange(self, kind: str, uid: str, data: bytes,
+                        record: _PodRecord | None) -> Any:
+        """Send one request (waiting for buffer space) and await its ack. Returns the Ack,
+        or None if withdrawn (see :meth:`_send_now`).
 
         Raises :class:`_Drop` on write/ack timeout, EOF, a socket error or a bad ack.
         """
-        metrics = self.server.metrics
         timeout = self.server.ack_timeout
-        try:
-            sent = await wire.send_packet_async(self.sock, data, fd_source, timeout)
-        except TimeoutError:
-            raise _Drop(f"{kind} {uid}: socket not writable within {timeout:g}s",
-                        timeout=True) from None
-        except OSError as e:
-            raise _Drop(f"{kind} {uid}: sendmsg: {e.strerror or e}") from None
-        if not sent:
-            return None
-        started = time.perf_counter()
-        metrics.messages.labels(kind, "sent").inc()
-        try:
-            packet = await self._next_packet(timeout)
-        except TimeoutError:
-            raise _Drop(f"{kind} {uid}: no ack within {timeout:g}s", timeout=True) from None
-        if isinstance(packet, Exception):
-            raise _Drop(f"{kind} {uid}: reading ack: {packet}")
-        if packet is None:
-            raise _Drop(f"{kind} {uid}: ztunnel closed the connection before acking")
-        try:
-            ack = wire.decode_ack(packet.data)
-        except wire.WireError as e:
-            raise _Drop(f"{kind} {uid}: {e}") from None
-        metrics.ack_latency.observe(time.perf_counter() - started)
-        metrics.messages.labels("ack", "received").inc()
-        metrics.acks.labels("nack" if ack.error else "ok").inc()
-        return ack
+        fut = asyncio.get_running_loop().create_future()
+
+        def on_ack(ack, error) -> None:
+            if not fut.done():
+                fut.set_exception(error) if error is not None else fut.set_result(ack)
+
+        deadline = time.perf_counter() + timeout
+        while True:
+            try:
+                if not self._send_now(kind, uid, data, record, on_ack):
+                    return None
+                break
+            except BlockingIOError:
+                pass
+            left = deadline - time.perf_counter()
+            if left <= 0 or not await wire.wait_ready(self.sock, left, write=True):
+                raise _Drop(f"{kind} {uid}: socket not writable within {timeout:g}s",
+                            timeout=True)
+        return await fut
 
     def _close(self, reason: str) -> None:
         if self.closed:
             return
         self.closed = True
         self._stop_reading()
+        self._flight = None
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
         for outcome in self._inbox:
             if isinstance(outcome, wire.Packet):
                 outcome.close_fds()

@@ -23,13 +23,16 @@ MAX_MESSAGE = 1024  # bytes; both upstream sides read into a 1024-byte buffer (ย
 # Room for exactly one fd, as ztunnel reserves: a second fd makes the kernel set MSG_CTRUNC.
 FD_CMSG_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)
 MSG_CMSG_CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0x40000000)
+# Plain ints: testing an IntFlag member costs an enum operation on every packet.
+_MSG_TRUNC, _MSG_CTRUNC = int(socket.MSG_TRUNC), int(socket.MSG_CTRUNC)
+_SOL_SOCKET, _SCM_RIGHTS = int(socket.SOL_SOCKET), int(socket.SCM_RIGHTS)
 
 
 class WireError(ValueError):
     """A packet that breaks the ZDS framing or does not parse; the text says which rule."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Packet:
     """One received packet: ``data`` (bytes) and the fds that came with it (caller owns them)."""
 
@@ -77,7 +80,14 @@ def encode_snapshot_sent() -> bytes:
 
 def encode_ack(error: str = "") -> bytes:
     """``WorkloadResponse{ack{error}}``; success = ``0a 00`` (empty submessage kept)."""
+    if not error:
+        return ACK_OK
     return zds_pb2.WorkloadResponse(ack=zds_pb2.Ack(error=error)).SerializeToString()
+
+
+# The success ack is one fixed byte vector (ยง1.2); sent and recognized without protobuf.
+ACK_OK = zds_pb2.WorkloadResponse(ack=zds_pb2.Ack()).SerializeToString()
+assert ACK_OK == b"\x0a\x00", ACK_OK
 
 
 # ------------------------------------------------------------------ decoders
@@ -106,6 +116,8 @@ def decode_request(data: bytes) -> zds_pb2.WorkloadRequest:
 
 def decode_ack(data: bytes) -> zds_pb2.Ack:
     """Parse a ``WorkloadResponse`` and return its Ack; WireError if garbage or not an ack."""
+    if data == ACK_OK:
+        return zds_pb2.Ack()
     resp = _parse(zds_pb2.WorkloadResponse, data, "WorkloadResponse")
     if not resp.HasField("ack"):
         raise WireError(f"WorkloadResponse without ack ({data[:32].hex()})")
@@ -125,15 +137,15 @@ def recv_packet(sock: socket.socket, max_fds: int = 1) -> Packet | None:
     data, ancdata, flags, _ = sock.recvmsg(MAX_MESSAGE, FD_CMSG_SPACE, MSG_CMSG_CLOEXEC)
     fds: list[int] = []
     for level, kind, cdata in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+        if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
             arr = array.array("i")
             arr.frombytes(cdata[: len(cdata) - (len(cdata) % arr.itemsize)])
             fds.extend(arr)
     packet = Packet(data, fds)
-    if flags & socket.MSG_TRUNC:
+    if flags & _MSG_TRUNC:
         packet.close_fds()
         raise WireError(f"truncated message (over {MAX_MESSAGE} bytes)")
-    if flags & socket.MSG_CTRUNC:
+    if flags & _MSG_CTRUNC:
         packet.close_fds()
         raise WireError("truncated control message (more than one fd)")
     if len(fds) > max_fds:
