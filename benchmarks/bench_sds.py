@@ -1,12 +1,25 @@
 """SDS benchmarks.
 
-1. Issue 200 distinct identities through SDS (FetchSecrets over the Unix socket, 8 in
-   flight, embedded CA), ECDSA and RSA, against a floor of the same work done directly
-   with ``cryptography`` in the same run and the same thread-pool width: key generation,
-   CSR, CSR parse + leaf signing. Target ratio <= 1.3.
-   (Callers are identified by a benchmark-only ``identify`` hook reading a metadata
-   header, because 200 distinct pods would need 200 cgroups; attestation cost is a
-   cgroup file read, measured by the attested test, not here.)
+1. Issue 200 distinct identities through SDS, ECDSA and RSA, against a floor of the same
+   work done directly with ``cryptography`` in the same run and the same thread-pool
+   width (key generation, CSR, CSR parse + verify + leaf signing). Target ratio <= 1.3.
+
+   Method (as a node agent sees it): the SDS client runs in **its own process**, like
+   Envoy and ztunnel, with ``WIDTH`` FetchSecrets in flight over the Unix socket against
+   the embedded CA; its Python gRPC cost is not charged to the agent's interpreter. ECDSA
+   is the best of ``ROUNDS`` rounds, each with fresh identities and the floor measured
+   just before it (this box has 2 CPUs shared with other jobs; single runs swing ±40 %).
+   RSA runs once: its key generation dominates and is far slower than the noise.
+   Callers are identified by a benchmark-only ``identify`` hook reading a metadata header,
+   because 200 distinct pods would need 200 cgroups; attestation cost (a cgroup read) is
+   measured by the attested tests, not here.
+
+   Two report rows explain the judged one: the same fetches again (served from the
+   cache) next to a **bare gRPC floor** (a servicer that returns the same response bytes
+   without doing anything, same client, same width), and the issuance next to the sum
+   crypto floor + bare gRPC floor. Cryptography holds the GIL in OpenSSL calls (two
+   threads doing ECDSA run no faster than one), so in one Python process the gRPC work
+   cannot hide behind the signing: the sum is the realistic bound.
 2. Envoy from process start to serving TLS with our SDS secrets (``/ready`` and a
    completed TLS handshake), next to the same Envoy with the same certificate inline in
    its bootstrap (no SDS) as the floor.
@@ -16,8 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import socket
 import ssl
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +50,9 @@ from benchmarks.common import Result, ratio_result
 
 N = 200
 WIDTH = 8
+ROUNDS = 3
+_HEADER = "bench-identity"
+_REPO = Path(__file__).resolve().parents[1]
 
 
 def _config(state_dir: Path, **overrides) -> agent_config.Config:
@@ -42,9 +60,14 @@ def _config(state_dir: Path, **overrides) -> agent_config.Config:
     return cfg.replace(workload_certs_dir=str(state_dir / "none"), **overrides)
 
 
-def _floor(ca: EmbeddedCA, algorithm: str, pool) -> float:
+def _spiffe_id(prefix: str, i: int) -> str:
+    return f"spiffe://cluster.local/ns/bench/sa/{prefix}-{i}"
+
+
+def _floor(ca: EmbeddedCA, algorithm: str, pool, prefix: str) -> float:
+    """Seconds for ``N`` x (key + CSR + CSR verify + leaf signature), ``pool``-wide."""
     def one(i: int) -> None:
-        sid = f"spiffe://cluster.local/ns/bench/sa/floor-{algorithm}-{i}"
+        sid = _spiffe_id(prefix, i)
         _key, csr = keys.new_key_and_csr(algorithm, [sid])
         ca.sign(csr, [sid], 3600)
 
@@ -53,46 +76,147 @@ def _floor(ca: EmbeddedCA, algorithm: str, pool) -> float:
     return time.perf_counter() - t0
 
 
-async def _through_sds(state_dir: Path, algorithm: str, pool) -> tuple[float, float, float]:
-    """Returns ``(sds_seconds, floor_seconds, cached_seconds)`` for ``N`` identities;
-    ``cached_seconds`` is the same ``N`` fetches again, served from the cache (the gRPC
-    transport's share)."""
+# --- the out-of-process SDS client ------------------------------------------------------
+async def _client_main(width: int) -> None:
+    """Client process: reads ``<socket> <prefix> <n>`` lines, runs ``n`` FetchSecrets for
+    ``<prefix>-<i>`` with ``width`` in flight, prints the seconds taken (or ``error ...``)."""
+    loop = asyncio.get_running_loop()
+    channels: dict[str, grpc.aio.Channel] = {}
+    sem = asyncio.Semaphore(width)
+
+    async def fetch(stub, prefix: str, i: int) -> None:
+        async with sem:
+            resp = await stub.FetchSecrets(
+                discovery_pb2.DiscoveryRequest(resource_names=["default"]),
+                metadata=((_HEADER, _spiffe_id(prefix, i)),))
+        if len(resp.resources) != 1:
+            raise RuntimeError(f"expected 1 secret, got {len(resp.resources)}")
+
+    print("ready", flush=True)
+    try:
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            path, prefix, n = line.split()
+            if path not in channels:
+                channels[path] = grpc.aio.insecure_channel("unix:" + path)
+                await fetch(sds_pb2_grpc.SecretDiscoveryServiceStub(channels[path]), "warm", 0)
+            stub = sds_pb2_grpc.SecretDiscoveryServiceStub(channels[path])
+            try:
+                t0 = time.perf_counter()
+                await asyncio.gather(*(fetch(stub, prefix, i) for i in range(int(n))))
+                print(time.perf_counter() - t0, flush=True)
+            except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
+                print("error", type(e).__name__, str(e).replace("\n", " ")[:200], flush=True)
+    finally:
+        for ch in channels.values():
+            await ch.close()
+
+
+class _Client:
+    """Parent side of the client process (started in ``benchmarks``' directory)."""
+
+    async def start(self) -> "_Client":
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "benchmarks.bench_sds", "client", str(WIDTH),
+            cwd=_REPO, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(_REPO), "GRPC_VERBOSITY": "ERROR"})
+        if (await self.proc.stdout.readline()).strip() != b"ready":
+            raise RuntimeError("SDS benchmark client did not start")
+        return self
+
+    async def fetch_all(self, path: str, prefix: str, n: int = N) -> float:
+        """Seconds for ``n`` FetchSecrets of ``prefix-<i>`` on ``path`` (socket)."""
+        self.proc.stdin.write(f"{path} {prefix} {n}\n".encode())
+        await self.proc.stdin.drain()
+        line = (await asyncio.wait_for(self.proc.stdout.readline(), 300)).decode().strip()
+        if not line or line.startswith("error"):
+            raise RuntimeError(f"SDS benchmark client: {line or 'exited'}")
+        return float(line)
+
+    async def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            await asyncio.wait_for(self.proc.wait(), 10)
+        except asyncio.TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+class _BareSds(sds_pb2_grpc.SecretDiscoveryServiceServicer):
+    """The bare gRPC floor: reads the same identity header, returns fixed response bytes."""
+
+    def __init__(self, response: discovery_pb2.DiscoveryResponse):
+        self.response = response
+
+    async def FetchSecrets(self, request, context):  # noqa: N802 - gRPC name
+        dict(context.invocation_metadata())[_HEADER]
+        return self.response
+
+
+async def _bare_server(path: str, response) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    sds_pb2_grpc.add_SecretDiscoveryServiceServicer_to_server(_BareSds(response), server)
+    server.add_insecure_port("unix:" + path)
+    await server.start()
+    os.chmod(path, 0o600)
+    return server
+
+
+async def _through_sds(state_dir: Path, algorithm: str, pool, client: _Client,
+                       rounds: int) -> dict[str, float]:
+    """Best-of-``rounds`` seconds for ``N`` identities: ``sds`` (issued), ``floor``
+    (crypto directly), ``cached`` (same fetches again), ``bare`` (bare gRPC floor)."""
     loop = asyncio.get_running_loop()
 
     async def run(fn, *args):
         return await loop.run_in_executor(pool, fn, *args)
 
     def identify(context):
-        return keys.Identity.parse(dict(context.invocation_metadata())["bench-identity"])
+        return keys.Identity.parse(dict(context.invocation_metadata())[_HEADER])
 
     cfg = _config(state_dir, ecc_signature_algorithm=algorithm if algorithm == "ECDSA" else "",
                   secret_ttl=3600.0)
     server = SdsServer(cfg, run, identify=identify)
     await server.start()
+    bare = None
+    best = {"sds": float("inf"), "floor": float("inf"), "cached": float("inf"),
+            "bare": float("inf")}
     try:
-        floor = _floor(server.embedded, algorithm, pool)  # same CA, same pool, server idle
-        sem = asyncio.Semaphore(WIDTH)
-        async with grpc.aio.insecure_channel("unix:" + cfg.sds_socket) as channel:
-            stub = sds_pb2_grpc.SecretDiscoveryServiceStub(channel)
-
-            async def fetch(i: int) -> None:
-                sid = f"spiffe://cluster.local/ns/bench/sa/{algorithm.lower()}-{i}"
-                async with sem:
-                    resp = await stub.FetchSecrets(
-                        discovery_pb2.DiscoveryRequest(resource_names=["default"]),
-                        metadata=(("bench-identity", sid),))
-                assert len(resp.resources) == 1
-
-            await fetch(-1)  # warm the channel
-            t0 = time.perf_counter()
-            await asyncio.gather(*(fetch(i) for i in range(N)))
-            elapsed = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            await asyncio.gather(*(fetch(i) for i in range(N)))
-            cached = time.perf_counter() - t0
+        item = await server.cache.workload(_spiffe_id("sample", 0))
+        sample = await server.service.FetchSecrets(
+            discovery_pb2.DiscoveryRequest(resource_names=["default"]), _SampleContext(item))
+        bare_path = str(state_dir / "bare.sock")
+        bare = await _bare_server(bare_path, sample)
+        tag = algorithm.lower()
+        for r in range(rounds):
+            # The floor runs while the SDS server idles, right before its round.
+            floor = await loop.run_in_executor(None, _floor, server.embedded, algorithm, pool,
+                                               f"floor-{tag}-{r}")
+            sds = await client.fetch_all(cfg.sds_socket, f"{tag}-{r}")
+            cached = await client.fetch_all(cfg.sds_socket, f"{tag}-{r}")
+            bare_s = await client.fetch_all(bare_path, f"{tag}-{r}")
+            for k, v in (("sds", sds), ("floor", floor), ("cached", cached), ("bare", bare_s)):
+                best[k] = min(best[k], v)
     finally:
+        if bare is not None:
+            await bare.stop(0)
         await server.stop(0.5)
-    return elapsed, floor, cached
+    return best
+
+
+class _SampleContext:
+    """Just enough of a ServicerContext to build one real response for the bare floor."""
+
+    def __init__(self, item):
+        self.sid = item.spiffe_id
+
+    def invocation_metadata(self):
+        return ((_HEADER, self.sid),)
+
+    def peer(self):
+        return "bench"
+
+    async def abort(self, code, details):
+        raise RuntimeError(f"{code}: {details}")
 
 
 def _tls_handshake(port: int, root: bytes) -> None:
@@ -163,20 +287,28 @@ async def run() -> list[Result]:
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="bench-sds-") as tmp:
         pool = concurrent.futures.ThreadPoolExecutor(WIDTH, thread_name_prefix="bench-blocking")
+        client = await _Client().start()
         try:
-            for algorithm in ("ECDSA", "RSA"):
+            for algorithm, rounds in (("ECDSA", ROUNDS), ("RSA", 1)):
                 state = Path(tmp) / algorithm
                 state.mkdir(mode=0o700)
-                sds_s, floor_s, cached_s = await _through_sds(state, algorithm, pool)
+                t = await _through_sds(state, algorithm, pool, client, rounds)
+                ms = {k: v * 1000 for k, v in t.items()}
+                best = f"best of {rounds}, " if rounds > 1 else ""
                 results.append(ratio_result(
-                    f"SDS: {N} distinct {algorithm} identities issued", sds_s * 1000,
-                    floor_s * 1000, "ms", 1.3,
-                    note=f"floor: keygen+CSR+sign with cryptography, {WIDTH} threads"))
+                    f"SDS: {N} distinct {algorithm} identities issued", ms["sds"], ms["floor"],
+                    "ms", 1.3, note=f"{best}client process, {WIDTH} in flight; floor: "
+                    f"keygen+CSR+verify+sign with cryptography, {WIDTH} threads"))
                 results.append(Result(
-                    f"SDS: same {N} {algorithm} fetches again (cached, transport only)",
-                    cached_s * 1000, "ms", floor_s * 1000, "report", None,
-                    "gRPC-over-UDS cost per call, for reading the row above"))
+                    f"SDS: {algorithm} issuance vs crypto + bare gRPC floors", ms["sds"], "ms",
+                    ms["floor"] + ms["bare"], "report", None,
+                    "the additive bound: crypto holds the GIL, gRPC can't overlap it"))
+                results.append(Result(
+                    f"SDS: same {N} {algorithm} fetches again (cached)", ms["cached"], "ms",
+                    ms["bare"], "report", None,
+                    "floor: bare gRPC servicer returning the same bytes, same client"))
         finally:
+            await client.close()
             pool.shutdown(wait=True)
         state = Path(tmp) / "envoy"
         state.mkdir(mode=0o700)
@@ -188,3 +320,7 @@ async def run() -> list[Result]:
         except Exception as e:  # noqa: BLE001 - Envoy missing: report, don't crash the run
             results.append(Result(f"Envoy start (skipped: {e})", 0.0, "ms"))
     return results
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["client"]:
+    asyncio.run(_client_main(int(sys.argv[2])))
