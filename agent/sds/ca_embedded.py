@@ -98,6 +98,7 @@ class EmbeddedCA:
         self.cert = cert
         self.key = key
         self.root_pem = root_bundle
+        self._root_str = root_bundle.decode()  # decoded once, not per signature
         self._aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(cert.public_key())
 
     @classmethod
@@ -152,6 +153,12 @@ class EmbeddedCA:
         :class:`CAError` (INVALID_ARGUMENT for a bad CSR or TTL, INTERNAL for an expired
         root or no SANs).
         """
+        return self.sign_leaf(csr_pem, sans, ttl_seconds, now)[0]
+
+    def sign_leaf(self, csr_pem: str | bytes, sans: list[str], ttl_seconds: int = 0,
+                  now: dt.datetime | None = None) -> tuple[list[str], x509.Certificate]:
+        """:meth:`sign`, also returning the leaf as an ``x509.Certificate`` so a local
+        caller (the secret cache) reads its validity without parsing the PEM back."""
         now = now or dt.datetime.now(dt.timezone.utc)
         if isinstance(csr_pem, str):
             csr_pem = csr_pem.encode()
@@ -197,7 +204,8 @@ class EmbeddedCA:
                                critical=True)
                 .sign(self.key, hashes.SHA256()))
         leaf_pem = leaf.public_bytes(serialization.Encoding.PEM).decode()
-        return [leaf_pem if leaf_pem.endswith("\n") else leaf_pem + "\n", self.root_pem.decode()]
+        chain = [leaf_pem if leaf_pem.endswith("\n") else leaf_pem + "\n", self._root_str]
+        return chain, leaf
 
     def issue(self, sans: list[str], algorithm: str = "ECDSA",
               ttl_seconds: int = 0) -> tuple[bytes, bytes]:

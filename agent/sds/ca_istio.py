@@ -70,10 +70,17 @@ class EmbeddedCAClient:
 
     def sign_blocking(self, csr_pem: bytes, ttl_seconds: int, identity: str) -> list[str]:
         """Same as :meth:`sign`, on the calling (worker) thread."""
+        return self.sign_with_validity_blocking(csr_pem, ttl_seconds, identity)[0]
+
+    def sign_with_validity_blocking(self, csr_pem: bytes, ttl_seconds: int, identity: str):
+        """:meth:`sign_blocking` plus the leaf's ``(not_before, not_after, serial)`` (UTC
+        datetimes, int), taken from the certificate just built instead of re-parsing its
+        PEM (the secret cache's issuance path). Raises :class:`CAClientError`."""
         try:
-            return self.ca.sign(csr_pem, identity.split(","), int(ttl_seconds))
+            chain, leaf = self.ca.sign_leaf(csr_pem, identity.split(","), int(ttl_seconds))
         except CAError as e:
             raise CAClientError(e.code, str(e)) from None
+        return chain, (leaf.not_valid_before_utc, leaf.not_valid_after_utc, leaf.serial_number)
 
     async def close(self) -> None:
         return None

@@ -170,10 +170,11 @@ class SecretCache:
             self._notify(None, ROOTCA)
 
     async def _mint(self, spiffe_id: str) -> SecretItem:
-        """Key + CSR + signature + validity checks. With a local CA (``sign_blocking``)
-        all of it runs in one worker-thread hop; a remote CA needs one hop for the key
-        and CSR, the RPC on the loop, and one hop to parse the answer."""
-        local = getattr(self.ca, "sign_blocking", None)
+        """Key + CSR + signature + validity checks. With a local CA
+        (``sign_with_validity_blocking``) all of it runs in one worker-thread hop and the
+        leaf's validity comes from the certificate object the CA built; a remote CA needs
+        one hop for the key and CSR, the RPC on the loop, and one hop to parse the answer."""
+        local = getattr(self.ca, "sign_with_validity_blocking", None)
         if local is not None:
             key_pem, chain, validity = await self._run(self._mint_local, local, spiffe_id)
         else:
@@ -183,11 +184,13 @@ class SecretCache:
             validity = await self._run(keys.leaf_validity, chain[0])
         return self._item(spiffe_id, key_pem, chain, validity)
 
-    def _mint_local(self, sign_blocking, spiffe_id: str):
+    def _mint_local(self, sign_with_validity, spiffe_id: str):
+        # The CSR is still made and verified by the CA as istiod would: it proves the
+        # caller holds the key. Only the PEM → x509 re-parse of the answer is skipped.
         key_pem, csr_pem = keys.new_key_and_csr(self.algorithm, [spiffe_id])
         self.csr_count += 1
-        chain = sign_blocking(csr_pem, int(self.ttl), spiffe_id)
-        return key_pem, chain, keys.leaf_validity(chain[0])
+        chain, validity = sign_with_validity(csr_pem, int(self.ttl), spiffe_id)
+        return key_pem, chain, validity
 
     def _item(self, spiffe_id: str, key_pem: bytes, chain: list[str], validity) -> SecretItem:
         now = self.clock()

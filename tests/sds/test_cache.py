@@ -126,3 +126,32 @@ async def test_rsa_default_key_and_csr_shape(ca):
     assert san.critical and san.value.get_values_for_type(x509.UniformResourceIdentifier) == [ID]
     assert len(csr.subject) == 0
     await cache.close()
+
+
+async def test_local_ca_path_matches_the_remote_path(tmp_path):
+    """The embedded CA's one-hop issuance (validity read from the built certificate, no
+    PEM re-parse) yields exactly what parsing the returned chain says, the CSR is still
+    counted (made and verified), and a CA rejection still surfaces as CacheError."""
+    run = executor_runner()
+    try:
+        embedded = await run(EmbeddedCA.load_or_create, tmp_path / "ca", "cluster.local")
+        client = EmbeddedCAClient(embedded, run)
+        cache = SecretCache(client, run, "ECDSA", ttl=H)
+        item = await cache.workload(ID)
+        not_before, not_after, serial = keys.leaf_validity(item.chain)
+        assert (item.serial, item.expire) == (serial, not_after.timestamp())
+        assert not_before.timestamp() < time.time() < item.expire
+        leaf = keys.load_certs(item.chain)[0]
+        assert keys.uri_sans(leaf) == [ID] and cache.csr_count == 1
+        assert keys.key_matches_cert(item.key, item.chain)
+        assert item.root == embedded.root_pem
+        chain, validity = client.sign_with_validity_blocking(
+            keys.new_key_and_csr("ECDSA", [ID])[1], 60, ID)
+        assert validity == keys.leaf_validity(chain[0])
+        too_long = SecretCache(client, run, "ECDSA", ttl=91 * 24 * 3600)
+        with pytest.raises(CacheError, match="max allowed TTL"):
+            await too_long.workload(ID + "x")
+        await cache.close()
+        await too_long.close()
+    finally:
+        run.pool.shutdown(wait=False)
