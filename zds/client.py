@@ -47,6 +47,8 @@ import logging
 import os
 import socket
 import struct
+import threading
+import time
 from typing import Any, Awaitable, Callable
 
 from cni.netns import run_in_netns_thread
@@ -166,6 +168,25 @@ def open_pod_listeners(netns_fd: int, mark: int = PACKET_MARK) -> list[socket.so
     return run_in_netns_thread(netns_fd, body)
 
 
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _close_listeners(pod: HeldPod) -> None:
+    for task in pod.tasks:
+        task.cancel()
+    for sock in pod.listeners:
+        sock.close()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 AcceptCallback = Callable[[Accepted, "socket.socket | None"], "Awaitable[None] | None"]
 
 
@@ -195,7 +216,7 @@ class ZdsClient:
         self.mark = mark
         self.pods: dict[str, HeldPod] = {}
         self.pending: dict[str, str] = {}
-        self._pending_add: dict[str, tuple[Any, int]] = {}
+        self._pending_add: dict[str, HeldPod] = {}
         self.snapshot_set: set[str] = set()
         self.snapshot_received = False
         self.connected = False
@@ -207,7 +228,12 @@ class ZdsClient:
         self._sock: socket.socket | None = None
         self._stopping = False
         self._session: asyncio.Task | None = None
-        self._changed = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        # Waiters as (predicate, future): predicates are checked where the state changes
+        # (the session thread, too), so the loop wakes only when a waiter is satisfied.
+        self._waiters: list[tuple[Callable[[], bool], asyncio.Future]] = []
+        self._waiters_lock = threading.Lock()
 
     # ---------------------------------------------------------------- public control
 
@@ -220,7 +246,8 @@ class ZdsClient:
         """Connect, serve, reconnect, until :meth:`stop`, a fatal protocol error, or
         (with ``reconnect=False``) the end of the first session. Drains every proxy
         (closes listeners and netns fds) before returning."""
-        retry_task = asyncio.create_task(self._retry_pending())
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         wait = 0.01
         try:
             while not self._stopping and self.fatal is None:
@@ -241,8 +268,6 @@ class ZdsClient:
                 if not self.reconnect:
                     break
         finally:
-            retry_task.cancel()
-            await asyncio.gather(retry_task, return_exceptions=True)
             for uid in list(self.pods):
                 self._drain(uid)
             for uid in list(self._pending_add):
@@ -272,22 +297,51 @@ class ZdsClient:
     async def wait_connected(self, timeout: float | None = None) -> None:
         await self._wait(lambda: self.connected, timeout)
 
-    async def _wait(self, predicate: Callable[[], bool], timeout: float | None) -> None:
+    async def _wait(self, predicate: Callable[[], bool], timeout: float | None,
+                    fatal_raises: bool = True) -> None:
         async with asyncio.timeout(timeout):
-            while not predicate():
-                if self.fatal is not None:
+            while True:
+                if fatal_raises and self.fatal is not None:
                     raise self.fatal
-                await self._changed.wait()
+                if predicate():
+                    return
+                fut = asyncio.get_running_loop().create_future()
+                entry = (predicate if not fatal_raises
+                         else lambda: predicate() or self.fatal is not None, fut)
+                with self._waiters_lock:
+                    self._waiters.append(entry)
+                try:
+                    if not entry[0]():  # re-check: a change may have raced the append
+                        await fut
+                finally:
+                    with self._waiters_lock:
+                        if entry in self._waiters:
+                            self._waiters.remove(entry)
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        """Wake the waiters whose predicate now holds. Safe on any thread."""
+        if not self._waiters:
+            return
+        with self._waiters_lock:
+            ready = [w for w in self._waiters if w[0]()]
+            for w in ready:
+                self._waiters.remove(w)
+        for _, fut in ready:
+            self._on_loop(_wake, fut)
+
+    def _on_loop(self, fn: Callable, *args) -> None:
+        """Run ``fn(*args)`` on the client's event loop: now if this is its thread."""
+        if self._loop is None or threading.get_ident() == self._loop_thread:
+            fn(*args)
+        else:
+            try:
+                self._loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop is closed: nothing is waiting any more
+                pass
 
     async def _sleep(self, seconds: float) -> None:
         try:
-            async with asyncio.timeout(seconds):
-                while not self._stopping:
-                    await self._changed.wait()
+            await self._wait(lambda: self._stopping, seconds, fatal_raises=False)
         except TimeoutError:
             pass
 
@@ -304,6 +358,10 @@ class ZdsClient:
         return sock
 
     async def _serve(self, sock: socket.socket) -> None:
+        """One connection: hello, then a dedicated thread runs the blocking read loop
+        (:meth:`_read_loop`), as a separate ztunnel process would, so no message pays
+        for event-loop scheduling on this side. Cancelling shuts the socket down, which
+        ends the thread's blocking read with EOF."""
         self._sock = sock
         self.sessions += 1
         session = self.sessions
@@ -312,48 +370,90 @@ class ZdsClient:
         self.snapshot_received = False
         for uid in list(self._pending_add):
             self._drop_pending(uid)
-        reader = None
+        loop = asyncio.get_running_loop()
+        finished = loop.create_future()
         try:
             wire.send_packet(sock, wire.encode_hello())
             self.connected = True
             self._notify()
-            reader = wire.PacketReader(sock, max_fds=1)
-            while True:
-                try:
-                    packet = await reader.next()
-                except wire.WireError as e:
-                    self._ack(sock, f"failure to read message : {e}")
-                    return
-                if packet is None:
-                    log.info("ZDS server closed the connection")
-                    return
-                try:
-                    request = self._parse(packet)
-                except wire.WireError as e:
-                    self._ack(sock, f"failure to read message : {e}")
-                    return
-                kind = request.WhichOneof("payload")
-                uid = getattr(request, kind).uid if kind != "snapshot_sent" else ""
-                self.received.append((session, kind, uid))
-                try:
-                    error = await self._handle(request, packet.fds)
-                except ProtocolError as e:
-                    self._ack(sock, str(e))
-                    self.fatal = e
-                    log.error("fatal ZDS protocol error: %s", e)
-                    return
-                self._ack(sock, error)
-                self._notify()
+            sock.setblocking(True)
+            thread = threading.Thread(target=self._read_loop,
+                                      args=(sock, session, loop, finished),
+                                      name=f"zds-client-{session}", daemon=True)
+            thread.start()
+            try:
+                await asyncio.shield(finished)
+            except asyncio.CancelledError:
+                _shutdown(sock)
+                await finished
+                raise
+        except OSError as e:
+            log.info("ZDS connection failed: %s", e)
+        finally:
+            self.connected = False
+            self._sock = None
+            sock.close()
+            self._notify()
+
+    def _read_loop(self, sock: socket.socket, session: int, loop, finished) -> None:
+        """The session thread: read, handle and ack each request in order (blocking)."""
+        try:
+            self._read_requests(sock, session)
         except OSError as e:
             log.info("ZDS connection failed: %s", e)
         except Exception:  # noqa: BLE001 - a bug in one session must not end run(); reconnect
             log.exception("ZDS session failed")
         finally:
-            if reader is not None:
-                reader.close()
-            self.connected = False
-            self._sock = None
-            sock.close()
+            try:
+                loop.call_soon_threadsafe(_wake, finished)
+            except RuntimeError:
+                pass
+
+    def _read_requests(self, sock: socket.socket, session: int) -> None:
+        timeout: float | None = None
+        next_retry = time.monotonic() + self.pending_retry
+        while not self._stopping:
+            # Pending proxies are retried every pending_retry s (ztunnel's 5 s ticker);
+            # the socket timeout only changes when that need changes (fcntl per change).
+            want = None
+            if self._pending_add:
+                want = next_retry - time.monotonic()
+                if want <= 0:
+                    self._retry_pending()
+                    next_retry = time.monotonic() + self.pending_retry
+                    continue
+            else:
+                next_retry = time.monotonic() + self.pending_retry
+            if want != timeout:
+                timeout = want
+                sock.settimeout(timeout)
+            try:
+                packet = wire.recv_packet(sock, max_fds=1)
+            except TimeoutError:
+                continue
+            except wire.WireError as e:
+                self._ack(sock, f"failure to read message : {e}")
+                return
+            if packet is None:
+                log.info("ZDS server closed the connection")
+                return
+            try:
+                request = self._parse(packet)
+            except wire.WireError as e:
+                self._ack(sock, f"failure to read message : {e}")
+                return
+            kind = request.WhichOneof("payload")
+            uid = getattr(request, kind).uid if kind != "snapshot_sent" else ""
+            self.received.append((session, kind, uid))
+            try:
+                error = self._handle(kind, request, packet.fds)
+            except ProtocolError as e:
+                self._ack(sock, str(e))
+                self.fatal = e
+                log.error("fatal ZDS protocol error: %s", e)
+                self._notify()
+                return
+            self._ack(sock, error)
             self._notify()
 
     def _ack(self, sock: socket.socket, error: str) -> None:
@@ -376,10 +476,9 @@ class ZdsClient:
             packet.close_fds()
             raise
 
-    async def _handle(self, request, fds: list[int]) -> str:
-        kind = request.WhichOneof("payload")
+    def _handle(self, kind: str, request, fds: list[int]) -> str:
         if kind == "add":
-            return await self._on_add(request.add, fds[0])
+            return self._on_add(request.add, fds[0])
         if kind == "keep":
             if self.snapshot_received:
                 raise ProtocolError(f"KeepWorkload {request.keep.uid} after SnapshotSent")
@@ -403,7 +502,7 @@ class ZdsClient:
         self.snapshots += 1
         return ""
 
-    async def _on_add(self, add, fd: int) -> str:
+    def _on_add(self, add, fd: int) -> str:
         if not add.HasField("workload_info"):
             os.close(fd)
             raise ProtocolError(f"AddWorkload {add.uid} without workload_info")
@@ -419,64 +518,59 @@ class ZdsClient:
         if running is not None:  # sandbox re-created: new netns replaces the proxy
             self._drain(uid)
         self._drop_pending(uid)
-        pod = HeldPod(uid, add.workload_info.name, add.workload_info.namespace,
-                      add.workload_info.service_account, fd, identity)
+        info = add.workload_info
+        pod = HeldPod(uid, info.name, info.namespace, info.service_account, fd, identity)
         try:
-            await self._start_proxy(pod)
+            self._start_proxy(pod)
         except Exception as e:  # noqa: BLE001 - any start failure is a NACK, as in ztunnel
-            self._pending_add[uid] = (pod, fd)
+            self._pending_add[uid] = pod
             self.pending[uid] = str(e)
             return f"failure to start proxy : {e}"
         return ""
 
     # ---------------------------------------------------------------- proxies
 
-    async def _start_proxy(self, pod: HeldPod) -> None:
+    def _start_proxy(self, pod: HeldPod) -> None:
+        """Start a proxy (blocking: listeners are opened in the pod's netns). Raises
+        OSError (e.g. EADDRINUSE) with nothing left open."""
         if self.open_listeners:
-            pod.listeners = await asyncio.to_thread(open_pod_listeners, pod.netns_fd, self.mark)
-            for sock in pod.listeners:
-                pod.tasks.append(asyncio.create_task(self._serve_listener(pod.uid, sock)))
+            pod.listeners = open_pod_listeners(pod.netns_fd, self.mark)
+            self._on_loop(self._serve_listeners, pod)
         self.pods[pod.uid] = pod
-        self._notify()
+
+    def _serve_listeners(self, pod: HeldPod) -> None:
+        if pod.listeners and not pod.tasks:
+            pod.tasks = [asyncio.create_task(self._serve_listener(pod.uid, sock))
+                         for sock in pod.listeners]
 
     def _drain(self, uid: str) -> None:
-        """Immediate drain (the pod is gone): close listeners and the netns fd."""
+        """Immediate drain (the pod is gone): close the netns fd, and the listeners on
+        the event loop (which owns their accept tasks)."""
         pod = self.pods.pop(uid, None)
         if pod is None:
             return
-        for task in pod.tasks:
-            task.cancel()
-        for sock in pod.listeners:
-            sock.close()
         os.close(pod.netns_fd)
+        if pod.listeners:
+            self._on_loop(_close_listeners, pod)
         self._notify()
 
     def _drop_pending(self, uid: str) -> None:
-        entry = self._pending_add.pop(uid, None)
+        pod = self._pending_add.pop(uid, None)
         self.pending.pop(uid, None)
-        if entry is not None:
-            os.close(entry[1])
+        if pod is not None:
+            os.close(pod.netns_fd)
 
-    async def _retry_pending(self) -> None:
-        """Every ``pending_retry`` s, try to start each pending proxy again (ztunnel's 5 s)."""
-        while True:
-            await asyncio.sleep(self.pending_retry)
-            for uid in list(self._pending_add):
-                entry = self._pending_add.pop(uid, None)  # take ownership while starting
-                if entry is None:
-                    continue
-                pod, fd = entry
-                try:
-                    await self._start_proxy(pod)
-                except Exception as e:  # noqa: BLE001
-                    if uid in self._pending_add:  # a newer Add replaced it meanwhile
-                        os.close(fd)
-                    else:
-                        self._pending_add[uid] = entry
-                        self.pending[uid] = str(e)
-                    continue
-                self.pending.pop(uid, None)
-                self._notify()
+    def _retry_pending(self) -> None:
+        """Try to start each pending proxy again (ztunnel retries every 5 s)."""
+        for uid, pod in list(self._pending_add.items()):
+            try:
+                self._start_proxy(pod)
+            except Exception as e:  # noqa: BLE001
+                self.pending[uid] = str(e)
+                continue
+            del self._pending_add[uid]
+            self.pending.pop(uid, None)
+        self._notify()
 
     async def _serve_listener(self, uid: str, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
