@@ -231,7 +231,7 @@ def bench_ready_rps(runs: int = 3, seconds: int = 2) -> list[Result]:
     return [result]
 
 
-def bench_merge_5mb(rounds: int = 25) -> list[Result]:
+def bench_merge_5mb(rounds: int = 40) -> list[Result]:
     procs: list[_Proc] = []
     try:
         source = _Proc(_stats_server)

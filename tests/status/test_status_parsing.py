@@ -137,6 +137,16 @@ def test_dedup_fast_path_passes_chunk_through_and_catches_repeats():
     assert d.filter(b"envoy_e 1\n") == b"envoy_e 1\n"  # no metadata at all
 
 
+@pytest.mark.parametrize("body", [
+    b"# TYPE a counter\na 1\n", b"x# TYPE a b\n# TYPE b c\n#", b"# HELP a\tb\n#\n# TYPE c d",
+    b'a{l="#"} 1\n# TYPE z gauge\n', b"## TYPE q r\n# TYPE\n# TYPE r s", b""])
+def test_fast_and_slow_metadata_scans_agree(body):
+    """The fast path's keys (memchr + one findall) equal the slow path's line walk, also
+    for "#" inside labels, a "#" right before a line break and no final newline."""
+    assert mm._metadata_keys(body, len(body)) == \
+        [key for _, key in mm._metadata_lines(body, len(body))]
+
+
 # --- Envoy admin stats → readiness messages -----------------------------------------------
 
 def test_envoy_config_messages():
