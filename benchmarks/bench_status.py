@@ -244,13 +244,16 @@ def bench_merge_5mb(rounds: int = 40) -> list[Result]:
         for p in reversed(procs):
             p.close()
     value = median(merged) * 1000
+    # Issue 7's target, literally: against fetching the body alone (one hop). Any proxy
+    # moves every byte twice, so the second row shows the cost of the merge itself
+    # against a bare two-hop pass-through; docs/status.md has the analysis.
     return [
-        ratio_result(f"merged scrape with a 5 MB Envoy body (median of {rounds})", value,
-                     median(passthrough) * 1000, "ms", 1.5,
+        ratio_result(f"5 MB Envoy body merged vs fetched alone (median of {rounds})", value,
+                     median(direct) * 1000, "ms", 1.5,
+                     "floor: direct fetch from the source"),
+        ratio_result(f"5 MB Envoy body merged vs bare pass-through (median of {rounds})",
+                     value, median(passthrough) * 1000, "ms", 1.5,
                      "floor: the same body through a bare aiohttp pass-through"),
-        Result(f"merged scrape with a 5 MB Envoy body (median of {rounds})", value, "ms",
-               median(direct) * 1000, "report", None,
-               "floor: one-hop direct fetch from the source (two hops vs one)"),
     ]
 
 
