@@ -8,9 +8,10 @@ on the pod's labels AND namespace selector on its namespace's labels). The defau
 selectors make a pod ambient when it carries ``istio.io/dataplane-mode=ambient``, or
 its namespace does and the pod is not labelled ``istio.io/dataplane-mode=none``.
 
-Our addition: on a host without Kubernetes there is no Pod object; then the
-network's plugin config decides (``ambient_default``) and the pod is named by its
-container ID (:attr:`cni.events.CniPodEvent.key`).
+Our addition: on a host without Kubernetes the pod is named by its container ID
+(:attr:`cni.events.CniPodEvent.key`); a Pod object whose ``metadata.uid`` is that
+container ID is the pod's object (see :func:`find_pod`). Without any Pod object the
+network's plugin config decides (``ambient_default``).
 """
 
 from __future__ import annotations
@@ -98,7 +99,11 @@ def split_exclude_namespaces(text: str) -> list[str]:
 
 
 def find_pod(store: Any, event: CniPodEvent) -> dict | None:
-    """The Pod object for the event: by UID when given, else by namespace/name; None if absent."""
+    """The Pod object for the event, or None if absent: by UID when given, else by
+    namespace/name; an event with neither UID nor namespace (podman, or any runtime
+    without Kubernetes: ``CNI_ARGS`` has only ``K8S_POD_NAME=<container name>``) names its
+    pod by container ID (:attr:`CniPodEvent.key`), so the Pod object is the one whose
+    ``metadata.uid`` equals that container ID."""
     if store is None:
         return None
     if event.pod_uid:
@@ -107,6 +112,8 @@ def find_pod(store: Any, event: CniPodEvent) -> dict | None:
             return pod
     if event.pod_namespace and event.pod_name:
         return store.get("Pod", event.pod_namespace, event.pod_name)
+    if not event.pod_uid and not event.pod_namespace:
+        return store.pod_by_uid(event.key)
     return None
 
 
@@ -118,12 +125,15 @@ def decide(event: CniPodEvent, store: Any, exclude_namespaces: Iterable[str],
     Raises ValueError for a malformed selector (a config error, reported to the plugin).
     """
     namespace = event.pod_namespace
-    if pod is not None:
-        namespace = (pod.get("metadata") or {}).get("namespace") or namespace
     if namespace and namespace in set(exclude_namespaces):
         return Decision(False, f"namespace {namespace} is excluded", pod)
     if pod is None:
         pod = find_pod(store, event)
+    if pod is not None:
+        # the Pod object's namespace: the only one there is for a pod found by container ID
+        namespace = (pod.get("metadata") or {}).get("namespace") or namespace
+        if namespace and namespace in set(exclude_namespaces):
+            return Decision(False, f"namespace {namespace} is excluded", pod)
     if pod is None:
         if event.ambient_default:
             return Decision(True, "no Pod object; plugin config ambient_default is true")

@@ -244,6 +244,11 @@ class Enrollment(Component):
         pod = self._pod_object(rec.uid, rec.namespace, rec.name)
         if pod:
             meta = pod.get("metadata") or {}
+            if not event.pod_namespace:
+                # no Kubernetes (podman): the event names a container, the Pod object
+                # found by container ID (its metadata.uid) names the pod
+                rec.name = meta.get("name") or rec.name
+                rec.namespace = meta.get("namespace") or ""
             rec.annotations = {str(k): str(v) for k, v in (meta.get("annotations") or {}).items()}
             rec.service_account = ((pod.get("spec") or {}).get("serviceAccountName")
                                    or "default")
