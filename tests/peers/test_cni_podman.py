@@ -1,40 +1,25 @@
 """Rootful podman (CNI backend, runc; real-peers.md §5) running a container on a network
 whose conflist has istio-cni chained by our installer: the container starts, the (test)
 enroller records its ADD, and its DEL arrives when the container exits. podman uses a
-private containers.conf (CONTAINERS_CONF) and a tmp network_config_dir, so the host's
-podman and CNI configuration are untouched."""
+private containers.conf (CONTAINERS_CONF, written by agent.podman) and a tmp
+network_config_dir, so the host's podman and CNI configuration are untouched."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import secrets
-import shutil
 import subprocess
 
 import pytest
 
+from agent import podman
 from cni.install import Installer
 from tests.cni.conftest import start_agent
 from tests.netns.toolkit import unique
 
 pytestmark = [pytest.mark.podman,
-              pytest.mark.skipif(shutil.which("podman") is None, reason="podman not installed")]
-
-
-def containers_conf(path, bin_dir, conf_dir):
-    path.write_text(f"""[containers]
-default_ulimits = ["nofile=1024:1024", "nproc=1000:1000"]
-[engine]
-runtime = "runc"
-cgroup_manager = "cgroupfs"
-events_logger = "file"
-[network]
-network_backend = "cni"
-cni_plugin_dirs = ["{bin_dir}", "/usr/lib/cni"]
-network_config_dir = "{conf_dir}"
-""")
+              pytest.mark.skipif(not podman.available(), reason="podman or runc not installed")]
 
 
 @pytest.fixture
@@ -42,8 +27,10 @@ def podman_env(tmp_path):
     """(env, network name, image, installer); image and bridge removed at the end."""
     bin_dir, conf_dir = tmp_path / "bin", tmp_path / "net.d"
     conf_dir.mkdir()
-    containers_conf(tmp_path / "containers.conf", bin_dir, conf_dir)
-    env = {**os.environ, "CONTAINERS_CONF": str(tmp_path / "containers.conf")}
+    podman.write_containers_conf(tmp_path / "containers.conf", [bin_dir, "/usr/lib/cni"],
+                                 conf_dir)
+    pm = podman.Podman(tmp_path / "containers.conf")
+    env = pm.env
     bridge, name = unique("tpbr"), unique("tpnet")
     subnet = f"10.{secrets.randbelow(50) + 120}.{secrets.randbelow(250)}.0/24"
     (conf_dir / f"50-{name}.conflist").write_text(json.dumps({
@@ -51,21 +38,14 @@ def podman_env(tmp_path):
             {"type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False,
              "ipam": {"type": "host-local", "ranges": [[{"subnet": subnet}]],
                       "routes": [{"dst": "0.0.0.0/0"}], "dataDir": str(tmp_path / "ipam")}}]}))
-    root = tmp_path / "rootfs" / "bin"
-    root.mkdir(parents=True)
-    shutil.copy("/bin/busybox", root / "busybox")
-    os.symlink("busybox", root / "sh")
     image = f"localhost/ambient-cni-test:{secrets.token_hex(4)}"
-    tar = subprocess.run(["tar", "-C", str(tmp_path / "rootfs"), "-c", "."], capture_output=True,
-                         check=True).stdout
-    subprocess.run(["podman", "import", "-", image], input=tar, env=env, check=True,
-                   capture_output=True)
+    pm.import_busybox(image)
     installer = Installer(conf_dir=str(conf_dir), bin_dir=str(bin_dir),
                           run_dir=str(tmp_path / "state"), ambient_default=True)
     try:
         yield env, name, image, installer
     finally:
-        subprocess.run(["podman", "rmi", "-f", image], env=env, capture_output=True)
+        pm.run("rmi", "-f", image, check=False)
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
 
 

@@ -1,7 +1,9 @@
 """The README's main job, end to end: `ambient-agent demo` with real CNI plugins, real
-netns pods, real iptables, the real agent, the reference ztunnel (a faithful ZDS/xDS
-client, since ztunnel itself can't run here) and a real Envoy. Every row of the table
-must pass, and nothing may be left behind afterwards, with --once and after Ctrl-C."""
+pods (podman containers by default here, named netns with `--runtime netns`), real
+iptables, the real agent, the reference ztunnel (a faithful ZDS/xDS client, since
+ztunnel itself can't run here) and a real Envoy. Every row of the table must pass, and
+nothing may be left behind afterwards (no container, image, netns, interface, rule or
+process), with --once and after Ctrl-C."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import time
 import pytest
 from pyroute2 import IPRoute
 
+from agent import podman
+from agent.demo import DEMO_LABEL
 from agent.envoy import free_port
 
 ROWS = [
@@ -32,14 +36,31 @@ ROWS = [
 ]
 
 
-def _argv(workdir) -> list[str]:
+def _argv(workdir, *extra) -> list[str]:
     return [sys.executable, "-m", "agent.cli", "demo", "--workdir", str(workdir),
             "--status-port", str(free_port()), "--health-port", str(free_port()),
-            "--xds-port", str(free_port())]
+            "--xds-port", str(free_port()), *extra]
 
 
-def _assert_nothing_left(workdir) -> None:
+def _runtime(out: str) -> str:
+    m = re.search(r"pods run with (\w+)", out)
+    assert m, out
+    return m.group(1)
+
+
+def _imported_image(out: str) -> str:
+    """The tag the demo imported (it names it in its teardown of the image)."""
+    m = re.search(r"localhost/ambient-demo:\w+", out)
+    return m.group(0) if m else ""
+
+
+def _assert_nothing_left(workdir, image: str = "") -> None:
     assert not os.path.exists(workdir)
+    if podman.available():
+        host = podman.Podman(None)
+        assert host.containers(f"{DEMO_LABEL}={workdir}") == []
+        if image:
+            assert not host.image_exists(image), image
     assert not [n for n in os.listdir("/var/run/netns") if n.startswith("ambdemo-")] \
         if os.path.isdir("/var/run/netns") else True
     with IPRoute() as ipr:
@@ -63,12 +84,59 @@ def _rows_ok(out: str) -> None:
 
 
 def test_demo_once_all_checks_pass_and_leaves_nothing(tmp_path):
+    """The default (--runtime auto): podman when podman and runc are installed."""
     workdir = tmp_path / "demo"
     r = subprocess.run(_argv(workdir) + ["--once"], capture_output=True, text=True, timeout=240)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
+    assert _runtime(out) == ("podman" if podman.available() else "netns"), out
     _rows_ok(r.stdout)
     assert "clean: no netns" in r.stdout
+    _assert_nothing_left(workdir, _imported_image(out))
+
+
+def test_demo_netns_runtime_all_checks_pass_and_leaves_nothing(tmp_path):
+    workdir = tmp_path / "demo"
+    r = subprocess.run(_argv(workdir, "--once", "--runtime", "netns"), capture_output=True,
+                       text=True, timeout=240)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert _runtime(out) == "netns"
+    _rows_ok(r.stdout)
+    assert "clean: no netns" in r.stdout
+    _assert_nothing_left(workdir)
+
+
+@pytest.mark.skipif(not podman.available(), reason="podman or runc not installed")
+def test_demo_podman_runtime_with_a_given_image_keeps_it(tmp_path):
+    """--image: the pods run on an image the demo did not import; it is still there after."""
+    conf = tmp_path / "containers.conf"
+    podman.write_containers_conf(conf, ["/usr/lib/cni"], tmp_path)
+    own = podman.Podman(conf)
+    image = f"localhost/ambient-demo-test:{os.getpid()}{int(time.time() * 1000) % 100000}"
+    own.import_busybox(image)
+    try:
+        workdir = tmp_path / "demo"
+        r = subprocess.run(_argv(workdir, "--once", "--runtime", "podman", "--image", image),
+                           capture_output=True, text=True, timeout=240)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out
+        _rows_ok(r.stdout)
+        assert own.image_exists(image)
+        _assert_nothing_left(workdir)
+    finally:
+        own.run("rmi", "-f", image, check=False)
+
+
+def test_demo_rejects_missing_image(tmp_path):
+    if not podman.available():
+        pytest.skip("podman or runc not installed")
+    workdir = tmp_path / "demo"
+    r = subprocess.run(_argv(workdir, "--once", "--runtime", "podman", "--image",
+                             "localhost/no-such-image:x"), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1
+    assert "--image 'localhost/no-such-image:x': no such podman image" in r.stderr
     _assert_nothing_left(workdir)
 
 
@@ -76,7 +144,7 @@ def test_demo_ctrl_c_cleans_up(tmp_path):
     workdir = tmp_path / "demo"
     proc = subprocess.Popen(_argv(workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    lines = []
+    lines, out = [], ""
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -97,4 +165,29 @@ def test_demo_ctrl_c_cleans_up(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    _assert_nothing_left(workdir)
+    _assert_nothing_left(workdir, _imported_image(out))
+
+
+@pytest.mark.skipif(not podman.available(), reason="podman or runc not installed")
+def test_leftover_check_reports_a_podman_container_and_the_imported_image(tmp_path):
+    """The demo's own leftover check sees its containers (by label) and its image."""
+    import argparse
+
+    from agent.demo import Demo
+
+    demo = Demo(argparse.Namespace(workdir=str(tmp_path / "demo"), runtime="podman", image=""))
+    conf = tmp_path / "containers.conf"
+    podman.write_containers_conf(conf, ["/usr/lib/cni"], tmp_path)
+    own = podman.Podman(conf)
+    own.import_busybox(demo.image)
+    demo.imported_image = demo.image
+    name = f"ambdemo-left-{demo.suffix}"
+    try:
+        own.create(name, "none", demo.image, "/bin/busybox", "true",
+                   labels={DEMO_LABEL: str(demo.root)})
+        assert demo.podman_leftovers() == [f"podman container {name}",
+                                           f"podman image {demo.image}"]
+    finally:
+        own.remove(name)
+        own.run("rmi", "-f", demo.image, check=False)
+    assert demo.podman_leftovers() == []
