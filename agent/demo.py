@@ -159,6 +159,9 @@ class Demo:
         self.podman = None  # agent.podman.Podman (podman pods)
         self.image = getattr(args, "image", "") or ""
         self.imported_image = ""  # set when the demo imported the image (then removes it)
+        self.import_image = self.runtime_kind == "podman" and not self.image
+        if self.import_image:  # a tag of this run: concurrent demos never share it
+            self.image = f"localhost/ambient-demo:{self.suffix}{secrets.token_hex(2)}"
         self.checks: list[Check] = []
         self._cleanups: list[tuple[str, Callable[[], Any]]] = []
 
@@ -185,8 +188,10 @@ class Demo:
 
     # ------------------------------------------------------------------ run
     async def run(self) -> int:
-        print(f"ambient node in a box (workdir {self.root}, pods run with "
-              f"{self.runtime_kind})")
+        pods = self.runtime_kind
+        if self.runtime_kind == "podman":
+            pods += f", image {self.image}{' (imported)' if self.import_image else ''}"
+        print(f"ambient node in a box (workdir {self.root}, pods run with {pods})")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -281,11 +286,10 @@ class Demo:
         podman_mod.write_containers_conf(conf, [str(self.bin_dir)] + CNI_PLUGIN_DIRS,
                                          self.conf_dir)
         self.podman = podman_mod.Podman(conf)
-        if self.image:
+        if not self.import_image:
             if not self.podman.image_exists(self.image):
                 raise DemoError(f"--image {self.image!r}: no such podman image")
             return
-        self.image = f"localhost/ambient-demo:{self.suffix}{secrets.token_hex(2)}"
         try:
             self.podman.import_busybox(self.image)
         except podman_mod.PodmanError as e:
