@@ -191,3 +191,12 @@ def test_leftover_check_reports_a_podman_container_and_the_imported_image(tmp_pa
         own.remove(name)
         own.run("rmi", "-f", demo.image, check=False)
     assert demo.podman_leftovers() == []
+
+
+def test_demo_runtime_podman_without_podman_is_a_clear_error(tmp_path):
+    env = {**os.environ, "PATH": str(tmp_path)}  # no podman, no runc
+    r = subprocess.run(_argv(tmp_path / "demo", "--once", "--runtime", "podman"), env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "--runtime podman: podman and runc must be installed" in r.stderr
+    assert not os.path.exists(tmp_path / "demo")
