@@ -19,6 +19,7 @@ import sys
 from importlib import metadata
 
 from agent import config as agent_config
+from agent.errors import ComponentStartError
 
 # name -> (module, help). The module provides add_arguments(parser) and main(args).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -116,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     except agent_config.ConfigError as e:
         print(f"ambient-agent: {e}", file=sys.stderr)
         return 2
+    except ComponentStartError as e:
+        print(f"ambient-agent: cannot start {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

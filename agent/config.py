@@ -440,3 +440,21 @@ def prepare_state_dir(config: Config) -> Path:
         raise ConfigError("state_dir", str(path), e.strerror or str(e),
                           config.origins.get("state_dir", "")) from None
     return path
+
+
+def ensure_tcp_port_free(setting: str, host: str, port: int) -> None:
+    """Raise :class:`ConfigError` naming ``setting`` if ``host:port`` can't be bound now.
+
+    gRPC's own bind failure is a C-core log line plus a generic RuntimeError; checking
+    first gives the operator one clear line. Port 0 (kernel's choice) is always free.
+    """
+    if not port:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ConfigError(setting, port, f"cannot listen on {host}:{port}: "
+                              f"{e.strerror or e}") from None

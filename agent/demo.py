@@ -56,6 +56,9 @@ from typing import Any, Awaitable, Callable
 
 import yaml
 
+from agent import config as agent_config
+from agent.errors import ComponentStartError
+
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "cluster"
 RUNTIMES = ("auto", "podman", "netns")
 DEMO_LABEL = "io.ambient.demo.workdir"  # on every demo container: its workdir
@@ -207,6 +210,8 @@ class Demo:
                 await stop.wait()
         except DemoError as e:
             print(f"\ndemo failed: {e}", file=sys.stderr)
+        except (ComponentStartError, agent_config.ConfigError) as e:
+            print(f"\ndemo failed: the agent cannot start: {e}", file=sys.stderr)
         except Exception as e:  # noqa: BLE001 - any failure still tears everything down
             import traceback
 

@@ -22,7 +22,8 @@ from typing import Any, Callable, TypeVar
 
 from prometheus_client import CollectorRegistry
 
-from agent.config import Config
+from agent.config import Config, ConfigError
+from agent.errors import ComponentStartError
 
 log = logging.getLogger("agent.lifecycle")
 T = TypeVar("T")
@@ -97,7 +98,8 @@ class Supervisor:
     """Starts components in order and stops them in reverse.
 
     If a component's ``start`` raises, the ones already started are stopped and the
-    error propagates (the CLI prints it and exits non-zero).
+    error propagates as :class:`ComponentStartError` (a :class:`ConfigError` as is); the
+    CLI prints it as one line and exits non-zero.
     """
 
     def __init__(self, ctx: AgentContext):
@@ -109,6 +111,13 @@ class Supervisor:
             log.debug("starting %s", component.name)
             try:
                 await component.start()
+            except ConfigError:
+                await self.stop(grace=1.0)
+                raise
+            except Exception as e:
+                log.debug("start of %s failed", component.name, exc_info=True)
+                await self.stop(grace=1.0)
+                raise ComponentStartError(component.name, e) from e
             except BaseException:
                 await self.stop(grace=1.0)
                 raise

@@ -35,6 +35,7 @@ from envoy.service.discovery.v3 import ads_pb2, ads_pb2_grpc, discovery_pb2
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from agent.config import ensure_tcp_port_free
 from agent.lifecycle import AgentContext, Component
 from ambient.api import AmbientIndex, IndexChange
 from ambient.xds_generators import Generator, default_generators
@@ -261,13 +262,16 @@ class XdsServer(Component):
                                           ("grpc.so_reuseport", 0)])
         server.add_generic_rpc_handlers((_handler(_Servicer(self)),))
         reflection.enable_server_reflection([SERVICE_NAME, reflection.SERVICE_NAME], server)
-        self.port = server.add_insecure_port(f"{_host(self.address)}:{self.port}")
-        if self.port == 0:
+        ensure_tcp_port_free("xds_port", self.address, self.port)
+        bound = server.add_insecure_port(f"{_host(self.address)}:{self.port}")
+        if bound == 0:
             raise RuntimeError(f"xds: cannot bind {self.address}:{self.port}")
+        self.port = bound
         if self.tls_port is not None and self.tls_provider is not None:
             self._tls = await self.tls_provider()
             creds = grpc.dynamic_ssl_server_credentials(
                 _cert_config(self._tls), self._fetch_tls, require_client_authentication=True)
+            ensure_tcp_port_free("xds_tls_port", self.tls_address, self.tls_port)
             bound = server.add_secure_port(f"{_host(self.tls_address)}:{self.tls_port}", creds)
             if bound == 0:
                 raise RuntimeError(f"xds: cannot bind {self.tls_address}:{self.tls_port}")

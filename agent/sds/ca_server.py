@@ -35,6 +35,7 @@ import yaml
 from cryptography import x509
 from grpc_reflection.v1alpha import reflection
 
+from agent.config import ensure_tcp_port_free
 from agent.sds import ca_pb2, ca_pb2_grpc, keys
 from agent.sds.ca_embedded import CAError, EmbeddedCA
 
@@ -189,6 +190,7 @@ async def start_ca_server(service: CertificateService, address: str, port: int,
     creds = grpc.ssl_server_credentials([(key, cert_chain)], root_certificates=service.ca.root_pem,
                                         require_client_auth=require_client_cert)
     host = f"[{address}]" if ":" in address else address
+    ensure_tcp_port_free("ca_port", address, port)
     bound = server.add_secure_port(f"{host}:{port}", creds)
     await server.start()
     return server, bound

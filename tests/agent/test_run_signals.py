@@ -59,3 +59,25 @@ def test_sigterm_leaves_no_sockets(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.skipif(not is_root(), reason="needs root: the agent enters netns and binds ports")
+@pytest.mark.parametrize("taken", ["--xds-port", "--status-port"])
+def test_port_in_use_is_one_clear_line(tmp_path, taken):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        ports = {"--status-port": str(free_port()), "--health-port": str(free_port()),
+                 "--xds-port": str(free_port())}
+        ports[taken] = str(busy.getsockname()[1])
+        env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=str(tmp_path / "z.sock"))
+        argv = [sys.executable, "-m", "agent.cli", "run", "--state-dir", str(tmp_path / "s"),
+                "--xds-tls-port", "0", "--log-level", "none"]
+        for flag, port in ports.items():
+            argv += [flag, port]
+        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and ports[taken] in lines[0], r.stderr
+    assert sockets_under(str(tmp_path / "s")) == set()
