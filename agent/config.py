@@ -129,6 +129,37 @@ def parse_json(value: Any) -> Any:
     return json.loads(value)
 
 
+def parse_ratio(value: Any) -> float:
+    """A fraction strictly between 0 and 1."""
+    ratio = float(parse_str(value))
+    if not 0 < ratio < 1:
+        raise ValueError("must be between 0 and 1 (exclusive)")
+    return ratio
+
+
+def parse_file_mode(value: Any) -> str:
+    """An octal permission mode such as ``0600``; kept as the string given."""
+    text = parse_str(value).strip()
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        raise ValueError("expected an octal mode such as 0600") from None
+    if not 0 <= mode <= 0o777:
+        raise ValueError("mode must be between 0000 and 0777")
+    return text
+
+
+def parse_host_port(value: Any) -> str:
+    """``host:port`` (``[v6]:port`` for IPv6), or empty."""
+    text = parse_str(value).strip()
+    if not text:
+        return ""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("expected host:port")
+    return text
+
+
 def parse_log_level(value: Any) -> str:
     """A level spec for :func:`agent.logsetup.parse_levels`, validated now."""
     from agent.logsetup import parse_levels
@@ -248,12 +279,12 @@ SETTINGS: list[Setting] = [
             "SDS Unix socket", env="WORKLOAD_SPIFFE_UDS", component="sds"),
     Setting("secret_ttl", 24 * 3600.0, parse_duration, "workload certificate lifetime",
             env="SECRET_TTL", component="sds"),
-    Setting("secret_grace_ratio", 0.5, float, "rotate when this fraction of lifetime is left",
+    Setting("secret_grace_ratio", 0.5, parse_ratio, "rotate when this fraction of lifetime is left",
             env="SECRET_GRACE_PERIOD_RATIO", component="sds"),
     Setting("ecc_signature_algorithm", "", parse_str,
             "ECDSA for P-256 workload keys (default RSA 2048)", env="ECC_SIGNATURE_ALGORITHM",
             component="sds"),
-    Setting("ca_addr", "", parse_str, "Istio CA address host:port (empty: embedded CA)",
+    Setting("ca_addr", "", parse_host_port, "Istio CA address host:port (empty: embedded CA)",
             env="CA_ADDR", component="sds"),
     Setting("ca_root_cert", "", parse_path, "root certificate to verify the Istio CA",
             env="CA_ROOT_CERT", component="sds"),
@@ -281,7 +312,7 @@ SETTINGS: list[Setting] = [
     Setting("workload_certs_dir", "/etc/certs", parse_path, "file-mounted cert-chain.pem, "
             "key.pem, root-cert.pem served as default/ROOTCA when present (fixed identity only)",
             component="sds"),
-    Setting("sds_socket_mode", "0600", parse_str, "octal mode of the SDS socket (upstream "
+    Setting("sds_socket_mode", "0600", parse_file_mode, "octal mode of the SDS socket (upstream "
             "uses 0666 so Envoy as uid 1337 can connect)", component="sds"),
     # --- status server ---
     Setting("status_port", 15020, parse_port, "status server port", env="STATUS_PORT",

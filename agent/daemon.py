@@ -13,13 +13,17 @@ unlinked, exit 0); a second one exits at once with 128+signal.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import importlib
 import logging
 import os
 import signal
+from pathlib import Path
 from typing import Callable
 
-from agent.config import Config, prepare_state_dir
+from agent.config import Config, ConfigError, prepare_state_dir
+from agent.errors import ComponentStartError
 from agent.lifecycle import AgentContext, Component, Supervisor
 
 log = logging.getLogger("agent")
@@ -47,14 +51,59 @@ COMPONENT_BUILDERS: list[tuple[str, str]] = [
 
 
 def build(ctx: AgentContext) -> AgentContext:
-    """Instantiate every enabled component into ``ctx`` in start order."""
+    """Instantiate every enabled component into ``ctx`` in start order.
+
+    A builder that rejects a setting raises :class:`ConfigError`; any other failure is
+    wrapped in :class:`ComponentStartError` naming the module, so the CLI prints one line.
+    """
     for module_name, function_name in COMPONENT_BUILDERS:
         builder: Callable[[AgentContext], Component | None] = getattr(
             importlib.import_module(module_name), function_name)
-        component = builder(ctx)
+        try:
+            component = builder(ctx)
+        except ConfigError:
+            raise
+        except Exception as e:
+            log.debug("building %s failed", module_name, exc_info=True)
+            raise ComponentStartError(module_name, e) from e
         if component is not None:
             ctx.add(component)
     return ctx
+
+
+class StateDirLock:
+    """An exclusive ``flock`` on ``<state dir>/agent.lock`` holding our PID.
+
+    Two agents on one state dir would unlink each other's sockets; the second one is
+    refused before it touches anything. The lock dies with the process, so a SIGKILLed
+    agent never blocks its successor.
+    """
+
+    def __init__(self, state_dir: Path):
+        self.path = state_dir / "agent.lock"
+        self.fd: int | None = None
+
+    def acquire(self, origin: str = "") -> None:
+        """Raises :class:`ConfigError` naming ``state_dir`` when another agent holds it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError("state_dir", str(self.path.parent),
+                              f"another ambient-agent (pid {holder}) is using it", origin) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = None
 
 
 class Agent:
@@ -69,10 +118,17 @@ class Agent:
         self.ctx = AgentContext(config)
         self.supervisor = Supervisor(self.ctx)
         self._stopped = False
+        self._lock: StateDirLock | None = None
 
     async def start(self) -> "Agent":
-        prepare_state_dir(self.config)
-        build(self.ctx)
+        state = prepare_state_dir(self.config)
+        self._lock = StateDirLock(state)
+        self._lock.acquire(self.config.origins.get("state_dir", ""))
+        try:
+            build(self.ctx)
+        except (ConfigError, ComponentStartError):
+            self._lock.release()
+            raise
         await self.supervisor.start()
         log.info("agent ready: %s", ", ".join(self.ctx.components) or "no components")
         return self
@@ -81,7 +137,11 @@ class Agent:
         if self._stopped:
             return
         self._stopped = True
-        await self.supervisor.stop(self.config.shutdown_grace)
+        try:
+            await self.supervisor.stop(self.config.shutdown_grace)
+        finally:
+            if self._lock is not None:
+                self._lock.release()
 
     async def wait(self) -> None:
         await self.ctx.shutdown.wait()

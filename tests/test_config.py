@@ -44,7 +44,10 @@ def test_durations(text, seconds):
                                         ({"secret_ttl": "soon"}, "secret_ttl"),
                                         ({"log_format": "xml"}, "log_format"),
                                         ({"log_level": "loud"}, "log_level"),
-                                        ({"host_probe_snat_ip": "1.2.3"}, "host_probe_snat_ip")])
+                                        ({"host_probe_snat_ip": "1.2.3"}, "host_probe_snat_ip"),
+                                        ({"secret_grace_ratio": "2"}, "secret_grace_ratio"),
+                                        ({"sds_socket_mode": "999"}, "sds_socket_mode"),
+                                        ({"ca_addr": "nohostport"}, "ca_addr")])
 def test_bad_values_name_the_setting(flags, name):
     with pytest.raises(cfg.ConfigError) as e:
         cfg.load(flags, env={})

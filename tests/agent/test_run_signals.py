@@ -81,3 +81,33 @@ def test_port_in_use_is_one_clear_line(tmp_path, taken):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and ports[taken] in lines[0], r.stderr
     assert sockets_under(str(tmp_path / "s")) == set()
+
+
+@pytest.mark.skipif(not is_root(), reason="needs root: the agent enters netns and binds ports")
+def test_second_agent_on_same_state_dir_is_refused_and_harmless(tmp_path):
+    state = tmp_path / "state"
+    env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=str(state / "ztunnel" / "ztunnel.sock"))
+    argv = [sys.executable, "-m", "agent.cli", "run", "--state-dir", str(state),
+            "--status-port", str(free_port()), "--health-port", str(free_port()),
+            "--xds-port", str(free_port()), "--xds-tls-port", "0", "--log-level", "warn"]
+    first = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not EXPECTED_SOCKETS <= sockets_under(str(state)):
+            time.sleep(0.2)
+        before = sockets_under(str(state))
+        assert EXPECTED_SOCKETS <= before
+        second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2, second.stderr
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and "another ambient-agent" in lines[0], second.stderr
+        assert f"pid {first.pid}" in lines[0]
+        assert sockets_under(str(state)) == before  # nothing of the first agent's touched
+        first.send_signal(signal.SIGTERM)
+        out, _ = first.communicate(timeout=30)
+        assert first.returncode == 0, out
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
