@@ -264,6 +264,10 @@ SETTINGS: list[Setting] = [
     Setting("host_probe_snat_ipv6", "fd16:9254:7127:1337:ffff:ffff:ffff:ffff", parse_ip,
             "IPv6 source address kubelet probes are SNATed to", env="HOST_PROBE_SNAT_IPV6",
             component="cni"),
+    Setting("ambient_disable_safe_upgrade", False, parse_bool,
+            "remove host probe rules and sets at shutdown (node decommissioned) instead of "
+            "keeping them for the next agent", env="AMBIENT_DISABLE_SAFE_UPGRADE",
+            component="cni"),
     Setting("proc_dir", "/proc", parse_path, "where to scan for pod netns on restart",
             component="cni"),
     Setting("host_rules_netns", "", parse_path, "netns path for the host probe SNAT rules and "

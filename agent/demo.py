@@ -322,6 +322,9 @@ class Demo:
             # Envoy runs outside any pod cgroup, so SDS serves one fixed identity here.
             "service_account": "server", "pod_namespace": "demo",
             "log_level": a.log_level, "shutdown_grace": "3s",
+            # The agent keeps host probe rules across restarts (spec §3.12); the demo's
+            # node ends with the demo, so the agent removes them at stop.
+            "ambient_disable_safe_upgrade": "true",
         }
 
     async def start_agent(self) -> None:
@@ -339,13 +342,7 @@ class Demo:
                                   cache_dir=str(self.root / "cni-cache"))
 
     async def _stop_agent(self) -> None:
-        enrollment = self.agent.ctx.get("enrollment")
         await self.agent.stop()
-        # The agent keeps host probe rules across restarts on purpose (spec §3.12); the
-        # demo owns this host, so it removes them when it ends.
-        host_rules = getattr(enrollment, "host_rules", None)
-        if host_rules is not None:
-            await asyncio.to_thread(host_rules.teardown)
 
     async def start_ztunnel(self) -> None:
         from ambient.xds_client import DeltaXdsClient

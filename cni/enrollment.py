@@ -191,17 +191,26 @@ class Enrollment(Component):
                               netns=getattr(cfg, "host_rules_netns", "") or None)
 
     async def stop(self, grace: float) -> None:
-        """Cancel background retries. In-pod rules, probe sets and host rules stay: a
-        restart or upgrade must not open a window where enrolled pods bypass the mesh
-        (§3.12); the next start re-creates host rules and reconciles pods."""
+        """Cancel background retries. In-pod rules always stay. Host rules and probe sets
+        stay too (a restart or upgrade must not open a window where enrolled pods bypass
+        the mesh; the next start re-creates them and reconciles pods), unless
+        ``ambient_disable_safe_upgrade`` says this node is being decommissioned, as
+        upstream's ``AMBIENT_DISABLE_SAFE_UPGRADE`` does (spec §3.12)."""
         tasks = list(self._retry_tasks.values())
         for t in tasks:
             t.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=grace)
         self._retry_tasks.clear()
-        if self.host_rules is not None:
-            await self.ctx.run_blocking(self.host_rules.close)
+        if self.host_rules is None:
+            return
+        if self.ctx.config.ambient_disable_safe_upgrade:
+            try:
+                await self.ctx.run_blocking(self.host_rules.teardown)
+                log.info("host probe rules and sets removed (safe upgrade disabled)")
+            except RulesError as e:
+                log.warning("removing host probe rules: %s", e)
+        await self.ctx.run_blocking(self.host_rules.close)
 
     def ready(self) -> tuple[bool, str]:
         return (True, "") if self._started else (False, "not started")

@@ -314,3 +314,22 @@ def _send_dns(host):
 
 def _rules(save: str) -> list[str]:
     return sorted(ln for ln in save.splitlines() if ln.startswith(("-A", ":ISTIO")))
+
+
+def _node_rules(node_netns: str) -> str:
+    name = os.path.basename(node_netns)
+    save = subprocess.run(["ip", "netns", "exec", name, "iptables-save"], capture_output=True,
+                          text=True, check=True).stdout
+    return "\n".join(_rules(save))
+
+
+@pytest.mark.parametrize("decommission", [False, True])
+async def test_stop_keeps_host_rules_unless_safe_upgrade_disabled(state_dir, node_netns,
+                                                                  decommission):
+    """Spec §3.12: host probe rules survive a restart; with AMBIENT_DISABLE_SAFE_UPGRADE
+    (the node is being decommissioned) the agent removes them at stop."""
+    h = await Harness(state_dir, node_netns,
+                      ambient_disable_safe_upgrade=decommission).start()
+    assert "ISTIO" in _node_rules(node_netns)
+    await h.stop()
+    assert ("ISTIO" in _node_rules(node_netns)) is not decommission
