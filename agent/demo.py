@@ -228,7 +228,8 @@ class Demo:
                 print("clean: no netns, containers, interfaces, rules, conflist entries, "
                       "processes or sockets left")
         if failed:
-            print("some checks FAILED", file=sys.stderr)
+            if self.checks:
+                print("some checks FAILED", file=sys.stderr)
             return 1
         return 0
 
