@@ -411,19 +411,21 @@ class ZdsClient:
 
     def _read_requests(self, sock: socket.socket, session: int) -> None:
         timeout: float | None = None
-        next_retry = time.monotonic() + self.pending_retry
+        next_retry: float | None = None  # set when the first proxy goes pending
         while not self._stopping:
             # Pending proxies are retried every pending_retry s (ztunnel's 5 s ticker);
             # the socket timeout only changes when that need changes (fcntl per change).
             want = None
             if self._pending_add:
+                if next_retry is None:
+                    next_retry = time.monotonic() + self.pending_retry
                 want = next_retry - time.monotonic()
                 if want <= 0:
                     self._retry_pending()
                     next_retry = time.monotonic() + self.pending_retry
                     continue
             else:
-                next_retry = time.monotonic() + self.pending_retry
+                next_retry = None
             if want != timeout:
                 timeout = want
                 sock.settimeout(timeout)
@@ -438,11 +440,10 @@ class ZdsClient:
                 log.info("ZDS server closed the connection")
                 return
             try:
-                request = self._parse(packet)
+                request, kind = self._parse(packet)
             except wire.WireError as e:
                 self._ack(sock, f"failure to read message : {e}")
                 return
-            kind = request.WhichOneof("payload")
             uid = getattr(request, kind).uid if kind != "snapshot_sent" else ""
             self.received.append((session, kind, uid))
             try:
@@ -463,7 +464,8 @@ class ZdsClient:
             pass  # the read side reports the broken connection
 
     def _parse(self, packet: wire.Packet):
-        """fds were already taken out of the packet, so every error path closes them."""
+        """``(request, payload kind)``; raises WireError. fds were already taken out of
+        the packet, so every error path closes them."""
         try:
             request = wire.decode_request(packet.data)
             kind = request.WhichOneof("payload")
@@ -471,7 +473,7 @@ class ZdsClient:
                 raise wire.WireError("No control message")
             if kind != "add" and packet.fds:
                 raise wire.WireError("Unexpected control message")
-            return request
+            return request, kind
         except wire.WireError:
             packet.close_fds()
             raise

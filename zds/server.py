@@ -306,12 +306,13 @@ class ZdsConnection:
 
     def _on_readable(self) -> None:
         """Reader callback: every queued packet (or EOF/error) completes the request in
-        flight, or goes to the inbox (ztunnel spoke unasked; the writer drops it)."""
+        flight, or goes to the inbox (ztunnel spoke unasked; the writer drops it).
+        Landing an ack sends the next snapshot request from here (:class:`_SnapshotPump`)."""
         while True:
             try:
                 outcome: Any = wire.recv_packet(self.sock, max_fds=0)
             except (BlockingIOError, InterruptedError):
-                break
+                return
             except (wire.WireError, OSError) as e:
                 outcome = e
             last = outcome is None or isinstance(outcome, OSError)
@@ -328,7 +329,7 @@ class ZdsConnection:
                     except asyncio.QueueFull:
                         pass  # a full queue means the writer is busy and will look at the inbox
             if last:
-                break
+                return
 
     def _stop_reading(self) -> None:
         if self._reading:
