@@ -251,7 +251,8 @@ def read_env(env):
 
 
 def parse_config(raw):
-    """stdin bytes -> network config dict. Raises CniError 6 (not JSON) or 7 (not an object)."""
+    """stdin bytes -> network config dict. Raises CniError 6 (not UTF-8, not JSON, or
+    nested past the recursion limit) or 7 (not an object)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -262,6 +263,11 @@ def parse_config(raw):
         conf = json_loads(text)
     except ValueError as e:
         raise CniError(ERR_DECODE, "cannot decode network config: %s" % e) from None
+    except RecursionError:
+        # the C scanner recurses per nesting level and gives up at the interpreter's
+        # recursion limit (~1000): e.g. '[' * 100000 on stdin
+        raise CniError(ERR_DECODE, "cannot decode network config: nested too deeply "
+                       "(recursion limit %d)" % sys.getrecursionlimit()) from None
     if not isinstance(conf, dict):
         raise CniError(ERR_INVALID_CONFIG, "network config must be a JSON object, got %s"
                        % type(conf).__name__)

@@ -129,6 +129,11 @@ async def test_version_and_check(launcher, tmp_path):
 BAD_INPUT = [
     ("malformed JSON", cni_env(), '{"cniVersion": "1.0.0",', 6, "cannot decode network config"),
     ("not an object", cni_env(), "[1, 2]", 7, "must be a JSON object"),
+    # the C scanner recurses per level: past the recursion limit it raises RecursionError
+    ("deeply nested", cni_env(), "[" * 100000, 6, "nested too deeply"),
+    ("deeply nested key", cni_env(), '{"cniVersion": "1.0.0", "exclude_namespaces": '
+     + "[" * 5000 + "]" * 5000 + "}", 6, "nested too deeply"),
+    ("deeply nested VERSION", cni_env("VERSION"), "[" * 100000, 6, "nested too deeply"),
     ("empty stdin", cni_env(), "", 6, "empty network config"),
     ("missing prevResult", cni_env(), net_conf("/run/x", prev=False), 7, "missing prevResult"),
     ("bad prevResult.ips", cni_env(), {**net_conf("/run/x"), "prevResult": {"ips": "10.0.0.1"}},
