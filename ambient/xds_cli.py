@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import binascii
+import ipaddress
 import json
+import os
 import sys
 
 import grpc
@@ -63,10 +67,35 @@ async def dump(args: argparse.Namespace) -> dict:
             for type_url in types:
                 if type_url in (SHORT_NAMES["address"], SHORT_NAMES["workload"]):
                     await client.request(key, type_url, args.timeout)
-        return {t: {name: json_format.MessageToDict(msg)
+        return {t: {name: readable(json_format.MessageToDict(msg))
                     for name, msg in sorted(client.resources(t).items())} for t in types}
     finally:
         await client.close()
+
+
+_IP_FIELDS = {"address", "addresses"}
+
+
+def readable(value):
+    """JSON of a workload/authorization message with IP ``bytes`` fields (``address``,
+    ``addresses``; 4 or 16 bytes, base64 in proto JSON) shown as IP text."""
+    if isinstance(value, dict):
+        return {k: (_ip_text(v) if k in _IP_FIELDS else readable(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [readable(v) for v in value]
+    return value
+
+
+def _ip_text(value):
+    if isinstance(value, list):
+        return [_ip_text(v) for v in value]
+    if not isinstance(value, str):
+        return readable(value)
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return value
+    return str(ipaddress.ip_address(raw)) if len(raw) in (4, 16) else value
 
 
 def main(args: argparse.Namespace) -> int:
@@ -85,6 +114,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"ambient-agent xds: {args.addr}: no response within {args.timeout}s",
               file=sys.stderr)
         return 1
-    json.dump(out, sys.stdout, indent=2, sort_keys=True)
-    print()
+    try:
+        json.dump(out, sys.stdout, indent=2, sort_keys=True)
+        print(flush=True)
+    except BrokenPipeError:  # `| head`: the reader is gone, which is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

@@ -72,6 +72,8 @@ async def test_cli_dump_prints_resources_as_json(server):
     assert proc.returncode == 0, err.decode()
     data = json.loads(out)
     assert data[ADDRESS_TYPE][POD_A]["workload"]["name"] == "a"
+    # IP bytes are printed as IP text, not base64
+    assert data[ADDRESS_TYPE][POD_A]["workload"]["addresses"] == ["10.0.0.1"]
     assert "default/deny-9999" in data["type.googleapis.com/istio.security.Authorization"]
 
 
@@ -106,3 +108,19 @@ async def test_metrics_and_debug_state(connect, server, index):
     text = generate_latest(server.registry).decode()
     assert (f'ambient_xds_connected_clients{{proxy_type="ztunnel",type_url="{ADDRESS_TYPE}"}} 0.0'
             in text)
+
+
+async def test_cli_dump_into_a_closed_pipe_is_quiet(server):
+    """`ambient-agent xds dump | head -1`: no BrokenPipeError traceback."""
+    import subprocess
+
+    def run_like_head() -> tuple[int, bytes]:
+        dump = subprocess.Popen([sys.executable, "-m", "agent.cli", "xds", "dump", "--addr",
+                                 f"127.0.0.1:{server.port}"], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        dump.stdout.close()  # the reader is gone before the dump writes anything
+        _, err = dump.communicate(timeout=30)
+        return dump.returncode, err
+
+    code, err = await asyncio.to_thread(run_like_head)  # the server runs on this loop
+    assert b"Traceback" not in err and code == 0, err.decode()
