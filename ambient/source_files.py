@@ -168,6 +168,10 @@ class DirectorySource:
             self.store.reject("invalid", where, error)
         self.store.replace_origin(path, objects)
         self.reloads += 1
+        if self._task is not None:  # after the initial load: say what changed
+            log.info("config file %s %s: %d objects%s", path,
+                     "reloaded" if path in self.files else "removed", len(objects),
+                     f", {len(errors)} skipped" if errors else "")
 
     async def _watch(self) -> None:
         while not self._stop.is_set():
