@@ -134,3 +134,23 @@ async def test_add_idempotent_replace_and_del_before_snapshot(agent, nsfd):
         assert not client.pods
         assert await agent.request(conn, wire.encode_del("unknown")) == ""
         conn.close()
+
+
+async def test_stop_ends_the_session_thread_and_drains(agent, nsfd):
+    """The session runs on its own blocking thread; stop() must end it (the socket is
+    shut down under the blocking read) and close every held netns fd."""
+    import threading
+
+    async with running_client(agent.path) as client:
+        conn = await agent.accept()
+        try:
+            assert await agent.request(conn, ADD, [nsfd]) == ""
+            await client.wait_for_pod("u1", timeout=5)
+            fd = client.pods["u1"].netns_fd
+            assert any(t.name.startswith("zds-client-") for t in threading.enumerate())
+        finally:
+            client.stop()
+    assert not [t for t in threading.enumerate() if t.name.startswith("zds-client-")]
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    conn.close()

@@ -361,3 +361,38 @@ async def test_component_build_from_config():
     finally:
         await server.stop()
         ctx.executor.shutdown()
+
+
+async def test_snapshot_resumes_after_socket_buffer_fills(nsfd):
+    """The snapshot is sent from the reader callback until sendmsg would block; then the
+    writer waits for room and resumes, in order, without losing or repeating a pod.
+
+    The peer is a fake ztunnel (no real one runs here) that acks ahead of reading, so
+    the server's sends pile up unread in its receive queue and fill the server's send
+    buffer, as a slow ztunnel would."""
+    pods = 600
+    async with running_server() as server:
+        for i in range(pods):
+            await server.add(pod(f"p{i:04d}", nsfd), wait_ack=False)
+        peer = RawPeer(server.path)
+        try:
+            await peer.hello()
+            acks = asyncio.create_task(asyncio.to_thread(
+                lambda: [peer.sock.send(wire.ACK_OK) for _ in range(pods + 1)]))
+            got = []
+            while True:
+                received = await peer.recv()
+                assert received is not None, "server closed the connection"
+                kind, uid, fds = received
+                for fd in fds:
+                    os.close(fd)
+                got.append((kind, uid))
+                if kind == "snapshot_sent":
+                    break
+            await acks
+            assert got == [("add", f"p{i:04d}") for i in range(pods)] + [("snapshot_sent", "")]
+            await server.wait_connected(1, timeout=5)
+            conn = server.connections[0]
+            assert len(conn.held) == pods
+        finally:
+            peer.close()
