@@ -27,18 +27,15 @@ import dataclasses
 import itertools
 import logging
 import os
-import re
 import secrets
 import socket
 import struct
 from typing import Callable
 
 from agent.sds.keys import Identity
+from cni.podnetns import CgroupError, parse_cgroup
 
 log = logging.getLogger("agent.sds.attest")
-
-_POD_UID = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
-
 
 class AttestationError(Exception):
     """The caller can't be tied to a pod; the message says which step failed."""
@@ -64,12 +61,15 @@ def peer_cred(sock: socket.socket) -> tuple[int, int, int]:
 def pod_uid_from_cgroup(text: str) -> str:
     """The pod UID in a ``/proc/<pid>/cgroup`` file's text (dashes restored), or "".
 
-    All lines must agree; two different pod UIDs raise :class:`AttestationError`.
+    Parsed exactly as the restart scan does (:func:`cni.podnetns.parse_cgroup`, upstream's
+    ``podcgroupns`` rules): a container cgroup under ``pod<uid>``. Lines naming several
+    pods or containers raise :class:`AttestationError`.
     """
-    found = {m.group(1).replace("_", "-") for m in _POD_UID.finditer(text)}
-    if len(found) > 1:
-        raise AttestationError(f"cgroup names several pods: {sorted(found)}")
-    return found.pop() if found else ""
+    try:
+        uid, _container = parse_cgroup(text)
+    except CgroupError as e:
+        raise AttestationError(f"cgroup names several pods or containers: {e}") from None
+    return uid
 
 
 def pod_uid_of_pid(pid: int, proc_dir: str = "/proc") -> str:

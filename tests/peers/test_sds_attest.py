@@ -1,5 +1,5 @@
 """Attested mode with real processes in real pod cgroups (cgroup v2, kubelet's cgroupfs
-layout ``kubepods/besteffort/pod<uid>``), real SO_PEERCRED through the front door, and a
+layout ``kubepods/besteffort/pod<uid>/<container>``), real SO_PEERCRED through the front door, and a
 dict-backed ObjectStore standing in for the config source (built by another package).
 """
 
@@ -43,7 +43,8 @@ print("OK", san.value.get_values_for_type(x509.UniformResourceIdentifier)[0])
 
 
 class PodCgroups:
-    """Real cgroup v2 directories ``<root>/kubepods/besteffort/pod<uid>``; removed on close."""
+    """Real cgroup v2 directories ``<root>/kubepods/besteffort/pod<uid>/<container>`` (a
+    process lives in its container's cgroup, as under a kubelet); removed on close."""
 
     def __init__(self):
         if not os.path.isdir(CGROUP2):
@@ -52,7 +53,8 @@ class PodCgroups:
         self.dirs: list[str] = []
 
     def make(self, uid: str) -> str:
-        path = os.path.join(self.root, "kubepods", "besteffort", f"pod{uid}")
+        path = os.path.join(self.root, "kubepods", "besteffort", f"pod{uid}",
+                            secrets.token_hex(8))
         os.makedirs(path)
         self.dirs.append(path)
         return path

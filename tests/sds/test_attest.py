@@ -26,7 +26,7 @@ def test_pod_uid_from_cgroup_layouts(text):
 def test_not_a_pod_or_ambiguous():
     assert pod_uid_from_cgroup("0::/user.slice/session-1.scope\n") == ""
     other = "11111111-2222-3333-4444-555555555555"
-    with pytest.raises(AttestationError, match="several pods"):
+    with pytest.raises(AttestationError, match="several pods or containers"):
         pod_uid_from_cgroup(f"1:cpu:/kubepods/pod{UID}/x\n2:memory:/kubepods/pod{other}/y\n")
 
 
