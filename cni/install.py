@@ -1,8 +1,8 @@
 """Install ``istio-cni`` on a node: the plugin launcher and the chained conflist entry.
 
-``ambient-agent cni install [--conf-dir DIR] [--bin-dir DIR]`` installs once and exits
-0; ``ambient-agent cni uninstall`` removes exactly what install added. The agent does
-the same at start/stop when ``cni_manage_config`` is true, and repairs the chain in
+``ambient-agent cni install [--conf-dir DIR] [--bin-dir DIR] [--state-dir DIR] ...``
+(flags: :data:`CLI_SETTINGS`) installs once and exits 0; ``ambient-agent cni uninstall``
+removes exactly what install added. The agent does the same at start/stop when ``cni_manage_config`` is true, and repairs the chain in
 between (component ``cni-installer``, :mod:`cni.installwatch`). Behavior follows
 Istio's installer (spec ``cni-zds.md`` §5.1-§5.7); the conflist logic is in
 :mod:`cni.conflist`.
@@ -272,32 +272,58 @@ def installer_from_config(config: Any) -> Installer:
 
 # --- `ambient-agent cni install|uninstall` ---
 
+# The settings install/uninstall read, and their flags (short names for the cni_* ones:
+# the subcommand already says "cni"). state_dir and cni_event_socket give the conflist
+# entry's cni_agent_run_dir; exclude_namespaces is written into the entry too.
+CLI_SETTINGS = {
+    "cni_conf_dir": "--conf-dir",
+    "cni_bin_dir": "--bin-dir",
+    "cni_conf_name": "--conf-name",
+    "state_dir": "--state-dir",
+    "cni_event_socket": "--cni-event-socket",
+    "exclude_namespaces": "--exclude-namespaces",
+    "config_file": "--config-file",
+}
+DERIVED_DEFAULTS = {"cni_event_socket": "<state-dir>/pluginevent.sock"}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Registered in ``agent.cli.SUBCOMMANDS`` as ``cni``."""
-    from agent.cli import add_setting_flags
+    """Registered in ``agent.cli.SUBCOMMANDS`` as ``cni``: ``install`` and ``uninstall``,
+    each with only the flags of :data:`CLI_SETTINGS` (values stay raw strings until
+    :func:`agent.config.load`; flag > env > config file > default, as for ``run``)."""
+    from agent.config import SETTINGS_BY_NAME
 
     sub = parser.add_subparsers(dest="cni_command", metavar="ACTION", required=True)
     for action, text in (("install", "install the plugin and chain it into the primary "
                                      "conflist, then exit"),
                          ("uninstall", "remove exactly what install added")):
-        p = sub.add_parser(action, help=text)
-        p.add_argument("--conf-dir", default=None, help="CNI network config dir "
-                       "(default: setting cni_conf_dir, /etc/cni/net.d)")
-        p.add_argument("--bin-dir", default=None, help="CNI plugin dir "
-                       "(default: setting cni_bin_dir, /opt/cni/bin)")
-        add_setting_flags(p)
+        p = sub.add_parser(action, help=text, description=text)
+        group = p.add_argument_group("settings (flag > env > config file > default)")
+        for name, flag in CLI_SETTINGS.items():
+            s = SETTINGS_BY_NAME[name]
+            default = DERIVED_DEFAULTS.get(name, s.default)
+            if isinstance(default, list):
+                default = ",".join(default)
+            group.add_argument(flag, dest=name, default=None, metavar="VALUE",
+                               help=f"{s.help} [setting {name}, env {s.env_name}, default "
+                               f"{default or 'empty'}]".replace("%", "%%"))
+
+
+def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> Any:
+    """The :class:`agent.config.Config` for install/uninstall: flags of
+    :data:`CLI_SETTINGS`, then their env variables, then the config file. Environment
+    variables of other settings are ignored (this command does not use them). Raises
+    :class:`agent.config.ConfigError` naming the setting and the bad value."""
+    from agent import config as agent_config
+
+    env = os.environ if env is None else env
+    wanted = {agent_config.SETTINGS_BY_NAME[n].env_name for n in CLI_SETTINGS}
+    flags = {name: getattr(args, name, None) for name in CLI_SETTINGS}
+    return agent_config.load(flags, {k: v for k, v in env.items() if k in wanted})
 
 
 def main(args: argparse.Namespace) -> int:
-    from agent.cli import load_config
-
-    config = load_config(args)
-    changes = {}
-    if args.conf_dir:
-        changes["cni_conf_dir"] = os.path.abspath(args.conf_dir)
-    if args.bin_dir:
-        changes["cni_bin_dir"] = os.path.abspath(args.bin_dir)
-    installer = installer_from_config(config.replace(**changes))
+    installer = installer_from_config(config_from_args(args))
     try:
         if args.cni_command == "install":
             path = installer.install()

@@ -81,10 +81,75 @@ def test_no_primary_and_invalid(dirs):
         installer(dirs).install()
 
 
-def cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "agent.cli", "cni", *args,
-                           "--config-file", os.devnull], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, cwd=os.path.dirname(DATA) + "/../..")
+def cli(*args, env=None, config_file=os.devnull):
+    extra = ["--config-file", config_file] if config_file else []
+    return subprocess.run([sys.executable, "-m", "agent.cli", "cni", *args, *extra],
+                          capture_output=True, text=True, env={**os.environ, **(env or {})},
+                          cwd=os.path.dirname(DATA) + "/../..")
+
+
+@pytest.mark.parametrize("action", ["install", "uninstall"])
+def test_cli_help_lists_only_its_flags(action):
+    r = cli(action, "--help", config_file="")
+    assert r.returncode == 0, r.stderr
+    flags = {w.rstrip(",]") for w in r.stdout.replace("[", " ").split() if w.startswith("--")}
+    assert flags == {"--help", "--conf-dir", "--bin-dir", "--conf-name", "--state-dir",
+                     "--cni-event-socket", "--exclude-namespaces", "--config-file"}
+    assert "MOUNTED_CNI_NET_DIR" in r.stdout  # each flag names its env variable
+
+
+def test_cli_flag_env_file_precedence(dirs, tmp_path):
+    """flag > env > config file > default, for the settings the command uses; env of
+    settings it does not use (even invalid) is ignored."""
+    conf, bin_ = dirs
+    shutil.copy(os.path.join(DATA, "minikube.conf"), conf / "05-minikube.conf")
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(f"cni_conf_dir: {conf}\ncni_bin_dir: {tmp_path / 'file-bin'}\n"
+                   f"state_dir: {tmp_path / 'file-state'}\nexclude_namespaces: [a, b]\n")
+    env = {"CNI_BIN_DIR": str(bin_), "EXCLUDE_NAMESPACES": "c",
+           "AMBIENT_AGENT_XDS_PORT": "not-a-port"}
+    r = cli("install", "--state-dir", str(tmp_path / "s"), env=env, config_file=str(cfg))
+    assert r.returncode == 0, r.stderr
+    entry = json.loads((conf / "05-minikube.conflist").read_text())["plugins"][-1]
+    assert entry["cni_agent_run_dir"] == str(tmp_path / "s")  # flag over file
+    assert entry["exclude_namespaces"] == ["c"]  # env over file
+    assert os.path.exists(bin_ / "istio-cni")  # env over file
+    assert not os.path.exists(tmp_path / "file-bin")
+    r = cli("uninstall", "--bin-dir", str(tmp_path / "file-bin"), env=env,
+            config_file=str(cfg))
+    assert r.returncode == 0, r.stderr
+    assert os.listdir(conf) == ["05-minikube.conf"]
+    assert os.path.exists(bin_ / "istio-cni")  # flag over env: another bin dir was cleaned
+    # the event socket's directory is the run dir when given
+    r = cli("install", "--cni-event-socket", str(tmp_path / "ev" / "x.sock"), env=env,
+            config_file=str(cfg))
+    assert r.returncode == 0, r.stderr
+    entry = json.loads((conf / "05-minikube.conflist").read_text())["plugins"][-1]
+    assert entry["cni_agent_run_dir"] == str(tmp_path / "ev")
+    assert cli("uninstall", env=env, config_file=str(cfg)).returncode == 0
+
+
+def test_cli_conf_name_picks_the_conflist(dirs, tmp_path):
+    conf, bin_ = dirs
+    shutil.copy(os.path.join(DATA, "minikube.conf"), conf / "05-minikube.conf")
+    shutil.copy(os.path.join(DATA, "bridge.conf"), conf / "10-bridge.conf")
+    flags = ["--conf-dir", str(conf), "--bin-dir", str(bin_), "--state-dir", str(tmp_path)]
+    r = cli("install", "--conf-name", "10-bridge.conf", *flags)
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(conf)) == ["05-minikube.conf", "10-bridge.conflist"]
+    assert cli("uninstall", "--conf-name", "10-bridge.conf", *flags).returncode == 0
+    assert sorted(os.listdir(conf)) == ["05-minikube.conf", "10-bridge.conf"]
+
+
+def test_cli_bad_config_names_the_setting(dirs, tmp_path):
+    r = cli("install", "--conf-dir", str(dirs[0]), config_file=str(tmp_path / "missing.yaml"))
+    assert r.returncode == 2 and "config_file" in r.stderr and "missing.yaml" in r.stderr
+    assert "Traceback" not in r.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cni_conf_dir: [unclosed\n")
+    r = cli("install", config_file=str(bad))
+    assert r.returncode == 2 and "config_file" in r.stderr and "malformed YAML" in r.stderr
+    assert os.listdir(dirs[0]) == []
 
 
 def test_cli_install_uninstall(dirs, tmp_path):
