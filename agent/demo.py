@@ -722,7 +722,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "import busybox-static under a tag of this run, removed at the end)")
     parser.add_argument("--workdir", default="",
                         help="directory for every file the demo creates (default: a new "
-                        "/run/ambient-demo-XXXXXX)")
+                        "/run/ambient-demo-<random>)")
     parser.add_argument("--status-port", type=int, default=15020)
     parser.add_argument("--health-port", type=int, default=8000)
     parser.add_argument("--xds-port", type=int, default=15010)

@@ -18,6 +18,7 @@ does this in its updater callback, ahead of the debounced fan-out).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import hashlib
 import ipaddress
@@ -75,7 +76,7 @@ class Snapshot:
     versions: dict[str, str]
 
 
-class Generator:
+class Generator(abc.ABC):
     """Resources of one type URL, built from the index and cached by resource name.
 
     Subclasses implement :meth:`_payload` (the typed message for a name, or None) and
@@ -92,12 +93,13 @@ class Generator:
         self._snapshot: Snapshot | None = None
 
     # -- index views --
+    @abc.abstractmethod
     def names(self) -> Iterable[str]:
         """Every resource name of this type currently in the index."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _payload(self, name: str):
-        raise NotImplementedError
+        """The typed message named ``name``, or None when the index has none."""
 
     def lookup(self, key: str) -> list[str]:
         """Resource names answering a subscribed key (exact name by default)."""
