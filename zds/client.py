@@ -444,10 +444,10 @@ class ZdsClient:
             except wire.WireError as e:
                 self._ack(sock, f"failure to read message : {e}")
                 return
-            uid = getattr(request, kind).uid if kind != "snapshot_sent" else ""
-            self.received.append((session, kind, uid))
+            body = getattr(request, kind)
+            self.received.append((session, kind, body.uid if kind != "snapshot_sent" else ""))
             try:
-                error = self._handle(kind, request, packet.fds)
+                error = self._handle(kind, body, packet.fds)
             except ProtocolError as e:
                 self._ack(sock, str(e))
                 self.fatal = e
@@ -459,7 +459,7 @@ class ZdsClient:
 
     def _ack(self, sock: socket.socket, error: str) -> None:
         try:
-            wire.send_packet(sock, wire.encode_ack(error))
+            sock.send(wire.encode_ack(error))
         except OSError:
             pass  # the read side reports the broken connection
 
@@ -478,16 +478,18 @@ class ZdsClient:
             packet.close_fds()
             raise
 
-    def _handle(self, kind: str, request, fds: list[int]) -> str:
+    def _handle(self, kind: str, body, fds: list[int]) -> str:
+        """Handle one request (``body`` is its payload message); returns the ack's error
+        text ("" = success). Raises ProtocolError for ztunnel's fatal errors."""
         if kind == "add":
-            return self._on_add(request.add, fds[0])
+            return self._on_add(body, fds[0])
         if kind == "keep":
             if self.snapshot_received:
-                raise ProtocolError(f"KeepWorkload {request.keep.uid} after SnapshotSent")
-            self.snapshot_set.add(request.keep.uid)
+                raise ProtocolError(f"KeepWorkload {body.uid} after SnapshotSent")
+            self.snapshot_set.add(body.uid)
             return ""
         if kind == "del":
-            uid = getattr(request, "del").uid
+            uid = body.uid
             self._drop_pending(uid)
             if not self.snapshot_received:
                 self.snapshot_set.discard(uid)  # a running proxy is drained at reconcile
@@ -519,7 +521,8 @@ class ZdsClient:
             return ""
         if running is not None:  # sandbox re-created: new netns replaces the proxy
             self._drain(uid)
-        self._drop_pending(uid)
+        if self._pending_add:
+            self._drop_pending(uid)
         info = add.workload_info
         pod = HeldPod(uid, info.name, info.namespace, info.service_account, fd, identity)
         try:
