@@ -86,18 +86,27 @@ class Accepted:
     data: bytes = b""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class HeldPod:
-    """A running "proxy" for a pod: its workload info, netns fd, identity and listeners."""
+    """A running "proxy" for a pod: its workload info, netns fd and listeners."""
 
     uid: str
     name: str
     namespace: str
     service_account: str
     netns_fd: int
-    identity: tuple[int, int]
     listeners: list[socket.socket] = dataclasses.field(default_factory=list)
     tasks: list[asyncio.Task] = dataclasses.field(default_factory=list)
+    _identity: tuple[int, int] | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def identity(self) -> tuple[int, int]:
+        """ztunnel's netns identity, ``(st_ino, st_dev)`` of the held fd. ``fstat``'d on
+        first use: only a repeated Add for the uid needs it. OSError once drained."""
+        if self._identity is None:
+            st = os.fstat(self.netns_fd)
+            self._identity = (st.st_ino, st.st_dev)
+        return self._identity
 
 
 def original_dst(sock: socket.socket) -> tuple | None:
@@ -513,18 +522,20 @@ class ZdsClient:
         uid = add.uid
         if not self.snapshot_received:
             self.snapshot_set.add(uid)
-        st = os.fstat(fd)
-        identity = (st.st_ino, st.st_dev)
+        identity = None
         running = self.pods.get(uid)
-        if running is not None and running.identity == identity:
-            os.close(fd)
-            return ""
-        if running is not None:  # sandbox re-created: new netns replaces the proxy
-            self._drain(uid)
+        if running is not None:  # the identity decides: same netns or a re-created sandbox
+            st = os.fstat(fd)
+            identity = (st.st_ino, st.st_dev)
+            if running.identity == identity:
+                os.close(fd)
+                return ""
+            self._drain(uid)  # sandbox re-created: new netns replaces the proxy
         if self._pending_add:
             self._drop_pending(uid)
         info = add.workload_info
-        pod = HeldPod(uid, info.name, info.namespace, info.service_account, fd, identity)
+        pod = HeldPod(uid, info.name, info.namespace, info.service_account, fd,
+                      _identity=identity)
         try:
             self._start_proxy(pod)
         except Exception as e:  # noqa: BLE001 - any start failure is a NACK, as in ztunnel
