@@ -395,7 +395,9 @@ class ZdsClient:
             except asyncio.CancelledError:
                 _shutdown(sock)
                 await finished
+                await asyncio.to_thread(thread.join)
                 raise
+            await asyncio.to_thread(thread.join)  # it only has to return now
         except OSError as e:
             log.info("ZDS connection failed: %s", e)
         finally:
