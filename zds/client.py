@@ -49,7 +49,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 from cni.netns import run_in_netns_thread
 from zds import wire
@@ -207,6 +207,10 @@ class ZdsClient:
     (default: each :class:`Accepted` goes to :attr:`accepted`, TCP peers get the line
     ``"zds-client <uid> <port>\\n"`` and are closed); ``reconnect``: keep reconnecting
     after EOF (ztunnel does; False ends :meth:`run` after the first session).
+
+    Each session is read, handled and acked on a dedicated blocking thread (as a
+    separate ztunnel process would read), so state changes happen there; waiters and
+    listener tasks live on the event loop that runs :meth:`run`.
 
     State: :attr:`pods` (uid -> :class:`HeldPod`, running proxies), :attr:`pending`
     (uid -> reason), :attr:`snapshot_received`, :attr:`connected`, :attr:`sessions`
