@@ -41,6 +41,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from agent.config import ConfigError
 from agent.lifecycle import AgentContext, Component
 from zds import wire
 from zds.api import NoZtunnel, PodInfo, ZdsError, ZdsNack, ZdsTimeout
@@ -514,6 +515,23 @@ def _peer_pid(sock: socket.socket) -> int | None:
         return None
 
 
+def _refuse_if_served(path: str) -> None:
+    """Raise :class:`ConfigError` if a live server answers on ``path``.
+
+    Upstream unlinks whatever is there; a second agent doing that would silently cut the
+    first one off from ztunnel. A socket nobody accepts on (ECONNREFUSED) is stale.
+    """
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        return  # missing, stale or not a socket: ours to replace
+    finally:
+        probe.close()
+    raise ConfigError("ztunnel_uds_address", path, "another ZDS server (agent) is serving on it")
+
+
 def _bind_listener(path: str) -> tuple[socket.socket, int]:
     """Create the 0600 SEQPACKET listener at ``path`` (blocking; run off the loop).
 
@@ -522,6 +540,7 @@ def _bind_listener(path: str) -> tuple[socket.socket, int]:
     parent = os.path.dirname(path)
     if parent and not os.path.isdir(parent):
         os.makedirs(parent, mode=0o750, exist_ok=True)
+    _refuse_if_served(path)
     try:
         os.unlink(path)  # stale socket of a previous agent; "not exist" is fine
     except FileNotFoundError:

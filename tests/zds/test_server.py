@@ -49,6 +49,28 @@ async def test_socket_permissions_stale_file_and_unlink():
     assert server.ready()[0] is False
 
 
+async def test_live_server_on_the_path_is_not_replaced():
+    """A second agent must not unlink a serving agent's socket (it would cut the first
+    agent off from ztunnel); a stale socket nobody accepts on is replaced."""
+    async with running_server() as first:
+        second = ZdsServer(first.path)
+        with pytest.raises(agent_config.ConfigError, match="ztunnel_uds_address"):
+            await second.start()
+        assert stat.S_ISSOCK(os.stat(first.path).st_mode)
+        async with running_client(first.path) as client:
+            await client.wait_snapshot(timeout=3)  # the first server still answers
+    d = short_dir()
+    stale = os.path.join(d, "z.sock")
+    import socket
+
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    dead.bind(stale)
+    dead.close()  # the file stays, nobody listens: ECONNREFUSED
+    server = ZdsServer(stale)
+    await server.start()
+    await server.stop()
+
+
 async def test_full_session_with_reference_client(nsfd):
     async with running_server(ztunnel_wait=3) as server:
         await server.add(pod("a", nsfd), wait_ack=False)
