@@ -393,7 +393,7 @@ class ZdsConnection:
         except BlockingIOError:
             raise
         except OSError as e:
-            raise _Drop(f"{kind} {uid}: sendmsg: {e.strerror or e}") from None
+            raise _Drop(f"{_what(kind, uid)}: sendmsg: {e.strerror or e}") from None
         self._start_flight(kind, uid, on_ack)
         return True
 
@@ -422,7 +422,7 @@ class ZdsConnection:
             self._deadline = asyncio.get_running_loop().call_later(left, self._check_deadline)
             return
         self._flight = None
-        flight.on_ack(None, _Drop(f"{flight.kind} {flight.uid}: no ack within {timeout:g}s",
+        flight.on_ack(None, _Drop(f"{_what(flight.kind, flight.uid)}: no ack within {timeout:g}s",
                                   timeout=True))
 
     def _land(self, outcome: Any) -> None:
@@ -431,14 +431,14 @@ class ZdsConnection:
         kind, uid = flight.kind, flight.uid
         ack = error = None
         if outcome is None:
-            error = _Drop(f"{kind} {uid}: ztunnel closed the connection before acking")
+            error = _Drop(f"{_what(kind, uid)}: ztunnel closed the connection before acking")
         elif isinstance(outcome, Exception):
-            error = _Drop(f"{kind} {uid}: reading ack: {outcome}")
+            error = _Drop(f"{_what(kind, uid)}: reading ack: {outcome}")
         else:
             try:
                 ack = wire.decode_ack(outcome.data)
             except wire.WireError as e:
-                error = _Drop(f"{kind} {uid}: {e}")
+                error = _Drop(f"{_what(kind, uid)}: {e}")
         if ack is not None:
             self._m_latency.observe(time.perf_counter() - flight.sent_at)
             self._m_acks.inc()
@@ -469,7 +469,7 @@ class ZdsConnection:
                 pass
             left = deadline - time.perf_counter()
             if left <= 0 or not await wire.wait_ready(self.sock, left, write=True):
-                raise _Drop(f"{kind} {uid}: socket not writable within {timeout:g}s",
+                raise _Drop(f"{_what(kind, uid)}: socket not writable within {timeout:g}s",
                             timeout=True)
         return await fut
 
@@ -513,6 +513,11 @@ def _peer_pid(sock: socket.socket) -> int | None:
         return struct.unpack("3i", creds)[0]
     except OSError:
         return None
+
+
+def _what(kind: str, uid: str) -> str:
+    """``"add <uid>"`` for pod messages, just ``"snapshot_sent"`` for the uid-less one."""
+    return f"{kind} {uid}" if uid else kind
 
 
 def _refuse_if_served(path: str) -> None:
