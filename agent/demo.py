@@ -144,6 +144,7 @@ class Demo:
         self.root = Path(args.workdir or f"/run/ambient-demo-{secrets.token_hex(3)}")
         self.suffix = secrets.token_hex(2)
         self.bridge = f"ambdemo{self.suffix}"
+        self.node_netns = f"ambdemo-node-{self.suffix}"  # holds the host probe rules
         self.network = f"ambient-demo-{self.suffix}"
         self.progress = Progress()
         self.pods = [DemoPod("client", "demo", "client", True),
@@ -281,6 +282,10 @@ class Demo:
         }
         (self.conf_dir / "10-ambient-demo.conflist").write_text(json.dumps(conflist, indent=2))
         self.on_cleanup("bridge", self._delete_bridge)
+        from pyroute2 import netns
+
+        netns.create(self.node_netns)
+        self.on_cleanup(f"netns {self.node_netns}", lambda: netns.remove(self.node_netns))
 
     def prepare_podman(self) -> None:
         """A private containers.conf (networks from our conf dir, plugins from our bin dir
@@ -323,9 +328,10 @@ class Demo:
             # Envoy runs outside any pod cgroup, so SDS serves one fixed identity here.
             "service_account": "server", "pod_namespace": "demo",
             "log_level": a.log_level, "shutdown_grace": "3s",
-            # The agent keeps host probe rules across restarts (spec §3.12); the demo's
-            # node ends with the demo, so the agent removes them at stop.
-            "ambient_disable_safe_upgrade": "true",
+            # The node's probe SNAT rule and probe sets have fixed names (spec §3.11); in
+            # the host netns they would clash with a real agent running on this machine,
+            # so the demo's "node" keeps them in a netns of its own.
+            "host_rules_netns": f"/var/run/netns/{self.node_netns}",
         }
 
     async def start_agent(self) -> None:
@@ -632,6 +638,8 @@ class Demo:
 
         left = [f"netns {p.netns_path}" for p in self.pods
                 if p.netns_path and os.path.exists(p.netns_path)]
+        if os.path.exists(f"/var/run/netns/{self.node_netns}"):
+            left.append(f"netns {self.node_netns}")
         left += self.podman_leftovers()
         with IPRoute() as ipr:
             if ipr.link_lookup(ifname=self.bridge):
