@@ -269,7 +269,8 @@ def to_objects(doc: dict) -> list[tuple[dict | None, str, str]]:
     """Split a local-config document into store objects.
 
     Returns ``(object or None, label, error)`` per entry: ``label`` names the entry
-    (``workloads[2] default/local``), ``error`` is empty when the entry converted.
+    (``workloads[2] default/local``), ``error`` is empty when the entry converted. Never
+    raises: a malformed entry becomes an error row, the other entries still convert.
     """
     out: list[tuple[dict | None, str, str]] = []
     for key, kind, convert in (("workloads", "LocalWorkload", workload),
@@ -285,6 +286,11 @@ def to_objects(doc: dict) -> list[tuple[dict | None, str, str]]:
                 msg = convert(entry, label)
             except TranslateError as e:
                 out.append((None, label, str(e)))
+                continue
+            except (TypeError, ValueError, AttributeError, KeyError) as e:
+                # a field of an unexpected shape the converters don't check one by one
+                # (``applicationTunnel: "x"``, ``protocol: [1]``): skip this entry only
+                out.append((None, label, f"malformed entry: {type(e).__name__}: {e}"))
                 continue
             name = {"LocalWorkload": lambda: msg.uid,
                     "LocalService": lambda: msg.hostname,

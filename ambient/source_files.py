@@ -62,7 +62,8 @@ def _label(obj: Any) -> str:
     meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
     name = meta.get("name", "?")
     ns = meta.get("namespace")
-    return f"{obj.get('kind', '?')} {ns + '/' if ns else ''}{name}"
+    # str(): a malformed object (``namespace: 5``) is labelled here and rejected by the store
+    return f"{obj.get('kind', '?')} {f'{ns}/' if ns else ''}{name}"
 
 
 def parse_file(path: str) -> Parsed:
@@ -159,7 +160,12 @@ class DirectorySource:
     async def reload(self, path: str) -> None:
         """Re-read one file (or drop its objects if it is gone) as one store transaction."""
         if os.path.isfile(path):
-            objects, errors = await self.run_blocking(parse_file, path)
+            try:
+                objects, errors = await self.run_blocking(parse_file, path)
+            except Exception as e:  # an unexpected parser failure must not stop the
+                # source; the file's previous objects stay until it parses again
+                self.store.reject("invalid", path, f"cannot parse: {e!r}")
+                return
             self.files.add(path)
         else:
             objects, errors = [], []

@@ -130,3 +130,33 @@ async def test_creates_missing_directory(tmp_path):
         assert len(store) == 0
     finally:
         await src.stop()
+
+
+@pytest.mark.asyncio
+async def test_oddly_shaped_entries_are_skipped_and_the_source_still_starts(tmp_path):
+    """Fields of an unexpected shape (not just a wrong scalar) used to raise out of
+    parse_file (AttributeError/TypeError) and fail DirectorySource.start."""
+    (tmp_path / "local.yaml").write_text(textwrap.dedent("""\
+        workloads:
+        - {namespace: a, workloadIps: ["10.0.0.1"], services: {}, applicationTunnel: x}
+        - {namespace: a, workloadIps: ["10.0.0.2"], services: {}, protocol: [1]}
+        - {uid: ok, namespace: a, workloadIps: ["10.0.0.3"], services: {}}
+        """))
+    (tmp_path / "pods.yaml").write_text(
+        "kind: Pod\nmetadata: {name: p, namespace: 5}\n---\n" + POD % ("a", "u-a", "10.0.0.1"))
+    objects, errors = parse_file(str(tmp_path / "local.yaml"))
+    assert [o["metadata"]["name"] for o, _ in objects] == ["ok"]
+    assert [w for w, _ in errors] == [f"{tmp_path}/local.yaml#0 workloads[0]",
+                                      f"{tmp_path}/local.yaml#0 workloads[1]"]
+    assert all("malformed entry" in e for _, e in errors)
+    registry = CollectorRegistry()
+    store = ObjectStore(registry)
+    src = DirectorySource(store, str(tmp_path), run_blocking)
+    await src.start()
+    try:
+        assert store.get("LocalWorkload", "a", "ok") is not None
+        assert store.get("Pod", "demo", "a") is not None
+        assert registry.get_sample_value("ambient_config_objects_rejected_total",
+                                         {"source": "files", "reason": "invalid"}) == 3
+    finally:
+        await src.stop()
