@@ -407,11 +407,9 @@ class AmbientIndex:
         proto = wl.Service()
         proto.CopyFrom(info.proto)
         waypoint_keys: tuple[str, ...] = ()
-        if info.source != "LocalService":
+        if info.source != "LocalService":  # local-config services are sent as written
             proto.canonical = canonical
             waypoint_keys = self._bind_service(info, proto)
-        else:
-            waypoint_keys = ()
         ip_keys = tuple(f"{a.network}/{ip_text(a.address)}" for a in proto.addresses
                         if not a.HasField("length"))
         self._set_address(info.key, wl.Address(service=proto),
@@ -791,7 +789,7 @@ class AmbientIndex:
             else:
                 key = f"{ns}/{name}"
                 self._set_authz(key, localconfig.policy(spec(obj), key) if obj else None)
-        except TranslateError as e:
+        except (TranslateError, KeyError, TypeError, ValueError, AttributeError) as e:
             self._reject(kind, ns, name, e)
 
     # ------------------------------------------------------------------ flush and diff

@@ -27,7 +27,7 @@ from kubernetes_asyncio import config as kconfig
 from kubernetes_asyncio import watch as kwatch
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from ambient.store import ObjectStore
+from ambient.store import CLUSTER_KINDS, ObjectStore
 
 log = logging.getLogger("ambient.source.kube")
 
@@ -229,8 +229,7 @@ class KubernetesSource:
                     self.store.apply([(obj, f"watch {kind}")], origin=origin)
                 elif etype == "DELETED":
                     meta = obj.get("metadata") or {}
-                    ns = "" if kind in ("Namespace", "Node", "GatewayClass") else \
-                        str(meta.get("namespace") or "")
+                    ns = "" if kind in CLUSTER_KINDS else str(meta.get("namespace") or "")
                     self.store.apply(deletes=[(kind, ns, str(meta.get("name")))])
                 rv = w.resource_version or rv
                 self.resource_versions[kind] = rv

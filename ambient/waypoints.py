@@ -27,6 +27,7 @@ MANAGED = "gateway.istio.io/managed"
 MANAGED_NO_WAYPOINT = ("istio.io-mesh-controller", "istio.io-eastwest-controller")
 NETWORK_LABEL = "topology.istio.io/network"
 HBONE_PORT = 15008
+PROXY_LISTENER_PROTOCOL = "istio.io/PROXY"  # Istio's WaypointSandwichListenerProxyProtocol
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +63,21 @@ class Waypoint:
         return self.traffic_type in (what, "all")
 
 
-def _allowed(gw: dict, listener_name: str | None) -> tuple[str, tuple[tuple[str, str], ...]]:
+def _allowed(gw: dict, protocol: str | None, port: int
+             ) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """``allowedRoutes.namespaces`` (mode, selector) of the listener the inbound binding
+    names, else of the HBONE/15008 listener; ``Same`` when neither exists (§3.7).
+
+    The bound listener, as Istio's ``findBoundListener``: the one on the binding's port,
+    else for ``PROXY`` the one with protocol ``istio.io/PROXY``.
+    """
     listeners = [li for li in (spec(gw).get("listeners") or []) if isinstance(li, dict)]
     chosen = None
-    if listener_name:
-        chosen = next((li for li in listeners if li.get("name") == listener_name), None)
+    if protocol and port:
+        chosen = next((li for li in listeners if li.get("port") == port), None)
+    elif protocol == "PROXY":
+        chosen = next((li for li in listeners
+                       if li.get("protocol") == PROXY_LISTENER_PROTOCOL), None)
     if chosen is None:
         chosen = next((li for li in listeners if li.get("protocol") == "HBONE"
                        and li.get("port") == HBONE_PORT), None)
@@ -104,13 +115,13 @@ def waypoint_from_gateway(gw: dict, gateway_class: dict | None, network: str) ->
     class_ann = annotations(gateway_class) if gateway_class else {}
     traffic = labels(gw).get(WAYPOINT_FOR) or class_labels.get(WAYPOINT_FOR) or "service"
     binding = annotations(gw).get(INBOUND_BINDING) or class_ann.get(INBOUND_BINDING)
-    protocol, port, listener = None, 0, None
+    protocol, port = None, 0
     if binding:
         head, _, tail = binding.partition("/")
         if head in ("NONE", "PROXY"):
             protocol = head
             port = int(tail) if tail.isdigit() else 0
-    mode, selector = _allowed(gw, listener)
+    mode, selector = _allowed(gw, protocol, port)
     return Waypoint(ns, name, address.SerializeToString(deterministic=True), traffic, mode,
                     selector, protocol, port)
 

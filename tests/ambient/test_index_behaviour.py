@@ -145,3 +145,24 @@ def test_local_config_objects_map_one_to_one():
                                              "cluster1//Pod/default/local"]
     a = h.index.authorization("default/deny-9999")
     assert list(a.groups[0].rules[0].matches[0].not_destination_ports) == [9999]
+
+
+def test_inbound_binding_selects_the_bound_listener_for_allowed_namespaces():
+    """§3.7 / Istio ``findBoundListener``: the binding's port, else for PROXY the
+    ``istio.io/PROXY`` listener, decides allowedRoutes; otherwise the HBONE/15008 one."""
+    from ambient.waypoints import waypoint_from_gateway
+
+    def gw(binding=None, proxy_port=15088):
+        g = waypoint(annotations={"ambient.istio.io/waypoint-inbound-binding": binding}
+                     if binding else None)
+        g["spec"]["listeners"].append({"name": "proxy", "port": proxy_port,
+                                       "protocol": "istio.io/PROXY",
+                                       "allowedRoutes": {"namespaces": {"from": "All"}}})
+        return g
+
+    assert waypoint_from_gateway(gw(), None, "").allowed_from == "Same"
+    assert waypoint_from_gateway(gw("PROXY/15088"), None, "").allowed_from == "All"
+    assert waypoint_from_gateway(gw("PROXY"), None, "").allowed_from == "All"
+    assert waypoint_from_gateway(gw("NONE/15088"), None, "").allowed_from == "All"
+    assert waypoint_from_gateway(gw("NONE"), None, "").allowed_from == "Same"
+    assert waypoint_from_gateway(gw("PROXY/9999"), None, "").allowed_from == "Same"
