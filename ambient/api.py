@@ -62,6 +62,10 @@ class AmbientIndex(Protocol):
         """Address resource names of the services and workloads bound to the waypoint
         Gateway ``namespace/name`` (spec §3.7, §7)."""
 
+    def node_workloads(self, node: str) -> set[str]:
+        """Address resource names of the workloads whose ``node`` is ``node`` (the
+        on-demand node-local warm-up, spec §4.4)."""
+
     def subscribe(self, updater: Updater) -> Callable[[], None]:
         """Call ``updater`` after every index change (on the event loop). Returns an
         unsubscribe function."""

@@ -196,9 +196,6 @@ class ObjectStore:
         """The origin (file path, ``kubernetes:<Kind>``) that owns ``key``, or None."""
         return self._origin.get(key)
 
-    def keys_of_origin(self, origin: str) -> set[Key]:
-        return set(self._by_origin.get(origin, ()))
-
     # --- internals ---
 
     def _upsert(self, obj: dict, where: str, origin: str,

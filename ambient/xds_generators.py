@@ -169,10 +169,6 @@ class Generator(abc.ABC):
         for name in removed:
             self._cache.pop(name, None)
 
-    def clear(self) -> None:
-        self._cache.clear()
-        self._snapshot = None
-
     def cached(self) -> int:
         return len(self._cache)
 

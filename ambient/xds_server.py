@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import hmac
 import logging
-import os
 import time
 from typing import Awaitable, Callable
 
@@ -37,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from agent.config import ensure_tcp_port_free
 from agent.lifecycle import AgentContext, Component
+from agent.sds.keys import leaf_validity, uri_sans
 from ambient.api import AmbientIndex, IndexChange
 from ambient.xds_generators import Generator, default_generators
 from ambient.xds_stream import PreparedResponse, RequestError, XdsStream
@@ -74,13 +74,9 @@ def spiffe_id_from_pem(pem: bytes) -> str | None:
     """The first ``spiffe://`` URI SAN of a PEM certificate, or None."""
     try:
         cert = x509.load_pem_x509_certificate(pem)
-        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except (ValueError, x509.ExtensionNotFound):
+    except ValueError:
         return None
-    for uri in san.get_values_for_type(x509.UniformResourceIdentifier):
-        if uri.startswith("spiffe://"):
-            return uri
-    return None
+    return next((uri for uri in uri_sans(cert) if uri.startswith("spiffe://")), None)
 
 
 def spiffe_namespace(spiffe_id: str) -> str | None:
@@ -244,6 +240,7 @@ class XdsServer(Component):
         self._first_change = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._tls: TlsMaterial | None = None
+        self._tls_served: TlsMaterial | None = None  # what gRPC core last got (_fetch_tls)
         self._tls_task: asyncio.Task | None = None
         self._tls_note = "disabled"
         self.pushes = 0
@@ -309,7 +306,7 @@ class XdsServer(Component):
         # Called by gRPC core on each handshake (its own thread): only hand over what
         # the refresh task already fetched.
         material = self._tls
-        if material is None or material is getattr(self, "_tls_served", None):
+        if material is None or material is self._tls_served:
             return None
         self._tls_served = material
         return _cert_config(material)
@@ -506,9 +503,9 @@ def sds_tls_provider(ctx: AgentContext) -> TlsProvider | None:
         bundle = await get_cert(sans)
         root_pem = root() if callable(root) else root
         chain = _b(bundle.chain)
-        leaf = x509.load_pem_x509_certificate(chain)
+        not_after = leaf_validity(chain)[1]
         return TlsMaterial(chain, _b(bundle.key), _b(root_pem or bundle.root),
-                           leaf.not_valid_after_utc.timestamp())
+                           not_after.timestamp())
 
     return provide
 

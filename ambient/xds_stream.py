@@ -243,7 +243,8 @@ class XdsStream:
         if ts.wildcard:
             return [self._full_wildcard(gen, ts)]
         if gen.on_demand and self.node and self.node.node_name:
-            ts.names |= self._node_local(gen)
+            # §4.4 node-local warm-up: the workloads on this client's node
+            ts.names |= self.index.node_workloads(self.node.node_name)
         keys = ts.names | set(initial)
         return [self._answer_keys(gen, ts, keys, always=True)]
 
@@ -264,12 +265,6 @@ class XdsStream:
         if not new:
             return []
         return [self._answer_keys(gen, ts, new, always=True)]
-
-    def _node_local(self, gen: Generator) -> set[str]:
-        """Workloads on this client's node (§4.4 node-local warm-up)."""
-        node = self.node.node_name
-        return {n for n, a in self.index.addresses().items()
-                if a.WhichOneof("type") == "workload" and a.workload.node == node}
 
     # ---------------------------------------------------------------- responses
     def _response(self, gen: Generator, ts: TypeState, resources: list, removed: Iterable[str]):

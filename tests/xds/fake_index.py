@@ -120,6 +120,10 @@ class FakeIndex:
                 out.add(n)
         return out
 
+    def node_workloads(self, node):
+        return {n for n, a in self._addresses.items()
+                if a.WhichOneof("type") == "workload" and a.workload.node == node}
+
     def subscribe(self, updater):
         self._updaters.append(updater)
         return lambda: self._updaters.remove(updater)

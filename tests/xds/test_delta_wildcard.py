@@ -7,7 +7,7 @@ import asyncio
 from envoy.service.discovery.v3 import discovery_pb2
 
 from ambient.xds_generators import ADDRESS_TYPE, AUTHORIZATION_TYPE, WORKLOAD_TYPE
-from tests.xds.fake_index import pod, policy, service
+from tests.xds.fake_index import pod, policy
 
 async def eventually(predicate, timeout=5.0):
     """Poll server-side state (it changes without a client-visible response)."""
