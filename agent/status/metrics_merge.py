@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import re
 from typing import Any, Awaitable, Callable
@@ -90,8 +91,6 @@ def parse_annotations(value: Any, status_port: int, given: bool = False) -> list
     the targets are scraped, never a differing legacy top-level port. Raises
     :class:`AnnotationsError`.
     """
-    import json
-
     if value is None or value == "":
         if given:
             raise AnnotationsError("value is empty: expected a JSON object such as "
@@ -411,29 +410,34 @@ class MetricsMerger:
         self.scrapes.inc()
         envoy_task = (asyncio.ensure_future(self._open_envoy(request))
                       if self.envoy_url else None)
-        apps = list(await asyncio.gather(*(self._fetch_app(request, t)
-                                           for t in self.app_targets)))
-        fmt = self._final_format(apps)
-        om = fmt != "text"
-        response = web.StreamResponse(status=200)
-        response.content_type = "application/openmetrics-text" if om else "text/plain"
-        response.headers["Content-Type"] = (OM_CONTENT_TYPE.format(fmt[3:]) if om
-                                            else TEXT_CONTENT_TYPE)
-        if "gzip" in request.headers.get("Accept-Encoding", ""):
-            response.enable_compression()
-        await response.prepare(request)
-        dedup = MetadataDedup()
-        own = strip_eof(om_latest(self.registry)) if om else text_latest(self.registry)
-        await response.write(dedup.filter(own))
-        if envoy_task is not None:
-            await self._write_envoy(await envoy_task, response, dedup, om)
-        for app in apps:
-            if app is not None and app.body:
-                await response.write(dedup.filter(strip_eof(app.body)))
-        if om:
-            await response.write(b"# EOF\n")
-        await response.write_eof()
-        return response
+        try:
+            apps = list(await asyncio.gather(*(self._fetch_app(request, t)
+                                               for t in self.app_targets)))
+            fmt = self._final_format(apps)
+            om = fmt != "text"
+            response = web.StreamResponse(status=200)
+            response.content_type = "application/openmetrics-text" if om else "text/plain"
+            response.headers["Content-Type"] = (OM_CONTENT_TYPE.format(fmt[3:]) if om
+                                                else TEXT_CONTENT_TYPE)
+            if "gzip" in request.headers.get("Accept-Encoding", ""):
+                response.enable_compression()
+            await response.prepare(request)
+            dedup = MetadataDedup()
+            own = strip_eof(om_latest(self.registry)) if om else text_latest(self.registry)
+            await response.write(dedup.filter(own))
+            if envoy_task is not None:
+                envoy, envoy_task = await envoy_task, None
+                await self._write_envoy(envoy, response, dedup, om)
+            for app in apps:
+                if app is not None and app.body:
+                    await response.write(dedup.filter(strip_eof(app.body)))
+            if om:
+                await response.write(b"# EOF\n")
+            await response.write_eof()
+            return response
+        finally:
+            if envoy_task is not None:  # the scrape failed before Envoy's body was used
+                _discard_envoy(envoy_task)
 
     async def _write_envoy(self, resp: aiohttp.ClientResponse | None,
                            response: web.StreamResponse, dedup: MetadataDedup, om: bool) -> None:
@@ -464,3 +468,12 @@ class MetricsMerger:
             self.failures.labels("envoy").inc()
         finally:
             resp.release()
+
+
+def _discard_envoy(task: "asyncio.Future[aiohttp.ClientResponse | None]") -> None:
+    """Cancel an unfinished Envoy request, or release its response, so a scrape whose
+    client went away does not keep a pooled admin connection checked out."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled() and task.exception() is None and task.result() is not None:
+        task.result().release()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import ipaddress
+import json
 import logging
 import re
 import socket
@@ -150,8 +151,6 @@ def parse_probers(value: Any) -> dict[str, AppProbe]:
     :class:`ProberConfigError` (``failed to decode ...``, ``invalid path ...``,
     ``invalid prober type ...``, ``... must be int type``), spec §4.4 and acceptance case 25.
     """
-    import json
-
     if value is None or value == "":
         return {}
     if isinstance(value, (str, bytes)):

@@ -302,3 +302,37 @@ async def test_large_envoy_body_streams_byte_exact(tmp_path):
             _, _, body = await scrape(server)
     envoy_part = body[body.index(b"# TYPE envoy_cluster_m0_total"):]
     assert envoy_part == big + b"envoy_cluster_m0_total{x=\"y\"} 1\n"
+
+
+async def test_abandoned_scrape_releases_envoy_connection(tmp_path):
+    """A scrape whose client leaves while an application target is still answering must
+    not keep Envoy's response checked out: the admin connection (body unread) is closed.
+    The Envoy admin is a fake streaming a body it never finishes."""
+    envoy_closed = asyncio.Event()
+
+    async def envoy_stats(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": TEXT_CT})
+        await resp.prepare(request)
+        await resp.write(b"# TYPE envoy_server_live gauge\n")
+        for _ in range(100):  # up to 5 s for the agent to let go of this connection
+            if request.transport is None or request.transport.is_closing():
+                envoy_closed.set()
+                break
+            await asyncio.sleep(0.05)
+        return resp
+
+    async def slow_app(request: web.Request) -> web.Response:
+        await asyncio.sleep(1.5)  # longer than the agent's 0.8 s scrape timeout
+        return web.Response(body=APP_TEXT)
+
+    app = web.Application()
+    app.router.add_get("/stats/prometheus", envoy_stats)
+    app.router.add_get("/metrics", slow_app)
+    async with serve_app(app) as port:
+        env = {"ISTIO_PROMETHEUS_ANNOTATIONS": json.dumps({"port": str(port)})}
+        async with running_status(tmp_path, env=env, envoy_admin_port=port) as (_, server):
+            with pytest.raises(asyncio.TimeoutError):
+                await request("GET", f"http://127.0.0.1:{server.port}/stats/prometheus",
+                              timeout=aiohttp.ClientTimeout(total=0.3),
+                              headers={"X-Prometheus-Scrape-Timeout-Seconds": "0.8"})
+            await asyncio.wait_for(envoy_closed.wait(), 4)
