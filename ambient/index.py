@@ -458,10 +458,9 @@ class AmbientIndex:
         keys = [wp.key]
         weighted = wpmod.canary(info.labels, info.annotations, info.namespace, ns_obj, wp,
                                 self._waypoints)
-        if weighted:
+        if weighted:  # canary() returns [] unless the canary label names a waypoint
             proto.weighted_waypoints.extend(weighted)
-            keys.append(info.labels[wpmod.USE_WAYPOINT_CANARY] and
-                        f"{info.labels.get(wpmod.USE_WAYPOINT_CANARY_NS) or info.namespace}/"
+            keys.append(f"{info.labels.get(wpmod.USE_WAYPOINT_CANARY_NS) or info.namespace}/"
                         f"{info.labels[wpmod.USE_WAYPOINT_CANARY]}")
         ingress = info.labels.get("istio.io/ingress-use-waypoint")
         if ingress is None and ns_obj:

@@ -180,23 +180,40 @@ class DirectorySource:
                      f", {len(errors)} skipped" if errors else "")
 
     async def _watch(self) -> None:
+        """Follow the directory; when the watch ends (the directory itself was removed,
+        whose inotify watch then never fires again) or fails (inotify limits...), recreate
+        the directory as :meth:`start` does, reconcile, and watch again."""
         while not self._stop.is_set():
             try:
-                async for changes in watchfiles.awatch(self.directory, recursive=True,
-                                                       debounce=self.debounce_ms, step=20,
-                                                       stop_event=self._stop):
-                    for path in sorted({p for _, p in changes}):
-                        if wanted(path) or path in self.files:
-                            await self.reload(path)
-                        elif os.path.isdir(path) or path == self.directory:
-                            await self._rescan()
+                await self._follow()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # the directory vanished, inotify limits...: retry
+            except Exception:
                 log.exception("watching %s failed; retrying", self.directory)
-                await asyncio.sleep(1.0)
+            if self._stop.is_set():
+                return
+            await asyncio.sleep(1.0)
+            try:
                 os.makedirs(self.directory, mode=0o750, exist_ok=True)
-                await self._rescan()
+            except OSError as e:  # e.g. a file now sits at the path: retry later
+                log.warning("cannot create %s: %s", self.directory, e)
+                continue
+            await self._rescan()
+
+    async def _follow(self) -> None:
+        """Apply file events until the stop event or the removal of the directory."""
+        async for changes in watchfiles.awatch(self.directory, recursive=True,
+                                               debounce=self.debounce_ms, step=20,
+                                               stop_event=self._stop):
+            for path in sorted({p for _, p in changes}):
+                if wanted(path) or path in self.files:
+                    await self.reload(path)
+                elif os.path.isdir(path) or path == self.directory:
+                    await self._rescan()
+            if not os.path.isdir(self.directory):
+                log.warning("config directory %s was removed; its objects are dropped "
+                            "until it is back", self.directory)
+                return
 
     async def _rescan(self) -> None:
         """A directory appeared or vanished: reconcile every known and present file."""

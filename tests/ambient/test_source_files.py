@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import textwrap
 
 import pytest
@@ -158,5 +159,29 @@ async def test_oddly_shaped_entries_are_skipped_and_the_source_still_starts(tmp_
         assert store.get("Pod", "demo", "a") is not None
         assert registry.get_sample_value("ambient_config_objects_rejected_total",
                                          {"source": "files", "reason": "invalid"}) == 3
+    finally:
+        await src.stop()
+
+
+@pytest.mark.asyncio
+async def test_watch_survives_the_directory_being_removed_and_recreated(tmp_path):
+    """The removed directory's inotify watch never fires again: the source used to stay
+    deaf after ``rm -r config_dir`` (now it re-watches), even with a file at the path."""
+    directory = tmp_path / "cluster"
+    store = ObjectStore()
+    src = DirectorySource(store, str(directory), run_blocking, debounce_ms=10)
+    await src.start()
+    try:
+        (directory / "a.yaml").write_text(POD % ("a", "u-a", "10.0.0.1"))
+        await eventually(lambda: store.get("Pod", "demo", "a") is not None)
+        shutil.rmtree(directory)
+        await eventually(lambda: store.get("Pod", "demo", "a") is None)
+        directory.write_text("a file where the directory was")
+        await asyncio.sleep(1.2)  # one failed recreation attempt
+        directory.unlink()
+        directory.mkdir(exist_ok=True)
+        (directory / "b.yaml").write_text(POD % ("b", "u-b", "10.0.0.2"))
+        await eventually(lambda: store.get("Pod", "demo", "b") is not None)
+        assert not src._task.done()
     finally:
         await src.stop()
