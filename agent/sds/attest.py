@@ -37,6 +37,7 @@ from cni.podnetns import CgroupError, parse_cgroup
 
 log = logging.getLogger("agent.sds.attest")
 
+
 class AttestationError(Exception):
     """The caller can't be tied to a pod; the message says which step failed."""
 
@@ -121,15 +122,17 @@ class PodAttestor:
 class FrontDoor:
     """The attesting proxy in front of the gRPC server (see module docstring).
 
-    ``public_path`` is the socket clients use (0666 like upstream, so Envoy as uid 1337
-    can connect; the parent dir stays 0750/0700 as configured by the caller);
+    ``public_path`` is the socket clients use, created with permission bits ``mode``
+    (setting ``sds_socket_mode``; upstream uses 0666 so Envoy as uid 1337 can connect);
     ``backend_path`` the private gRPC socket.
     """
 
-    def __init__(self, public_path: str, backend_path: str, proc_dir: str = "/proc"):
+    def __init__(self, public_path: str, backend_path: str, proc_dir: str = "/proc",
+                 mode: int = 0o600):
         self.public_path = public_path
         self.backend_path = backend_path
         self.proc_dir = proc_dir
+        self.mode = mode
         self.peers: dict[str, PeerCred] = {}
         self._prefix = f"ambient-sds-{os.getpid()}-{secrets.token_hex(4)}-"
         self._counter = itertools.count(1)
@@ -142,7 +145,7 @@ class FrontDoor:
         except FileNotFoundError:
             pass
         self._server = await asyncio.start_unix_server(self._handle, self.public_path)
-        os.chmod(self.public_path, 0o666)
+        os.chmod(self.public_path, self.mode)
 
     def lookup(self, peer: str) -> PeerCred | None:
         """Credentials for a grpc ``context.peer()`` string, or None if not via the door."""

@@ -165,9 +165,9 @@ class SdsServer(Component):
         os.chmod(bind, self.socket_mode if bind == path else 0o600)
         self._grpc = server
         if self._backend_path:
-            self.front_door = attest.FrontDoor(path, self._backend_path, self.config.proc_dir)
+            self.front_door = attest.FrontDoor(path, self._backend_path, self.config.proc_dir,
+                                               self.socket_mode)
             await self.front_door.start()
-            os.chmod(path, self.socket_mode)
 
     def ca_servicer(self) -> ca_server.CertificateService | None:
         """The embedded CA's ``IstioCertificateService`` servicer, for a component that

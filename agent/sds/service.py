@@ -65,7 +65,7 @@ class GenerateError(Exception):
     """A secret could not be generated; message is the cause (no key material)."""
 
 
-# generate(name, identity, peer_label) -> Secret ; identify(context) -> Identity
+# generate(name, identity) -> Secret ; identify(context) -> Identity
 Generate = Callable[[str, Identity], Awaitable[secret_pb2.Secret]]
 Identify = Callable[[grpc.aio.ServicerContext], Identity]
 
@@ -122,7 +122,8 @@ class Connection:
 class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
     """The servicer. ``identify(context)`` names the caller (raises :class:`IdentityError`);
     ``generate(name, identity)`` builds one Secret (raises :class:`GenerateError`);
-    ``on_watch(identity, added)`` / ``on_unwatch(identity)`` let the cache count watchers.
+    ``on_watch(identity)`` / ``on_unwatch(identity)`` (once per stream) let the cache count
+    watchers.
     """
 
     def __init__(self, identify: Identify, generate: Generate,
@@ -262,14 +263,8 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         has byte for byte (e.g. the first root announcement racing the first answer)."""
         if not names:
             return
-        packed = []
-        for secret in await self._secrets(names, conn.identity, context):
-            body = _pack(secret)
-            digest = hashlib.sha256(body.value).hexdigest()[:16]
-            if only_changed and conn.versions.get(secret.name) == digest:
-                continue
-            conn.versions[secret.name] = digest
-            packed.append(body)
+        packed = [body for _, body, _ in await self._versioned(conn, names, context,
+                                                               only_changed)]
         if not packed:
             return
         resp = discovery_pb2.DiscoveryResponse(
@@ -277,6 +272,21 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
             resources=packed)
         await context.write(resp)
         conn.nonce_sent, conn.version_sent = resp.nonce, resp.version_info
+
+    async def _versioned(self, conn: Connection, names: list[str], context,
+                         skip_unchanged: bool) -> list[tuple[str, any_pb2.Any, str]]:
+        """Generate ``names`` as ``(name, packed Secret, version)``; the version is a
+        content hash, recorded in ``conn.versions``. With ``skip_unchanged`` a secret the
+        stream already has byte for byte is left out."""
+        out = []
+        for secret in await self._secrets(names, conn.identity, context):
+            body = _pack(secret)
+            version = hashlib.sha256(body.value).hexdigest()[:16]
+            if skip_unchanged and conn.versions.get(secret.name) == version:
+                continue
+            conn.versions[secret.name] = version
+            out.append((secret.name, body, version))
+        return out
 
     # --- DeltaSecrets ----------------------------------------------------------------
     async def DeltaSecrets(self, request_iterator, context):  # noqa: N802
@@ -326,15 +336,10 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
             self._unregister(conn, watched)
 
     async def _delta_respond(self, conn: Connection, names: list[str], context) -> None:
-        resources = []
-        for secret in await self._secrets(names, conn.identity, context):
-            body = _pack(secret)
-            version = hashlib.sha256(body.value).hexdigest()[:16]
-            if conn.versions.get(secret.name) == version:
-                continue  # the client already has exactly this (reconnect)
-            conn.versions[secret.name] = version
-            resources.append(discovery_pb2.Resource(name=secret.name, version=version,
-                                                    resource=body))
+        # Unchanged ones are left out: the client already has exactly those (reconnect).
+        resources = [discovery_pb2.Resource(name=name, version=version, resource=body)
+                     for name, body, version in await self._versioned(conn, names, context,
+                                                                      True)]
         if not resources:
             return
         resp = discovery_pb2.DeltaDiscoveryResponse(
