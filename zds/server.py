@@ -53,7 +53,6 @@ HELLO_TIMEOUT = 5.0       # seconds to wait for ZdsHello after accept (§1.4)
 ACK_TIMEOUT = 5.0         # seconds for each write and each ack (readWriteDeadline)
 KEEPALIVE_INTERVAL = 5.0  # seconds of idleness between keepalive probes
 ACCEPT_RATE = 5.0         # accepts per second, burst 1 (§1.1)
-QUEUE_SIZE = 100          # per-connection update queue, as upstream's channel buffer
 
 
 class _PodRecord:
@@ -68,16 +67,15 @@ class _PodRecord:
         self.fd: int | None = None
         if info.netns_fd is None:
             self.kind, self.message = "keep", wire.encode_keep(info.uid)
-        else:
-            self.kind = "add"
-            self.message = wire.encode_add(info.uid, info.name, info.namespace,
-                                           info.service_account)
-        if info.netns_fd is not None:
-            try:
-                self.fd = os.dup(info.netns_fd)  # non-inheritable, as Python makes dups
-            except OSError as e:
-                raise ValueError(f"PodInfo.netns_fd={info.netns_fd!r} of pod {info.uid!r} "
-                                 f"is not an open fd: {e.strerror}") from None
+            return
+        self.kind = "add"
+        self.message = wire.encode_add(info.uid, info.name, info.namespace,
+                                       info.service_account)
+        try:
+            self.fd = os.dup(info.netns_fd)  # non-inheritable, as Python makes dups
+        except OSError as e:
+            raise ValueError(f"PodInfo.netns_fd={info.netns_fd!r} of pod {info.uid!r} "
+                             f"is not an open fd: {e.strerror}") from None
 
     def close(self) -> None:
         if self.fd is not None:
@@ -171,7 +169,11 @@ class ZdsConnection:
 
     def __init__(self, server: "ZdsServer", sock: socket.socket, conn_id: int):
         self.server, self.sock, self.id = server, sock, conn_id
-        self.queue: asyncio.Queue = asyncio.Queue(QUEUE_SIZE)
+        # Unbounded, unlike upstream's 100-slot channel (whose send blocks): a full queue
+        # would have to make callers wait (and so lose the enqueue order of a delete and
+        # a re-add) or drop updates. Its length is bounded anyway: a stalled ztunnel is
+        # dropped after one ack timeout, and that empties the queue.
+        self.queue: asyncio.Queue = asyncio.Queue()
         self.connected_at = time.time()
         self.peer_pid = _peer_pid(sock)
         self.version: int | None = None
@@ -201,15 +203,12 @@ class ZdsConnection:
     def enqueue(self, kind: str, uid: str, record: _PodRecord | None) -> asyncio.Future:
         """Queue an add/del for the writer; the future gets the Ack or an exception.
 
-        Raises :class:`_NotSent` when the connection is closed or its queue is full.
+        Raises :class:`_NotSent` when the connection is closed.
         """
         if self.closed:
             raise _NotSent(f"connection {self.id} is closed")
         fut = asyncio.get_running_loop().create_future()
-        try:
-            self.queue.put_nowait(_Request(kind, uid, record, fut))
-        except asyncio.QueueFull:
-            raise _NotSent(f"connection {self.id} has {QUEUE_SIZE} updates queued") from None
+        self.queue.put_nowait(_Request(kind, uid, record, fut))
         return fut
 
     # ---------------------------------------------------------------- the writer task
@@ -220,7 +219,7 @@ class ZdsConnection:
             await self._read_hello()
             asyncio.get_running_loop().add_reader(self.sock.fileno(), self._on_readable)
             self._reading = True
-            self.server._on_hello(self)
+            self.server._notify()  # a new latest connection: waiting adds may go
             await self._send_snapshot()
             await self._serve_updates()
         except _Drop as e:
@@ -325,10 +324,7 @@ class ZdsConnection:
                 self._inbox.append(outcome)
                 if self._idle:
                     self._idle = False
-                    try:
-                        self.queue.put_nowait(_READABLE)
-                    except asyncio.QueueFull:
-                        pass  # a full queue means the writer is busy and will look at the inbox
+                    self.queue.put_nowait(_READABLE)
             if last:
                 return
 
@@ -565,11 +561,10 @@ def _bind_listener(path: str) -> tuple[socket.socket, int]:
         return sock, os.stat(path).st_ino
     except BaseException:
         sock.close()
-        for p in (tmp,):
-            try:
-                os.unlink(p)
-            except OSError:
-                pass
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
         raise
 
 
@@ -601,7 +596,8 @@ class ZdsServer(Component):
         self._sock: socket.socket | None = None
         self._inode: int | None = None
         self._accept_task: asyncio.Task | None = None
-        self._changed: asyncio.Event | None = None
+        # Set (and replaced) on every connection change; waiters re-check their condition.
+        self._changed = asyncio.Event()
         self._stopped = False
 
     # ---------------------------------------------------------------- lifecycle
@@ -609,7 +605,6 @@ class ZdsServer(Component):
     async def start(self) -> None:
         """Bind the socket and start accepting. Raises OSError if the path is unusable."""
         loop = asyncio.get_running_loop()
-        self._changed = asyncio.Event()
         self._sock, self._inode = await loop.run_in_executor(None, _bind_listener, self.path)
         self._accept_task = asyncio.create_task(self._accept_loop(), name="zds-accept")
         log.info("ZDS server listening on %s", self.path)
@@ -635,6 +630,8 @@ class ZdsServer(Component):
                     os.unlink(self.path)
             except FileNotFoundError:
                 pass
+            except OSError as e:  # still close the pods' fds below
+                log.warning("cannot remove ZDS socket %s: %s", self.path, e)
         for record in self._pods.values():
             record.close()
         self._pods.clear()
@@ -670,9 +667,6 @@ class ZdsServer(Component):
 
     # ---------------------------------------------------------------- connection bookkeeping
 
-    def _on_hello(self, conn: ZdsConnection) -> None:
-        self._notify()
-
     def _on_close(self, conn: ZdsConnection) -> None:
         if conn in self._conns:
             self._conns.remove(conn)
@@ -680,9 +674,8 @@ class ZdsServer(Component):
         self._notify()
 
     def _notify(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = asyncio.Event()
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def latest(self) -> ZdsConnection | None:
         """The newest live connection that said hello (adds go there), or None."""

@@ -5,8 +5,9 @@ Spec ``cni-zds.md`` §1.1-1.2: no length prefix (packet boundaries frame message
 one fd and only on ``AddWorkload``. Encoders here produce the §1.2 byte vectors.
 
 The socket helpers are non-blocking and event-loop friendly: ``recv_packet`` /
-``send_packet`` never block (they raise ``BlockingIOError``), and the ``async``
-variants wait for readiness with ``loop.add_reader``/``add_writer`` under a timeout.
+``send_packet`` never block (they raise ``BlockingIOError``); :func:`wait_ready` and
+:func:`recv_packet_async` wait for readiness with ``loop.add_reader``/``add_writer``
+under a timeout.
 """
 
 from __future__ import annotations
@@ -197,84 +198,3 @@ async def recv_packet_async(sock: socket.socket, timeout: float | None,
             pass
         if not await wait_ready(sock, timeout):
             raise TimeoutError(f"no message within {timeout:g}s")
-
-
-async def send_packet_async(sock: socket.socket, data: bytes, fd_source=None,
-                            timeout: float | None = 5.0) -> bool:
-    """:func:`send_packet`, waiting up to ``timeout`` seconds for buffer space.
-
-    ``fd_source`` is None (no fd) or a callable returning the fd to attach, or None
-    when the message must no longer be sent (the pod was deleted while we waited; the
-    fd is looked up in the same loop step as ``sendmsg`` so it can't be closed in between).
-    Returns False when ``fd_source`` withdrew the message. Raises TimeoutError / OSError.
-    """
-    while True:
-        fd = None
-        if fd_source is not None:
-            fd = fd_source()
-            if fd is None:
-                return False
-        try:
-            send_packet(sock, data, fd)
-            return True
-        except (BlockingIOError, InterruptedError):
-            pass
-        if not await wait_ready(sock, timeout, write=True):
-            raise TimeoutError(f"socket not writable within {timeout:g}s")
-
-
-class PacketReader:
-    """Keeps one reader registered on ``sock`` and queues what arrives, so a busy
-    connection costs no ``epoll_ctl`` per message. :meth:`next` returns a Packet, None
-    (EOF) or raises the receive error (WireError/OSError) in order; :meth:`close`
-    unregisters (call it before closing the socket) and closes fds of unread packets."""
-
-    def __init__(self, sock: socket.socket, max_fds: int = 1):
-        import collections
-
-        self.sock, self.max_fds = sock, max_fds
-        self._inbox: collections.deque = collections.deque()
-        self._waiter: asyncio.Future | None = None
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(sock.fileno(), self._on_readable)
-        self._reading = True
-
-    def _on_readable(self) -> None:
-        while True:
-            try:
-                outcome = recv_packet(self.sock, self.max_fds)
-            except (BlockingIOError, InterruptedError):
-                break
-            except (WireError, OSError) as e:
-                outcome = e
-            self._inbox.append(outcome)
-            if outcome is None or isinstance(outcome, OSError):
-                self._stop()
-                break
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    def _stop(self) -> None:
-        if self._reading:
-            self._reading = False
-            self._loop.remove_reader(self.sock.fileno())
-
-    async def next(self, timeout: float | None = None) -> Packet | None:
-        if not self._inbox:
-            self._waiter = self._loop.create_future()
-            try:
-                async with asyncio.timeout(timeout):
-                    await self._waiter
-            finally:
-                self._waiter = None
-        outcome = self._inbox.popleft()
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
-    def close(self) -> None:
-        self._stop()
-        while self._inbox:
-            outcome = self._inbox.popleft()
-            if isinstance(outcome, Packet):
-                outcome.close_fds()

@@ -418,3 +418,22 @@ async def test_snapshot_resumes_after_socket_buffer_fills(nsfd):
             assert len(conn.held) == pods
         finally:
             peer.close()
+
+
+@pytest.mark.timeout(20)
+async def test_burst_beyond_the_queue_waits_for_room(nsfd):
+    """A burst of concurrent adds (and deletes) beyond upstream's 100-slot queue all land,
+    in order. (A bounded queue that filled up used to make add() retry the same
+    connection without ever yielding: the event loop hung.)"""
+    burst = 300  # more than upstream's 100-slot queue
+    async with running_server() as server:
+        async with running_client(server.path) as client:
+            await client.wait_snapshot(timeout=3)
+            await asyncio.gather(*(server.add(pod(f"b{i}", nsfd)) for i in range(burst)))
+            assert len(client.pods) == burst
+            await asyncio.gather(*(server.add(pod(f"w{i}", nsfd), wait_ack=False)
+                                   for i in range(burst)))
+            await client.wait_for_pod(f"w{burst - 1}", timeout=5)
+            assert len(client.pods) == 2 * burst
+            await asyncio.gather(*(server.delete(f"b{i}") for i in range(burst)))
+            assert len(client.pods) == burst
