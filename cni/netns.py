@@ -67,21 +67,24 @@ def entered(target: str | int) -> Iterator[None]:
     """Run the ``with`` body in netns ``target`` (path or fd), then return to the original.
 
     Only the calling thread moves. If restoring fails the thread is unusable, so we
-    raise loudly rather than leave it in a pod's netns.
+    raise loudly rather than leave it in a pod's netns. Raises :class:`NetnsError` when
+    ``target`` can't be opened or entered (no fd is left open then).
     """
-    own = current_netns_fd()
     fd = open_netns(target) if isinstance(target, str) else target
     try:
+        own = current_netns_fd()
         try:
-            setns(fd)
-        except OSError as e:
-            raise NetnsError(str(target), e.errno or 0, "cannot enter") from None
-        try:
-            yield
+            try:
+                setns(fd)
+            except OSError as e:
+                raise NetnsError(str(target), e.errno or 0, "cannot enter") from None
+            try:
+                yield
+            finally:
+                setns(own)
         finally:
-            setns(own)
+            os.close(own)
     finally:
-        os.close(own)
         if isinstance(target, str):
             os.close(fd)
 
