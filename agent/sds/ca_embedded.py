@@ -33,6 +33,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from agent.sds import keys
+from cni.install import write_atomic
 
 log = logging.getLogger("agent.sds.ca")
 
@@ -52,18 +53,6 @@ class CAError(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` to a new 0600 file atomically (never world-readable, even briefly)."""
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 def create_root(trust_domain: str, now: dt.datetime | None = None):
@@ -121,9 +110,10 @@ class EmbeddedCA:
         if cert_path.exists() and key_path.exists():
             return cls._load(cert_path, key_path)
         cert, key = create_root(trust_domain)
-        _write_private(key_path, keys.key_pem(key))
+        # 0600 from creation, via temp file + rename: never world-readable, even briefly.
+        write_atomic(str(key_path), keys.key_pem(key), 0o600)
         cert_pem = cert.public_bytes(serialization.Encoding.PEM)
-        _write_private(cert_path, cert_pem)
+        write_atomic(str(cert_path), cert_pem, 0o600)
         log.info("created embedded CA root serial %x at %s", cert.serial_number, cert_path)
         return cls(cert, key, cert_pem)
 
@@ -140,8 +130,7 @@ class EmbeddedCA:
             # Never include the file's bytes: it holds a private key.
             raise CAError("INTERNAL", f"CA key {key_path}: unreadable or not a PEM private key "
                           f"({type(e).__name__})") from None
-        spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-        if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
+        if not keys.same_public_key(key, cert):
             raise CAError("INTERNAL", f"CA key {key_path} does not match certificate {cert_path}")
         return cls(cert, key, bundle)
 

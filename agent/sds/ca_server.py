@@ -37,6 +37,7 @@ from grpc_reflection.v1alpha import reflection
 
 from agent.config import ensure_tcp_port_free
 from agent.sds import ca_pb2, ca_pb2_grpc, keys
+from agent.sds.attest import identity_of_pod
 from agent.sds.ca_embedded import CAError, EmbeddedCA
 
 log = logging.getLogger("agent.sds.ca")
@@ -131,11 +132,11 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
         if store is None:
             return ""
         for pod in store.list("Pod", wanted.namespace):
-            spec = pod.get("spec") or {}
-            sa = spec.get("serviceAccountName") or "default"
+            node = (pod.get("spec") or {}).get("nodeName")
             phase = (pod.get("status") or {}).get("phase", "")
-            if sa == wanted.service_account and phase != "Failed" and (
-                    not self.node_name or spec.get("nodeName") in ("", None, self.node_name)):
+            # The pod's identity is derived as attestation derives it (one rule).
+            if identity_of_pod(pod, self.trust_domain) == wanted and phase != "Failed" and (
+                    not self.node_name or node in ("", None, self.node_name)):
                 return ""
         return f"no pod with identity {target} on node {self.node_name}"
 

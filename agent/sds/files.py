@@ -23,6 +23,7 @@ import time
 from typing import Callable
 
 import watchfiles
+from cryptography.hazmat.primitives.serialization import Encoding
 
 from agent.sds import keys
 
@@ -46,11 +47,6 @@ class FileResource:
     kind: str
     cert: str = ""
     key: str = ""
-
-    @property
-    def watched(self) -> str:
-        """The one file whose change means "push": the cert (not the key) or the root."""
-        return self.cert
 
 
 def system_bundle() -> str:
@@ -94,7 +90,6 @@ def read_root(path: str) -> bytes:
         certs = keys.load_certs(data, f"root bundle {path}")
     except ValueError as e:
         raise FileSecretError(str(e)) from None
-    from cryptography.hazmat.primitives.serialization import Encoding
     return b"".join(c.public_bytes(Encoding.PEM) for c in certs)
 
 
@@ -136,15 +131,14 @@ class FileWatcher:
         self.entries.setdefault(path, set()).add(resource_name)
         directory = os.path.dirname(path)
         if directory not in self._dirs and os.path.isdir(directory):
-            ready = asyncio.Event()
             self._dirs[directory] = asyncio.get_running_loop().create_task(
-                self._run(directory, ready), name=f"watch {directory}")
+                self._run(directory), name=f"watch {directory}")
 
     async def wait_ready(self) -> None:
         """Give the watch tasks a moment to install their inotify watches (tests)."""
         await asyncio.sleep(0.2)
 
-    async def _run(self, directory: str, ready: asyncio.Event) -> None:
+    async def _run(self, directory: str) -> None:
         try:
             async for changes in watchfiles.awatch(directory, stop_event=self._stop,
                                                    debounce=self.debounce_ms, step=20,

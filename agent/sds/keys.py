@@ -187,6 +187,12 @@ def merge_trust(*bundles: bytes | str) -> bytes:
     return b"\n".join(sorted(blocks))
 
 
+def same_public_key(key, cert: x509.Certificate) -> bool:
+    """True when private ``key`` belongs to ``cert`` (their SubjectPublicKeyInfo match)."""
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return key.public_key().public_bytes(*spki) == cert.public_key().public_bytes(*spki)
+
+
 def key_matches_cert(key_pem_bytes: bytes, cert_pem: bytes) -> bool:
     """True when the private key belongs to the first certificate (file pair validation)."""
     try:
@@ -194,6 +200,4 @@ def key_matches_cert(key_pem_bytes: bytes, cert_pem: bytes) -> bool:
         cert = load_certs(cert_pem)[0]
     except (ValueError, TypeError):
         return False
-    pub = serialization.PublicFormat.SubjectPublicKeyInfo
-    return (key.public_key().public_bytes(serialization.Encoding.DER, pub)
-            == cert.public_key().public_bytes(serialization.Encoding.DER, pub))
+    return same_public_key(key, cert)
