@@ -46,7 +46,7 @@ class CniInstallerComponent(Component):
         self._recent: list[float] = []
 
     async def start(self) -> None:
-        os.makedirs(self.installer.conf_dir, mode=0o755, exist_ok=True)
+        await self.ctx.run_blocking(self._make_dirs)
         await self._reconcile("start")
         self._task = asyncio.get_running_loop().create_task(self._watch())
 
@@ -67,9 +67,20 @@ class CniInstallerComponent(Component):
         return {"conf_dir": self.installer.conf_dir, "bin_dir": self.installer.bin_dir,
                 "problem": self._problem, "repairs": self.repairs}
 
+    def _make_dirs(self) -> None:
+        for path in (self.installer.conf_dir, self.installer.bin_dir):
+            os.makedirs(path, mode=0o755, exist_ok=True)
+
+    def _check(self) -> str | None:
+        """:meth:`Installer.check`, with an unreadable file reported as the problem."""
+        try:
+            return self.installer.check()
+        except OSError as e:
+            return f"cannot check the installation: {e}"
+
     async def _reconcile(self, why: str) -> None:
         """Check; install if needed. Never raises: a bad file is logged and waited out."""
-        problem = await self.ctx.run_blocking(self.installer.check)
+        problem = await self.ctx.run_blocking(self._check)
         if problem is None:
             self._problem = None
             return
@@ -87,7 +98,7 @@ class CniInstallerComponent(Component):
         if why != "start":
             self.repairs += 1
             log.info("repaired istio-cni in %s (%s)", path, problem)
-        self._problem = await self.ctx.run_blocking(self.installer.check)
+        self._problem = await self.ctx.run_blocking(self._check)
 
     async def _throttle(self) -> None:
         now = time.monotonic()
@@ -104,8 +115,7 @@ class CniInstallerComponent(Component):
         paths = [self.installer.conf_dir, self.installer.bin_dir]
         while not self._stop.is_set():
             try:
-                for p in paths:
-                    os.makedirs(p, mode=0o755, exist_ok=True)
+                await self.ctx.run_blocking(self._make_dirs)
                 # re-check whenever the watch (re)starts: changes while it was down count
                 await self._reconcile("watch")
                 async for _changes in watchfiles.awatch(

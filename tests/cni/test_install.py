@@ -216,3 +216,25 @@ async def test_component_installs_repairs_and_uninstalls(dirs, state_dir):
 def test_build_disabled_by_default(state_dir):
     ctx = AgentContext(make_config(state_dir))
     assert install.build(ctx) is None
+
+
+async def test_component_survives_an_unreadable_launcher_path(dirs, state_dir):
+    """A directory where the launcher belongs makes the check itself fail (EISDIR): the
+    agent still starts, the component reports the problem, and repairs once it's gone."""
+    conf, bin_ = dirs
+    shutil.copy(os.path.join(DATA, "bridge.conf"), conf / "10-bridge.conf")
+    (bin_ / "istio-cni").mkdir(parents=True)
+    ctx = AgentContext(make_config(state_dir, cni_manage_config=True, cni_conf_dir=str(conf),
+                                   cni_bin_dir=str(bin_)))
+    component = install.build(ctx)
+    await component.start()
+    try:
+        ok, why = component.ready()
+        assert ok is False and "istio-cni" in why
+        (bin_ / "istio-cni").rmdir()
+        await wait_for(lambda: component.ready()[0])
+        assert os.access(bin_ / "istio-cni", os.X_OK)
+    finally:
+        await component.stop(2.0)
+        ctx.executor.shutdown(wait=False)
+    assert sorted(os.listdir(conf)) == ["10-bridge.conf"]
