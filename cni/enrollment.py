@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.lifecycle import AgentContext, Component
+from cni import enablement
 from cni import netns as netns_mod
 from cni import podnetns
 from cni.events import CniPodEvent
@@ -149,6 +150,8 @@ class Enrollment(Component):
         self._retry_tasks: dict[str, asyncio.Task] = {}
         self._host_netns = podnetns.host_netns_id()
         self._started = False
+        self._unsubscribe = None
+        self._leaving: dict[str, asyncio.Task] = {}
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -171,6 +174,7 @@ class Enrollment(Component):
                 await asyncio.sleep(2.0)
         self._started = True
         await self.recover()
+        self._watch_store()
 
     def _choose_backend(self):
         """§3.13: nftables when asked, unless iptables artifacts (our probe ipset) exist
@@ -196,6 +200,11 @@ class Enrollment(Component):
         the mesh; the next start re-creates them and reconciles pods), unless
         ``ambient_disable_safe_upgrade`` says this node is being decommissioned, as
         upstream's ``AMBIENT_DISABLE_SAFE_UPGRADE`` does (spec §3.12)."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self._leaving:  # an un-enrollment half done would leave a pod half in the mesh
+            await asyncio.wait(list(self._leaving.values()), timeout=grace)
         tasks = list(self._retry_tasks.values())
         for t in tasks:
             t.cancel()
@@ -466,30 +475,41 @@ class Enrollment(Component):
 
     # --- unenroll ---------------------------------------------------------------------------
 
-    async def unenroll(self, event: CniPodEvent) -> None:
-        """Remove a pod (CNI DEL): probe set entries it owns, in-pod rules and routing when
-        its netns still exists, ZDS delete, status annotation, persisted record. Best
-        effort: a missing netns is fine; raises :class:`EnrollmentError` only when a step
-        that could have run failed (after trying every step)."""
+    async def unenroll(self, event: CniPodEvent, is_delete: bool = False) -> None:
+        """Remove a pod from the mesh, upstream's ``RemovePodFromMesh(pod, isDelete)``
+        (spec §3.7): probe set entries it owns, then (only when ``not is_delete`` and its
+        netns still exists) the in-pod rules and routing, then the ZDS delete, the status
+        annotation and the persisted record.
+
+        ``is_delete=True`` is the CNI DEL: the sandbox is being destroyed and its netns
+        goes away with the rules in it, so, as upstream, they are not deleted (that is
+        the expensive part: every deleting nf_tables transaction waits for an RCU grace
+        period). ``is_delete=False`` is un-enrollment of a live pod, which must leave the
+        netns as it was. Best effort: a missing netns is fine; raises
+        :class:`EnrollmentError` only when a step that could have run failed (after
+        trying every step)."""
         uid = event.key
         async with self._lock(uid):
             self._cancel_retry(uid)
             rec = self.records.pop(uid, None) or self._record_from_event(event)
             if not rec.ips:
                 rec.ips = list(event.ips)
-            errors = await self._remove(rec, event.netns or rec.netns)
+            netns_path = "" if is_delete else (event.netns or rec.netns)
+            errors = await self._remove(rec, netns_path)
             self.state.remove(uid)
             self._locks.pop(uid, None)
         if errors:
             raise EnrollmentError(f"{rec.label()}: removal incomplete: " + "; ".join(errors))
 
     async def _remove(self, rec: PodRecord, netns_path: str) -> list[str]:
+        """Probe set entries and in-pod rules (when ``netns_path``) at once: they live in
+        different netns and neither depends on the other; ZDS delete only after the
+        rules are gone, so ztunnel never drains a proxy that traffic is still sent to."""
         errors: list[str] = []
+        hostset = None
         if rec.ips and self.host_rules is not None:
-            try:
-                await self.ctx.run_blocking(self.host_rules.remove_pod, rec.uid, rec.ips)
-            except (RulesError, OSError, ValueError) as e:
-                errors.append(f"host probe set: {e}")
+            hostset = asyncio.ensure_future(
+                self.ctx.run_blocking(self.host_rules.remove_pod, rec.uid, rec.ips))
         if netns_path and os.path.exists(netns_path):
             opts = pod_options(self.base_options, rec.annotations)
 
@@ -508,8 +528,80 @@ class Enrollment(Component):
                 await zds.delete(rec.uid)
             except Exception as e:  # noqa: BLE001
                 errors.append(f"ZDS delete: {e}")
+        if hostset is not None:
+            try:
+                await hostset
+            except (RulesError, OSError, ValueError) as e:
+                errors.insert(0, f"host probe set: {e}")
         await self._set_status(rec, None)
         return errors
+
+    # --- pods that stop being ambient ------------------------------------------------------
+
+    def _watch_store(self) -> None:
+        """Follow the config source's changes (``ObjectStore.subscribe``), when it has any."""
+        subscribe = getattr(self._store(), "subscribe", None)
+        if callable(subscribe):
+            self._unsubscribe = subscribe(self._on_store_events)
+
+    def _on_store_events(self, events: list) -> None:
+        """Upstream's informer Pod/Namespace Update (spec §3.5): an enrolled pod whose Pod
+        object or namespace labels now say "not ambient" is removed with
+        ``is_delete=False`` (it keeps running, so its in-pod rules must go). Deleted
+        objects are left to the CNI DEL; a pod becoming ambient while running is not
+        handled (it is enrolled at its next sandbox creation). Runs on the event loop
+        inside the store's transaction: it only looks and schedules."""
+        if not self.records:
+            return
+        uids: set[str] = set()
+        for ev in events:
+            if ev.new is None:
+                continue
+            if ev.kind == "Pod":
+                uid = (ev.new.get("metadata") or {}).get("uid")
+                if uid in self.records:
+                    uids.add(uid)
+            elif ev.kind == "Namespace" and _labels(ev.old) != _labels(ev.new):
+                uids |= {u for u, r in self.records.items() if r.namespace == ev.name}
+        for uid in uids:
+            if uid not in self._leaving and self._still_ambient(uid) is False:
+                task = asyncio.get_running_loop().create_task(self._leave_mesh(uid),
+                                                              name=f"unenroll-{uid}")
+                self._leaving[uid] = task
+                task.add_done_callback(lambda _t, u=uid: self._leaving.pop(u, None))
+
+    def _still_ambient(self, uid: str) -> bool | None:
+        """The enablement decision for an enrolled pod from its current Pod object and
+        namespace (§2.4 rules, as :mod:`cni.enablement`); None when it can't be made (no
+        Pod object, malformed selector): then nothing is changed."""
+        rec = self.records.get(uid)
+        store = self._store()
+        pod = self._pod_object(uid, rec.namespace, rec.name) if rec is not None else None
+        if pod is None or store is None:
+            return None
+        namespace = (pod.get("metadata") or {}).get("namespace") or rec.namespace
+        if namespace in set(self.ctx.config.exclude_namespaces or ()):
+            return False
+        try:
+            ns_obj = store.get("Namespace", "", namespace) if namespace else None
+            ambient, _ = enablement.pod_matches(pod, _labels(ns_obj))
+        except Exception as e:  # noqa: BLE001 - a bad object must not break the watcher
+            log.warning("%s: cannot re-check enablement: %s", rec.label(), e)
+            return None
+        return ambient
+
+    async def _leave_mesh(self, uid: str) -> None:
+        rec = self.records.get(uid)
+        if rec is None or self._still_ambient(uid) is not False:
+            return
+        log.info("%s: no longer ambient; removing it from the mesh", rec.label())
+        event = CniPodEvent(command="DEL", container_id=rec.uid, netns=rec.netns,
+                            pod_name=rec.name, pod_namespace=rec.namespace, pod_uid=rec.uid,
+                            ips=list(rec.ips))
+        try:
+            await self.unenroll(event, is_delete=False)
+        except EnrollmentError as e:
+            log.warning("un-enrolling %s: %s", rec.label(), e)
 
     # --- restart recovery -------------------------------------------------------------------
 
@@ -617,6 +709,10 @@ class Enrollment(Component):
             finally:
                 os.close(fd)
             return rec.status
+
+
+def _labels(obj: dict | None) -> dict:
+    return ((obj or {}).get("metadata") or {}).get("labels") or {}
 
 
 def _ipset_exists(name: str, netns: str | None) -> bool:

@@ -13,7 +13,9 @@ Routes (the body is a :class:`cni.events.CniPodEvent` JSON):
   400 malformed event (message names the field); 500 enrollment failed or impossible
   (the reason becomes the plugin's CNI error); 503 the agent is shutting down or the
   enrollment error is ``retryable`` (the plugin maps 503 to "try again later", code 11).
-- ``POST /cmddel``: await ``enrollment.unenroll(event)`` (best effort). 200 or 500.
+- ``POST /cmddel``: await ``enrollment.unenroll(event, is_delete=True)`` (best effort;
+  the sandbox is being destroyed, so its in-pod rules go with its netns, as upstream's
+  ``RemovePodFromMesh(pod, isDelete=true)``, spec §3.7). 200 or 500.
 - ``GET /healthz``: 200 while serving, 503 while draining (the plugin's STATUS).
 
 ADD and DEL of one pod (:attr:`CniPodEvent.key`) are serialised. An enrollment
@@ -216,7 +218,7 @@ class CniEventServer(Component):
         if enrollment is None:
             return 200, {"unenrolled": False, "reason": "no enrollment component"}
         try:
-            await enrollment.unenroll(event)  # type: ignore[attr-defined]
+            await enrollment.unenroll(event, is_delete=True)  # type: ignore[attr-defined]
         except Exception as e:  # noqa: BLE001
             log.warning("unenrolling pod %s failed: %s", _pod_name(event), e)
             return 500, f"unenrolling pod {_pod_name(event)} failed: {e}"

@@ -37,6 +37,7 @@ class RecordingEnroller(Component):
     def __init__(self):
         self.enrolled: list = []
         self.unenrolled: list = []
+        self.unenrolled_is_delete: list[bool] = []
         self.delay = 0.0
         self.fail_with: str | None = None
         self.active: dict[str, int] = {}
@@ -54,8 +55,9 @@ class RecordingEnroller(Component):
         finally:
             self.active[event.key] -= 1
 
-    async def unenroll(self, event):
+    async def unenroll(self, event, is_delete=False):
         self.unenrolled.append(event)
+        self.unenrolled_is_delete.append(is_delete)
 
 
 class DictStore:

@@ -119,6 +119,8 @@ async def test_add_and_del_of_one_pod_are_serialised(cni_agent):
     assert [r[0] for r in results] == [200, 200, 200]
     assert cni_agent.enroller.max_concurrent_per_pod == 1
     assert len(cni_agent.enroller.unenrolled) == 1
+    # a CNI DEL is upstream's RemovePodFromMesh(isDelete=true): the netns goes away
+    assert cni_agent.enroller.unenrolled_is_delete == [True]
     assert cni_agent.server.debug_state()["in_flight"] == {}
     assert cni_agent.server._locks == {}
 

@@ -333,3 +333,110 @@ async def test_stop_keeps_host_rules_unless_safe_upgrade_disabled(state_dir, nod
     assert "ISTIO" in _node_rules(node_netns)
     await h.stop()
     assert ("ISTIO" in _node_rules(node_netns)) is not decommission
+
+
+async def test_cni_del_keeps_in_pod_rules_as_upstream(bridge, state_dir, node_netns):
+    """CNI DEL = upstream RemovePodFromMesh(isDelete=true) (spec §3.7): the sandbox's netns
+    is being destroyed, so its rules are left to go with it; probe set entry, ZDS and
+    the persisted record are removed. Un-enrollment of a live pod (is_delete=False) is
+    the full removal."""
+    h = await Harness(state_dir, node_netns).start()
+    try:
+        zt = await h.ztunnel()
+        pod, live = [await asyncio.to_thread(bridge.add_pod, n) for n in ("td", "tl")]
+        before = snapshot(live)
+        await h.enrollment.enroll(event(pod))
+        await h.enrollment.enroll(event(live))
+        await h.enrollment.unenroll(event(pod, "DEL"), is_delete=True)
+        assert ":ISTIO_OUTPUT" in pod.exec("iptables-save").stdout  # left to the netns
+        assert await host_entries(h) == {live.ip: live.uid}
+        assert await asyncio.to_thread(zt.wait, lambda: pod.uid in zt.deleted)
+        assert pod.uid not in h.enrollment.pods()
+        assert not os.path.exists(os.path.join(h.state_dir, "pods", f"{pod.uid}.json"))
+        await h.enrollment.unenroll(event(pod, "DEL"), is_delete=True)  # repeated DEL: fine
+        await h.enrollment.unenroll(event(live, "DEL"), is_delete=False)
+        assert snapshot(live) == before
+        assert await host_entries(h) == {}
+    finally:
+        await h.stop()
+
+
+class StoreSource(Component):
+    """``config-source`` over the real ``ambient.store.ObjectStore`` (change events
+    included); objects are put in directly, as a files/Kubernetes backend would."""
+
+    name = "config-source"
+
+    def __init__(self):
+        from ambient.store import ObjectStore
+        self.store = ObjectStore()
+
+    def put(self, *objs):
+        self.store.apply([(o, "test") for o in objs], origin="test")
+
+
+def _pod_obj(pod, ns, labels=None):
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": pod.name, "namespace": ns, "uid": pod.uid,
+                         "labels": labels or {}}, "spec": {"serviceAccountName": "sa"}}
+
+
+def _ns_obj(name, labels=None):
+    return {"apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": name, "labels": labels or {}}}
+
+
+async def _until(cond, timeout=5.0):
+    for _ in range(int(timeout / 0.02)):
+        if cond():
+            return True
+        await asyncio.sleep(0.02)
+    return cond()
+
+
+async def test_pod_that_stops_being_ambient_is_unenrolled(bridge, state_dir, node_netns):
+    """Upstream's informer Pod/Namespace Update (spec §3.5): a running enrolled pod whose
+    labels (or its namespace's) stop selecting it is removed with isDelete=false: its
+    in-pod rules, routing, probe entry and ZDS proxy all go, the netns is as before.
+    Unrelated changes, and a pod still ambient, change nothing."""
+    source = StoreSource()
+    ns = "ns" + secrets.token_hex(3)
+    h = await Harness(state_dir, node_netns).start(source)
+    try:
+        zt = await h.ztunnel()
+        by_pod, by_ns, other, keeper = [await asyncio.to_thread(bridge.add_pod, n)
+                                        for n in ("ta", "tb", "tc", "tk")]
+        clean = {p.uid: snapshot(p) for p in (by_pod, by_ns)}
+        source.put(_ns_obj(ns, {"istio.io/dataplane-mode": "ambient"}),
+                   _pod_obj(by_pod, ns, {"istio.io/dataplane-mode": "ambient"}),
+                   _pod_obj(by_ns, ns), _pod_obj(other, ns),
+                   _pod_obj(keeper, ns, {"istio.io/dataplane-mode": "ambient"}))
+        for p in (by_pod, by_ns, other, keeper):
+            ev = event(p)
+            ev.pod_namespace = ns
+            await h.enrollment.enroll(ev)
+        assert set(h.enrollment.pods()) == {by_pod.uid, by_ns.uid, other.uid, keeper.uid}
+
+        # a label that doesn't change the decision: nothing happens
+        source.put(_pod_obj(other, ns, {"app": "x"}))
+        await asyncio.sleep(0.2)
+        assert other.uid in h.enrollment.pods()
+
+        source.put(_pod_obj(by_pod, ns, {"istio.io/dataplane-mode": "none"}))
+        assert await _until(lambda: by_pod.uid not in h.enrollment.pods())
+        assert await _until(lambda: not h.enrollment._leaving)
+        assert snapshot(by_pod) == clean[by_pod.uid]
+        assert by_pod.uid in zt.deleted
+        assert by_pod.ip not in await host_entries(h)
+
+        # the namespace loses its label: the pods only it selected leave; a pod whose
+        # own label says ambient stays
+        source.put(_ns_obj(ns))
+        assert await _until(lambda: set(h.enrollment.pods()) == {keeper.uid})
+        assert await _until(lambda: not h.enrollment._leaving)
+        assert snapshot(by_ns) == clean[by_ns.uid]
+        assert await host_entries(h) == {keeper.ip: keeper.uid}
+        assert {by_ns.uid, other.uid} <= set(zt.deleted) and keeper.uid not in zt.deleted
+        assert h.enrollment.debug_state()["pods"][keeper.uid]["status"] == "enabled"
+    finally:
+        await h.stop()
