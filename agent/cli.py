@@ -1,8 +1,9 @@
 """``ambient-agent``: the daemon and its operator tools.
 
 Subcommands register themselves in ``SUBCOMMANDS`` (name -> module path). Each module
-defines ``add_arguments(parser)`` and ``main(args) -> int``; they are imported only
-when chosen so ``ambient-agent version`` stays instant.
+defines ``add_arguments(parser)`` and ``main(args) -> int``. Every module is imported to
+build the parser, so each keeps its top-level imports light (heavy ones inside ``main``)
+and ``ambient-agent version`` stays instant.
 
 User errors (bad flags, bad config values, unusable state dir) exit non-zero with one
 line naming the setting, the value and the reason; never a traceback.
@@ -91,16 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("version", help="print the version")
     ver.set_defaults(func=cmd_version)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text)
-        p.set_defaults(func=_lazy(module_name), _module=module_name)
-        importlib.import_module(module_name).add_arguments(p)
+        p.set_defaults(func=module.main)
+        module.add_arguments(p)
     return parser
-
-
-def _lazy(module_name: str):
-    def call(args: argparse.Namespace) -> int:
-        return importlib.import_module(module_name).main(args)
-    return call
 
 
 def main(argv: list[str] | None = None) -> int:

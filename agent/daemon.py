@@ -126,10 +126,12 @@ class Agent:
         self._lock.acquire(self.config.origins.get("state_dir", ""))
         try:
             build(self.ctx)
-        except (ConfigError, ComponentStartError):
+            await self.supervisor.start()
+        except BaseException:
+            # Started components were stopped by the supervisor; free the state dir too,
+            # so a caller that does not call stop() can start another agent on it.
             self._lock.release()
             raise
-        await self.supervisor.start()
         log.info("agent ready: %s", ", ".join(self.ctx.components) or "no components")
         return self
 

@@ -52,7 +52,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import yaml
 

@@ -16,6 +16,7 @@ thread, or the event loop's thread); ``--disable-hot-restart`` so several Envoys
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -188,8 +189,6 @@ class EnvoyProcess:
     async def wait_ready_async(self, timeout: float = 20.0) -> float:
         """:meth:`wait_ready` for callers on an event loop (e.g. that also runs the SDS
         server): polls ``/ready`` from a worker thread. Returns seconds since start."""
-        import asyncio
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
@@ -202,7 +201,7 @@ class EnvoyProcess:
 
     def stat(self, name: str) -> int:
         """One counter/gauge from ``/stats?filter=`` (0 when absent)."""
-        status, body = self.admin(f"/stats?filter=^{name}$")
+        _, body = self.admin(f"/stats?filter=^{name}$")
         for line in body.splitlines():
             key, _, value = line.partition(": ")
             if key == name and value.strip().lstrip("-").isdigit():

@@ -22,13 +22,12 @@ Every call blocks (``subprocess.run``); async callers run them in a worker threa
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import subprocess
 import tarfile
-import tempfile
-from pathlib import Path
 from typing import Iterable
 
 BUSYBOX = "/bin/busybox"
@@ -72,17 +71,16 @@ def busybox_rootfs_tar() -> bytes:
     Raises PodmanError when ``/bin/busybox`` is missing (Debian ``busybox-static``)."""
     if not os.access(BUSYBOX, os.X_OK):
         raise PodmanError(f"{BUSYBOX} not found: install Debian's busybox-static")
-    with tempfile.TemporaryDirectory(prefix="ambient-rootfs-") as tmp:
-        out = Path(tmp) / "rootfs.tar"
-        with tarfile.open(out, "w") as tar:
-            bindir = tarfile.TarInfo("bin")
-            bindir.type, bindir.mode = tarfile.DIRTYPE, 0o755
-            tar.addfile(bindir)
-            tar.add(BUSYBOX, arcname="bin/busybox")
-            link = tarfile.TarInfo("bin/sh")
-            link.type, link.linkname = tarfile.SYMTYPE, "busybox"
-            tar.addfile(link)
-        return out.read_bytes()
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        bindir = tarfile.TarInfo("bin")
+        bindir.type, bindir.mode = tarfile.DIRTYPE, 0o755
+        tar.addfile(bindir)
+        tar.add(BUSYBOX, arcname="bin/busybox")
+        link = tarfile.TarInfo("bin/sh")
+        link.type, link.linkname = tarfile.SYMTYPE, "busybox"
+        tar.addfile(link)
+    return out.getvalue()
 
 
 class Podman:

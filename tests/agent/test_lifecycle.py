@@ -79,3 +79,23 @@ def test_duplicate_component_names_rejected(tmp_path):
     ctx.add(Recorder("a", []))
     with pytest.raises(ValueError, match="duplicate"):
         ctx.add(Recorder("a", []))
+
+
+def _failing_builder(ctx):
+    """A daemon builder (see test below): one component whose start fails."""
+    return Recorder("broken", [], fail=True)
+
+
+async def test_failed_agent_start_frees_the_state_dir(tmp_path, monkeypatch):
+    """A failed ``Agent.start`` releases the state-dir lock: the next agent on the same
+    state dir (here in the same process) fails for its own reason, not "in use"."""
+    from agent import daemon
+    from agent.errors import ComponentStartError
+
+    monkeypatch.setattr(daemon, "COMPONENT_BUILDERS",
+                        [("tests.agent.test_lifecycle", "_failing_builder")])
+    config = cfg.load({"state_dir": str(tmp_path)}, env={})
+    for _ in range(2):
+        with pytest.raises(ComponentStartError, match="broken: broken cannot start"):
+            await daemon.Agent(config).start()
+    assert not (tmp_path / "agent.lock").exists()

@@ -13,15 +13,26 @@ import time
 
 import pytest
 
+from agent.envoy import free_port
 from tests.netns.toolkit import is_root
 
 EXPECTED_SOCKETS = {"pluginevent.sock", "workload-spiffe-uds/socket", "ztunnel/ztunnel.sock"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture
+def node_netns():
+    """A scratch netns for the agent's host probe rules: the tests' agents must never
+    leave their fixed-name SNAT chain and probe sets in this machine's own netns."""
+    if not is_root():
+        pytest.skip("needs root: creates a network namespace")
+    from pyroute2 import netns
+
+    name = "tnode" + os.urandom(3).hex()
+    netns.create(name)
+    try:
+        yield f"/var/run/netns/{name}"
+    finally:
+        netns.remove(name)
 
 
 def sockets_under(root: str) -> set[str]:
@@ -35,12 +46,12 @@ def sockets_under(root: str) -> set[str]:
 
 
 @pytest.mark.skipif(not is_root(), reason="needs root: the agent enters netns and binds :15020-style ports")
-def test_sigterm_leaves_no_sockets(tmp_path):
+def test_sigterm_leaves_no_sockets(tmp_path, node_netns):
     state = tmp_path / "state"
     env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=str(state / "ztunnel" / "ztunnel.sock"))
     argv = [sys.executable, "-m", "agent.cli", "run", "--state-dir", str(state),
             "--status-port", str(free_port()), "--health-port", str(free_port()),
-            "--xds-port", str(free_port()), "--xds-tls-port", "0", "--log-level", "info"]
+            "--xds-port", str(free_port()), "--xds-tls-port", "0", "--host-rules-netns", node_netns, "--log-level", "info"]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
@@ -63,7 +74,7 @@ def test_sigterm_leaves_no_sockets(tmp_path):
 
 @pytest.mark.skipif(not is_root(), reason="needs root: the agent enters netns and binds ports")
 @pytest.mark.parametrize("taken", ["--xds-port", "--status-port"])
-def test_port_in_use_is_one_clear_line(tmp_path, taken):
+def test_port_in_use_is_one_clear_line(tmp_path, taken, node_netns):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -72,7 +83,7 @@ def test_port_in_use_is_one_clear_line(tmp_path, taken):
         ports[taken] = str(busy.getsockname()[1])
         env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=str(tmp_path / "z.sock"))
         argv = [sys.executable, "-m", "agent.cli", "run", "--state-dir", str(tmp_path / "s"),
-                "--xds-tls-port", "0", "--log-level", "none"]
+                "--xds-tls-port", "0", "--host-rules-netns", node_netns, "--log-level", "none"]
         for flag, port in ports.items():
             argv += [flag, port]
         r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
@@ -84,12 +95,12 @@ def test_port_in_use_is_one_clear_line(tmp_path, taken):
 
 
 @pytest.mark.skipif(not is_root(), reason="needs root: the agent enters netns and binds ports")
-def test_second_agent_on_same_state_dir_is_refused_and_harmless(tmp_path):
+def test_second_agent_on_same_state_dir_is_refused_and_harmless(tmp_path, node_netns):
     state = tmp_path / "state"
     env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=str(state / "ztunnel" / "ztunnel.sock"))
     argv = [sys.executable, "-m", "agent.cli", "run", "--state-dir", str(state),
             "--status-port", str(free_port()), "--health-port", str(free_port()),
-            "--xds-port", str(free_port()), "--xds-tls-port", "0", "--log-level", "warn"]
+            "--xds-port", str(free_port()), "--xds-tls-port", "0", "--host-rules-netns", node_netns, "--log-level", "warn"]
     first = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
     try:

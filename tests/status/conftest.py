@@ -3,15 +3,13 @@ and a running StatusServer on ephemeral ports."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import socket
 from typing import Any
 
-import pytest
 from aiohttp import web
 
 from agent import config as agent_config
+from agent.envoy import free_port  # noqa: F401 - the tests import it from here
 from agent.lifecycle import AgentContext, Component
 from agent.status.server import StatusServer
 
@@ -71,10 +69,3 @@ async def serve_app(app: web.Application, host: str = "127.0.0.1", ssl_context=N
         yield runner.addresses[0][1]
     finally:
         await runner.cleanup()
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (for connection-refused cases)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
