@@ -93,11 +93,6 @@ def pod_matches(pod: dict, namespace_labels: dict | None,
                    else "no enablement selector matches")
 
 
-def split_exclude_namespaces(text: str) -> list[str]:
-    """``" a , b ,, "`` -> ``["a", "b"]`` (Istio's SplitExcludeNamespaces)."""
-    return [p.strip() for p in (text or "").split(",") if p.strip()]
-
-
 def find_pod(store: Any, event: CniPodEvent) -> dict | None:
     """The Pod object for the event, or None if absent: by UID when given, else by
     namespace/name; an event with neither UID nor namespace (podman, or any runtime
@@ -124,15 +119,16 @@ def decide(event: CniPodEvent, store: Any, exclude_namespaces: Iterable[str],
 
     Raises ValueError for a malformed selector (a config error, reported to the plugin).
     """
+    excluded = set(exclude_namespaces)  # once: it may be a one-shot iterator
     namespace = event.pod_namespace
-    if namespace and namespace in set(exclude_namespaces):
+    if namespace and namespace in excluded:
         return Decision(False, f"namespace {namespace} is excluded", pod)
     if pod is None:
         pod = find_pod(store, event)
     if pod is not None:
         # the Pod object's namespace: the only one there is for a pod found by container ID
         namespace = (pod.get("metadata") or {}).get("namespace") or namespace
-        if namespace and namespace in set(exclude_namespaces):
+        if namespace and namespace in excluded:
             return Decision(False, f"namespace {namespace} is excluded", pod)
     if pod is None:
         if event.ambient_default:

@@ -402,6 +402,8 @@ class Plugin:
         if command == "VERSION":
             return self._version()
         conf = parse_config(self.stdin)
+        # a supported version is the error's version too, also when check_version refuses
+        # the command for it (e.g. STATUS in a 1.0.0 config)
         if isinstance(conf.get("cniVersion"), str) and conf["cniVersion"] in SUPPORTED_VERSIONS:
             self.version = conf["cniVersion"]
         self.version = check_version(conf, command)

@@ -55,7 +55,8 @@ class CniRuntime:
     def exec_plugin(self, command: str, plugin: dict, container_id: str, netns: str,
                     ifname: str, args: dict[str, str] | None = None) -> dict | None:
         """Run one plugin once; returns its parsed stdout (None when empty).
-        Raises :class:`CniPluginError` on a non-zero exit or unparsable output."""
+        Raises :class:`CniPluginError` when the plugin is missing, exits non-zero, prints
+        unparsable output or runs longer than ``timeout`` seconds (it is then killed)."""
         plugin_type = plugin.get("type", "")
         cni_args = ";".join(["IgnoreUnknown=1"] + [f"{k}={v}" for k, v in (args or {}).items()])
         env = {
@@ -63,8 +64,14 @@ class CniRuntime:
             "CNI_COMMAND": command, "CNI_CONTAINERID": container_id, "CNI_NETNS": netns,
             "CNI_IFNAME": ifname, "CNI_ARGS": cni_args, "CNI_PATH": ":".join(self.bin_dirs),
         }
-        proc = subprocess.run([self.find_plugin(plugin_type)], input=json.dumps(plugin).encode(),
-                              capture_output=True, env=env, timeout=self.timeout)
+        try:
+            proc = subprocess.run([self.find_plugin(plugin_type)],
+                                  input=json.dumps(plugin).encode(), capture_output=True,
+                                  env=env, timeout=self.timeout)
+        except subprocess.TimeoutExpired as e:
+            raise CniPluginError(plugin_type, None, f"{command} did not finish within "
+                                 f"{self.timeout:g}s",
+                                 stderr=(e.stderr or b"").decode("utf-8", "replace")) from None
         out = proc.stdout.decode("utf-8", "replace").strip()
         stderr = proc.stderr.decode("utf-8", "replace")
         parsed: Any = None

@@ -2,6 +2,7 @@
 
 import pytest
 
+from agent import config as agent_config
 from cni import enablement
 from cni.events import CniPodEvent
 
@@ -28,7 +29,8 @@ def test_matches(p, ns_labels, want):
 @pytest.mark.parametrize("text, want", [("", []), ("  ", []), (",,", []),
                                         (" a , b ", ["a", "b"]), ("a,,b", ["a", "b"])])
 def test_split_exclude_namespaces(text, want):
-    assert enablement.split_exclude_namespaces(text) == want
+    """Istio's SplitExcludeNamespaces, as the exclude_namespaces setting parses it."""
+    assert agent_config.parse_list(text) == want
 
 
 def test_label_selector_operators():
