@@ -51,7 +51,8 @@ def test_sigterm_leaves_no_sockets(tmp_path, node_netns):
     env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=str(state / "ztunnel" / "ztunnel.sock"))
     argv = [sys.executable, "-m", "agent.cli", "run", "--state-dir", str(state),
             "--status-port", str(free_port()), "--health-port", str(free_port()),
-            "--xds-port", str(free_port()), "--xds-tls-port", "0", "--host-rules-netns", node_netns, "--log-level", "info"]
+            "--xds-port", str(free_port()), "--xds-tls-port", "0", "--host-rules-netns", node_netns,
+            "--log-level", "info"]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
@@ -83,7 +84,8 @@ def test_port_in_use_is_one_clear_line(tmp_path, taken, node_netns):
         ports[taken] = str(busy.getsockname()[1])
         env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=str(tmp_path / "z.sock"))
         argv = [sys.executable, "-m", "agent.cli", "run", "--state-dir", str(tmp_path / "s"),
-                "--xds-tls-port", "0", "--host-rules-netns", node_netns, "--log-level", "none"]
+                "--xds-tls-port", "0", "--host-rules-netns", node_netns,
+                "--log-level", "none"]
         for flag, port in ports.items():
             argv += [flag, port]
         r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
@@ -100,7 +102,8 @@ def test_second_agent_on_same_state_dir_is_refused_and_harmless(tmp_path, node_n
     env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=str(state / "ztunnel" / "ztunnel.sock"))
     argv = [sys.executable, "-m", "agent.cli", "run", "--state-dir", str(state),
             "--status-port", str(free_port()), "--health-port", str(free_port()),
-            "--xds-port", str(free_port()), "--xds-tls-port", "0", "--host-rules-netns", node_netns, "--log-level", "warn"]
+            "--xds-port", str(free_port()), "--xds-tls-port", "0", "--host-rules-netns", node_netns,
+            "--log-level", "warn"]
     first = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
     try:
