@@ -243,7 +243,7 @@ class SecretCache:
             try:
                 async with self._locks.setdefault(sid, asyncio.Lock()):
                     new = await self._mint(sid)
-            except (CAClientError, CacheError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - an unexpected error must not end rotation
                 self.failures[sid] = str(e)
                 left = item.expire - self.clock()
                 if left <= 0:
