@@ -308,7 +308,12 @@ class IptablesBackend:
         return "replaced" if "replaced" in outcomes else "applied"
 
     def _start_restore(self, v6: bool, text: str) -> subprocess.Popen:
-        argv = [self._tool(v6, "restore"), "--noflush", f"--wait={WAIT_SECONDS}"]
+        return self._start([self._tool(v6, "restore"), "--noflush", f"--wait={WAIT_SECONDS}"],
+                           text)
+
+    @staticmethod
+    def _start(argv: list[str], text: str) -> subprocess.Popen:
+        """Start ``argv`` with ``text`` on its stdin (closed); RulesError if it can't run."""
         try:
             p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
@@ -322,14 +327,20 @@ class IptablesBackend:
         p.stdin = None  # so communicate() only collects output
         return p
 
-    def _finish(self, v6: bool, p: subprocess.Popen) -> subprocess.CompletedProcess:
+    @staticmethod
+    def _wait(p: subprocess.Popen, tool: str) -> tuple[str, str, int]:
+        """``(stdout, stderr, exit status)``; RulesError after :data:`TOOL_TIMEOUT`."""
         try:
             out, err = p.communicate(timeout=TOOL_TIMEOUT)
         except subprocess.TimeoutExpired:
             p.kill()
             p.communicate()
-            raise RulesError(f"{self._tool(v6, 'restore')} timed out") from None
-        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+            raise RulesError(f"{tool} timed out") from None
+        return out, err, p.returncode
+
+    def _finish(self, v6: bool, p: subprocess.Popen) -> subprocess.CompletedProcess:
+        out, err, code = self._wait(p, self._tool(v6, "restore"))
+        return subprocess.CompletedProcess(p.args, code, out, err)
 
     def _after_first(self, opts: RuleOptions, v6: bool, text: str,
                      first: subprocess.CompletedProcess) -> str:
@@ -397,16 +408,17 @@ class IptablesBackend:
                 if p.returncode != 0:
                     raise RulesError(f"{self._tool(v6, 'restore')} (delete) failed: "
                                      f"{p.stderr.strip()}")
-        if drops:
-            try:
-                p = subprocess.run(["nft", "-f", "-"], input="".join(drops),
-                                   capture_output=True, text=True, timeout=TOOL_TIMEOUT)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                raise RulesError(f"nft failed to run: {e}") from None
-            if p.returncode != 0:
-                raise RulesError(f"nft -f (delete iptables-nft tables) failed: "
-                                 f"{p.stderr.strip()}")
-        rc.delete_routing(ipv6)
+        if not drops:
+            rc.delete_routing(ipv6)
+            return
+        # the routing goes while nft waits out its grace period (as in apply)
+        nft = self._start(["nft", "-f", "-"], "".join(drops))
+        try:
+            rc.delete_routing(ipv6)
+        finally:
+            _, err, code = self._wait(nft, "nft")
+        if code != 0:
+            raise RulesError(f"nft -f (delete iptables-nft tables) failed: {err.strip()}")
 
     def _save_all(self, families: list[bool]) -> dict[bool, str]:
         """``iptables-save`` of every family in ``families``, run concurrently."""
@@ -420,13 +432,8 @@ class IptablesBackend:
                 raise RulesError(f"{argv[0]} failed to run: {e}") from None
         out: dict[bool, str] = {}
         for v6, p in procs.items():
-            try:
-                text, err = p.communicate(timeout=TOOL_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.communicate()
-                raise RulesError(f"{self._tool(v6, 'save')} timed out") from None
-            if p.returncode != 0:
+            text, err, code = self._wait(p, self._tool(v6, "save"))
+            if code != 0:
                 raise RulesError(f"{self._tool(v6, 'save')} failed: {err.strip()}")
             out[v6] = text
         return out
