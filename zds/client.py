@@ -304,12 +304,6 @@ class ZdsClient:
         await self._wait(lambda: uid in self.pods, timeout)
         return self.pods[uid]
 
-    async def wait_pod_gone(self, uid: str, timeout: float | None = None) -> None:
-        await self._wait(lambda: uid not in self.pods, timeout)
-
-    async def wait_connected(self, timeout: float | None = None) -> None:
-        await self._wait(lambda: self.connected, timeout)
-
     async def _wait(self, predicate: Callable[[], bool], timeout: float | None,
                     fatal_raises: bool = True) -> None:
         async with asyncio.timeout(timeout):
