@@ -2,16 +2,18 @@
 
 ``ambient-agent cni install [--conf-dir DIR] [--bin-dir DIR] [--state-dir DIR] ...``
 (flags: :data:`CLI_SETTINGS`) installs once and exits 0; ``ambient-agent cni uninstall``
-removes exactly what install added. The agent does the same at start/stop when ``cni_manage_config`` is true, and repairs the chain in
-between (component ``cni-installer``, :mod:`cni.installwatch`). Behavior follows
+removes exactly what install added. The agent does the same at start/stop when
+``cni_manage_config`` is true, and repairs the chain in between (component
+``cni-installer``, :mod:`cni.installwatch`). Behavior follows
 Istio's installer (spec ``cni-zds.md`` §5.1-§5.7); the conflist logic is in
 :mod:`cni.conflist`.
 
 The plugin binary is a POSIX ``sh`` launcher (:func:`launcher_text`): it answers
 ``CNI_COMMAND=VERSION`` itself and otherwise ``exec``s ``<this python> -I -S`` on
-:func:`cni.plugin.exit_main` with this project on ``sys.path``. ``-I -S`` skip ``site`` (and
-so every ``.pth`` file) and the environment (``benchmarks/bench_cni.py`` measures it). Every file is written atomically
-(``<name>.tmp.<random>`` + rename) so a runtime never execs or reads half a file.
+:func:`cni.plugin.exit_main` with this project on ``sys.path``. ``-I -S`` skip ``site``
+(and so every ``.pth`` file) and the environment (``benchmarks/bench_cni.py`` measures
+it). Every file is written atomically (``<name>.tmp.<random>`` + rename) so a runtime
+never execs or reads half a file.
 """
 
 from __future__ import annotations
