@@ -6,6 +6,11 @@
   only (``ambient_ipv6=False``) so the work matches the floor.
 - floor: ``ip netns exec <ns> iptables-restore --noflush < rules`` of the same default
   ruleset into 50 other fresh pods (the minimum any agent must pay per pod).
+- ``CNI DEL p50/p99``: ``unenroll(event, is_delete=True)`` of the same 50 pods (probe
+  set entry, ZDS delete; in-pod rules are left to the dying netns, as upstream), next
+  to the same floor. Report only.
+- ``un-enroll live pod p50``: ``is_delete=False`` (rules, routing, probe set, ZDS) of 20
+  other enrolled pods. Report only.
 - ``recover 100 pods``: start a new agent (kill without cleanup first) over 100 enrolled
   pods: find each netns, reconcile rules, re-snapshot to ZDS. Report only.
 """
@@ -58,6 +63,17 @@ async def _bench(bridge, node: str, tmp: str) -> list[Result]:
         await h.enrollment.enroll(_event(pod))
         samples.append(time.perf_counter() - t0)
     await asyncio.gather(*(h.enrollment.enroll(_event(p)) for p in pods[50:]))
+    dels = []
+    for pod in pods[:50]:
+        t0 = time.perf_counter()
+        await h.enrollment.unenroll(_event(pod), is_delete=True)
+        dels.append(time.perf_counter() - t0)
+    live = []
+    for pod in pods[50:70]:
+        t0 = time.perf_counter()
+        await h.enrollment.unenroll(_event(pod), is_delete=False)
+        live.append(time.perf_counter() - t0)
+    await asyncio.gather(*(h.enrollment.enroll(_event(p)) for p in pods[:70]))
     await h.kill()
 
     t0 = time.perf_counter()
@@ -73,6 +89,13 @@ async def _bench(bridge, node: str, tmp: str) -> list[Result]:
                      "floor: ip netns exec <ns> iptables-restore <default v4 rules>, p50"),
         Result("enrollment: enroll p99", percentile(samples, 99) * 1e3, "ms",
                percentile(floor, 99) * 1e3, "report", None, "floor: restore p99"),
+        Result("enrollment: CNI DEL p50 (unenroll is_delete=True)", median(dels) * 1e3, "ms",
+               p50f * 1e3, "report", None, "floor: restore p50; rules left to the dying netns"),
+        Result("enrollment: CNI DEL p99", percentile(dels, 99) * 1e3, "ms",
+               percentile(floor, 99) * 1e3, "report", None, "floor: restore p99"),
+        Result("enrollment: un-enroll live pod p50 (is_delete=False)", median(live) * 1e3,
+               "ms", p50f * 1e3, "report", None,
+               "floor: restore p50; includes one deleting nf_tables transaction"),
         Result("enrollment: restart recovery of 100 pods", recover, "s", None, "report", None,
                f"{enabled}/100 enabled after start()"),
     ]
