@@ -35,13 +35,13 @@ import collections
 import logging
 import os
 import socket
-import struct
 import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from agent.config import ConfigError
+from agent.peercred import peer_cred
 from agent.lifecycle import AgentContext, Component
 from zds import wire
 from zds.api import NoZtunnel, PodInfo, ZdsError, ZdsNack, ZdsTimeout
@@ -505,8 +505,7 @@ class ZdsConnection:
 
 def _peer_pid(sock: socket.socket) -> int | None:
     try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return struct.unpack("3i", creds)[0]
+        return peer_cred(sock)[0]
     except OSError:
         return None
 

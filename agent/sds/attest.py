@@ -29,9 +29,9 @@ import logging
 import os
 import secrets
 import socket
-import struct
 from typing import Callable
 
+from agent.peercred import peer_cred
 from agent.sds.keys import Identity
 from cni.podnetns import CgroupError, parse_cgroup
 
@@ -51,12 +51,6 @@ class PeerCred:
     gid: int
     pod_uid: str = ""
     error: str = ""
-
-
-def peer_cred(sock: socket.socket) -> tuple[int, int, int]:
-    """``(pid, uid, gid)`` from ``SO_PEERCRED`` on a connected AF_UNIX socket."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", raw)
 
 
 def pod_uid_from_cgroup(text: str) -> str:

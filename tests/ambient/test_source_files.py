@@ -14,18 +14,11 @@ from ambient.index import AmbientIndex
 from ambient.objects import Mesh
 from ambient.source_files import DirectorySource, parse_file
 from ambient.store import ObjectStore
+from tests.helpers import eventually
 
 
 async def run_blocking(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
-
-async def eventually(predicate, timeout=5.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 POD = textwrap.dedent("""\

@@ -14,15 +14,7 @@ from ambient.source_kube import KubernetesSource
 from ambient.store import ObjectStore
 from tests.ambient.builders import ns, pod, service
 from tests.ambient.fake_apiserver import FakeApiServer
-
-
-async def eventually(predicate, timeout=8.0):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
+from tests.helpers import eventually
 
 
 @pytest.fixture

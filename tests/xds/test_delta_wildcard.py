@@ -8,15 +8,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 
 from ambient.xds_generators import ADDRESS_TYPE, AUTHORIZATION_TYPE, WORKLOAD_TYPE
 from tests.xds.fake_index import pod, policy
-
-async def eventually(predicate, timeout=5.0):
-    """Poll server-side state (it changes without a client-visible response)."""
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
-
+from tests.helpers import eventually
 
 POD_A = "Kubernetes//Pod/default/a"
 POD_B = "Kubernetes//Pod/default/b"

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from zds import wire
 from zds.client import ZdsClient
 from zds.server import ZdsServer
+from tests.helpers import eventually  # noqa: F401 - re-exported for the zds tests
 
 
 def short_dir() -> str:
@@ -123,9 +124,3 @@ class RawPeer:
 
     def close(self) -> None:
         self.sock.close()
-
-
-async def eventually(predicate, timeout: float = 3.0, what: str = "condition") -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
