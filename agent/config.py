@@ -299,6 +299,9 @@ SETTINGS: list[Setting] = [
             env="SERVICE_ACCOUNT", component="sds"),
     Setting("pod_namespace", "default", parse_str, "fixed workload identity's namespace",
             env="POD_NAMESPACE", component="sds"),
+    Setting("trust_anchors_file", "", parse_path, "PEM file of extra trust anchors merged into "
+            "ROOTCA, read at start (upstream: mesh ProxyConfig.caCertificatesPem)",
+            component="sds"),
     Setting("ca_port", 0, parse_port, "serve the embedded CA as IstioCertificateService on this "
             "port (0: off)", component="sds"),
     Setting("ca_listen_address", "0.0.0.0", parse_str, "address the embedded CA port binds "

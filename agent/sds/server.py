@@ -29,10 +29,11 @@ import random
 from typing import Callable
 
 import grpc
+from cryptography import x509
 from envoy.service.secret.v3 import sds_pb2, sds_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from agent.config import Config
+from agent.config import Config, ConfigError
 from agent.lifecycle import AgentContext, Component
 from agent.sds import attest, ca_server, files, keys
 from agent.sds.ca_embedded import CAError, EmbeddedCA
@@ -118,6 +119,8 @@ class SdsServer(Component):
         self.cache = SecretCache(self.ca_client, self._run, self.algorithm, cfg.secret_ttl,
                                  cfg.secret_grace_ratio)
         self.cache.subscribe(self._on_cache_update)
+        if cfg.trust_anchors_file:
+            self.cache.set_extra_trust(await self._run(read_trust_anchors, cfg.trust_anchors_file))
         self.watcher = files.FileWatcher(self._on_file_change)
         self.service = SdsService(self._identify, self._generate,
                                   on_watch=lambda i: self.cache.watch(i.spiffe_id),
@@ -346,6 +349,21 @@ class SdsServer(Component):
             "nacks": self.service.nacks if self.service else 0,
             **(self.cache.debug_state() if self.cache else {}),
         }
+
+
+def read_trust_anchors(path: str) -> bytes:
+    """The PEM certificates in ``path`` (spec §2.5 extra anchors). Raises
+    :class:`ConfigError` naming ``trust_anchors_file`` when unreadable or not certificates."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        if not x509.load_pem_x509_certificates(data):
+            raise ValueError("no certificate")
+    except OSError as e:
+        raise ConfigError("trust_anchors_file", path, e.strerror or str(e)) from None
+    except ValueError as e:
+        raise ConfigError("trust_anchors_file", path, f"not PEM certificates ({e})") from None
+    return data
 
 
 def _unlink(path: str) -> None:

@@ -98,3 +98,44 @@ async def test_bad_settings_are_clear_errors(state_dir):
     with pytest.raises(RuntimeError, match="missing.pem"):
         await comp.start()
     ctx.executor.shutdown(wait=False)
+
+
+async def test_extra_trust_anchors_are_merged_into_rootca(state_dir, tmp_path):
+    """Spec §2.5: extra anchors (upstream's ProxyConfig.caCertificatesPem; here the
+    trust_anchors_file setting) are merged into ROOTCA: split, de-duplicated, sorted."""
+    other_state = tmp_path / "other"
+    other_state.mkdir(mode=0o700)
+    other = AgentContext(make_config(other_state, service_account="a", pod_namespace="ns"))
+    other_sds = other.add(build(other))
+    await other_sds.start()
+    anchors = tmp_path / "anchors.pem"
+    anchors.write_bytes(other_sds.root_pem())
+    await other_sds.stop(0)
+    ctx = AgentContext(make_config(state_dir, service_account="a", pod_namespace="ns",
+                                   trust_anchors_file=str(anchors)))
+    sds = ctx.add(build(ctx))
+    await sds.start()
+    try:
+        async with grpc.aio.insecure_channel("unix:" + sds.config.sds_socket) as ch:
+            st = Stream(ch)
+            await st.send(request(["ROOTCA"]))
+            got = secrets_of(await st.recv())
+        bundle = got["ROOTCA"].validation_context.trusted_ca.inline_bytes
+        assert bundle == keys.merge_trust(sds.root_pem(), anchors.read_bytes())
+        assert len(x509.load_pem_x509_certificates(bundle)) == 2
+    finally:
+        await sds.stop(0)
+
+
+@pytest.mark.parametrize("content", [None, b"not a certificate\n"])
+async def test_bad_trust_anchors_file_names_the_setting(state_dir, tmp_path, content):
+    from agent.config import ConfigError
+
+    path = tmp_path / "anchors.pem"
+    if content is not None:
+        path.write_bytes(content)
+    ctx = AgentContext(make_config(state_dir, service_account="a", pod_namespace="ns",
+                                   trust_anchors_file=str(path)))
+    sds = ctx.add(build(ctx))
+    with pytest.raises(ConfigError, match="trust_anchors_file"):
+        await sds.start()
