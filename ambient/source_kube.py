@@ -244,8 +244,12 @@ class KubernetesSource:
         """Merge-patch ``metadata.annotations`` of a pod through ``pods/status``.
 
         A value of None removes the annotation. Returns the patched Pod. Raises
-        ``kubernetes_asyncio.client.exceptions.ApiException`` on API errors.
+        ``kubernetes_asyncio.client.exceptions.ApiException`` on API errors and
+        RuntimeError before :meth:`start`.
         """
+        if self.api is None:
+            raise RuntimeError(f"cannot patch pod {namespace}/{name}: the kubernetes source "
+                               "is not started")
         body = {"metadata": {"annotations": annotations}}
         path = f"/api/v1/namespaces/{namespace}/pods/{name}/status"
         resp = await self.api.call_api(
