@@ -45,24 +45,45 @@ def sockets_under(root: str) -> set[str]:
     return found
 
 
-@pytest.mark.skipif(not is_root(), reason="needs root: the agent enters netns and binds :15020-style ports")
-def test_sigterm_leaves_no_sockets(tmp_path, node_netns):
-    state = tmp_path / "state"
-    env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=str(state / "ztunnel" / "ztunnel.sock"))
+ROOT_ONLY = pytest.mark.skipif(not is_root(),
+                               reason="needs root: the agent enters netns and binds ports")
+
+
+def agent_argv(state, node_netns: str, **ports: str) -> tuple[list[str], dict]:
+    """``ambient-agent run`` on free ports (or the given ``--x-port`` values), host probe
+    rules in ``node_netns``, ZDS socket under ``state``. Returns (argv, env)."""
+    chosen = {"--status-port": str(free_port()), "--health-port": str(free_port()),
+              "--xds-port": str(free_port())}
+    chosen.update({"--" + k.replace("_", "-"): v for k, v in ports.items()})
     argv = [sys.executable, "-m", "agent.cli", "run", "--state-dir", str(state),
-            "--status-port", str(free_port()), "--health-port", str(free_port()),
-            "--xds-port", str(free_port()), "--xds-tls-port", "0", "--host-rules-netns", node_netns,
-            "--log-level", "info"]
+            "--xds-tls-port", "0", "--host-rules-netns", node_netns, "--log-level", "warn"]
+    for flag, port in chosen.items():
+        argv += [flag, port]
+    env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=str(state / "ztunnel" / "ztunnel.sock"))
+    return argv, env
+
+
+def start_agent(argv: list[str], env: dict, state) -> subprocess.Popen:
+    """Start the agent and wait until its sockets exist; the caller kills it if needed."""
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if EXPECTED_SOCKETS <= sockets_under(str(state)):
+            return proc
+        time.sleep(0.2)
+    out = proc.stdout.read() if proc.poll() is not None else ""
+    proc.kill()
+    proc.wait()
+    raise AssertionError(f"agent did not come up: {sockets_under(str(state))} {out}")
+
+
+@ROOT_ONLY
+def test_sigterm_leaves_no_sockets(tmp_path, node_netns):
+    state = tmp_path / "state"
+    argv, env = agent_argv(state, node_netns)
+    proc = start_agent(argv, env, state)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
-            if EXPECTED_SOCKETS <= sockets_under(str(state)):
-                break
-            time.sleep(0.2)
-        assert proc.poll() is None, proc.stdout.read()
-        assert EXPECTED_SOCKETS <= sockets_under(str(state)), sockets_under(str(state))
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 0, out
@@ -73,45 +94,29 @@ def test_sigterm_leaves_no_sockets(tmp_path, node_netns):
             proc.wait()
 
 
-@pytest.mark.skipif(not is_root(), reason="needs root: the agent enters netns and binds ports")
-@pytest.mark.parametrize("taken", ["--xds-port", "--status-port"])
+@ROOT_ONLY
+@pytest.mark.parametrize("taken", ["xds_port", "status_port"])
 def test_port_in_use_is_one_clear_line(tmp_path, taken, node_netns):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        ports = {"--status-port": str(free_port()), "--health-port": str(free_port()),
-                 "--xds-port": str(free_port())}
-        ports[taken] = str(busy.getsockname()[1])
-        env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=str(tmp_path / "z.sock"))
-        argv = [sys.executable, "-m", "agent.cli", "run", "--state-dir", str(tmp_path / "s"),
-                "--xds-tls-port", "0", "--host-rules-netns", node_netns,
-                "--log-level", "none"]
-        for flag, port in ports.items():
-            argv += [flag, port]
+        port = str(busy.getsockname()[1])
+        argv, env = agent_argv(tmp_path / "s", node_netns, **{taken: port})
         r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and ports[taken] in lines[0], r.stderr
+    assert len(lines) == 1 and port in lines[0] and taken in lines[0], r.stderr
     assert sockets_under(str(tmp_path / "s")) == set()
 
 
-@pytest.mark.skipif(not is_root(), reason="needs root: the agent enters netns and binds ports")
+@ROOT_ONLY
 def test_second_agent_on_same_state_dir_is_refused_and_harmless(tmp_path, node_netns):
     state = tmp_path / "state"
-    env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=str(state / "ztunnel" / "ztunnel.sock"))
-    argv = [sys.executable, "-m", "agent.cli", "run", "--state-dir", str(state),
-            "--status-port", str(free_port()), "--health-port", str(free_port()),
-            "--xds-port", str(free_port()), "--xds-tls-port", "0", "--host-rules-netns", node_netns,
-            "--log-level", "warn"]
-    first = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+    argv, env = agent_argv(state, node_netns)
+    first = start_agent(argv, env, state)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not EXPECTED_SOCKETS <= sockets_under(str(state)):
-            time.sleep(0.2)
         before = sockets_under(str(state))
-        assert EXPECTED_SOCKETS <= before
         second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
         assert second.returncode == 2, second.stderr
         lines = second.stderr.strip().splitlines()
