@@ -258,6 +258,26 @@ class Demo:
             await self.start_envoy()
 
     # ------------------------------------------------------------------ steps
+    def preflight(self) -> None:
+        """Refuse to start, before touching anything, when the workdir exists or a port
+        the demo's agent needs is taken (all of them named at once, with their flags)."""
+        if self.root.exists():
+            raise DemoError(f"--workdir {self.root} already exists; give a path that does "
+                            "not exist yet (the demo creates it and removes it at the end)")
+        busy = []
+        for flag, setting, address in (("--status-port", "status_port", "0.0.0.0"),
+                                       ("--health-port", "health_port", "0.0.0.0"),
+                                       ("--xds-port", "xds_port", "127.0.0.1")):
+            port = getattr(self.args, flag[2:].replace("-", "_"))
+            try:
+                agent_config.ensure_tcp_port_free(setting, address, port)
+            except agent_config.ConfigError:
+                busy.append(f"{flag} {port}")
+        if busy:
+            raise DemoError(f"port{'s' if len(busy) > 1 else ''} in use: {', '.join(busy)} "
+                            "(is an agent already running?); pick free ones with "
+                            f"{'these flags' if len(busy) > 1 else 'this flag'}")
+
     def prepare_workspace(self) -> None:
         for tool in ("bridge", "host-local", "loopback"):
             if not any(os.access(os.path.join(d, tool), os.X_OK) for d in CNI_PLUGIN_DIRS):
@@ -744,6 +764,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         demo = Demo(args)
+        demo.preflight()
     except DemoError as e:
         print(f"ambient-agent demo: {e}", file=sys.stderr)
         return 2

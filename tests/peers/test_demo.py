@@ -219,3 +219,32 @@ def test_demo_runtime_podman_without_podman_is_a_clear_error(tmp_path):
     assert r.returncode == 2
     assert "--runtime podman: podman and runc must be installed" in r.stderr
     assert not os.path.exists(tmp_path / "demo")
+
+
+def test_demo_refuses_busy_ports_and_existing_workdir_up_front(tmp_path):
+    """Every busy port is named at once with its flag, and an existing --workdir is
+    refused; nothing is created in either case."""
+    import socket
+
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("0.0.0.0", 0))
+        a.listen()
+        b.bind(("127.0.0.1", 0))
+        b.listen()
+        status_port, xds_port = a.getsockname()[1], b.getsockname()[1]
+        argv = [sys.executable, "-m", "agent.cli", "demo", "--once", "--workdir",
+                str(tmp_path / "demo"), "--status-port", str(status_port),
+                "--health-port", str(free_port()), "--xds-port", str(xds_port)]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"--status-port {status_port}" in r.stderr and f"--xds-port {xds_port}" in r.stderr
+    assert not (tmp_path / "demo").exists()
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    r = subprocess.run([sys.executable, "-m", "agent.cli", "demo", "--once", "--workdir",
+                        str(existing), "--status-port", str(free_port()), "--health-port",
+                        str(free_port()), "--xds-port", str(free_port())],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "already exists" in r.stderr and "Traceback" not in r.stderr
+    assert (existing / "keep.txt").read_text() == "mine"
