@@ -9,7 +9,8 @@ Where we differ from Istio's installer, on purpose:
   ``cniVersion`` and ``name`` (Istio forces ``0.3.1`` and ``k8s-pod-network``, which
   changes the network name runtimes such as podman select by) and keeps the plugin
   object verbatim, every key included. Our entry records ``converted_from_conf`` so
-  uninstall can restore the single-plugin ``.conf``: we remove exactly what we added.
+  uninstall can restore the single-plugin ``.conf``: we remove what we added (the
+  restored file has the same JSON content, in this module's formatting).
 - Output is Go's ``json.MarshalIndent`` shape Istio writes: sorted keys, 2-space
   indent, trailing newline; so reinstalling gives the same bytes.
 """
@@ -45,22 +46,76 @@ def parse_network_config(name: str, data: bytes) -> dict | None:
     """A usable network config from file ``name``'s bytes, or None when it must be skipped
     (not JSON, not an object, a ``.conflist`` without ``name`` or plugins, a ``.conf``
     without ``type``), as libcni and Istio's ``getDefaultCNINetwork`` skip them."""
+    return _parse_with_reason(name, data)[0]
+
+
+def rejection_reason(name: str, data: bytes) -> str | None:
+    """Why file ``name`` (its bytes) is skipped as a network config, one short phrase
+    (``"invalid JSON at line 3: Expecting ',' delimiter"``), or None when it is usable."""
+    return _parse_with_reason(name, data)[1]
+
+
+def _parse_with_reason(name: str, data: bytes) -> tuple[dict | None, str | None]:
     try:
         config = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return None
+    except UnicodeDecodeError as e:
+        return None, f"not UTF-8 text ({e.reason} at byte {e.start})"
+    except json.JSONDecodeError as e:
+        return None, f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}"
     if not isinstance(config, dict):
-        return None
+        return None, f"top level is a JSON {type(config).__name__}, not an object"
     if name.endswith(".conflist"):
         plugins = config.get("plugins")
-        if (not isinstance(config.get("name"), str) or not config["name"]
-                or not isinstance(plugins, list) or not plugins
-                or not all(isinstance(p, dict) for p in plugins)):
-            return None
-        return config
+        if not isinstance(config.get("name"), str) or not config["name"]:
+            return None, "field 'name' is missing or empty"
+        if not isinstance(plugins, list) or not plugins:
+            return None, "field 'plugins' is missing, empty or not an array"
+        if not all(isinstance(p, dict) for p in plugins):
+            return None, "field 'plugins' holds a non-object entry"
+        return config, None
     if not isinstance(config.get("type"), str) or not config["type"]:
-        return None
-    return config
+        return None, "field 'type' is missing or empty (a single-plugin config needs one)"
+    return config, None
+
+
+def explain_no_primary(conf_dir: str, conf_name: str = "") -> str:
+    """One line saying why :func:`find_primary` found nothing in ``conf_dir``: every file
+    considered and why it was rejected (``"no valid CNI network config in /etc/cni/net.d:
+    10-x.conflist: invalid JSON at line 3 column 1: ..."``)."""
+    head = f"no valid CNI network config in {conf_dir}"
+    if conf_name:
+        head += f" named {conf_name}"
+    try:
+        names = sorted(os.listdir(conf_dir))
+    except FileNotFoundError:
+        return f"{head}: the directory does not exist"
+    except OSError as e:
+        return f"{head}: cannot list it: {e.strerror}"
+    if conf_name:
+        stem, ext = os.path.splitext(conf_name)
+        twins = {".conf": ".conflist", ".conflist": ".conf"}
+        wanted = {conf_name} | ({stem + twins[ext]} if ext in twins else set())
+        names = [n for n in names if n in wanted]
+        if not names:
+            return f"{head}: no such file"
+    reasons = []
+    for name in names:
+        path = os.path.join(conf_dir, name)
+        if not conf_name and not name.endswith(CONFIG_SUFFIXES):
+            continue  # not a config file name: the runtime never reads it either
+        if not os.path.isfile(path):
+            reasons.append(f"{name}: not a regular file")
+            continue
+        try:
+            with open(path, "rb") as f:
+                why = rejection_reason(name, f.read())
+        except OSError as e:
+            why = f"unreadable: {e.strerror}"
+        reasons.append(f"{name}: {why or 'valid'}")
+    if not reasons:
+        return (f"{head}: the directory has no *.conf, *.conflist or *.json file "
+                "(is the primary CNI plugin installed yet?)")
+    return f"{head}: " + "; ".join(reasons)
 
 
 def find_primary(conf_dir: str, conf_name: str = "") -> str | None:

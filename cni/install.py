@@ -2,7 +2,9 @@
 
 ``ambient-agent cni install [--conf-dir DIR] [--bin-dir DIR] [--state-dir DIR] ...``
 (flags: :data:`CLI_SETTINGS`) installs once and exits 0; ``ambient-agent cni uninstall``
-removes exactly what install added. The agent does the same at start/stop when
+removes what install added: the launcher, and our entry from the conflist (a converted
+``.conf`` is restored). The restored file has the same JSON content as before install,
+not necessarily the same bytes (keys sorted, 2-space indent, as every write here). The agent does the same at start/stop when
 ``cni_manage_config`` is true, and repairs the chain in between (component
 ``cni-installer``, :mod:`cni.installwatch`). Behavior follows
 Istio's installer (spec ``cni-zds.md`` §5.1-§5.7); the conflist logic is in
@@ -179,13 +181,18 @@ class Installer:
     def install_config(self) -> tuple[str, bool]:
         """Chain our entry into the primary config. Returns ``(path written, changed)``.
 
-        Raises :class:`NoPrimaryConfig` when there is no valid config, and
+        Raises :class:`NoPrimaryConfig` when there is no valid config (the message names
+        each file considered and why it was rejected), and
         :class:`conflist.ConflistError` when the chosen file can't be chained into.
         """
+        return self._write_config(self._plan_config())
+
+    def _plan_config(self) -> tuple[str, bytes, bytes, int]:
+        """``(primary path, its bytes, wanted bytes, mode)``; reads only. Raises like
+        :meth:`install_config`."""
         primary = conflist.find_primary(self.conf_dir, self.conf_name)
         if primary is None:
-            raise NoPrimaryConfig(f"no valid CNI network config in {self.conf_dir}"
-                                  + (f" named {self.conf_name}" if self.conf_name else ""))
+            raise NoPrimaryConfig(conflist.explain_no_primary(self.conf_dir, self.conf_name))
         raw = _read(primary)
         if raw is None:
             raise NoPrimaryConfig(f"{primary} vanished while installing")
@@ -197,8 +204,10 @@ class Installer:
             wanted = conflist.insert(existing, self.entry)
         except conflist.ConflistError as e:
             raise conflist.ConflistError(f"{primary}: {e}") from None
-        data = conflist.dumps(wanted)
-        mode = os.stat(primary).st_mode & 0o777
+        return primary, raw, conflist.dumps(wanted), os.stat(primary).st_mode & 0o777
+
+    def _write_config(self, plan: tuple[str, bytes, bytes, int]) -> tuple[str, bool]:
+        primary, raw, data, mode = plan
         target = primary[:-len(".conf")] + ".conflist" if primary.endswith(".conf") else primary
         if target == primary and raw == data:
             return primary, False
@@ -209,9 +218,11 @@ class Installer:
         return target, True
 
     def install(self) -> str:
-        """Binary + config; returns the conflist path. Raises like :meth:`install_config`."""
+        """Binary + config; returns the conflist path. The conf dir is checked first, so
+        an install that raises (like :meth:`install_config`) has written nothing."""
+        plan = self._plan_config()
         self.install_binary()
-        return self.install_config()[0]
+        return self._write_config(plan)[0]
 
     def check(self) -> str | None:
         """Why the installation needs repair (one line), or None when it is intact."""
@@ -219,7 +230,7 @@ class Installer:
             return f"{self.binary_path} is missing or differs"
         primary = conflist.find_primary(self.conf_dir, self.conf_name)
         if primary is None:
-            return f"no valid CNI network config in {self.conf_dir}"
+            return conflist.explain_no_primary(self.conf_dir, self.conf_name)
         try:
             config = json.loads(_read(primary) or b"")
         except ValueError:
@@ -298,7 +309,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="cni_command", metavar="ACTION", required=True)
     for action, text in (("install", "install the plugin and chain it into the primary "
                                      "conflist, then exit"),
-                         ("uninstall", "remove exactly what install added")):
+                         ("uninstall", "remove the plugin and its conflist entry (the "
+                                       "config keeps the same JSON content, reformatted)")):
         p = sub.add_parser(action, help=text, description=text)
         group = p.add_argument_group("settings (flag > env > config file > default)")
         for name, flag in CLI_SETTINGS.items():

@@ -74,11 +74,40 @@ def test_conf_converted_then_restored(dirs):
 
 
 def test_no_primary_and_invalid(dirs):
-    with pytest.raises(install.NoPrimaryConfig):
+    """A failed install writes nothing (conf dir checked before the launcher is written)
+    and its message names each file considered and why it was rejected."""
+    with pytest.raises(install.NoPrimaryConfig, match=r"has no \*.conf, \*.conflist or \*.json"):
         installer(dirs).install()
+    assert not os.path.exists(dirs[1] / "istio-cni")
     (dirs[0] / "10-x.conflist").write_text('{"name": "x", "plugins": "nope"}')
-    with pytest.raises(install.NoPrimaryConfig):  # invalid files are skipped
+    (dirs[0] / "20-y.conflist").write_text('{\n  "name": "y",\n  "plugins": [}\n')
+    (dirs[0] / "30-z.conf").write_text('{"name": "z"}')
+    (dirs[0] / "README").write_text("not a config")
+    with pytest.raises(install.NoPrimaryConfig) as err:  # invalid files are skipped
         installer(dirs).install()
+    msg = str(err.value)
+    assert msg.startswith(f"no valid CNI network config in {dirs[0]}: ")
+    assert "10-x.conflist: field 'plugins' is missing, empty or not an array" in msg
+    assert "20-y.conflist: invalid JSON at line 3 column 15" in msg
+    assert "30-z.conf: field 'type' is missing or empty" in msg
+    assert "README" not in msg
+    assert not os.path.exists(dirs[1] / "istio-cni")
+    assert sorted(os.listdir(dirs[0])) == ["10-x.conflist", "20-y.conflist", "30-z.conf",
+                                           "README"]
+    with pytest.raises(install.NoPrimaryConfig, match="named 40-w.conflist: no such file"):
+        installer(dirs, conf_name="40-w.conflist").install()
+    with pytest.raises(conflist.ConflistError, match="20-y.conflist: not JSON"):
+        installer(dirs, conf_name="20-y.conflist").install()
+    assert not os.path.exists(dirs[1])
+
+
+def test_cli_install_failure_leaves_nothing(dirs):
+    conf, bin_ = dirs
+    (conf / "10-x.conflist").write_text('{"name": "x",\n "plugins": [1,]}')
+    r = cli("install", "--conf-dir", str(conf), "--bin-dir", str(bin_))
+    assert r.returncode == 1
+    assert "10-x.conflist: invalid JSON at line 2" in r.stderr, r.stderr
+    assert not os.path.exists(bin_)
 
 
 def cli(*args, env=None, config_file=os.devnull):
