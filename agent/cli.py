@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     # The agent forks helpers (iptables-restore, nft) while gRPC threads run; none of the
     # children use gRPC, so gRPC's fork handlers would only add noise and risk.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    # gRPC's C core logs to stderr on its own (e.g. a failed TLS handshake of a stray
+    # client); keep that to errors so the agent's own log stays the one to read.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

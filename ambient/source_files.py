@@ -174,10 +174,12 @@ class DirectorySource:
             self.store.reject("invalid", where, error)
         self.store.replace_origin(path, objects)
         self.reloads += 1
-        if self._task is not None:  # after the initial load: say what changed
+        if self._task is not None:  # after the initial load: say what the file holds now
+            held = self.store.objects_of_origin(path)
+            skipped = len(objects) - held + len(errors)
             log.info("config file %s %s: %d objects%s", path,
-                     "reloaded" if path in self.files else "removed", len(objects),
-                     f", {len(errors)} skipped" if errors else "")
+                     "reloaded" if path in self.files else "removed", held,
+                     f", {skipped} skipped (reasons logged above)" if skipped else "")
 
     async def _watch(self) -> None:
         """Follow the directory; when the watch ends (the directory itself was removed,

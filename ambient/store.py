@@ -192,6 +192,10 @@ class ObjectStore:
         self._notify(events)
         return events
 
+    def objects_of_origin(self, origin: str) -> int:
+        """How many objects ``origin`` currently owns."""
+        return len(self._by_origin.get(origin, ()))
+
     def origin_of(self, key: Key) -> str | None:
         """The origin (file path, ``kubernetes:<Kind>``) that owns ``key``, or None."""
         return self._origin.get(key)

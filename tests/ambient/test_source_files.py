@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 import textwrap
 
@@ -103,6 +104,13 @@ async def test_directory_source_loads_watches_and_reports_bad_objects(tmp_path, 
         (directory / "new.yaml").write_text(POD % ("n", "u-n", "10.0.0.10"))
         await eventually(lambda: any(c.addresses_changed for c in changes))
         assert set().union(*(c.addresses_changed for c in changes)) == {"c//Pod/demo/n"}
+        # a reload is logged with what the file holds now (store-rejected objects too)
+        caplog.set_level(logging.INFO, logger="ambient")
+        caplog.clear()
+        (directory / "mixed.yaml").write_text(
+            POD % ("m", "u-m", "10.0.0.11") + "---\n" + POD % ("m2", "u-a", "10.0.0.12"))
+        await eventually(lambda: "mixed.yaml reloaded" in caplog.text)
+        assert "mixed.yaml reloaded: 1 objects, 1 skipped" in caplog.text
         # deleting the file deletes its objects
         (directory / "new.yaml").unlink()
         await eventually(lambda: index.address("c//Pod/demo/n") is None)
