@@ -19,6 +19,7 @@ environment variable automatically.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import ipaddress
 import json
 import os
@@ -120,6 +121,160 @@ def parse_ip(value: Any) -> str:
     return str(ipaddress.ip_address(parse_str(value).strip()))
 
 
+def parse_existing_file(value: Any) -> str:
+    """An absolute path to a readable regular file, or empty (= not set).
+
+    For settings whose file is read at start (certificates, keys, tokens, kubeconfig):
+    a typo fails ``load`` with "no such file" instead of a component failing later.
+    """
+    path = parse_path(value)
+    if not path:
+        return ""
+    if not os.path.exists(path):
+        raise ValueError("no such file")
+    if os.path.isdir(path):
+        raise ValueError("is a directory, expected a file")
+    if not os.access(path, os.R_OK):
+        raise ValueError("file is not readable")
+    return path
+
+
+def parse_dir_path(value: Any) -> str:
+    """An absolute directory path that need not exist yet (the agent creates it), but if
+    something exists there it must be a directory."""
+    path = parse_path(value)
+    if path and os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError("exists and is not a directory")
+    return path
+
+
+def parse_bind_address(value: Any) -> str:
+    """An IPv4/IPv6 address to bind a listener to (``[::1]`` brackets allowed), or empty.
+
+    ``localhost`` maps to ``127.0.0.1``; other host names are rejected because gRPC and
+    aiohttp would resolve them at bind time and fail with an error blaming the port.
+    """
+    text = parse_str(value).strip()
+    if not text:
+        return ""
+    if text.lower() == "localhost":
+        return "127.0.0.1"
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise ValueError("expected an IPv4 or IPv6 address to bind "
+                         "(such as 127.0.0.1, 0.0.0.0, ::)") from None
+
+
+def ip_of(version: int | None, allow_empty: bool = False) -> Callable[[Any], str]:
+    """A parser for an IP address of ``version`` (4, 6 or None for either)."""
+
+    def parse(value: Any) -> str:
+        text = parse_str(value).strip()
+        if not text and allow_empty:
+            return ""
+        try:
+            address = ipaddress.ip_address(text)
+        except ValueError:
+            raise ValueError(f"expected an IPv{version or '4 or IPv6'} address") from None
+        if version and address.version != version:
+            raise ValueError(f"expected an IPv{version} address, got IPv{address.version}")
+        return str(address)
+
+    return parse
+
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def check_namespace(name: str) -> str:
+    """Raise ValueError unless ``name`` is a Kubernetes namespace name (DNS-1123 label:
+    lowercase letters, digits and '-', at most 63 characters)."""
+    if len(name) > 63 or not _DNS_LABEL.fullmatch(name):
+        raise ValueError(f"{name!r} is not a valid namespace name (DNS-1123 label: lowercase "
+                         "letters, digits and '-', at most 63 characters)")
+    return name
+
+
+def parse_namespace(value: Any) -> str:
+    """One Kubernetes namespace name (see :func:`check_namespace`)."""
+    return check_namespace(parse_str(value).strip())
+
+
+def parse_namespace_list(value: Any) -> list[str]:
+    """Like :func:`parse_list` (Istio's SplitExcludeNamespaces), each entry a namespace."""
+    return [check_namespace(n) for n in parse_list(value)]
+
+
+def parse_service_account(value: Any) -> str:
+    """A Kubernetes service account name (DNS-1123 subdomain), or empty."""
+    text = parse_str(value).strip()
+    if text and (len(text) > 253 or not _DNS_SUBDOMAIN.fullmatch(text)):
+        raise ValueError("not a valid service account name (DNS-1123 subdomain: lowercase "
+                         "letters, digits, '-' and '.')")
+    return text
+
+
+def parse_account_list(value: Any) -> list[str]:
+    """``namespace/serviceaccount`` entries (comma-separated or a YAML list)."""
+    accounts = parse_list(value)
+    for entry in accounts:
+        ns, sep, sa = entry.partition("/")
+        if not sep or not sa or "/" in sa:
+            raise ValueError(f"entry {entry!r} is not namespace/serviceaccount")
+        check_namespace(ns)
+        if parse_service_account(sa) != sa:
+            raise ValueError(f"entry {entry!r}: bad service account")
+    return accounts
+
+
+def parse_name(value: Any) -> str:
+    """A non-empty name without whitespace or '/' (node name, cluster ID): these end up
+    inside workload UIDs (``<cluster>//Pod/ns/name``) and CA requests."""
+    text = parse_str(value).strip()
+    if not text:
+        raise ValueError("must not be empty")
+    if "/" in text or any(c.isspace() for c in text):
+        raise ValueError("must not contain '/' or whitespace")
+    return text
+
+
+_TRUST_DOMAIN = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def parse_trust_domain(value: Any) -> str:
+    """A SPIFFE trust domain (letters, digits, '.', '-', '_'; SPIFFE ID spec §2.1)."""
+    text = parse_str(value).strip()
+    if not _TRUST_DOMAIN.fullmatch(text):
+        raise ValueError("expected a SPIFFE trust domain such as cluster.local (letters, "
+                         "digits, '.', '-', '_')")
+    return text
+
+
+def parse_signature_algorithm(value: Any) -> str:
+    """``ECC_SIGNATURE_ALGORITHM``: empty or RSA (RSA 2048), ECDSA or EC (P-256)."""
+    text = parse_str(value).strip()
+    if text.upper() not in ("", "RSA", "ECDSA", "EC"):
+        raise ValueError("unsupported signature algorithm (expected ECDSA, or empty for "
+                         "RSA 2048)")
+    return text
+
+
+def positive(parse: Callable[[Any], float]) -> Callable[[Any], float]:
+    """Wrap a number parser to reject zero (e.g. a certificate lifetime)."""
+
+    def parse_positive(value: Any) -> float:
+        number = parse(value)
+        if number <= 0:
+            raise ValueError("must be greater than zero")
+        return number
+
+    return parse_positive
+
+
 def parse_json(value: Any) -> Any:
     """A JSON document given as a string (as Istio's env vars are), or already-parsed YAML."""
     if value is None or value == "":
@@ -211,7 +366,7 @@ def _under_state(*parts: str) -> Callable[[dict], str]:
 
 SETTINGS: list[Setting] = [
     # --- process ---
-    Setting("state_dir", "/var/run/ambient-agent", parse_path,
+    Setting("state_dir", "/var/run/ambient-agent", parse_dir_path,
             "directory holding every socket and file the agent creates"),
     Setting("config_file", "/etc/ambient-agent/config.yaml", parse_path,
             "YAML file of settings (keys = setting names); a missing default file is ignored"),
@@ -221,22 +376,23 @@ SETTINGS: list[Setting] = [
     Setting("shutdown_grace", 5.0, parse_duration,
             "how long in-flight work may take after SIGTERM before the agent exits",
             env="TERMINATION_DRAIN_DURATION_SECONDS"),
-    Setting("node_name", lambda v: socket.gethostname(), parse_str,
+    Setting("node_name", lambda v: socket.gethostname(), parse_name,
             "this node's name; pods of other nodes are ignored", env="NODE_NAME"),
     # --- ambient index / config source ---
     Setting("config_source", "files", choice("files", "kubernetes"),
             "where pods, services and policies come from", component="ambient"),
-    Setting("config_dir", _under_state("cluster"), parse_path,
+    Setting("config_dir", _under_state("cluster"), parse_dir_path,
             "directory of Kubernetes/Istio YAML the files source reads and watches",
             component="ambient"),
     Setting("kubeconfig", "", parse_path, "kubeconfig for the kubernetes source "
             "(empty: in-cluster credentials)", env="KUBECONFIG", component="ambient"),
-    Setting("cluster_id", "Kubernetes", parse_str, "cluster name used in workload UIDs and CA "
+    Setting("cluster_id", "Kubernetes", parse_name, "cluster name used in workload UIDs and CA "
             "requests", env="CLUSTER_ID", component="ambient"),
     Setting("network", "", parse_str, "network name of this cluster", env="NETWORK",
             component="ambient"),
-    Setting("trust_domain", "cluster.local", parse_str, "SPIFFE trust domain", env="TRUST_DOMAIN"),
-    Setting("system_namespace", "istio-system", parse_str, "Istio system namespace",
+    Setting("trust_domain", "cluster.local", parse_trust_domain, "SPIFFE trust domain",
+            env="TRUST_DOMAIN"),
+    Setting("system_namespace", "istio-system", parse_namespace, "Istio system namespace",
             env="SYSTEM_NAMESPACE"),
     # --- CNI and enrollment ---
     Setting("cni_event_socket", _under_state("pluginevent.sock"), parse_path,
@@ -250,7 +406,7 @@ SETTINGS: list[Setting] = [
             env="CNI_BIN_DIR", component="cni"),
     Setting("cni_conf_name", "", parse_str, "conflist to chain into (empty: first by name)",
             env="CNI_CONF_NAME", component="cni"),
-    Setting("exclude_namespaces", ["kube-system"], parse_list,
+    Setting("exclude_namespaces", ["kube-system"], parse_namespace_list,
             "namespaces never enrolled", env="EXCLUDE_NAMESPACES", component="cni"),
     Setting("ambient_dns_capture", True, parse_bool, "redirect pod DNS to ztunnel's 15053",
             env="AMBIENT_DNS_CAPTURE", component="cni"),
@@ -258,17 +414,17 @@ SETTINGS: list[Setting] = [
             component="cni"),
     Setting("native_nftables", False, parse_bool, "use the nftables backend instead of iptables",
             env="NATIVE_NFTABLES", component="cni"),
-    Setting("host_probe_snat_ip", "169.254.7.127", parse_ip,
+    Setting("host_probe_snat_ip", "169.254.7.127", ip_of(4),
             "source address kubelet probes are SNATed to", env="HOST_PROBE_SNAT_IP",
             component="cni"),
-    Setting("host_probe_snat_ipv6", "fd16:9254:7127:1337:ffff:ffff:ffff:ffff", parse_ip,
+    Setting("host_probe_snat_ipv6", "fd16:9254:7127:1337:ffff:ffff:ffff:ffff", ip_of(6),
             "IPv6 source address kubelet probes are SNATed to", env="HOST_PROBE_SNAT_IPV6",
             component="cni"),
     Setting("ambient_disable_safe_upgrade", False, parse_bool,
             "remove host probe rules and sets at shutdown (node decommissioned) instead of "
             "keeping them for the next agent", env="AMBIENT_DISABLE_SAFE_UPGRADE",
             component="cni"),
-    Setting("proc_dir", "/proc", parse_path, "where to scan for pod netns on restart",
+    Setting("proc_dir", "/proc", parse_dir_path, "where to scan for pod netns on restart",
             component="cni"),
     Setting("host_rules_netns", "", parse_path, "netns path for the host probe SNAT rules and "
             "probe sets (empty: the agent's own netns; tests use a scratch netns)",
@@ -281,42 +437,46 @@ SETTINGS: list[Setting] = [
     # --- SDS / CA ---
     Setting("sds_socket", _under_state("workload-spiffe-uds", "socket"), parse_path,
             "SDS Unix socket", env="WORKLOAD_SPIFFE_UDS", component="sds"),
-    Setting("secret_ttl", 24 * 3600.0, parse_duration, "workload certificate lifetime",
+    Setting("secret_ttl", 24 * 3600.0, positive(parse_duration), "workload certificate lifetime",
             env="SECRET_TTL", component="sds"),
     Setting("secret_grace_ratio", 0.5, parse_ratio, "rotate when this fraction of lifetime is left",
             env="SECRET_GRACE_PERIOD_RATIO", component="sds"),
-    Setting("ecc_signature_algorithm", "", parse_str,
+    Setting("ecc_signature_algorithm", "", parse_signature_algorithm,
             "ECDSA for P-256 workload keys (default RSA 2048)", env="ECC_SIGNATURE_ALGORITHM",
             component="sds"),
     Setting("ca_addr", "", parse_host_port, "Istio CA address host:port (empty: embedded CA)",
             env="CA_ADDR", component="sds"),
-    Setting("ca_root_cert", "", parse_path, "root certificate to verify the Istio CA",
+    Setting("ca_root_cert", "", parse_existing_file, "root certificate to verify the Istio CA",
             env="CA_ROOT_CERT", component="sds"),
-    Setting("ca_token_file", "", parse_path, "bearer token file sent to the Istio CA",
+    Setting("ca_token_file", "", parse_existing_file, "bearer token file sent to the Istio CA",
             env="ISTIO_META_TOKEN_FILE", component="sds"),
-    Setting("service_account", "", parse_str,
+    Setting("service_account", "", parse_service_account,
             "fixed workload identity's service account (empty: attest callers)",
             env="SERVICE_ACCOUNT", component="sds"),
-    Setting("pod_namespace", "default", parse_str, "fixed workload identity's namespace",
+    Setting("pod_namespace", "default", parse_namespace, "fixed workload identity's namespace",
             env="POD_NAMESPACE", component="sds"),
-    Setting("trust_anchors_file", "", parse_path, "PEM file of extra trust anchors merged into "
+    Setting("trust_anchors_file", "", parse_existing_file,
+            "PEM file of extra trust anchors merged into "
             "ROOTCA, read at start (upstream: mesh ProxyConfig.caCertificatesPem)",
             component="sds"),
     Setting("ca_port", 0, parse_port, "serve the embedded CA as IstioCertificateService on this "
             "port (0: off)", component="sds"),
-    Setting("ca_listen_address", "0.0.0.0", parse_str, "address the embedded CA port binds "
+    Setting("ca_listen_address", "0.0.0.0", parse_bind_address,
+            "address the embedded CA port binds "
             "(callers are authenticated by client cert or token)", component="sds"),
-    Setting("ca_cert_file", "", parse_path, "root certificate for the embedded CA (with "
+    Setting("ca_cert_file", "", parse_existing_file, "root certificate for the embedded CA (with "
             "ca_key_file; empty: a self-signed root under <state dir>/ca)", component="sds"),
-    Setting("ca_key_file", "", parse_path, "private key of ca_cert_file", component="sds"),
+    Setting("ca_key_file", "", parse_existing_file, "private key of ca_cert_file",
+            component="sds"),
     Setting("ca_client_cert_auth", False, parse_bool, "embedded CA port requires client "
             "certificates from its root (mTLS; tokens are still checked too)", component="sds"),
-    Setting("ca_tokens_file", "", parse_path, "YAML {token: namespace/serviceaccount} of bearer "
+    Setting("ca_tokens_file", "", parse_existing_file,
+            "YAML {token: namespace/serviceaccount} of bearer "
             "tokens the embedded CA port accepts", component="sds"),
-    Setting("ca_trusted_node_accounts", ["istio-system/ztunnel"], parse_list,
+    Setting("ca_trusted_node_accounts", ["istio-system/ztunnel"], parse_account_list,
             "namespace/serviceaccount allowed to request certificates for other identities "
             "(ImpersonatedIdentity)", env="CA_TRUSTED_NODE_ACCOUNTS", component="sds"),
-    Setting("workload_certs_dir", "/etc/certs", parse_path, "file-mounted cert-chain.pem, "
+    Setting("workload_certs_dir", "/etc/certs", parse_dir_path, "file-mounted cert-chain.pem, "
             "key.pem, root-cert.pem served as default/ROOTCA when present (fixed identity only)",
             component="sds"),
     Setting("sds_socket_mode", "0600", parse_file_mode, "octal mode of the SDS socket (upstream "
@@ -333,26 +493,29 @@ SETTINGS: list[Setting] = [
             component="status"),
     Setting("envoy_admin_port", 0, parse_port, "Envoy admin port to merge stats and readiness "
             "from (0: no Envoy)", component="status"),
-    Setting("status_address", "", parse_str, "address the status and health ports bind "
+    Setting("status_address", "", parse_bind_address, "address the status and health ports bind "
             "(empty: all addresses)", component="status"),
-    Setting("instance_ip", "", parse_str, "pod IP app probes and metrics targets are sent to "
+    Setting("instance_ip", "", ip_of(None, allow_empty=True),
+            "pod IP app probes and metrics targets are sent to "
             "(empty: 127.0.0.1)", env="INSTANCE_IP", component="status"),
-    Setting("probe_source_ip", "127.0.0.6", parse_str, "source address of IPv4 app probes, "
+    Setting("probe_source_ip", "127.0.0.6", ip_of(4, allow_empty=True),
+            "source address of IPv4 app probes, "
             "skipped by inbound capture (empty: kernel's choice)", component="status"),
-    Setting("probe_source_ipv6", "", parse_str, "source address of IPv6 app probes (empty: "
+    Setting("probe_source_ipv6", "", ip_of(6, allow_empty=True),
+            "source address of IPv6 app probes (empty: "
             "kernel's choice; upstream's ::6 is not a local address on most hosts)",
             component="status"),
     Setting("metrics_localhost_only", False, parse_bool, "serve merged metrics to loopback "
             "clients only", env="METRICS_LOCALHOST_ACCESS_ONLY", component="status"),
     # --- workload xDS ---
     Setting("xds_port", 15010, parse_port, "plaintext workload xDS port", component="xds"),
-    Setting("xds_address", "127.0.0.1", parse_str, "address the plaintext xDS port binds",
+    Setting("xds_address", "127.0.0.1", parse_bind_address, "address the plaintext xDS port binds",
             component="xds"),
     Setting("xds_tls_port", 15012, parse_port, "mTLS workload xDS port (0: off)",
             component="xds"),
-    Setting("xds_tls_address", "0.0.0.0", parse_str, "address the mTLS xDS port binds",
+    Setting("xds_tls_address", "0.0.0.0", parse_bind_address, "address the mTLS xDS port binds",
             component="xds"),
-    Setting("xds_token_file", "", parse_path, "if set, xDS clients must send "
+    Setting("xds_token_file", "", parse_existing_file, "if set, xDS clients must send "
             "'authorization: Bearer <this file's content>'", component="xds"),
     Setting("xds_debounce", 0.1, parse_duration, "xDS push debounce: quiet period after an "
             "index change", component="xds"),
@@ -446,6 +609,7 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
 
     values: dict[str, Any] = {}
     origins: dict[str, str] = {}
+    given: dict[str, Any] = {}  # raw values as written, for error messages
     for s in SETTINGS:
         if s.name in raw:
             value, origin = raw[s.name]
@@ -459,8 +623,35 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
             values[s.name] = s.parse(value)
         except (ValueError, TypeError) as e:
             raise ConfigError(s.name, value, str(e) or type(e).__name__, origin) from None
-        origins[s.name] = origin
+        origins[s.name], given[s.name] = origin, value
+    _check_together(values, origins, given)
     return Config(values, origins)
+
+
+def _check_together(values: dict[str, Any], origins: dict[str, str],
+                    given: dict[str, Any]) -> None:
+    """Checks that involve more than one setting; raise :class:`ConfigError` naming the
+    setting the operator most likely has to change, with the value as written."""
+
+    def fail(name: str, reason: str) -> None:
+        origin = origins.get(name, "")
+        raise ConfigError(name, given.get(name, values[name]), reason,
+                          "" if origin == "default" else origin)
+
+    if bool(values["ca_cert_file"]) != bool(values["ca_key_file"]):
+        one, other = (("ca_cert_file", "ca_key_file") if values["ca_cert_file"]
+                      else ("ca_key_file", "ca_cert_file"))
+        fail(one, f"{other} must be set too (both or neither)")
+    if values["xds_debounce"] > values["xds_debounce_max"]:
+        fail("xds_debounce", f"must not exceed xds_debounce_max "
+                             f"({values['xds_debounce_max']:g}s)")
+    # kubeconfig is read only by the kubernetes source; a stray KUBECONFIG in the
+    # operator's shell must not stop an agent that reads files.
+    if values["config_source"] == "kubernetes" and values["kubeconfig"]:
+        try:
+            parse_existing_file(values["kubeconfig"])
+        except ValueError as e:
+            fail("kubeconfig", str(e))
 
 
 def prepare_state_dir(config: Config) -> Path:
@@ -480,19 +671,39 @@ def prepare_state_dir(config: Config) -> Path:
     return path
 
 
+# The address setting each listener port binds to, so a bind failure caused by the
+# address names the address setting rather than the port.
+_ADDRESS_OF_PORT = {"xds_port": "xds_address", "xds_tls_port": "xds_tls_address",
+                    "ca_port": "ca_listen_address", "status_port": "status_address",
+                    "health_port": "status_address"}
+
+
 def ensure_tcp_port_free(setting: str, host: str, port: int) -> None:
-    """Raise :class:`ConfigError` naming ``setting`` if ``host:port`` can't be bound now.
+    """Raise :class:`ConfigError` if ``host:port`` can't be bound now.
 
     gRPC's own bind failure is a C-core log line plus a generic RuntimeError; checking
-    first gives the operator one clear line. Port 0 (kernel's choice) is always free.
+    first gives the operator one clear line. The error names the address setting
+    (``xds_address`` for ``xds_port``, ...) when the address is the problem (not an IP,
+    or not an address of this host: EADDRNOTAVAIL), else ``setting`` (port in use,
+    permission denied). Port 0 (kernel's choice) checks only the address.
     """
-    if not port:
-        return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    address_setting = _ADDRESS_OF_PORT.get(setting, setting)
+    text = host.strip("[]")
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(text).version == 6 else socket.AF_INET
+    except ValueError:
+        if text:
+            raise ConfigError(address_setting, host, "expected an IPv4 or IPv6 address to "
+                              "bind") from None
+        family = socket.AF_INET  # empty: all addresses
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind((host, port))
+            probe.bind((text, port))
         except OSError as e:
-            raise ConfigError(setting, port, f"cannot listen on {host}:{port}: "
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError(address_setting, host, f"cannot listen on this address "
+                                  f"(for {setting} {port}): not an address of this host"
+                                  ) from None
+            raise ConfigError(setting, port, f"cannot listen on port {port} of {host or '*'}: "
                               f"{e.strerror or e}") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -47,12 +48,116 @@ def test_durations(text, seconds):
                                         ({"host_probe_snat_ip": "1.2.3"}, "host_probe_snat_ip"),
                                         ({"secret_grace_ratio": "2"}, "secret_grace_ratio"),
                                         ({"sds_socket_mode": "999"}, "sds_socket_mode"),
-                                        ({"ca_addr": "nohostport"}, "ca_addr")])
+                                        ({"ca_addr": "nohostport"}, "ca_addr"),
+                                        ({"ca_cert_file": "/nonexistent"}, "ca_cert_file"),
+                                        ({"ca_key_file": "/nonexistent"}, "ca_key_file"),
+                                        ({"ca_root_cert": "/nonexistent"}, "ca_root_cert"),
+                                        ({"ca_token_file": "/nonexistent"}, "ca_token_file"),
+                                        ({"ca_tokens_file": "/nonexistent"}, "ca_tokens_file"),
+                                        ({"xds_token_file": "/nonexistent"}, "xds_token_file"),
+                                        ({"trust_anchors_file": "/tmp"}, "trust_anchors_file"),
+                                        ({"xds_address": "999.1.1.1"}, "xds_address"),
+                                        ({"xds_tls_address": "example.com"}, "xds_tls_address"),
+                                        ({"ca_listen_address": "1.2.3"}, "ca_listen_address"),
+                                        ({"status_address": "::g"}, "status_address"),
+                                        ({"config_dir": "/etc/hostname"}, "config_dir"),
+                                        ({"state_dir": "/etc/hostname"}, "state_dir"),
+                                        ({"workload_certs_dir": "/etc/hostname"},
+                                         "workload_certs_dir"),
+                                        ({"proc_dir": "/etc/hostname"}, "proc_dir"),
+                                        ({"exclude_namespaces": "ok,notjson["},
+                                         "exclude_namespaces"),
+                                        ({"exclude_namespaces": "Kube-System"},
+                                         "exclude_namespaces"),
+                                        ({"system_namespace": "a_b"}, "system_namespace"),
+                                        ({"pod_namespace": ""}, "pod_namespace"),
+                                        ({"service_account": "Bad Name"}, "service_account"),
+                                        ({"ca_trusted_node_accounts": "istio-system"},
+                                         "ca_trusted_node_accounts"),
+                                        ({"cluster_id": ""}, "cluster_id"),
+                                        ({"cluster_id": "a/b"}, "cluster_id"),
+                                        ({"trust_domain": ""}, "trust_domain"),
+                                        ({"trust_domain": "spiffe://x"}, "trust_domain"),
+                                        ({"node_name": " "}, "node_name"),
+                                        ({"host_probe_snat_ip": "::1"}, "host_probe_snat_ip"),
+                                        ({"host_probe_snat_ipv6": "169.254.7.127"},
+                                         "host_probe_snat_ipv6"),
+                                        ({"probe_source_ip": "::6"}, "probe_source_ip"),
+                                        ({"probe_source_ipv6": "127.0.0.6"}, "probe_source_ipv6"),
+                                        ({"instance_ip": "pod"}, "instance_ip"),
+                                        ({"ecc_signature_algorithm": "DSA"},
+                                         "ecc_signature_algorithm"),
+                                        ({"secret_ttl": "0s"}, "secret_ttl")])
 def test_bad_values_name_the_setting(flags, name):
     with pytest.raises(cfg.ConfigError) as e:
         cfg.load(flags, env={})
     assert e.value.setting == name
     assert name in str(e.value) and repr(next(iter(flags.values()))) in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_file_error_reads_as_documented():
+    with pytest.raises(cfg.ConfigError) as e:
+        cfg.load({"ca_cert_file": "/nonexistent"}, env={})
+    assert str(e.value) == ("invalid setting ca_cert_file='/nonexistent' "
+                            "(from flag --ca-cert-file): no such file")
+    with pytest.raises(cfg.ConfigError, match="'notjson\\[' is not a valid namespace"):
+        cfg.load({}, env={"EXCLUDE_NAMESPACES": "kube-system,notjson["})
+
+
+def test_good_values_are_accepted_and_normalised(tmp_path):
+    cert, key = tmp_path / "root.pem", tmp_path / "key.pem"
+    cert.write_text("x")
+    key.write_text("x")
+    c = cfg.load({"state_dir": str(tmp_path), "ca_cert_file": str(cert),
+                  "ca_key_file": str(key), "xds_address": "localhost",
+                  "xds_tls_address": "[::1]", "status_address": "", "ca_listen_address": "::",
+                  "exclude_namespaces": "kube-system, istio-system",
+                  "ca_trusted_node_accounts": "istio-system/ztunnel,kube-system/node.agent",
+                  "probe_source_ipv6": "::1", "instance_ip": "10.0.0.7",
+                  "ecc_signature_algorithm": "ECDSA", "workload_certs_dir": str(tmp_path / "no"),
+                  "config_dir": str(tmp_path / "not-yet"), "trust_domain": "example.org",
+                  "cluster_id": "Kubernetes", "xds_debounce": "1s", "xds_debounce_max": "1s"},
+                 env={})
+    assert (c.ca_cert_file, c.ca_key_file) == (str(cert), str(key))
+    assert (c.xds_address, c.xds_tls_address, c.ca_listen_address) == ("127.0.0.1", "::1", "::")
+    assert c.exclude_namespaces == ["kube-system", "istio-system"]
+    # files settings are empty (= not set) by default, so defaults load on any machine
+    d = cfg.load({"state_dir": str(tmp_path)}, env={})
+    assert d.ca_cert_file == d.ca_root_cert == d.xds_token_file == d.kubeconfig == ""
+
+
+def test_cross_field_checks(tmp_path):
+    cert = tmp_path / "root.pem"
+    cert.write_text("x")
+    with pytest.raises(cfg.ConfigError) as e:
+        cfg.load({"ca_cert_file": str(cert)}, env={})
+    assert e.value.setting == "ca_cert_file" and "ca_key_file must be set too" in str(e.value)
+    with pytest.raises(cfg.ConfigError) as e:
+        cfg.load({"xds_debounce": "2s"}, env={})
+    assert e.value.setting == "xds_debounce" and "'2s'" in str(e.value)
+    assert "xds_debounce_max" in str(e.value)
+    # kubeconfig is checked only when the kubernetes source will read it
+    assert cfg.load({"kubeconfig": "/nonexistent"}, env={}).kubeconfig == "/nonexistent"
+    with pytest.raises(cfg.ConfigError, match="kubeconfig='/nonexistent'.*no such file"):
+        cfg.load({"kubeconfig": "/nonexistent", "config_source": "kubernetes"}, env={})
+
+
+def test_port_check_blames_the_address_or_the_port():
+    with pytest.raises(cfg.ConfigError) as e:
+        cfg.ensure_tcp_port_free("xds_port", "192.0.2.1", 0)  # TEST-NET-1: not on this host
+    assert e.value.setting == "xds_address" and "not an address of this host" in str(e.value)
+    with pytest.raises(cfg.ConfigError) as e:
+        cfg.ensure_tcp_port_free("ca_port", "nohost", 1234)
+    assert e.value.setting == "ca_listen_address"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(cfg.ConfigError) as e:
+            cfg.ensure_tcp_port_free("xds_port", "127.0.0.1", port)
+    assert e.value.setting == "xds_port" and e.value.value == port
+    cfg.ensure_tcp_port_free("xds_tls_port", "::1", 0)
 
 
 def test_malformed_yaml_and_unknown_keys(tmp_path):
@@ -84,6 +189,8 @@ def test_cli_config_shows_sources(tmp_path):
 
 def test_cli_user_errors_are_one_line(tmp_path):
     for args in (["config", "--status-port", "abc"], ["run", "--log-format", "xml"],
+                 ["run", "--state-dir", str(tmp_path), "--xds-address", "999.1.1.1"],
+                 ["run", "--state-dir", str(tmp_path), "--config-dir", "/etc/hostname"],
                  ["config", "--config-file", str(tmp_path / "missing.yaml")]):
         r = _cli(*args)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
