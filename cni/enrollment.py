@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import json
 import logging
 import os
+import socket
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -50,6 +53,7 @@ log = logging.getLogger("cni.enrollment")
 
 STATUS_ANNOTATION = "ambient.istio.io/redirection"
 BACKOFF_INITIAL, BACKOFF_MAX = 0.2, 30.0
+IFF_UP, SIOCGIFFLAGS = 0x1, 0x8913  # <linux/if.h>, <linux/sockios.h>
 
 
 class EnrollmentError(Exception):
@@ -60,6 +64,12 @@ class EnrollmentError(Exception):
     def __init__(self, message: str, retryable: bool = False):
         super().__init__(message)
         self.retryable = retryable
+
+
+class LoopbackDown(Exception):
+    """The pod netns's ``lo`` is down (or missing): checked before any rule is applied,
+    since the in-pod routes (``local 0.0.0.0/0 dev lo``) need it up. The runtime brings
+    ``lo`` up before it runs chained plugins, so this means a broken sandbox."""
 
 
 @dataclasses.dataclass
@@ -152,6 +162,9 @@ class Enrollment(Component):
         self._started = False
         self._unsubscribe = None
         self._leaving: dict[str, asyncio.Task] = {}
+        self._enrolling: dict[str, asyncio.Task] = {}  # uid -> task inside enroll()
+        self._aborted: set[asyncio.Task] = set()  # enroll tasks a CNI DEL cancelled
+        self._rollback_problems: dict[str, list[str]] = {}
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -287,6 +300,39 @@ class Enrollment(Component):
         if not rec.ips:
             raise EnrollmentError(f"{rec.label()}: no pod IP in the CNI result (field 'ips' "
                                   "is empty); nothing to redirect")
+        task = asyncio.current_task()
+        self._cancel_retry(rec.uid)  # a retry may hold the lock for up to ztunnel_wait
+        self._enrolling[rec.uid] = task
+        try:
+            await self._enroll_locked(rec)
+        except asyncio.CancelledError:
+            # our own cancel (abort_enroll) is turned into the ADD's answer; any other
+            # cancellation (shutdown, a caller's timeout) stays a cancellation
+            if task not in self._aborted or task.uncancel() > 0:
+                raise
+            problems = self._rollback_problems.pop(rec.uid, [])
+            raise EnrollmentError(f"{rec.label()}: pod deleted during enrollment (CNI DEL); "
+                                  + _rollback_outcome(problems)) from None
+        finally:
+            self._aborted.discard(task)
+            if self._enrolling.get(rec.uid) is task:
+                del self._enrolling[rec.uid]
+
+    def abort_enroll(self, uid: str) -> asyncio.Task | None:
+        """Cancel the enrollment of pod ``uid`` now in flight, if any (the CNI DEL of a pod
+        whose ADD still runs, e.g. waiting up to ``ztunnel_wait`` for a ztunnel). The
+        cancelled :meth:`enroll` rolls back what it did and raises
+        :class:`EnrollmentError` ("pod deleted during enrollment"). Returns the task to
+        await for the rollback, or None when no enrollment of ``uid`` runs."""
+        task = self._enrolling.get(uid)
+        if task is None or task.done() or task is asyncio.current_task():
+            return None
+        if task not in self._aborted:
+            self._aborted.add(task)
+            task.cancel(msg="pod deleted during enrollment")
+        return task
+
+    async def _enroll_locked(self, rec: PodRecord) -> None:
         async with self._lock(rec.uid):
             self._cancel_retry(rec.uid)
             old = self.records.get(rec.uid)
@@ -308,55 +354,95 @@ class Enrollment(Component):
         inode = os.fstat(fd).st_ino
         opts = pod_options(self.base_options, rec.annotations)
         try:
-            outcome = await self.ctx.run_blocking(self._apply_rules, fd, opts)
-        except (RulesError, OSError) as e:
-            await self._rollback_rules(fd, opts)
+            await self._steps_or_rollback(rec, fd, opts, inode)
+        except asyncio.CancelledError:
+            # a CNI DEL (abort_enroll) or shutdown: undo whatever ran, then stay cancelled
+            self._rollback_problems[rec.uid] = await self._rollback_all(rec, fd, opts)
+            raise
+
+    async def _steps_or_rollback(self, rec: PodRecord, fd: int, opts: RuleOptions,
+                                 inode: int) -> None:
+        try:
+            outcome = await self._blocking(self._apply_rules, fd, opts, rec.netns)
+        except LoopbackDown as e:  # checked before any rule: nothing to roll back
             self._fail(rec, "rules", str(e))
-            raise EnrollmentError(f"{rec.label()}: in-pod rules failed (rolled back): {e}") from None
+            raise EnrollmentError(f"{rec.label()}: {e}; nothing was applied") from None
+        except (RulesError, OSError) as e:
+            problems = await self._rollback_rules(fd, opts)
+            self._fail(rec, "rules", str(e))
+            raise EnrollmentError(f"{rec.label()}: in-pod rules failed "
+                                  f"({_rollback_outcome(problems)}): {e}") from None
         rec.steps["rules"] = True
         log.info("%s: in-pod rules %s (%s)", rec.label(), outcome, self.backend.name)
         try:
             await self._remaining_steps(rec, fd, wait_ack=True)
         except EnrollmentError as e:
             if not self._same_netns(rec.netns, inode):
-                await self._rollback_all(rec, fd, opts)
+                problems = await self._rollback_all(rec, fd, opts)
                 raise EnrollmentError(f"{rec.label()}: netns {rec.netns} disappeared during "
-                                      f"enrollment; rolled back ({e})") from None
+                                      f"enrollment; {_rollback_outcome(problems)} ({e})"
+                                      ) from None
             self._schedule_retry(rec)
             raise
         if not self._same_netns(rec.netns, inode):
-            await self._rollback_all(rec, fd, opts)
+            problems = await self._rollback_all(rec, fd, opts)
             raise EnrollmentError(f"{rec.label()}: netns {rec.netns} disappeared during "
-                                  "enrollment; rolled back")
+                                  f"enrollment; {_rollback_outcome(problems)}")
 
-    def _apply_rules(self, fd: int, opts: RuleOptions) -> str:
+    async def _blocking(self, fn, *args):
+        """``ctx.run_blocking`` that, when cancelled, first waits for the worker thread to
+        finish: a thread can't be stopped, and a rollback racing a half-applied ruleset
+        in another thread would leave rules behind."""
+        fut = asyncio.ensure_future(self.ctx.run_blocking(fn, *args))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            if not fut.cancelled():
+                fut.exception()  # retrieved: the caller rolls back whatever it did
+            raise
+
+    def _apply_rules(self, fd: int, opts: RuleOptions, netns_path: str = "") -> str:
+        """In the pod netns (worker thread): check ``lo`` is up, then apply the ruleset.
+        Raises :class:`LoopbackDown`, RulesError, OSError."""
         with netns_mod.entered(fd):
+            _require_loopback_up(netns_path or f"fd {fd}")
             return self.backend.apply(opts)
 
-    async def _rollback_rules(self, fd: int, opts: RuleOptions) -> None:
+    async def _rollback_rules(self, fd: int, opts: RuleOptions) -> list[str]:
+        """Delete the in-pod rules; returns what could not be undone (empty: all done)."""
         def undo():
             with netns_mod.entered(fd):
                 self.backend.delete(opts.ipv6)
         try:
-            await self.ctx.run_blocking(undo)
+            await self._blocking(undo)
         except (RulesError, OSError) as e:
             log.warning("rollback of in-pod rules failed: %s", e)
+            return [f"in-pod rules: {e}"]
+        return []
 
-    async def _rollback_all(self, rec: PodRecord, fd: int, opts: RuleOptions) -> None:
+    async def _rollback_all(self, rec: PodRecord, fd: int, opts: RuleOptions) -> list[str]:
+        """Undo every step of a failed or cancelled enrollment; returns what could not be
+        undone. ZDS delete always: the server records the pod even when unacked."""
+        problems: list[str] = []
         zds = self._zds()
-        if zds is not None and rec.steps.get("zds"):
+        if zds is not None:
             try:
                 await zds.delete(rec.uid)
             except Exception as e:  # noqa: BLE001
                 log.warning("%s: ZDS delete during rollback: %s", rec.label(), e)
+                problems.append(f"ZDS delete: {e}")
         if rec.steps.get("hostset"):
             try:
-                await self.ctx.run_blocking(self.host_rules.remove_pod, rec.uid, rec.ips)
-            except (RulesError, OSError) as e:
+                await self._blocking(self.host_rules.remove_pod, rec.uid, rec.ips)
+            except (RulesError, OSError, ValueError) as e:
                 log.warning("%s: probe set rollback: %s", rec.label(), e)
-        await self._rollback_rules(fd, opts)
-        self.records.pop(rec.uid, None)
+                problems.append(f"host probe set: {e}")
+        problems += await self._rollback_rules(fd, opts)  # harmless when none applied
+        if self.records.get(rec.uid) is rec:
+            self.records.pop(rec.uid, None)
         self.state.remove(rec.uid)
+        return problems
 
     @staticmethod
     def _same_netns(path: str, inode: int) -> bool:
@@ -384,7 +470,7 @@ class Enrollment(Component):
                                   f"({type(e).__name__}: {e}); will retry", True) from None
         rec.steps["zds"] = True
         try:
-            await self.ctx.run_blocking(self.host_rules.add_pod, rec.uid, rec.ips)
+            await self._blocking(self.host_rules.add_pod, rec.uid, rec.ips)
         except (RulesError, OSError, ValueError) as e:
             self._fail(rec, "hostset", str(e), status="pending")
             raise EnrollmentError(f"{rec.label()}: host probe set: {e}; will retry", True) from None
@@ -461,9 +547,9 @@ class Enrollment(Component):
         try:
             try:
                 opts = pod_options(self.base_options, rec.annotations)
-                await self.ctx.run_blocking(self._apply_rules, fd, opts)
+                await self._blocking(self._apply_rules, fd, opts, rec.netns)
                 rec.steps["rules"] = True
-            except (RulesError, OSError) as e:
+            except (LoopbackDown, RulesError, OSError) as e:
                 self._fail(rec, "rules", str(e))
                 return False
             await self._remaining_steps(rec, fd, wait_ack=True)
@@ -489,6 +575,12 @@ class Enrollment(Component):
         :class:`EnrollmentError` only when a step that could have run failed (after
         trying every step)."""
         uid = event.key
+        if is_delete:  # the pod is going away: don't wait behind its ADD, cancel it
+            aborted = self.abort_enroll(uid)
+            if aborted is not None:
+                log.info("pod %s deleted during enrollment: enrollment cancelled", uid)
+                await asyncio.wait([aborted])
+        self._cancel_retry(uid)  # a retry may hold the lock for up to ztunnel_wait
         async with self._lock(uid):
             self._cancel_retry(uid)
             rec = self.records.pop(uid, None) or self._record_from_event(event)
@@ -698,9 +790,9 @@ class Enrollment(Component):
             try:
                 opts = pod_options(self.base_options, rec.annotations)
                 try:
-                    await self.ctx.run_blocking(self._apply_rules, fd, opts)
+                    await self._blocking(self._apply_rules, fd, opts, path)
                     rec.steps["rules"] = True
-                except (RulesError, OSError) as e:
+                except (LoopbackDown, RulesError, OSError) as e:
                     self._fail(rec, "rules", f"reconcile at start: {e}; restart the pod")
                 try:
                     await self._remaining_steps(rec, fd, wait_ack=False)
@@ -709,6 +801,26 @@ class Enrollment(Component):
             finally:
                 os.close(fd)
             return rec.status
+
+
+def _rollback_outcome(problems: list[str]) -> str:
+    return "rolled back" if not problems else "rollback incomplete: " + "; ".join(problems)
+
+
+def _require_loopback_up(netns_label: str) -> None:
+    """Raise :class:`LoopbackDown` unless ``lo`` of the calling thread's netns is up.
+    ``SIOCGIFFLAGS`` on a socket made here (a socket belongs to the netns it was created
+    in): ~10 µs, where a netlink dump costs ~1 ms."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            ifreq = fcntl.ioctl(sock.fileno(), SIOCGIFFLAGS, struct.pack("16sH14x", b"lo", 0))
+        flags, state = struct.unpack("16sH14x", ifreq)[1], "down"
+    except OSError as e:
+        flags, state = 0, f"unusable ({e.strerror})"
+    if not flags & IFF_UP:
+        raise LoopbackDown(f"loopback interface 'lo' in the pod netns {netns_label} is {state} "
+                           "(the runtime brings it up before running chained plugins: the "
+                           "sandbox is broken or something set lo down)")
 
 
 def _labels(obj: dict | None) -> dict:

@@ -18,10 +18,14 @@ Routes (the body is a :class:`cni.events.CniPodEvent` JSON):
   ``RemovePodFromMesh(pod, isDelete=true)``, spec §3.7). 200 or 500.
 - ``GET /healthz``: 200 while serving, 503 while draining (the plugin's STATUS).
 
-ADD and DEL of one pod (:attr:`CniPodEvent.key`) are serialised. An enrollment
-already running is not cancelled when the plugin gives up (its 5 s timeout): a
-half-applied enrollment is worse than a complete one that the runtime's following
-DEL undoes.
+ADD and DEL of one pod (:attr:`CniPodEvent.key`) are serialised, with one exception: a
+DEL arriving while that pod's ADD still runs (e.g. enrollment waiting up to
+``ztunnel_wait`` for a ztunnel) cancels the enrollment first
+(``enrollment.abort_enroll``): it rolls back what it did and the ADD answers 500 "pod
+deleted during enrollment"; then the DEL runs, so it answers within the plugin's 2 s
+DEL timeout. An enrollment is not cancelled when only the plugin gives up (its 5 s ADD
+timeout): a half-applied enrollment is worse than a complete one that the runtime's
+following DEL undoes.
 """
 
 from __future__ import annotations
@@ -210,6 +214,11 @@ class CniEventServer(Component):
             self._stats["bad"] += 1
             return self._respond("DEL", 400, e.text or "bad request")
         self._stats["del"] += 1
+        enrollment = self.ctx.get("enrollment")
+        abort = getattr(enrollment, "abort_enroll", None)
+        if callable(abort) and self._inflight.get(event.key) == "ADD" and abort(event.key):
+            log.info("CNI DEL of pod %s during its ADD: enrollment cancelled",
+                     _pod_name(event))
         status, body = await self._run_serialised(event, self._del(event))
         return self._respond("DEL", status, body)
 
