@@ -15,6 +15,7 @@ returns, so the agent is consistent when it reports ready.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from typing import Any, Awaitable, Callable
 import watchfiles
 import yaml
 
+from agent.config import ConfigError
 from ambient import localconfig
 from ambient.store import ObjectStore
 
@@ -133,7 +135,15 @@ class DirectorySource:
         self.reloads = 0
 
     async def start(self) -> None:
-        os.makedirs(self.directory, mode=0o750, exist_ok=True)
+        """Create the directory if missing (0750) and start watching it. Raises
+        :class:`ConfigError` naming ``config_dir`` when it can't be created (e.g. a file
+        sits at the path)."""
+        try:
+            os.makedirs(self.directory, mode=0o750, exist_ok=True)
+        except OSError as e:
+            reason = ("exists and is not a directory" if e.errno == errno.EEXIST
+                      else e.strerror or str(e))
+            raise ConfigError("config_dir", self.directory, reason) from None
         self._stop.clear()
         # Watch first, then scan: a file written in between is seen by one or the other
         # (a reload of an unchanged file produces no store events).

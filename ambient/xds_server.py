@@ -34,7 +34,7 @@ from envoy.service.discovery.v3 import ads_pb2, ads_pb2_grpc, discovery_pb2
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from agent.config import ensure_tcp_port_free
+from agent.config import ConfigError, ensure_tcp_port_free
 from agent.lifecycle import AgentContext, Component
 from agent.sds.keys import leaf_validity, uri_sans
 from ambient.api import AmbientIndex, IndexChange
@@ -262,7 +262,8 @@ class XdsServer(Component):
         ensure_tcp_port_free("xds_port", self.address, self.port)
         bound = server.add_insecure_port(f"{_host(self.address)}:{self.port}")
         if bound == 0:
-            raise RuntimeError(f"xds: cannot bind {self.address}:{self.port}")
+            raise ConfigError("xds_port", self.port, f"gRPC cannot bind "
+                              f"{self.address}:{self.port} (check xds_address)")
         self.port = bound
         if self.tls_port is not None and self.tls_provider is not None:
             self._tls = await self.tls_provider()
@@ -271,7 +272,8 @@ class XdsServer(Component):
             ensure_tcp_port_free("xds_tls_port", self.tls_address, self.tls_port)
             bound = server.add_secure_port(f"{_host(self.tls_address)}:{self.tls_port}", creds)
             if bound == 0:
-                raise RuntimeError(f"xds: cannot bind {self.tls_address}:{self.tls_port}")
+                raise ConfigError("xds_tls_port", self.tls_port, f"gRPC cannot bind "
+                                  f"{self.tls_address}:{self.tls_port} (check xds_tls_address)")
             self.tls_port = bound
             self._tls_note = "serving"
             self._tls_task = asyncio.create_task(self._refresh_tls())

@@ -209,3 +209,41 @@ def test_unwritable_state_dir(tmp_path):
 def test_version():
     r = _cli("version")
     assert r.returncode == 0 and r.stdout.startswith("ambient-agent ")
+
+
+async def test_directory_source_names_config_dir_when_a_file_is_in_the_way(tmp_path):
+    """Settings that pass ``load`` but turn bad before start (a file created at
+    config_dir afterwards) still fail with the setting's name, not errno 17."""
+    from prometheus_client import CollectorRegistry
+
+    from ambient.source_files import DirectorySource
+    from ambient.store import ObjectStore
+
+    blocker = tmp_path / "cluster"
+    blocker.write_text("")
+
+    async def run_blocking(fn, *args):
+        return fn(*args)
+
+    source = DirectorySource(ObjectStore(CollectorRegistry()), str(blocker), run_blocking)
+    with pytest.raises(cfg.ConfigError) as e:
+        await source.start()
+    assert e.value.setting == "config_dir" and "not a directory" in str(e.value)
+
+
+async def test_embedded_ca_names_the_bad_root_file(tmp_path):
+    from agent.lifecycle import AgentContext
+    from agent.sds.server import build
+
+    cert, key = tmp_path / "root.pem", tmp_path / "key.pem"
+    cert.write_text("not a certificate")
+    key.write_text("not a key")
+    config = cfg.load({"state_dir": str(tmp_path / "state"), "ca_cert_file": str(cert),
+                       "ca_key_file": str(key), "workload_certs_dir": str(tmp_path / "none")},
+                      env={})
+    ctx = AgentContext(config)
+    try:
+        with pytest.raises(RuntimeError, match=f"ca_cert_file='{cert}'"):
+            await build(ctx).start()
+    finally:
+        ctx.executor.shutdown(wait=False)

@@ -146,7 +146,12 @@ class SdsServer(Component):
                 EmbeddedCA.load_or_create, os.path.join(cfg.state_dir, "ca"), cfg.trust_domain,
                 cfg.ca_cert_file, cfg.ca_key_file)
         except CAError as e:
-            raise RuntimeError(f"embedded CA: {e}") from None
+            if not cfg.ca_cert_file:
+                raise RuntimeError(f"embedded CA: {e}") from None
+            # The operator's own root: name the setting to fix (spec §3.5 step 9).
+            name = "ca_key_file" if str(e).startswith("CA key") else "ca_cert_file"
+            raise RuntimeError(f"embedded CA: setting {name}={getattr(cfg, name)!r}: {e}"
+                               ) from None
         self.ca_client = EmbeddedCAClient(self.embedded, self._run)
 
     async def _start_sds(self) -> None:
