@@ -1,7 +1,7 @@
 """The status server end to end on loopback: readiness, the node-agent health port,
 quit/drain, /debug, the merged metrics (with real local aiohttp apps as metrics
 targets and a fake Envoy admin serving canned stats: where noted, the real Envoy is in
-tests/peers/test_status_envoy.py), and the ``ambient-agent status`` CLI."""
+tests/peers/test_status_envoy.py). The ``ambient-agent status`` CLI: test_status_cli.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from aiohttp import web
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 from prometheus_client.parser import text_string_to_metric_families as text_parse
 
-from agent import cli as agent_cli
 from agent.config import ConfigError
 from agent.status import metrics_merge
 from tests.status.conftest import FakeComponent, free_port, running_status, serve_app
@@ -102,26 +101,6 @@ async def test_debug_endpoints(tmp_path):
         assert doc["sds"]["error"] == "RuntimeError: boom" and doc["xds"]["missing"]
         # the server survived the failing component
         assert (await request("GET", base + "/debug/pods"))[0] == 200
-
-
-async def test_status_cli(tmp_path, capsys):
-    pods = FakeComponent("enrollment", {"pods": [
-        {"uid": "u1", "name": "web-1", "namespace": "default", "status": "enrolled"},
-        {"uid": "u2", "name": "db-0", "namespace": "data", "status": "pending"}]})
-    zds = FakeComponent("zds", [{"ztunnel": "conn-1", "pods": ["u1"]}])
-    async with running_status(tmp_path, [pods, zds]) as (_, server):
-        code = await asyncio.to_thread(
-            agent_cli.main, ["status", "--addr", f"http://127.0.0.1:{server.port}"])
-    out = capsys.readouterr().out
-    assert code == 0
-    assert "Enrolled pods (2)" in out and "web-1" in out and "NAMESPACE" in out
-    assert "ZDS connections (ztunnels) (1)" in out and "conn-1" in out
-    assert "SDS certificates: not running in this agent" in out
-    code = await asyncio.to_thread(
-        agent_cli.main, ["status", "--addr", f"http://127.0.0.1:{free_port()}"])
-    err = capsys.readouterr().err
-    assert code == 1 and err.startswith("ambient-agent status: no agent answering at")
-    assert err.count("\n") == 1
 
 
 # --- merged metrics ---------------------------------------------------------------------
