@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import logging
 import os
 import socket
@@ -88,11 +89,40 @@ class _NotSent(Exception):
 
 
 class _Drop(Exception):
-    """End this connection; the text is the logged reason, ``timeout`` says it was one."""
+    """End this connection; the text is the logged reason, ``timeout`` says it was one.
+    ``level`` is the log level of the close line; ``pre_hello`` marks problems before
+    ZdsHello (rate-limited: whoever sends them is not a working ztunnel)."""
 
-    def __init__(self, reason: str, timeout: bool = False):
+    def __init__(self, reason: str, timeout: bool = False, level: int = logging.WARNING,
+                 pre_hello: bool = False):
         super().__init__(reason)
         self.timeout = timeout
+        self.level = level
+        self.pre_hello = pre_hello
+
+
+PRE_HELLO_LOG_WINDOW = 60.0  # seconds: identical pre-hello warnings logged once per window
+
+
+class _RepeatLimiter:
+    """Let one log line per identical text through per ``window`` seconds; the next one
+    let through says how many were held back (those went to DEBUG). A peer that keeps
+    connecting with garbage must not flood the log."""
+
+    def __init__(self, window: float = PRE_HELLO_LOG_WINDOW):
+        self.window = window
+        self._last: dict[str, tuple[float, int]] = {}  # text -> (logged at, held back)
+
+    def check(self, text: str, now: float) -> tuple[bool, int]:
+        """``(log it, how many were held back since the last one logged)``."""
+        if len(self._last) > 256:  # bounded: forget entries whose window has passed
+            self._last = {k: v for k, v in self._last.items() if now - v[0] < self.window}
+        last = self._last.get(text)
+        if last is not None and now - last[0] < self.window:
+            self._last[text] = (last[0], last[1] + 1)
+            return False, 0
+        self._last[text] = (now, 0)
+        return True, last[1] if last is not None else 0
 
 
 class _Request:
@@ -214,7 +244,7 @@ class ZdsConnection:
     # ---------------------------------------------------------------- the writer task
 
     async def serve(self) -> None:
-        reason = "stopped"
+        reason, level = "stopped", None
         try:
             await self._read_hello()
             asyncio.get_running_loop().add_reader(self.sock.fileno(), self._on_readable)
@@ -224,27 +254,40 @@ class ZdsConnection:
             await self._serve_updates()
         except _Drop as e:
             reason = str(e)
+            level = e.level
+            if e.pre_hello and level >= logging.WARNING:
+                level, reason = self.server._pre_hello_log(reason)
         except asyncio.CancelledError:
             reason = "server stopping"
         except Exception as e:  # noqa: BLE001 - one bad peer never takes the server down
             reason = f"internal error: {e!r}"
             log.exception("zds connection %d failed", self.id)
         finally:
-            self._close(reason)
+            self._close(reason, level)
 
     async def _read_hello(self) -> None:
+        """Raises :class:`_Drop`: at INFO when the peer just connected and closed (a probe,
+        another agent's liveness check, a port scan: no ztunnel), else a rate-limited
+        WARNING (silent or garbage peer)."""
         try:
             packet = await wire.recv_packet_async(self.sock, self.server.hello_timeout, max_fds=0)
         except TimeoutError:
-            raise _Drop(f"no ZdsHello within {self.server.hello_timeout:g}s") from None
-        except (wire.WireError, OSError) as e:
-            raise _Drop(f"bad ZdsHello: {e}") from None
+            raise _Drop(f"no ZdsHello within {self.server.hello_timeout:g}s",
+                        pre_hello=True) from None
+        except OSError as e:
+            if e.errno in (errno.ECONNRESET, errno.EPIPE):
+                raise _Drop("peer reset the connection before ZdsHello (not a ztunnel: a "
+                            "probe or health check)", level=logging.INFO) from None
+            raise _Drop(f"bad ZdsHello: {e}", pre_hello=True) from None
+        except wire.WireError as e:
+            raise _Drop(f"bad ZdsHello: {e}", pre_hello=True) from None
         if packet is None:
-            raise _Drop("ztunnel closed the connection before ZdsHello")
+            raise _Drop("peer closed the connection before ZdsHello (not a ztunnel: a probe "
+                        "or health check)", level=logging.INFO)
         try:
             hello = wire.decode_hello(packet.data)
         except wire.WireError as e:
-            raise _Drop(str(e)) from None
+            raise _Drop(str(e), pre_hello=True) from None
         self.version = hello.version
         self.server.metrics.messages.labels("hello", "received").inc()
         log.info("ztunnel connected (connection %d, pid %s, ZDS version %d)", self.id,
@@ -469,7 +512,7 @@ class ZdsConnection:
                             timeout=True)
         return await fut
 
-    def _close(self, reason: str) -> None:
+    def _close(self, reason: str, level: int | None = None) -> None:
         if self.closed:
             return
         self.closed = True
@@ -481,9 +524,11 @@ class ZdsConnection:
         for outcome in self._inbox:
             if isinstance(outcome, wire.Packet):
                 outcome.close_fds()
-        level = logging.INFO if reason in ("ztunnel closed the connection", "server stopping",
-                                           "stopped") else logging.WARNING
-        log.log(level, "ztunnel connection %d closed: %s", self.id, reason)
+        if level is None:
+            level = logging.INFO if reason in ("ztunnel closed the connection",
+                                               "server stopping", "stopped") else logging.WARNING
+        log.log(level, "%s connection %d closed: %s",
+                "ztunnel" if self.version is not None else "ZDS", self.id, reason)
         try:
             self.sock.close()
         except OSError:
@@ -591,6 +636,7 @@ class ZdsServer(Component):
         self.accept_interval = 1.0 / accept_rate if accept_rate > 0 else 0.0
         self._pods: dict[str, _PodRecord] = {}
         self._conns: list[ZdsConnection] = []  # in connect order; latest = last with hello
+        self._pre_hello_limiter = _RepeatLimiter()
         self._next_id = 1
         self._sock: socket.socket | None = None
         self._inode: int | None = None
@@ -665,6 +711,16 @@ class ZdsServer(Component):
             conn.task = asyncio.create_task(conn.serve(), name=f"zds-conn-{conn.id}")
 
     # ---------------------------------------------------------------- connection bookkeeping
+
+    def _pre_hello_log(self, reason: str) -> tuple[int, str]:
+        """Level and text for a pre-hello problem: WARNING once per identical reason per
+        :data:`PRE_HELLO_LOG_WINDOW`, DEBUG for the repeats in between."""
+        allowed, held = self._pre_hello_limiter.check(reason, time.monotonic())
+        if not allowed:
+            return logging.DEBUG, reason
+        if held:
+            reason += f" ({held} more like this in the last {self._pre_hello_limiter.window:g}s)"
+        return logging.WARNING, reason
 
     def _on_close(self, conn: ZdsConnection) -> None:
         if conn in self._conns:

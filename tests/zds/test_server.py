@@ -8,6 +8,7 @@ the spec; no real ztunnel runs on this machine (see spec/real-peers.md).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import stat
 
@@ -437,3 +438,55 @@ async def test_burst_beyond_the_queue_waits_for_room(nsfd):
             assert len(client.pods) == 2 * burst
             await asyncio.gather(*(server.delete(f"b{i}") for i in range(burst)))
             assert len(client.pods) == burst
+
+
+def _close_lines(caplog, level=None):
+    return [r for r in caplog.records if r.name == "zds" and "closed:" in r.getMessage()
+            and (level is None or r.levelno == level)]
+
+
+async def test_pre_hello_closes_are_info_and_garbage_warnings_rate_limited(caplog):
+    """Peers that connect and close before ZdsHello (probes, another agent's liveness
+    check, port scans) log at INFO; identical pre-hello warnings (garbage hello) are
+    logged once per window, the next one says how many were held back; a protocol error
+    after the hello stays a WARNING every time."""
+    caplog.set_level(logging.DEBUG, logger="zds")
+    async with running_server() as server:
+        for _ in range(20):
+            RawPeer(server.path).close()
+        await eventually(lambda: len(_close_lines(caplog)) == 20)
+        assert _close_lines(caplog, logging.WARNING) == []
+        assert all("before ZdsHello" in r.getMessage() for r in _close_lines(caplog))
+
+        caplog.clear()
+        server._pre_hello_limiter.window = 0.5
+        for _ in range(5):
+            peer = RawPeer(server.path)
+            await peer.send(b"\xff\xff\xff\xff")
+            assert await peer.closed_by_server()
+            peer.close()
+        await eventually(lambda: len(_close_lines(caplog)) == 5)
+        warnings = _close_lines(caplog, logging.WARNING)
+        assert len(warnings) == 1 and "ZdsHello" in warnings[0].getMessage()
+        assert len(_close_lines(caplog, logging.DEBUG)) == 4
+        await asyncio.sleep(0.6)
+        peer = RawPeer(server.path)
+        await peer.send(b"\xff\xff\xff\xff")
+        assert await peer.closed_by_server()
+        peer.close()
+        await eventually(lambda: len(_close_lines(caplog, logging.WARNING)) == 2)
+        assert "(4 more like this in the last 0.5s)" in \
+            _close_lines(caplog, logging.WARNING)[1].getMessage()
+
+        caplog.clear()
+        for _ in range(2):  # after hello: a real protocol error, a warning each time
+            peer = RawPeer(server.path)
+            await peer.hello()
+            await peer.read_snapshot()
+            await peer.send(wire.encode_ack())  # unsolicited
+            assert await peer.closed_by_server()
+            peer.close()
+        await eventually(lambda: len(_close_lines(caplog)) == 2)
+        assert len(_close_lines(caplog, logging.WARNING)) == 2
+        assert all(r.getMessage().startswith("ztunnel connection")
+                   for r in _close_lines(caplog))
