@@ -275,6 +275,14 @@ def positive(parse: Callable[[Any], float]) -> Callable[[Any], float]:
     return parse_positive
 
 
+def parse_file_name(value: Any) -> str:
+    """A bare file name inside a configured directory (no '/'), or empty."""
+    text = parse_str(value).strip()
+    if "/" in text or text in (".", ".."):
+        raise ValueError("expected a file name in the directory, not a path")
+    return text
+
+
 def parse_json(value: Any) -> Any:
     """A JSON document given as a string (as Istio's env vars are), or already-parsed YAML."""
     if value is None or value == "":
@@ -282,6 +290,17 @@ def parse_json(value: Any) -> Any:
     if isinstance(value, (dict, list)):
         return value
     return json.loads(value)
+
+
+def parse_app_probers(value: Any) -> Any:
+    """``ISTIO_KUBE_APP_PROBERS``: JSON, checked now with the status server's own parser
+    (:func:`agent.status.probes.parse_probers`) so a bad prober stops start-up before
+    any component starts; returns the decoded JSON the status server parses again."""
+    from agent.status.probes import parse_probers
+
+    decoded = parse_json(value)
+    parse_probers(decoded)  # ProberConfigError is a ValueError
+    return decoded
 
 
 def parse_ratio(value: Any) -> float:
@@ -404,7 +423,7 @@ SETTINGS: list[Setting] = [
             env="MOUNTED_CNI_NET_DIR", component="cni"),
     Setting("cni_bin_dir", "/opt/cni/bin", parse_path, "CNI plugin binary directory",
             env="CNI_BIN_DIR", component="cni"),
-    Setting("cni_conf_name", "", parse_str, "conflist to chain into (empty: first by name)",
+    Setting("cni_conf_name", "", parse_file_name, "conflist to chain into (empty: first by name)",
             env="CNI_CONF_NAME", component="cni"),
     Setting("exclude_namespaces", ["kube-system"], parse_namespace_list,
             "namespaces never enrolled", env="EXCLUDE_NAMESPACES", component="cni"),
@@ -486,7 +505,7 @@ SETTINGS: list[Setting] = [
             component="status"),
     Setting("health_port", 8000, parse_port, "node agent /healthz and /readyz port",
             component="status"),
-    Setting("kube_app_probers", None, parse_json, "rewritten kubelet app probes (JSON)",
+    Setting("kube_app_probers", None, parse_app_probers, "rewritten kubelet app probes (JSON)",
             env="ISTIO_KUBE_APP_PROBERS", component="status"),
     Setting("prometheus_annotations", None, parse_json,
             "application metrics targets to merge (JSON)", env="ISTIO_PROMETHEUS_ANNOTATIONS",
@@ -628,6 +647,10 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
     return Config(values, origins)
 
 
+_UNIX_SOCKETS = ("cni_event_socket", "sds_socket", "ztunnel_uds_address")
+_UNIX_PATH_MAX = 107
+
+
 def _check_together(values: dict[str, Any], origins: dict[str, str],
                     given: dict[str, Any]) -> None:
     """Checks that involve more than one setting; raise :class:`ConfigError` naming the
@@ -642,9 +665,25 @@ def _check_together(values: dict[str, Any], origins: dict[str, str],
         one, other = (("ca_cert_file", "ca_key_file") if values["ca_cert_file"]
                       else ("ca_key_file", "ca_cert_file"))
         fail(one, f"{other} must be set too (both or neither)")
+    # Checked for defaults too: they derive from state_dir, and a long state_dir makes
+    # bind() fail later with "AF_UNIX path too long" (sun_path is 108 bytes with NUL).
+    for name in _UNIX_SOCKETS:
+        if len(os.fsencode(values[name])) > _UNIX_PATH_MAX:
+            fail(name, f"Unix socket path longer than {_UNIX_PATH_MAX} bytes"
+                 + (" (derived from state_dir: choose a shorter state_dir)"
+                    if origins[name] == "default" else ""))
     if values["xds_debounce"] > values["xds_debounce_max"]:
         fail("xds_debounce", f"must not exceed xds_debounce_max "
                              f"({values['xds_debounce_max']:g}s)")
+    if origins["prometheus_annotations"] != "default":
+        # The status server's own parser; needs status_port for the default target.
+        from agent.status.metrics_merge import parse_annotations
+
+        try:
+            parse_annotations(values["prometheus_annotations"], values["status_port"] or 15020,
+                              True)
+        except ValueError as e:
+            fail("prometheus_annotations", str(e))
     # kubeconfig is read only by the kubernetes source; a stray KUBECONFIG in the
     # operator's shell must not stop an agent that reads files.
     if values["config_source"] == "kubernetes" and values["kubeconfig"]:

@@ -87,7 +87,15 @@ def test_durations(text, seconds):
                                         ({"instance_ip": "pod"}, "instance_ip"),
                                         ({"ecc_signature_algorithm": "DSA"},
                                          "ecc_signature_algorithm"),
-                                        ({"secret_ttl": "0s"}, "secret_ttl")])
+                                        ({"secret_ttl": "0s"}, "secret_ttl"),
+                                        ({"cni_conf_name": "../x.conflist"}, "cni_conf_name"),
+                                        ({"sds_socket": "/tmp/" + "s" * 110}, "sds_socket"),
+                                        ({"kube_app_probers": '{"/x": {"httpGet": {"port": 80}}}'},
+                                         "kube_app_probers"),
+                                        ({"prometheus_annotations": '{"port": "http"}'},
+                                         "prometheus_annotations"),
+                                        ({"prometheus_annotations": "[1"},
+                                         "prometheus_annotations")])
 def test_bad_values_name_the_setting(flags, name):
     with pytest.raises(cfg.ConfigError) as e:
         cfg.load(flags, env={})
@@ -137,6 +145,9 @@ def test_cross_field_checks(tmp_path):
         cfg.load({"xds_debounce": "2s"}, env={})
     assert e.value.setting == "xds_debounce" and "'2s'" in str(e.value)
     assert "xds_debounce_max" in str(e.value)
+    with pytest.raises(cfg.ConfigError) as e:  # a default derived from a long state_dir
+        cfg.load({"state_dir": str(tmp_path / ("d" * 100))}, env={})
+    assert e.value.setting == "cni_event_socket" and "state_dir" in str(e.value)
     # kubeconfig is checked only when the kubernetes source will read it
     assert cfg.load({"kubeconfig": "/nonexistent"}, env={}).kubeconfig == "/nonexistent"
     with pytest.raises(cfg.ConfigError, match="kubeconfig='/nonexistent'.*no such file"):
