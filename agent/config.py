@@ -9,7 +9,10 @@ file > built-in default. Environment names are Istio's where Istio has one
 Every resolved value remembers where it came from, so ``ambient-agent config`` can
 print "value (source)". Bad values raise :class:`ConfigError` naming the setting,
 the value and the reason; the CLI turns that into one line on stderr, never a
-traceback.
+traceback. Everything checkable without starting a component is checked in
+:func:`load`: files that must exist (certificates, keys, tokens), bind addresses (IP
+literals), directories, namespace and account names, JSON settings (with the status
+server's own parsers) and rules across settings (``_check_together``).
 
 To add a setting, append a :class:`Setting` to ``SETTINGS``; it becomes a flag
 (``--name-with-dashes``), a config-file key (``name_with_underscores``) and an
