@@ -196,10 +196,13 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
             log.debug("SDS stream read ended: %s", e)
         queue.put_nowait(("eof", None))
 
-    # --- StreamSecrets (SotW) --------------------------------------------------------
-    async def StreamSecrets(self, request_iterator, context):  # noqa: N802 - gRPC name
-        identity = await self._identify(context)
-        conn = Connection(next(_connection_ids), context.peer(), identity)
+    # --- the stream loop both protocols share ----------------------------------------
+    async def _serve(self, conn: Connection, context, first_request, on_request,
+                     on_push) -> None:
+        """Drive one stream: requests and rotation pushes arrive on ``conn.queue`` in
+        order. ``first_request(req)`` vets the first one (False: skip it and wait for the
+        next); every request's type is checked, the identity is watched from the first
+        valid request on, then ``on_request(req)``; ``on_push(names)`` answers a push."""
         reader = asyncio.get_running_loop().create_task(self._read_into(context, conn.queue))
         watched = False
         self._register(conn)
@@ -210,27 +213,45 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
                 if kind == "eof":
                     return
                 if kind == "push":
-                    if conn.names is not None:
-                        await self._respond(conn, [n for n in sorted(item) if n in conn.names],
-                                            context, only_changed=True)
+                    await on_push(item)
                     continue
-                req: discovery_pb2.DiscoveryRequest = item
                 if first:
-                    if req.type_url == HEALTH_TYPE:
+                    if not await first_request(item):
                         continue
-                    if not req.node.id:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                            "missing node information")
-                    conn.node_id = req.node.id
                     first = False
-                await self._check_type(req.type_url, context)
+                await self._check_type(item.type_url, context)
                 if not watched:
-                    self.on_watch(identity)
+                    self.on_watch(conn.identity)
                     watched = True
-                await self._handle_request(conn, req, context)
+                await on_request(item)
         finally:
             reader.cancel()
             self._unregister(conn, watched)
+
+    async def _first_request(self, conn: Connection, req, context) -> bool:
+        """Node id required on a stream's first request (set_node_on_first_message_only)."""
+        if not req.node.id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing node information")
+        conn.node_id = req.node.id
+        return True
+
+    # --- StreamSecrets (SotW) --------------------------------------------------------
+    async def StreamSecrets(self, request_iterator, context):  # noqa: N802 - gRPC name
+        identity = await self._identify(context)
+        conn = Connection(next(_connection_ids), context.peer(), identity)
+
+        async def first(req: discovery_pb2.DiscoveryRequest) -> bool:
+            if req.type_url == HEALTH_TYPE:
+                return False
+            return await self._first_request(conn, req, context)
+
+        async def push(names) -> None:
+            if conn.names is not None:
+                await self._respond(conn, [n for n in sorted(names) if n in conn.names],
+                                    context, only_changed=True)
+
+        await self._serve(conn, context, first,
+                          lambda req: self._handle_request(conn, req, context), push)
 
     async def _handle_request(self, conn: Connection, req, context) -> None:
         names = list(dict.fromkeys(req.resource_names))
@@ -293,47 +314,33 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         identity = await self._identify(context)
         conn = Connection(next(_connection_ids), context.peer(), identity, kind="delta")
         conn.names = set()
-        reader = asyncio.get_running_loop().create_task(self._read_into(context, conn.queue))
-        watched = False
-        self._register(conn)
-        try:
-            first = True
-            while True:
-                kind, item = await conn.queue.get()
-                if kind == "eof":
-                    return
-                if kind == "push":
-                    await self._delta_respond(conn, sorted(item & conn.names), context)
-                    continue
-                req: discovery_pb2.DeltaDiscoveryRequest = item
-                if first:
-                    if not req.node.id:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                            "missing node information")
-                    conn.node_id = req.node.id
-                    conn.versions.update(req.initial_resource_versions)
-                    first = False
-                await self._check_type(req.type_url, context)
-                if not watched:
-                    self.on_watch(identity)
-                    watched = True
-                if req.HasField("error_detail"):
-                    self.nacks += 1
-                    conn.last_nack = req.error_detail.message
-                    log.warning("SDS delta NACK from %s (stream %d): %s", conn.node_id, conn.id,
-                                req.error_detail.message)
-                for name in req.resource_names_unsubscribe:
-                    conn.names.discard(name)
-                    conn.versions.pop(name, None)
-                added = [n for n in dict.fromkeys(req.resource_names_subscribe)
-                         if n not in conn.names and n != "*"]
-                conn.names.update(added)
-                if req.response_nonce:
-                    conn.nonce_acked = req.response_nonce
-                await self._delta_respond(conn, added, context)
-        finally:
-            reader.cancel()
-            self._unregister(conn, watched)
+
+        async def first(req: discovery_pb2.DeltaDiscoveryRequest) -> bool:
+            await self._first_request(conn, req, context)
+            conn.versions.update(req.initial_resource_versions)
+            return True
+
+        async def push(names) -> None:
+            await self._delta_respond(conn, sorted(names & conn.names), context)
+
+        await self._serve(conn, context, first,
+                          lambda req: self._handle_delta_request(conn, req, context), push)
+
+    async def _handle_delta_request(self, conn: Connection, req, context) -> None:
+        if req.HasField("error_detail"):
+            self.nacks += 1
+            conn.last_nack = req.error_detail.message
+            log.warning("SDS delta NACK from %s (stream %d): %s", conn.node_id, conn.id,
+                        req.error_detail.message)
+        for name in req.resource_names_unsubscribe:
+            conn.names.discard(name)
+            conn.versions.pop(name, None)
+        added = [n for n in dict.fromkeys(req.resource_names_subscribe)
+                 if n not in conn.names and n != "*"]
+        conn.names.update(added)
+        if req.response_nonce:
+            conn.nonce_acked = req.response_nonce
+        await self._delta_respond(conn, added, context)
 
     async def _delta_respond(self, conn: Connection, names: list[str], context) -> None:
         # Unchanged ones are left out: the client already has exactly those (reconnect).
