@@ -77,16 +77,21 @@ def _stats_server(conn) -> None:
     async def stats(request):
         return web.Response(body=body, content_type="text/plain")
 
-    async def main() -> None:
-        app = web.Application()
-        app.router.add_get("/stats/prometheus", stats)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        conn.send(runner.addresses[0][1])
-        await asyncio.Event().wait()
+    asyncio.run(_serve_forever(conn, stats))
 
-    asyncio.run(main())
+
+async def _serve_forever(conn, handler) -> None:
+    """Serve ``handler`` at /stats/prometheus on a free loopback port; send the port
+    through ``conn`` (the parent's pipe) and run until the process is killed."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_get("/stats/prometheus", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    conn.send(runner.addresses[0][1])
+    await asyncio.Event().wait()
 
 
 def _passthrough_server(conn, source_port: int) -> None:
@@ -109,13 +114,7 @@ def _passthrough_server(conn, source_port: int) -> None:
                 await response.write_eof()
                 return response
 
-        app = web.Application()
-        app.router.add_get("/stats/prometheus", passthrough)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        conn.send(runner.addresses[0][1])
-        await asyncio.Event().wait()
+        await _serve_forever(conn, passthrough)
 
     asyncio.run(main())
 
