@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cni import netns
-from tests.zds.helpers import fd_count
+from tests.helpers import fd_count
 
 
 def test_run_in_netns_thread_enters_and_returns(bridge):

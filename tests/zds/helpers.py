@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from zds import wire
 from zds.client import ZdsClient
 from zds.server import ZdsServer
-from tests.helpers import eventually  # noqa: F401 - re-exported for the zds tests
+from tests.helpers import eventually, netns_fd_count  # noqa: F401 - re-exported
 
 
 def short_dir() -> str:
@@ -25,10 +25,6 @@ def short_dir() -> str:
 def netns_fd() -> int:
     """An fd of this process's own netns (a real netns fd, as a pod's would be)."""
     return os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-
-
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def metric(registry: CollectorRegistry, name: str, labels: dict | None = None) -> float:

@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from zds import wire
-from tests.zds.helpers import fd_count, netns_fd
+from tests.zds.helpers import netns_fd, netns_fd_count
 
 
 @pytest.mark.parametrize("data,hexbytes", [
@@ -70,13 +70,13 @@ def test_truncated_message_rejected(pair):
 def test_two_fds_rejected_and_closed(pair):
     a, b = pair
     f1, f2 = netns_fd(), netns_fd()
-    before = fd_count()
+    before = netns_fd_count()
     try:
         socket.send_fds(a, [b"x"], [f1, f2])
         # CMSG_SPACE(4) is 8-byte aligned, so 2 fds fit; 3 set MSG_CTRUNC. Both are rejected.
         with pytest.raises(wire.WireError, match="truncated control message|2 fds in one"):
             wire.recv_packet(b)
-        assert fd_count() == before  # whatever arrived was closed
+        assert netns_fd_count() == before  # whatever arrived was closed
     finally:
         os.close(f1)
         os.close(f2)
@@ -85,12 +85,12 @@ def test_two_fds_rejected_and_closed(pair):
 def test_fd_where_none_allowed_is_closed(pair):
     a, b = pair
     fd = netns_fd()
-    before = fd_count()
+    before = netns_fd_count()
     try:
         socket.send_fds(a, [wire.encode_ack()], [fd])
         with pytest.raises(wire.WireError, match="1 fds in one message"):
             wire.recv_packet(b, max_fds=0)
-        assert fd_count() == before
+        assert netns_fd_count() == before
     finally:
         os.close(fd)
 
