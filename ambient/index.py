@@ -109,9 +109,11 @@ class AmbientIndex:
         self._published: dict[str, ts.ServiceInfo] = {}
         self._hosts_by_ns: dict[str, set[str]] = {}
         self._sel_by_label: dict[str, dict[tuple[str, str], set[str]]] = {}
-        self._slice_refs: dict[PodKey, dict[str, wl.PortList]] = {}
+        # EndpointSlice Pod targetRefs: pod -> {service key: targetRef uids}, and per slice
+        # which pods it names, so a slice change touches exactly those pods
+        self._slice_refs: dict[PodKey, dict[str, set[str]]] = {}
         self._slice_targets: dict[PodKey, set[PodKey]] = {}
-        self._slice_sources: dict[PodKey, dict[str, tuple[str, wl.PortList]]] = {}
+        self._slice_sources: dict[PodKey, dict[str, set[tuple[str, str]]]] = {}
         self._produced: dict[tuple[str, str, str], set[str]] = {}
         self._ap_selectors: dict[str, dict[str, dict[str, str]]] = {}
         self._pa_converted: dict[PodKey, str] = {}
@@ -429,10 +431,12 @@ class AmbientIndex:
         if info.source == "ServiceEntry":
             self._dirty.ses.add((info.namespace, info.name))
         elif info.source == "Service":
-            self._dirty.slices.update(
-                (info.namespace, meta(s)["name"])
-                for s in self.store.list("EndpointSlice", info.namespace)
-                if labels(s).get("kubernetes.io/service-name") == info.name)
+            for s in self.store.list("EndpointSlice", info.namespace):
+                if labels(s).get("kubernetes.io/service-name") == info.name:
+                    key = (info.namespace, meta(s)["name"])
+                    self._dirty.slices.add(key)
+                    # their targetRef pods take the Service's ports, which may have changed
+                    self._dirty.pods.update(self._slice_targets.get(key, ()))
 
     def _set_selector_index(self, key: str, old: ts.ServiceInfo | None,
                             new: ts.ServiceInfo | None) -> None:
@@ -641,10 +645,12 @@ class AmbientIndex:
             named = tw.container_ports(pod)
             for info in self._services_for(ns, lbls):
                 w.services[info.key].CopyFrom(ts.workload_ports(info, named))
-            if w.network_mode != wl.HOST_NETWORK:
-                for key, ports in self._slice_refs.get((ns, name), {}).items():
-                    if key in self._published and key not in w.services:
-                        w.services[key].CopyFrom(ports)
+            pod_uid = str(meta(pod).get("uid") or "")
+            for key, ref_uids in self._slice_refs.get((ns, name), {}).items():
+                info = self._published.get(key)
+                if (info is not None and info.source == "Service" and key not in w.services
+                        and pod_uid in ref_uids):
+                    w.services[key].CopyFrom(ts.workload_ports(info, named))
             keys = self._finish_workload(w, ns, lbls)
         except (TranslateError, KeyError, TypeError, ValueError, AttributeError) as e:
             self._reject("Pod", ns, name, e)
@@ -709,13 +715,22 @@ class AmbientIndex:
         self._replace_produced(source, produced)
 
     def _update_slice(self, ns: str, name: str) -> None:
-        """§3.5 EndpointSlice endpoints: Pod targetRefs attach pods to selector-less services;
-        endpoints without one become HOST_NETWORK workloads."""
+        """§3.5 EndpointSlice endpoints, as istiod's ``endpointSlicesBuilder`` and
+        ``matchingServicesWithoutSelectors`` (pilot/pkg/serviceregistry/ambient/workloads.go).
+
+        A Pod targetRef names a pod by (namespace, name, uid); that pod, whatever its network
+        mode, lists the Service unless its labels already select it, with the *Service's*
+        ports resolved against the pod (the slice's port names play no part). Endpoints
+        without a Pod targetRef become HOST_NETWORK workloads carrying the slice's ports
+        joined to the Service's by port name."""
         source = ("EndpointSlice", ns, name)
+        slice_key = f"slice:{ns}/{name}"
+        # only pods whose references change are recomputed: a Kubernetes-managed slice of a
+        # selector Service changes on every readiness flip and names up to 100 pods
+        before: dict[PodKey, set[tuple[str, str]]] = {}
         for pod in self._slice_targets.pop((ns, name), set()):
-            self._slice_src(pod).pop(f"slice:{ns}/{name}", None)
+            before[pod] = self._slice_src(pod).pop(slice_key, set())
             self._rebuild_slice_refs(pod)
-            self._dirty.pods.add(pod)
         obj = self.store.get("EndpointSlice", ns, name)
         produced: list[tuple[wl.Workload, tuple[str, ...]]] = []
         svc_name = labels(obj).get("kubernetes.io/service-name") if obj else None
@@ -726,29 +741,38 @@ class AmbientIndex:
             try:
                 ports = self._slice_ports(info, obj)
                 targets: set[PodKey] = set()
+                self._slice_targets[(ns, name)] = targets
                 for i, ep in enumerate(field(obj, "endpoints", list, [])):
                     if not isinstance(ep, dict):
                         raise TranslateError(f"field 'endpoints[{i}]' must be a mapping")
                     ref = ep.get("targetRef") or {}
-                    if ref.get("kind") == "Pod":
-                        pod = (ref.get("namespace") or ns, str(ref.get("name")))
-                        if not info.selector:
-                            targets.add(pod)
-                            self._slice_src(pod)[f"slice:{ns}/{name}"] = (info.key, ports)
-                            self._rebuild_slice_refs(pod)
-                            self._dirty.pods.add(pod)
+                    if isinstance(ref, dict) and ref.get("kind") == "Pod":
+                        # istiod keys its targetRef index by the reference exactly as written
+                        # (no namespace defaulting); the uid is compared in _update_pod
+                        pod = (str(ref.get("namespace") or ""), str(ref.get("name") or ""))
+                        targets.add(pod)
+                        self._slice_src(pod).setdefault(slice_key, set()).add(
+                            (info.key, str(ref.get("uid") or "")))
+                        self._rebuild_slice_refs(pod)
                         continue
                     w = tw.slice_endpoint(obj, ep, i, self.mesh)
                     w.services[info.key].CopyFrom(ports)
                     produced.append((w, ()))
-                if targets:
-                    self._slice_targets[(ns, name)] = targets
             except (TranslateError, KeyError, TypeError, ValueError, AttributeError) as e:
                 self._reject("EndpointSlice", ns, name, e)
                 produced = []
+                for pod in self._slice_targets.get((ns, name), ()):  # drop what was added
+                    self._slice_src(pod).pop(slice_key, None)
+                    self._rebuild_slice_refs(pod)
+                self._slice_targets.pop((ns, name), None)
+            if not self._slice_targets.get((ns, name), True):
+                del self._slice_targets[(ns, name)]
+        for pod in set(before) | self._slice_targets.get((ns, name), set()):
+            if before.get(pod, set()) != self._slice_sources.get(pod, {}).get(slice_key, set()):
+                self._dirty.pods.add(pod)
         self._replace_produced(source, produced)
 
-    def _slice_src(self, pod: PodKey) -> dict[str, tuple[str, wl.PortList]]:
+    def _slice_src(self, pod: PodKey) -> dict[str, set[tuple[str, str]]]:
         return self._slice_sources.setdefault(pod, {})
 
     def _rebuild_slice_refs(self, pod: PodKey) -> None:
@@ -757,7 +781,11 @@ class AmbientIndex:
             self._slice_refs.pop(pod, None)
             self._slice_sources.pop(pod, None)
             return
-        self._slice_refs[pod] = {key: ports for key, ports in src.values()}
+        refs: dict[str, set[str]] = {}
+        for pairs in src.values():
+            for key, uid in pairs:
+                refs.setdefault(key, set()).add(uid)
+        self._slice_refs[pod] = refs
 
     @staticmethod
     def _slice_ports(info: ts.ServiceInfo, obj: dict) -> wl.PortList:

@@ -110,6 +110,41 @@ def _network_address(text: str, network: str, path: str) -> wl.NetworkAddress:
     return wl.NetworkAddress(network=network, address=net.network_address.packed)
 
 
+def ip_families(svc: dict, addresses: list[wl.NetworkAddress]) -> int:
+    """``Service.ip_families`` (an ``IPFamilies`` value) for one Kubernetes Service.
+
+    ``spec.ipFamilies`` decides, as in istiod's ``constructService``
+    (pilot/pkg/serviceregistry/ambient/services.go): two entries -> DUAL, one -> IPV4_ONLY or
+    IPV6_ONLY. That holds for headless Services too (``clusterIP: None``), which have no
+    address to look at. When the field is absent — raw YAML in the files source; the API
+    server always stores it — it is filled as the API server would from the allocated
+    ``clusterIPs`` (one family per address); absent with no address (headless) stays
+    AUTOMATIC, as istiod sends for an empty list.
+
+    Raises TranslateError for an entry other than ``IPv4``/``IPv6`` or a repeated family
+    (the API server rejects both).
+    """
+    raw = field(svc, "spec.ipFamilies", list)
+    if raw:
+        seen: list[str] = []
+        for i, family in enumerate(raw):
+            if family not in ("IPv4", "IPv6"):
+                raise TranslateError(f"field 'spec.ipFamilies[{i}]' must be IPv4 or IPv6, "
+                                     f"got {family!r}")
+            if family in seen:
+                raise TranslateError(f"field 'spec.ipFamilies[{i}]' repeats {family!r}")
+            seen.append(family)
+        if len(seen) == 2:
+            return wl.DUAL
+        return wl.IPV4_ONLY if seen[0] == "IPv4" else wl.IPV6_ONLY
+    sizes = {len(a.address) for a in addresses}
+    if len(sizes) == 2:
+        return wl.DUAL
+    if sizes:
+        return wl.IPV4_ONLY if sizes.pop() == 4 else wl.IPV6_ONLY
+    return wl.AUTOMATIC
+
+
 def k8s_service(svc: dict, mesh: Mesh, namespace_obj: dict | None) -> ServiceInfo | None:
     """One Kubernetes Service -> ServiceInfo; None for ``type: ExternalName`` (§3.2).
 
@@ -123,15 +158,11 @@ def k8s_service(svc: dict, mesh: Mesh, namespace_obj: dict | None) -> ServiceInf
     proto = wl.Service(name=name, namespace=ns, hostname=host)
     ips = field(svc, "spec.clusterIPs", list) or (
         [field(svc, "spec.clusterIP", str)] if s.get("clusterIP") else [])
-    families = set()
     for i, ip in enumerate(ips):
         if not ip or ip == "None":
             continue
-        addr = _network_address(str(ip), mesh.network, f"spec.clusterIPs[{i}]")
-        families.add(len(addr.address))
-        proto.addresses.append(addr)
-    proto.ip_families = ({4: wl.IPV4_ONLY, 16: wl.IPV6_ONLY}[families.pop()]
-                         if len(families) == 1 else wl.DUAL if families else wl.AUTOMATIC)
+        proto.addresses.append(_network_address(str(ip), mesh.network, f"spec.clusterIPs[{i}]"))
+    proto.ip_families = ip_families(svc, proto.addresses)
     ports: list[PortInfo] = []
     for i, p in enumerate(field(svc, "spec.ports", list, [])):
         if not isinstance(p, dict):

@@ -128,7 +128,7 @@ def _slice(name: str, svc: str, endpoints: list, ports: list | None = None) -> d
 
 def test_case12_selectorless_service_attaches_pods_by_slice_target_ref():
     svc = service("svc", "default", ports=[{"name": "http", "port": 80}])
-    ref = {"kind": "Pod", "namespace": "default", "name": "pod-123"}
+    ref = {"kind": "Pod", "namespace": "default", "name": "pod-123", "uid": "uid-default-pod-123"}
     h = Harness(svc, pod("pod-123", "default"),
                 _slice("svc-123", "svc", [{"addresses": ["1.2.3.4"], "targetRef": ref}]))
     key = "default/svc.default.svc.domain.suffix"
