@@ -44,6 +44,7 @@ from cni import enablement
 from cni import netns as netns_mod
 from cni import podnetns
 from cni.events import CniPodEvent
+from cni.podips import pod_status_ips, usable_ips
 from cni.hostrules import HostProbeRules
 from cni.rules_common import RuleOptions, RulesError, pod_options
 from cni.rules_iptables import IptablesBackend, detect_flavor
@@ -53,6 +54,9 @@ log = logging.getLogger("cni.enrollment")
 
 STATUS_ANNOTATION = "ambient.istio.io/redirection"
 BACKOFF_INITIAL, BACKOFF_MAX = 0.2, 30.0
+# A CNI ADD is answered this long before the plugin would give up (its event's
+# ``timeout``): time for the answer to travel and for the work before the ZDS wait.
+ANSWER_MARGIN = 0.5
 IFF_UP, SIOCGIFFLAGS = 0x1, 0x8913  # <linux/if.h>, <linux/sockios.h>
 
 
@@ -89,8 +93,15 @@ class PodRecord:
     steps: dict[str, bool] = dataclasses.field(default_factory=dict)
     attempts: int = 0
     updated: float = 0.0
+    answer_by: float | None = None  # loop time the CNI ADD in flight must be answered by
 
     PERSISTED = ("uid", "name", "namespace", "service_account", "netns", "ips", "annotations")
+
+    def __post_init__(self) -> None:
+        # canonical, unmapped (cni.podips): a record read from an older state file or
+        # built from a Pod object compares equal to the CNI event's addresses
+        self.ips = usable_ips(self.ips if isinstance(self.ips, list) else [], "ips[{i}]",
+                              f"pod record {self.uid}")
 
     def label(self) -> str:
         who = f"{self.namespace}/{self.name}" if self.name else "pod"
@@ -303,6 +314,7 @@ class Enrollment(Component):
         task = asyncio.current_task()
         self._cancel_retry(rec.uid)  # a retry may hold the lock for up to ztunnel_wait
         self._enrolling[rec.uid] = task
+        rec.answer_by = _answer_deadline(event)
         try:
             await self._enroll_locked(rec)
         except asyncio.CancelledError:
@@ -314,6 +326,7 @@ class Enrollment(Component):
             raise EnrollmentError(f"{rec.label()}: pod deleted during enrollment (CNI DEL); "
                                   + _rollback_outcome(problems)) from None
         finally:
+            rec.answer_by = None  # background retries wait the full ztunnel_wait
             self._aborted.discard(task)
             if self._enrolling.get(rec.uid) is task:
                 del self._enrolling[rec.uid]
@@ -462,7 +475,11 @@ class Enrollment(Component):
         info = zds_mod.PodInfo(uid=rec.uid, name=rec.name, namespace=rec.namespace,
                                service_account=rec.service_account, netns_fd=fd)
         try:
-            await zds.add(info, wait_ack=wait_ack)
+            await zds.add(info, wait_ack=wait_ack, ztunnel_wait=_time_left(rec.answer_by))
+        except zds_mod.NoZtunnel as e:
+            self._fail(rec, "zds", str(e), status="pending")
+            await self._set_status(rec, "pending")
+            raise EnrollmentError(f"{rec.label()}: {_no_ztunnel_text(e)}", True) from None
         except zds_mod.ZdsError as e:
             self._fail(rec, "zds", f"{type(e).__name__}: {e}", status="pending")
             await self._set_status(rec, "pending")
@@ -732,18 +749,15 @@ class Enrollment(Component):
             return out
         for pod in pods:
             meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
-            status = pod.get("status") or {}
             annotations = meta.get("annotations") or {}
             if annotations.get(STATUS_ANNOTATION) != "enabled" or not meta.get("uid"):
                 continue
             if spec.get("nodeName") not in (None, "", self.ctx.config.node_name):
                 continue
-            ips = [p.get("ip") for p in status.get("podIPs") or [] if p.get("ip")] or (
-                [status["podIP"]] if status.get("podIP") else [])
             out.append(PodRecord(uid=meta["uid"], name=meta.get("name", ""),
                                  namespace=meta.get("namespace", ""),
                                  service_account=spec.get("serviceAccountName") or "default",
-                                 ips=ips, annotations=dict(annotations)))
+                                 ips=pod_status_ips(pod), annotations=dict(annotations)))
         return out
 
     async def _find_netns(self, wanted: dict[str, PodRecord]) -> dict[str, str]:
@@ -801,6 +815,28 @@ class Enrollment(Component):
             finally:
                 os.close(fd)
             return rec.status
+
+
+def _answer_deadline(event: CniPodEvent) -> float | None:
+    """Loop time by which the CNI ADD of ``event`` must be answered: the plugin's
+    ``timeout`` less :data:`ANSWER_MARGIN`, from now; None when the plugin gave none."""
+    if not event.timeout:
+        return None
+    return asyncio.get_running_loop().time() + max(0.0, event.timeout - ANSWER_MARGIN)
+
+
+def _time_left(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    return max(0.0, deadline - asyncio.get_running_loop().time())
+
+
+def _no_ztunnel_text(e) -> str:
+    """The CNI error for an ADD no ztunnel took: upstream answers "no ztunnel
+    connection" at once; we say which socket, how long we waited, and that the runtime
+    should retry (the pod's rules stay and the agent keeps retrying in the background)."""
+    return (f"no ztunnel connected to {e.socket} for {e.waited:.1f} s; retry (in-pod "
+            "rules are in place; the agent hands the pod to ztunnel when one connects)")
 
 
 def _rollback_outcome(problems: list[str]) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from cni.podips import normalize_ips
+
 
 class EventError(ValueError):
     """A malformed event; the message names the field and value."""
@@ -20,9 +22,15 @@ class CniPodEvent:
     """One pod ADD or DEL as seen by the plugin.
 
     ``netns`` is the runtime's netns path (``CNI_NETNS``); ``ips`` the pod's addresses
-    from ``prevResult`` without prefix length; ``ambient_default`` is the plugin config's
+    from ``prevResult`` without prefix length, normalized at construction
+    (:func:`cni.podips.normalize_ips`: ``::ffff:10.0.0.19`` becomes ``10.0.0.19``, as
+    upstream's ``Unmap()``; a value that is no address raises :class:`EventError` naming
+    ``ips[i]``); ``ambient_default`` is the plugin config's
     ``ambient_default`` (used only when the agent has no Pod object; None if unset);
     ``pod_uid`` may be empty when the runtime gives none (then the container ID names it).
+    ``timeout`` is how long the plugin waits for the agent's answer (seconds, its
+    ``agent_timeout``; None from a plugin that doesn't say): the agent answers within it,
+    naming the cause, instead of letting the plugin time out (e.g. no ztunnel yet).
     """
 
     command: str
@@ -34,6 +42,14 @@ class CniPodEvent:
     pod_uid: str = ""
     ips: list[str] = dataclasses.field(default_factory=list)
     ambient_default: bool | None = None
+    timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ips, list):
+            try:
+                self.ips = normalize_ips(self.ips, "ips")
+            except ValueError as e:
+                raise EventError(str(e)) from None
 
     @property
     def key(self) -> str:
@@ -61,6 +77,11 @@ class CniPodEvent:
             elif f.name == "ambient_default":
                 if value is not None and not isinstance(value, bool):
                     raise EventError(f"field 'ambient_default' must be a boolean, got {value!r}")
+            elif f.name == "timeout":
+                if value is not None and (isinstance(value, bool) or not isinstance(
+                        value, (int, float)) or not 0 < value < float("inf")):
+                    raise EventError("field 'timeout' must be a positive number of seconds, "
+                                     f"got {value!r}")
             elif not isinstance(value, str):
                 raise EventError(f"field {f.name!r} must be a string, got {value!r}")
             kwargs[f.name] = value

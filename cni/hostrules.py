@@ -39,6 +39,7 @@ from pyroute2 import IPSet
 from pyroute2.netlink.exceptions import NetlinkError
 
 from cni import netns as netns_mod
+from cni.podips import normalize_ip
 from cni.rules_common import RulesError
 from cni.rules_iptables import Rule, render_restore
 from cni.rules_nftables import run_nft
@@ -228,17 +229,18 @@ class HostProbeRules:
     # --- per-pod entries --------------------------------------------------------------
 
     def _family_set(self, ip: str) -> tuple[str, int] | None:
-        addr = ipaddress.ip_address(ip)
-        if getattr(addr, "ipv4_mapped", None):
-            addr = addr.ipv4_mapped  # v4-in-v6 compared unmapped (spec §3.4)
-        if addr.version == 4:
+        """The set (and its family) for a normalized address (:func:`normalize_ip`)."""
+        if ipaddress.ip_address(ip).version == 4:
             return self.set_v4, socket.AF_INET
         return (self.set_v6, socket.AF_INET6) if self.ipv6 else None
 
     def add_pod(self, uid: str, ips: Iterable[str]) -> None:
         """Upsert each IP with comment ``uid`` (an IP reused by a new pod changes owner).
         IPv6 addresses are skipped when IPv6 is off. Raises RulesError."""
-        pairs = [(str(ipaddress.ip_address(ip)), self._family_set(ip)) for ip in ips]
+        # unmapped first (upstream's Unmap() in ipset.AddIP): "::ffff:10.0.0.19" is an
+        # IPv4 entry, and the kernel's IPv4 set only takes the dotted form
+        normalized = [normalize_ip(ip) for ip in ips]
+        pairs = [(ip, self._family_set(ip)) for ip in normalized]
         pairs = [(ip, fs) for ip, fs in pairs if fs]
         if not pairs:
             return
@@ -266,10 +268,10 @@ class HostProbeRules:
         """Remove each IP whose owner is ``uid``; IPs owned by another pod are kept (IP
         reuse, §3.7). Returns the IPs removed."""
         owners = self.entries()
-        removed = [str(ipaddress.ip_address(ip)) for ip in ips]
+        removed = [normalize_ip(ip) for ip in ips]
         removed = [ip for ip in removed if owners.get(ip) == uid]
         for ip in ips:
-            norm = str(ipaddress.ip_address(ip))
+            norm = normalize_ip(ip)
             if norm in owners and owners[norm] != uid:
                 log.warning("probe set entry %s belongs to pod %s, not %s: kept", norm,
                             owners[norm], uid)
@@ -340,7 +342,7 @@ class HostProbeRules:
             self.add_pod(uid, ips)
         if any(not ips for ips in pods.values()):
             return []
-        wanted = {str(ipaddress.ip_address(ip)) for ips in pods.values() for ip in ips}
+        wanted = {normalize_ip(ip) for ips in pods.values() for ip in ips}
         stale = [ip for ip in self.entries() if ip not in wanted]
         if stale:
             self._delete_entries(stale)

@@ -430,6 +430,7 @@ class Plugin:
             "pod_namespace": args.get("K8S_POD_NAMESPACE", ""),
             "pod_uid": args.get("K8S_POD_UID", ""),
             "ips": pod_ips(prev),
+            "timeout": settings["timeout"],  # the agent answers within it, naming why
         }
         if settings["ambient_default"] is not None:
             event["ambient_default"] = settings["ambient_default"]

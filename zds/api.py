@@ -26,7 +26,13 @@ class ZdsTimeout(ZdsError):
 
 
 class NoZtunnel(ZdsError):
-    """No ztunnel connection was available within the ``ztunnel_wait`` setting."""
+    """No ztunnel connection was available within the wait asked for (at most the
+    ``ztunnel_wait`` setting). ``socket`` is the ZDS socket path nobody connected to,
+    ``waited`` the seconds waited."""
+
+    def __init__(self, text: str, socket: str = "", waited: float = 0.0):
+        super().__init__(text)
+        self.socket, self.waited = socket, waited
 
 
 @dataclasses.dataclass(frozen=True)

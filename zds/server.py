@@ -757,7 +757,7 @@ class ZdsServer(Component):
                       if c.snapshot_sent or not snapshot_sent) < count:
                 await self._changed.wait()
 
-    async def _wait_latest(self, deadline: float) -> ZdsConnection:
+    async def _wait_latest(self, deadline: float, wait: float) -> ZdsConnection:
         loop = asyncio.get_running_loop()
         while True:
             conn = self.latest()
@@ -767,8 +767,8 @@ class ZdsServer(Component):
                 raise ZdsError("ZDS server is stopped")
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise NoZtunnel(f"no ztunnel connected to {self.path} within "
-                                f"{self.ztunnel_wait:g}s")
+                raise NoZtunnel(f"no ztunnel connected to {self.path} for {wait:.1f} s",
+                                self.path, wait)
             try:
                 async with asyncio.timeout(remaining):
                     await self._changed.wait()
@@ -777,14 +777,16 @@ class ZdsServer(Component):
 
     # ---------------------------------------------------------------- the enrollment API
 
-    async def add(self, pod: PodInfo, wait_ack: bool = True) -> None:
+    async def add(self, pod: PodInfo, wait_ack: bool = True,
+                  ztunnel_wait: float | None = None) -> None:
         """Record ``pod`` and announce it to the newest ztunnel (``AddWorkload`` + netns fd).
 
         The server dups ``pod.netns_fd`` (the caller keeps its own). With ``wait_ack``
         it returns after ztunnel's ack and raises :class:`ZdsNack` (ztunnel's error
         text), :class:`ZdsTimeout` (no ack within 5 s; the connection is dropped and the
         pod goes out in the reconnect snapshot), :class:`NoZtunnel` (none connected
-        within ``ztunnel_wait`` s) or :class:`ZdsError` (connection lost after sending,
+        within ``ztunnel_wait`` s: the argument, capped by the setting; a CNI ADD passes
+        what is left of the plugin's timeout) or :class:`ZdsError` (connection lost after sending,
         or the pod was deleted/replaced before its message went out). The pod stays
         recorded in every case, so the next snapshot carries it; call :meth:`delete` to
         forget it. ``ValueError`` names a bad PodInfo field.
@@ -807,9 +809,11 @@ class ZdsServer(Component):
                 except _NotSent:
                     pass  # the next snapshot carries it
             return
-        deadline = asyncio.get_running_loop().time() + self.ztunnel_wait
+        wait = self.ztunnel_wait if ztunnel_wait is None else max(
+            0.0, min(ztunnel_wait, self.ztunnel_wait))
+        deadline = asyncio.get_running_loop().time() + wait
         while True:
-            conn = await self._wait_latest(deadline)
+            conn = await self._wait_latest(deadline, wait)
             try:
                 ack = await conn.enqueue("add", pod.uid, record)
             except _NotSent:
