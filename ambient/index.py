@@ -496,14 +496,16 @@ class AmbientIndex:
         result = None
         if obj is not None:
             try:
-                bad = tz.unknown_fields(obj)
-                if bad:
+                translated = tz.authorization_policy(obj, self.base_mesh.root_namespace)
+                result = translated.policy
+                if translated.problems:
+                    # counted as rejected parts: the policy itself is still enforced,
+                    # closed on the side that is safe for its action
                     self.rejected.labels("AuthorizationPolicy").inc()
-                    log.warning("AuthorizationPolicy %s: ignoring unknown fields %s", key,
-                                ", ".join(bad))
-                result, note = tz.authorization_policy(obj, self.base_mesh.root_namespace)
-                if note:
-                    log.info("AuthorizationPolicy %s: %s", key, note)
+                    for problem in translated.problems:
+                        log.warning("AuthorizationPolicy %s: %s", key, problem)
+                if translated.note:
+                    log.info("AuthorizationPolicy %s: %s", key, translated.note)
             except (TranslateError, KeyError, TypeError, ValueError, AttributeError) as e:
                 self._reject("AuthorizationPolicy", ns, name, e)
                 result = None

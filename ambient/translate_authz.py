@@ -1,14 +1,35 @@
 """AuthorizationPolicy and PeerAuthentication -> ``istio.security.Authorization``
-(spec ambient-wds.md §3.9, §3.10).
+(spec ambient-wds.md §3.9, §3.10; istiod's pilot/pkg/serviceregistry/ambient/authorization.go).
 
-ztunnel enforces L4 only. L7 attributes follow Istio: an ALLOW rule containing any is
-dropped whole (stricter than asked), a DENY rule keeps its L4 parts (denies more than
-asked; an L7-only DENY rule becomes a no-op). Each translation returns the reason text
-Istio puts in the policy status so the index can log it once.
+ztunnel enforces L4 only, so a rule is cut down to what a connection shows (peer identity,
+source/destination IP, destination port) and the cut always errs on the closed side:
+
+- ALLOW allows *less*: a rule with any condition ztunnel cannot check (an HTTP attribute
+  such as ``methods``/``paths``/``requestPrincipals``/``request.headers[...]``, a
+  ``trustDomains`` list, a key this translator does not know, a field of the wrong shape)
+  is dropped whole. An ALLOW left without rules still exists and matches nothing, so the
+  workloads it selects accept nothing (istiod does the same).
+- DENY denies *more*: such conditions are taken as true, the L4 conditions of the rule
+  are kept, and a rule whose conditions were all of that kind denies every connection the
+  policy selects. This is the Envoy TCP-filter semantics istiod's validation warns about
+  ("will deny all traffic to TCP ports under its scope due to the use of only HTTP
+  attributes in a DENY rule"). istiod's ambient translation instead sends empty matches,
+  which ztunnel skips, so there the DENY never fires; we do not copy that fail-open.
+
+How ztunnel evaluates what we send (src/rbac.rs ``Authorization::matches``): a policy
+with no groups matches nothing; a group matches when every clause does; a group with no
+clauses matches everything; a clause matches when any of its matches does, and a clause
+with no matches matches; an empty ``Match`` is skipped (matches nothing); inside a match
+every attribute must hold, an empty list imposes nothing. So an unconstrained clause is
+left out (an empty match would make it match nothing), and a rule that can never hold
+(every value of a positive list is invalid: ``ports: ["http"]``) is left out of the policy.
+Each translation returns the reason text to log once, as istiod writes it into the
+policy's status.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 from typing import Any
@@ -26,12 +47,16 @@ CONVERTED_PREFIX = "converted_peer_authentication_"
 L7_OPERATION = ("hosts", "notHosts", "methods", "notMethods", "paths", "notPaths")
 L7_SOURCE = ("requestPrincipals", "notRequestPrincipals", "remoteIpBlocks",
              "notRemoteIpBlocks")
+# Identity attributes istiod's ambient translation does not carry to ztunnel.
+UNSENT_SOURCE = ("trustDomains", "notTrustDomains")
 L4_WHEN = ("source.namespace", "source.principal", "source.ip", "destination.port",
            "destination.ip")
+L4_SOURCE = ("principals", "notPrincipals", "namespaces", "notNamespaces", "ipBlocks",
+             "notIpBlocks", "serviceAccounts", "notServiceAccounts")
+L4_OPERATION = ("ports", "notPorts")
 KNOWN_RULE_KEYS = {"from", "to", "when"}
-KNOWN_SOURCE_KEYS = {"principals", "notPrincipals", "namespaces", "notNamespaces", "ipBlocks",
-                     "notIpBlocks", "serviceAccounts", "notServiceAccounts", *L7_SOURCE}
-KNOWN_OPERATION_KEYS = {"ports", "notPorts", *L7_OPERATION}
+KNOWN_SOURCE_KEYS = {*L4_SOURCE, *L7_SOURCE, *UNSENT_SOURCE}
+KNOWN_OPERATION_KEYS = {*L4_OPERATION, *L7_OPERATION}
 
 
 def string_match(value: str) -> az.StringMatch:
@@ -46,7 +71,7 @@ def string_match(value: str) -> az.StringMatch:
 
 
 def cidr(value: str) -> az.Address | None:
-    """IP -> /32 or /128, CIDR -> its prefix; None for anything else (dropped, like ztunnel)."""
+    """IP -> /32 or /128, CIDR -> its prefix; None for anything else (matches nothing)."""
     try:
         net = ipaddress.ip_network(str(value).strip(), strict=False)
     except ValueError:
@@ -54,138 +79,253 @@ def cidr(value: str) -> az.Address | None:
     return az.Address(address=net.network_address.packed, length=net.prefixlen)
 
 
+def port(value: Any) -> int | None:
+    """A numeric port 1-65535; None for ``"http"``, 0 or > 65535 (they match nothing)."""
+    text = str(value).strip()
+    return int(text) if text.isdigit() and 0 < int(text) <= 65535 else None
+
+
 def ports(values: list) -> list[int]:
     """Numeric ports only; ``"http"`` or > 65535 are dropped (§3.9)."""
-    out = []
-    for v in values:
-        text = str(v).strip()
-        if text.isdigit() and 0 < int(text) <= 65535:
-            out.append(int(text))
-    return out
+    return [p for p in map(port, values) if p is not None]
 
 
-def _strings(container: dict, key: str, path: str) -> list[str]:
-    value = container.get(key)
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise TranslateError(f"field {path}.{key!r} must be a list, got {value!r}")
-    return [str(v) for v in value]
+def service_account(value: str, policy_ns: str) -> az.ServiceAccountMatch | None:
+    """``ns/sa`` or ``sa`` (the policy's namespace), split at the first ``/`` as istiod."""
+    ns, sep, sa = value.partition("/")
+    if not sep:
+        ns, sa = policy_ns, value
+    if not ns or not sa:
+        return None
+    return az.ServiceAccountMatch(namespace=ns, serviceAccount=sa)
 
 
-def _source_match(src: dict, policy_ns: str, path: str) -> az.Match:
-    m = az.Match()
-    for key, target in (("principals", m.principals), ("notPrincipals", m.not_principals),
-                        ("namespaces", m.namespaces), ("notNamespaces", m.not_namespaces)):
-        target.extend(string_match(v) for v in _strings(src, key, path))
-    for key, target in (("ipBlocks", m.source_ips), ("notIpBlocks", m.not_source_ips)):
-        target.extend(a for a in (cidr(v) for v in _strings(src, key, path)) if a)
-    for key, target in (("serviceAccounts", m.service_accounts),
-                        ("notServiceAccounts", m.not_service_accounts)):
-        for v in _strings(src, key, path):
-            ns, _, sa = v.rpartition("/")
-            target.append(az.ServiceAccountMatch(namespace=ns or policy_ns, serviceAccount=sa))
-    return m
+def _identity_match(value: str) -> az.StringMatch | None:
+    # "" can't name a principal or namespace; ztunnel would match it against the empty
+    # namespace of a plaintext peer, which is not what the policy says
+    return string_match(value) if value else None
 
 
-def _when_match(cond: dict, path: str) -> az.Match:
-    m = az.Match()
-    key = cond.get("key")
-    values, not_values = _strings(cond, "values", path), _strings(cond, "notValues", path)
-    if key == "source.namespace":
-        m.namespaces.extend(map(string_match, values))
-        m.not_namespaces.extend(map(string_match, not_values))
-    elif key == "source.principal":
-        m.principals.extend(map(string_match, values))
-        m.not_principals.extend(map(string_match, not_values))
-    elif key in ("source.ip", "destination.ip"):
-        pos, neg = ((m.source_ips, m.not_source_ips) if key == "source.ip"
-                    else (m.destination_ips, m.not_destination_ips))
-        pos.extend(a for a in map(cidr, values) if a)
-        neg.extend(a for a in map(cidr, not_values) if a)
-    elif key == "destination.port":
-        m.destination_ports.extend(ports(values))
-        m.not_destination_ports.extend(ports(not_values))
-    return m
+HTTP, UNSENT, UNKNOWN, MALFORMED = "http", "unsent", "unknown", "malformed"
 
 
-def _rule_l7(rule: dict) -> set[str]:
-    found = set()
-    for entry in rule.get("to") or []:
-        op = (entry or {}).get("operation") or {}
-        found.update(k for k in L7_OPERATION if op.get(k))
-    for entry in rule.get("from") or []:
-        src = (entry or {}).get("source") or {}
-        found.update(k for k in L7_SOURCE if src.get(k))
-    for cond in rule.get("when") or []:
-        key = (cond or {}).get("key")
-        if key not in L4_WHEN:
-            found.add(str(key))
-    return found
+@dataclasses.dataclass
+class _Entry:
+    """One ``from[i].source``, ``to[i].operation`` or ``when[i]`` as ztunnel can see it.
+
+    ``unchecked`` lists the conditions ztunnel cannot check as ``(kind, name)``: kind
+    HTTP (name: the attribute, ``methods``, ``request.headers[x]``), UNSENT (identity
+    attributes istiod does not send: ``trustDomains``), UNKNOWN (name: the field's path)
+    or MALFORMED (name: ``path: reason``). ``never`` is set when a positive L4 list holds
+    only values that match no connection, so the entry can never hold.
+    """
+
+    match: az.Match = dataclasses.field(default_factory=az.Match)
+    unchecked: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    never: bool = False
 
 
-def _group(rule: dict, policy_ns: str, path: str) -> az.Group:
-    group = az.Group()
-    to = field(rule, "to", list, [])
-    if to:
-        clause = group.rules.add()
-        for j, entry in enumerate(to):
-            op = field(entry or {}, "operation", dict, {}) if isinstance(entry, dict) else None
-            if op is None:
-                raise TranslateError(f"field {path}.to[{j}] must be a mapping, got {entry!r}")
-            clause.matches.append(az.Match(
-                destination_ports=ports(_strings(op, "ports", f"{path}.to[{j}]")),
-                not_destination_ports=ports(_strings(op, "notPorts", f"{path}.to[{j}]"))))
-    frm = field(rule, "from", list, [])
-    if frm:
-        clause = group.rules.add()
-        for j, entry in enumerate(frm):
-            if not isinstance(entry, dict):
-                raise TranslateError(f"field {path}.from[{j}] must be a mapping, got {entry!r}")
-            src = field(entry, "source", dict, {})
-            clause.matches.append(_source_match(src, policy_ns, f"{path}.from[{j}].source"))
-    for j, cond in enumerate(field(rule, "when", list, [])):
+def _malformed(where: str, what: str, value: Any) -> _Entry:
+    return _Entry(unchecked=[(MALFORMED, f"{where} must be {what}, got {value!r}")])
+
+
+class _Reader:
+    """Reads one rule into clauses of entries; records what ztunnel can't check instead
+    of raising, so one bad field never withdraws the whole policy."""
+
+    def __init__(self, policy_ns: str, path: str):
+        self.policy_ns = policy_ns
+        self.path = path
+
+    @staticmethod
+    def _values(container: dict, key: str, path: str, entry: _Entry) -> list[str] | None:
+        value = container.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, list):
+            entry.unchecked.append((MALFORMED, f"{path}.{key} must be a list, got {value!r}"))
+            return None
+        return [str(v) for v in value]
+
+    def _fill(self, entry: _Entry, container: dict, path: str, fields: tuple) -> None:
+        """Convert each ``(key, target, convert, positive)``; a positive list with no
+        valid value can never match."""
+        for key, target, convert, positive in fields:
+            values = self._values(container, key, path, entry)
+            if not values:
+                continue
+            converted = [c for c in map(convert, values) if c is not None]
+            target.extend(converted)
+            if positive and not converted:
+                entry.never = True
+
+    @staticmethod
+    def _extra_keys(entry: _Entry, container: dict, path: str, l4: tuple, http: tuple,
+                    unsent: tuple = ()) -> None:
+        for key, value in container.items():
+            if key in l4 or ((key in http or key in unsent) and not value):
+                continue
+            kind = HTTP if key in http else UNSENT if key in unsent else UNKNOWN
+            entry.unchecked.append((kind, key if kind != UNKNOWN else f"{path}.{key}"))
+
+    def source(self, src: Any, path: str) -> _Entry:
+        if not isinstance(src, dict):
+            return _malformed(path, "a mapping", src)
+        if not src:
+            return _Entry(unchecked=[(MALFORMED, f"{path} must not be empty")])
+        entry = _Entry()
+        m = entry.match
+        self._extra_keys(entry, src, path, L4_SOURCE, L7_SOURCE, UNSENT_SOURCE)
+        sa = lambda v: service_account(v, self.policy_ns)  # noqa: E731
+        self._fill(entry, src, path, (
+            ("principals", m.principals, _identity_match, True),
+            ("notPrincipals", m.not_principals, _identity_match, False),
+            ("namespaces", m.namespaces, _identity_match, True),
+            ("notNamespaces", m.not_namespaces, _identity_match, False),
+            ("ipBlocks", m.source_ips, cidr, True),
+            ("notIpBlocks", m.not_source_ips, cidr, False),
+            ("serviceAccounts", m.service_accounts, sa, True),
+            ("notServiceAccounts", m.not_service_accounts, sa, False)))
+        return entry
+
+    def operation(self, op: Any, path: str) -> _Entry:
+        if not isinstance(op, dict):
+            return _malformed(path, "a mapping", op)
+        if not op:
+            return _Entry(unchecked=[(MALFORMED, f"{path} must not be empty")])
+        entry = _Entry()
+        self._extra_keys(entry, op, path, L4_OPERATION, L7_OPERATION)
+        self._fill(entry, op, path, (
+            ("ports", entry.match.destination_ports, port, True),
+            ("notPorts", entry.match.not_destination_ports, port, False)))
+        return entry
+
+    def condition(self, cond: Any, path: str) -> _Entry:
         if not isinstance(cond, dict):
-            raise TranslateError(f"field {path}.when[{j}] must be a mapping, got {cond!r}")
-        group.rules.add().matches.append(_when_match(cond, f"{path}.when[{j}]"))
+            return _malformed(path, "a mapping", cond)
+        entry = _Entry()
+        key = cond.get("key")
+        for k in cond:
+            if k not in ("key", "values", "notValues"):
+                entry.unchecked.append((UNKNOWN, f"{path}.{k}"))
+        if key not in L4_WHEN:
+            entry.unchecked.append((HTTP, str(key)) if isinstance(key, str) and key else
+                                   (MALFORMED, f"{path}.key must be a non-empty string, "
+                                               f"got {key!r}"))
+            return entry
+        if not cond.get("values") and not cond.get("notValues"):
+            entry.unchecked.append((MALFORMED, f"{path} ({key}) has neither values nor "
+                                               "notValues"))
+            return entry
+        m = entry.match
+        pos, neg, convert = {
+            "source.namespace": (m.namespaces, m.not_namespaces, _identity_match),
+            "source.principal": (m.principals, m.not_principals, _identity_match),
+            "source.ip": (m.source_ips, m.not_source_ips, cidr),
+            "destination.ip": (m.destination_ips, m.not_destination_ips, cidr),
+            "destination.port": (m.destination_ports, m.not_destination_ports, port),
+        }[key]
+        self._fill(entry, cond, path, (("values", pos, convert, True),
+                                       ("notValues", neg, convert, False)))
+        return entry
+
+    def _clause(self, rule: dict, key: str, read: Any, inner: str) -> list[_Entry] | None:
+        """The entries of ``from``/``to`` (None when the rule has none)."""
+        raw = rule.get(key)
+        if raw is None or raw == []:
+            return None
+        if not isinstance(raw, list):
+            return [_malformed(f"{self.path}.{key}", "a list", raw)]
+        out = []
+        for j, item in enumerate(raw):
+            where = f"{self.path}.{key}[{j}]"
+            if not isinstance(item, dict):
+                out.append(_malformed(where, "a mapping", item))
+                continue
+            entry = read(item.get(inner), f"{where}.{inner}")
+            entry.unchecked.extend((UNKNOWN, f"{where}.{k}") for k in item if k != inner)
+            out.append(entry)
+        return out
+
+    def rule(self, rule: Any) -> list[list[_Entry]]:
+        """Clauses of one rule: ``to``, ``from``, then one per ``when`` (istiod's order).
+
+        A rule that is not a mapping yields one clause whose only entry is malformed.
+        """
+        if not isinstance(rule, dict):
+            return [[_malformed(self.path, "a mapping", rule)]]
+        clauses = []
+        for key, read, inner in (("to", self.operation, "operation"),
+                                 ("from", self.source, "source")):
+            entries = self._clause(rule, key, read, inner)
+            if entries is not None:
+                clauses.append(entries)
+        when = rule.get("when")
+        if isinstance(when, list):
+            clauses.extend([self.condition(c, f"{self.path}.when[{j}]")]
+                           for j, c in enumerate(when))
+        elif when is not None:
+            clauses.append([_malformed(f"{self.path}.when", "a list", when)])
+        extra = [(UNKNOWN, f"{self.path}.{k}") for k in rule if k not in KNOWN_RULE_KEYS]
+        if extra:
+            clauses.append([_Entry(unchecked=extra)])
+        return clauses
+
+
+def _group(clauses: list[list[_Entry]], action: str) -> az.Group | None:
+    """One translated rule, or None when it is not sent (see the module docstring)."""
+    if action == "ALLOW" and any(e.unchecked for c in clauses for e in c):
+        return None
+    group = az.Group()
+    for clause in clauses:
+        live = [e for e in clause if not e.never]
+        if not live:
+            return None  # this clause never holds, so neither does the rule
+        if any(e.match.ByteSize() == 0 for e in live):
+            continue  # some entry holds (for DENY: may hold) for every connection
+        group.rules.add().matches.extend(e.match for e in live)
     return group
 
 
-def unknown_fields(policy: dict) -> list[str]:
-    """Rule/source/operation keys this translator doesn't know (logged, then ignored)."""
-    found = []
-    for i, rule in enumerate(spec(policy).get("rules") or []):
-        if not isinstance(rule, dict):
-            continue
-        found += [f"rules[{i}].{k}" for k in rule if k not in KNOWN_RULE_KEYS]
-        for j, entry in enumerate(rule.get("from") or []):
-            src = (entry or {}).get("source") if isinstance(entry, dict) else None
-            found += [f"rules[{i}].from[{j}].source.{k}" for k in (src or {})
-                      if k not in KNOWN_SOURCE_KEYS]
-        for j, entry in enumerate(rule.get("to") or []):
-            op = (entry or {}).get("operation") if isinstance(entry, dict) else None
-            found += [f"rules[{i}].to[{j}].operation.{k}" for k in (op or {})
-                      if k not in KNOWN_OPERATION_KEYS]
-    return found
+@dataclasses.dataclass
+class PolicyTranslation:
+    """What :func:`authorization_policy` produced.
+
+    ``policy`` is None when nothing is sent to ztunnel (waypoint, AUDIT/CUSTOM, dry-run).
+    ``note`` is the status text about HTTP attributes (log at info); ``problems`` name
+    unknown or malformed fields and what was done about them (log at warning).
+    Unpacks as ``policy, note``.
+    """
+
+    policy: az.Authorization | None
+    note: str = ""
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    def __iter__(self):
+        return iter((self.policy, self.note))
 
 
-def authorization_policy(policy: dict, root_ns: str
-                         ) -> tuple[az.Authorization | None, str]:
-    """One AuthorizationPolicy -> (Authorization or None, status note).
+def authorization_policy(policy: dict, root_ns: str) -> PolicyTranslation:
+    """One AuthorizationPolicy -> :class:`PolicyTranslation`.
 
-    None when the policy is for waypoints (``targetRef(s)``), has action AUDIT/CUSTOM, or is
-    a dry-run policy (not enabled here, as Istio's default). Raises TranslateError naming a
-    malformed field.
+    Nothing is sent when the policy is for waypoints (``targetRef(s)``), has action
+    AUDIT/CUSTOM, or is a dry-run policy (not enabled here, as Istio's default). Raises
+    TranslateError naming the field for an action that is not ALLOW/DENY/AUDIT/CUSTOM,
+    a malformed selector, or ``rules`` that is not a list. Unknown or malformed parts of
+    a rule fail closed as the module docstring says and are listed in ``problems``.
     """
     m, s = meta(policy), spec(policy)
     ns, name = m["namespace"], m["name"]
     if s.get("targetRef") or s.get("targetRefs"):
-        return None, "targets a waypoint: enforced there, not by ztunnel"
+        return PolicyTranslation(None, "targets a waypoint: enforced there, not by ztunnel")
     action = s.get("action") or "ALLOW"
+    if action in ("AUDIT", "CUSTOM"):
+        return PolicyTranslation(None, f"ztunnel does not support the {action} action")
     if action not in ("ALLOW", "DENY"):
-        return None, f"ztunnel does not support the {action} action"
+        raise TranslateError(f"field 'spec.action' must be one of ALLOW, DENY, AUDIT, "
+                             f"CUSTOM, got {action!r}")
     if annotations(policy).get("istio.io/dry-run", "").lower() == "true":
-        return None, "dry-run policies are not supported (UnsupportedValue)"
+        return PolicyTranslation(None, "dry-run policies are not supported (UnsupportedValue)")
     selector = field(policy, "spec.selector", dict)
     if selector is not None:
         str_map(selector.get("matchLabels"), "spec.selector.matchLabels")
@@ -194,35 +334,37 @@ def authorization_policy(policy: dict, root_ns: str
         scope = az.GLOBAL if ns == root_ns else az.NAMESPACE
     out = az.Authorization(name=name, namespace=ns, scope=scope,
                            action=az.ALLOW if action == "ALLOW" else az.DENY)
-    l7_all: set[str] = set()
+    http: set[str] = set()
+    problems: list[str] = []
+    widened = False  # some DENY rule lost every condition and now matches everything
     for i, rule in enumerate(field(policy, "spec.rules", list, [])):
-        if rule is None:
-            rule = {}
-        if not isinstance(rule, dict):
-            raise TranslateError(f"field spec.rules[{i}] must be a mapping, got {rule!r}")
-        l7 = _rule_l7(rule)
-        l7_all |= l7
-        if l7 and action == "ALLOW":
-            continue  # the whole rule is dropped: allowing less than asked is the safe side
-        out.groups.append(_group(rule, ns, f"spec.rules[{i}]"))
+        clauses = _Reader(ns, f"spec.rules[{i}]").rule(rule)
+        unchecked = [u for c in clauses for e in c for u in e.unchecked]
+        http.update(name for kind, name in unchecked if kind in (HTTP, UNSENT))
+        group = _group(clauses, action)
+        if group is not None:
+            out.groups.append(group)
+            widened |= action == "DENY" and not group.rules and bool(unchecked)
+        bad = [("unknown field " + name) if kind == UNKNOWN else name
+               for kind, name in unchecked if kind in (UNKNOWN, MALFORMED)]
+        if bad:
+            problems.append("; ".join(bad) + (
+                " (rule dropped: this ALLOW allows less)" if action == "ALLOW" else
+                " (condition taken as matching: this DENY denies more)"))
     note = ""
-    if l7_all:
-        note = (f"ztunnel does not support HTTP attributes (found: {', '.join(sorted(l7_all))}). "
+    if http:
+        note = (f"ztunnel does not support HTTP attributes (found: {', '.join(sorted(http))}). "
                 "In ambient mode you must use a waypoint proxy to enforce HTTP rules. ")
         if action == "ALLOW":
-            note += "Within an ALLOW policy, rules matching HTTP attributes are omitted. " \
-                    "This will be more restrictive than requested."
-        elif any(g.rules and all(not _match_set(mm) for c in g.rules for mm in c.matches)
-                 for g in out.groups):
-            note += "Within a DENY policy, rules with HTTP attributes have no effect."
+            note += ("Within an ALLOW policy, rules matching HTTP attributes are omitted. "
+                     "This will be more restrictive than requested.")
         else:
-            note += "Within a DENY policy, rules matching HTTP attributes are enforced without " \
-                    "the HTTP rules. This will be more restrictive than requested."
-    return out, note
-
-
-def _match_set(m: az.Match) -> bool:
-    return m.ByteSize() > 0
+            note += ("DENY policy with HTTP attributes is enforced without the HTTP rules. "
+                     "This will be more restrictive than requested.")
+            if widened:
+                note += (" A rule with only HTTP attributes denies every connection to the "
+                         "workloads the policy selects.")
+    return PolicyTranslation(out, note, problems)
 
 
 # --- PeerAuthentication (§3.10) ---

@@ -392,7 +392,7 @@ def test_case29_allow_policy_l4_translation_and_l7_rules_dropped():
     assert len(a.groups[9].rules) == 0  # empty rule: matches everything
 
 
-def test_case30_deny_policy_keeps_l4_parts_of_l7_rules():
+def test_case30_deny_policy_keeps_l4_parts_of_l7_rules_and_l7_only_rules_deny_all():
     rules = [{"from": [{"source": {"principals": ["p"], "requestPrincipals": ["r"],
                                    "namespaces": ["n"]}}],
               "to": [{"operation": {"ports": ["80"]}}]},
@@ -405,8 +405,10 @@ def test_case30_deny_policy_keeps_l4_parts_of_l7_rules():
     assert list(g0.rules[0].matches[0].destination_ports) == [80]
     m = g0.rules[1].matches[0]
     assert (m.namespaces[0].exact, m.principals[0].exact) == ("n", "p")
-    assert [[mm.ByteSize() for mm in c.matches] for c in a.groups[1].rules] == [[0], [0]]
-    assert [[mm.ByteSize() for mm in c.matches] for c in a.groups[2].rules] == [[0]]
+    # rules with only HTTP conditions deny more: no clause left, the group matches every
+    # connection (istiod sends empty matches here, which ztunnel skips: a DENY that never
+    # fires); see tests/ambient/test_authz_semantics.py for the evaluated behaviour
+    assert len(a.groups) == 3 and list(a.groups[1].rules) == list(a.groups[2].rules) == []
 
 
 def test_case31_converted_peer_authentication():
