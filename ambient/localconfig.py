@@ -4,7 +4,8 @@ A YAML document with top-level ``workloads``/``services``/``policies`` (and no `
 ztunnel's serde model, not Kubernetes objects. The directory source turns each entry into
 a store object of kind ``LocalWorkload``/``LocalService``/``LocalPolicy`` whose ``spec`` is
 the entry; the index turns those 1:1 into protos with the functions here. Entries are
-converted once at load time so a bad one is skipped with its index and name in the log.
+converted once at load time; a document with a bad entry loads nothing (ztunnel loads
+its local-config file whole or not at all) and every bad entry is named in the log.
 """
 
 from __future__ import annotations
@@ -197,58 +198,87 @@ def service(entry: Any, path: str = "service") -> wl.Service:
 def _string_match(value: Any, path: str) -> az.StringMatch:
     if isinstance(value, dict) and len(value) == 1:
         (k, v), = value.items()
-        if k == "Exact":
-            return az.StringMatch(exact=str(v))
-        if k == "Prefix":
-            return az.StringMatch(prefix=str(v))
-        if k == "Suffix":
-            return az.StringMatch(suffix=str(v))
+        if k in ("Exact", "Prefix", "Suffix") and isinstance(v, str):
+            return az.StringMatch(**{k.lower(): v})
         if k == "Presence":
             return az.StringMatch(presence=empty_pb2.Empty())
-    raise TranslateError(f"field {path!r} must be {{Exact|Prefix|Suffix|Presence: ...}}, "
-                         f"got {value!r}")
+    raise TranslateError(f"field {path!r} must be {{Exact|Prefix|Suffix: string}} or "
+                         f"{{Presence: []}}, got {value!r}")
+
+
+def _cidr(value: Any, path: str) -> az.Address:
+    try:
+        net = ipaddress.ip_network(str(value), strict=False)
+    except ValueError:
+        # ztunnel's serde fails the whole file on an IpNet it can't parse
+        raise TranslateError(f"field {path!r} must be an IP or CIDR, got {value!r}") from None
+    return az.Address(address=net.network_address.packed, length=net.prefixlen)
+
+
+def _sa_match(value: Any, path: str) -> az.ServiceAccountMatch:
+    if isinstance(value, dict) and set(value) == {"namespace", "serviceAccount"} and \
+            all(isinstance(v, str) for v in value.values()):
+        return az.ServiceAccountMatch(namespace=value["namespace"],
+                                      serviceAccount=value["serviceAccount"])
+    raise TranslateError(f"field {path!r} must be {{namespace: string, serviceAccount: "
+                         f"string}}, got {value!r}")
+
+
+def _u16(value: Any, path: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 65535:
+        return value
+    raise TranslateError(f"field {path!r} must be a port 0-65535, got {value!r}")
+
+
+MATCH_KEYS = ("namespaces", "notNamespaces", "serviceAccounts", "notServiceAccounts",
+              "principals", "notPrincipals", "sourceIps", "notSourceIps", "destinationIps",
+              "notDestinationIps", "destinationPorts", "notDestinationPorts")
+POLICY_KEYS = ("name", "namespace", "scope", "action", "rules", "dryRun")
 
 
 def _match(entry: Any, path: str) -> az.Match:
+    """One ``RbacMatch``. Every value must convert; an unknown key is an error.
+
+    ztunnel's serde ignores unknown keys here (``RbacMatch`` lacks
+    ``deny_unknown_fields``), which silently widens or empties the match, so a typo such
+    as ``sourceIp`` would change who is allowed. We refuse the key instead, which makes the
+    whole document fail to load (see :func:`to_objects`), as any other error does in ztunnel.
+    """
     if not isinstance(entry, dict):
         raise TranslateError(f"field {path!r} must be a mapping, got {entry!r}")
     m = az.Match()
-    strings = {"namespaces": m.namespaces, "notNamespaces": m.not_namespaces,
-               "principals": m.principals, "notPrincipals": m.not_principals}
-    cidrs = {"sourceIps": m.source_ips, "notSourceIps": m.not_source_ips,
-             "destinationIps": m.destination_ips, "notDestinationIps": m.not_destination_ips}
-    sas = {"serviceAccounts": m.service_accounts, "notServiceAccounts": m.not_service_accounts}
-    port_fields = {"destinationPorts": m.destination_ports,
-                   "notDestinationPorts": m.not_destination_ports}
+    convert = {"namespaces": (m.namespaces, _string_match),
+               "notNamespaces": (m.not_namespaces, _string_match),
+               "principals": (m.principals, _string_match),
+               "notPrincipals": (m.not_principals, _string_match),
+               "sourceIps": (m.source_ips, _cidr), "notSourceIps": (m.not_source_ips, _cidr),
+               "destinationIps": (m.destination_ips, _cidr),
+               "notDestinationIps": (m.not_destination_ips, _cidr),
+               "serviceAccounts": (m.service_accounts, _sa_match),
+               "notServiceAccounts": (m.not_service_accounts, _sa_match),
+               "destinationPorts": (m.destination_ports, _u16),
+               "notDestinationPorts": (m.not_destination_ports, _u16)}
     for key, value in entry.items():
         sub = f"{path}.{key}"
+        if key not in convert:
+            raise TranslateError(f"unknown match field {sub!r} (known: {', '.join(MATCH_KEYS)})")
         if not isinstance(value, list):
             raise TranslateError(f"field {sub!r} must be a list, got {value!r}")
-        if key in strings:
-            strings[key].extend(_string_match(v, sub) for v in value)
-        elif key in cidrs:
-            for v in value:
-                try:
-                    net = ipaddress.ip_network(str(v), strict=False)
-                except ValueError:
-                    continue  # ztunnel drops unparsable IPs silently (§1.6)
-                cidrs[key].append(az.Address(address=net.network_address.packed,
-                                             length=net.prefixlen))
-        elif key in sas:
-            sas[key].extend(az.ServiceAccountMatch(namespace=str(v.get("namespace", "")),
-                                                   serviceAccount=str(v.get("serviceAccount", "")))
-                            for v in value if isinstance(v, dict))
-        elif key in port_fields:
-            port_fields[key].extend(int(v) for v in value)
-        else:
-            raise TranslateError(f"unknown match field {sub!r}")
+        target, fn = convert[key]
+        target.extend(fn(v, f"{sub}[{i}]") for i, v in enumerate(value))
     return m
 
 
 def policy(entry: Any, path: str = "policy") -> az.Authorization:
-    """A LocalPolicy entry -> Authorization. All six keys are required, as in ztunnel."""
+    """A LocalPolicy entry -> Authorization. All six keys are required and no other is
+    allowed, as ztunnel's ``Authorization`` (``deny_unknown_fields``); ``rules`` is a list
+    of rules, each a list of clauses, each a list of matches. Raises TranslateError."""
     if not isinstance(entry, dict):
         raise TranslateError(f"field {path!r} must be a mapping, got {entry!r}")
+    extra = [k for k in entry if k not in POLICY_KEYS]
+    if extra:
+        raise TranslateError(f"unknown policy field {path}.{extra[0]!r} "
+                             f"(known: {', '.join(POLICY_KEYS)})")
     out = az.Authorization(
         name=_req(entry, "name", str, path), namespace=_req(entry, "namespace", str, path),
         scope=_enum(entry.get("scope"), {"Global": az.GLOBAL, "Namespace": az.NAMESPACE,
@@ -257,20 +287,29 @@ def policy(entry: Any, path: str = "policy") -> az.Authorization:
         action=_enum(entry.get("action"), {"Allow": az.ALLOW, "Deny": az.DENY}, f"{path}.action"),
         dry_run=_req(entry, "dryRun", bool, path))
     for i, rule in enumerate(_req(entry, "rules", list, path)):
+        if not isinstance(rule, list):
+            raise TranslateError(f"field '{path}.rules[{i}]' must be a list of clauses, "
+                                 f"got {rule!r}")
         group = out.groups.add()
-        for j, clause in enumerate(rule or []):
+        for j, clause in enumerate(rule):
+            if not isinstance(clause, list):
+                raise TranslateError(f"field '{path}.rules[{i}][{j}]' must be a list of "
+                                     f"matches, got {clause!r}")
             rules = group.rules.add()
-            for k, match in enumerate(clause or []):
+            for k, match in enumerate(clause):
                 rules.matches.append(_match(match, f"{path}.rules[{i}][{j}][{k}]"))
     return out
 
 
 def to_objects(doc: dict) -> list[tuple[dict | None, str, str]]:
-    """Split a local-config document into store objects.
+    """Split a local-config document into store objects, all or nothing.
 
     Returns ``(object or None, label, error)`` per entry: ``label`` names the entry
     (``workloads[2] default/local``), ``error`` is empty when the entry converted. Never
-    raises: a malformed entry becomes an error row, the other entries still convert.
+    raises. When any entry fails, only the error rows are returned: ztunnel deserializes
+    the file as one ``LocalConfig`` and loads nothing of it on any error, and loading the
+    rest would be a silent allow whenever the bad entry is a policy (a missing DENY, or a
+    missing ALLOW that was the only one for a workload).
     """
     out: list[tuple[dict | None, str, str]] = []
     for key, kind, convert in (("workloads", "LocalWorkload", workload),
@@ -299,4 +338,6 @@ def to_objects(doc: dict) -> list[tuple[dict | None, str, str]]:
                    "metadata": {"name": name.replace("/", "~"), "namespace": msg.namespace},
                    "spec": entry}
             out.append((obj, f"{label} {msg.namespace}/{name}", ""))
+    if any(obj is None for obj, _, _ in out):
+        return [row for row in out if row[0] is None]
     return out

@@ -94,5 +94,6 @@ def build(ctx: AgentContext) -> ConfigSource:
     if cfg.config_source == "kubernetes":
         backend: DirectorySource | KubernetesSource = KubernetesSource(store, cfg.kubeconfig)
     else:
-        backend = DirectorySource(store, cfg.config_dir, ctx.run_blocking)
+        backend = DirectorySource(store, cfg.config_dir, ctx.run_blocking,
+                                  registry=ctx.registry)
     return ConfigSource(store, backend)

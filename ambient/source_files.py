@@ -7,14 +7,20 @@ Each file is one *origin* in the store: reloading a file replaces exactly the ob
 defined, so edits become upserts and removed documents / deleted files become deletes.
 
 A bad object is skipped with a log line naming file, document index, kind and name; the
-rest of the file still loads. A YAML syntax error keeps the documents before it. Parsing
-runs off the event loop; the initial load completes before :meth:`DirectorySource.start`
-returns, so the agent is consistent when it reports ready.
+rest of the file still loads. A file that does not parse as a whole (a YAML/JSON syntax
+error, an unreadable file, a local-config document with a bad entry) keeps the objects of
+its last good version until it parses again: an editor saving a half-written file must not
+withdraw its pods from xDS. That is logged at WARNING (file, line, reason), counted in
+``ambient_config_file_errors_total{reason}`` and shown by ``ambient_config_files_stale``.
+A file seen for the first time in that state loads what parsed (the documents before a
+syntax error). Parsing runs off the event loop; the initial load completes before
+:meth:`DirectorySource.start` returns, so the agent is consistent when it reports ready.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import json
 import logging
@@ -24,6 +30,7 @@ from typing import Any, Awaitable, Callable
 
 import watchfiles
 import yaml
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from agent.config import ConfigError
 from ambient import localconfig
@@ -32,7 +39,22 @@ from ambient.store import ObjectStore
 log = logging.getLogger("ambient.source.files")
 
 SUFFIXES = (".yaml", ".yml", ".json")
-Parsed = tuple[list[tuple[dict, str]], list[tuple[str, str]]]  # (objects, [(where, error)])
+
+
+@dataclasses.dataclass
+class ParsedFile:
+    """One file's content: ``objects`` as ``(object, where)``, ``errors`` as
+    ``(where, error)`` for skipped entries, and ``broken``: why the file as a whole did not
+    parse (``"malformed YAML at line 3: ..."``), empty when it did. ``broken_kind`` is the
+    metric reason: ``syntax``, ``unreadable`` or ``local-config``."""
+
+    objects: list[tuple[dict, str]]
+    errors: list[tuple[str, str]]
+    broken: str = ""
+    broken_kind: str = ""
+
+    def __iter__(self):  # ``objects, errors = parse_file(path)``
+        return iter((self.objects, self.errors))
 
 
 def wanted(path: str) -> bool:
@@ -68,8 +90,8 @@ def _label(obj: Any) -> str:
     return f"{obj.get('kind', '?')} {f'{ns}/' if ns else ''}{name}"
 
 
-def parse_file(path: str) -> Parsed:
-    """Read one file into ``(object, where)`` pairs plus ``(where, error)`` rejections.
+def parse_file(path: str) -> ParsedFile:
+    """Read one file into a :class:`ParsedFile`.
 
     ``where`` is ``<path>#<document index>[.items[i]]`` with the kind and name when known.
     Blocking (reads the file): call it off the event loop.
@@ -77,22 +99,26 @@ def parse_file(path: str) -> Parsed:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        return [], [(path, f"cannot read: {e}")]
+        return ParsedFile([], [], f"cannot read: {e}", "unreadable")
     docs, error = _docs(path, text)
-    objects: list[tuple[dict, str]] = []
-    errors: list[tuple[str, str]] = []
-    if error:
-        errors.append((f"{path}#{len(docs)}", error))
+    out = ParsedFile([], [], error, "syntax" if error else "")
+    objects, errors = out.objects, out.errors
     for i, doc in enumerate(docs):
         where = f"{path}#{i}"
         if doc is None:
             continue
         if localconfig.is_local_config(doc):
+            bad = 0
             for obj, label, err in localconfig.to_objects(doc):
                 if obj is None:
                     errors.append((f"{where} {label}", err))
+                    bad += 1
                 else:
                     objects.append((obj, f"{where} {label}"))
+            if bad and not out.broken:
+                out.broken = (f"local-config document #{i} rejected whole: {bad} bad "
+                              f"entr{'y' if bad == 1 else 'ies'} (named above)")
+                out.broken_kind = "local-config"
         elif isinstance(doc, dict) and doc.get("kind") == "List":
             items = doc.get("items")
             if not isinstance(items, list):
@@ -102,7 +128,7 @@ def parse_file(path: str) -> Parsed:
                            for j, item in enumerate(items))
         else:
             objects.append((doc, f"{where} {_label(doc)}"))
-    return objects, errors
+    return out
 
 
 def scan(directory: str) -> list[str]:
@@ -123,7 +149,8 @@ class DirectorySource:
     """
 
     def __init__(self, store: ObjectStore, directory: str,
-                 run_blocking: Callable[..., Awaitable[Any]], debounce_ms: int = 50):
+                 run_blocking: Callable[..., Awaitable[Any]], debounce_ms: int = 50,
+                 registry: CollectorRegistry | None = None):
         self.store = store
         self.directory = os.path.abspath(directory)
         self.run_blocking = run_blocking
@@ -133,6 +160,16 @@ class DirectorySource:
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.reloads = 0
+        self._good: set[str] = set()  # files whose objects in the store are a whole parse
+        self._stale: set[str] = set()  # files held at their last good version
+        registry = registry if registry is not None else CollectorRegistry()
+        self._file_errors = Counter(
+            "ambient_config_file_errors", "config files that did not parse as a whole, by "
+            "reason (syntax, unreadable, local-config)", ["reason"], registry=registry)
+        self._stale_gauge = Gauge(
+            "ambient_config_files_stale", "config files whose objects are kept from their "
+            "last good version because the current content does not parse",
+            registry=registry)
 
     async def start(self) -> None:
         """Create the directory if missing (0750) and start watching it. Raises
@@ -168,20 +205,42 @@ class DirectorySource:
             self._task = None
 
     async def reload(self, path: str) -> None:
-        """Re-read one file (or drop its objects if it is gone) as one store transaction."""
+        """Re-read one file (or drop its objects if it is gone) as one store transaction.
+
+        A file that does not parse as a whole keeps its last good objects (module
+        docstring)."""
         if os.path.isfile(path):
             try:
-                objects, errors = await self.run_blocking(parse_file, path)
+                parsed = await self.run_blocking(parse_file, path)
             except Exception as e:  # an unexpected parser failure must not stop the
                 # source; the file's previous objects stay until it parses again
-                self.store.reject("invalid", path, f"cannot parse: {e!r}")
-                return
+                parsed = ParsedFile([], [], f"cannot parse: {e!r}", "syntax")
             self.files.add(path)
         else:
-            objects, errors = [], []
+            parsed = ParsedFile([], [])
             self.files.discard(path)
+        objects, errors = parsed.objects, parsed.errors
         for where, error in errors:
             self.store.reject("invalid", where, error)
+        if parsed.broken:
+            self._file_errors.labels(parsed.broken_kind).inc()
+            if path in self._good:
+                self._stale.add(path)
+                self._stale_gauge.set(len(self._stale))
+                log.warning("config file %s: %s; keeping its %d objects from the last good "
+                            "version until it parses again", path, parsed.broken,
+                            self.store.objects_of_origin(path))
+                return
+            log.warning("config file %s: %s; no earlier good version, loading the %d "
+                        "objects that parsed", path, parsed.broken, len(objects))
+        elif path in self.files:
+            self._good.add(path)
+        else:
+            self._good.discard(path)
+        if path in self._stale:
+            log.info("config file %s parses again", path)
+            self._stale.discard(path)
+            self._stale_gauge.set(len(self._stale))
         self.store.replace_origin(path, objects)
         self.reloads += 1
         if self._task is not None:  # after the initial load: say what the file holds now

@@ -45,23 +45,27 @@ def test_parse_multi_doc_list_local_config_and_bad_objects(tmp_path, caplog):
         - {name: broken, workloadIps: ["x"], services: {}}
         policies: []
         """))
-    objects, errors = parse_file(str(f))
+    parsed = parse_file(str(f))
+    objects, errors = parsed
     kinds = [o.get("kind") for o, _ in objects]
-    assert kinds == ["Pod", "Service", "Service", "LocalWorkload"]
+    # the local-config document has a bad entry: it loads nothing, as in ztunnel
+    assert kinds == ["Pod", "Service", "Service"]
     assert "#1.items[1] Service ?/7" not in objects[2][1]  # where names the document and item
     assert objects[2][1].startswith(f"{f}#1.items[1]")
     assert len(errors) == 1 and "workloads[1]" in errors[0][0] and "namespace" in errors[0][1]
+    assert parsed.broken_kind == "local-config" and "document #2 rejected whole" in \
+        parsed.broken
 
 
 def test_parse_syntax_error_keeps_earlier_documents(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text(POD % ("a", "u-a", "10.0.0.1") + "---\nkind: [unclosed\n")
-    objects, errors = parse_file(str(f))
-    assert [o["metadata"]["name"] for o, _ in objects] == ["a"]
-    assert "malformed YAML at line" in errors[0][1]
+    parsed = parse_file(str(f))
+    assert [o["metadata"]["name"] for o, _ in parsed.objects] == ["a"]
+    assert "malformed YAML at line 8" in parsed.broken and parsed.broken_kind == "syntax"
     j = tmp_path / "x.json"
     j.write_text("{nope")
-    assert "malformed JSON" in parse_file(str(j))[1][0][1]
+    assert "malformed JSON at line 1" in parse_file(str(j)).broken
 
 
 @pytest.mark.asyncio
@@ -147,19 +151,21 @@ async def test_oddly_shaped_entries_are_skipped_and_the_source_still_starts(tmp_
     (tmp_path / "pods.yaml").write_text(
         "kind: Pod\nmetadata: {name: p, namespace: 5}\n---\n" + POD % ("a", "u-a", "10.0.0.1"))
     objects, errors = parse_file(str(tmp_path / "local.yaml"))
-    assert [o["metadata"]["name"] for o, _ in objects] == ["ok"]
+    assert objects == []  # the document loads whole or not at all
     assert [w for w, _ in errors] == [f"{tmp_path}/local.yaml#0 workloads[0]",
                                       f"{tmp_path}/local.yaml#0 workloads[1]"]
     assert all("malformed entry" in e for _, e in errors)
     registry = CollectorRegistry()
     store = ObjectStore(registry)
-    src = DirectorySource(store, str(tmp_path), run_blocking)
+    src = DirectorySource(store, str(tmp_path), run_blocking, registry=registry)
     await src.start()
     try:
-        assert store.get("LocalWorkload", "a", "ok") is not None
+        assert store.get("LocalWorkload", "a", "ok") is None
         assert store.get("Pod", "demo", "a") is not None
         assert registry.get_sample_value("ambient_config_objects_rejected_total",
                                          {"source": "files", "reason": "invalid"}) == 3
+        assert registry.get_sample_value("ambient_config_file_errors_total",
+                                         {"reason": "local-config"}) == 1
     finally:
         await src.stop()
 
@@ -186,3 +192,54 @@ async def test_watch_survives_the_directory_being_removed_and_recreated(tmp_path
         assert not src._task.done()
     finally:
         await src.stop()
+
+
+NS_AMBIENT = "apiVersion: v1\nkind: Namespace\nmetadata: {name: demo, labels: " \
+    "{istio.io/dataplane-mode: ambient}}\n"
+
+
+@pytest.mark.asyncio
+async def test_syntax_error_keeps_the_files_last_good_objects(tmp_path, caplog):
+    """An editor saving a half-written file (one line broken) used to withdraw every object
+    after the bad line: pods vanished from xDS and an enrolled pod's workload lost its
+    tunnel. The file's last good objects now stay until it parses again (WARNING naming
+    file, line and reason; ambient_config_files_stale / ambient_config_file_errors_total)."""
+    registry = CollectorRegistry()
+    store = ObjectStore(registry)
+    src = DirectorySource(store, str(tmp_path), run_blocking, debounce_ms=10,
+                          registry=registry)
+    index = AmbientIndex(store, Mesh(cluster_id="c"), registry, derive_hbone_from_labels=True)
+    f = tmp_path / "pods.yaml"
+    good = NS_AMBIENT + "---\n" + POD % ("a", "u-a", "10.0.0.1") + "---\n" + \
+        POD % ("b", "u-b", "10.0.0.2")
+    f.write_text(good)
+    stale = lambda: registry.get_sample_value("ambient_config_files_stale")  # noqa: E731
+    try:
+        await src.start()
+        index.start()
+        from ambient import workload_pb2 as wl
+        assert index.address("c//Pod/demo/b").workload.tunnel_protocol == wl.HBONE
+        caplog.set_level(logging.INFO, logger="ambient")
+        caplog.clear()
+        # line 3 of the file broken mid-edit: the namespace and both pods stay
+        f.write_text(good.replace("labels: {istio.io", "labels: [istio.io", 1))
+        await eventually(lambda: stale() == 1, what="file marked stale")
+        warning = [r for r in caplog.records if "keeping its 3 objects" in r.getMessage()]
+        assert warning and warning[0].levelno == logging.WARNING
+        assert str(f) in warning[0].getMessage() and "line 3" in warning[0].getMessage()
+        assert store.get("Pod", "demo", "b") is not None
+        assert index.address("c//Pod/demo/b").workload.tunnel_protocol == wl.HBONE
+        assert registry.get_sample_value("ambient_config_file_errors_total",
+                                         {"reason": "syntax"}) == 1
+        # fixed (and edited): the new content applies and the file is no longer stale
+        f.write_text(NS_AMBIENT + "---\n" + POD % ("a", "u-a", "10.0.0.1"))
+        await eventually(lambda: stale() == 0 and store.get("Pod", "demo", "b") is None)
+        assert "parses again" in caplog.text
+        assert store.get("Pod", "demo", "a") is not None
+        # a file first seen broken has no good version: what parsed loads
+        (tmp_path / "new.yaml").write_text(POD % ("n", "u-n", "10.0.0.9") + "---\nkind: [x\n")
+        await eventually(lambda: store.get("Pod", "demo", "n") is not None)
+        assert stale() == 0 and "no earlier good version" in caplog.text
+    finally:
+        await src.stop()
+        index.stop()
