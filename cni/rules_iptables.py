@@ -74,10 +74,12 @@ def build_rules(opts: RuleOptions, ipv6: bool = False) -> list[Rule]:
         rules += [Rule("nat", PRERT, f"-i {ifname} -p tcp -j REDIRECT --to-ports "
                                      f"{rc.ZTUNNEL_OUTBOUND_PORT}"),
                   Rule("nat", PRERT, f"-i {ifname} -p tcp -j RETURN")]
+    # ztunnel's own packets (mark 0x539) connmark 0x111 so replies route back to it
+    # (table 100); kept in ingress mode too: without it inbound HBONE to the pod hangs
+    rules.append(Rule("mangle", PRERT, f"-m mark --mark {ztunnel} -j CONNMARK --set-xmark "
+                                       f"{accepted}"))
     if not opts.ingress_mode:
-        rules += [Rule("mangle", PRERT, f"-m mark --mark {ztunnel} -j CONNMARK --set-xmark "
-                                        f"{accepted}"),
-                  Rule("nat", PRERT, f"-s {probe} -p tcp -m tcp -j ACCEPT")]
+        rules.append(Rule("nat", PRERT, f"-s {probe} -p tcp -m tcp -j ACCEPT"))
     rules.append(Rule("nat", OUTPUT, f"-d {probe} -p tcp -m tcp -j ACCEPT"))
     if not opts.ingress_mode:
         rules.append(Rule("nat", PRERT, f"! -d {lo_net} -p tcp ! --dport "

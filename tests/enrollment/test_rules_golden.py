@@ -138,3 +138,17 @@ def test_pod_overrides():
     assert pod_options(base, {"istio.io/reroute-virtual-interfaces": "a, b,"}
                        ).virtual_interfaces == ("a", "b")
     assert pod_options(base, None) == base
+
+
+@pytest.mark.parametrize("name,ipv6", CASES, ids=[f"{n}{'_ipv6' if v else ''}" for n, v in CASES])
+def test_ztunnel_mark_connmark_rule_in_every_mode(name, ipv6):
+    """Issue 16 item 3: ingress mode (bypass-inbound-capture) keeps the rule that connmarks
+    ztunnel's own packets, as upstream's ingress goldens do; without it replies to
+    ztunnel's inbound connections are not routed back and inbound HBONE hangs."""
+    opts = scenario_options(name, ipv6)
+    ipt = golden_record(opts).splitlines()
+    rule = "-A ISTIO_PRERT -m mark --mark 0x539/0xfff -j CONNMARK --set-xmark 0x111/0xfff"
+    assert ipt.count(rule) == (2 if ipv6 else 1)  # once per family's mangle table
+    nft = render_transaction(opts).splitlines()
+    assert nft.count("add rule inet istio-ambient-mangle istio-prerouting meta mark & 0xfff "
+                     "== 0x539 counter ct mark set ct mark & 0xfffff000 | 0x111") == 1
