@@ -3,7 +3,8 @@
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 pkgs=(iptables nftables iproute2 containernetworking-plugins podman runc busybox-static
-      tcpdump wrk procps psmisc)
+      tcpdump wrk procps psmisc
+      curl openssl)  # curl + openssl: scripts/kube-test-apiserver.sh (certificates, /readyz)
 missing() {
   for p in "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || echo "$p"

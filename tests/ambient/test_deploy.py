@@ -33,8 +33,24 @@ def test_manifest_is_schema_valid(name, doc):
 
 def test_all_expected_objects_present():
     kinds = sorted(d["kind"] for _, d in documents())
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet",
-                     "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap"] + \
+        ["CustomResourceDefinition"] * 6 + ["DaemonSet", "ServiceAccount"]
+
+
+def test_crds_cover_exactly_the_custom_kinds_the_source_reads():
+    crds = {(d["spec"]["group"], d["spec"]["names"]["plural"], d["spec"]["names"]["kind"],
+             v["name"]) for _, d in documents() if d["kind"] == "CustomResourceDefinition"
+            for v in d["spec"]["versions"] if v["storage"]}
+    wanted = {(group, plural, kind, version)
+              for kind, (_, group, version, plural) in RESOURCES.items()
+              if group not in ("", "discovery.k8s.io")}
+    assert crds == wanted
+    for _, d in documents():
+        if d["kind"] == "CustomResourceDefinition":
+            for v in d["spec"]["versions"]:
+                props = v["schema"]["openAPIV3Schema"]["properties"]
+                assert props["spec"]["x-kubernetes-preserve-unknown-fields"] is True
+                assert props["status"]["x-kubernetes-preserve-unknown-fields"] is True
 
 
 def test_cluster_role_grants_exactly_what_the_agent_uses():
