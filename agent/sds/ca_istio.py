@@ -191,6 +191,10 @@ class IstioCAClient:
             raise CAClientError("INTERNAL", "invalid empty CertChain")
         return chain
 
+    async def reload(self) -> None:
+        """Drop the channel; the next call builds a new one, re-reading ``root_cert``."""
+        await self._reset()
+
     async def _reset(self) -> None:
         if self._channel is not None:
             channel, self._channel = self._channel, None

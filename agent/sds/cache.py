@@ -164,10 +164,30 @@ class SecretCache:
         return keys.merge_trust(self.last_root, self.extra_trust)
 
     def set_extra_trust(self, bundle: bytes) -> None:
-        """Extra trust anchors (upstream ``UpdateConfigTrustBundle``): push ROOTCA on change."""
-        if bundle != self.extra_trust:
+        """Extra trust anchors (upstream ``UpdateConfigTrustBundle``): push ROOTCA when the
+        set of certificates changed. Compared after :func:`keys.merge_trust`, so the same
+        certificates reordered, repeated or re-wrapped push nothing (upstream compares raw
+        bytes: its input is re-serialised by istiod, ours is a file an operator edits)."""
+        if keys.merge_trust(bundle) != keys.merge_trust(self.extra_trust):
             self.extra_trust = bundle
             self._notify(None, ROOTCA)
+
+    def renew_all(self) -> int:
+        """Renew every watched certificate now, the eager way (mint first, keep serving
+        the old one on CA failure), e.g. after the CA's root file changed. The renewed
+        certificates are pushed; ROOTCA too when the CA answers with another root.
+        Returns how many renewals were started."""
+        started = 0
+        for sid, item in list(self.items.items()):
+            if not self.watchers.get(sid) or self._closed:
+                continue
+            old = self._timers.pop(sid, None)
+            if old is not None and old is not asyncio.current_task():
+                old.cancel()
+            self._timers[sid] = asyncio.get_running_loop().create_task(
+                self._rotate(item, 0.0), name=f"renew {sid}")
+            started += 1
+        return started
 
     async def _mint(self, spiffe_id: str) -> SecretItem:
         """Key + CSR + signature + validity checks. With a local CA

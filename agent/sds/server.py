@@ -47,6 +47,8 @@ log = logging.getLogger("agent.sds")
 SDS_SERVICE = sds_pb2.DESCRIPTOR.services_by_name["SecretDiscoveryService"].full_name
 _MOUNTED_WORKLOAD = "@workload"  # watcher tokens for workload_certs_dir files
 _MOUNTED_ROOT = "@root"
+_TRUST_ANCHORS = "@trust-anchors"  # watcher tokens for trust_anchors_file and ca_root_cert
+_CA_ROOT = "@ca-root"
 
 
 @dataclasses.dataclass
@@ -98,6 +100,8 @@ class SdsServer(Component):
         self._backend_path = ""
         self._tasks: list[asyncio.Task] = []
         self._started = False
+        self._ca_root_bundle = b""  # canonical ca_root_cert content last acted on
+        self.file_secret_failures = 0  # file-backed inputs that failed to read (any kind)
 
     @property
     def mode(self) -> str:
@@ -118,13 +122,21 @@ class SdsServer(Component):
         await self._start_ca()
         self.cache = SecretCache(self.ca_client, self._run, self.algorithm, cfg.secret_ttl,
                                  cfg.secret_grace_ratio)
-        self.cache.subscribe(self._on_cache_update)
-        if cfg.trust_anchors_file:
-            self.cache.set_extra_trust(await self._run(read_trust_anchors, cfg.trust_anchors_file))
         self.watcher = files.FileWatcher(self._on_file_change)
+        # The service exists before the first cache update can ask it to push.
         self.service = SdsService(self._identify, self._generate,
                                   on_watch=lambda i: self.cache.watch(i.spiffe_id),
                                   on_unwatch=lambda i: self.cache.unwatch(i.spiffe_id))
+        self.cache.subscribe(self._on_cache_update)
+        if cfg.trust_anchors_file:
+            self.cache.set_extra_trust(await self._run(read_trust_anchors, cfg.trust_anchors_file))
+            self.watcher.watch(cfg.trust_anchors_file, _TRUST_ANCHORS)
+        if self._ca_root_watched():
+            try:
+                self._ca_root_bundle = await self._run(read_pem_bundle, cfg.ca_root_cert)
+            except (OSError, ValueError) as e:  # the CA client reports it at the first CSR
+                log.warning("ca_root_cert=%r: %s", cfg.ca_root_cert, e)
+            self.watcher.watch(cfg.ca_root_cert, _CA_ROOT)
         await self._start_sds()
         if cfg.ca_port and self.embedded:
             await self._start_ca_port()
@@ -274,20 +286,23 @@ class SdsServer(Component):
                 return tls_secret(name, chain, key_pem)
             item = await self.cache.workload(identity.spiffe_id)
             return tls_secret(name, item.chain, item.key)
-        except (CacheError, files.FileSecretError, CAClientError) as e:
+        except files.FileSecretError as e:
+            self.file_secret_failures += 1  # upstream's num_file_secret_failures_total
+            raise GenerateError(str(e)) from None
+        except (CacheError, CAClientError) as e:
             raise GenerateError(str(e)) from None
 
     async def _file_secret(self, fr: files.FileResource):
         if not self.fixed:
             raise GenerateError("file-cert:/file-root: names are served only with a fixed "
-                                "identity (service_account set), not to attested pods")
+                                "identity (service_account set), not to attested pods",
+                                retry=False)
+        # Watched before reading: a file that does not exist yet is pushed when it appears.
+        self.watcher.watch(fr.cert, fr.name)
         if fr.kind == "cert":
             chain, key = await self._run(files.read_pair, fr.cert, fr.key)
-            self.watcher.watch(fr.cert, fr.name)
             return tls_secret(fr.name, chain, key)
-        bundle = await self._run(files.read_root, fr.cert)
-        self.watcher.watch(fr.cert, fr.name)
-        return root_secret(fr.name, bundle)
+        return root_secret(fr.name, await self._run(files.read_root, fr.cert))
 
     def _mounted(self, filename: str) -> str:
         """A non-empty file in ``workload_certs_dir`` (fixed mode only), else ""."""
@@ -301,6 +316,8 @@ class SdsServer(Component):
 
     # --- pushes ----------------------------------------------------------------------
     def _on_cache_update(self, spiffe_id: str | None, name: str) -> None:
+        if self.service is None:  # nothing can be watching yet
+            return
         if name == ROOTCA:
             self.service.push(lambda c: {ROOTCA}, spiffe_id)
         else:
@@ -308,12 +325,58 @@ class SdsServer(Component):
                               spiffe_id)
 
     def _on_file_change(self, name: str) -> None:
-        if name == _MOUNTED_WORKLOAD:
+        if name in (_TRUST_ANCHORS, _CA_ROOT):
+            reload = self._reload_trust_anchors if name == _TRUST_ANCHORS else self._reload_ca_root
+            task = asyncio.get_running_loop().create_task(reload(), name=f"sds reload {name}")
+            self._tasks.append(task)
+            task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
+        elif name == _MOUNTED_WORKLOAD:
             self._on_cache_update(None, DEFAULT)
         elif name == _MOUNTED_ROOT:
             self._on_cache_update(None, ROOTCA)
         else:
             self.service.push(lambda c: {name})
+
+    def _ca_root_watched(self) -> bool:
+        cfg = self.config
+        return bool(cfg.ca_addr and cfg.ca_root_cert and isinstance(self.ca_client, IstioCAClient)
+                    and not self.ca_client.plaintext)
+
+    async def _reload_trust_anchors(self) -> None:
+        """``trust_anchors_file`` changed: merge the new anchors into ROOTCA. The cache
+        pushes ROOTCA only when the set of certificates changed (a reordered or
+        re-written identical bundle pushes nothing). An unusable file keeps the previous
+        anchors (logged, counted)."""
+        path = self.config.trust_anchors_file
+        try:
+            bundle = await self._run(read_trust_anchors, path)
+        except ConfigError as e:
+            self.file_secret_failures += 1
+            log.error("trust anchors not reloaded, keeping the previous ones: %s", e)
+            return
+        if self.cache is not None:
+            self.cache.set_extra_trust(bundle)
+
+    async def _reload_ca_root(self) -> None:
+        """``ca_root_cert`` changed (the remote CA's root was rotated): reconnect to the CA
+        with the new root and renew every watched certificate now, so the CA's new root
+        reaches ROOTCA (pushed by the cache when it differs) without waiting for the next
+        rotation. An equal set of certificates does nothing; an unusable file keeps the
+        current connection (logged, counted)."""
+        path = self.config.ca_root_cert
+        try:
+            bundle = await self._run(read_pem_bundle, path)
+        except (OSError, ValueError) as e:
+            self.file_secret_failures += 1
+            log.error("ca_root_cert=%r changed but is unusable, not reconnecting: %s", path, e)
+            return
+        if bundle == self._ca_root_bundle:
+            return
+        self._ca_root_bundle = bundle
+        await self.ca_client.reload()
+        renewed = self.cache.renew_all() if self.cache is not None else 0
+        log.info("ca_root_cert changed: reconnected to the CA, renewing %d certificate(s)",
+                 renewed)
 
     # --- API for other components ------------------------------------------------------
     def root_pem(self) -> bytes:
@@ -369,6 +432,16 @@ def read_trust_anchors(path: str) -> bytes:
     except ValueError as e:
         raise ConfigError("trust_anchors_file", path, f"not PEM certificates ({e})") from None
     return data
+
+
+def read_pem_bundle(path: str) -> bytes:
+    """The certificates of a PEM file in canonical form (split, de-duplicated, sorted:
+    :func:`agent.sds.keys.merge_trust`), so two files holding the same certificates in
+    another order compare equal. Raises OSError, or ValueError when it holds none."""
+    with open(path, "rb") as f:
+        data = f.read()
+    keys.load_certs(data, f"ca_root_cert {path}")
+    return keys.merge_trust(data)
 
 
 def _unlink(path: str) -> None:

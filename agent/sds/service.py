@@ -18,12 +18,18 @@ StreamSecrets follows istio-agent's per-stream state machine (spec
 - pushes (rotation, root change, file change) regenerate only the pushed names the
   stream watches, as a one-resource response; requests are handled in arrival order
   with pushes interleaved so neither starves.
-- a generation failure ends the stream: UNKNOWN "failed to generate secret for
-  <name>: <cause>" (Envoy retries and keeps its last good secret).
+- each name stands alone (deliberately unlike upstream, whose ``generate`` aborts the
+  whole stream with UNKNOWN "failed to generate secret for <name>" when any one name
+  fails): a response carries the names that resolved; a name that did not is logged,
+  counted (``generate_failures`` by resource kind) and retried on the stream with
+  backoff (0.5 s doubling to 30 s, ±20 %) until it resolves or is unsubscribed. The
+  stream stays open. A failure that cannot heal on this stream (``GenerateError`` with
+  ``retry=False``, e.g. a file name asked for by an attested pod) is not retried.
 
 Unlike upstream (which answers UNIMPLEMENTED) DeltaSecrets and FetchSecrets work:
 Delta keeps per-resource versions (a content hash, so ``initial_resource_versions``
-on reconnect suppresses unchanged resources); Fetch answers the names requested.
+on reconnect suppresses unchanged resources); Fetch answers the names that resolve and
+fails (UNKNOWN, naming every cause) only when none does.
 
 An unknown ``type_url`` is refused with INVALID_ARGUMENT naming it; an empty one is
 taken as the Secret type (grpcurl and hand-written clients often omit it).
@@ -37,6 +43,7 @@ import datetime as dt
 import hashlib
 import itertools
 import logging
+import random
 import uuid
 from typing import Awaitable, Callable
 
@@ -62,7 +69,30 @@ class IdentityError(Exception):
 
 
 class GenerateError(Exception):
-    """A secret could not be generated; message is the cause (no key material)."""
+    """A secret could not be generated; message is the cause (no key material).
+
+    ``retry`` False: asking again on the same stream cannot succeed (a policy refusal),
+    so the stream does not retry the name."""
+
+    def __init__(self, message: str, retry: bool = True):
+        super().__init__(message)
+        self.retry = retry
+
+
+RETRY_FIRST = 0.5   # seconds before a failed name is generated again on its stream
+RETRY_MAX = 30.0    # cap of the doubling backoff
+
+
+def resource_kind(name: str) -> str:
+    """The bounded label for a resource name: ``default`` (any workload certificate
+    name), ``ROOTCA``, ``file-cert`` or ``file-root``."""
+    if name == "ROOTCA":
+        return name
+    if name.startswith("file-cert:"):
+        return "file-cert"
+    if name.startswith("file-root:"):
+        return "file-root"
+    return "default"
 
 
 # generate(name, identity) -> Secret ; identify(context) -> Identity
@@ -109,6 +139,9 @@ class Connection:
     last_nack: str = ""
     versions: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> content hash
     queue: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+    failed: dict[str, GenerateError] = dataclasses.field(default_factory=dict)  # unresolved
+    retry_delay: float = RETRY_FIRST
+    retry_timer: asyncio.TimerHandle | None = None
 
     def debug(self) -> dict:
         return {"id": self.id, "peer": self.peer, "kind": self.kind, "node": self.node_id,
@@ -116,7 +149,8 @@ class Connection:
                 "resource_names": sorted(self.names or ()),
                 "version_sent": self.version_sent, "nonce_sent": self.nonce_sent,
                 "nonce_acked": self.nonce_acked, "last_nack": self.last_nack,
-                "resource_versions": dict(self.versions)}
+                "resource_versions": dict(self.versions),
+                "unresolved": {n: str(e) for n, e in sorted(self.failed.items())}}
 
 
 class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
@@ -135,6 +169,7 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         self.on_unwatch = on_unwatch
         self.connections: dict[int, Connection] = {}
         self.nacks = 0
+        self.generate_failures: dict[str, int] = {}  # resource_kind() -> failed generations
 
     # --- pushes ----------------------------------------------------------------------
     def push(self, names: Callable[[Connection], set[str]], spiffe_id: str | None = None) -> int:
@@ -160,16 +195,58 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
             log.warning("SDS caller %s denied: %s", context.peer(), e)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"caller not attested: {e}")
 
-    async def _secrets(self, names: list[str], identity: Identity, context) -> list:
-        out = []
+    async def _secrets(self, names: list[str], identity: Identity,
+                       known: dict[str, GenerateError] | None = None
+                       ) -> tuple[list[secret_pb2.Secret], dict[str, GenerateError]]:
+        """Generate each name on its own: ``(secrets that resolved, {name: error})``.
+
+        Every failure is counted; it is logged at WARNING unless ``known`` (the stream's
+        earlier failures) already holds the same cause for that name (then DEBUG, so a
+        retrying stream does not flood the log)."""
+        out, failed = [], {}
         for name in names:
             try:
                 out.append(await self.generate(name, identity))
             except GenerateError as e:
-                log.warning("failed to generate secret for %s (%s): %s", name, identity, e)
-                await context.abort(grpc.StatusCode.UNKNOWN,
-                                    f"failed to generate secret for {name}: {e}")
-        return out
+                failed[name] = e
+                kind = resource_kind(name)
+                self.generate_failures[kind] = self.generate_failures.get(kind, 0) + 1
+                old = (known or {}).get(name)
+                level = logging.DEBUG if old is not None and str(old) == str(e) else \
+                    logging.WARNING
+                log.log(level, "failed to generate secret for %s (%s): %s", name, identity, e)
+        return out, failed
+
+    def _track_failures(self, conn: Connection, names: list[str],
+                        failed: dict[str, GenerateError]) -> None:
+        """Record which of ``names`` failed on ``conn`` and (re)arm its retry timer."""
+        for name in names:
+            if name in failed:
+                conn.failed[name] = failed[name]
+            else:
+                conn.failed.pop(name, None)
+        watched = conn.names or set()
+        for name in [n for n in conn.failed if n not in watched]:
+            del conn.failed[name]  # unsubscribed meanwhile
+        retry = {n for n, e in conn.failed.items() if e.retry}
+        if not retry:
+            conn.retry_delay = RETRY_FIRST
+            if conn.retry_timer is not None:
+                conn.retry_timer.cancel()
+                conn.retry_timer = None
+            return
+        if conn.retry_timer is not None:
+            return  # one timer per stream; it retries everything unresolved when it fires
+        delay = conn.retry_delay * random.uniform(0.8, 1.2)
+        conn.retry_delay = min(conn.retry_delay * 2, RETRY_MAX)
+
+        def fire() -> None:
+            conn.retry_timer = None
+            pending = {n for n, e in conn.failed.items() if e.retry}
+            if pending:
+                conn.queue.put_nowait(("push", pending))
+
+        conn.retry_timer = asyncio.get_running_loop().call_later(delay, fire)
 
     async def _check_type(self, type_url: str, context) -> None:
         if type_url and type_url != SECRET_TYPE:
@@ -181,6 +258,9 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
 
     def _unregister(self, conn: Connection, watched: bool) -> None:
         self.connections.pop(conn.id, None)
+        if conn.retry_timer is not None:
+            conn.retry_timer.cancel()
+            conn.retry_timer = None
         if watched:
             self.on_unwatch(conn.identity)
 
@@ -300,7 +380,9 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         content hash, recorded in ``conn.versions``. With ``skip_unchanged`` a secret the
         stream already has byte for byte is left out."""
         out = []
-        for secret in await self._secrets(names, conn.identity, context):
+        secrets, failed = await self._secrets(names, conn.identity, conn.failed)
+        self._track_failures(conn, names, failed)
+        for secret in secrets:
             body = _pack(secret)
             version = hashlib.sha256(body.value).hexdigest()[:16]
             if skip_unchanged and conn.versions.get(secret.name) == version:
@@ -363,7 +445,10 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         if not names:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "resource_names: at least one secret name is required")
-        secrets = await self._secrets(names, identity, context)
+        secrets, failed = await self._secrets(names, identity)
+        if failed and not secrets:
+            await context.abort(grpc.StatusCode.UNKNOWN, "; ".join(
+                f"failed to generate secret for {n}: {e}" for n, e in failed.items()))
         return discovery_pb2.DiscoveryResponse(
             type_url=SECRET_TYPE, version_info=next_version(), nonce=str(uuid.uuid4()),
             resources=[_pack(s) for s in secrets])

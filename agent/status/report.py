@@ -264,6 +264,9 @@ def sds(data: dict, now: float) -> list[str]:
     for s in streams:
         if isinstance(s, dict) and s.get("last_nack"):
             out.append(f"  stream {s.get('id')} last NACK: {s['last_nack']}")
+        if isinstance(s, dict) and isinstance(s.get("unresolved"), dict):
+            for name, why in s["unresolved"].items():
+                out.append(f"  stream {s.get('id')} unresolved {name}: {why}")
     return out + leftovers(data, SDS_KNOWN)
 
 

@@ -52,19 +52,22 @@ class Stream:
         await self.call.write(req)
 
     async def recv(self, timeout: float = 10.0):
+        """The next response; one that arrived while :meth:`silent` watched comes first."""
+        peek, self._peek_task = getattr(self, "_peek_task", None), None
+        if peek is not None:
+            return await asyncio.wait_for(peek, timeout)
         return await asyncio.wait_for(self.call.read(), timeout)
 
     async def silent(self, within: float = 0.2) -> bool:
-        """True when nothing arrives within ``within`` seconds."""
+        """True when nothing arrives within ``within`` seconds (a response that arrives
+        later is kept for :meth:`recv`; gRPC allows one read at a time)."""
+        if getattr(self, "_peek_task", None) is None:
+            self._peek_task = asyncio.ensure_future(self.call.read())
         try:
-            await asyncio.wait_for(asyncio.shield(self._peek()), within)
+            await asyncio.wait_for(asyncio.shield(self._peek_task), within)
         except asyncio.TimeoutError:
             return True
         return False
-
-    async def _peek(self):
-        self._pending = await self.call.read()
-        return self._pending
 
     def cancel(self) -> None:
         self.call.cancel()

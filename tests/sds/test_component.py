@@ -65,15 +65,22 @@ async def test_component_lifecycle_api_and_no_secrets_in_logs(state_dir, tmp_pat
         assert "ambient_agent_sds_csrs_total 1.0" in exposition
         assert 'ambient_agent_sds_cert_expiry_seconds{spiffe_id="spiffe://cluster.local/ns/' \
             'shop/sa/cart"}' in exposition
-        # a missing token: the SDS stream fails with the CA's reason, the agent keeps going
+        # a missing token: the name stays unresolved with the CA's reason (debug state,
+        # counter), the stream stays open and gets the certificate once the token is back
+        token_text = token.read_text()
         token.unlink()
         client_agent.cache.items.clear()
         async with grpc.aio.insecure_channel("unix:" + client_agent.config.sds_socket) as ch:
             st = Stream(ch)
             await st.send(request(["default"]))
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await st.recv()
-        assert "request authenticate failure" in e.value.details()
+            assert await st.silent(0.6)
+            unresolved = [s["unresolved"] for s in client_agent.debug_state()["streams"]
+                          if s["unresolved"]]
+            assert "request authenticate failure" in unresolved[0]["default"]
+            assert client_agent.service.generate_failures["default"] >= 1
+            token.write_text(token_text)
+            got = secrets_of(await st.recv(10))
+            assert list(got) == ["default"]
         assert client_agent.ready() == (True, "")
     finally:
         await client_agent.stop(0.5)
