@@ -2,25 +2,24 @@
 (``files``: :mod:`ambient.source_files`, ``kubernetes``: :mod:`ambient.source_kube`).
 
 Consumers use ``ctx.get("config-source").store`` (an :class:`ambient.api.ObjectStore`) and
-``await ctx.get("config-source").patch_pod_annotations(namespace, name, annotations)``.
+``await ctx.get("config-source").patch_pod_annotations(namespace, name, annotations)``
+(the enrollment's ``cni.annotate.PodAnnotator``).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any
 
 from agent.lifecycle import AgentContext, Component
-from ambient.source_files import DirectorySource
+from ambient.source_files import DirectorySource, PodNotFound
 from ambient.source_kube import KubernetesSource
 from ambient.store import ObjectStore
 
 log = logging.getLogger("ambient.source")
 
 
-class PodNotFound(LookupError):
-    """patch_pod_annotations for a pod the source doesn't hold."""
+__all__ = ["ConfigSource", "PodNotFound", "build"]
 
 
 class ConfigSource(Component):
@@ -50,9 +49,11 @@ class ConfigSource(Component):
         """Set (value) or remove (None) annotations on a pod; returns the updated Pod.
 
         Kubernetes: a merge patch of ``pods/status`` (the store follows via the watch and is
-        also updated at once, so the index sees the change without waiting for it).
-        Files: the in-memory object only (the file is the operator's; it is not rewritten).
-        Raises :class:`PodNotFound` when the files source has no such pod.
+        also updated at once, so the index sees the change without waiting for it); API
+        errors raise ``ApiException`` (``status`` 403, 404, 409, ...).
+        Files: an overlay on the stored Pod that survives reloads of its file (the file
+        is the operator's; it is not rewritten); raises :class:`PodNotFound` when the
+        files source has no such pod.
         """
         if isinstance(self.backend, KubernetesSource):
             pod = await self.backend.patch_pod_annotations(namespace, name, annotations)
@@ -61,21 +62,7 @@ class ConfigSource(Component):
                 pod.setdefault("apiVersion", "v1")
                 self.store.apply([(pod, "patch")], origin="kubernetes:Pod")
             return pod
-        current = self.store.get("Pod", namespace, name)
-        if current is None:
-            raise PodNotFound(f"pod {namespace}/{name} not found in the config source")
-        pod = copy.deepcopy(current)
-        merged = dict(pod["metadata"].get("annotations") or {})
-        for key, value in annotations.items():
-            if value is None:
-                merged.pop(key, None)
-            else:
-                merged[key] = str(value)
-        pod["metadata"]["annotations"] = merged
-        # the owning file keeps owning the object, so a reload of that file still replaces it
-        origin = self.store.origin_of(("Pod", namespace, name)) or "patch"
-        self.store.apply([(pod, "patch")], origin=origin)
-        return pod
+        return await self.backend.patch_pod_annotations(namespace, name, annotations)
 
     def debug_state(self) -> Any:
         state: dict[str, Any] = {"objects": self.store.counts()}
@@ -83,7 +70,8 @@ class ConfigSource(Component):
             state.update(resource_versions=self.backend.resource_versions,
                          errors=self.backend.errors, relists=self.backend.relists)
         else:
-            state.update(directory=self.backend.directory, files=len(self.backend.files))
+            state.update(directory=self.backend.directory, files=len(self.backend.files),
+                         annotation_overlay=self.backend.overlay())
         return state
 
 

@@ -6,6 +6,12 @@ Accepted per file: multi-document YAML, JSON, ``kind: List`` documents (what
 Each file is one *origin* in the store: reloading a file replaces exactly the objects it
 defined, so edits become upserts and removed documents / deleted files become deletes.
 
+Pod annotations the agent writes (``ambient.istio.io/redirection``, through
+:meth:`DirectorySource.patch_pod_annotations`) are an in-memory *overlay*: the file is
+the operator's and is never rewritten; the overlay is applied on top of the Pod every
+time its file is reloaded, and dropped when the Pod (same name and uid) is gone. It
+does not outlive the process: the enrollment's own records restore it after a restart.
+
 A bad object is skipped with a log line naming file, document index, kind and name; the
 rest of the file still loads. A file that does not parse as a whole (a YAML/JSON syntax
 error, an unreadable file, a local-config document with a bad entry) keeps the objects of
@@ -55,6 +61,10 @@ class ParsedFile:
 
     def __iter__(self):  # ``objects, errors = parse_file(path)``
         return iter((self.objects, self.errors))
+
+
+class PodNotFound(LookupError):
+    """patch_pod_annotations for a pod the source doesn't hold."""
 
 
 def wanted(path: str) -> bool:
@@ -131,6 +141,23 @@ def parse_file(path: str) -> ParsedFile:
     return out
 
 
+def _with_annotations(obj: dict, changes: dict[str, str | None]) -> dict:
+    """A copy of ``obj`` (shallow, new ``metadata`` and ``annotations``) with ``changes``
+    applied: a value sets the annotation, None removes it."""
+    meta = dict(obj.get("metadata") or {})
+    merged = dict(meta.get("annotations") or {})
+    for key, value in changes.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = value
+    if merged or "annotations" in meta:
+        meta["annotations"] = merged
+    out = dict(obj)
+    out["metadata"] = meta
+    return out
+
+
 def scan(directory: str) -> list[str]:
     """Every wanted file under ``directory``, sorted (so load order is reproducible)."""
     out = []
@@ -170,6 +197,8 @@ class DirectorySource:
             "ambient_config_files_stale", "config files whose objects are kept from their "
             "last good version because the current content does not parse",
             registry=registry)
+        # (namespace, name) -> (uid, {annotation: value or None = removed})
+        self._overlay: dict[tuple[str, str], tuple[str, dict[str, str | None]]] = {}
 
     async def start(self) -> None:
         """Create the directory if missing (0750) and start watching it. Raises
@@ -241,7 +270,11 @@ class DirectorySource:
             log.info("config file %s parses again", path)
             self._stale.discard(path)
             self._stale_gauge.set(len(self._stale))
+        if self._overlay:
+            objects = [(self._overlaid(obj), where) for obj, where in objects]
         self.store.replace_origin(path, objects)
+        if self._overlay:
+            self._drop_stale_overlay()
         self.reloads += 1
         if self._task is not None:  # after the initial load: say what the file holds now
             held = self.store.objects_of_origin(path)
@@ -249,6 +282,56 @@ class DirectorySource:
             log.info("config file %s %s: %d objects%s", path,
                      "reloaded" if path in self.files else "removed", held,
                      f", {skipped} skipped (reasons logged above)" if skipped else "")
+
+    # --- annotations written by the agent (overlay) ---
+
+    async def patch_pod_annotations(self, namespace: str, name: str,
+                                    annotations: dict[str, str | None]) -> dict:
+        """Set (value) or remove (None) annotations on the stored Pod ``namespace/name``
+        as an overlay (the file is not rewritten; a reload of the file keeps the
+        overlay). Returns the updated Pod (a new dict; the store holds it). Raises
+        :class:`PodNotFound` when no file defines that Pod."""
+        current = self.store.get("Pod", namespace, name)
+        if current is None:
+            raise PodNotFound(f"pod {namespace}/{name} not found in the config source")
+        uid = str((current.get("metadata") or {}).get("uid") or "")
+        key = (namespace, name)
+        held = self._overlay.get(key)
+        changes = dict(held[1]) if held is not None and held[0] == uid else {}
+        changes.update({str(k): (None if v is None else str(v)) for k, v in annotations.items()})
+        self._overlay[key] = (uid, changes)
+        pod = _with_annotations(current, changes)
+        # the owning file keeps owning the object, so a reload of that file replaces it
+        origin = self.store.origin_of(("Pod", namespace, name)) or "patch"
+        self.store.apply([(pod, f"annotation overlay on pod {namespace}/{name}")],
+                         origin=origin)
+        return pod
+
+    def overlay(self) -> dict[str, dict[str, str | None]]:
+        """``{"namespace/name": {annotation: value or None}}`` (for /debug and tests)."""
+        return {f"{ns}/{name}": dict(ch) for (ns, name), (_uid, ch) in self._overlay.items()}
+
+    def _overlaid(self, obj: Any) -> Any:
+        """``obj`` with its overlay applied, when it is a Pod with one (same uid)."""
+        if not isinstance(obj, dict) or obj.get("kind") != "Pod":
+            return obj
+        meta = obj.get("metadata")
+        if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
+            return obj
+        namespace = meta.get("namespace") or "default"
+        held = self._overlay.get((namespace, meta["name"])) if isinstance(namespace, str) else None
+        if held is None or held[0] != str(meta.get("uid") or ""):
+            return obj
+        if meta.get("annotations") is not None and not isinstance(meta["annotations"], dict):
+            return obj  # malformed: the store rejects it with its own message
+        return _with_annotations(obj, held[1])
+
+    def _drop_stale_overlay(self) -> None:
+        """Forget overlays of Pods that are gone or are now another pod (new uid)."""
+        for key, (uid, _changes) in list(self._overlay.items()):
+            pod = self.store.get("Pod", *key)
+            if pod is None or str((pod.get("metadata") or {}).get("uid") or "") != uid:
+                del self._overlay[key]
 
     async def _watch(self) -> None:
         """Follow the directory; when the watch ends (the directory itself was removed,

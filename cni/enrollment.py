@@ -12,8 +12,9 @@ order, each idempotent:
    retryable: the pod stays ``pending`` (rules kept: fail closed) and a background task
    retries with exponential backoff; the CNI ADD gets the error.
 3. **host probe set**: the pod's IPs, owner = UID (:mod:`cni.hostrules`). Retryable.
-4. **status**: ``ambient.istio.io/redirection: enabled`` (Kubernetes mode, when the store
-   can patch), else visible in :meth:`Enrollment.debug_state`.
+4. **status**: ``ambient.istio.io/redirection: enabled`` written through the config
+   source (:mod:`cni.annotate`: a PATCH in Kubernetes mode, an overlay on the stored Pod
+   with the files source), also visible in :meth:`Enrollment.debug_state`.
 
 A pod is reported enrolled only when all four succeeded. Each enrolled pod is persisted
 as ``<state_dir>/pods/<uid>.json`` (uid, name, namespace, service account, netns path,
@@ -40,19 +41,20 @@ from pathlib import Path
 from typing import Any
 
 from agent.lifecycle import AgentContext, Component
-from cni import enablement
+from cni import annotate
 from cni import netns as netns_mod
 from cni import podnetns
 from cni.events import CniPodEvent
 from cni.podips import pod_status_ips, usable_ips
 from cni.hostrules import HostProbeRules
+from cni.livepods import LivePods
 from cni.rules_common import RuleOptions, RulesError, pod_options
 from cni.rules_iptables import IptablesBackend, detect_flavor
 from cni.rules_nftables import NftablesBackend
 
 log = logging.getLogger("cni.enrollment")
 
-STATUS_ANNOTATION = "ambient.istio.io/redirection"
+STATUS_ANNOTATION = annotate.REDIRECTION_ANNOTATION
 BACKOFF_INITIAL, BACKOFF_MAX = 0.2, 30.0
 # A CNI ADD is answered this long before the plugin would give up (its event's
 # ``timeout``): time for the answer to travel and for the work before the ZDS wait.
@@ -171,11 +173,11 @@ class Enrollment(Component):
         self._retry_tasks: dict[str, asyncio.Task] = {}
         self._host_netns = podnetns.host_netns_id()
         self._started = False
-        self._unsubscribe = None
-        self._leaving: dict[str, asyncio.Task] = {}
+        self.live: LivePods | None = None  # running pods following their labels
         self._enrolling: dict[str, asyncio.Task] = {}  # uid -> task inside enroll()
         self._aborted: set[asyncio.Task] = set()  # enroll tasks a CNI DEL cancelled
         self._rollback_problems: dict[str, list[str]] = {}
+        self.status = annotate.RedirectionStatus(self._annotator, self._stored_status)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -198,7 +200,14 @@ class Enrollment(Component):
                 await asyncio.sleep(2.0)
         self._started = True
         await self.recover()
-        self._watch_store()
+        store = self._store()
+        if store is not None:
+            cfg = self.ctx.config
+            self.live = LivePods(self, store, node_name=cfg.node_name,
+                                 exclude_namespaces=cfg.exclude_namespaces or (),
+                                 system_namespace=cfg.system_namespace, proc_dir=cfg.proc_dir,
+                                 files_source=cfg.config_source != "kubernetes")
+            self.live.start()
 
     def _choose_backend(self):
         """§3.13: nftables when asked, unless iptables artifacts (our probe ipset) exist
@@ -224,17 +233,15 @@ class Enrollment(Component):
         the mesh; the next start re-creates them and reconciles pods), unless
         ``ambient_disable_safe_upgrade`` says this node is being decommissioned, as
         upstream's ``AMBIENT_DISABLE_SAFE_UPGRADE`` does (spec §3.12)."""
-        if self._unsubscribe is not None:
-            self._unsubscribe()
-            self._unsubscribe = None
-        if self._leaving:  # an un-enrollment half done would leave a pod half in the mesh
-            await asyncio.wait(list(self._leaving.values()), timeout=grace)
+        if self.live is not None:  # waits for live (un)enrollments in flight
+            await self.live.stop(grace)
         tasks = list(self._retry_tasks.values())
         for t in tasks:
             t.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=grace)
         self._retry_tasks.clear()
+        await self.status.close(grace)
         if self.host_rules is None:
             return
         if self.ctx.config.ambient_disable_safe_upgrade:
@@ -255,11 +262,24 @@ class Enrollment(Component):
             "pods": {uid: {"pod": r.label(), "status": r.status, "error": r.error,
                            "steps": r.steps, "netns": r.netns, "ips": r.ips,
                            "attempts": r.attempts} for uid, r in self.records.items()},
+            "live": dict(self.live.stats) if self.live is not None else None,
+            "annotation_retries": self.status.pending_retries(),
         }
 
     def pods(self) -> dict[str, PodRecord]:
         """Current records by UID (read-only view for tools and tests)."""
         return dict(self.records)
+
+    @property
+    def host_netns(self) -> tuple[int, int]:
+        """``(st_ino, st_dev)`` of the node netns, taken at construction (skipped by
+        ``/proc`` scans)."""
+        return self._host_netns
+
+    def enrolling(self, uid: str) -> bool:
+        """True while an :meth:`enroll` of pod ``uid`` runs (a CNI ADD or a live one)."""
+        task = self._enrolling.get(uid)
+        return task is not None and not task.done()
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -501,18 +521,23 @@ class Enrollment(Component):
         self.state.save(rec)
 
     async def _set_status(self, rec: PodRecord, value: str | None) -> bool:
-        """Patch ``ambient.istio.io/redirection`` (None removes it) in Kubernetes mode when
-        the store can; True when done or not applicable."""
+        """Write ``ambient.istio.io/redirection`` (None removes it) through the config
+        source (:mod:`cni.annotate`), one attempt; True when done or nothing to write.
+        A failure is logged with the pod's name; the caller's retry covers it."""
+        return await self.status.write(_pod_ref(rec), value)
+
+    def _annotator(self) -> annotate.PodAnnotator | None:
+        source = self.ctx.get("config-source")
+        return source if isinstance(source, annotate.PodAnnotator) else None
+
+    def _stored_status(self, ref: annotate.PodRef) -> str | None:
+        """The annotation the config source's Pod ``ref`` carries now (same uid), if any."""
         store = self._store()
-        patch = getattr(store, "patch_pod_annotations", None)
-        if self.ctx.config.config_source != "kubernetes" or patch is None or not rec.name:
-            return True
-        try:
-            await patch(rec.namespace, rec.name, {STATUS_ANNOTATION: value})
-            return True
-        except Exception as e:  # noqa: BLE001 - any API failure is retryable
-            log.warning("%s: status patch %s: %s", rec.label(), value, e)
-            return False
+        pod = store.get("Pod", ref.namespace, ref.name) if store is not None else None
+        meta = (pod or {}).get("metadata") or {}
+        if not pod or (meta.get("uid") and meta.get("uid") != ref.uid):
+            return None
+        return (meta.get("annotations") or {}).get(STATUS_ANNOTATION)
 
     def _fail(self, rec: PodRecord, step: str, why: str, status: str = "failed") -> None:
         rec.status, rec.error, rec.updated = status, f"{step}: {why}", time.time()
@@ -604,13 +629,14 @@ class Enrollment(Component):
             if not rec.ips:
                 rec.ips = list(event.ips)
             netns_path = "" if is_delete else (event.netns or rec.netns)
-            errors = await self._remove(rec, netns_path)
+            errors = await self._remove(rec, netns_path, is_delete=is_delete)
             self.state.remove(uid)
             self._locks.pop(uid, None)
         if errors:
             raise EnrollmentError(f"{rec.label()}: removal incomplete: " + "; ".join(errors))
 
-    async def _remove(self, rec: PodRecord, netns_path: str) -> list[str]:
+    async def _remove(self, rec: PodRecord, netns_path: str, is_delete: bool = True
+                      ) -> list[str]:
         """Probe set entries and in-pod rules (when ``netns_path``) at once: they live in
         different netns and neither depends on the other; ZDS delete only after the
         rules are gone, so ztunnel never drains a proxy that traffic is still sent to."""
@@ -642,75 +668,17 @@ class Enrollment(Component):
                 await hostset
             except (RulesError, OSError, ValueError) as e:
                 errors.insert(0, f"host probe set: {e}")
-        await self._set_status(rec, None)
+        if not is_delete:
+            # a live pod leaving the mesh: the annotation must go, so a failed write is
+            # retried in the background with backoff; but, as upstream, not while the
+            # removal itself failed (the pod may still be redirected: the control plane
+            # must keep seeing it as captured)
+            if not errors:
+                self.status.ensure(_pod_ref(rec), None)
+        else:
+            # CNI DEL: the pod is going away; one attempt, as upstream ignores the error
+            await self._set_status(rec, None)
         return errors
-
-    # --- pods that stop being ambient ------------------------------------------------------
-
-    def _watch_store(self) -> None:
-        """Follow the config source's changes (``ObjectStore.subscribe``), when it has any."""
-        subscribe = getattr(self._store(), "subscribe", None)
-        if callable(subscribe):
-            self._unsubscribe = subscribe(self._on_store_events)
-
-    def _on_store_events(self, events: list) -> None:
-        """Upstream's informer Pod/Namespace Update (spec §3.5): an enrolled pod whose Pod
-        object or namespace labels now say "not ambient" is removed with
-        ``is_delete=False`` (it keeps running, so its in-pod rules must go). Deleted
-        objects are left to the CNI DEL; a pod becoming ambient while running is not
-        handled (it is enrolled at its next sandbox creation). Runs on the event loop
-        inside the store's transaction: it only looks and schedules."""
-        if not self.records:
-            return
-        uids: set[str] = set()
-        for ev in events:
-            if ev.new is None:
-                continue
-            if ev.kind == "Pod":
-                uid = (ev.new.get("metadata") or {}).get("uid")
-                if uid in self.records:
-                    uids.add(uid)
-            elif ev.kind == "Namespace" and _labels(ev.old) != _labels(ev.new):
-                uids |= {u for u, r in self.records.items() if r.namespace == ev.name}
-        for uid in uids:
-            if uid not in self._leaving and self._still_ambient(uid) is False:
-                task = asyncio.get_running_loop().create_task(self._leave_mesh(uid),
-                                                              name=f"unenroll-{uid}")
-                self._leaving[uid] = task
-                task.add_done_callback(lambda _t, u=uid: self._leaving.pop(u, None))
-
-    def _still_ambient(self, uid: str) -> bool | None:
-        """The enablement decision for an enrolled pod from its current Pod object and
-        namespace (§2.4 rules, as :mod:`cni.enablement`); None when it can't be made (no
-        Pod object, malformed selector): then nothing is changed."""
-        rec = self.records.get(uid)
-        store = self._store()
-        pod = self._pod_object(uid, rec.namespace, rec.name) if rec is not None else None
-        if pod is None or store is None:
-            return None
-        namespace = (pod.get("metadata") or {}).get("namespace") or rec.namespace
-        if namespace in set(self.ctx.config.exclude_namespaces or ()):
-            return False
-        try:
-            ns_obj = store.get("Namespace", "", namespace) if namespace else None
-            ambient, _ = enablement.pod_matches(pod, _labels(ns_obj))
-        except Exception as e:  # noqa: BLE001 - a bad object must not break the watcher
-            log.warning("%s: cannot re-check enablement: %s", rec.label(), e)
-            return None
-        return ambient
-
-    async def _leave_mesh(self, uid: str) -> None:
-        rec = self.records.get(uid)
-        if rec is None or self._still_ambient(uid) is not False:
-            return
-        log.info("%s: no longer ambient; removing it from the mesh", rec.label())
-        event = CniPodEvent(command="DEL", container_id=rec.uid, netns=rec.netns,
-                            pod_name=rec.name, pod_namespace=rec.namespace, pod_uid=rec.uid,
-                            ips=list(rec.ips))
-        try:
-            await self.unenroll(event, is_delete=False)
-        except EnrollmentError as e:
-            log.warning("un-enrolling %s: %s", rec.label(), e)
 
     # --- restart recovery -------------------------------------------------------------------
 
@@ -839,6 +807,10 @@ def _no_ztunnel_text(e) -> str:
             "rules are in place; the agent hands the pod to ztunnel when one connects)")
 
 
+def _pod_ref(rec: PodRecord) -> annotate.PodRef:
+    return annotate.PodRef(uid=rec.uid, namespace=rec.namespace, name=rec.name)
+
+
 def _rollback_outcome(problems: list[str]) -> str:
     return "rolled back" if not problems else "rollback incomplete: " + "; ".join(problems)
 
@@ -857,10 +829,6 @@ def _require_loopback_up(netns_label: str) -> None:
         raise LoopbackDown(f"loopback interface 'lo' in the pod netns {netns_label} is {state} "
                            "(the runtime brings it up before running chained plugins: the "
                            "sandbox is broken or something set lo down)")
-
-
-def _labels(obj: dict | None) -> dict:
-    return ((obj or {}).get("metadata") or {}).get("labels") or {}
 
 
 def _ipset_exists(name: str, netns: str | None) -> bool:

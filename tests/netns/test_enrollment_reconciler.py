@@ -424,7 +424,7 @@ async def test_pod_that_stops_being_ambient_is_unenrolled(bridge, state_dir, nod
 
         source.put(_pod_obj(by_pod, ns, {"istio.io/dataplane-mode": "none"}))
         assert await _until(lambda: by_pod.uid not in h.enrollment.pods())
-        assert await _until(lambda: not h.enrollment._leaving)
+        assert await _until(lambda: not h.enrollment.live.busy())
         assert snapshot(by_pod) == clean[by_pod.uid]
         assert by_pod.uid in zt.deleted
         assert by_pod.ip not in await host_entries(h)
@@ -433,7 +433,7 @@ async def test_pod_that_stops_being_ambient_is_unenrolled(bridge, state_dir, nod
         # own label says ambient stays
         source.put(_ns_obj(ns))
         assert await _until(lambda: set(h.enrollment.pods()) == {keeper.uid})
-        assert await _until(lambda: not h.enrollment._leaving)
+        assert await _until(lambda: not h.enrollment.live.busy())
         assert snapshot(by_ns) == clean[by_ns.uid]
         assert await host_entries(h) == {keeper.ip: keeper.uid}
         assert {by_ns.uid, other.uid} <= set(zt.deleted) and keeper.uid not in zt.deleted

@@ -1,0 +1,287 @@
+"""Running pods follow their enablement live: labels in, enrolled; labels out, removed.
+
+Upstream's informer handlers (``cni/pkg/nodeagent/informers.go``, spec ``cni-zds.md``
+§3.5): on a Namespace whose ambient selection changed, every pod of that namespace is
+re-checked; on a Pod update the pod is; a pod of this node that should be ambient
+(``cni.enablement.pod_matches`` plus the excluded namespaces) but is not enrolled is
+added to the mesh with its netns found through ``/proc`` (``NetServer.getNetns`` ->
+``rescanPod``: the netns of a process whose cgroup names the pod UID and that holds the
+pod IP, :func:`cni.podnetns.scan`); an enrolled pod that should no longer be is removed
+with ``is_delete=False`` (it keeps running, so its in-pod rules must go). The same
+happens once at start for every pod of this node (upstream enqueues every namespace
+when its informer syncs), so a namespace labelled while the agent was down, or a pod
+that came up while no agent could enroll it, is enrolled as soon as the agent runs.
+
+What is not done here, as upstream: a pod whose process can't be found (not running
+yet, or not on this node) is left to its CNI ADD, which enrolls it when its sandbox is
+created; a deleted Pod object is left to the CNI DEL; terminal pods (phase Succeeded or
+Failed), host-network pods and ztunnel's own pods are never enrolled here.
+
+The store calls :meth:`LivePods.on_events` on the event loop inside its transaction;
+it only records which pods to look at and schedules one reconcile task, which batches
+every pod that became ambient into a single ``/proc`` scan (off the loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Iterable
+
+from cni import enablement
+from cni import podnetns
+from cni.events import CniPodEvent
+from cni.podips import pod_status_ips as pod_ips
+
+if TYPE_CHECKING:
+    from cni.enrollment import Enrollment
+
+log = logging.getLogger("cni.livepods")
+
+TERMINAL_PHASES = ("Succeeded", "Failed")
+
+
+class LivePods:
+    """Reconciles running pods of this node with their enablement, for ``enrollment``.
+
+    ``store`` is the config source's :class:`ambient.store.ObjectStore` (``subscribe``,
+    ``get``, ``list``, ``pod_by_uid``); ``node_name`` this node; ``files_source`` True
+    when Pod objects come from the directory source (a Pod there may have no
+    ``spec.nodeName``: it is then taken as a pod of this node, if a process of it runs
+    here).
+    """
+
+    def __init__(self, enrollment: "Enrollment", store: Any, *, node_name: str,
+                 exclude_namespaces: Iterable[str], system_namespace: str,
+                 proc_dir: str, files_source: bool):
+        self.enrollment = enrollment
+        self.store = store
+        self.node_name = node_name
+        self.exclude = set(exclude_namespaces or ())
+        self.system_namespace = system_namespace
+        self.proc_dir = proc_dir
+        self.files_source = files_source
+        self._dirty: set[str] = set()
+        self._task: asyncio.Task | None = None
+        self._unsubscribe = None
+        self._leaving: dict[str, asyncio.Task] = {}
+        self._joining: dict[str, asyncio.Task] = {}
+        self.stats = {"enrolled_live": 0, "removed_live": 0, "not_found": 0, "scans": 0}
+
+    # --- lifecycle ---
+
+    def start(self) -> None:
+        """Subscribe to the store and look at every pod once (upstream's initial sync)."""
+        subscribe = getattr(self.store, "subscribe", None)
+        if callable(subscribe):
+            self._unsubscribe = subscribe(self.on_events)
+        try:
+            self._dirty |= {uid for uid in (_uid(p) for p in self.store.list("Pod")) if uid}
+        except Exception as e:  # noqa: BLE001 - a broken store must not stop the agent
+            log.warning("config source pod list failed: %s", e)
+        self._schedule()
+
+    async def stop(self, grace: float) -> None:
+        """Stop following the store; let removals and enrollments in flight finish
+        (a half-done one would leave a pod half in the mesh) for up to ``grace`` s."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task], timeout=grace)
+            self._task = None
+        busy = list(self._leaving.values()) + list(self._joining.values())
+        if busy:
+            await asyncio.wait(busy, timeout=grace)
+
+    def busy(self) -> bool:
+        """True while a live enrollment or removal (or a pending look) is in progress."""
+        return bool(self._dirty or self._leaving or self._joining
+                    or (self._task is not None and not self._task.done()))
+
+    # --- change feed ---
+
+    def on_events(self, events: list) -> None:
+        """Store listener: note the pods a Pod or Namespace change touches. A Pod
+        delete is left to the CNI DEL; a Namespace counts only when its labels changed
+        (or it appeared or went away)."""
+        for ev in events:
+            if ev.kind == "Pod":
+                uid = _uid(ev.new) if ev.new is not None else ""
+                if uid:
+                    self._dirty.add(uid)
+            elif ev.kind == "Namespace" and _labels(ev.old) != _labels(ev.new):
+                try:
+                    pods = self.store.list("Pod", ev.name)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("config source pod list of namespace %s failed: %s", ev.name, e)
+                    continue
+                self._dirty |= {uid for uid in (_uid(p) for p in pods) if uid}
+                # enrolled pods whose Pod object is gone still follow their namespace
+                self._dirty |= {u for u, r in self.enrollment.records.items()
+                                if r.namespace == ev.name}
+        if self._dirty:
+            self._schedule()
+
+    def _schedule(self) -> None:
+        if self._dirty and (self._task is None or self._task.done()):
+            self._task = asyncio.get_running_loop().create_task(self._reconcile(),
+                                                                name="livepods-reconcile")
+
+    # --- decisions ---
+
+    def should_be_ambient(self, pod: dict) -> bool | None:
+        """The enablement decision for a Pod object as the CNI ADD would make it now;
+        None when it can't be made (malformed selector or object): then nothing changes."""
+        meta = pod.get("metadata") or {}
+        namespace = meta.get("namespace") or ""
+        if namespace in self.exclude:
+            return False
+        try:
+            ns_obj = self.store.get("Namespace", "", namespace) if namespace else None
+            ambient, _ = enablement.pod_matches(pod, _labels(ns_obj))
+        except Exception as e:  # noqa: BLE001 - a bad object must not break the watcher
+            log.warning("pod %s/%s: cannot re-check enablement: %s", namespace,
+                        meta.get("name"), e)
+            return None
+        return ambient
+
+    def _candidate(self, pod: dict) -> str:
+        """Why a pod that should be ambient is not enrolled live, or "" when it is one."""
+        meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+        node = spec.get("nodeName") or ""
+        if node != self.node_name and (node or not self.files_source):
+            return f"runs on node {node!r}" if node else "not scheduled"
+        if (pod.get("status") or {}).get("phase") in TERMINAL_PHASES:
+            return "terminal"
+        if (meta.get("namespace") == self.system_namespace
+                and (meta.get("labels") or {}).get("app") == "ztunnel"):
+            return "a ztunnel pod"
+        if not pod_ips(pod):
+            return "no pod IP yet"
+        return ""
+
+    # --- reconcile ---
+
+    async def _reconcile(self) -> None:
+        """Drain the dirty set: removals first (they are cheap), then one ``/proc`` scan
+        for every pod that should join, then their enrollments, concurrently."""
+        while self._dirty:
+            uids, self._dirty = self._dirty, set()
+            join: dict[str, dict] = {}
+            for uid in uids:
+                try:
+                    self._look_at(uid, join)
+                except Exception:  # noqa: BLE001 - one bad pod must not stop the others
+                    log.exception("live reconcile of pod %s failed", uid)
+            if join:
+                await self._join(join)
+
+    def _look_at(self, uid: str, join: dict[str, dict]) -> None:
+        records = self.enrollment.records
+        pod = self.store.pod_by_uid(uid)
+        if pod is None:
+            # an enrolled pod without a Pod object: only its namespace can say no
+            rec = records.get(uid)
+            if rec is not None and rec.namespace in self.exclude:
+                self._leave(uid, f"namespace {rec.namespace} is excluded")
+            return
+        should = self.should_be_ambient(pod)
+        if uid in records:
+            if should is False:
+                self._leave(uid, "no longer ambient")
+            return
+        if should is not True or uid in self._joining or self.enrollment.enrolling(uid):
+            return
+        why_not = self._candidate(pod)
+        if why_not:
+            meta = pod.get("metadata") or {}
+            log.debug("pod %s/%s is ambient but not enrolled live: %s", meta.get("namespace"),
+                      meta.get("name"), why_not)
+            return
+        join[uid] = pod
+
+    def _leave(self, uid: str, why: str) -> None:
+        if uid in self._leaving:
+            return
+        task = asyncio.get_running_loop().create_task(self._leave_mesh(uid, why),
+                                                      name=f"unenroll-{uid}")
+        self._leaving[uid] = task
+        task.add_done_callback(lambda _t, u=uid: self._leaving.pop(u, None))
+
+    async def _leave_mesh(self, uid: str, why: str) -> None:
+        from cni.enrollment import EnrollmentError
+
+        rec = self.enrollment.records.get(uid)
+        if rec is None:
+            return
+        pod = self.store.pod_by_uid(uid)
+        if pod is not None and self.should_be_ambient(pod) is not False:
+            return  # changed back meanwhile
+        log.info("%s: %s; removing it from the mesh", rec.label(), why)
+        event = CniPodEvent(command="DEL", container_id=rec.uid, netns=rec.netns,
+                            pod_name=rec.name, pod_namespace=rec.namespace, pod_uid=rec.uid,
+                            ips=list(rec.ips))
+        try:
+            await self.enrollment.unenroll(event, is_delete=False)
+            self.stats["removed_live"] += 1
+        except EnrollmentError as e:
+            log.warning("un-enrolling %s: %s", rec.label(), e)
+
+    async def _join(self, pods: dict[str, dict]) -> None:
+        """Find the netns of ``pods`` (one ``/proc`` scan) and enroll those found."""
+        wanted = {uid: pod_ips(pod) for uid, pod in pods.items()}
+        host = self.enrollment.host_netns
+
+        def scan() -> dict[str, str]:
+            found = podnetns.scan(self.proc_dir, wanted, host)
+            for hit in found.values():
+                os.close(hit.fd)  # enroll() reopens the path and checks it at the end
+            return {uid: hit.path for uid, hit in found.items()}
+        self.stats["scans"] += 1
+        try:
+            paths = await self.enrollment.ctx.run_blocking(scan)
+        except Exception as e:  # noqa: BLE001
+            log.error("scanning %s for pod netns failed: %s", self.proc_dir, e)
+            return
+        for uid, pod in pods.items():
+            meta = pod.get("metadata") or {}
+            if uid not in paths:
+                self.stats["not_found"] += 1
+                log.info("pod %s/%s (uid %s) is ambient but no process of it runs on this "
+                         "node (or none holds its IP %s); it is enrolled at its CNI ADD",
+                         meta.get("namespace"), meta.get("name"), uid, ", ".join(wanted[uid]))
+                continue
+            event = CniPodEvent(command="ADD", container_id=uid, netns=paths[uid],
+                                pod_name=str(meta.get("name") or ""),
+                                pod_namespace=str(meta.get("namespace") or ""), pod_uid=uid,
+                                ips=wanted[uid])
+            task = asyncio.get_running_loop().create_task(self._enroll(event),
+                                                          name=f"enroll-live-{uid}")
+            self._joining[uid] = task
+            task.add_done_callback(lambda _t, u=uid: self._joining.pop(u, None))
+
+    async def _enroll(self, event: CniPodEvent) -> None:
+        from cni.enrollment import EnrollmentError
+
+        label = f"{event.pod_namespace}/{event.pod_name} (uid {event.pod_uid})"
+        log.info("%s: running pod is now ambient; enrolling it (netns %s)", label, event.netns)
+        try:
+            await self.enrollment.enroll(event)
+            self.stats["enrolled_live"] += 1
+            log.info("%s: enrolled live", label)
+        except EnrollmentError as e:
+            # retryable failures (ztunnel, probe set, annotation) are retried by the
+            # enrollment itself; rule failures are final for this pod, as upstream
+            log.warning("live enrollment of %s: %s", label, e)
+
+
+def _uid(obj: dict | None) -> str:
+    uid = ((obj or {}).get("metadata") or {}).get("uid")
+    return uid if isinstance(uid, str) else ""
+
+
+def _labels(obj: dict | None) -> dict:
+    return ((obj or {}).get("metadata") or {}).get("labels") or {}
