@@ -6,7 +6,9 @@ return (``cni/enrollment.py``, ``zds/server.py``, ``agent/sds/server.py`` +
 document itself is ``agent/status/debug.py:everything``):
 
 - Components: name, ready, reason.
-- Enrolled pods: pod (ns/name), uid (first 8), status, IPs, netns, attempts, error.
+- Enrolled pods: pod (ns/name), uid (first 8), status, IPs, netns, attempts, error; the
+  live counters (pods enrolled or removed because their labels changed) when non-zero,
+  and the pods whose annotation write is being retried.
 - ZDS connections: id, ztunnel pid, version, connected since, snapshot sent, pods held.
 - SDS: mode, CA, streams; each certificate's SPIFFE ID, serial, expiry, watching streams.
 - xDS clients: one row per (client, type URL): wildcard/on-demand, held, last nonce, NACKs.
@@ -186,7 +188,15 @@ def pods(data: dict, now: float) -> list[str]:
     columns = with_extras(rows, ["pod", "uid", "status", "ips", "netns", "attempts", "error"],
                           list(records.values()), POD_KNOWN)
     out += [table(rows, columns, unlimited=("error",))] if rows else ["  none"]
-    return out + leftovers(data, {"backend", "iptables_flavor", "pods"})
+    live = data.get("live")
+    if isinstance(live, dict) and any(live.values()):  # running pods that followed labels
+        out.append("  live: " + ", ".join(f"{k.replace('_', ' ')} {cell(v, None)}"
+                                          for k, v in live.items()))
+    retries = data.get("annotation_retries")
+    if isinstance(retries, dict) and retries:
+        out.append("  annotation writes being retried: " + ", ".join(short(u) for u in retries))
+    return out + leftovers(data, {"backend", "iptables_flavor", "pods", "live",
+                                  "annotation_retries"})
 
 
 def pod_name(uid: str, record: dict) -> str:

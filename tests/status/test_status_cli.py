@@ -222,3 +222,16 @@ async def test_no_agent_is_one_line_and_exit_1(capsys):
     err = capsys.readouterr().err
     assert code == 1 and err.startswith("ambient-agent status: no agent answering at")
     assert err.count("\n") == 1
+
+
+def test_enrolled_pods_live_counters_and_annotation_retries():
+    """The enrollment's live counters show once non-zero; pods whose annotation write is
+    being retried are named (first 8 of the uid)."""
+    section = {"backend": "iptables", "pods": {}, "annotation_retries": {},
+               "live": {"enrolled_live": 0, "removed_live": 0, "not_found": 0, "scans": 0}}
+    assert report.pods(section, 0) == ["Enrolled pods (0)  backend iptables", "  none"]
+    section["live"] = {"enrolled_live": 2, "removed_live": 1, "not_found": 0, "scans": 3}
+    section["annotation_retries"] = {"0123456789abcdef": "retrying"}
+    assert report.pods(section, 0)[2:] == [
+        "  live: enrolled live 2, removed live 1, not found 0, scans 3",
+        "  annotation writes being retried: 01234567"]
