@@ -16,8 +16,11 @@ Pod UID from the cgroup path (kubelet, both drivers, v1 and v2):
 ``/kubepods/burstable/pod<uid>/<ctr>`` (cgroupfs) and
 ``/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod<uid_with_underscores>.slice/...``
 (systemd). The identity then comes from the Pod object in the config source:
-``spiffe://<trust domain>/ns/<metadata.namespace>/sa/<spec.serviceAccountName or "default">``.
-Upstream reference: SPIRE's k8s workload attestor does the same cgroup → pod UID step.
+``spiffe://<trust domain>/ns/<metadata.namespace>/sa/<spec.serviceAccountName or "default">``,
+served only when the Pod is bound to this node (``spec.nodeName == node_name``): a pod
+object that says it runs elsewhere (a stale or forged UID match, a pod not scheduled yet)
+gets nothing, as istiod's node authorizer refuses a node agent asking for another node's
+pods. Upstream reference: SPIRE's k8s workload attestor does the same cgroup → pod UID step.
 """
 
 from __future__ import annotations
@@ -94,12 +97,14 @@ class PodAttestor:
     """Maps a :class:`PeerCred` to an identity using ``store_getter()`` (an ObjectStore or None).
 
     Raises :class:`AttestationError` when the pod UID is unknown, the pod is not in the
-    store, or no store is available; never guesses.
+    store, the pod is not bound to ``node_name``, or no store is available; never guesses.
     """
 
-    def __init__(self, store_getter: Callable[[], object | None], trust_domain: str):
+    def __init__(self, store_getter: Callable[[], object | None], trust_domain: str,
+                 node_name: str):
         self._store = store_getter
         self.trust_domain = trust_domain
+        self.node_name = node_name
 
     def identify(self, cred: PeerCred) -> Identity:
         if cred.error:
@@ -110,6 +115,13 @@ class PodAttestor:
         pod = store.pod_by_uid(cred.pod_uid)
         if not pod:
             raise AttestationError(f"caller pid {cred.pid}: pod uid {cred.pod_uid} is unknown")
+        meta = pod.get("metadata") or {}
+        node = (pod.get("spec") or {}).get("nodeName") or ""
+        if node != self.node_name:
+            where = f"bound to node {node!r}" if node else "not bound to any node"
+            raise AttestationError(
+                f"caller pid {cred.pid}: pod {meta.get('namespace')}/{meta.get('name')} "
+                f"(uid {cred.pod_uid}) is {where}, not to this node {self.node_name!r}")
         return identity_of_pod(pod, self.trust_domain)
 
 
@@ -118,15 +130,22 @@ class FrontDoor:
 
     ``public_path`` is the socket clients use, created with permission bits ``mode``
     (setting ``sds_socket_mode``; upstream uses 0666 so Envoy as uid 1337 can connect);
-    ``backend_path`` the private gRPC socket.
+    ``backend_path`` the private gRPC socket. ``backlog`` is the listen queue (the kernel
+    caps it at ``net.core.somaxconn``): every Envoy and node process of a node may connect
+    at once after an agent restart, and a gRPC client connects non-blocking, so a full
+    queue is an immediate refusal (EAGAIN) rather than a wait. asyncio's default of 100
+    refused 298 of a burst of 500; 4096 matches gRPC's own listener (somaxconn).
     """
 
+    BACKLOG = 4096
+
     def __init__(self, public_path: str, backend_path: str, proc_dir: str = "/proc",
-                 mode: int = 0o600):
+                 mode: int = 0o600, backlog: int = BACKLOG):
         self.public_path = public_path
         self.backend_path = backend_path
         self.proc_dir = proc_dir
         self.mode = mode
+        self.backlog = backlog
         self.peers: dict[str, PeerCred] = {}
         self._prefix = f"ambient-sds-{os.getpid()}-{secrets.token_hex(4)}-"
         self._counter = itertools.count(1)
@@ -138,7 +157,8 @@ class FrontDoor:
             os.unlink(self.public_path)
         except FileNotFoundError:
             pass
-        self._server = await asyncio.start_unix_server(self._handle, self.public_path)
+        self._server = await asyncio.start_unix_server(self._handle, self.public_path,
+                                                       backlog=self.backlog)
         os.chmod(self.public_path, self.mode)
 
     def lookup(self, peer: str) -> PeerCred | None:

@@ -91,7 +91,8 @@ class SdsServer(Component):
         self.cache: SecretCache | None = None
         self.service: SdsService | None = None
         self.front_door: attest.FrontDoor | None = None
-        self.attestor = attest.PodAttestor(store_getter, config.trust_domain)
+        self.attestor = attest.PodAttestor(store_getter, config.trust_domain,
+                                           config.node_name)
         self.watcher: files.FileWatcher | None = None
         self.ca_port: int = 0
         self._grpc: grpc.aio.Server | None = None

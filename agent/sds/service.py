@@ -32,7 +32,10 @@ on reconnect suppresses unchanged resources); Fetch answers the names that resol
 fails (UNKNOWN, naming every cause) only when none does.
 
 An unknown ``type_url`` is refused with INVALID_ARGUMENT naming it; an empty one is
-taken as the Secret type (grpcurl and hand-written clients often omit it).
+taken as the Secret type (grpcurl and hand-written clients often omit it). A request
+naming more than :data:`MAX_NAMES` distinct secrets (or a delta stream subscribed to more)
+is refused with INVALID_ARGUMENT naming the count and the cap: a proxy needs a handful
+(``default``, ``ROOTCA``, a few file names), and 5,000 names made a 20 MB response.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ log = logging.getLogger("agent.sds")
 
 SECRET_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
 HEALTH_TYPE = "type.googleapis.com/istio.v1.HealthInformation"
+MAX_NAMES = 100
 _version_counter = itertools.count(1)
 _connection_ids = itertools.count(1)
 
@@ -248,6 +252,13 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
 
         conn.retry_timer = asyncio.get_running_loop().call_later(delay, fire)
 
+    @staticmethod
+    async def _check_count(names, context, what: str = "resource_names") -> None:
+        if len(names) > MAX_NAMES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{what}: {len(names)} secret names, at most {MAX_NAMES} are "
+                                "served per request")
+
     async def _check_type(self, type_url: str, context) -> None:
         if type_url and type_url != SECRET_TYPE:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -335,6 +346,7 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
 
     async def _handle_request(self, conn: Connection, req, context) -> None:
         names = list(dict.fromkeys(req.resource_names))
+        await self._check_count(names, context)
         if req.HasField("error_detail"):
             self.nacks += 1
             conn.last_nack = req.error_detail.message
@@ -419,6 +431,8 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
             conn.versions.pop(name, None)
         added = [n for n in dict.fromkeys(req.resource_names_subscribe)
                  if n not in conn.names and n != "*"]
+        await self._check_count(conn.names | set(added), context,
+                                "resource_names_subscribe (subscribed on this stream)")
         conn.names.update(added)
         if req.response_nonce:
             conn.nonce_acked = req.response_nonce
@@ -442,6 +456,7 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         identity = await self._identify(context)
         await self._check_type(request.type_url, context)
         names = list(dict.fromkeys(request.resource_names))
+        await self._check_count(names, context)
         if not names:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "resource_names: at least one secret name is required")

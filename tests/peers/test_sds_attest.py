@@ -105,23 +105,30 @@ async def run_client(socket_path: str, cgroup: str | None, cgroups: PodCgroups) 
 
 
 async def test_two_pods_get_their_own_identity_unknown_callers_denied(state_dir, cgroups):
-    uid_a, uid_b, uid_ghost = (str(uuid.uuid4()) for _ in range(3))
-    store = DictStore([pod(uid_a, "shop", "cart"), pod(uid_b, "bank", "ledger")])
+    """Also: a caller whose Pod object is bound to another node is refused, naming why."""
+    uid_a, uid_b, uid_ghost, uid_far = (str(uuid.uuid4()) for _ in range(4))
     run = executor_runner()
-    cfg = make_config(state_dir, ecc_signature_algorithm="ECDSA")
+    cfg = make_config(state_dir, ecc_signature_algorithm="ECDSA", node_name="node-1")
+    store = DictStore([pod(uid_a, "shop", "cart", node="node-1"),
+                       pod(uid_b, "bank", "ledger", node="node-1"),
+                       pod(uid_far, "bank", "vault", name="vault-0", node="node-2")])
     server = SdsServer(cfg, run, store_getter=lambda: store)
     await server.start()
     try:
         assert oct(os.stat(cfg.sds_socket).st_mode & 0o777) == "0o600"
-        a, b, ghost = cgroups.make(uid_a), cgroups.make(uid_b), cgroups.make(uid_ghost)
+        a, b, ghost, far = (cgroups.make(u) for u in (uid_a, uid_b, uid_ghost, uid_far))
         results = await asyncio.gather(
             run_client(cfg.sds_socket, a, cgroups), run_client(cfg.sds_socket, b, cgroups),
-            run_client(cfg.sds_socket, ghost, cgroups), run_client(cfg.sds_socket, None, cgroups))
+            run_client(cfg.sds_socket, ghost, cgroups), run_client(cfg.sds_socket, None, cgroups),
+            run_client(cfg.sds_socket, far, cgroups))
         assert results[0] == "OK spiffe://cluster.local/ns/shop/sa/cart"
         assert results[1] == "OK spiffe://cluster.local/ns/bank/sa/ledger"
         assert results[2].startswith("ERROR PERMISSION_DENIED") and uid_ghost in results[2]
         assert results[3].startswith("ERROR PERMISSION_DENIED")
         assert "not in a pod cgroup" in results[3]
+        assert results[4].startswith("ERROR PERMISSION_DENIED")
+        assert "pod bank/vault-0" in results[4] and \
+            "bound to node 'node-2', not to this node 'node-1'" in results[4]
         ids = {c["spiffe_id"] for c in server.debug_state()["certificates"]}
         assert ids == {"spiffe://cluster.local/ns/shop/sa/cart",
                        "spiffe://cluster.local/ns/bank/sa/ledger"}

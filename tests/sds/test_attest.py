@@ -36,13 +36,30 @@ def test_proc_fixture_and_identity(tmp_path):
     assert pod_uid_of_pid(42, str(tmp_path)) == UID
     with pytest.raises(AttestationError, match="pid 43"):
         pod_uid_of_pid(43, str(tmp_path))
-    store = DictStore([pod(UID, "shop", "cart")])
-    attestor = PodAttestor(lambda: store, "example.org")
+    store = DictStore([pod(UID, "shop", "cart", node="n1")])
+    attestor = PodAttestor(lambda: store, "example.org", "n1")
     assert attestor.identify(PeerCred(42, 0, 0, UID)).spiffe_id == \
         "spiffe://example.org/ns/shop/sa/cart"
     with pytest.raises(AttestationError, match="unknown"):
         attestor.identify(PeerCred(42, 0, 0, "ffffffff-ffff-ffff-ffff-ffffffffffff"))
     with pytest.raises(AttestationError, match="no config source"):
-        PodAttestor(lambda: None, "td").identify(PeerCred(42, 0, 0, UID))
+        PodAttestor(lambda: None, "td", "n1").identify(PeerCred(42, 0, 0, UID))
     assert identity_of_pod({"metadata": {"namespace": "n"}, "spec": {}}, "td").service_account \
         == "default"
+
+
+def test_pod_bound_to_another_node_or_none_is_refused():
+    """A pod object saying it runs elsewhere (or is not scheduled) gets no identity; the
+    message names the pod, its node and ours."""
+    other = "11111111-2222-3333-4444-555555555555"
+    pending = "22222222-3333-4444-5555-666666666666"
+    store = DictStore([pod(UID, "shop", "cart", name="cart-1", node="n2"),
+                       pod(pending, "shop", "cart", name="cart-2", node=""),
+                       pod(other, "shop", "cart", name="cart-3", node="n1")])
+    attestor = PodAttestor(lambda: store, "td", "n1")
+    with pytest.raises(AttestationError, match=r"pod shop/cart-1 \(uid " + UID +
+                       r"\) is bound to node 'n2', not to this node 'n1'"):
+        attestor.identify(PeerCred(42, 0, 0, UID))
+    with pytest.raises(AttestationError, match="cart-2.*not bound to any node"):
+        attestor.identify(PeerCred(43, 0, 0, pending))
+    assert attestor.identify(PeerCred(44, 0, 0, other)).namespace == "shop"

@@ -15,6 +15,7 @@ from envoy.service.secret.v3 import sds_pb2_grpc
 
 from agent.sds import keys
 from agent.sds.server import SdsServer
+from agent.sds.service import SECRET_TYPE
 from tests.sds.helpers import (Stream, SwitchableCA, executor_runner, make_config, request,
                                secrets_of)
 
@@ -271,3 +272,38 @@ async def test_mounted_workload_certs_win_in_fixed_mode(sds, channel_for, tmp_pa
     got = secrets_of(await st.recv())
     assert got["default"].tls_certificate.certificate_chain.inline_bytes == pair.chain
     shutil.rmtree(d)
+
+
+async def test_too_many_names_in_one_request_are_refused_naming_count_and_cap(sds,
+                                                                           channel_for):
+    """5,000 names used to produce a 20 MB answer (one certificate per name)."""
+    from agent.sds.service import MAX_NAMES
+    server = await sds()
+    ch = channel_for(server)
+    names = [f"name-{i}" for i in range(5000)] + ["default"] * 10
+    many = Stream(ch)
+    await many.send(request(names))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await many.recv()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == (f"resource_names: 5001 secret names, at most {MAX_NAMES} "
+                                 "are served per request")
+    stub = sds_pb2_grpc.SecretDiscoveryServiceStub(ch)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.FetchSecrets(discovery_pb2.DiscoveryRequest(resource_names=names))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "5001" in e.value.details()
+    delta = Stream(ch, "DeltaSecrets")
+    first = discovery_pb2.DeltaDiscoveryRequest(
+        type_url=SECRET_TYPE, resource_names_subscribe=names[:MAX_NAMES])
+    first.node.id = "sidecar~1.2.3.4~x.ns~ns.svc.cluster.local"
+    await delta.send(first)
+    assert len((await delta.recv()).resources) == MAX_NAMES  # at the cap: served
+    await delta.send(discovery_pb2.DeltaDiscoveryRequest(
+        type_url=SECRET_TYPE, resource_names_subscribe=["one-more"]))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await delta.recv()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{MAX_NAMES + 1} secret names" in e.value.details()
+    # the server keeps serving ordinary callers
+    ok = await stub.FetchSecrets(discovery_pb2.DiscoveryRequest(resource_names=["default"]))
+    assert list(secrets_of(ok)) == ["default"]
