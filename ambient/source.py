@@ -67,8 +67,7 @@ class ConfigSource(Component):
     def debug_state(self) -> Any:
         state: dict[str, Any] = {"objects": self.store.counts()}
         if isinstance(self.backend, KubernetesSource):
-            state.update(resource_versions=self.backend.resource_versions,
-                         errors=self.backend.errors, relists=self.backend.relists)
+            state.update(kinds=self.backend.debug_state())
         else:
             state.update(directory=self.backend.directory, files=len(self.backend.files),
                          annotation_overlay=self.backend.overlay())

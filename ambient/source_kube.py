@@ -1,14 +1,30 @@
-"""The Kubernetes config source: list+watch per kind with kubernetes_asyncio.
+"""The Kubernetes config source: list+watch per kind through kubernetes_asyncio's ApiClient.
 
 Per kind one task runs the standard reflector loop (Kubernetes API conventions, "Efficient
-detection of changes"): LIST (remembering ``metadata.resourceVersion``), then WATCH from
-that version with ``allowWatchBookmarks=true`` and a server timeout; ADDED/MODIFIED become
-upserts, DELETED deletes, BOOKMARK only advances the version. When a watch ends normally it
-is resumed from the last version; ``410 Gone`` (version too old) triggers a fresh LIST,
-whose result *replaces* what the store held for that kind (so deletes missed while
-disconnected are not lost). Other errors back off exponentially (0.5 s doubling to 30 s).
-A kind whose API is not installed (404, e.g. no Istio CRDs) is treated as empty and
-retried at the maximum backoff.
+detection of changes"; client-go's reflector): LIST (remembering ``metadata.resourceVersion``),
+then WATCH from that version with ``allowWatchBookmarks=true`` and a server timeout;
+ADDED/MODIFIED become upserts, DELETED deletes, BOOKMARK only advances the version. When a
+watch ends normally it is resumed from the last version; ``410 Gone`` (the version is older
+than what the API server or etcd still holds: a compaction, an API server restart) triggers a
+fresh LIST whose result *replaces* what the store held for that kind, so changes and deletes
+missed while away are neither lost nor repeated (unchanged objects produce no store event).
+Other errors back off exponentially (0.5 s doubling to 30 s, never less than a 429's
+``Retry-After``). A kind whose API is not served (404: Istio or Gateway API CRDs not
+installed) counts as empty and synced, is logged once at WARNING, and is asked for again
+every ``MISSING_RETRY`` seconds; when its CRD appears, its objects are listed.
+
+Bounds: a LIST must complete within ``LIST_TIMEOUT``; a watch with no byte for
+``watch_timeout + WATCH_IDLE_GRACE`` seconds (the API server sends a bookmark about every
+minute and ends the watch at ``timeoutSeconds``) is a dead connection and is reconnected; one
+watch event larger than ``MAX_EVENT_BYTES`` ends the watch as malformed.
+
+What the API server sent is counted per kind (:class:`KindStats`: objects and bytes listed,
+events and bytes watched, bookmarks, relists), for ``/debug`` and the API-load benchmark.
+
+Every agent watches *all* pods (and every other kind) cluster-wide: the workload xDS it
+serves holds the cluster-wide address set; its own node's pods are picked from the same
+store (``spec.nodeName``), never with a second, node-filtered watch (docs/ambient.md, "API
+load").
 
 Credentials: ``kubeconfig`` when set, else in-cluster (service account token).
 ``patch_pod_annotations`` patches ``pods/status`` with a JSON merge patch, as istio-cni
@@ -18,13 +34,15 @@ does (its RBAC grants ``patch`` on ``pods/status`` only).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
+import random
 from typing import Any
 
+import aiohttp
 from kubernetes_asyncio import client as kclient
 from kubernetes_asyncio import config as kconfig
-from kubernetes_asyncio import watch as kwatch
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from ambient.store import CLUSTER_KINDS, ObjectStore
@@ -49,10 +67,35 @@ RESOURCES: dict[str, tuple[str, str, str, str]] = {
                      "gatewayclasses"),
 }
 BACKOFF_START, BACKOFF_MAX = 0.5, 30.0
+MISSING_RETRY = 30.0        # s between asks for a kind that is not served (404)
+LIST_TIMEOUT = 60.0         # s for one LIST, connect to last byte
+CONNECT_TIMEOUT = 10.0      # s to connect (TCP + TLS)
+WATCH_IDLE_GRACE = 60.0     # s of silence beyond the server's watch timeout = dead stream
+MAX_EVENT_BYTES = 16 << 20  # one watch event (etcd refuses objects over 1.5 MiB by default)
+MIN_WATCH_SECONDS = 1.0     # a watch that ends sooner is followed by the backoff delay
+
+
+@dataclasses.dataclass
+class KindStats:
+    """What the API server sent for one kind since start (bytes = HTTP body bytes)."""
+
+    lists: int = 0
+    listed_objects: int = 0
+    listed_bytes: int = 0
+    watches: int = 0
+    watch_events: int = 0
+    watch_bytes: int = 0
+    bookmarks: int = 0
+
+
+class MalformedStream(ValueError):
+    """A watch stream line that is not a watch event (bad JSON, missing type/object)."""
 
 
 async def _check(resp: Any) -> None:
-    """Raise ApiException for a non-2xx raw response (``_preload_content=False`` skips it)."""
+    """Raise ApiException for a non-2xx raw response (``_preload_content=False`` skips it).
+
+    The exception's ``headers`` are the response's (``Retry-After`` of a 429)."""
     if 200 <= resp.status <= 299:
         return
     body = await resp.read()
@@ -62,15 +105,26 @@ async def _check(resp: Any) -> None:
         reason = json.loads(body).get("message") or reason
     except (ValueError, AttributeError):
         pass
-    raise ApiException(status=resp.status, reason=reason)
+    err = ApiException(status=resp.status, reason=reason)
+    err.headers = dict(resp.headers)
+    raise err
+
+
+def _retry_after(err: ApiException) -> float:
+    """Seconds from a ``Retry-After`` header (delta-seconds form), 0 when absent/invalid."""
+    try:
+        return max(0.0, float((err.headers or {}).get("Retry-After", 0)))
+    except (TypeError, ValueError):
+        return 0.0
 
 
 class KubernetesSource:
     """Fills an :class:`ObjectStore` from the Kubernetes API.
 
-    ``api_client`` may be given (tests point it at a fake API server); otherwise one is
-    built from ``kubeconfig`` or in-cluster credentials at :meth:`start`.
-    ``watch_timeout`` is the server-side watch timeout in seconds.
+    ``api_client`` may be given (tests); otherwise one is built from ``kubeconfig`` or
+    in-cluster credentials at :meth:`start`. ``watch_timeout`` is the server-side watch
+    timeout in seconds; ``sync_timeout`` how long :meth:`start` waits for the first LIST of
+    every kind.
     """
 
     def __init__(self, store: ObjectStore, kubeconfig: str = "",
@@ -87,6 +141,8 @@ class KubernetesSource:
         self.resource_versions: dict[str, str] = {}
         self.relists: dict[str, int] = {k: 0 for k in self.kinds}
         self.errors: dict[str, str] = {}
+        self.missing: set[str] = set()  # kinds whose API answered 404 at the last ask
+        self.stats: dict[str, KindStats] = {k: KindStats() for k in self.kinds}
         self._tasks: list[asyncio.Task] = []
 
     # --- lifecycle ---
@@ -94,12 +150,11 @@ class KubernetesSource:
     async def start(self) -> None:
         """Start every reflector and wait (up to ``sync_timeout``) for their first LIST."""
         if self.api is None:
+            cfg = kclient.Configuration()
             if self.kubeconfig:
-                cfg = kclient.Configuration()
                 await kconfig.load_kube_config(config_file=self.kubeconfig,
                                                client_configuration=cfg)
             else:
-                cfg = kclient.Configuration()
                 kconfig.load_incluster_config(client_configuration=cfg)
             self.api = kclient.ApiClient(cfg)
         self._tasks = [asyncio.create_task(self._reflect(kind), name=f"kube-{kind}")
@@ -110,7 +165,7 @@ class KubernetesSource:
         except asyncio.TimeoutError:
             missing = [k for k, e in self.synced.items() if not e.is_set()]
             log.warning("kubernetes source not synced after %.0fs: %s", self.sync_timeout,
-                        ", ".join(missing))
+                        ", ".join(f"{k} ({self.errors.get(k, 'no answer')})" for k in missing))
 
     def is_synced(self) -> bool:
         return all(e.is_set() for e in self.synced.values())
@@ -127,26 +182,41 @@ class KubernetesSource:
         if self.api is not None and self._own_client:
             await self.api.close()
 
+    def debug_state(self) -> dict[str, Any]:
+        """Per kind: resourceVersion, relists, error, missing, and :class:`KindStats`."""
+        return {kind: {"resource_version": self.resource_versions.get(kind, ""),
+                       "synced": self.synced[kind].is_set(), "relists": self.relists[kind],
+                       "error": self.errors.get(kind, ""), "missing": kind in self.missing,
+                       **dataclasses.asdict(self.stats[kind])} for kind in self.kinds}
+
     # --- API calls ---
 
     def _path(self, kind: str) -> str:
         _, group, version, plural = RESOURCES[kind]
         return f"/api/{version}/{plural}" if not group else f"/apis/{group}/{version}/{plural}"
 
-    async def _get(self, path: str, query: list[tuple[str, Any]]) -> Any:
+    async def _get(self, path: str, query: list[tuple[str, Any]],
+                   timeout: aiohttp.ClientTimeout) -> Any:
         """GET ``path`` through the ApiClient (auth, TLS, host from its configuration);
-        returns the raw aiohttp response (not preloaded)."""
+        returns the raw aiohttp response (not preloaded). Raises ApiException for non-2xx."""
         resp = await self.api.call_api(path, "GET", query_params=query,
                                        header_params={"Accept": "application/json"},
-                                       auth_settings=["BearerToken"], _preload_content=False)
+                                       auth_settings=["BearerToken"], _preload_content=False,
+                                       _request_timeout=timeout)
         await _check(resp)
         return resp
 
     async def list_objects(self, kind: str) -> tuple[list[dict], str]:
         """One LIST: (objects with kind/apiVersion filled in, resourceVersion)."""
-        resp = await self._get(self._path(kind), [])
-        body = json.loads(await resp.read())
-        resp.release()
+        resp = await self._get(self._path(kind), [], aiohttp.ClientTimeout(
+            total=LIST_TIMEOUT, sock_connect=CONNECT_TIMEOUT))
+        try:
+            data = await resp.read()
+        finally:
+            resp.release()
+        body = json.loads(data)
+        if not isinstance(body, dict):
+            raise MalformedStream(f"LIST {kind}: body is not an object")
         api_version = RESOURCES[kind][0]
         items = []
         for item in body.get("items") or []:
@@ -154,15 +224,11 @@ class KubernetesSource:
                 item.setdefault("kind", kind)
                 item.setdefault("apiVersion", api_version)
                 items.append(item)
+        st = self.stats[kind]
+        st.lists += 1
+        st.listed_objects += len(items)
+        st.listed_bytes += len(data)
         return items, str((body.get("metadata") or {}).get("resourceVersion") or "")
-
-    async def _watch_call(self, kind: str, **kwargs: Any) -> Any:
-        query = [("watch", "true"), ("allowWatchBookmarks", "true")]
-        if kwargs.get("resource_version"):
-            query.append(("resourceVersion", kwargs["resource_version"]))
-        if kwargs.get("timeout_seconds"):
-            query.append(("timeoutSeconds", kwargs["timeout_seconds"]))
-        return await self._get(self._path(kind), query)
 
     # --- reflector ---
 
@@ -177,64 +243,121 @@ class KubernetesSource:
                     self.relists[kind] += 1
                     self.store.replace_origin(origin, [(o, f"list {kind}") for o in items])
                     self.synced[kind].set()
+                    if kind in self.missing:
+                        self.missing.discard(kind)
+                        log.info("%s is served now: listed %d", kind, len(items))
                 self.resource_versions[kind] = rv
-                rv = await self._watch_once(kind, origin, rv)
                 self.errors.pop(kind, None)
-                backoff = BACKOFF_START
+                began = asyncio.get_running_loop().time()
+                rv = await self._watch_once(kind, origin, rv)
+                if asyncio.get_running_loop().time() - began < MIN_WATCH_SECONDS:
+                    # a server that ends watches at once must not get a tight request loop
+                    await asyncio.sleep(backoff * random.uniform(1.0, 1.2))
+                    backoff = min(backoff * 2, BACKOFF_MAX)
+                else:
+                    backoff = BACKOFF_START
             except asyncio.CancelledError:
                 raise
             except ApiException as e:
                 if e.status == 410:
-                    log.info("watch %s: resourceVersion %s is gone; relisting", kind, rv)
+                    log.info("watch %s: resourceVersion %s is gone (%s); relisting", kind, rv,
+                             e.reason)
                     rv = ""
                     continue
+                self.errors[kind] = f"{e.status} {e.reason}"
                 if e.status == 404:
+                    # the kind's API is not installed (a CRD missing): empty, not an error
+                    # that keeps the agent unready; asked for again, without log noise
                     self.store.replace_origin(origin, [])
                     self.synced[kind].set()
-                    backoff = BACKOFF_MAX
-                self.errors[kind] = f"{e.status} {e.reason}"
+                    if kind not in self.missing:
+                        log.warning("%s is not served by the API server (%s %s); treating it "
+                                    "as empty, asking again every %.0fs", kind, e.status,
+                                    e.reason, MISSING_RETRY)
+                    self.missing.add(kind)
+                    rv = ""
+                    await asyncio.sleep(MISSING_RETRY)
+                    continue
+                delay = max(backoff, _retry_after(e)) if e.status == 429 else backoff
                 log.warning("%s %s failed: %s %s; retrying in %.1fs", "watch" if rv else "list",
-                            kind, e.status, e.reason, backoff)
-                rv = "" if e.status == 404 else rv
-                await asyncio.sleep(backoff)
+                            kind, e.status, e.reason, delay)
+                await asyncio.sleep(delay * random.uniform(1.0, 1.2))
                 backoff = min(backoff * 2, BACKOFF_MAX)
-            except Exception as e:  # connection refused, reset, malformed stream...
-                self.errors[kind] = str(e) or type(e).__name__
+            except Exception as e:  # connection refused/reset, timeout, malformed stream...
+                self.errors[kind] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 log.warning("%s %s failed: %s; retrying in %.1fs", "watch" if rv else "list",
                             kind, self.errors[kind], backoff)
-                await asyncio.sleep(backoff)
+                await asyncio.sleep(backoff * random.uniform(1.0, 1.2))
                 backoff = min(backoff * 2, BACKOFF_MAX)
 
     async def _watch_once(self, kind: str, origin: str, rv: str) -> str:
-        """Follow one watch until the server ends it; returns the last resourceVersion."""
-        w = kwatch.Watch(return_type="object")
-        api_version = RESOURCES[kind][0]
-
-        async def call(**kwargs: Any) -> Any:
-            return await self._watch_call(kind, **kwargs)
-        call.__doc__ = ":param watch:\n:rtype: object"
+        """Follow one watch from ``rv`` until the server ends it; returns the last
+        resourceVersion seen (events and bookmarks). Raises ApiException (410 for an ERROR
+        event with code 410), MalformedStream, aiohttp/timeout errors."""
+        query = [("watch", "true"), ("allowWatchBookmarks", "true"), ("resourceVersion", rv),
+                 ("timeoutSeconds", self.watch_timeout)]
+        resp = await self._get(self._path(kind), query, aiohttp.ClientTimeout(
+            sock_connect=CONNECT_TIMEOUT, sock_read=self.watch_timeout + WATCH_IDLE_GRACE))
+        st = self.stats[kind]
+        st.watches += 1
+        buf = bytearray()
         try:
-            async for event in w.stream(call, resource_version=rv,
-                                        timeout_seconds=self.watch_timeout):
-                etype, obj = event.get("type"), event.get("raw_object")
-                if etype == "BOOKMARK":
-                    rv = w.resource_version or rv
-                    continue
-                if not isinstance(obj, dict):
-                    self.store.reject("invalid", f"watch {kind}", f"event object {obj!r}")
-                    continue
-                obj.setdefault("kind", kind)
-                obj.setdefault("apiVersion", api_version)
-                if etype in ("ADDED", "MODIFIED"):
-                    self.store.apply([(obj, f"watch {kind}")], origin=origin)
-                elif etype == "DELETED":
-                    meta = obj.get("metadata") or {}
-                    ns = "" if kind in CLUSTER_KINDS else str(meta.get("namespace") or "")
-                    self.store.apply(deletes=[(kind, ns, str(meta.get("name")))])
-                rv = w.resource_version or rv
-                self.resource_versions[kind] = rv
+            async for chunk in resp.content.iter_any():
+                st.watch_bytes += len(chunk)
+                buf += chunk
+                start = 0
+                while (end := buf.find(b"\n", start)) >= 0:
+                    if end - start > MAX_EVENT_BYTES:
+                        break
+                    line = bytes(buf[start:end])
+                    start = end + 1
+                    if line.strip():
+                        rv = self._event(kind, origin, line, rv)
+                del buf[:start]
+                if len(buf) > MAX_EVENT_BYTES:
+                    raise MalformedStream(f"watch {kind}: event larger than {MAX_EVENT_BYTES} "
+                                          "bytes")
+            if bytes(buf).strip():
+                rv = self._event(kind, origin, bytes(buf), rv)
         finally:
-            await w.close()
+            resp.release()
+        return rv
+
+    def _event(self, kind: str, origin: str, line: bytes, rv: str) -> str:
+        """Apply one watch event line; returns the resourceVersion after it."""
+        try:
+            event = json.loads(line)
+        except ValueError as e:
+            raise MalformedStream(f"watch {kind}: not JSON ({e})") from None
+        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+            raise MalformedStream(f"watch {kind}: not a watch event")
+        etype, obj = event["type"], event.get("object")
+        if etype == "ERROR":
+            status = obj if isinstance(obj, dict) else {}
+            err = ApiException(status=int(status.get("code") or 500),
+                               reason=str(status.get("message") or status.get("reason") or ""))
+            err.headers = {}
+            raise err
+        meta = obj.get("metadata") if isinstance(obj, dict) else None
+        new_rv = str(meta.get("resourceVersion") or "") if isinstance(meta, dict) else ""
+        if etype == "BOOKMARK":
+            self.stats[kind].bookmarks += 1
+        elif not isinstance(obj, dict) or not isinstance(meta, dict):
+            self.store.reject("invalid", f"watch {kind}", f"{etype} event object {obj!r:.200}")
+        else:
+            self.stats[kind].watch_events += 1
+            obj.setdefault("kind", kind)
+            obj.setdefault("apiVersion", RESOURCES[kind][0])
+            if etype in ("ADDED", "MODIFIED"):
+                self.store.apply([(obj, f"watch {kind}")], origin=origin)
+            elif etype == "DELETED":
+                ns = "" if kind in CLUSTER_KINDS else str(meta.get("namespace") or "")
+                self.store.apply(deletes=[(kind, ns, str(meta.get("name")))])
+            else:
+                self.store.reject("invalid", f"watch {kind}", f"unknown event type {etype!r}")
+        if new_rv:
+            rv = new_rv
+            self.resource_versions[kind] = rv
         return rv
 
     # --- writes ---
@@ -255,8 +378,12 @@ class KubernetesSource:
         resp = await self.api.call_api(
             path, "PATCH", body=body, auth_settings=["BearerToken"], _preload_content=False,
             header_params={"Content-Type": "application/merge-patch+json",
-                           "Accept": "application/json"})
+                           "Accept": "application/json"},
+            _request_timeout=aiohttp.ClientTimeout(total=LIST_TIMEOUT,
+                                                   sock_connect=CONNECT_TIMEOUT))
         await _check(resp)
-        pod = json.loads(await resp.read())
-        resp.release()
+        try:
+            pod = json.loads(await resp.read())
+        finally:
+            resp.release()
         return pod

@@ -1,7 +1,10 @@
-"""A faithful fake of the Kubernetes API server's list/watch protocol (aiohttp).
-
-No API server can run on our machines, so this implements, from the Kubernetes API
-concepts documentation ("Efficient detection of changes", "Watch bookmarks", "410 Gone"):
+"""A fake of the Kubernetes API server's list/watch protocol (aiohttp), kept only for the
+faults a real kube-apiserver cannot be made to produce (tests/ambient/test_source_kube.py):
+objects that fail validation, 5xx answers to LIST (``fail_lists``), bytes that are not a
+watch stream (``inject``: sent once on the open watch, which then ends), watches that end at
+once (``watch_closes_at_once``). Everything else is tested against the real server
+(tests/kube/). What it implements, from the Kubernetes API concepts documentation
+("Efficient detection of changes", "Watch bookmarks", "410 Gone"):
 - ``GET <collection>``: ``{"kind": "<Kind>List", "metadata": {"resourceVersion"}, "items"}``
   (items without kind/apiVersion, as the real server sends them);
 - ``GET <collection>?watch=true&resourceVersion=N[&allowWatchBookmarks=true]
@@ -34,6 +37,8 @@ class FakeApiServer:
         self.rv = 100
         self.compacted = 0
         self.fail_lists = 0
+        self.inject: bytes | None = None
+        self.watch_closes_at_once = False
         self.requests: list[str] = []
         self._changed = asyncio.Condition()
         self._close_watches = asyncio.Event()
@@ -122,6 +127,9 @@ class FakeApiServer:
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         resp.enable_chunked_encoding()
         await resp.prepare(request)
+        if self.watch_closes_at_once:
+            await resp.write_eof()
+            return resp
 
         async def send(event: dict) -> None:
             await resp.write(json.dumps(event).encode() + b"\n")
@@ -141,6 +149,10 @@ class FakeApiServer:
             await send({"type": "BOOKMARK", "object": {
                 "kind": self.served[path], "metadata": {"resourceVersion": str(self.rv)}}})
         while loop.time() < deadline and not closing.is_set():
+            if self.inject is not None:
+                junk, self.inject = self.inject, None
+                await resp.write(junk)
+                break
             for rv, p, etype, obj in list(self.events):
                 if rv > sent and p == path:
                     await send({"type": etype, "object": obj})

@@ -1,6 +1,9 @@
-"""The Kubernetes source against a faithful fake API server (tests/ambient/fake_apiserver.py;
-no real API server can run here): list, watch, bookmarks, 410 relist, backoff, 404 kinds,
-pods/status annotation patch."""
+"""The Kubernetes source against faults a real API server cannot be made to produce, served
+by the fake of tests/ambient/fake_apiserver.py: objects that fail validation (the real
+server validates them away), 5xx on LIST, malformed or oversized watch streams, watches
+that end at once. Everything a real server does — list, watch, bookmarks, 410 after a
+compaction, restart, 429, missing CRDs, the pods/status patch — is tested against a real
+kube-apiserver in tests/kube/test_source_kube.py."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from kubernetes_asyncio import client as kclient
 from ambient import source_kube
 from ambient.source_kube import KubernetesSource
 from ambient.store import ObjectStore
-from tests.ambient.builders import ns, pod, service
+from tests.ambient.builders import pod
 from tests.ambient.fake_apiserver import FakeApiServer
 from tests.helpers import eventually
 
@@ -30,58 +33,6 @@ def make_source(fake, store, monkeypatch, kinds=("Namespace", "Pod", "Service"))
     cfg = kclient.Configuration(host=fake.url)
     return KubernetesSource(store, api_client=kclient.ApiClient(cfg), kinds=list(kinds),
                             watch_timeout=2, sync_timeout=5)
-
-
-async def test_list_watch_delete_bookmark_and_patch(fake, monkeypatch):
-    await fake.put("/api/v1/namespaces", ns("demo"))
-    await fake.put("/api/v1/pods", pod("a", "demo"))
-    await fake.put("/api/v1/services", service("s", "demo"))
-    store = ObjectStore()
-    src = make_source(fake, store, monkeypatch,
-                      kinds=("Namespace", "Pod", "Service", "AuthorizationPolicy"))
-    try:
-        await src.start()
-        assert src.is_synced()  # AuthorizationPolicy 404 counts as an empty, synced kind
-        assert store.get("Pod", "demo", "a")["kind"] == "Pod"
-        assert store.get("Service", "demo", "s")["apiVersion"] == "v1"
-        assert "404" in src.errors["AuthorizationPolicy"]
-        await fake.put("/api/v1/pods", pod("b", "demo", ip="1.2.3.5"))
-        await eventually(lambda: store.get("Pod", "demo", "b") is not None)
-        await fake.delete("/api/v1/pods", "demo", "a")
-        await eventually(lambda: store.get("Pod", "demo", "a") is None)
-        assert any("allowWatchBookmarks=true" in r for r in fake.requests)
-        patched = await src.patch_pod_annotations("demo", "b", {
-            "ambient.istio.io/redirection": "enabled"})
-        assert patched["metadata"]["annotations"]["ambient.istio.io/redirection"] == "enabled"
-        await eventually(lambda: (store.get("Pod", "demo", "b")["metadata"].get("annotations")
-                                  or {}).get("ambient.istio.io/redirection") == "enabled")
-        with pytest.raises(kclient.exceptions.ApiException) as err:
-            await src.patch_pod_annotations("demo", "missing", {"x": "y"})
-        assert err.value.status == 404
-    finally:
-        await src.stop()
-        await src.api.close()
-
-
-async def test_410_gone_relists_and_catches_missed_deletes(fake, monkeypatch):
-    await fake.put("/api/v1/pods", pod("a", "demo"))
-    await fake.put("/api/v1/pods", pod("b", "demo", ip="1.2.3.5"))
-    store = ObjectStore()
-    src = make_source(fake, store, monkeypatch, kinds=("Pod",))
-    try:
-        await src.start()
-        assert src.relists["Pod"] == 1
-        # the client is disconnected, "a" is deleted while history is compacted away
-        await fake.compact_and_drop_watches()
-        fake.objects["/api/v1/pods"].pop(("demo", "a"))
-        fake.rv += 5
-        fake.compacted = fake.rv
-        await eventually(lambda: src.relists["Pod"] >= 2)
-        await eventually(lambda: store.get("Pod", "demo", "a") is None)
-        assert store.get("Pod", "demo", "b") is not None
-    finally:
-        await src.stop()
-        await src.api.close()
 
 
 async def test_list_errors_back_off_and_recover_and_bad_objects_are_skipped(fake, monkeypatch):
@@ -114,6 +65,70 @@ async def test_unreachable_api_server_is_not_ready_but_does_not_raise(monkeypatc
     try:
         await src.start()
         assert not src.is_synced() and src.errors["Pod"]
+    finally:
+        await src.stop()
+        await src.api.close()
+
+
+async def test_malformed_and_oversized_watch_streams_reconnect_without_losing_objects(
+        fake, monkeypatch, caplog):
+    """A line that is not JSON, an event without type, an oversized event: each ends that
+    watch (counted in errors), the source watches again from its last good version."""
+    await fake.put("/api/v1/pods", pod("a", "demo"))
+    store = ObjectStore()
+    src = make_source(fake, store, monkeypatch, kinds=("Pod",))
+    monkeypatch.setattr(source_kube, "MAX_EVENT_BYTES", 4096)
+    try:
+        await src.start()
+        watches = src.stats["Pod"].watches
+        for junk in (b"not json\n", b'{"object": {}}\n', b'{"type": "ADDED", "object": "' +
+                     b"x" * 5000 + b'"}\n'):
+            fake.inject = junk
+            await eventually(lambda: fake.inject is None, what="junk sent")
+            await eventually(lambda: src.stats["Pod"].watches > watches, timeout=5,
+                             what="a new watch after the bad stream")
+            watches = src.stats["Pod"].watches
+        await fake.put("/api/v1/pods", pod("b", "demo", ip="1.2.3.5"))
+        await eventually(lambda: store.get("Pod", "demo", "b") is not None)
+        assert store.get("Pod", "demo", "a") is not None
+        assert src.relists["Pod"] == 1  # resumed from the last version, never relisted
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        for what in ("not JSON", "not a watch event", "larger than 4096 bytes"):
+            assert what in logged, what
+    finally:
+        await src.stop()
+        await src.api.close()
+
+
+async def test_watch_error_event_other_than_410_backs_off_and_resumes(fake, monkeypatch):
+    await fake.put("/api/v1/pods", pod("a", "demo"))
+    store = ObjectStore()
+    src = make_source(fake, store, monkeypatch, kinds=("Pod",))
+    try:
+        await src.start()
+        fake.inject = (b'{"type": "ERROR", "object": {"kind": "Status", "code": 500, '
+                       b'"message": "internal error"}}\n')
+        await eventually(lambda: "500" in src.errors.get("Pod", ""), what="error recorded")
+        await fake.put("/api/v1/pods", pod("b", "demo", ip="1.2.3.5"))
+        await eventually(lambda: store.get("Pod", "demo", "b") is not None)
+        assert src.relists["Pod"] == 1
+    finally:
+        await src.stop()
+        await src.api.close()
+
+
+async def test_watches_that_end_at_once_are_spaced_by_the_backoff(fake, monkeypatch):
+    """A server that closes every watch immediately gets watches at the backoff's pace
+    (0.05 s doubling to 0.4 s here), not a tight loop."""
+    monkeypatch.setattr(source_kube, "BACKOFF_MAX", 0.4)
+    fake.watch_closes_at_once = True
+    store = ObjectStore()
+    src = make_source(fake, store, monkeypatch, kinds=("Pod",))
+    try:
+        await src.start()
+        await asyncio.sleep(2.0)
+        n = src.stats["Pod"].watches
+        assert 3 <= n <= 12, n  # 0.05+0.1+0.2+0.4+0.4+... (x1.0-1.2 jitter) within 2 s
     finally:
         await src.stop()
         await src.api.close()

@@ -6,7 +6,9 @@ yields: the server's URL, the admin kubeconfig, and control of the processes
 (:meth:`KubeCluster.apiserver_stop` / :meth:`KubeCluster.apiserver_start` restart the API
 server on the same port; :meth:`KubeCluster.compact` compacts etcd's history).
 
-No kube-controller-manager, scheduler or kubelet runs, so tests play them:
+No kube-controller-manager, scheduler or kubelet runs, so tests play them (and the
+aggregated ClusterRoles ``view``/``edit``/``admin`` stay empty: their aggregation is a
+controller-manager job; bind explicit rules instead):
 - the namespace and service-account controllers: :func:`create_namespace` also creates
   the namespace's ``default`` ServiceAccount (the ServiceAccount admission plugin refuses
   pods without it); :func:`delete_namespace` deletes what the tests put in it and
@@ -75,9 +77,10 @@ class KubeCluster:
 
     # --- processes ---
 
-    def _script(self, command: str, timeout: float = 180) -> None:
+    def _script(self, command: str, timeout: float = 180, extra_args: str = "") -> None:
+        env = dict(os.environ, KUBE_TEST_APISERVER_ARGS=extra_args)
         proc = subprocess.run(["bash", SCRIPT, command, self.directory], capture_output=True,
-                              text=True, timeout=timeout)
+                              text=True, timeout=timeout, env=env)
         if proc.returncode:
             raise RuntimeError(f"kube-test-apiserver.sh {command} failed "
                                f"(exit {proc.returncode}): {proc.stderr[-3000:]}")
@@ -86,9 +89,10 @@ class KubeCluster:
         """Stop kube-apiserver (SIGTERM, then SIGKILL after 15 s); etcd keeps running."""
         self._script("apiserver-stop")
 
-    def apiserver_start(self) -> None:
-        """Start kube-apiserver again on the same port; returns when /readyz is ok."""
-        self._script("apiserver-start")
+    def apiserver_start(self, extra_args: str = "") -> None:
+        """Start kube-apiserver again on the same port; returns when /readyz is ok.
+        ``extra_args``: more kube-apiserver flags for this run (``--watch-cache=false``)."""
+        self._script("apiserver-start", extra_args=extra_args)
 
     def stop(self) -> None:
         self._script("stop")
@@ -289,13 +293,14 @@ async def create_service_account(api: kclient.ApiClient, namespace: str, name: s
 
 
 def kubeconfig_for_token(cluster: KubeCluster, token: str, path: str,
-                         user: str = "agent") -> str:
-    """Write a kubeconfig (mode 0600) that authenticates with ``token``; returns ``path``."""
+                         user: str = "agent", server: str = "") -> str:
+    """Write a kubeconfig (mode 0600) that authenticates with ``token``; returns ``path``.
+    ``server`` overrides the API server URL (a :class:`tests.kube.proxy.TcpProxy`)."""
     with open(cluster.ca_file, "rb") as f:
         ca = base64.b64encode(f.read()).decode()
     cfg = {"apiVersion": "v1", "kind": "Config",
            "clusters": [{"name": "kube-test", "cluster": {
-               "server": cluster.url, "certificate-authority-data": ca}}],
+               "server": server or cluster.url, "certificate-authority-data": ca}}],
            "users": [{"name": user, "user": {"token": token}}],
            "contexts": [{"name": user, "context": {"cluster": "kube-test", "user": user}}],
            "current-context": user}
@@ -305,11 +310,12 @@ def kubeconfig_for_token(cluster: KubeCluster, token: str, path: str,
     return path
 
 
-async def agent_kubeconfig(cluster: KubeCluster, api: kclient.ApiClient, path: str) -> str:
+async def agent_kubeconfig(cluster: KubeCluster, api: kclient.ApiClient, path: str,
+                           server: str = "") -> str:
     """A kubeconfig with a token of the DaemonSet's own ServiceAccount
     (istio-system/ambient-agent of deploy/kubernetes/rbac.yaml, applied by the fixture)."""
     token = await service_account_token(api, AGENT_NAMESPACE, AGENT_SERVICE_ACCOUNT)
-    return kubeconfig_for_token(cluster, token, path, user="ambient-agent")
+    return kubeconfig_for_token(cluster, token, path, user="ambient-agent", server=server)
 
 
 async def token_review(api: kclient.ApiClient, token: str,
