@@ -420,7 +420,8 @@ SETTINGS: list[Setting] = [
     Setting("cni_event_socket", _under_state("pluginevent.sock"), parse_path,
             "Unix socket the istio-cni plugin posts pod events to", component="cni"),
     Setting("cni_manage_config", False, parse_bool,
-            "install istio-cni into the CNI conf dir at start, repair it, remove it at stop",
+            "install istio-cni into the CNI conf dir at start and repair it (it stays at "
+            "stop unless ambient_disable_safe_upgrade)",
             component="cni"),
     Setting("cni_conf_dir", "/etc/cni/net.d", parse_path, "CNI network config directory",
             env="MOUNTED_CNI_NET_DIR", component="cni"),
@@ -443,8 +444,9 @@ SETTINGS: list[Setting] = [
             "IPv6 source address kubelet probes are SNATed to", env="HOST_PROBE_SNAT_IPV6",
             component="cni"),
     Setting("ambient_disable_safe_upgrade", False, parse_bool,
-            "remove host probe rules and sets at shutdown (node decommissioned) instead of "
-            "keeping them for the next agent", env="AMBIENT_DISABLE_SAFE_UPGRADE",
+            "remove host probe rules and sets, and (cni_manage_config) istio-cni, at "
+            "shutdown (node decommissioned) instead of keeping them for the next agent",
+            env="AMBIENT_DISABLE_SAFE_UPGRADE",
             component="cni"),
     Setting("proc_dir", "/proc", parse_dir_path, "where to scan for pod netns on restart",
             component="cni"),

@@ -41,6 +41,7 @@ COMPONENT_BUILDERS: list[tuple[str, str]] = [
     ("zds.server", "build"),
     # enrollment (rules, host probe set, reconciler) and the CNI event server
     ("cni.enrollment", "build"),
+    ("cni.snapshot", "build"),  # cni-snapshot: how the plugin decides while no agent runs
     ("cni.install", "build"),  # cni-installer (only with cni_manage_config)
     ("cni.eventserver", "build"),
     # workload xDS

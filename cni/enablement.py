@@ -138,3 +138,19 @@ def decide(event: CniPodEvent, store: Any, exclude_namespaces: Iterable[str],
     ns_labels = ((ns_obj or {}).get("metadata") or {}).get("labels") or {}
     ambient, reason = pod_matches(pod, ns_labels, selectors)
     return Decision(ambient, reason, pod)
+
+
+def object_is_ambient(pod: dict, store: Any, exclude_namespaces: Iterable[str],
+                      selectors: Iterable[dict] = DEFAULT_SELECTORS) -> bool:
+    """The decision for a Pod object already in ``store`` (an
+    :class:`ambient.api.ObjectStore`), as a CNI ADD for it would make it now: excluded
+    namespace, then :func:`pod_matches` with its Namespace object's labels (none when the
+    store has no such Namespace). Used for running pods (``cni.livepods``) and the
+    plugin's snapshot (``cni.snapshot``). Raises ValueError for a malformed selector."""
+    namespace = (pod.get("metadata") or {}).get("namespace") or ""
+    if namespace and namespace in set(exclude_namespaces):
+        return False
+    ns_obj = store.get("Namespace", "", namespace) if (store is not None and namespace) else None
+    ambient, _ = pod_matches(pod, ((ns_obj or {}).get("metadata") or {}).get("labels") or {},
+                             selectors)
+    return ambient

@@ -43,6 +43,7 @@ from prometheus_client import Counter, Histogram
 from agent.lifecycle import AgentContext, Component
 from cni import enablement
 from cni.events import CniPodEvent, EventError
+from cni.plugin import DRAINING_TEXT
 
 log = logging.getLogger("cni.events")
 
@@ -153,7 +154,7 @@ class CniEventServer(Component):
             return self._respond("ADD", 400, e.text or "bad request")
         self._stats["add"] += 1
         if self.ctx.draining:
-            return self._respond("ADD", 503, "node agent is shutting down; try again later")
+            return self._respond("ADD", 503, f"{DRAINING_TEXT}; try again later")
         try:
             status, body = await self._run_serialised(event, self._add(event))
         finally:

@@ -1,4 +1,4 @@
-"""The ``cni-installer`` component: install at start, keep the chain intact, uninstall at stop.
+"""The ``cni-installer`` component: install at start, keep the chain intact while running.
 
 Istio's loop (spec ``cni-zds.md`` §5.5): install, then forever watch the CNI conf dir
 and the bin dir; on any change re-check and reinstall when the primary CNI rewrote
@@ -10,6 +10,15 @@ write) is seen, unlike a per-file fsnotify watch.
 
 When there is no primary config yet (the node's CNI starts after us), the component
 is not ready and installs as soon as one appears.
+
+At stop the plugin stays: the launcher and our conflist entry are left in place, so a
+pod created while the agent is down (restart, upgrade, crash) still runs ``istio-cni``,
+which answers ambient pods "try again later" (CNI code 11) until an agent is back and
+lets every other pod through (:mod:`cni.plugin`, fallback decision). That is upstream's
+safe upgrade (``cni/pkg/cmd/root.go``: the plugin is kept "to stall new ambient-enabled
+pods while our replacement spins up"). Only ``ambient_disable_safe_upgrade`` (the node
+is being decommissioned, as upstream's ``AMBIENT_DISABLE_SAFE_UPGRADE``) removes it at
+stop; ``ambient-agent cni uninstall`` removes it at any time.
 """
 
 from __future__ import annotations
@@ -57,8 +66,13 @@ class CniInstallerComponent(Component):
                 await asyncio.wait_for(self._task, timeout=grace)
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 self._task.cancel()
+        if not self.ctx.config.ambient_disable_safe_upgrade:
+            log.info("istio-cni stays in %s: pods started while no agent runs are held "
+                     "(ambient) or let through (others) by the plugin; `ambient-agent cni "
+                     "uninstall` removes it", self.installer.conf_dir)
+            return
         for line in await self.ctx.run_blocking(self.installer.uninstall):
-            log.info("%s", line)
+            log.info("%s (safe upgrade disabled)", line)
 
     def ready(self) -> tuple[bool, str]:
         return (self._problem is None), (self._problem or "")

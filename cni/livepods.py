@@ -42,6 +42,13 @@ log = logging.getLogger("cni.livepods")
 TERMINAL_PHASES = ("Succeeded", "Failed")
 
 
+def on_this_node(pod: dict, node_name: str, files_source: bool) -> bool:
+    """``spec.nodeName`` is ``node_name``; with the files source a Pod without a node
+    counts too (a host describing its own containers rarely names itself)."""
+    node = (pod.get("spec") or {}).get("nodeName") or ""
+    return node == node_name or (not node and files_source)
+
+
 class LivePods:
     """Reconciles running pods of this node with their enablement, for ``enrollment``.
 
@@ -135,24 +142,19 @@ class LivePods:
     def should_be_ambient(self, pod: dict) -> bool | None:
         """The enablement decision for a Pod object as the CNI ADD would make it now;
         None when it can't be made (malformed selector or object): then nothing changes."""
-        meta = pod.get("metadata") or {}
-        namespace = meta.get("namespace") or ""
-        if namespace in self.exclude:
-            return False
         try:
-            ns_obj = self.store.get("Namespace", "", namespace) if namespace else None
-            ambient, _ = enablement.pod_matches(pod, _labels(ns_obj))
+            return enablement.object_is_ambient(pod, self.store, self.exclude)
         except Exception as e:  # noqa: BLE001 - a bad object must not break the watcher
-            log.warning("pod %s/%s: cannot re-check enablement: %s", namespace,
+            meta = pod.get("metadata") or {}
+            log.warning("pod %s/%s: cannot re-check enablement: %s", meta.get("namespace"),
                         meta.get("name"), e)
             return None
-        return ambient
 
     def _candidate(self, pod: dict) -> str:
         """Why a pod that should be ambient is not enrolled live, or "" when it is one."""
-        meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
-        node = spec.get("nodeName") or ""
-        if node != self.node_name and (node or not self.files_source):
+        meta = pod.get("metadata") or {}
+        if not on_this_node(pod, self.node_name, self.files_source):
+            node = (pod.get("spec") or {}).get("nodeName")
             return f"runs on node {node!r}" if node else "not scheduled"
         if (pod.get("status") or {}).get("phase") in TERMINAL_PHASES:
             return "terminal"

@@ -23,10 +23,17 @@ spec ``cni-zds.md`` §2):
   ``cniVersion`` requires (the ``ips[].version`` field exists before 1.0.0 only).
 - DEL: best effort, POST ``/cmddel``; always succeeds, also when the agent or the
   netns is gone. CHECK and GC: succeed (the agent reconciles). STATUS: ``GET /healthz``.
+- Without an answer from the agent (socket missing or refused, timeout, unparsable
+  answer, or the agent shutting down): :func:`fallback_decision` over the enablement
+  snapshot the agent keeps next to its socket (``enablement.json``, see
+  :mod:`cni.snapshot`): an ambient pod gets code 11 (the runtime retries the sandbox
+  until an agent enrolls it), any other pod its ``prevResult`` (never blocked). No
+  readable snapshot: code 11 (nothing is known, so nothing is let through unmeshed).
 - Errors: a CNI error object on stdout, exit 1. Codes: 1 incompatible CNI version,
   4 missing/invalid ``CNI_*`` variable, 6 config not decodable, 7 invalid network
-  config, 11 agent unreachable or timed out (retry later), 50 STATUS with the agent
-  unavailable, 999 the agent refused the pod (its reason is the message).
+  config, 11 try again later (an ambient pod without an agent, an agent timeout or a
+  retryable enrollment error), 50 STATUS with the agent unavailable, 999 the agent
+  refused the pod (its reason is the message).
 
 Plugin config keys (Istio's, §2.1): ``plugin_log_level``, ``cni_agent_run_dir``,
 ``ambient_enabled``, ``exclude_namespaces``, ``pod_namespace``, plus ours:
@@ -49,6 +56,10 @@ DEFAULT_RUN_DIR = "/var/run/ambient-agent"
 SOCKET_NAME = "pluginevent.sock"
 DEFAULT_TIMEOUT = 5.0
 DEL_TIMEOUT = 2.0  # DEL is best effort: never hold a sandbox teardown for long
+SNAPSHOT_NAME = "enablement.json"  # written by the agent (cni/snapshot.py)
+SNAPSHOT_VERSION = 1
+SNAPSHOT_MAX_BYTES = 16 << 20  # ~100 k pods; anything larger is not ours
+DRAINING_TEXT = "node agent is shutting down"  # the agent's 503 body while it stops
 
 # CNI spec error codes
 ERR_INCOMPATIBLE_VERSION = 1
@@ -373,6 +384,67 @@ def convert_result(prev, version):
     return out
 
 
+# --- deciding without the agent ---
+
+def load_snapshot(path):
+    """The agent's enablement snapshot at ``path``: ``(snapshot dict, "")``, or
+    ``(None, why)`` when it is missing or unusable. Only its shape is checked (version 1, ``pods`` and ``namespaces``
+    mapping names to booleans, ``excluded_namespaces`` a list of strings); anything else
+    is unusable, never guessed at."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(SNAPSHOT_MAX_BYTES + 1)
+    except OSError as e:
+        return None, "cannot read %s: %s" % (path, e.strerror or e)
+    if len(raw) > SNAPSHOT_MAX_BYTES:
+        return None, "%s is larger than %d bytes" % (path, SNAPSHOT_MAX_BYTES)
+    try:
+        snap = json_loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        return None, "%s is not valid JSON: %s" % (path, e)
+    if not isinstance(snap, dict) or snap.get("version") != SNAPSHOT_VERSION:
+        return None, "%s: field 'version' must be %d, got %s" % (
+            path, SNAPSHOT_VERSION, json_dumps(snap.get("version")
+                                              if isinstance(snap, dict) else snap)[:40])
+    for field in ("pods", "namespaces"):
+        value = snap.get(field)
+        if not isinstance(value, dict) or not all(
+                isinstance(k, str) and isinstance(v, bool) for k, v in value.items()):
+            return None, "%s: field %r must map names to booleans" % (path, field)
+    excluded = snap.get("excluded_namespaces")
+    if not isinstance(excluded, list) or not all(isinstance(n, str) for n in excluded):
+        return None, "%s: field 'excluded_namespaces' must be a list of strings" % path
+    return snap, ""
+
+
+def fallback_decision(snap, namespace, key, ambient_default, exclude_namespaces=()):
+    """Would the agent enroll this pod? ``(ambient, reason)`` from the snapshot alone.
+
+    ``namespace`` is ``K8S_POD_NAMESPACE`` (empty without Kubernetes), ``key`` the pod
+    UID or, without one, the container ID (how the agent names the pod). In order: an
+    excluded namespace is never ambient; a pod the snapshot knows gets the agent's last
+    answer for it; a pod it does not know (created while no agent ran) gets its
+    namespace's answer for a pod without a ``istio.io/dataplane-mode`` label of its own;
+    with no known namespace (or no namespace at all) the plugin config's
+    ``ambient_default`` decides, as the agent does for a pod it has no object for. A new
+    pod whose own label disagrees with its namespace is therefore decided by the
+    namespace; the agent corrects that at its start (it enrolls running ambient pods,
+    and removes pods that are not)."""
+    excluded = set(snap.get("excluded_namespaces") or ()) | set(exclude_namespaces or ())
+    if namespace and namespace in excluded:
+        return False, "namespace %s is excluded" % namespace
+    pods = snap.get("pods") or {}
+    if key in pods:
+        return pods[key], "the agent's last decision for this pod"
+    namespaces = snap.get("namespaces") or {}
+    if namespace and namespace in namespaces:
+        return namespaces[namespace], "pod not known yet; namespace %s is %s" % (
+            namespace, "ambient" if namespaces[namespace] else "not ambient")
+    if ambient_default:
+        return True, "pod not known; plugin config ambient_default is true"
+    return False, "pod not known; plugin config ambient_default is not true"
+
+
 # --- the commands ---
 
 class Plugin:
@@ -464,17 +536,44 @@ class Plugin:
             status, body = http_request(path, "POST", "/cmdadd", json_dumps(event).encode(),
                                         settings["timeout"])
         except TimeoutError:
-            raise CniError(ERR_TRY_AGAIN, "istio-cni cmdAdd: node agent at %s did not answer "
-                           "within %gs; try again later" % (path, settings["timeout"])) from None
+            return self._without_agent(prev, settings, args, "node agent at %s did not answer "
+                                       "within %gs" % (path, settings["timeout"]))
         except (OSError, ValueError) as e:
-            raise CniError(ERR_TRY_AGAIN, "istio-cni cmdAdd failed to contact node agent at %s: "
-                           "%s; try again later" % (path, e)) from None
+            return self._without_agent(prev, settings, args, "cannot reach the node agent at "
+                                       "%s: %s" % (path, e))
+        if status == 503 and body.startswith(DRAINING_TEXT.encode()):
+            return self._without_agent(prev, settings, args, "node agent at %s is shutting "
+                                       "down" % path)
         if status != 200:
             reason = body.decode("utf-8", "replace").strip()[:4096]
             code = ERR_TRY_AGAIN if status == 503 else ERR_AGENT_REFUSED
             raise CniError(code, "istio-cni cmdAdd: node agent refused pod (status %d): %s"
                            % (status, reason))
         self.log("debug", "ADD %s: agent answered %s" % (event["container_id"], body[:200]))
+        return json_dumps(convert_result(prev, self.version))
+
+    def _without_agent(self, prev, settings, args, problem):
+        """No answer from the agent (``problem`` says why): decide from its snapshot
+        (:func:`fallback_decision`). Returns the result for a pod that is not ambient;
+        raises code 11 for an ambient one, and when there is no usable snapshot."""
+        snap_path = settings["run_dir"].rstrip("/") + "/" + SNAPSHOT_NAME
+        snap, why = load_snapshot(snap_path)
+        container = self.env["CNI_CONTAINERID"]
+        if snap is None:
+            raise CniError(ERR_TRY_AGAIN, "istio-cni cmdAdd: %s, and no usable enablement "
+                           "snapshot to decide without it (%s); try again later"
+                           % (problem, why))
+        namespace = args.get("K8S_POD_NAMESPACE", "")
+        pod = "%s/%s" % (namespace, args.get("K8S_POD_NAME", "")) if namespace else container
+        ambient, reason = fallback_decision(
+            snap, namespace, args.get("K8S_POD_UID", "") or container,
+            settings["ambient_default"], settings["exclude_namespaces"])
+        if ambient:
+            raise CniError(ERR_TRY_AGAIN, "istio-cni cmdAdd: %s; pod %s is ambient (%s), so "
+                           "it must wait for the agent to enroll it; try again later"
+                           % (problem, pod, reason))
+        self.log("info", "ADD %s: %s; pod %s is not ambient (%s): let through"
+                 % (container, problem, pod, reason))
         return json_dumps(convert_result(prev, self.version))
 
     def _del(self, conf, settings, args):

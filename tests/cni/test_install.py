@@ -235,6 +235,40 @@ async def test_component_installs_repairs_and_uninstalls(dirs, state_dir):
         os.rename(tmp, conf / "10-bridge.conflist")
         os.unlink(bin_ / "istio-cni")
         await wait_for(lambda: os.path.exists(bin_ / "istio-cni"))
+        installed = (conf / "10-bridge.conflist").read_bytes()
+    finally:
+        await component.stop(2.0)
+        ctx.executor.shutdown(wait=False)
+    # the plugin stays across the agent's stop (upstream's safe upgrade): pods created
+    # while no agent runs still meet istio-cni
+    assert os.listdir(conf) == ["10-bridge.conflist"]
+    assert (conf / "10-bridge.conflist").read_bytes() == installed
+    assert os.access(bin_ / "istio-cni", os.X_OK)
+    # the next agent finds it installed: nothing rewritten
+    ctx = AgentContext(make_config(state_dir, cni_manage_config=True, cni_conf_dir=str(conf),
+                                   cni_bin_dir=str(bin_)))
+    component = install.build(ctx)
+    await component.start()
+    try:
+        assert component.ready() == (True, "") and component.repairs == 0
+        assert (conf / "10-bridge.conflist").read_bytes() == installed
+    finally:
+        await component.stop(2.0)
+        ctx.executor.shutdown(wait=False)
+
+
+async def test_component_uninstalls_at_stop_when_safe_upgrade_is_disabled(dirs, state_dir):
+    """``ambient_disable_safe_upgrade`` (the node is decommissioned): stop removes the
+    launcher and our entry, restoring the primary CNI's own file."""
+    conf, bin_ = dirs
+    shutil.copy(os.path.join(DATA, "bridge.conf"), conf / "10-bridge.conf")
+    ctx = AgentContext(make_config(state_dir, cni_manage_config=True, cni_conf_dir=str(conf),
+                                   cni_bin_dir=str(bin_), ambient_disable_safe_upgrade=True))
+    component = install.build(ctx)
+    await component.start()
+    try:
+        assert component.ready() == (True, "")
+        assert os.listdir(conf) == ["10-bridge.conflist"]
     finally:
         await component.stop(2.0)
         ctx.executor.shutdown(wait=False)
@@ -266,4 +300,4 @@ async def test_component_survives_an_unreadable_launcher_path(dirs, state_dir):
     finally:
         await component.stop(2.0)
         ctx.executor.shutdown(wait=False)
-    assert sorted(os.listdir(conf)) == ["10-bridge.conf"]
+    assert sorted(os.listdir(conf)) == ["10-bridge.conflist"]  # kept at stop

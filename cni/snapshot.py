@@ -1,0 +1,207 @@
+"""The enablement snapshot: how ``istio-cni`` decides "ambient" while no agent answers.
+
+The plugin stays in the conflist when the agent stops (:mod:`cni.installwatch`), so a
+pod created during a restart or upgrade still runs it. Upstream's plugin asks the API
+server itself (a kubeconfig the installer writes); ours asks the agent, and when the
+agent can't be reached it reads this file instead (:func:`cni.plugin.fallback_decision`):
+ambient pods get "try again later" (CNI code 11, the runtime retries the sandbox), every
+other pod is let through. Component ``cni-snapshot`` keeps it current.
+
+File: ``<dir of cni_event_socket>/enablement.json`` (the plugin's ``cni_agent_run_dir``),
+mode 0600, written atomically (temporary file + rename) when the answer for any pod or
+namespace changes (store events, debounced 100 ms), and left in place at stop (that is
+its purpose; removed only with ``ambient_disable_safe_upgrade``, when the plugin goes
+too). Shape (version 1)::
+
+    {"version": 1, "node": "node-1", "source": "kubernetes", "generated": 1733044800.0,
+     "excluded_namespaces": ["kube-system"],
+     "namespaces": {"demo": true, "legacy": false},
+     "pods": {"<pod uid or container id>": true, ...}}
+
+- ``pods``: the decision for every non-terminal Pod object of this node the source
+  holds (with the files source also Pods without ``spec.nodeName``), keyed by
+  ``metadata.uid``: the pod UID a kubelet passes as ``K8S_POD_UID``, or the container ID
+  a podman-style runtime's event is named by. A sandbox re-created for a known pod gets
+  exactly the agent's answer.
+- ``namespaces``: per Namespace object, the decision for a pod of that namespace that
+  carries no ``istio.io/dataplane-mode`` label of its own (a pod the snapshot does not
+  know yet: created while the agent was down). Excluded namespaces are ``false``.
+- ``excluded_namespaces``: ``exclude_namespaces`` of the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from agent.lifecycle import AgentContext, Component
+from cni import enablement
+from cni.livepods import TERMINAL_PHASES, on_this_node
+from cni.plugin import SNAPSHOT_NAME, SNAPSHOT_VERSION
+
+log = logging.getLogger("cni.snapshot")
+
+DEBOUNCE = 0.1  # seconds: a burst of store events is written once
+
+
+def snapshot_path(cni_event_socket: str) -> str:
+    """Where the plugin looks: next to the event socket (its ``cni_agent_run_dir``)."""
+    return os.path.join(os.path.dirname(cni_event_socket), SNAPSHOT_NAME)
+
+
+def build_snapshot(store: Any, *, node_name: str, source: str,
+                   exclude_namespaces: list[str]) -> dict:
+    """The snapshot content for ``store`` now (see the module docstring); ``store`` None
+    (no config source) gives empty maps, which is what the agent itself knows then. Pods
+    or namespaces whose decision can't be made (malformed selector) are left out: the
+    plugin then falls back to the namespace, then to the plugin config's
+    ``ambient_default``, as the agent does for a pod it has no object for."""
+    excluded = sorted(set(exclude_namespaces or ()))
+    files_source = source != "kubernetes"
+    namespaces: dict[str, bool] = {}
+    pods: dict[str, bool] = {}
+    for ns in store.list("Namespace") if store is not None else ():
+        name = (ns.get("metadata") or {}).get("name")
+        if not isinstance(name, str):
+            continue
+        probe = {"metadata": {"namespace": name, "name": "", "labels": {}}}
+        try:
+            namespaces[name] = enablement.object_is_ambient(probe, store, excluded)
+        except ValueError as e:
+            log.warning("namespace %s: enablement undecidable: %s", name, e)
+    for pod in store.list("Pod") if store is not None else ():
+        meta = pod.get("metadata") or {}
+        uid = meta.get("uid")
+        if not isinstance(uid, str) or not uid or not on_this_node(pod, node_name, files_source):
+            continue
+        if (pod.get("status") or {}).get("phase") in TERMINAL_PHASES:
+            continue
+        try:
+            pods[uid] = enablement.object_is_ambient(pod, store, excluded)
+        except ValueError as e:
+            log.warning("pod %s/%s: enablement undecidable: %s", meta.get("namespace"),
+                        meta.get("name"), e)
+    return {"version": SNAPSHOT_VERSION, "node": node_name, "source": source,
+            "excluded_namespaces": excluded, "namespaces": dict(sorted(namespaces.items())),
+            "pods": dict(sorted(pods.items()))}
+
+
+def write_snapshot(path: str, content: dict) -> None:
+    """Write ``content`` (plus ``generated``, Unix seconds) to ``path`` atomically, 0600.
+    Raises OSError."""
+    data = dict(content, generated=round(time.time(), 3))
+    tmp = f"{path}.tmp.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, sort_keys=True, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+class SnapshotWriter(Component):
+    """Component ``cni-snapshot``: keeps :func:`snapshot_path` current from the config
+    source's store. Started before ``cni-installer``, so the plugin never meets a node
+    agent's conflist without a snapshot next to the socket it asks."""
+
+    name = "cni-snapshot"
+
+    def __init__(self, ctx: AgentContext, path: str):
+        self.ctx = ctx
+        self.path = path
+        self._written: dict | None = None
+        self._unsubscribe = None
+        self._task: asyncio.Task | None = None
+        self._dirty = False
+        self.writes = 0
+        self.error = ""
+
+    def _store(self):
+        return getattr(self.ctx.get("config-source"), "store", None)
+
+    def _content(self) -> dict:
+        cfg = self.ctx.config
+        return build_snapshot(self._store(), node_name=cfg.node_name, source=cfg.config_source,
+                              exclude_namespaces=list(cfg.exclude_namespaces or ()))
+
+    async def start(self) -> None:
+        """Write the first snapshot and follow the store. A failed write is logged and
+        retried with the next change (the plugin keeps using the previous file)."""
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        await self._write()
+        subscribe = getattr(self._store(), "subscribe", None)
+        if callable(subscribe):
+            self._unsubscribe = subscribe(self._on_events)
+
+    async def stop(self, grace: float) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task], timeout=grace)
+            self._task = None
+        if self.ctx.config.ambient_disable_safe_upgrade:
+            try:
+                os.unlink(self.path)
+                log.info("removed %s (safe upgrade disabled)", self.path)
+            except FileNotFoundError:
+                pass
+
+    def ready(self) -> tuple[bool, str]:
+        return (True, "") if self._written is not None else (False, self.error or "not written")
+
+    def debug_state(self) -> Any:
+        w = self._written or {}
+        return {"path": self.path, "writes": self.writes, "error": self.error,
+                "pods": len(w.get("pods") or {}), "namespaces": len(w.get("namespaces") or {})}
+
+    def _on_events(self, events: list) -> None:
+        if any(ev.kind in ("Pod", "Namespace") for ev in events):
+            self._dirty = True
+            if self._task is None or self._task.done():
+                self._task = asyncio.get_running_loop().create_task(
+                    self._debounced(), name="cni-snapshot-write")
+
+    async def _debounced(self) -> None:
+        while self._dirty:
+            await asyncio.sleep(DEBOUNCE)
+            self._dirty = False
+            await self._write()
+
+    async def _write(self) -> None:
+        try:
+            content = self._content()
+        except Exception as e:  # noqa: BLE001 - a broken store must not stop the agent
+            self.error = f"cannot build the snapshot: {e}"
+            log.error("%s", self.error)
+            return
+        if content == self._written:
+            return
+        try:
+            await self.ctx.run_blocking(write_snapshot, self.path, content)
+        except OSError as e:
+            self.error = f"cannot write {self.path}: {e}"
+            log.error("%s; the plugin keeps the previous snapshot", self.error)
+            return
+        self._written, self.error = content, ""
+        self.writes += 1
+        log.debug("enablement snapshot written: %d pods, %d namespaces",
+                  len(content["pods"]), len(content["namespaces"]))
+
+
+def build(ctx: AgentContext) -> SnapshotWriter | None:
+    """Builder for ``agent.daemon.COMPONENT_BUILDERS`` (before ``cni-installer``): on
+    whenever the agent runs a config source."""
+    return SnapshotWriter(ctx, snapshot_path(ctx.config.cni_event_socket))

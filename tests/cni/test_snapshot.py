@@ -1,0 +1,120 @@
+"""Component ``cni-snapshot`` over the real files config source (a YAML directory watched
+with inotify): the snapshot is written at start, follows label edits, is 0600, not
+rewritten when nothing changed, kept at stop (removed when safe upgrade is disabled),
+and a failed write is reported without stopping the agent."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import yaml
+
+from agent import config as agent_config
+from agent.lifecycle import AgentContext
+from ambient import source as ambient_source
+from cni import plugin, snapshot
+from tests.helpers import eventually
+
+AMBIENT = {"istio.io/dataplane-mode": "ambient"}
+
+
+def write(path, *objs):
+    tmp = str(path) + ".tmp"
+    with open(tmp, "w") as f:
+        yaml.safe_dump_all(list(objs), f)
+    os.replace(tmp, path)
+
+
+def objects(ns_labels):
+    return [{"apiVersion": "v1", "kind": "Namespace",
+             "metadata": {"name": "shop", "labels": ns_labels}},
+            {"apiVersion": "v1", "kind": "Pod",
+             "metadata": {"name": "cart", "namespace": "shop", "uid": "u-cart"},
+             "spec": {"nodeName": "n1"}, "status": {"phase": "Running"}},
+            {"apiVersion": "v1", "kind": "Pod",
+             "metadata": {"name": "far", "namespace": "shop", "uid": "u-far"},
+             "spec": {"nodeName": "n2"}}]
+
+
+async def start(tmp_path, **extra):
+    cluster = tmp_path / "cluster"
+    cluster.mkdir(exist_ok=True)
+    cfg = agent_config.load({"state_dir": str(tmp_path / "state"), "config_dir": str(cluster),
+                             "config_file": os.devnull, "node_name": "n1"}, env={})
+    ctx = AgentContext(cfg.replace(**extra) if extra else cfg)
+    source = ctx.add(ambient_source.build(ctx))
+    writer = ctx.add(snapshot.build(ctx))
+    await source.start()
+    await writer.start()
+    return ctx, source, writer, cluster
+
+
+def read(writer):
+    with open(writer.path) as f:
+        return json.load(f)
+
+
+async def test_written_at_start_follows_edits_and_stays(tmp_path):
+    cluster = tmp_path / "cluster"
+    cluster.mkdir()
+    write(cluster / "all.yaml", *objects({}))
+    ctx, source, writer, _ = await start(tmp_path)
+    try:
+        assert writer.path == str(tmp_path / "state" / plugin.SNAPSHOT_NAME)
+        assert writer.ready() == (True, "")
+        snap = read(writer)
+        assert (snap["pods"], snap["namespaces"]) == ({"u-cart": False}, {"shop": False})
+        assert stat.S_IMODE(os.stat(writer.path).st_mode) == 0o600
+        # the namespace is labelled ambient: the plugin's answer changes within ~0.1 s
+        write(cluster / "all.yaml", *objects(AMBIENT))
+        await eventually(lambda: read(writer)["namespaces"] == {"shop": True})
+        assert read(writer)["pods"] == {"u-cart": True}
+        assert read(writer)["excluded_namespaces"] == ["kube-system"]
+        writes = writer.writes
+        # a change that alters no decision: not rewritten
+        objs = objects(AMBIENT)
+        objs[1]["metadata"]["labels"] = {"app": "cart"}
+        write(cluster / "all.yaml", *objs)
+        await eventually(lambda: source.store.get("Pod", "shop", "cart")["metadata"].get(
+            "labels") == {"app": "cart"})
+        await eventually(lambda: not writer._task or writer._task.done())
+        assert writer.writes == writes
+    finally:
+        await writer.stop(1)
+        await source.stop(1)
+        ctx.executor.shutdown(wait=False)
+    assert read(writer)["pods"] == {"u-cart": True}  # kept for the plugin
+
+
+async def test_removed_at_stop_when_safe_upgrade_disabled(tmp_path):
+    ctx, source, writer, _ = await start(tmp_path, ambient_disable_safe_upgrade=True)
+    try:
+        assert read(writer)["pods"] == {}
+    finally:
+        await writer.stop(1)
+        await source.stop(1)
+        ctx.executor.shutdown(wait=False)
+    assert not os.path.exists(writer.path)
+
+
+async def test_failed_write_is_reported_and_retried_with_the_next_change(tmp_path, caplog):
+    cluster = tmp_path / "cluster"
+    cluster.mkdir()
+    write(cluster / "all.yaml", *objects({}))
+    blocked = tmp_path / "state" / plugin.SNAPSHOT_NAME
+    os.makedirs(blocked)  # a directory where the file belongs: rename fails
+    ctx, source, writer, _ = await start(tmp_path)
+    try:
+        ok, why = writer.ready()
+        assert not ok and "cannot write" in why and str(blocked) in why
+        assert "the plugin keeps the previous snapshot" in caplog.text
+        os.rmdir(blocked)
+        write(cluster / "all.yaml", *objects(AMBIENT))
+        await eventually(lambda: writer.ready()[0])
+        assert read(writer)["namespaces"] == {"shop": True}
+    finally:
+        await writer.stop(1)
+        await source.stop(1)
+        ctx.executor.shutdown(wait=False)
