@@ -178,6 +178,7 @@ class Enrollment(Component):
         self._aborted: set[asyncio.Task] = set()  # enroll tasks a CNI DEL cancelled
         self._rollback_problems: dict[str, list[str]] = {}
         self.status = annotate.RedirectionStatus(self._annotator, self._stored_status)
+        self._side_tasks: set[asyncio.Task] = set()  # store-driven probe set updates
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -235,7 +236,7 @@ class Enrollment(Component):
         upstream's ``AMBIENT_DISABLE_SAFE_UPGRADE`` does (spec §3.12)."""
         if self.live is not None:  # waits for live (un)enrollments in flight
             await self.live.stop(grace)
-        tasks = list(self._retry_tasks.values())
+        tasks = list(self._retry_tasks.values()) + list(self._side_tasks)
         for t in tasks:
             t.cancel()
         if tasks:
@@ -642,7 +643,7 @@ class Enrollment(Component):
         rules are gone, so ztunnel never drains a proxy that traffic is still sent to."""
         errors: list[str] = []
         hostset = None
-        if rec.ips and self.host_rules is not None:
+        if self.host_rules is not None:  # by owner: also when the pod's IPs are unknown
             hostset = asyncio.ensure_future(
                 self.ctx.run_blocking(self.host_rules.remove_pod, rec.uid, rec.ips))
         if netns_path and os.path.exists(netns_path):
@@ -680,6 +681,37 @@ class Enrollment(Component):
             await self._set_status(rec, None)
         return errors
 
+    # --- probe set entries following the Pod object ------------------------------------
+
+    def pod_ips_seen(self, uid: str, ips: list[str]) -> None:
+        """Upstream's probe set self-heal (``informers.go``: an enrolled pod whose IPs
+        changed gets ``SyncHostProbeIPSet``), called by :mod:`cni.livepods` with a known
+        pod's current ``status.podIPs`` (normalized): when they differ from the record's,
+        its probe entries are upserted, and a record without IPs (recovered at start
+        before kubelet published them) adopts them. Only looks and schedules."""
+        rec = self.records.get(uid)
+        if rec is None or not ips or set(ips) == set(rec.ips):
+            return
+        task = asyncio.get_running_loop().create_task(self._add_probe_ips(uid, ips),
+                                                      name=f"probe-ips-{uid}")
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
+    async def _add_probe_ips(self, uid: str, ips: list[str]) -> None:
+        async with self._lock(uid):  # never after an unenroll removed the pod's entries
+            rec = self.records.get(uid)
+            if rec is None or self.host_rules is None:
+                return
+            if not rec.ips:
+                rec.ips = list(ips)
+                log.info("%s: pod IPs now known (%s)", rec.label(), ", ".join(ips))
+                if rec.status == "enabled":
+                    self.state.save(rec)
+            try:
+                await self._blocking(self.host_rules.add_pod, uid, ips)
+            except (RulesError, OSError, ValueError) as e:
+                log.warning("%s: probe set entries for %s: %s", rec.label(), ", ".join(ips), e)
+
     # --- restart recovery -------------------------------------------------------------------
 
     async def recover(self) -> dict[str, str]:
@@ -690,20 +722,27 @@ class Enrollment(Component):
         for rec in self._enrolled_from_store():
             wanted.setdefault(rec.uid, rec)
         if not wanted:
+            await self._reconcile_probe_set(wanted)  # entries of pods gone while we were not
             return {}
         found = await self._find_netns(wanted)
         results = await asyncio.gather(*(self._recover_one(rec, found.get(rec.uid))
                                          for rec in wanted.values()))
+        await self._reconcile_probe_set(wanted)
+        log.info("recovered %d pods (%d without netns)", len(wanted),
+                 sum(1 for s in results if s != "enabled"))
+        return {rec.uid: s for rec, s in zip(wanted.values(), results)}
+
+    async def _reconcile_probe_set(self, wanted: dict[str, PodRecord]) -> None:
+        """Start of day: the probe sets in place against the pods we know
+        (:meth:`HostProbeRules.sync`: known IPs upserted, entries owned by no known pod
+        removed, never a flush). Logged, never fatal."""
         try:
             pruned = await self.ctx.run_blocking(
                 self.host_rules.sync, {r.uid: r.ips for r in wanted.values()})
             if pruned:
-                log.info("pruned stale probe set entries: %s", ", ".join(pruned))
+                log.info("removed stale probe set entries: %s", ", ".join(pruned))
         except (RulesError, OSError, ValueError) as e:
-            log.error("probe set sync at start: %s", e)
-        log.info("recovered %d pods (%d without netns)", len(wanted),
-                 sum(1 for s in results if s != "enabled"))
-        return {rec.uid: s for rec, s in zip(wanted.values(), results)}
+            log.error("probe set reconcile at start: %s", e)
 
     def _enrolled_from_store(self) -> list[PodRecord]:
         store = self._store()

@@ -18,6 +18,10 @@ Two backends, chosen like the in-pod ones:
   kubelet on this host we match ``meta skuid >= 0`` instead, which, like
   ``--socket-exists``, is true exactly for packets that have a local socket.
 
+The sets are never flushed: :meth:`HostProbeRules.setup` keeps their entries and
+:meth:`HostProbeRules.sync` reconciles them in place at start, so a restart never leaves an
+enrolled pod without its entry (upstream flushes at start). Entries are removed by owner.
+
 All names are constructor arguments so tests use unique ones; defaults follow the spec.
 Every method blocks; the agent calls them via ``ctx.run_blocking``. ``netns`` (a path)
 makes them act on that netns instead of the caller's (tests use a scratch "node").
@@ -156,27 +160,38 @@ class HostProbeRules:
             yield
 
     def setup(self) -> None:
-        """Start of day (§3.10/§3.11): (re)create the sets empty and the rules; stale rules
-        from an earlier run are deleted first so nothing is duplicated."""
+        """Start of day (§3.10/§3.11): create the sets if missing and (re)write the rules,
+        each in one atomic step. Set entries are kept: a restarted agent reconciles them in
+        place (:meth:`sync`), so an enrolled pod's entry is never absent (kubelet probes
+        would fail in that window; upstream flushes here). Nothing is duplicated."""
         with self._in_netns():
             if self.backend == "nftables":
                 uid = self.kubelet_uid if self.kubelet_uid is not None else find_kubelet_uid()
-                # "flush table" leaves set elements; start-of-day wants empty sets (§3.10)
-                flush = "".join(f"flush set inet {self.nft_table} {name}\n"
-                                for name, _ in self._sets())
-                run_nft(self.render_nft(uid) + flush, "host probe rules")
+                # one transaction; "flush table" empties the chains, set elements stay
+                run_nft(self.render_nft(uid), "host probe rules")
                 return
-            self._delete_iptables_rules()
             with self._ipset() as ips:
                 for name, family in self._sets():
-                    try:
+                    try:  # exclusive=False: an existing set (and its entries) is kept
                         ips.create(name, stype="hash:ip", family=family, exclusive=False,
                                    comment=True)
-                        ips.flush(name)
                     except NetlinkError as e:
                         raise RulesError(f"ipset create {name}: {e}") from None
             for v6 in self._v6s():
-                self._restore(v6, self.render_iptables(v6), "create host rules")
+                jumps, has_chain = self._existing_iptables_rules(v6)
+                if jumps or has_chain:
+                    self._restore(v6, self._replace_iptables(v6, jumps), "replace host rules")
+                else:
+                    self._restore(v6, self.render_iptables(v6), "create host rules")
+
+    def _replace_iptables(self, v6: bool, jumps: list[str]) -> str:
+        """One ``iptables-restore --noflush`` transaction that flushes our chain
+        (``:CHAIN`` under ``--noflush``), drops every old jump to it and writes the rules
+        again: the SNAT rule is never absent, and never doubled."""
+        fresh = self.render_iptables(v6).splitlines()
+        rules = [ln for ln in fresh if ln.startswith(("-A ", "-I "))]
+        lines = ["*nat", f":{self.chain} - [0:0]"] + ["-D" + j[2:] for j in jumps] + rules
+        return "\n".join(lines + ["COMMIT"]) + "\n"
 
     def teardown(self) -> None:
         """Remove the rules and the sets (clean shutdown, §3.12). Idempotent."""
@@ -211,14 +226,18 @@ class HostProbeRules:
         if p.returncode != 0:
             raise RulesError(f"{self._tool(v6, 'restore')} ({what}) failed: {p.stderr.strip()}")
 
+    def _existing_iptables_rules(self, v6: bool) -> tuple[list[str], bool]:
+        """``(POSTROUTING rules jumping to our chain, whether our chain exists)``."""
+        p = subprocess.run([self._tool(v6, "save"), "-t", "nat"], capture_output=True,
+                           text=True, timeout=TOOL_TIMEOUT)
+        save = p.stdout if p.returncode == 0 else ""
+        jumps = [ln for ln in save.splitlines()
+                 if ln.startswith("-A POSTROUTING") and ln.endswith(f"-j {self.chain}")]
+        return jumps, f":{self.chain} " in save
+
     def _delete_iptables_rules(self) -> None:
         for v6 in self._v6s():
-            p = subprocess.run([self._tool(v6, "save"), "-t", "nat"], capture_output=True,
-                               text=True, timeout=TOOL_TIMEOUT)
-            save = p.stdout if p.returncode == 0 else ""
-            jumps = [ln for ln in save.splitlines()
-                     if ln.startswith("-A POSTROUTING") and ln.endswith(f"-j {self.chain}")]
-            has_chain = f":{self.chain} " in save
+            jumps, has_chain = self._existing_iptables_rules(v6)
             if not jumps and not has_chain:
                 continue
             lines = ["*nat"] + ["-D" + j[2:] for j in jumps]
@@ -264,17 +283,17 @@ class HostProbeRules:
                     except NetlinkError as e:
                         raise RulesError(f"ipset add {name} {ip} (pod {uid}): {e}") from None
 
-    def remove_pod(self, uid: str, ips: Iterable[str]) -> list[str]:
-        """Remove each IP whose owner is ``uid``; IPs owned by another pod are kept (IP
-        reuse, §3.7). Returns the IPs removed."""
+    def remove_pod(self, uid: str, ips: Iterable[str] = ()) -> list[str]:
+        """Remove every entry whose owner is ``uid``, whether or not its IPs are known
+        (a DEL for a pod the agent has no record of still finds its entries by the owner
+        comment, as upstream's ``ClearEntriesWithComment``). An IP of ``ips`` owned by
+        another pod is kept (IP reuse, §3.7) and logged. Returns the IPs removed."""
         owners = self.entries()
-        removed = [normalize_ip(ip) for ip in ips]
-        removed = [ip for ip in removed if owners.get(ip) == uid]
-        for ip in ips:
-            norm = normalize_ip(ip)
-            if norm in owners and owners[norm] != uid:
-                log.warning("probe set entry %s belongs to pod %s, not %s: kept", norm,
-                            owners[norm], uid)
+        removed = [ip for ip, owner in owners.items() if owner == uid]
+        for ip in {normalize_ip(ip) for ip in ips}:
+            if ip in owners and owners[ip] != uid:
+                log.warning("probe set entry %s belongs to pod %s, not %s: kept", ip,
+                            owners[ip], uid)
         if removed:
             self._delete_entries(removed)
         return removed
@@ -335,15 +354,27 @@ class HostProbeRules:
         return result
 
     def sync(self, pods: dict[str, list[str]]) -> list[str]:
-        """Startup sync (§3.9 step 1): upsert every pod's IPs, then prune entries whose IP
-        belongs to no pod, unless some pod has no IP (snapshot incomplete: pruning could
-        kill its probes, §7). Returns the pruned IPs."""
+        """Reconcile the sets in place with the pods this agent knows (``{uid: [IPs]}``;
+        start of day, §3.9 step 1), never flushing: each known IP is upserted with its
+        owner (only where missing or owned by someone else), and an entry is removed
+        only when its IP belongs to no known pod and its owner is not a known pod whose
+        IPs are still unknown (a pod whose ``podIPs`` are not published yet keeps the
+        entry an earlier run gave it; upstream skips pruning altogether then). Returns
+        the removed IPs. Raises RulesError, ValueError (a bad IP)."""
+        desired: dict[str, str] = {}
         for uid, ips in pods.items():
+            for ip in ips:
+                desired[normalize_ip(ip)] = uid
+        ip_unknown = {uid for uid, ips in pods.items() if not ips}
+        have = self.entries()
+        missing: dict[str, list[str]] = {}
+        for ip, uid in desired.items():
+            if have.get(ip) != uid:
+                missing.setdefault(uid, []).append(ip)
+        for uid, ips in missing.items():
             self.add_pod(uid, ips)
-        if any(not ips for ips in pods.values()):
-            return []
-        wanted = {normalize_ip(ip) for ips in pods.values() for ip in ips}
-        stale = [ip for ip in self.entries() if ip not in wanted]
+        stale = [ip for ip, owner in have.items()
+                 if ip not in desired and owner not in ip_unknown]
         if stale:
             self._delete_entries(stale)
         return stale

@@ -194,6 +194,8 @@ class LivePods:
         if uid in records:
             if should is False:
                 self._leave(uid, "no longer ambient")
+            else:
+                self.enrollment.pod_ips_seen(uid, pod_ips(pod))
             return
         if should is not True or uid in self._joining or self.enrollment.enrolling(uid):
             return

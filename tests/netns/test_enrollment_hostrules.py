@@ -1,6 +1,7 @@
 """Host probe rules and sets in a scratch "node" netns (never the real host), both
 backends, unique chain/set names: IP reuse by a new pod (owner = UID), idempotent
-setup, start-of-day sync and pruning (spec cni-zds.md §3.7, §3.9, §3.11, §6.12)."""
+setup keeping entries, start-of-day reconcile in place, removal by owner (spec
+cni-zds.md §3.7, §3.9, §3.11, §6.12; issue 17 item 6)."""
 
 from __future__ import annotations
 
@@ -69,18 +70,50 @@ def test_ip_reuse_keeps_new_owner(rules):
     assert rules.entries() == {}
 
 
-def test_sync_prunes_only_with_complete_snapshot(rules):
+def test_sync_reconciles_in_place(rules):
+    """Issue 17 item 6: known pods' IPs upserted (owner fixed where it differs), entries
+    of unknown owners removed even while some known pod has no IP yet, and that pod's
+    own entry kept."""
     rules.setup()
-    for ip, uid in (("2.2.2.2", "a"), ("6.6.6.6", "stale"), ("3.3.3.3", "b")):
+    for ip, uid in (("2.2.2.2", "a"), ("6.6.6.6", "stale"), ("3.3.3.3", "old-owner"),
+                    ("7.7.7.7", "c"), ("8.8.8.8", "")):
         rules.add_pod(uid, [ip])
-    assert rules.sync({"a": ["2.2.2.2"], "b": ["3.3.3.3"], "c": []}) == []  # c has no IP
-    assert "6.6.6.6" in rules.entries()
-    assert rules.sync({"a": ["2.2.2.2"], "b": ["3.3.3.3"]}) == ["6.6.6.6"]
-    assert rules.entries() == {"2.2.2.2": "a", "3.3.3.3": "b"}
-
-
-def test_setup_flushes_stale_entries(rules):
-    rules.setup()
-    rules.add_pod("x", ["10.1.1.1"])
-    rules.setup()
+    removed = rules.sync({"a": ["2.2.2.2"], "b": ["3.3.3.3", "fd00::b"], "c": []})
+    assert sorted(removed) == ["6.6.6.6", "8.8.8.8"]
+    assert rules.entries() == {"2.2.2.2": "a", "3.3.3.3": "b", "fd00::b": "b",
+                               "7.7.7.7": "c"}
+    # once c's IPs are known, its entry follows them
+    assert rules.sync({"a": ["2.2.2.2"], "b": ["3.3.3.3", "fd00::b"],
+                       "c": ["::ffff:7.7.7.8"]}) == ["7.7.7.7"]
+    assert rules.entries() == {"2.2.2.2": "a", "3.3.3.3": "b", "fd00::b": "b",
+                               "7.7.7.8": "c"}
+    assert sorted(rules.sync({})) == ["2.2.2.2", "3.3.3.3", "7.7.7.8", "fd00::b"]
     assert rules.entries() == {}
+
+
+def test_setup_keeps_entries_and_rules_stay_single(rules, node):
+    """A second start (agent restart) keeps every entry (no flush) and rewrites the
+    rules without duplicating them."""
+    rules.setup()
+    rules.add_pod("x", ["10.1.1.1", "fd00::1"])
+    once = dump(node)
+    rules.setup()
+    assert rules.entries() == {"10.1.1.1": "x", "fd00::1": "x"}
+    assert dump(node) == once
+    if rules.backend == "iptables":
+        for tool in ("iptables-save", "ip6tables-save"):
+            save = subprocess.run(["ip", "netns", "exec", node, tool, "-t", "nat"],
+                                  capture_output=True, text=True, check=True).stdout
+            assert save.count(f"-j {rules.chain}") == 1
+            assert save.count(f"-A {rules.chain} ") == 1
+
+
+def test_remove_pod_by_owner_when_ips_unknown(rules):
+    """A DEL for a pod whose IPs the agent doesn't know still removes the entries the pod
+    owns (by the UID comment); entries of other pods stay, even for a named IP."""
+    rules.setup()
+    rules.add_pod("gone", ["10.2.2.2", "fd00::2"])
+    rules.add_pod("other", ["10.2.2.3"])
+    assert sorted(rules.remove_pod("gone")) == ["10.2.2.2", "fd00::2"]
+    assert rules.remove_pod("gone", ["10.2.2.3"]) == []
+    assert rules.entries() == {"10.2.2.3": "other"}
