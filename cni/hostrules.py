@@ -30,6 +30,7 @@ makes them act on that netns instead of the caller's (tests use a scratch "node"
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import json
 import logging
@@ -318,7 +319,9 @@ class HostProbeRules:
                         raise RulesError(f"ipset del {name} {ip}: {e}") from None
 
     def entries(self) -> dict[str, str]:
-        """``{ip: owner pod uid}`` for every entry of the probe sets."""
+        """``{ip: owner pod uid}`` for every entry of the probe sets; a set that does not
+        exist has none. Raises RulesError when a set can't be read (a removal or prune
+        must never act on a listing that silently came back empty)."""
         result: dict[str, str] = {}
         with self._in_netns():
             if self.backend == "nftables":
@@ -326,7 +329,10 @@ class HostProbeRules:
                     p = subprocess.run(["nft", "-j", "list", "set", "inet", self.nft_table, name],
                                        capture_output=True, text=True, timeout=TOOL_TIMEOUT)
                     if p.returncode != 0:
-                        continue
+                        if "No such file or directory" in p.stderr:
+                            continue  # no table/set yet
+                        raise RulesError(f"nft list set {self.nft_table} {name} failed: "
+                                         f"{p.stderr.strip()}")
                     for item in json.loads(p.stdout).get("nftables", []):
                         for elem in item.get("set", {}).get("elem", []):
                             e = elem.get("elem", {}) if isinstance(elem, dict) else {}
@@ -339,8 +345,10 @@ class HostProbeRules:
                 for name, _ in self._sets():
                     try:
                         msgs = list(ipset.list(name))  # lazy generator
-                    except NetlinkError:
-                        continue
+                    except NetlinkError as e:
+                        if e.code == errno.ENOENT:
+                            continue  # no such set yet
+                        raise RulesError(f"ipset list {name}: {e}") from None
                     for msg in msgs:
                         adt = msg.get_attr("IPSET_ATTR_ADT")
                         if adt is None:
