@@ -21,6 +21,8 @@
 # they play the kubelet), dual-stack service CIDRs, APF on. No controller manager, scheduler
 # or kubelet runs. Everything binds 127.0.0.1 on free ports picked at start (two runs can
 # coexist); the ports are kept across apiserver-stop/apiserver-start so clients can reconnect.
+# On SIGTERM it ends open watches after 2 s (--shutdown-watch-termination-grace-period;
+# without it a graceful stop waits for every watch to time out).
 # etcd speaks plain HTTP on loopback (a throwaway test store; DIR is 0700).
 #
 # Why etcd from its Go module: it is the store kube-apiserver is developed and tested
@@ -270,6 +272,7 @@ launch_apiserver() {
     --allow-privileged=true \
     --profiling=false \
     --shutdown-delay-duration 0s --shutdown-send-retry-after=false \
+    --shutdown-watch-termination-grace-period 2s \
     --v 1 ${KUBE_TEST_APISERVER_ARGS:-} \
     </dev/null >>"$d/kube-apiserver.log" 2>&1 &
   echo $! > "$d/kube-apiserver.pid"
