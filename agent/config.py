@@ -483,20 +483,29 @@ SETTINGS: list[Setting] = [
             "PEM file of extra trust anchors merged into "
             "ROOTCA, read at start (upstream: mesh ProxyConfig.caCertificatesPem)",
             component="sds"),
-    Setting("ca_port", 0, parse_port, "serve the embedded CA as IstioCertificateService on this "
-            "port (0: off)", component="sds"),
+    Setting("ca_port", 0, parse_port, "separate TLS port for the embedded CA's "
+            "IstioCertificateService (0: served on xds_tls_port only, as istiod serves it on "
+            "15012)", component="sds"),
     Setting("ca_listen_address", "0.0.0.0", parse_bind_address,
-            "address the embedded CA port binds "
+            "address the separate CA port binds "
             "(callers are authenticated by client cert or token)", component="sds"),
     Setting("ca_cert_file", "", parse_existing_file, "root certificate for the embedded CA (with "
             "ca_key_file; empty: a self-signed root under <state dir>/ca)", component="sds"),
     Setting("ca_key_file", "", parse_existing_file, "private key of ca_cert_file",
             component="sds"),
-    Setting("ca_client_cert_auth", False, parse_bool, "embedded CA port requires client "
-            "certificates from its root (mTLS; tokens are still checked too)", component="sds"),
-    Setting("ca_tokens_file", "", parse_existing_file,
-            "YAML {token: namespace/serviceaccount} of bearer "
-            "tokens the embedded CA port accepts", component="sds"),
+    Setting("tokens_file", "", parse_existing_file,
+            "YAML {token: namespace/serviceaccount} of bearer tokens accepted on the TLS ports "
+            "(xDS and CA), for hosts without a Kubernetes API server", component="authn"),
+    Setting("token_audiences", ["istio-ca"], parse_list,
+            "audiences a Kubernetes service-account token must carry (TokenReview, "
+            "config_source kubernetes)", env="TOKEN_AUDIENCES", component="authn"),
+    Setting("tls_server_names", [], parse_list,
+            "extra DNS names / IPs in the TLS ports' server certificates (besides localhost, "
+            "127.0.0.1, ::1, istiod's service names and the node name)",
+            env="ISTIOD_CUSTOM_HOST", component="authn"),
+    Setting("mesh_root_file", _under_state("mesh-root", "root-cert.pem"), parse_path,
+            "where the mesh root is published (0644, directory 0755) for ztunnel's "
+            "XDS_ROOT_CA / CA_ROOT_CA (empty: not published)", component="sds"),
     Setting("ca_trusted_node_accounts", ["istio-system/ztunnel"], parse_account_list,
             "namespace/serviceaccount allowed to request certificates for other identities "
             "(ImpersonatedIdentity)", env="CA_TRUSTED_NODE_ACCOUNTS", component="sds"),
@@ -535,12 +544,13 @@ SETTINGS: list[Setting] = [
     Setting("xds_port", 15010, parse_port, "plaintext workload xDS port", component="xds"),
     Setting("xds_address", "127.0.0.1", parse_bind_address, "address the plaintext xDS port binds",
             component="xds"),
-    Setting("xds_tls_port", 15012, parse_port, "mTLS workload xDS port (0: off)",
+    Setting("xds_tls_port", 15012, parse_port, "TLS port for workload xDS and the embedded "
+            "CA, like istiod's 15012; client certificate optional, else a bearer token (0: off)",
             component="xds"),
-    Setting("xds_tls_address", "0.0.0.0", parse_bind_address, "address the mTLS xDS port binds",
-            component="xds"),
-    Setting("xds_token_file", "", parse_existing_file, "if set, xDS clients must send "
-            "'authorization: Bearer <this file's content>'", component="xds"),
+    Setting("xds_tls_address", "0.0.0.0", parse_bind_address, "address the TLS xDS port binds "
+            "(0.0.0.0 or ::: every IPv4 and IPv6 address)", component="xds"),
+    Setting("xds_token_file", "", parse_existing_file, "if set, clients of the plaintext xDS "
+            "port must send 'authorization: Bearer <this file's content>'", component="xds"),
     Setting("xds_debounce", 0.1, parse_duration, "xDS push debounce: quiet period after an "
             "index change", component="xds"),
     Setting("xds_debounce_max", 1.0, parse_duration, "xDS push debounce: longest delay after "
@@ -548,6 +558,14 @@ SETTINGS: list[Setting] = [
 ]
 
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
+
+# Settings that existed under another name: a config file or environment still using the
+# old name gets a ConfigError saying what to use instead (never a silent default).
+RENAMED = {
+    "ca_tokens_file": "renamed to tokens_file (it now covers the xDS TLS port too)",
+    "ca_client_cert_auth": "removed: every TLS port now verifies a client certificate when "
+                           "one is presented and otherwise authenticates the bearer token",
+}
 
 
 @dataclasses.dataclass
@@ -598,6 +616,8 @@ def _read_config_file(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError("config_file", path, "top level must be a mapping of setting: value")
+    for name in sorted(set(data) & set(RENAMED)):
+        raise ConfigError(name, data[name], f"{RENAMED[name]} (in {path})")
     unknown = sorted(set(data) - set(SETTINGS_BY_NAME))
     if unknown:
         raise ConfigError(unknown[0], data[unknown[0]], f"unknown setting in {path}")
@@ -612,6 +632,10 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
     """
     flags = dict(flags or {})
     env = os.environ if env is None else env
+    for name, why in RENAMED.items():
+        if "AMBIENT_AGENT_" + name.upper() in env:
+            raise ConfigError(name, env["AMBIENT_AGENT_" + name.upper()], why,
+                              "env AMBIENT_AGENT_" + name.upper())
     raw: dict[str, tuple[Any, str]] = {}
     for s in SETTINGS:
         if s.name in flags and flags[s.name] is not None:
@@ -677,6 +701,9 @@ def _check_together(values: dict[str, Any], origins: dict[str, str],
             fail(name, f"Unix socket path longer than {_UNIX_PATH_MAX} bytes"
                  + (" (derived from state_dir: choose a shorter state_dir)"
                     if origins[name] == "default" else ""))
+    if values["ca_port"] and values["ca_port"] == values["xds_tls_port"]:
+        fail("ca_port", f"collides with xds_tls_port {values['xds_tls_port']}, which serves the "
+                        "CA already (set ca_port 0, or another port for a separate CA port)")
     if values["xds_debounce"] > values["xds_debounce_max"]:
         fail("xds_debounce", f"must not exceed xds_debounce_max "
                              f"({values['xds_debounce_max']:g}s)")

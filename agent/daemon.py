@@ -35,7 +35,8 @@ COMPONENT_BUILDERS: list[tuple[str, str]] = [
     # ambient index and its config source
     ("ambient.source", "build"),
     ("ambient.index", "build"),
-    # SDS and CA
+    # caller authentication for the TLS ports (xDS, CA), then SDS and CA
+    ("agent.authn", "build"),
     ("agent.sds.server", "build"),
     # ZDS server
     ("zds.server", "build"),
@@ -114,9 +115,9 @@ class Agent:
     the ones already started); ``await agent.stop()`` is idempotent.
     """
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, clock: Callable[[], float] | None = None):
         self.config = config
-        self.ctx = AgentContext(config)
+        self.ctx = AgentContext(config, clock=clock)
         self.supervisor = Supervisor(self.ctx)
         self._stopped = False
         self._lock: StateDirLock | None = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from typing import Any, Callable, TypeVar
 
 from prometheus_client import CollectorRegistry
@@ -55,12 +56,15 @@ class AgentContext:
     Attributes: ``config`` (:class:`agent.config.Config`), ``registry`` (the agent's one
     ``prometheus_client.CollectorRegistry``), ``components`` (name -> Component, in start
     order), ``executor`` (bounded thread pool; use :meth:`run_blocking`), ``shutdown``
-    (an ``asyncio.Event`` set when the agent should stop, e.g. by ``/quitquitquit``).
+    (an ``asyncio.Event`` set when the agent should stop, e.g. by ``/quitquitquit``),
+    ``clock`` (wall-clock epoch seconds for certificate validity and renewal; tests inject
+    one to run the agent "for days").
     """
 
     def __init__(self, config: Config, registry: CollectorRegistry | None = None,
-                 max_workers: int = 8):
+                 max_workers: int = 8, clock: Callable[[], float] | None = None):
         self.config = config
+        self.clock: Callable[[], float] = clock or time.time
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self.components: dict[str, Component] = {}
         self.executor = concurrent.futures.ThreadPoolExecutor(

@@ -5,13 +5,19 @@ and Authorization for ztunnel and waypoints (spec ``ambient-wds.md`` §2, §4.3�
   ``DeltaAggregatedResources`` (what ztunnel speaks) and ``StreamAggregatedResources``
   (state of the world, for clients that speak only that). Server reflection is on, so
   ``grpcurl`` can list, describe and call it.
-- Listeners: plaintext on ``xds_address:xds_port`` (loopback by default) and mTLS on
-  ``xds_tls_address:xds_tls_port`` with a certificate from a provider callable (wired to
-  the ``sds`` component when it offers one); client certificates are verified against the
-  mesh root and the caller's SPIFFE ID (peer cert URI SAN) becomes its identity. A client
-  whose identity namespace differs from its node namespace is refused, as istiod does.
-- Optional bearer token (``xds_token_file``): every stream must send
-  ``authorization: Bearer <token>``.
+- Listeners: plaintext on ``xds_address:xds_port`` (loopback by default, anonymous like
+  istiod's 15010; optional shared bearer token ``xds_token_file``) and TLS on
+  ``xds_tls_address:xds_tls_port`` (istiod's 15012). The TLS port is a front door
+  (:mod:`agent.tlsfront`): TLS 1.2/1.3 with ALPN h2, server certificate from the ``sds``
+  component renewed before expiry (:mod:`agent.servercert`), client certificate optional
+  and verified against the mesh root when presented. Every call on it is authenticated
+  by the ``authn`` chain (client certificate SPIFFE ID, or bearer token: tokens file /
+  Kubernetes TokenReview); refused calls get UNAUTHENTICATED naming why. A client whose
+  identity namespace differs from its node namespace is refused, as istiod does.
+- The embedded CA's ``IstioCertificateService`` is served on the same TLS port when the
+  ``sds`` component has one (ztunnel's default ``CA_ADDRESS`` is its ``XDS_ADDRESS``).
+- Keepalive enforcement accepts client pings every 10 s or more, with or without
+  streams (:mod:`agent.grpc_options`); ztunnel pings every 30 s.
 - Pushes come from the index change feed (``AmbientIndex.subscribe``): the resource cache
   is invalidated at once, the fan-out to streams is debounced (``xds_debounce`` quiet
   period, at most ``xds_debounce_max`` after the first change) and merged, and each stream
@@ -22,21 +28,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import logging
 import time
 from typing import Awaitable, Callable
 
 import grpc
-from cryptography import x509
 from envoy.service.discovery.v3 import ads_pb2, ads_pb2_grpc, discovery_pb2
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from agent import tlsfront
+from agent.authn import AuthenticationError, Authenticator
 from agent.config import ConfigError, ensure_tcp_port_free
+from agent.grpc_options import KEEPALIVE_SERVER_OPTIONS
 from agent.lifecycle import AgentContext, Component
-from agent.sds.keys import leaf_validity, uri_sans
+from agent.servercert import ServerCertificate, TlsMaterial
 from ambient.api import AmbientIndex, IndexChange
 from ambient.xds_generators import Generator, default_generators
 from ambient.xds_stream import PreparedResponse, RequestError, XdsStream
@@ -45,20 +52,6 @@ log = logging.getLogger("ambient.xds")
 
 SERVICE_NAME = ads_pb2.DESCRIPTOR.services_by_name["AggregatedDiscoveryService"].full_name
 MAX_MESSAGE = 200 * 1024 * 1024  # ztunnel's max decode size (§2.1)
-
-
-@dataclasses.dataclass(frozen=True)
-class TlsMaterial:
-    """PEM bytes for the mTLS listener: server chain + key, and the mesh root that client
-    certificates must chain to. ``not_after`` (epoch seconds) drives refresh."""
-
-    cert_chain_pem: bytes
-    key_pem: bytes
-    root_pem: bytes
-    not_after: float = 0.0
-
-    def __repr__(self) -> str:  # never print the key
-        return f"TlsMaterial(not_after={self.not_after})"
 
 
 TlsProvider = Callable[[], Awaitable[TlsMaterial]]
@@ -70,15 +63,6 @@ class AuthError(Exception):
         super().__init__(message)
 
 
-def spiffe_id_from_pem(pem: bytes) -> str | None:
-    """The first ``spiffe://`` URI SAN of a PEM certificate, or None."""
-    try:
-        cert = x509.load_pem_x509_certificate(pem)
-    except ValueError:
-        return None
-    return next((uri for uri in uri_sans(cert) if uri.startswith("spiffe://")), None)
-
-
 def spiffe_namespace(spiffe_id: str) -> str | None:
     """``ns`` of ``spiffe://<td>/ns/<ns>/sa/<sa>``, else None."""
     parts = spiffe_id.removeprefix("spiffe://").split("/")
@@ -87,9 +71,10 @@ def spiffe_namespace(spiffe_id: str) -> str | None:
     return None
 
 
-class Authenticator:
-    """Who is calling: the mTLS peer's SPIFFE ID (None on plaintext), after the optional
-    bearer-token check. Raises :class:`AuthError` (UNAUTHENTICATED) on a bad token."""
+class PlaintextAuth:
+    """The plaintext port's optional shared bearer token (``xds_token_file``): calls must
+    send ``authorization: Bearer <the file's content>``. Raises :class:`AuthError`
+    (UNAUTHENTICATED) on a missing or wrong token, UNAVAILABLE when the file is unreadable."""
 
     def __init__(self, token_file: str = "", run_blocking=None):
         self.token_file = token_file
@@ -116,7 +101,7 @@ class Authenticator:
             self._read_at = time.monotonic()
         return self._token
 
-    async def authenticate(self, context) -> str | None:
+    async def authenticate(self, context) -> None:
         expected = await self._expected()
         if expected is not None:
             got = dict(context.invocation_metadata() or ()).get("authorization", "")
@@ -124,15 +109,6 @@ class Authenticator:
             if not token or not hmac.compare_digest(token, expected):
                 raise AuthError(grpc.StatusCode.UNAUTHENTICATED,
                                 "authorization: missing or wrong bearer token")
-        auth = context.auth_context() or {}
-        if auth.get("transport_security_type") != [b"ssl"]:
-            return None
-        pems = auth.get("x509_pem_cert") or []
-        identity = spiffe_id_from_pem(pems[0]) if pems else None
-        if identity is None:
-            raise AuthError(grpc.StatusCode.UNAUTHENTICATED,
-                            "client certificate: no spiffe:// URI SAN")
-        return identity
 
 
 class _Metrics:
@@ -208,11 +184,16 @@ class _Servicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
 
 class XdsServer(Component):
     """The ``xds`` component. ``port``/``tls_port`` are the bound ports after start
-    (useful with port 0). ``tls_port=None`` disables the mTLS listener; so does a
-    missing ``tls_provider``.
+    (useful with port 0). ``tls_port=None`` disables the TLS listener; so does a
+    missing ``tls_provider`` (an async callable returning
+    :class:`~agent.servercert.TlsMaterial`, called again at each renewal).
 
     ``index`` may be an :class:`AmbientIndex` or a zero-argument callable returning one
     at start (the ``ambient-index`` component is built before us but started first).
+    ``authenticator`` (the ``authn`` chain; default: client certificates only) decides
+    who calls the TLS port; ``ca_service`` (an ``IstioCertificateService`` servicer) is
+    served there too; ``backend_path`` is the private Unix socket behind the TLS front
+    door (default: in a fresh 0700 temp directory); ``clock`` drives certificate renewal.
     """
 
     name = "xds"
@@ -222,13 +203,20 @@ class XdsServer(Component):
                  tls_address: str = "0.0.0.0", tls_port: int | None = None,
                  tls_provider: TlsProvider | None = None, token_file: str = "",
                  debounce: float = 0.1, debounce_max: float = 1.0,
-                 registry: CollectorRegistry | None = None, run_blocking=None):
+                 registry: CollectorRegistry | None = None, run_blocking=None,
+                 authenticator: Authenticator | None = None, ca_service=None,
+                 backend_path: str = "", clock: Callable[[], float] = time.time,
+                 trust_domain: str = "cluster.local"):
         self._index_source = index
         self.index: AmbientIndex | None = None
         self.address, self.port = address, port
         self.tls_address, self.tls_port = tls_address, tls_port
         self.tls_provider = tls_provider
-        self.authenticator = Authenticator(token_file, run_blocking)
+        self.plaintext_auth = PlaintextAuth(token_file, run_blocking)
+        self.authenticator = authenticator or Authenticator(trust_domain, run_blocking=run_blocking)
+        self.ca_service = ca_service
+        self.backend_path = backend_path
+        self.clock = clock
         self.debounce, self.debounce_max = debounce, debounce_max
         self.registry = registry or CollectorRegistry()
         self.metrics = _Metrics(self.registry)
@@ -239,14 +227,20 @@ class XdsServer(Component):
         self._pending: IndexChange | None = None
         self._first_change = 0.0
         self._timer: asyncio.TimerHandle | None = None
-        self._tls: TlsMaterial | None = None
-        self._tls_served: TlsMaterial | None = None  # what gRPC core last got (_fetch_tls)
-        self._tls_task: asyncio.Task | None = None
+        self.certificate: ServerCertificate | None = None
+        self.front_door: tlsfront.TlsFrontDoor | None = None
         self._tls_note = "disabled"
         self.pushes = 0
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop(0)
+            raise
+
+    async def _start(self) -> None:
         source = self._index_source
         index = source if hasattr(source, "addresses") else source()
         if index is None:
@@ -256,35 +250,57 @@ class XdsServer(Component):
         self._unsubscribe = index.subscribe(self.on_index_change)
         server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE),
                                           ("grpc.max_receive_message_length", MAX_MESSAGE),
-                                          ("grpc.so_reuseport", 0)])
+                                          ("grpc.so_reuseport", 0),
+                                          *KEEPALIVE_SERVER_OPTIONS])
         server.add_generic_rpc_handlers((_handler(_Servicer(self)),))
-        reflection.enable_server_reflection([SERVICE_NAME, reflection.SERVICE_NAME], server)
+        services = [SERVICE_NAME, reflection.SERVICE_NAME]
+        tls = self.tls_port is not None and self.tls_provider is not None
+        if callable(self.ca_service) and not hasattr(self.ca_service, "CreateCertificate"):
+            self.ca_service = self.ca_service()  # the sds component's, known once it started
+        if tls and self.ca_service is not None:
+            from agent.sds import ca_server
+
+            ca_server.add_to_server(self.ca_service, server)
+            services.append(ca_server.CA_SERVICE)
+        reflection.enable_server_reflection(services, server)
         ensure_tcp_port_free("xds_port", self.address, self.port)
         bound = server.add_insecure_port(f"{_host(self.address)}:{self.port}")
         if bound == 0:
             raise ConfigError("xds_port", self.port, f"gRPC cannot bind "
                               f"{self.address}:{self.port} (check xds_address)")
         self.port = bound
-        if self.tls_port is not None and self.tls_provider is not None:
-            self._tls = await self.tls_provider()
-            creds = grpc.dynamic_ssl_server_credentials(
-                _cert_config(self._tls), self._fetch_tls, require_client_authentication=True)
+        if tls:
             ensure_tcp_port_free("xds_tls_port", self.tls_address, self.tls_port)
-            bound = server.add_secure_port(f"{_host(self.tls_address)}:{self.tls_port}", creds)
-            if bound == 0:
-                raise ConfigError("xds_tls_port", self.tls_port, f"gRPC cannot bind "
-                                  f"{self.tls_address}:{self.tls_port} (check xds_tls_address)")
-            self.tls_port = bound
-            self._tls_note = "serving"
-            self._tls_task = asyncio.create_task(self._refresh_tls())
+            self.certificate = ServerCertificate("xds_tls_port", self.tls_provider,
+                                                 clock=self.clock)
+            await self.certificate.start()
+            if not self.backend_path:
+                import tempfile
+
+                self.backend_path = f"{tempfile.mkdtemp(prefix='ambient-xds-')}/xds.sock"
+            server.add_insecure_port("unix:" + self.backend_path)
         elif self.tls_port is not None:
             self._tls_note = "no certificate provider (sds component absent)"
-            log.warning("xds: mTLS listener on port %s skipped: %s", self.tls_port, self._tls_note)
+            log.warning("xds: TLS listener on port %s skipped: %s", self.tls_port, self._tls_note)
             self.tls_port = None
         await server.start()
         self._server = server
+        if tls:
+            self.front_door = tlsfront.TlsFrontDoor("xds_tls_port", self.tls_address,
+                                                    self.tls_port, self.backend_path,
+                                                    self.certificate)
+            try:
+                await self.front_door.start()
+            except OSError as e:
+                raise ConfigError("xds_tls_port", self.tls_port,
+                                  f"cannot listen on {self.tls_address}:{self.tls_port}: "
+                                  f"{e.strerror or e}") from None
+            self.authenticator.add_front_door(self.front_door)
+            self.tls_port = self.front_door.port
+            self._tls_note = "serving"
         log.info("xds: serving plaintext on %s:%d%s", self.address, self.port,
-                 f", mTLS on {self.tls_address}:{self.tls_port}" if self.tls_port else "")
+                 f", TLS (xDS{' + CA' if self.ca_service and tls else ''}) on "
+                 f"{self.tls_address}:{self.tls_port}" if self.tls_port else "")
 
     async def stop(self, grace: float) -> None:
         if self._unsubscribe:
@@ -292,8 +308,12 @@ class XdsServer(Component):
             self._unsubscribe = None
         if self._timer:
             self._timer.cancel()
-        if self._tls_task:
-            self._tls_task.cancel()
+        if self.front_door:
+            self.authenticator.remove_front_door(self.front_door)
+            await self.front_door.stop()
+            self.front_door = None
+        if self.certificate:
+            await self.certificate.stop()
         for conn in list(self.connections.values()):
             conn.inbox.put_nowait(_Connection.EOF)
         if self._server:
@@ -303,25 +323,22 @@ class XdsServer(Component):
     def ready(self) -> tuple[bool, str]:
         return (self._server is not None, "" if self._server else "not started")
 
-    # ---------------------------------------------------------------- TLS
-    def _fetch_tls(self):
-        # Called by gRPC core on each handshake (its own thread): only hand over what
-        # the refresh task already fetched.
-        material = self._tls
-        if material is None or material is self._tls_served:
+    # ---------------------------------------------------------------- auth
+    async def _authenticate(self, context) -> str | None:
+        """The caller's SPIFFE ID (TLS port) or None (plaintext port). Raises AuthError."""
+        if self.authenticator.tls_peer(context) is None:
+            if not context.peer().startswith(("ipv4:", "ipv6:")):
+                raise AuthError(grpc.StatusCode.UNAUTHENTICATED,
+                                "authentication failure: the connection did not come through "
+                                "the TLS port")
+            await self.plaintext_auth.authenticate(context)
             return None
-        self._tls_served = material
-        return _cert_config(material)
-
-    async def _refresh_tls(self) -> None:
-        self._tls_served = self._tls
-        while True:
-            left = (self._tls.not_after - time.time()) if self._tls and self._tls.not_after else 0
-            await asyncio.sleep(min(3600.0, max(30.0, left / 2)) if left else 3600.0)
-            try:
-                self._tls = await self.tls_provider()
-            except Exception as e:  # keep serving the previous certificate
-                log.warning("xds: refreshing the mTLS certificate failed: %s", e)
+        try:
+            caller = await self.authenticator.authenticate(context)
+        except AuthenticationError as e:
+            raise AuthError(grpc.StatusCode.UNAUTHENTICATED,
+                            f"authentication failure: {e}") from None
+        return caller.spiffe_id
 
     # ---------------------------------------------------------------- index feed
     def on_index_change(self, change: IndexChange) -> None:
@@ -352,7 +369,7 @@ class XdsServer(Component):
     # ---------------------------------------------------------------- streams
     async def serve_stream(self, request_iterator, context, delta: bool):
         try:
-            identity = await self.authenticator.authenticate(context)
+            identity = await self._authenticate(context)
         except AuthError as e:
             log.warning("xds: refused %s: %s", context.peer(), e)
             # Answer after the client's first request: a gRPC client still writing its
@@ -443,8 +460,9 @@ class XdsServer(Component):
     def debug_state(self) -> dict:
         return {
             "plaintext": f"{self.address}:{self.port}",
-            "mtls": f"{self.tls_address}:{self.tls_port}" if self.tls_port else self._tls_note,
-            "token_required": bool(self.authenticator.token_file),
+            "tls": (self.front_door.debug_state() if self.front_door else self._tls_note),
+            "ca_on_tls_port": bool(self.ca_service and self.front_door),
+            "token_required": bool(self.plaintext_auth.token_file),
             "debounce_seconds": [self.debounce, self.debounce_max],
             "pushes": self.pushes,
             "cached_resources": {t: g.cached() for t, g in self.generators.items()},
@@ -476,38 +494,28 @@ def _host(address: str) -> str:
     return f"[{address}]" if ":" in address and not address.startswith("[") else address
 
 
-def _cert_config(material: TlsMaterial):
-    return grpc.ssl_server_certificate_configuration(
-        [(material.key_pem, material.cert_chain_pem)], root_certificates=material.root_pem)
-
-
 def sds_tls_provider(ctx: AgentContext) -> TlsProvider | None:
     """A provider backed by the ``sds`` component (``certificate_for(sans)`` returning a
     bundle with ``chain``/``key``/``root`` PEM, and ``root_pem()``), or None when that
     component or API is missing.
 
     The server certificate carries the SPIFFE ID
-    ``spiffe://<trust_domain>/ns/<system_namespace>/sa/ambient-agent`` and the DNS names
-    ``istiod.<system_namespace>.svc`` (+ ``.svc.cluster.local``), the names ztunnel verifies
-    by default when its ``XDS_ADDRESS`` points at istiod's service (spec §2.1).
+    ``spiffe://<trust_domain>/ns/<system_namespace>/sa/ambient-agent`` and the names of
+    :func:`agent.servercert.server_names`: the DNS names and IPs ztunnel verifies by
+    default on a plain host (``localhost``, ``127.0.0.1``, ``::1``) and in a cluster
+    (``istiod.<ns>.svc``, ...), the node name and ``tls_server_names``.
     """
     sds = ctx.get("sds")
     get_cert = getattr(sds, "certificate_for", None)
     root = getattr(sds, "root_pem", None)
-    if get_cert is None or root is None:
+    sans_of = getattr(sds, "tls_server_sans", None)
+    if get_cert is None or root is None or sans_of is None:
         return None
-    cfg = ctx.config
-    ns = cfg.system_namespace
-    sans = [f"spiffe://{cfg.trust_domain}/ns/{ns}/sa/ambient-agent",
-            f"istiod.{ns}.svc", f"istiod.{ns}.svc.cluster.local"]
 
     async def provide() -> TlsMaterial:
-        bundle = await get_cert(sans)
+        bundle = await get_cert(sans_of(), "ECDSA")
         root_pem = root() if callable(root) else root
-        chain = _b(bundle.chain)
-        not_after = leaf_validity(chain)[1]
-        return TlsMaterial(chain, _b(bundle.key), _b(root_pem or bundle.root),
-                           not_after.timestamp())
+        return TlsMaterial(_b(bundle.chain), _b(bundle.key), _b(root_pem or bundle.root))
 
     return provide
 
@@ -528,9 +536,15 @@ def build(ctx: AgentContext) -> XdsServer:
 
     tls_port = cfg.xds_tls_port or None
     provider = sds_tls_provider(ctx) if tls_port else None
+    sds = ctx.get("sds")
+    authn = ctx.get("authn")
+    ca_service = sds.ca_servicer if tls_port and hasattr(sds, "ca_servicer") else None
+    backend = tlsfront.private_socket_path(cfg.state_dir, "xds") if provider else ""
     return XdsServer(index, address=cfg.xds_address, port=cfg.xds_port,
                      tls_address=getattr(cfg, "xds_tls_address", "0.0.0.0"), tls_port=tls_port,
                      tls_provider=provider, token_file=getattr(cfg, "xds_token_file", ""),
                      debounce=getattr(cfg, "xds_debounce", 0.1),
                      debounce_max=getattr(cfg, "xds_debounce_max", 1.0),
-                     registry=ctx.registry, run_blocking=ctx.run_blocking)
+                     registry=ctx.registry, run_blocking=ctx.run_blocking,
+                     authenticator=getattr(authn, "authenticator", None), ca_service=ca_service,
+                     backend_path=backend, clock=ctx.clock, trust_domain=cfg.trust_domain)

@@ -53,7 +53,7 @@ def test_durations(text, seconds):
                                         ({"ca_key_file": "/nonexistent"}, "ca_key_file"),
                                         ({"ca_root_cert": "/nonexistent"}, "ca_root_cert"),
                                         ({"ca_token_file": "/nonexistent"}, "ca_token_file"),
-                                        ({"ca_tokens_file": "/nonexistent"}, "ca_tokens_file"),
+                                        ({"tokens_file": "/nonexistent"}, "tokens_file"),
                                         ({"xds_token_file": "/nonexistent"}, "xds_token_file"),
                                         ({"trust_anchors_file": "/tmp"}, "trust_anchors_file"),
                                         ({"xds_address": "999.1.1.1"}, "xds_address"),
@@ -258,3 +258,21 @@ async def test_embedded_ca_names_the_bad_root_file(tmp_path):
             await build(ctx).start()
     finally:
         ctx.executor.shutdown(wait=False)
+
+
+def test_renamed_settings_and_ca_port_collision_are_clear_errors(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("ca_tokens_file: /etc/tokens.yaml\n")
+    with pytest.raises(cfg.ConfigError, match="renamed to tokens_file"):
+        cfg.load({"config_file": str(path)}, env={})
+    with pytest.raises(cfg.ConfigError, match="ca_client_cert_auth.*removed"):
+        cfg.load({}, env={"AMBIENT_AGENT_CA_CLIENT_CERT_AUTH": "true"})
+    with pytest.raises(cfg.ConfigError) as e:
+        cfg.load({"ca_port": "15012"}, env={})
+    assert e.value.setting == "ca_port" and "collides with xds_tls_port" in str(e.value)
+    assert cfg.load({"ca_port": "15013"}, env={}).ca_port == 15013
+    d = cfg.load({"state_dir": str(tmp_path)}, env={})
+    assert d.mesh_root_file == str(tmp_path / "mesh-root" / "root-cert.pem")
+    assert d.token_audiences == ["istio-ca"] and d.tls_server_names == []
+    assert cfg.load({}, env={"ISTIOD_CUSTOM_HOST": "agent.example,10.0.0.5"}).tls_server_names \
+        == ["agent.example", "10.0.0.5"]

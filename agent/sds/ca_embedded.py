@@ -25,7 +25,9 @@ import datetime as dt
 import logging
 import os
 import secrets
+import time
 from pathlib import Path
+from typing import Callable
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -81,9 +83,12 @@ class EmbeddedCA:
     """A local signing CA. Build with :meth:`load_or_create` (blocking).
 
     ``root_pem`` is the root bundle (bytes) clients trust; :meth:`sign` issues leaves.
+    ``clock`` (epoch seconds) dates what it signs; the agent sets its own (injectable) clock.
     """
 
-    def __init__(self, cert: x509.Certificate, key, root_bundle: bytes):
+    def __init__(self, cert: x509.Certificate, key, root_bundle: bytes,
+                 clock: Callable[[], float] = time.time):
+        self.clock = clock
         self.cert = cert
         self.key = key
         self.root_pem = root_bundle
@@ -148,7 +153,7 @@ class EmbeddedCA:
                   now: dt.datetime | None = None) -> tuple[list[str], x509.Certificate]:
         """:meth:`sign`, also returning the leaf as an ``x509.Certificate`` so a local
         caller (the secret cache) reads its validity without parsing the PEM back."""
-        now = now or dt.datetime.now(dt.timezone.utc)
+        now = now or dt.datetime.fromtimestamp(self.clock(), dt.timezone.utc)
         if isinstance(csr_pem, str):
             csr_pem = csr_pem.encode()
         try:

@@ -14,9 +14,15 @@ Who gets which identity (spec ``sds-ca-status.md`` §2.2, issue 6):
   PERMISSION_DENIED, never someone else's certificate. File names are refused in this
   mode: they would let any pod read any file the agent can read.
 
-Other components use :meth:`SdsServer.root_pem` (the mesh root bundle) and
+Other components use :meth:`SdsServer.root_pem` (the mesh root bundle),
 :meth:`SdsServer.certificate_for` (a certificate + key for given SANs, e.g. the xDS
-server's mTLS listener).
+server's TLS listener) and :meth:`SdsServer.ca_servicer` (the embedded CA's
+``IstioCertificateService``, which the xDS server serves on its TLS port).
+
+The mesh root is published to ``mesh_root_file`` (0644 in a 0755 directory, written
+atomically at start and whenever the root changes) so ztunnel can use it as
+``XDS_ROOT_CA`` / ``CA_ROOT_CA``; the file stays when the agent stops (ztunnel keeps
+verifying the agent across restarts with it).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from grpc_reflection.v1alpha import reflection
 
 from agent.config import Config, ConfigError
 from agent.lifecycle import AgentContext, Component
+from agent import servercert, tlsfront
 from agent.sds import attest, ca_server, files, keys
 from agent.sds.ca_embedded import CAError, EmbeddedCA
 from agent.sds.ca_istio import CAClientError, EmbeddedCAClient, IstioCAClient
@@ -72,8 +79,12 @@ class SdsServer(Component):
 
     def __init__(self, config: Config, run_blocking: Callable,
                  store_getter: Callable[[], object | None] = lambda: None,
-                 identify: Callable | None = None):
+                 identify: Callable | None = None,
+                 authenticator: Callable[[], object | None] = lambda: None,
+                 clock: Callable[[], float] | None = None):
         self.config = config
+        self._authenticator = authenticator
+        self.clock = clock
         self._run = run_blocking
         self._store = store_getter
         self.fixed: keys.Identity | None = (
@@ -97,7 +108,10 @@ class SdsServer(Component):
         self.ca_port: int = 0
         self._grpc: grpc.aio.Server | None = None
         self._ca_grpc: grpc.aio.Server | None = None
+        self._ca_door: tlsfront.TlsFrontDoor | None = None
+        self._ca_cert: servercert.ServerCertificate | None = None
         self._ca_service: ca_server.CertificateService | None = None
+        self._published_root = b""
         self._backend_path = ""
         self._tasks: list[asyncio.Task] = []
         self._started = False
@@ -121,8 +135,9 @@ class SdsServer(Component):
     async def _start(self) -> None:
         cfg = self.config
         await self._start_ca()
+        extra = {"clock": self.clock} if self.clock else {}
         self.cache = SecretCache(self.ca_client, self._run, self.algorithm, cfg.secret_ttl,
-                                 cfg.secret_grace_ratio)
+                                 cfg.secret_grace_ratio, **extra)
         self.watcher = files.FileWatcher(self._on_file_change)
         # The service exists before the first cache update can ask it to push.
         self.service = SdsService(self._identify, self._generate,
@@ -139,6 +154,8 @@ class SdsServer(Component):
                 log.warning("ca_root_cert=%r: %s", cfg.ca_root_cert, e)
             self.watcher.watch(cfg.ca_root_cert, _CA_ROOT)
         await self._start_sds()
+        if self.embedded:
+            await self._publish_root()
         if cfg.ca_port and self.embedded:
             await self._start_ca_port()
         if self.fixed:
@@ -165,6 +182,8 @@ class SdsServer(Component):
             name = "ca_key_file" if str(e).startswith("CA key") else "ca_cert_file"
             raise RuntimeError(f"embedded CA: setting {name}={getattr(cfg, name)!r}: {e}"
                                ) from None
+        if self.clock:
+            self.embedded.clock = self.clock
         self.ca_client = EmbeddedCAClient(self.embedded, self._run)
 
     async def _start_sds(self) -> None:
@@ -192,29 +211,71 @@ class SdsServer(Component):
 
     def ca_servicer(self) -> ca_server.CertificateService | None:
         """The embedded CA's ``IstioCertificateService`` servicer, for a component that
-        wants to serve it on its own gRPC server (e.g. xDS on 15012, as istiod does):
-        ``ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(servicer, server)``.
-        None when a remote Istio CA is configured."""
+        serves it on its own gRPC server (the xDS TLS port, as istiod does):
+        ``ca_server.add_to_server(servicer, server)``. Callers are authenticated by the
+        ``authn`` component's chain. None when a remote Istio CA is configured."""
         if self.embedded is None:
             return None
         if self._ca_service is None:
             cfg = self.config
             self._ca_service = ca_server.CertificateService(
-                self.embedded, self._run, cfg.trust_domain,
-                ca_server.TokenFile(cfg.ca_tokens_file, cfg.trust_domain),
+                self.embedded, self._run, cfg.trust_domain, self._authenticator,
                 cfg.ca_trusted_node_accounts, self._store, cfg.node_name)
         return self._ca_service
 
+    def server_certificate(self, name: str, sans: list[str]) -> servercert.ServerCertificate:
+        """A renewing :class:`~agent.servercert.ServerCertificate` for a TLS listener named
+        ``name`` with ``sans``, issued by this component's CA (not started)."""
+
+        async def provide() -> servercert.TlsMaterial:
+            bundle = await self.certificate_for(sans, "ECDSA")
+            return servercert.TlsMaterial(bundle.chain, bundle.key, self.root_pem() or bundle.root)
+
+        extra = {"clock": self.clock} if self.clock else {}
+        return servercert.ServerCertificate(name, provide, **extra)
+
+    def tls_server_sans(self) -> list[str]:
+        """SANs of the agent's TLS listeners: ``spiffe://<td>/ns/<system ns>/sa/ambient-agent``
+        and :func:`agent.servercert.server_names`."""
+        cfg = self.config
+        return [f"spiffe://{cfg.trust_domain}/ns/{cfg.system_namespace}/sa/ambient-agent",
+                *servercert.server_names(cfg.system_namespace, cfg.node_name,
+                                         cfg.tls_server_names)]
+
     async def _start_ca_port(self) -> None:
         cfg = self.config
-        chain, key = await self._run(self.embedded.issue, ca_server.server_sans(cfg.node_name),
-                                     "ECDSA", 0)
+        authenticator = self._authenticator()
+        if authenticator is None:
+            raise RuntimeError("ca_port: no caller authentication (component 'authn' missing)")
         self.ca_servicer()
-        self._ca_grpc, self.ca_port = await ca_server.start_ca_server(
-            self._ca_service, cfg.ca_listen_address, cfg.ca_port, chain, key,
-            cfg.ca_client_cert_auth)
-        log.info("embedded CA serving IstioCertificateService on %s:%d",
+        self._ca_cert = self.server_certificate("ca_port", self.tls_server_sans())
+        await self._ca_cert.start()
+        backend = tlsfront.private_socket_path(cfg.state_dir, "ca")
+        self._ca_grpc, self._ca_door = await ca_server.start_ca_server(
+            self._ca_service, cfg.ca_listen_address, cfg.ca_port, self._ca_cert, backend,
+            authenticator)
+        self.ca_port = self._ca_door.port
+        log.info("embedded CA serving IstioCertificateService on %s:%d (TLS)",
                  cfg.ca_listen_address, self.ca_port)
+
+    async def _publish_root(self) -> None:
+        """Write the mesh root to ``mesh_root_file`` when it changed. Errors are logged
+        (ztunnel then keeps the previous file), never fatal after start."""
+        path = self.config.mesh_root_file
+        root = self.root_pem()
+        if not path or not root or root == self._published_root:
+            return
+        try:
+            await self._run(publish_root, path, root)
+        except OSError as e:
+            if not self._started and not self._published_root:
+                raise RuntimeError(f"setting mesh_root_file={path!r}: "
+                                   f"{e.strerror or e}") from None
+            log.warning("mesh_root_file=%s: cannot write the mesh root: %s", path,
+                        e.strerror or e)
+            return
+        self._published_root = root
+        log.info("mesh root published at %s", path)
 
     async def _warm_up(self) -> None:
         """Fixed mode: mint ``default`` and ``ROOTCA`` before anyone asks (§1.8)."""
@@ -236,6 +297,14 @@ class SdsServer(Component):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.front_door:
             await self.front_door.stop()
+        if self._ca_door:
+            authenticator = self._authenticator()
+            if authenticator is not None:
+                authenticator.remove_front_door(self._ca_door)
+            await self._ca_door.stop()
+            self._ca_door = None
+        if self._ca_cert:
+            await self._ca_cert.stop()
         for server in (self._grpc, self._ca_grpc):
             if server is not None:
                 await server.stop(grace)
@@ -321,6 +390,10 @@ class SdsServer(Component):
             return
         if name == ROOTCA:
             self.service.push(lambda c: {ROOTCA}, spiffe_id)
+            if self.config.mesh_root_file and self.root_pem() != self._published_root:
+                task = asyncio.get_running_loop().create_task(self._publish_root())
+                self._tasks.append(task)
+                task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
         else:
             self.service.push(lambda c: {n for n in (c.names or ()) if _is_workload_name(n)},
                               spiffe_id)
@@ -413,11 +486,24 @@ class SdsServer(Component):
             "socket": self.config.sds_socket,
             "ca": self.config.ca_addr or "embedded",
             "ca_port": self.ca_port or None,
+            "ca_port_tls": self._ca_door.debug_state() if self._ca_door else None,
+            "mesh_root_file": self.config.mesh_root_file or None,
             "ca_issued": self._ca_service.issued if self._ca_service else 0,
             "streams": self.service.debug_state() if self.service else [],
             "nacks": self.service.nacks if self.service else 0,
             **(self.cache.debug_state() if self.cache else {}),
         }
+
+
+def publish_root(path: str, root: bytes) -> None:
+    """Write ``root`` to ``path`` atomically, 0644, creating its directory 0755. Blocking;
+    raises OSError."""
+    from cni.install import write_atomic
+
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    os.chmod(directory, 0o755)
+    write_atomic(path, root if root.endswith(b"\n") else root + b"\n", 0o644)
 
 
 def read_trust_anchors(path: str) -> bytes:
@@ -459,6 +545,11 @@ def build(ctx: AgentContext) -> SdsServer:
         source = ctx.get("config-source")
         return getattr(source, "store", None) if source is not None else None
 
-    server = SdsServer(ctx.config, ctx.run_blocking, store)
+    def authenticator():
+        authn = ctx.get("authn")
+        return getattr(authn, "authenticator", None) if authn is not None else None
+
+    server = SdsServer(ctx.config, ctx.run_blocking, store, authenticator=authenticator,
+                       clock=ctx.clock)
     ctx.registry.register(SdsCollector(server))
     return server

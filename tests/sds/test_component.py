@@ -12,6 +12,7 @@ import grpc
 import pytest
 from cryptography import x509
 
+from agent import authn
 from agent.envoy import free_port
 from agent.lifecycle import AgentContext
 from agent.sds import keys
@@ -25,7 +26,8 @@ async def test_component_lifecycle_api_and_no_secrets_in_logs(state_dir, tmp_pat
     tokens.write_text("s3cr3t-token-value: shop/cart\n")
     ctx = AgentContext(make_config(state_dir, service_account="cart", pod_namespace="shop",
                                    ca_port=free_port(), ca_listen_address="127.0.0.1",
-                                   ca_tokens_file=str(tokens), ecc_signature_algorithm="ECDSA"))
+                                   tokens_file=str(tokens), ecc_signature_algorithm="ECDSA"))
+    ctx.add(authn.build(ctx))
     ca_agent = ctx.add(build(ctx))
     await ca_agent.start()
     client_state = tmp_path / "client-state"

@@ -1,0 +1,314 @@
+"""The TLS front door of a gRPC server: server-authenticated TLS, client certificate
+optional and verified when presented.
+
+Why it exists: istiod's 15012 verifies a client certificate *if one is given*
+(``tls.VerifyClientCertIfGiven``) and otherwise authenticates the call by its bearer
+token; ztunnel relies on that (TLS 1.3, ALPN h2, no client certificate,
+``authorization: Bearer <JWT>``). grpc Python's server credentials offer only "do not
+request a client certificate" or "require one" (``require_client_auth`` maps to grpc
+core's DONT_REQUEST / REQUEST_AND_REQUIRE_AND_VERIFY; checked with grpcio 1.85), so
+neither serves both ztunnel and a client that authenticates by certificate.
+
+How: :class:`TlsFrontDoor` listens on the public TCP port and terminates TLS with
+Python's ``ssl`` (OpenSSL) using the context of a
+:class:`agent.servercert.ServerCertificate` (renewed without restart). For each
+connection it records a :class:`TlsPeer` (remote address, verified client certificate
+if any, TLS version, ALPN), then relays the bytes to the gRPC server's private Unix
+socket from a client socket **bound to a unique abstract address**; gRPC reports that
+address as the call's peer (``"unix-abstract:<name>"``), which :meth:`TlsFrontDoor.lookup`
+maps back to the :class:`TlsPeer`. The same mechanism as the SDS front door
+(:mod:`agent.sds.attest`). HTTP/2 frames (including keepalive PINGs) pass through
+untouched, so gRPC core's keepalive enforcement sees exactly what the client sent.
+
+Bounds: TLS handshake timeout (``handshake_timeout``), at most ``max_connections``
+concurrent connections (more are closed at accept and counted), TCP keepalive on client
+sockets (ztunnel's values: 300 s idle, 75 s interval, 9 probes) so dead peers go away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import os
+import secrets
+import socket
+import ssl
+import time
+
+from cryptography import x509
+
+from agent.servercert import ServerCertificate
+
+log = logging.getLogger("agent.tlsfront")
+
+_RATE_LIMIT = 10.0  # seconds between two identical handshake-failure log lines
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsPeer:
+    """One TLS connection as the front door saw it.
+
+    ``remote``: the client's address in gRPC's peer format (``ipv4:1.2.3.4:5678``);
+    ``cert_der``: the verified client leaf (None when the client sent none);
+    ``uri_sans``: its URI SANs; ``version``: e.g. ``"TLSv1.3"``; ``alpn``: e.g. ``"h2"``.
+    """
+
+    remote: str
+    cert_der: bytes | None
+    uri_sans: tuple[str, ...]
+    version: str
+    alpn: str | None
+
+    @property
+    def spiffe_ids(self) -> list[str]:
+        return [u for u in self.uri_sans if u.startswith("spiffe://")]
+
+
+def grpc_peer(address) -> str:
+    """A socket address in gRPC's peer format: ``ipv4:h:p`` / ``ipv6:[h]:p`` (an
+    IPv4-mapped IPv6 address is shown as IPv4)."""
+    if isinstance(address, tuple) and len(address) >= 2:
+        host, port = address[0], address[1]
+        if host.startswith("::ffff:") and "." in host:
+            host = host[len("::ffff:"):]
+        return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
+    return str(address)
+
+
+def _uri_sans(der: bytes | None) -> tuple[str, ...]:
+    if not der:
+        return ()
+    try:
+        cert = x509.load_der_x509_certificate(der)
+        ext = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    except (ValueError, x509.ExtensionNotFound):
+        return ()
+    return tuple(ext.value.get_values_for_type(x509.UniformResourceIdentifier))
+
+
+def _keepalive(sock: socket.socket | None) -> None:
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 300)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 75)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 9)
+    except OSError:
+        pass
+
+
+class TlsFrontDoor:
+    """See the module docstring.
+
+    ``name`` appears in logs (the setting of the port, e.g. ``"xds_tls_port"``);
+    ``host``/``port`` the public listener (``0.0.0.0`` or ``::`` with a non-zero port
+    listen on every IPv4 and IPv6 address, as gRPC core does for them; port 0 lets the
+    kernel choose, see :attr:`port` after :meth:`start`); ``backend_path`` the gRPC
+    server's private Unix socket; ``certificate`` the listener's certificate.
+    """
+
+    def __init__(self, name: str, host: str, port: int, backend_path: str,
+                 certificate: ServerCertificate, *, max_connections: int = 1024,
+                 handshake_timeout: float = 10.0):
+        self.name = name
+        self.host, self.port = host, port
+        self.backend_path = backend_path
+        self.certificate = certificate
+        self.max_connections = max_connections
+        self.handshake_timeout = handshake_timeout
+        self.peers: dict[str, TlsPeer] = {}
+        self.accepted = 0
+        self.refused_over_limit = 0
+        self.handshake_failures = 0
+        self._prefix = f"ambient-tls-{os.getpid()}-{secrets.token_hex(4)}-"
+        self._counter = itertools.count(1)
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._last_log: dict[str, float] = {}
+
+    async def start(self) -> None:
+        """Bind the public port. Raises OSError when it can't be bound."""
+        self._listener = self._bind()
+        self.port = self._listener.getsockname()[1]
+        self._accept_task = asyncio.get_running_loop().create_task(
+            self._accept_loop(), name=f"accept-{self.name}")
+
+    def _bind(self) -> socket.socket:
+        # One socket per door: a wildcard address listens dual-stack on [::] (IPv4
+        # clients appear as ::ffff:a.b.c.d), falling back to 0.0.0.0 without IPv6.
+        wildcard = self.host in ("0.0.0.0", "::", "")
+        candidates = [(socket.AF_INET6, "::")] if wildcard and socket.has_ipv6 else []
+        if wildcard:
+            candidates.append((socket.AF_INET, "0.0.0.0"))
+        else:
+            candidates.append((socket.AF_INET6 if ":" in self.host else socket.AF_INET,
+                               self.host.strip("[]")))
+        error: OSError | None = None
+        for family, host in candidates:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6 and wildcard:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                sock.bind((host, self.port))
+                sock.listen(512)
+                sock.setblocking(False)
+                return sock
+            except OSError as e:
+                sock.close()
+                error = e
+        assert error is not None
+        raise error
+
+    async def stop(self) -> None:
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            await asyncio.gather(self._accept_task, return_exceptions=True)
+            self._accept_task = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, address = await loop.sock_accept(self._listener)
+            except OSError as e:  # EMFILE and friends: back off, keep the listener
+                log.warning("%s: accept failed: %s", self.name, e)
+                await asyncio.sleep(0.5)
+                continue
+            remote = grpc_peer(address)
+            if len(self._tasks) >= self.max_connections:
+                self.refused_over_limit += 1
+                log.warning("%s: %d connections open (the limit): closing the one from %s",
+                            self.name, len(self._tasks), remote)
+                sock.close()
+                continue
+            task = loop.create_task(self._handle(sock, remote))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def lookup(self, peer: str) -> TlsPeer | None:
+        """The :class:`TlsPeer` for a gRPC ``context.peer()``, or None when the call did
+        not come through this door."""
+        if not peer.startswith("unix-abstract:"):
+            return None
+        return self.peers.get(peer[len("unix-abstract:"):])
+
+    @property
+    def connections(self) -> int:
+        return len(self._tasks)
+
+    def _log_failure(self, remote: str, error: BaseException) -> None:
+        self.handshake_failures += 1
+        what = f"{type(error).__name__}: {error}"[:300]
+        now = time.monotonic()
+        if now - self._last_log.get(what, -_RATE_LIMIT) >= _RATE_LIMIT:
+            self._last_log[what] = now
+            if len(self._last_log) > 256:
+                self._last_log.clear()
+            log.info("%s: TLS handshake from %s failed: %s", self.name, remote, what)
+
+    async def _handshake(self, sock: socket.socket):
+        """TLS from the first byte (the context is chosen, and renewed if due, before any
+        byte is read). Returns ``(reader, writer)``; raises on failure or timeout."""
+        loop = asyncio.get_running_loop()
+        context = await self.certificate.current()
+        reader = asyncio.StreamReader(limit=256 * 1024)
+        protocol = asyncio.StreamReaderProtocol(reader)
+        transport, _ = await asyncio.wait_for(
+            loop.connect_accepted_socket(lambda: protocol, sock, ssl=context,
+                                         ssl_handshake_timeout=self.handshake_timeout),
+            self.handshake_timeout + 1.0)
+        return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+
+    async def _handle(self, sock: socket.socket, remote: str) -> None:
+        self.accepted += 1
+        name = self._prefix + str(next(self._counter))
+        writer = backend = None
+        try:
+            sock.setblocking(False)
+            _keepalive(sock)
+            try:
+                reader, writer = await self._handshake(sock)
+            except (ssl.SSLError, OSError, asyncio.TimeoutError, ConnectionError) as e:
+                self._log_failure(remote, e)
+                sock.close()
+                return
+            sslobj = writer.get_extra_info("ssl_object")
+            der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
+            self.peers[name] = TlsPeer(remote, der, _uri_sans(der),
+                                       sslobj.version() if sslobj else "",
+                                       sslobj.selected_alpn_protocol() if sslobj else None)
+            bsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            bsock.setblocking(False)
+            try:
+                bsock.bind("\0" + name)
+                await asyncio.get_running_loop().sock_connect(bsock, self.backend_path)
+            except OSError:
+                bsock.close()
+                raise
+            b_reader, backend = await asyncio.open_unix_connection(sock=bsock)
+            await asyncio.gather(_pump(reader, backend), _pump(b_reader, writer))
+        except (OSError, ConnectionError) as e:
+            log.debug("%s: connection from %s: %s", self.name, remote, e)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            # Forget the peer before the backend socket (and its abstract name) is freed,
+            # so a later connection can never be mistaken for this one.
+            self.peers.pop(name, None)
+            for w in (backend, writer):
+                if w is not None:
+                    w.close()
+
+    def debug_state(self) -> dict:
+        return {"listen": f"{self.host}:{self.port}", "connections": self.connections,
+                "accepted": self.accepted, "refused_over_limit": self.refused_over_limit,
+                "handshake_failures": self.handshake_failures,
+                "certificate": self.certificate.debug_state()}
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy bytes until EOF, then half-close (Unix side) or close (TLS side) the other."""
+    try:
+        while True:
+            data = await reader.read(256 * 1024)
+            if not data:
+                break
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+        else:
+            writer.close()
+    except (ConnectionError, OSError, ssl.SSLError):
+        writer.close()
+
+
+def private_socket_path(state_dir: str, name: str) -> str:
+    """``<state_dir>/tls-private/<name>.sock`` in a 0700 directory (only root reaches the
+    gRPC server behind the door); a fresh 0700 temp directory when that path would be
+    longer than a Unix socket path may be."""
+    directory = os.path.join(state_dir, "tls-private")
+    path = os.path.join(directory, f"{name}.sock")
+    if len(os.fsencode(path)) > 100:
+        import tempfile
+
+        directory = tempfile.mkdtemp(prefix="ambient-tls-")
+        path = os.path.join(directory, f"{name}.sock")
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    os.chmod(directory, 0o700)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return path
