@@ -11,14 +11,16 @@ What grpc core (1.85, ``chttp2/transport/ping_abuse_policy.cc``) honours on a se
 
 - ``grpc.keepalive_permit_without_calls`` — when 0, a connection without streams is held
   to a 2-hour floor; 1 applies the floor below to idle connections too;
-- ``grpc.http2.min_recv_ping_interval_without_data_ms`` — the floor. 10 s, not istiod's
+- ``grpc.http2.min_ping_interval_without_data_ms`` — the floor. This is the string value
+  of grpc core's ``GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS``; the
+  look-alike ``grpc.http2.min_recv_ping_interval_without_data_ms`` is read by nobody
+  (tests/ztunnel_exact/test_keepalive.py shows which one grpc obeys). 10 s, not istiod's
   15 s: grpc measures arrival intervals, and pings sent every 15 s arrive a few
   milliseconds early about half the time, which would count as strikes;
 - ``grpc.http2.max_ping_strikes`` — pings under the floor tolerated before GOAWAY (kept at
   grpc's 2, so a ping flood is still cut). Strikes reset whenever the server sends data.
 
-``grpc.http2.min_ping_interval_without_data_ms`` is a client-side argument that grpc core
-no longer reads; it is not set. The server's own pings (``keepalive_time_ms`` 30 s,
+The server's own pings (``keepalive_time_ms`` 30 s,
 ``keepalive_timeout_ms`` 10 s, istiod's ``keepalive.ServerParameters``) find dead clients.
 """
 
@@ -28,7 +30,7 @@ MIN_PING_INTERVAL_MS = 10_000
 
 KEEPALIVE_SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ("grpc.http2.max_ping_strikes", 2),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),

@@ -460,8 +460,11 @@ class XdsServer(Component):
     def debug_state(self) -> dict:
         return {
             "plaintext": f"{self.address}:{self.port}",
-            "tls": (self.front_door.debug_state() if self.front_door else self._tls_note),
-            "ca_on_tls_port": bool(self.ca_service and self.front_door),
+            "tls": (f"{self.tls_address}:{self.tls_port}"
+                    + (" (xDS + CA)" if self.ca_service else " (xDS)")
+                    if self.front_door else self._tls_note),
+            "tls_port": self.front_door.debug_state() if self.front_door else None,
+            "authn": self.authenticator.debug_state(),
             "token_required": bool(self.plaintext_auth.token_file),
             "debounce_seconds": [self.debounce, self.debounce_max],
             "pushes": self.pushes,

@@ -289,7 +289,7 @@ def watching(cert: dict, streams: list) -> str:
     return f"{count} ({', '.join(mine)})" if mine else str(count)
 
 
-XDS_KNOWN = {"plaintext", "mtls", "token_required", "debounce_seconds", "pushes",
+XDS_KNOWN = {"plaintext", "tls", "tls_port", "authn", "token_required", "debounce_seconds", "pushes",
              "cached_resources", "clients"}
 CLIENT_KNOWN = {"stream", "peer", "identity", "protocol", "node_id", "proxy_type", "node_name",
                 "connected_at", "types"}
@@ -301,7 +301,7 @@ def xds(data: dict, now: float) -> list[str]:
     clients = data["clients"]
     cached = data.get("cached_resources") or {}
     out = ["xDS clients " + f"({len(clients)})  " + "  ".join(x for x in [
-        facts(data, [("plaintext", "plaintext"), ("mtls", "mTLS"),
+        facts(data, [("plaintext", "plaintext"), ("tls", "TLS"),
                      ("token_required", "token required"), ("pushes", "pushes")]),
         ("cached " + ", ".join(f"{type_name(t)} {n}" for t, n in cached.items())) if cached else "",
     ] if x)]

@@ -1,0 +1,127 @@
+"""Keepalive: an idle xDS stream pinged every 30 s (ztunnel's cadence) is not cut, and a
+connection without streams pinged every 15 s (istiod's floor) is not cut either.
+
+Trade-off, stated: the issue asks for a 10-minute idle stream. grpc core's default
+policy cuts a 30 s pinger at its 4th ping (strikes at pings 2, 3, 4 > max 2), i.e. about
+120 s after the stream went idle, and a 15 s pinger without streams after about 45 s.
+The test runs ``AMBIENT_TEST_KEEPALIVE_SECONDS`` (default 150 s: past both cut points, so
+the same run also shows the cut happening against grpc's defaults) and all four cases at
+once in that window: our agent and a control server that differs only by grpc's default
+keepalive options, each with an idle ztunnel stream (30 s pings) and a stream-less
+connection (15 s pings). Set ``AMBIENT_TEST_KEEPALIVE_SECONDS=600`` for the full 10
+minutes. The frames on the wire are counted by the ztunnel-exact tunnel (hyperframe), so
+the test proves pings were sent and answered, not only that nothing happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from agent.grpc_options import KEEPALIVE_SERVER_OPTIONS
+
+from tests.ztunnel_exact.conftest import NODE, ZTUNNEL_TOKEN
+from tests.ztunnel_exact.tls import ControlPlaneTunnel
+from tests.ztunnel_exact.xds import ZtunnelEnv, ZtunnelXdsClient, grpc_channel_options
+
+DURATION = float(os.environ.get("AMBIENT_TEST_KEEPALIVE_SECONDS", "150"))
+ENHANCE_YOUR_CALM = 0xB
+
+
+async def _idle_stream(agent) -> ZtunnelXdsClient:
+    env = ZtunnelEnv(xds_address=f"https://localhost:{agent.xds.tls_port}",
+                     xds_root_ca=agent.root_pem, token=ZTUNNEL_TOKEN, node_name=NODE,
+                     pod_name="ztunnel-x", pod_namespace="istio-system")
+    client = await ZtunnelXdsClient(env).start()
+    await client.wait_ready()
+    return client
+
+
+async def _streamless(agent):
+    tunnel = await ControlPlaneTunnel(f"https://localhost:{agent.xds.tls_port}",
+                                      agent.root_pem).start()
+    channel = grpc.aio.insecure_channel(tunnel.target,
+                                        options=grpc_channel_options(15_000, while_idle=True))
+    await asyncio.wait_for(channel.channel_ready(), 10)
+    return tunnel, channel
+
+
+async def test_idle_pings_are_accepted_with_and_without_streams(make_agent, monkeypatch):
+    import ambient.xds_server as xds_server
+
+    with monkeypatch.context() as m:  # the control: grpc core's default ping policy
+        m.setattr(xds_server, "KEEPALIVE_SERVER_OPTIONS", [])
+        control = await make_agent()
+    agent = await make_agent()
+    ours, theirs = await _idle_stream(agent), await _idle_stream(control)
+    (t_ours, ch_ours), (t_theirs, ch_theirs) = await _streamless(agent), await _streamless(control)
+    try:
+        await asyncio.sleep(DURATION)
+        # our agent: one connection each, never cut, pings sent and answered
+        [stream] = ours.tunnel.connections
+        assert not stream.closed and not stream.received.goaways and not ours.terminations
+        assert len(stream.sent.pings) >= int(DURATION // 30) - 1, stream.sent
+        assert stream.received.ping_acks >= len(stream.sent.pings) - 1
+        [idle] = t_ours.connections
+        assert not idle.closed and not idle.received.goaways
+        assert len(idle.sent.pings) >= int(DURATION // 15) - 2, idle.sent
+        assert ch_ours.get_state() == grpc.ChannelConnectivity.READY
+        assert len(agent.xds.connections) == 1  # the stream is still served
+        # the control: grpc's defaults cut both with GOAWAY too_many_pings
+        goaways = [g for c in theirs.tunnel.connections + t_theirs.connections
+                   for g in c.received.goaways]
+        assert (ENHANCE_YOUR_CALM, b"too_many_pings") in goaways, goaways
+        assert theirs.tunnel.connections[0].received.goaways
+        assert t_theirs.connections[0].received.goaways
+    finally:
+        for ch in (ch_ours, ch_theirs):
+            await ch.close()
+        for t in (t_ours, t_theirs):
+            await t.close()
+        await ours.close()
+        await theirs.close()
+
+
+class _Watch(health_pb2_grpc.HealthServicer):
+    async def Watch(self, request, context):  # noqa: N802 - one answer, then idle
+        yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+        await asyncio.sleep(3600)
+
+
+async def _cut_after(options, seconds: float) -> float | None:
+    """Seconds until an idle stream pinged every second is cut, or None within ``seconds``."""
+    server = grpc.aio.server(options=options)
+    health_pb2_grpc.add_HealthServicer_to_server(_Watch(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[
+        ("grpc.keepalive_time_ms", 1000), ("grpc.http2.max_pings_without_data", 0)])
+    try:
+        call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+        await call.read()
+        start = time.monotonic()
+        try:
+            await asyncio.wait_for(call.read(), seconds)
+        except asyncio.TimeoutError:
+            return None
+        except grpc.RpcError:
+            return time.monotonic() - start
+        return None
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_grpc_core_obeys_the_option_names_we_set():
+    """Fast guard for the option names: the agent's options with only the floor lowered
+    to 500 ms let a 1 s pinger live; grpc's defaults cut it within seconds."""
+    fast = [(k, 500 if k == "grpc.http2.min_ping_interval_without_data_ms" else v)
+            for k, v in KEEPALIVE_SERVER_OPTIONS]
+    assert len(fast) == len(KEEPALIVE_SERVER_OPTIONS) and fast != KEEPALIVE_SERVER_OPTIONS
+    control, ours = await asyncio.gather(_cut_after([], 6.0), _cut_after(fast, 6.0))
+    assert control is not None and control < 6.0
+    assert ours is None
