@@ -60,6 +60,8 @@ def test_cluster_role_grants_exactly_what_the_agent_uses():
     wanted = {(group, plural, verb) for _, group, _, plural in RESOURCES.values()
               for verb in ("list", "watch")}
     wanted.add(("", "pods/status", "patch"))
+    # agent/authn.py: ztunnel's token on the TLS port is checked with a TokenReview
+    wanted.add(("authentication.k8s.io", "tokenreviews", "create"))
     assert granted == wanted
 
 
@@ -77,6 +79,7 @@ def test_daemonset_mounts_the_host_paths_the_agent_needs():
     assert pod["hostNetwork"] is True
     paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     assert paths == {"/opt/cni/bin", "/etc/cni/net.d", "/proc", "/var/run/netns",
-                     "/var/run/ztunnel", "/var/run/ambient-agent"}
+                     "/var/run/ztunnel", "/var/run/ambient-agent",
+                     "/var/run/ambient-agent/mesh-root"}
     caps = pod["containers"][0]["securityContext"]["capabilities"]["add"]
     assert {"NET_ADMIN", "SYS_ADMIN"} <= set(caps)

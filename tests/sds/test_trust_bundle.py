@@ -13,6 +13,7 @@ import pytest
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.secret.v3 import sds_pb2_grpc
 
+from agent import authn
 from agent.envoy import free_port
 from agent.lifecycle import AgentContext
 from agent.sds import keys
@@ -170,8 +171,9 @@ async def _ca_agent(state: str, port: int) -> tuple[AgentContext, SdsServer]:
         f.write("t0k3n: shop/cart\n")
     ctx = AgentContext(make_config(__import__("pathlib").Path(state), service_account="ca",
                                    pod_namespace="istio-system", ca_port=port,
-                                   ca_listen_address="127.0.0.1", ca_tokens_file=tokens,
+                                   ca_listen_address="127.0.0.1", tokens_file=tokens,
                                    ecc_signature_algorithm="ECDSA"))
+    ctx.add(authn.build(ctx))
     agent = ctx.add(build(ctx))
     await agent.start()
     return ctx, agent
