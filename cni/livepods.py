@@ -12,6 +12,9 @@ happens once at start for every pod of this node (upstream enqueues every namesp
 when its informer syncs), so a namespace labelled while the agent was down, or a pod
 that came up while no agent could enroll it, is enrolled as soon as the agent runs.
 
+An enrolled pod whose phase becomes Succeeded or Failed is removed from ztunnel at once
+with ``is_delete=True`` (upstream: "job pod that we captured and just terminated").
+
 What is not done here, as upstream: a pod whose process can't be found (not running
 yet, or not on this node) is left to its CNI ADD, which enrolls it when its sandbox is
 created; a deleted Pod object is left to the CNI DEL; terminal pods (phase Succeeded or
@@ -74,7 +77,8 @@ class LivePods:
         self._unsubscribe = None
         self._leaving: dict[str, asyncio.Task] = {}
         self._joining: dict[str, asyncio.Task] = {}
-        self.stats = {"enrolled_live": 0, "removed_live": 0, "not_found": 0, "scans": 0}
+        self.stats = {"enrolled_live": 0, "removed_live": 0, "removed_terminal": 0,
+                      "not_found": 0, "scans": 0}
 
     # --- lifecycle ---
 
@@ -156,7 +160,7 @@ class LivePods:
         if not on_this_node(pod, self.node_name, self.files_source):
             node = (pod.get("spec") or {}).get("nodeName")
             return f"runs on node {node!r}" if node else "not scheduled"
-        if (pod.get("status") or {}).get("phase") in TERMINAL_PHASES:
+        if _phase(pod) in TERMINAL_PHASES:
             return "terminal"
         if (meta.get("namespace") == self.system_namespace
                 and (meta.get("labels") or {}).get("app") == "ztunnel"):
@@ -192,7 +196,10 @@ class LivePods:
             return
         should = self.should_be_ambient(pod)
         if uid in records:
-            if should is False:
+            phase = _phase(pod)
+            if phase in TERMINAL_PHASES:
+                self._leave(uid, f"pod phase is {phase}", terminal=True)
+            elif should is False:
                 self._leave(uid, "no longer ambient")
             else:
                 self.enrollment.pod_ips_seen(uid, pod_ips(pod))
@@ -207,11 +214,11 @@ class LivePods:
             return
         join[uid] = pod
 
-    def _leave(self, uid: str, why: str) -> None:
+    def _leave(self, uid: str, why: str, terminal: bool = False) -> None:
         if uid in self._leaving:
             return
-        task = asyncio.get_running_loop().create_task(self._leave_mesh(uid, why),
-                                                      name=f"unenroll-{uid}")
+        work = self._terminated(uid, why) if terminal else self._leave_mesh(uid, why)
+        task = asyncio.get_running_loop().create_task(work, name=f"unenroll-{uid}")
         self._leaving[uid] = task
         task.add_done_callback(lambda _t, u=uid: self._leaving.pop(u, None))
 
@@ -233,6 +240,28 @@ class LivePods:
             self.stats["removed_live"] += 1
         except EnrollmentError as e:
             log.warning("un-enrolling %s: %s", rec.label(), e)
+
+    async def _terminated(self, uid: str, why: str) -> None:
+        """An enrolled pod whose phase became Succeeded or Failed (a Job's pod): its
+        processes are gone but the sandbox (and the CNI DEL) may come much later, so, as
+        upstream's informer (``RemovePodFromMesh(oldPod, isDelete=true)``), it leaves
+        ztunnel at once: probe entries (by owner, so also when the terminal status
+        dropped its IPs), ZDS delete, annotation, record. In-pod rules stay with the
+        netns, as on a CNI DEL."""
+        from cni.enrollment import EnrollmentError
+
+        rec = self.enrollment.records.get(uid)
+        if rec is None:
+            return
+        log.info("%s: %s; removing it from ztunnel", rec.label(), why)
+        event = CniPodEvent(command="DEL", container_id=rec.uid, netns=rec.netns,
+                            pod_name=rec.name, pod_namespace=rec.namespace, pod_uid=rec.uid,
+                            ips=list(rec.ips))
+        try:
+            await self.enrollment.unenroll(event, is_delete=True)
+            self.stats["removed_terminal"] += 1
+        except EnrollmentError as e:
+            log.warning("removing terminated %s: %s", rec.label(), e)
 
     async def _join(self, pods: dict[str, dict]) -> None:
         """Find the netns of ``pods`` (one ``/proc`` scan) and enroll those found."""
@@ -280,6 +309,11 @@ class LivePods:
             # retryable failures (ztunnel, probe set, annotation) are retried by the
             # enrollment itself; rule failures are final for this pod, as upstream
             log.warning("live enrollment of %s: %s", label, e)
+
+
+def _phase(pod: dict) -> str:
+    status = pod.get("status")
+    return str(status.get("phase") or "") if isinstance(status, dict) else ""
 
 
 def _uid(obj: dict | None) -> str:
