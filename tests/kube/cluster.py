@@ -211,8 +211,9 @@ async def apply_manifest(api: kclient.ApiClient, path: str) -> list[dict]:
 
 async def wait_crds_established(api: kclient.ApiClient, names: list[str],
                                 timeout: float = 30.0) -> None:
-    """Wait until every CRD in ``names`` has condition Established=True and its kind is
-    in discovery."""
+    """Wait until every CRD in ``names`` has condition Established=True, its kind is in
+    discovery, and a LIST of it answers (a new CRD's storage answers 429 "storage is
+    (re)initializing" for a moment after it is established)."""
     deadline = time.monotonic() + timeout
     pending = list(names)
     while pending:
@@ -226,6 +227,8 @@ async def wait_crds_established(api: kclient.ApiClient, names: list[str],
             try:
                 await resource_of(api, f"{spec['group']}/{version}", spec["names"]["kind"],
                                   refresh=True)
+                await request(api, "GET", f"/apis/{spec['group']}/{version}/"
+                              f"{spec['names']['plural']}", query=[("limit", 1)])
                 pending.pop(0)
                 continue
             except (LookupError, ApiException):
