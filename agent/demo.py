@@ -720,9 +720,10 @@ class Demo:
         client, server, legacy = self.pods
         self.app_listener = await asyncio.to_thread(
             run_in_pod, server, lambda: _listen(APP_PORT))
-        self.on_cleanup("app listener", self.app_listener.close)
-        echo = asyncio.create_task(asyncio.to_thread(_echo_forever, self.app_listener))
-        self.on_cleanup("app echo", lambda: echo.cancel())
+        import threading
+
+        threading.Thread(target=_echo_forever, args=(self.app_listener,), daemon=True).start()
+        self.on_cleanup("app listener", lambda: _close_listener(self.app_listener))
         td = self.config.trust_domain
         src, dst = (f"spiffe://{td}/ns/demo/sa/{client.service_account}",
                     f"spiffe://{td}/ns/demo/sa/{server.service_account}")
@@ -883,6 +884,13 @@ def _echo_forever(listener: socket.socket) -> None:
         except OSError:
             return
         threading.Thread(target=echo, args=(conn,), daemon=True).start()
+
+
+def _close_listener(listener: socket.socket) -> None:
+    """Close a listener another thread is blocked in accept() on (shutdown wakes it)."""
+    with contextlib.suppress(OSError):
+        listener.shutdown(socket.SHUT_RDWR)
+    listener.close()
 
 
 def _exchange(ip: str, port: int, data: bytes) -> bytes:
