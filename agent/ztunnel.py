@@ -71,7 +71,8 @@ class ZtunnelSettings:
             "CLUSTER_ID": self.cluster_id, "TRUST_DOMAIN": self.trust_domain,
             "NODE_NAME": self.node_name, "INPOD_UDS": self.zds_socket,
             "PROXY_CONFIG": json.dumps({"proxyAdminPort": self.admin_port,
-                                        "statsPort": self.stats_port}),
+                                        "statsPort": self.stats_port,
+                                        "proxyMetadata": {}}),
             "RUST_LOG": self.log_level,
         }
         env.update(self.extra_env)
