@@ -715,8 +715,9 @@ class Demo:
 
     async def check_hbone(self) -> None:
         """With a real ztunnel: client -> server:8080 is carried over HBONE (mTLS between
-        the two pods' SPIFFE identities, as ztunnel's own metrics report it), and the
-        non-ambient legacy pod still reaches the server (ztunnel's inbound passthrough)."""
+        the two pods' SPIFFE identities, as ztunnel's own metrics report it), and plaintext
+        from the non-ambient legacy pod is refused at the server's inbound (the example
+        cluster's PeerAuthentication is STRICT)."""
         client, server, legacy = self.pods
         self.app_listener = await asyncio.to_thread(
             run_in_pod, server, lambda: _listen(APP_PORT))
@@ -740,11 +741,21 @@ class Demo:
                  f"echo {'ok' if reply == b'ping' + bytes([10]) else repr(reply)}; ztunnel "
                  f"counted {after - before:g} mTLS connection(s) {client.service_account} -> "
                  f"{server.service_account}")
+        # The example cluster's PeerAuthentication is STRICT: ztunnel must refuse plaintext
+        # from the non-mesh legacy pod at the server's inbound, and say why in its log.
+        log_before = len(self.ztunnel.log())
         reply = await asyncio.to_thread(run_in_pod, legacy,
                                         lambda: _exchange(server.ip, APP_PORT, b"hi\n"))
-        self.add(f"{legacy.name} -> {server.name}:{APP_PORT}", "plaintext into a meshed pod",
-                 reply == b"hi\n", "echo ok (ztunnel inbound passthrough)"
-                 if reply == b"hi\n" else f"got {reply!r}")
+        refused = ""
+        deadline = time.monotonic() + 5
+        while not refused and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            refused = next((line for line in self.ztunnel.log()[log_before:].splitlines()
+                            if 'src.workload="legacy"' in line and "policy rejection" in line), "")
+        reason = refused.split('error="', 1)[-1].rstrip('"') if refused else ""
+        self.add(f"{legacy.name} -> {server.name}:{APP_PORT}", "plaintext refused (STRICT mTLS)",
+                 reply == b"" and bool(refused),
+                 f"ztunnel: {reason}" if refused else f"not refused (got {reply!r})")
 
     async def connect_and_observe(self, src: DemoPod, ip: str, port: int) -> list:
         """Connect from ``src`` to ``ip:port``; return what the reference ztunnel saw."""
@@ -904,17 +915,19 @@ def _exchange(ip: str, port: int, data: bytes) -> bytes:
 
 
 def _mtls_connections(metrics: str, source: str, destination: str) -> float:
-    """Sum of ztunnel's ``istio_tcp_connections_opened_total`` series with
-    ``connection_security_policy="mutual_tls"`` between the two SPIFFE identities."""
-    from prometheus_client.parser import text_string_to_metric_families
+    """Sum of ztunnel's ``istio_tcp_connections_opened_total`` samples with
+    ``connection_security_policy="mutual_tls"`` between the two SPIFFE identities, both
+    reporters. ztunnel serves OpenMetrics text (``# EOF``), parsed with its parser."""
+    if metrics.rstrip().endswith("# EOF"):
+        from prometheus_client.openmetrics.parser import text_string_to_metric_families
+    else:
+        from prometheus_client.parser import text_string_to_metric_families
 
     total = 0.0
     for family in text_string_to_metric_families(metrics):
-        if family.name != "istio_tcp_connections_opened":
-            continue
         for sample in family.samples:
             labels = sample.labels
-            if (sample.name.endswith("_total")
+            if (sample.name == "istio_tcp_connections_opened_total"
                     and labels.get("connection_security_policy") == "mutual_tls"
                     and labels.get("source_principal") == source
                     and labels.get("destination_principal") == destination):
