@@ -47,7 +47,10 @@ pytestmark = [
 
 
 def _readiness_port_free() -> bool:
+    """Free to listen on, as ztunnel binds it (SO_REUSEADDR: a previous ztunnel's
+    TIME_WAIT connections do not count)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("0.0.0.0", 15021))
             return True
