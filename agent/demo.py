@@ -333,7 +333,7 @@ class Demo:
         self.on_cleanup("bridge", self._delete_bridge)
         from pyroute2 import netns
 
-        netns.create(self.node_netns)
+        _create_netns(self.node_netns)
         self.on_cleanup(f"netns {self.node_netns}", lambda: netns.remove(self.node_netns))
 
     def prepare_podman(self) -> None:
@@ -525,7 +525,7 @@ class Demo:
         from pyroute2 import netns
 
         netns_name = f"ambdemo-{pod.name}-{self.suffix}"
-        await asyncio.to_thread(netns.create, netns_name)
+        await asyncio.to_thread(_create_netns, netns_name)
         pod.netns_path = f"/var/run/netns/{netns_name}"
         self.on_cleanup(f"netns {netns_name}", lambda: netns.remove(netns_name))
         await self.publish_pod(pod)
@@ -895,6 +895,17 @@ def _echo_forever(listener: socket.socket) -> None:
         except OSError:
             return
         threading.Thread(target=echo, args=(conn,), daemon=True).start()
+
+
+def _create_netns(name: str) -> None:
+    """``ip netns add NAME``. Not pyroute2's ``netns.create``: it forks a Python child,
+    and a fork while gRPC's threads run can crash that child (seen: SIGSEGV); ``ip``
+    is fork+exec. Raises DemoError naming the netns on failure."""
+    import subprocess
+
+    proc = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise DemoError(f"ip netns add {name}: {proc.stderr.strip() or proc.returncode}")
 
 
 def _close_listener(listener: socket.socket) -> None:
