@@ -197,14 +197,18 @@ def _proxies_stopped(metrics: str) -> float:
 
 def _assert_chain_from_root(cert_entry: dict, root_pem: str) -> None:
     """An entry of ztunnel's ``/config_dump`` ``certificates`` (``identity``, ``state``,
-    ``certChain`` and ``rootCerts`` as ``[{pem, serialNumber, validFrom, expirationTime}]``):
+    ``certChain`` and ``rootCerts`` as ``[{pem (base64 of the PEM), serialNumber, ...}]``):
     Available, its leaf signed by our mesh root, and our root among its roots."""
+    import base64
+
     from cryptography import x509
+
+    def load(entry: dict) -> x509.Certificate:  # admin.rs dump_cert: base64 of the PEM
+        return x509.load_pem_x509_certificate(base64.b64decode(entry["pem"]))
 
     assert cert_entry.get("state") == "Available", cert_entry
     root = x509.load_pem_x509_certificate(root_pem.encode())
-    leaf = x509.load_pem_x509_certificate(cert_entry["certChain"][0]["pem"].encode())
+    leaf = load(cert_entry["certChain"][0])
     leaf.verify_directly_issued_by(root)  # raises if not signed by our root
-    roots = [x509.load_pem_x509_certificate(c["pem"].encode())
-             for c in cert_entry.get("rootCerts") or []]
+    roots = [load(c) for c in cert_entry.get("rootCerts") or []]
     assert root in roots, [r.subject for r in roots]
