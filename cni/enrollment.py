@@ -29,6 +29,7 @@ is still announced to ZDS without a netns (``Keep``, §3.10) so ztunnel doesn't 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import fcntl
 import json
@@ -56,6 +57,7 @@ log = logging.getLogger("cni.enrollment")
 
 STATUS_ANNOTATION = annotate.REDIRECTION_ANNOTATION
 BACKOFF_INITIAL, BACKOFF_MAX = 0.2, 30.0
+SANDBOXES_MAX = 4096  # not-ambient pods remembered for live enrollment (a node's worth)
 # A CNI ADD is answered this long before the plugin would give up (its event's
 # ``timeout``): time for the answer to travel and for the work before the ZDS wait.
 ANSWER_MARGIN = 0.5
@@ -175,6 +177,10 @@ class Enrollment(Component):
         self._started = False
         self.live: LivePods | None = None  # running pods following their labels
         self._enrolling: dict[str, asyncio.Task] = {}  # uid -> task inside enroll()
+        # sandboxes of running pods the CNI ADD found not ambient: key -> (netns, ips);
+        # how a pod without IPs in its object (podman) is found when it becomes ambient
+        self._sandboxes: collections.OrderedDict[str, tuple[str, list[str]]] = \
+            collections.OrderedDict()
         self._aborted: set[asyncio.Task] = set()  # enroll tasks a CNI DEL cancelled
         self._rollback_problems: dict[str, list[str]] = {}
         self.status = annotate.RedirectionStatus(self._annotator, self._stored_status)
@@ -276,6 +282,22 @@ class Enrollment(Component):
         """``(st_ino, st_dev)`` of the node netns, taken at construction (skipped by
         ``/proc`` scans)."""
         return self._host_netns
+
+    def note_sandbox(self, event: CniPodEvent) -> None:
+        """Remember the netns and IPs of a pod whose CNI ADD was answered "not ambient"
+        (the event server calls this), so that it can be enrolled live, without a
+        ``/proc`` scan and without IPs in its object, if it becomes ambient. Forgotten at
+        its CNI DEL; at most :data:`SANDBOXES_MAX` are kept (oldest dropped)."""
+        if not event.netns or not event.ips:
+            return
+        self._sandboxes[event.key] = (event.netns, list(event.ips))
+        self._sandboxes.move_to_end(event.key)
+        while len(self._sandboxes) > SANDBOXES_MAX:
+            self._sandboxes.popitem(last=False)
+
+    def sandbox(self, key: str) -> tuple[str, list[str]] | None:
+        """``(netns path, ips)`` noted by :meth:`note_sandbox` for pod ``key``, if any."""
+        return self._sandboxes.get(key)
 
     def enrolling(self, uid: str) -> bool:
         """True while an :meth:`enroll` of pod ``uid`` runs (a CNI ADD or a live one)."""
@@ -624,6 +646,8 @@ class Enrollment(Component):
                 log.info("pod %s deleted during enrollment: enrollment cancelled", uid)
                 await asyncio.wait([aborted])
         self._cancel_retry(uid)  # a retry may hold the lock for up to ztunnel_wait
+        if is_delete:
+            self._sandboxes.pop(uid, None)
         async with self._lock(uid):
             self._cancel_retry(uid)
             rec = self.records.pop(uid, None) or self._record_from_event(event)

@@ -167,10 +167,13 @@ class CniEventServer(Component):
             decision = await self._decide(event)
         except ValueError as e:
             return 500, f"cannot decide whether pod {name} is ambient: {e}"
+        enrollment = self.ctx.get("enrollment")
         if not decision.ambient:
             log.info("pod %s is not ambient (%s): not enrolled", name, decision.reason)
+            note = getattr(enrollment, "note_sandbox", None)
+            if callable(note):  # found at once if it becomes ambient while running
+                note(event)
             return 200, {"ambient": False, "reason": decision.reason}
-        enrollment = self.ctx.get("enrollment")
         if enrollment is None:
             self._stats["add_failed"] += 1
             return 500, (f"pod {name} should be enrolled in ambient mode ({decision.reason}) but "

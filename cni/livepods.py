@@ -20,6 +20,11 @@ yet, or not on this node) is left to its CNI ADD, which enrolls it when its sand
 created; a deleted Pod object is left to the CNI DEL; terminal pods (phase Succeeded or
 Failed), host-network pods and ztunnel's own pods are never enrolled here.
 
+Our addition: a pod whose CNI ADD the agent answered "not ambient" is remembered with
+its netns and IPs (``Enrollment.note_sandbox``), so a podman-style pod, whose Pod object
+usually carries no IP and whose processes sit in a ``libpod-<container id>`` cgroup
+rather than a kubelet one, is found without a scan.
+
 The store calls :meth:`LivePods.on_events` on the event loop inside its transaction;
 it only records which pods to look at and schedules one reconcile task, which batches
 every pod that became ambient into a single ``/proc`` scan (off the loop).
@@ -165,7 +170,7 @@ class LivePods:
         if (meta.get("namespace") == self.system_namespace
                 and (meta.get("labels") or {}).get("app") == "ztunnel"):
             return "a ztunnel pod"
-        if not pod_ips(pod):
+        if not pod_ips(pod) and self.enrollment.sandbox(_uid(pod)) is None:
             return "no pod IP yet"
         return ""
 
@@ -264,21 +269,30 @@ class LivePods:
             log.warning("removing terminated %s: %s", rec.label(), e)
 
     async def _join(self, pods: dict[str, dict]) -> None:
-        """Find the netns of ``pods`` (one ``/proc`` scan) and enroll those found."""
-        wanted = {uid: pod_ips(pod) for uid, pod in pods.items()}
+        """Find the netns of ``pods`` and enroll those found: the sandbox its CNI ADD
+        reported when the agent saw one (still there), else one ``/proc`` scan for all."""
+        wanted: dict[str, list[str]] = {}
+        paths: dict[str, str] = {}
+        for uid, pod in pods.items():
+            seen = self.enrollment.sandbox(uid)
+            if seen is not None and os.path.exists(seen[0]):
+                paths[uid], wanted[uid] = seen[0], pod_ips(pod) or seen[1]
+            else:
+                wanted[uid] = pod_ips(pod)
         host = self.enrollment.host_netns
+        missing = {uid: ips for uid, ips in wanted.items() if uid not in paths and ips}
 
         def scan() -> dict[str, str]:
-            found = podnetns.scan(self.proc_dir, wanted, host)
+            found = podnetns.scan(self.proc_dir, missing, host)
             for hit in found.values():
                 os.close(hit.fd)  # enroll() reopens the path and checks it at the end
             return {uid: hit.path for uid, hit in found.items()}
-        self.stats["scans"] += 1
-        try:
-            paths = await self.enrollment.ctx.run_blocking(scan)
-        except Exception as e:  # noqa: BLE001
-            log.error("scanning %s for pod netns failed: %s", self.proc_dir, e)
-            return
+        if missing:
+            self.stats["scans"] += 1
+            try:
+                paths.update(await self.enrollment.ctx.run_blocking(scan))
+            except Exception as e:  # noqa: BLE001
+                log.error("scanning %s for pod netns failed: %s", self.proc_dir, e)
         for uid, pod in pods.items():
             meta = pod.get("metadata") or {}
             if uid not in paths:

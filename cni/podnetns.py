@@ -1,8 +1,10 @@
 """Finding running pods' network namespaces by scanning ``/proc`` (spec ``cni-zds.md`` §3.9).
 
 Used at agent start for pods enrolled before a restart whose netns path we don't have
-(or whose recorded path is gone): for every process, read its cgroup path to get the
-pod UID, and take its ``ns/net`` if that netns really holds the pod's IP.
+(or whose recorded path is gone), and for running pods that become ambient
+(:mod:`cni.livepods`): for every process, read its cgroup path to get the pod UID (or,
+for a podman container, named by its container ID, that ID), and take its ``ns/net``
+if that netns really holds the pod's IP.
 
 Upstream rules kept here, each for a reason (§7):
 - skip the host netns: a hostNetwork pod's processes live there (istio#55139). We
@@ -35,6 +37,9 @@ _N = r"""[^!-/:-@\[-`{-~]"""
 _UID = rf"[0-9a-fA-F]{{8}}{_P}?[0-9a-fA-F]{{4}}{_P}?[0-9a-fA-F]{{4}}{_P}?[0-9a-fA-F]{{4}}{_P}?[0-9a-fA-F]{{12}}"
 _POD_RE = re.compile(rf"{_P}pod({_UID}){_P}(?:{_N}+{_P})*({_N}+)$")
 _CRIO_RE = re.compile(rf"{_P}crio-({_N}+)$")
+# podman (ours, not upstream's): cgroupfs ``/libpod_parent/libpod-<id>``, systemd
+# ``/machine.slice/libpod-<id>.scope[/container]``; conmon's ``libpod-conmon-<id>`` is not it
+_LIBPOD_RE = re.compile(r"/libpod-([0-9a-f]{64})(?:\.scope)?(?:/|$)")
 
 
 class CgroupError(ValueError):
@@ -70,6 +75,10 @@ def parse_cgroup(text: str) -> tuple[str, str]:
             cids.add(m.group(2))
             continue
         m = _CRIO_RE.search(path)
+        if m:
+            cids.add(m.group(1))
+            continue
+        m = _LIBPOD_RE.search(parts[2])
         if m:
             cids.add(m.group(1))
     if len(cids) > 1:
@@ -151,14 +160,17 @@ def scan(proc_dir: str, wanted: dict[str, list[str]], host_netns: tuple[int, int
             if (st.st_ino, st.st_dev) == host_netns or st.st_ino in seen_inodes:
                 continue
             with open(os.path.join(proc_dir, pid, "cgroup")) as f:
-                uid, _cid = parse_cgroup(f.read())
-            if not uid or canonical_uid(uid) not in by_canon:
+                uid, cid = parse_cgroup(f.read())
+            # a pod UID names the pod; without one (podman), the container ID may: a
+            # pod known only by its container ID has that as its key
+            key = canonical_uid(uid) if uid else canonical_uid(cid)
+            if not key or key not in by_canon:
                 continue
             started = starttime(proc_dir, pid)
         except (OSError, ValueError) as e:
             log.debug("skipping pid %s: %s", pid, e)
             continue
-        pod_uid = by_canon[canonical_uid(uid)]
+        pod_uid = by_canon[key]
         try:
             fd = netns_mod.open_netns(ns_path)
         except OSError:

@@ -72,6 +72,8 @@ async def test_written_at_start_follows_edits_and_stays(tmp_path):
         await eventually(lambda: read(writer)["namespaces"] == {"shop": True})
         assert read(writer)["pods"] == {"u-cart": True}
         assert read(writer)["excluded_namespaces"] == ["kube-system"]
+        # the file is replaced before the writer counts it: wait for the write to finish
+        await eventually(lambda: not writer._task or writer._task.done())
         writes = writer.writes
         # a change that alters no decision: not rewritten
         objs = objects(AMBIENT)

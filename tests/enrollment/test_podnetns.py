@@ -38,3 +38,16 @@ def test_not_a_pod():
 
 def test_canonical_uid():
     assert canonical_uid("2C48913C_b29f-11e7") == canonical_uid("2c48913cb29f11e7")
+
+
+def test_podman_container_cgroups():
+    """podman names its container's cgroup by the container ID (cgroupfs and systemd
+    managers; the systemd one may have a ``container`` child); conmon's is not it. The
+    cgroupfs text is what a podman container on this project's machines shows."""
+    cid = "94291f254cad996ca0f7a481bf5128b7eb5e3d49037c0a25b6abf090f9c98fb2"
+    cgroupfs = "".join(f"{i}:{c}:/libpod_parent/libpod-{cid}\n" for i, c in
+                       enumerate(["", "cpu", "cpuacct", "pids", "name=systemd"]))
+    assert parse_cgroup(cgroupfs) == ("", cid)
+    assert parse_cgroup(f"0::/machine.slice/libpod-{cid}.scope/container\n") == ("", cid)
+    assert parse_cgroup(f"0::/machine.slice/libpod-{cid}.scope\n") == ("", cid)
+    assert parse_cgroup(f"0::/machine.slice/libpod-conmon-{cid}.scope\n") == ("", "")

@@ -95,8 +95,8 @@ class KubeAgent:
 
     def __init__(self, state_dir, kubeconfig, node, node_netns):
         sd = str(state_dir)
-        self.config = load({}, env={}).replace(
-            state_dir=sd, config_source="kubernetes", kubeconfig=kubeconfig, node_name=node,
+        self.config = load({"state_dir": sd, "config_file": os.devnull}, env={}).replace(
+            config_source="kubernetes", kubeconfig=kubeconfig, node_name=node,
             ztunnel_uds_address=os.path.join(sd, "zds.sock"), ztunnel_wait=2.0,
             host_rules_netns=node_netns, ambient_ipv6=False)
 

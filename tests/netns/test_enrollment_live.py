@@ -87,8 +87,8 @@ class Agent:
 
     def __init__(self, state_dir, config_dir, node_netns):
         sd = str(state_dir)
-        self.config = load({}, env={}).replace(
-            state_dir=sd, config_dir=str(config_dir), node_name=NODE,
+        self.config = load({"state_dir": sd, "config_file": os.devnull}, env={}).replace(
+            config_dir=str(config_dir), node_name=NODE,
             ztunnel_uds_address=os.path.join(sd, "zds.sock"), ztunnel_wait=2.0,
             host_rules_netns=node_netns, ambient_ipv6=False)
         self.ztunnels: list[FakeZtunnel] = []
