@@ -490,7 +490,7 @@ SETTINGS: list[Setting] = [
             "address the separate CA port binds "
             "(callers are authenticated by client cert or token)", component="sds"),
     Setting("ca_cert_file", "", parse_existing_file, "root certificate for the embedded CA (with "
-            "ca_key_file; empty: a self-signed root under <state dir>/ca)", component="sds"),
+            "ca_key_file; empty: a self-signed root in ca_dir)", component="sds"),
     Setting("ca_key_file", "", parse_existing_file, "private key of ca_cert_file",
             component="sds"),
     Setting("tokens_file", "", parse_existing_file,
@@ -506,6 +506,9 @@ SETTINGS: list[Setting] = [
     Setting("mesh_root_file", _under_state("mesh-root", "root-cert.pem"), parse_path,
             "where the mesh root is published (0644, directory 0755) for ztunnel's "
             "XDS_ROOT_CA / CA_ROOT_CA (empty: not published)", component="sds"),
+    Setting("ca_dir", _under_state("ca"), parse_dir_path, "directory of the embedded CA's "
+            "self-signed root (created once, reused at every start: keep it on persistent "
+            "storage)", component="sds"),
     Setting("ca_trusted_node_accounts", ["istio-system/ztunnel"], parse_account_list,
             "namespace/serviceaccount allowed to request certificates for other identities "
             "(ImpersonatedIdentity)", env="CA_TRUSTED_NODE_ACCOUNTS", component="sds"),

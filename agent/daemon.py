@@ -22,6 +22,7 @@ import signal
 from pathlib import Path
 from typing import Callable
 
+from agent import sdnotify
 from agent.config import Config, ConfigError, prepare_state_dir
 from agent.errors import ComponentStartError
 from agent.lifecycle import AgentContext, Component, Supervisor
@@ -168,8 +169,10 @@ async def run(config: Config) -> int:
         loop.add_signal_handler(signum, on_signal, signum)
     try:
         await agent.start()
+        sdnotify.notify("READY=1")
         await agent.wait()
     finally:
+        sdnotify.notify("STOPPING=1")
         await agent.stop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)

@@ -173,7 +173,7 @@ class SdsServer(Component):
             return
         try:
             self.embedded = await self._run(
-                EmbeddedCA.load_or_create, os.path.join(cfg.state_dir, "ca"), cfg.trust_domain,
+                EmbeddedCA.load_or_create, cfg.ca_dir, cfg.trust_domain,
                 cfg.ca_cert_file, cfg.ca_key_file)
         except CAError as e:
             if not cfg.ca_cert_file:
