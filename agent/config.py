@@ -448,8 +448,13 @@ SETTINGS: list[Setting] = [
             "shutdown (node decommissioned) instead of keeping them for the next agent",
             env="AMBIENT_DISABLE_SAFE_UPGRADE",
             component="cni"),
-    Setting("proc_dir", "/proc", parse_dir_path, "where to scan for pod netns on restart",
-            component="cni"),
+    Setting("host_mounts_path", "", parse_path, "where the host's paths are mounted in the "
+            "agent's container (upstream /host): netns paths a runtime passes "
+            "(/proc/<pid>/ns/net, /var/run/netns/...) are opened under it (empty: the agent "
+            "runs on the host)", component="cni"),
+    Setting("proc_dir", lambda v: (v.get("host_mounts_path") or "") + "/proc", parse_dir_path,
+            "where to scan for pod netns on restart and read SDS callers' cgroups "
+            "(default <host_mounts_path>/proc)", component="cni"),
     Setting("host_rules_netns", "", parse_path, "netns path for the host probe SNAT rules and "
             "probe sets (empty: the agent's own netns; tests use a scratch netns)",
             component="cni"),

@@ -323,9 +323,18 @@ class Enrollment(Component):
             log.warning("config source lookup for pod %s failed: %s", uid, e)
             return None
 
+    def _netns_path(self, path: str) -> str:
+        """``path`` (CNI_NETNS, a host path) as this agent sees it (setting
+        ``host_mounts_path``, :func:`cni.netns.host_path`); a relative path is kept as
+        given and refused by :meth:`enroll`."""
+        try:
+            return netns_mod.host_path(path, getattr(self.ctx.config, "host_mounts_path", ""))
+        except ValueError:
+            return path
+
     def _record_from_event(self, event: CniPodEvent) -> PodRecord:
         rec = PodRecord(uid=event.key, name=event.pod_name, namespace=event.pod_namespace,
-                        netns=event.netns, ips=list(event.ips))
+                        netns=self._netns_path(event.netns), ips=list(event.ips))
         pod = self._pod_object(rec.uid, rec.namespace, rec.name)
         if pod:
             meta = pod.get("metadata") or {}
@@ -351,6 +360,9 @@ class Enrollment(Component):
         rec = self._record_from_event(event)
         if not rec.netns:
             raise EnrollmentError(f"{rec.label()}: field 'netns' is empty")
+        if not rec.netns.startswith("/"):
+            raise EnrollmentError(f"{rec.label()}: field 'netns' {rec.netns!r} is not an "
+                                  "absolute path")
         if not rec.ips:
             raise EnrollmentError(f"{rec.label()}: no pod IP in the CNI result (field 'ips' "
                                   "is empty); nothing to redirect")
@@ -399,8 +411,11 @@ class Enrollment(Component):
                 fd = netns_mod.open_netns(rec.netns)
             except OSError as e:
                 self._fail(rec, "netns", str(e))
+                mounts = getattr(self.ctx.config, "host_mounts_path", "")
+                hint = (f" (host_mounts_path={mounts}: is the runtime's netns path "
+                        "mounted there in the agent's container?)" if mounts else "")
                 raise EnrollmentError(f"{rec.label()}: netns path {rec.netns!r}: "
-                                      f"{os.strerror(e.errno or 0)}") from None
+                                      f"{os.strerror(e.errno or 0)}{hint}") from None
             try:
                 await self._enroll_steps(rec, fd)
             finally:
@@ -653,7 +668,7 @@ class Enrollment(Component):
             rec = self.records.pop(uid, None) or self._record_from_event(event)
             if not rec.ips:
                 rec.ips = list(event.ips)
-            netns_path = "" if is_delete else (event.netns or rec.netns)
+            netns_path = "" if is_delete else (self._netns_path(event.netns) or rec.netns)
             errors = await self._remove(rec, netns_path, is_delete=is_delete)
             self.state.remove(uid)
             self._locks.pop(uid, None)

@@ -52,6 +52,38 @@ def open_netns(path: str) -> int:
         raise NetnsError(path, e.errno or 0, "cannot open") from None
 
 
+def host_path(path: str, host_mounts: str) -> str:
+    """The path under which the agent sees a host path a runtime passed (``CNI_NETNS``).
+
+    Upstream's node agent runs in a container that has the host's ``/proc`` at
+    ``/host/proc`` and the host's netns dir at ``/host/var/run/netns`` and opens every
+    netns path from the plugin as ``filepath.Join("/host", path)``
+    (``cni/pkg/nodeagent/pod_cache.go`` ``openNetnsInRoot``, ``constants.HostMountsPath``);
+    this does the same with ``host_mounts`` (setting ``host_mounts_path``; empty: the agent
+    runs on the host and ``path`` is returned unchanged).
+
+    ``path`` is normalised first, so ``..`` never leads above ``host_mounts``
+    (``/proc/../etc`` -> ``<host_mounts>/etc``). ``/run`` and ``/var/run`` are one
+    directory on every FHS 3.0 host (``/var/run`` is a symlink the container can't
+    follow): when ``<host_mounts>/run/...`` is missing and ``<host_mounts>/var/run/...``
+    exists (or the other way round) that one is returned, so podman's
+    ``/run/netns/netns-<id>`` works with the DaemonSet's ``/var/run/netns`` mount.
+    Raises ValueError when ``path`` is not absolute (CNI_NETNS is always a path).
+    """
+    if not host_mounts:
+        return path
+    if not path.startswith("/"):
+        raise ValueError(f"netns path {path!r} is not absolute")
+    clean = "/" + os.path.normpath(path).lstrip("/")
+    root = host_mounts.rstrip("/")
+    candidate = root + clean
+    if not os.path.exists(candidate):
+        for a, b in (("/run/", "/var/run/"), ("/var/run/", "/run/")):
+            if clean.startswith(a) and os.path.exists(root + b + clean[len(a):]):
+                return root + b + clean[len(a):]
+    return candidate
+
+
 def current_netns_fd() -> int:
     """An fd for the calling thread's own netns (``/proc/thread-self/ns/net``)."""
     return os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)

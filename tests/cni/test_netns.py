@@ -31,3 +31,39 @@ def test_missing_or_unenterable_netns_leaks_no_fd(tmp_path):
             with netns.entered(str(not_a_netns)):
                 pass
     assert fd_count() == before
+
+
+# --- host path translation (setting host_mounts_path) ---
+
+def test_host_path_unchanged_without_host_mounts():
+    assert netns.host_path("/proc/42/ns/net", "") == "/proc/42/ns/net"
+    assert netns.host_path("relative", "") == "relative"
+
+
+def test_host_path_joins_like_upstream(tmp_path):
+    host = str(tmp_path / "host")
+    assert netns.host_path("/proc/42/ns/net", host) == f"{host}/proc/42/ns/net"
+    assert netns.host_path("/var/run/docker/netns/abc", host + "/") == \
+        f"{host}/var/run/docker/netns/abc"
+    # normalised first: never above the host mounts
+    assert netns.host_path("/proc/../../../etc/shadow", host) == f"{host}/etc/shadow"
+    assert netns.host_path("//proc//7/ns/net", host) == f"{host}/proc/7/ns/net"
+
+
+def test_host_path_run_and_var_run_are_one_dir(tmp_path):
+    host = tmp_path / "host"
+    (host / "var" / "run" / "netns").mkdir(parents=True)
+    (host / "var" / "run" / "netns" / "netns-1").write_text("")
+    (host / "run" / "only").mkdir(parents=True)
+    (host / "run" / "only" / "x").write_text("")
+    # podman passes /run/netns/...; the DaemonSet mounts the host's /var/run/netns
+    assert netns.host_path("/run/netns/netns-1", str(host)) == \
+        f"{host}/var/run/netns/netns-1"
+    assert netns.host_path("/var/run/only/x", str(host)) == f"{host}/run/only/x"
+    # neither exists: the direct join, so the error names the expected place
+    assert netns.host_path("/run/netns/gone", str(host)) == f"{host}/run/netns/gone"
+
+
+def test_host_path_refuses_relative(tmp_path):
+    with pytest.raises(ValueError, match="'ns/net' is not absolute"):
+        netns.host_path("ns/net", str(tmp_path))
