@@ -429,6 +429,10 @@ SETTINGS: list[Setting] = [
             env="CNI_BIN_DIR", component="cni"),
     Setting("cni_conf_name", "", parse_file_name, "conflist to chain into (empty: first by name)",
             env="CNI_CONF_NAME", component="cni"),
+    Setting("cni_plugin_bundle", "", parse_path, "standalone istio-cni build "
+            "(scripts/build-cni-plugin.py) that cni install copies into cni_bin_dir; the image "
+            "sets it (empty: a launcher running this agent's own Python and checkout)",
+            component="cni"),
     Setting("exclude_namespaces", ["kube-system"], parse_namespace_list,
             "namespaces never enrolled", env="EXCLUDE_NAMESPACES", component="cni"),
     Setting("ambient_dns_capture", True, parse_bool, "redirect pod DNS to ztunnel's 15053",

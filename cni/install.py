@@ -10,23 +10,35 @@ not necessarily the same bytes (keys sorted, 2-space indent, as every write here
 Istio's installer (spec ``cni-zds.md`` §5.1-§5.7); the conflist logic is in
 :mod:`cni.conflist`.
 
-The plugin binary is a POSIX ``sh`` launcher (:func:`launcher_text`): it answers
-``CNI_COMMAND=VERSION`` itself and otherwise ``exec``s ``<this python> -I -S`` on
-:func:`cni.plugin.exit_main` with this project on ``sys.path``. ``-I -S`` skip ``site``
-(and so every ``.pth`` file) and the environment (``benchmarks/bench_cni.py`` measures
-it). Every file is written atomically (``<name>.tmp.<random>`` + rename) so a runtime
-never execs or reads half a file.
+The plugin binary is a POSIX ``sh`` launcher that answers ``CNI_COMMAND=VERSION`` itself
+and otherwise ``exec``s a Python ``-I -S`` on :func:`cni.plugin.exit_main` (``-I -S``
+skip ``site``, every ``.pth`` file and the environment; ``benchmarks/bench_cni.py``
+measures it). Which Python:
+
+- ``cni_plugin_bundle`` set (the image sets it): the standalone build of
+  ``scripts/build-cni-plugin.py`` (Debian's interpreter + the plugin, needing only glibc
+  on the node) is copied to ``<bin dir>/istio-cni.d/<id>/`` and the launcher
+  (:func:`bundle_launcher_text`) runs it from there, found relative to the launcher's
+  own path, so it works on a node with no Python and nothing of the agent;
+- empty (development, the demo, a host install): :func:`launcher_text` runs this
+  agent's own interpreter with its checkout on ``sys.path``.
+
+Every file is written atomically (``<name>.tmp.<random>`` + rename, a build as one
+directory rename) so a runtime never execs or reads half a file.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
 import secrets
 import shlex
+import shutil
 import sys
 from typing import Any
 
@@ -42,29 +54,55 @@ class NoPrimaryConfig(RuntimeError):
     """The CNI conf dir holds no valid network config to chain into (yet)."""
 
 
-def launcher_text(python: str = sys.executable, project_root: str = PROJECT_ROOT) -> str:
-    """The plugin launcher's text, a POSIX ``sh`` script (same inputs, same bytes).
+BUNDLE_DIR = PLUGIN_NAME + ".d"  # <bin dir>/istio-cni.d/<bundle id>/: standalone builds
+ENTRY_CODE = "from cni.plugin import exit_main;exit_main()"
 
-    ``CNI_COMMAND=VERSION`` is answered by the shell when the request has the shape
-    libcni sends (``{"cniVersion":"V"}``, or empty stdin) and ``CNI_IFNAME`` is plainly
-    valid: it prints what :func:`cni.plugin.main` prints, in ~1 ms instead of a ~9 ms
-    interpreter start (runtimes ask VERSION before ADD and before DEL). Any other
-    request, and every other command, ``exec``s ``<python> -I -S`` on
-    :func:`cni.plugin.exit_main` with the same arguments, environment and stdin bytes. One
-    difference: ``sh`` drops NUL bytes from a VERSION request's stdin (an invalid
-    network config either way: Python says code 6, the shell may answer the version).
+
+def launcher_text(python: str = sys.executable, project_root: str = PROJECT_ROOT) -> str:
+    """The development launcher: runs the plugin on ``python`` with ``project_root`` on
+    ``sys.path`` (this agent's own interpreter and checkout: the node must have them).
+
+    Same inputs, same bytes. See :func:`_launcher` for what the script does.
+    """
+    code = f"import sys;sys.path.insert(0,{project_root!r});{ENTRY_CODE}"
+    return _launcher(f"{shlex.quote(python)} -I -S -c {shlex.quote(code)}",
+                     "runs the Python plugin of the agent's own checkout")
+
+
+def bundle_launcher_text(bundle_id: str) -> str:
+    """The launcher of a standalone build installed at ``<its dir>/istio-cni.d/<id>``.
+
+    The script finds its own directory from ``$0`` (runtimes exec plugins by path), so it
+    is the same whatever the host bin dir is and wherever the agent's container mounts
+    it. See :func:`_launcher`.
+    """
+    python = f'"$d/{BUNDLE_DIR}/{bundle_id}/bin/python3.11"'
+    preamble = ('case $0 in */*) self=$0 ;; *) self=$(command -v -- "$0") ;; esac\n'
+                'd=${self%/*}\n')
+    return _launcher(f"{python} -I -S -c {shlex.quote(ENTRY_CODE)}",
+                     f"runs the standalone build {BUNDLE_DIR}/{bundle_id} (no Python "
+                     "needed on the node)", preamble)
+
+
+def _launcher(run: str, what: str, preamble: str = "") -> str:
+    """A POSIX ``sh`` script: ``CNI_COMMAND=VERSION`` is answered by the shell when the
+    request has the shape libcni sends (``{"cniVersion":"V"}``, or empty stdin) and
+    ``CNI_IFNAME`` is plainly valid: it prints what :func:`cni.plugin.main` prints, in
+    ~1 ms instead of a ~8 ms interpreter start (runtimes ask VERSION before ADD and
+    before DEL). Any other request, and every other command, ``exec``s ``run`` (a Python
+    ``-I -S`` running :func:`cni.plugin.exit_main`) with the same arguments, environment
+    and stdin bytes. One difference: ``sh`` drops NUL bytes from a VERSION request's
+    stdin (an invalid network config either way: Python says code 6, the shell may
+    answer the version).
     """
     from cni.plugin import LATEST_VERSION, SUPPORTED_VERSIONS
 
     supported = ",".join(f'"{v}"' for v in SUPPORTED_VERSIONS)
-    code = (f"import sys;sys.path.insert(0,{project_root!r});"
-            "from cni.plugin import exit_main;exit_main()")
-    run = f"{shlex.quote(python)} -I -S -c {shlex.quote(code)}"
     return f"""#!/bin/sh
-# istio-cni: written by `ambient-agent cni install` (cni/install.py launcher_text).
+# istio-cni: written by `ambient-agent cni install` (cni/install.py); {what}.
 # VERSION is answered here; everything else runs the Python plugin with the standard
 # library only (-I: no PYTHON* env, no user site; -S: no site, no .pth files).
-if [ "${{CNI_COMMAND-}}" = VERSION ] && [ "$#" = 0 ]; then
+{preamble}if [ "${{CNI_COMMAND-}}" = VERSION ] && [ "$#" = 0 ]; then
   case ${{CNI_IFNAME-}} in
     .|..|*[!A-Za-z0-9_.-]*) ;;
     *) if [ "${{#CNI_IFNAME}}" -le 15 ]; then
@@ -96,6 +134,72 @@ if [ "${{CNI_COMMAND-}}" = VERSION ] && [ "$#" = 0 ]; then
 fi
 exec {run} "$@"
 """
+
+
+class BundleError(RuntimeError):
+    """The standalone plugin build (setting ``cni_plugin_bundle``) is missing or damaged."""
+
+
+def read_bundle(bundle: str) -> tuple[str, dict]:
+    """``(bundle id, manifest)`` of a build of ``scripts/build-cni-plugin.py``; the id is
+    the sha256 (first 16 hex digits) of its ``MANIFEST.json``. Raises :class:`BundleError`
+    naming the path."""
+    path = os.path.join(bundle, "MANIFEST.json")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        manifest = json.loads(raw)
+        files = manifest["files"]
+        if not isinstance(files, dict) or "bin/python3.11" not in files:
+            raise ValueError("no bin/python3.11 in its file list")
+    except FileNotFoundError:
+        raise BundleError(f"cni_plugin_bundle {bundle!r}: no MANIFEST.json (build it with "
+                          "scripts/build-cni-plugin.py)") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BundleError(f"cni_plugin_bundle {bundle!r}: bad MANIFEST.json: {e}") from None
+    return hashlib.sha256(raw).hexdigest()[:16], manifest
+
+
+def copy_bundle(bundle: str, dest_root: str) -> tuple[str, bool]:
+    """Copy the build ``bundle`` to ``<dest_root>/<id>`` as one rename: every file is
+    written to ``<dest_root>/.tmp.<random>/``, checked against the manifest's sha256 and
+    mode and fsynced, then the directory is renamed into place, so a launcher never
+    points at a partial copy. Returns ``(id, copied)``; an existing complete copy is
+    kept. Raises :class:`BundleError` when a file is missing or differs from its manifest.
+    """
+    bundle_id, manifest = read_bundle(bundle)
+    final = os.path.join(dest_root, bundle_id)
+    if os.path.isfile(os.path.join(final, "MANIFEST.json")):
+        return bundle_id, False
+    os.makedirs(dest_root, mode=0o755, exist_ok=True)
+    tmp = os.path.join(dest_root, f".tmp.{secrets.token_hex(4)}")
+    os.mkdir(tmp, 0o755)
+    try:
+        for rel in sorted(manifest["files"]) + ["MANIFEST.json"]:
+            src, dst = os.path.join(bundle, rel), os.path.join(tmp, rel)
+            os.makedirs(os.path.dirname(dst), mode=0o755, exist_ok=True)
+            try:
+                with open(src, "rb") as f:
+                    data = f.read()
+            except OSError as e:
+                raise BundleError(f"cni_plugin_bundle {bundle!r}: {rel}: {e.strerror}") from None
+            entry = manifest["files"].get(rel)
+            mode = 0o644
+            if entry is not None:
+                if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+                    raise BundleError(f"cni_plugin_bundle {bundle!r}: {rel} differs from "
+                                      "its MANIFEST.json sha256 (damaged build?)")
+                mode = int(entry.get("mode", "644"), 8) & 0o755
+            fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                os.fchmod(f.fileno(), mode)
+                os.fsync(f.fileno())
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return bundle_id, True
 
 
 def write_atomic(path: str, data: bytes, mode: int) -> None:
@@ -142,6 +246,7 @@ class Installer:
     ambient_default: bool = False
     python: str = sys.executable
     project_root: str = PROJECT_ROOT
+    plugin_bundle: str = ""  # a build of scripts/build-cni-plugin.py; empty: dev launcher
 
     @property
     def entry(self) -> dict:
@@ -152,21 +257,64 @@ class Installer:
     def binary_path(self) -> str:
         return os.path.join(self.bin_dir, PLUGIN_NAME)
 
+    @property
+    def bundle_root(self) -> str:
+        return os.path.join(self.bin_dir, BUNDLE_DIR)
+
+    def wanted_launcher(self) -> bytes:
+        """The launcher bytes this installer writes. Raises :class:`BundleError`."""
+        if self.plugin_bundle:
+            return bundle_launcher_text(read_bundle(self.plugin_bundle)[0]).encode()
+        return launcher_text(self.python, self.project_root).encode()
+
     def install_binary(self) -> bool:
-        """Write the launcher (0755) unless identical; removes stale temp files. True if written."""
+        """Install the plugin; True if the launcher was (re)written.
+
+        With ``plugin_bundle``: the build is copied to ``istio-cni.d/<id>/`` first (one
+        directory rename, :func:`copy_bundle`), then the launcher pointing at it replaces
+        the old one (temp file + rename), so a runtime exec'ing ``istio-cni`` at any
+        moment runs either the old complete plugin or the new one. The build the old
+        launcher pointed at is kept (an exec that read the old launcher may still start
+        it); older ones are removed. Stale temp files and dirs of an interrupted install
+        are removed. Raises :class:`BundleError`, OSError.
+        """
         os.makedirs(self.bin_dir, mode=0o755, exist_ok=True)
         for name in os.listdir(self.bin_dir):
             if name.startswith(PLUGIN_NAME + ".tmp."):
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.bin_dir, name))
-                except FileNotFoundError:
-                    pass
-        text = launcher_text(self.python, self.project_root).encode()
-        if _read(self.binary_path) == text and os.access(self.binary_path, os.X_OK):
-            return False
-        write_atomic(self.binary_path, text, 0o755)
-        self._precompile()
-        return True
+        keep: set[str] = set()
+        if self.plugin_bundle:
+            bundle_id, _ = copy_bundle(self.plugin_bundle, self.bundle_root)
+            keep = {bundle_id, *self._referenced_bundles()}
+        text = self.wanted_launcher()
+        written = False
+        if not (_read(self.binary_path) == text and os.access(self.binary_path, os.X_OK)):
+            write_atomic(self.binary_path, text, 0o755)
+            written = True
+        if self.plugin_bundle:
+            self._prune_bundles(keep)
+        elif written:
+            self._precompile()
+        return written
+
+    def _referenced_bundles(self) -> set[str]:
+        """Bundle ids the installed launcher points at (none for a dev launcher)."""
+        text = (_read(self.binary_path) or b"").decode("utf-8", "replace")
+        marker = f"/{BUNDLE_DIR}/"
+        out = set()
+        for part in text.split(marker)[1:]:
+            out.add(part.split("/", 1)[0])
+        return out
+
+    def _prune_bundles(self, keep: set[str]) -> None:
+        try:
+            names = os.listdir(self.bundle_root)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name not in keep:
+                shutil.rmtree(os.path.join(self.bundle_root, name), ignore_errors=True)
 
     def _precompile(self) -> None:
         """Compile the plugin module now so the first pod does not pay for it."""
@@ -226,8 +374,16 @@ class Installer:
 
     def check(self) -> str | None:
         """Why the installation needs repair (one line), or None when it is intact."""
-        if _read(self.binary_path) != launcher_text(self.python, self.project_root).encode():
+        try:
+            wanted = self.wanted_launcher()
+        except BundleError as e:
+            return str(e)
+        if _read(self.binary_path) != wanted:
             return f"{self.binary_path} is missing or differs"
+        if self.plugin_bundle:
+            bundle_id = read_bundle(self.plugin_bundle)[0]
+            if not os.path.isfile(os.path.join(self.bundle_root, bundle_id, "MANIFEST.json")):
+                return f"{os.path.join(self.bundle_root, bundle_id)} is missing"
         primary = conflist.find_primary(self.conf_dir, self.conf_name)
         if primary is None:
             return conflist.explain_no_primary(self.conf_dir, self.conf_name)
@@ -272,6 +428,9 @@ class Installer:
         if os.path.exists(self.binary_path):
             os.unlink(self.binary_path)
             done.append(f"removed {self.binary_path}")
+        if os.path.isdir(self.bundle_root):
+            shutil.rmtree(self.bundle_root)
+            done.append(f"removed {self.bundle_root}")
         return done
 
 
@@ -280,7 +439,8 @@ def installer_from_config(config: Any) -> Installer:
     return Installer(conf_dir=config.cni_conf_dir, bin_dir=config.cni_bin_dir,
                      run_dir=os.path.dirname(config.cni_event_socket),
                      conf_name=config.cni_conf_name,
-                     exclude_namespaces=list(config.exclude_namespaces))
+                     exclude_namespaces=list(config.exclude_namespaces),
+                     plugin_bundle=getattr(config, "cni_plugin_bundle", ""))
 
 
 # --- `ambient-agent cni install|uninstall` ---
@@ -292,6 +452,7 @@ CLI_SETTINGS = {
     "cni_conf_dir": "--conf-dir",
     "cni_bin_dir": "--bin-dir",
     "cni_conf_name": "--conf-name",
+    "cni_plugin_bundle": "--plugin-bundle",
     "state_dir": "--state-dir",
     "cni_event_socket": "--cni-event-socket",
     "exclude_namespaces": "--exclude-namespaces",
@@ -345,7 +506,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             for line in installer.uninstall() or ["nothing to remove"]:
                 print(line)
-    except (NoPrimaryConfig, conflist.ConflistError, OSError) as e:
+    except (NoPrimaryConfig, conflist.ConflistError, BundleError, OSError) as e:
         print(f"ambient-agent cni {args.cni_command}: {e}", file=sys.stderr)
         return 1
     return 0

@@ -3,6 +3,7 @@
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 pkgs=(iptables nftables iproute2 containernetworking-plugins podman runc busybox-static
+      python3.11-minimal libpython3.11-stdlib patchelf util-linux  # the standalone istio-cni
       tcpdump wrk procps psmisc
       curl openssl)  # curl + openssl: scripts/kube-test-apiserver.sh (certificates, /readyz)
 missing() {
