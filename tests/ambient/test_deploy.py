@@ -77,6 +77,22 @@ def test_daemonset_mounts_the_host_paths_the_agent_needs():
     ds = next(d for _, d in documents() if d["kind"] == "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
     assert pod["hostNetwork"] is True
+    assert pod["hostPID"] is True  # SDS attestation: SO_PEERCRED pids are host pids
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    vols = {v["name"]: v for v in pod["volumes"]}
+    by_host = {vols[n]["hostPath"]["path"]: m for n, m in mounts.items()
+               if "hostPath" in vols[n]}
+    # as upstream: host paths under /host (host_mounts_path), sockets at their host path
+    assert by_host["/proc"]["mountPath"] == "/host/proc"
+    assert by_host["/var/run/netns"]["mountPath"] == "/host/var/run/netns"
+    assert by_host["/var/run/netns"]["mountPropagation"] == "HostToContainer"
+    assert by_host["/var/run/ztunnel"]["mountPath"] == "/var/run/ztunnel"
+    strategy = ds["spec"]["updateStrategy"]
+    assert strategy["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
+    c = pod["containers"][0]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 8000}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 8000}
+    assert c["resources"]["requests"]
     paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     assert paths == {"/opt/cni/bin", "/etc/cni/net.d", "/proc", "/var/run/netns",
                      "/var/run/ztunnel", "/var/run/ambient-agent",

@@ -1,0 +1,338 @@
+"""The DaemonSet's pod spec run on this host with rootful podman, as a kubelet would.
+
+The agent container's image, command, args, env, security context, hostPID/hostNetwork
+and volume mounts are READ from ``deploy/kubernetes/daemonset.yaml`` and turned into
+``podman run`` flags (:func:`podman_run_args`); nothing of them is restated here. What
+the test chooses itself, and why:
+
+- the host CNI dirs (hostPath ``/opt/cni/bin``, ``/etc/cni/net.d``) point at a test dir,
+  which the test's podman uses as its CNI config and plugin dirs;
+- ``hostNetwork``: the container joins a scratch netns standing in for the node's
+  network (the agent's ports, host probe SNAT rules and ipsets stay out of the real
+  host, which other agents on this machine share); pods are podman containers on a
+  bridge in the real host netns, as any runtime makes them;
+- the ConfigMap volume: the DaemonSet's ConfigMap with ``config_source: files`` (no
+  API server here) and its ``config_dir`` on the state dir hostPath, where the test
+  writes each container's Pod object (uid = container ID, ambient namespace ``demo``);
+- ``fieldRef`` env: ``spec.nodeName`` = this host's name, ``metadata.namespace`` = the
+  DaemonSet's namespace.
+
+The reference ztunnel (``zds.client.ZdsClient`` with listeners in each pod netns)
+connects to the ZDS socket on the shared hostPath ``/var/run/ztunnel``. Checked: the
+in-container ``cni install`` chained istio-cni into the test conflist and left the
+standalone plugin in the bin dir; pods started by podman are enrolled and held by the
+reference ztunnel, and traffic from one pod to another lands on ztunnel's outbound
+listener; stopping the agent container leaves the pods' in-pod rules in place and the
+plugin answering "try again" (CNI code 11); starting it again re-snapshots both pods.
+
+Requires root, podman + runc and the image (``bash scripts/build-image.sh``; .ci/run
+builds it). Skipped otherwise (failed under CI=true when the image is missing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agent import podman
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy" / "kubernetes"
+EXAMPLES = ROOT / "examples" / "cluster"
+POD_NAMESPACE = "demo"
+APP_PORT = 8080
+
+
+def manifests() -> tuple[dict, dict]:
+    docs = {}
+    for name in ("daemonset.yaml", "configmap.yaml"):
+        for d in yaml.safe_load_all((DEPLOY / name).read_text()):
+            if d:
+                docs[d["kind"]] = d
+    return docs["DaemonSet"], docs["ConfigMap"]
+
+
+def field_ref(path: str, ds: dict, node: str) -> str:
+    values = {"spec.nodeName": node, "metadata.namespace": ds["metadata"]["namespace"],
+              "metadata.name": ds["metadata"]["name"] + "-test"}
+    if path not in values:
+        raise AssertionError(f"daemonset.yaml uses fieldRef {path!r}: teach the test")
+    return values[path]
+
+
+def podman_run_args(ds: dict, name: str, node: str, network: str,
+                    host_path: dict[str, str], volume_dir: Path) -> list[str]:
+    """``podman run`` arguments for the DaemonSet's first container, as a kubelet (via a
+    CRI runtime) would set it up. ``host_path`` maps a hostPath to the directory used
+    here; ``volume_dir`` holds configMap and emptyDir volumes (prepared by the caller)."""
+    pod = ds["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    args = ["run", "-d", "--name", name, "--network", network]
+    if pod.get("hostPID"):
+        args += ["--pid", "host"]
+    sc = c.get("securityContext") or {}
+    if "runAsUser" in sc:
+        args += ["--user", f"{sc['runAsUser']}:{sc.get('runAsGroup', 0)}"]
+    if sc.get("privileged"):
+        args.append("--privileged")
+    if sc.get("readOnlyRootFilesystem"):
+        args += ["--read-only", "--read-only-tmpfs=false"]
+    if sc.get("allowPrivilegeEscalation") is False:
+        args += ["--security-opt", "no-new-privileges"]
+    caps = sc.get("capabilities") or {}
+    for cap in caps.get("drop") or []:
+        args += ["--cap-drop", cap.lower()]
+    for cap in caps.get("add") or []:
+        args += ["--cap-add", cap.lower()]
+    if (sc.get("seccompProfile") or {}).get("type") == "Unconfined":
+        args += ["--security-opt", "seccomp=unconfined"]
+    for e in c.get("env") or []:
+        value = e.get("value")
+        if value is None:
+            value = field_ref(e["valueFrom"]["fieldRef"]["fieldPath"], ds, node)
+        args += ["--env", f"{e['name']}={value}"]
+    volumes = {v["name"]: v for v in pod.get("volumes") or []}
+    for m in c.get("volumeMounts") or []:
+        v = volumes[m["name"]]
+        if "hostPath" in v:
+            src = host_path.get(v["hostPath"]["path"], v["hostPath"]["path"])
+        else:
+            src = str(volume_dir / m["name"])
+        opts = ["ro"] if m.get("readOnly") else ["rw"]
+        if m.get("mountPropagation") == "HostToContainer":
+            opts.append("rslave")
+        args += ["--volume", f"{src}:{m['mountPath']}:{','.join(opts)}"]
+    if c.get("command"):
+        args += ["--entrypoint", json.dumps(c["command"])]
+    args.append(c["image"])
+    args += c.get("args") or []
+    return args
+
+
+def http_in_netns(netns: str, url: str) -> int:
+    from cni.netns import run_in_netns_thread
+
+    def get() -> int:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return r.status
+        except OSError:
+            return 0
+    return run_in_netns_thread(netns, get)
+
+
+class Node:
+    """The test's host side: dirs, node netns, podman config, cleanup in reverse."""
+
+    def __init__(self):
+        self.root = Path(tempfile.mkdtemp(prefix="ds", dir="/tmp"))
+        self.suffix = secrets.token_hex(3)
+        self.netns = f"dsnode{self.suffix}"
+        self.cleanups: list = []
+
+    def later(self, fn, *args) -> None:
+        self.cleanups.append((fn, args))
+
+    def close(self) -> None:
+        for fn, args in reversed(self.cleanups):
+            try:
+                fn(*args)
+            except Exception as e:  # noqa: BLE001 - clean up the rest regardless
+                print(f"cleanup {fn}: {e}")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _shared_dir(node: Node, path: str) -> None:
+    """A host dir shared with the container (DirectoryOrCreate); refuse one in use."""
+    p = Path(path)
+    if p.exists():
+        if any(f.is_socket() for f in p.iterdir()):
+            pytest.skip(f"{path} is in use on this host (sockets present)")
+        return
+    p.mkdir(parents=True)
+    node.later(shutil.rmtree, str(p), True)
+
+
+def _ipt_rules(netns_path: str) -> str:
+    from cni.netns import run_in_netns_thread
+    return run_in_netns_thread(netns_path, lambda: subprocess.run(
+        ["iptables-save"], capture_output=True, text=True).stdout)
+
+
+@pytest.mark.root
+@pytest.mark.podman
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (podman, netns)")
+@pytest.mark.skipif(not podman.available(), reason="needs podman and runc")
+async def test_daemonset_pod_spec_on_podman():
+    from pyroute2 import netns as pr_netns
+
+    from ambient.examples import pod_manifest
+    from zds.client import ZdsClient
+
+    ds, cm = manifests()
+    spec = ds["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    image = container["image"]
+    host = podman.Podman(None)
+    if not host.image_exists(image):
+        if os.environ.get("CI"):
+            pytest.fail(f"{image} missing: .ci/run must run scripts/build-image.sh first")
+        pytest.skip(f"{image} missing: run bash scripts/build-image.sh")
+    node = Node()
+    try:
+        await _run(node, ds, cm, spec, container, pr_netns, pod_manifest, ZdsClient)
+    finally:
+        node.close()
+
+
+async def _run(node, ds, cm, spec, container, pr_netns, pod_manifest, ZdsClient):
+    root = node.root
+    # --- the node: dirs, netns, podman's CNI config ---
+    for d in ("opt/cni/bin", "etc/cni/net.d", "config", "ipam"):
+        (root / d).mkdir(parents=True)
+    host_path = {"/opt/cni/bin": str(root / "opt/cni/bin"),
+                 "/etc/cni/net.d": str(root / "etc/cni/net.d")}
+    hostpaths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    for p in sorted(hostpaths - set(host_path) - {"/proc"}):
+        _shared_dir(node, p)
+    await asyncio.to_thread(pr_netns.create, node.netns)
+    node.later(pr_netns.remove, node.netns)
+    node_ns = f"/var/run/netns/{node.netns}"
+    subprocess.run(["ip", "-n", node.netns, "link", "set", "lo", "up"], check=True)
+    conf = root / "containers.conf"
+    podman.write_containers_conf(conf, [root / "opt/cni/bin", "/usr/lib/cni"],
+                                 root / "etc/cni/net.d")
+    pm = podman.Podman(conf)
+    bridge, net = f"dsbr{node.suffix}", f"dsnet{node.suffix}"
+    (root / "etc/cni/net.d" / f"50-{net}.conflist").write_text(json.dumps(
+        {"cniVersion": "1.0.0", "name": net, "plugins": [
+            {"type": "bridge", "bridge": bridge, "isGateway": True,
+             "ipam": {"type": "host-local", "dataDir": str(root / "ipam"),
+                      "ranges": [[{"subnet": f"10.{70 + secrets.randbelow(40)}."
+                                             f"{secrets.randbelow(250)}.0/24"}]]}}]}))
+    node.later(subprocess.run, ["ip", "link", "del", bridge], capture_output=True)
+    # --- the ConfigMap volume: the DaemonSet's, on the files source ---
+    settings = yaml.safe_load(cm["data"]["config.yaml"])
+    state_dir = settings.get("state_dir", "/var/run/ambient-agent")
+    settings.update(config_source="files", config_dir=f"{state_dir}/cluster")
+    (root / "config" / "config.yaml").write_text(yaml.safe_dump(settings))
+    for v in spec["volumes"]:
+        if "emptyDir" in v:
+            (root / v["name"]).mkdir()
+    config_mount = next(m for m in container["volumeMounts"]
+                        if "configMap" in next(v for v in spec["volumes"]
+                                               if v["name"] == m["name"]))
+    os.rename(root / "config", root / config_mount["name"])
+    cluster = Path(state_dir) / "cluster"
+    cluster.mkdir(mode=0o700, exist_ok=True)
+    shutil.copy(EXAMPLES / "namespaces.yaml", cluster / "namespaces.yaml")
+    busybox = f"localhost/ds-busybox:{node.suffix}"
+    await asyncio.to_thread(pm.import_busybox, busybox)
+    node.later(pm.run, "rmi", "-f", busybox)
+
+    # --- the agent's container, from the DaemonSet ---
+    name = f"ds-agent-{node.suffix}"
+    argv = podman_run_args(ds, name, socket.gethostname(), f"ns:{node_ns}", host_path, root)
+    node.later(pm.run, "rm", "-f", "-t", "5", "--ignore", name)
+    started = time.monotonic()
+    await asyncio.to_thread(pm.run, *argv)
+    probe = container["readinessProbe"]["httpGet"]
+    ready_url = f"http://127.0.0.1:{probe['port']}{probe['path']}"
+
+    async def until(what, predicate, timeout=90.0):
+        deadline = time.monotonic() + timeout
+        while not await asyncio.to_thread(predicate):
+            if time.monotonic() > deadline:
+                logs = pm.run("logs", name, check=False)
+                raise AssertionError(f"timed out waiting for {what}; agent logs:\n{logs[-6000:]}")
+            await asyncio.sleep(0.2)
+
+    await until("readiness", lambda: http_in_netns(node_ns, ready_url) == 200)
+    ready_s = time.monotonic() - started
+    conflist = root / "etc/cni/net.d" / f"50-{net}.conflist"
+
+    def chained() -> bool:
+        plugins = json.loads(conflist.read_text())["plugins"]
+        return any(p.get("type") == "istio-cni" for p in plugins)
+    await until("istio-cni chained by the in-container install", chained)
+    plugin = root / "opt/cni/bin/istio-cni"
+    assert plugin.exists() and (root / "opt/cni/bin/istio-cni.d").is_dir()
+    assert "/istio-cni.d/" in plugin.read_text()  # the standalone build, not a venv
+
+    # --- the reference ztunnel on the shared ZDS socket ---
+    zds_path = settings.get("ztunnel_uds_address", "/var/run/ztunnel/ztunnel.sock")
+    zt = ZdsClient(zds_path, open_listeners=True)
+    zt_task = asyncio.create_task(zt.run())
+    node.later(zt.stop)
+    await zt.wait_snapshot(timeout=30)
+
+    # --- two pods through CNI, each with its Pod object first ---
+    pods = []
+    for i in range(2):
+        pname = f"ds-pod{i}-{node.suffix}"
+        cid = await asyncio.to_thread(pm.create, pname, net, busybox, "/bin/busybox",
+                                      "sleep", "3600")
+        node.later(pm.remove, cid)
+        manifest = pod_manifest(pname, POD_NAMESPACE, cid, "", socket.gethostname(),
+                                "default", {"app": pname}, ready=False)
+        manifest["status"] = {"phase": "Pending"}
+        (cluster / f"pod-{cid[:12]}.yaml").write_text(yaml.safe_dump(manifest))
+        await asyncio.sleep(1.0)  # the files source picks it up (watch + debounce)
+        await asyncio.to_thread(pm.start, cid)
+        netns_path, ip = await asyncio.to_thread(pm.netns_and_ip, cid, net)
+        pods.append((cid, netns_path, ip))
+        await zt.wait_for_pod(cid, timeout=30)
+        assert ":ISTIO_OUTPUT" in await asyncio.to_thread(_ipt_rules, netns_path)
+
+    # pod0 -> pod1: captured in pod0 and handed to the reference ztunnel's outbound
+    from cni.netns import run_in_netns_thread
+
+    def dial():
+        try:
+            with socket.create_connection((pods[1][2], APP_PORT), timeout=3):
+                pass
+        except OSError:
+            pass
+    await asyncio.to_thread(run_in_netns_thread, pods[0][1], dial)
+    hit = await asyncio.wait_for(zt.accepted.get(), 10)
+    assert (hit.uid, hit.port) == (pods[0][0], 15001), hit
+    assert hit.original_dst[:2] == (pods[1][2], APP_PORT), hit
+
+    # --- stop the agent: pods stay meshed, the plugin says "try again" ---
+    saved_plugin = root / "plugin-copy"
+    shutil.copytree(root / "opt/cni/bin", saved_plugin, symlinks=True)
+    await asyncio.to_thread(pm.run, "stop", "-t", "20", name)
+    for cid, netns_path, _ in pods:
+        assert ":ISTIO_OUTPUT" in await asyncio.to_thread(_ipt_rules, netns_path), cid
+    entry = {"cniVersion": "1.0.0", "name": net, "type": "istio-cni",
+             "cni_agent_run_dir": state_dir,
+             "prevResult": {"cniVersion": "1.0.0", "ips": [{"address": "10.1.2.3/24"}]}}
+    r = subprocess.run([str(saved_plugin / "istio-cni")], input=json.dumps(entry).encode(),
+                       capture_output=True, env={
+                           "CNI_COMMAND": "ADD", "CNI_CONTAINERID": "x" * 64,
+                           "CNI_NETNS": "/var/run/netns/none", "CNI_IFNAME": "eth0",
+                           "CNI_PATH": "/usr/lib/cni", "PATH": "/usr/bin:/bin"})
+    answer = json.loads(r.stdout)
+    assert r.returncode == 1 and answer["code"] == 11, answer
+
+    # --- start it again: both pods re-snapshotted to ztunnel ---
+    snapshots = zt.snapshots
+    await asyncio.to_thread(pm.run, "start", name)
+    await until("readiness after restart", lambda: http_in_netns(node_ns, ready_url) == 200)
+    await zt.wait_snapshot(timeout=60, count=snapshots + 1)
+    assert {cid for cid, _, _ in pods} <= zt.snapshot_set, zt.snapshot_set
+    zt.stop()
+    await asyncio.wait_for(zt_task, 10)
+    print(f"agent container ready in {ready_s:.1f}s")
