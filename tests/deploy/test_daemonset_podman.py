@@ -142,13 +142,13 @@ class Node:
         self.netns = f"dsnode{self.suffix}"
         self.cleanups: list = []
 
-    def later(self, fn, *args) -> None:
-        self.cleanups.append((fn, args))
+    def later(self, fn, *args, **kwargs) -> None:
+        self.cleanups.append((fn, args, kwargs))
 
     def close(self) -> None:
-        for fn, args in reversed(self.cleanups):
+        for fn, args, kwargs in reversed(self.cleanups):
             try:
-                fn(*args)
+                fn(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - clean up the rest regardless
                 print(f"cleanup {fn}: {e}")
         shutil.rmtree(self.root, ignore_errors=True)
@@ -240,12 +240,12 @@ async def _run(node, ds, cm, spec, container, pr_netns, pod_manifest, ZdsClient)
     shutil.copy(EXAMPLES / "namespaces.yaml", cluster / "namespaces.yaml")
     busybox = f"localhost/ds-busybox:{node.suffix}"
     await asyncio.to_thread(pm.import_busybox, busybox)
-    node.later(pm.run, "rmi", "-f", busybox)
+    node.later(pm.run, "rmi", "-f", busybox, check=False)
 
     # --- the agent's container, from the DaemonSet ---
     name = f"ds-agent-{node.suffix}"
     argv = podman_run_args(ds, name, socket.gethostname(), f"ns:{node_ns}", host_path, root)
-    node.later(pm.run, "rm", "-f", "-t", "5", "--ignore", name)
+    node.later(pm.run, "rm", "-f", "-t", "5", "--ignore", name, check=False)
     started = time.monotonic()
     await asyncio.to_thread(pm.run, *argv)
     probe = container["readinessProbe"]["httpGet"]
@@ -336,3 +336,66 @@ async def _run(node, ds, cm, spec, container, pr_netns, pod_manifest, ZdsClient)
     zt.stop()
     await asyncio.wait_for(zt_task, 10)
     print(f"agent container ready in {ready_s:.1f}s")
+
+
+def _image_or_skip() -> str:
+    ds, _ = manifests()
+    image = ds["spec"]["template"]["spec"]["containers"][0]["image"]
+    if not podman.Podman(None).image_exists(image):
+        if os.environ.get("CI"):
+            pytest.fail(f"{image} missing: .ci/run must run scripts/build-image.sh first")
+        pytest.skip(f"{image} missing: run bash scripts/build-image.sh")
+    return image
+
+
+@pytest.mark.root
+@pytest.mark.podman
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (podman)")
+@pytest.mark.skipif(not podman.available(), reason="needs podman and runc")
+async def test_image_version_and_in_container_install_runs_on_a_bare_node(tmp_path):
+    """``podman run <image> ambient-agent version``; then ``ambient-agent cni install``
+    in the image with the host CNI dirs mounted where the DaemonSet mounts them (paths
+    and settings read from daemonset.yaml and configmap.yaml), and the plugin it leaves
+    in the host bin dir answers VERSION and ADD in a chroot holding only glibc and
+    busybox (tests/cni/test_plugin_bundle.py ``check_in_glibc_busybox_chroot``)."""
+    from tests.cni.standalone import missing_chroot_tools
+    from tests.cni.test_plugin_bundle import check_in_glibc_busybox_chroot
+
+    image = _image_or_skip()
+    conf = tmp_path / "containers.conf"
+    podman.write_containers_conf(conf, ["/usr/lib/cni"], tmp_path / "unused-net.d")
+    pm = podman.Podman(conf)
+    from agent.cli import version_string
+    out = await asyncio.to_thread(pm.run, "run", "--rm", "--network", "none", image,
+                                  "ambient-agent", "version")
+    assert out == f"ambient-agent {version_string()}", out
+
+    ds, cm = manifests()
+    spec = ds["spec"]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    vols = {v["hostPath"]["path"]: v["name"] for v in spec["volumes"] if "hostPath" in v}
+    settings = yaml.safe_load(cm["data"]["config.yaml"])
+    host_bin, host_conf = tmp_path / "host-bin", tmp_path / "host-net.d"
+    host_bin.mkdir()
+    host_conf.mkdir()
+    (host_conf / "10-br.conflist").write_text(json.dumps(
+        {"cniVersion": "1.0.0", "name": "br", "plugins": [{"type": "bridge"}]}))
+    out = await asyncio.to_thread(
+        pm.run, "run", "--rm", "--network", "none",
+        "--volume", f"{host_bin}:{mounts[vols['/opt/cni/bin']]}",
+        "--volume", f"{host_conf}:{mounts[vols['/etc/cni/net.d']]}",
+        image, "ambient-agent", "cni", "install",
+        "--conf-dir", settings["cni_conf_dir"], "--bin-dir", settings["cni_bin_dir"],
+        "--config-file", os.devnull)
+    assert "chained into" in out, out
+    assert (host_bin / "istio-cni").exists()
+    assert any(p["type"] == "istio-cni" for p in
+               json.loads((host_conf / "10-br.conflist").read_text())["plugins"])
+    why = missing_chroot_tools()
+    if why:
+        pytest.skip(why)
+    root = Path(tempfile.mkdtemp(prefix="cr", dir="/tmp"))
+    try:
+        await check_in_glibc_busybox_chroot(host_bin, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
