@@ -23,7 +23,9 @@ in-container ``cni install`` chained istio-cni into the test conflist and left t
 standalone plugin in the bin dir; pods started by podman are enrolled and held by the
 reference ztunnel, and traffic from one pod to another lands on ztunnel's outbound
 listener; stopping the agent container leaves the pods' in-pod rules in place and the
-plugin answering "try again" (CNI code 11); starting it again re-snapshots both pods.
+plugin chained, answering "try again" (CNI code 11) for an enrolled pod and letting an
+unknown non-ambient one through (its decision from the agent's enablement snapshot);
+starting it again re-snapshots both pods.
 
 Requires root, podman + runc and the image (``bash scripts/build-image.sh``; .ci/run
 builds it). Skipped otherwise (failed under CI=true when the image is missing).
@@ -310,22 +312,32 @@ async def _run(node, ds, cm, spec, container, pr_netns, pod_manifest, ZdsClient)
     assert (hit.uid, hit.port) == (pods[0][0], 15001), hit
     assert hit.original_dst[:2] == (pods[1][2], APP_PORT), hit
 
-    # --- stop the agent: pods stay meshed, the plugin says "try again" ---
-    saved_plugin = root / "plugin-copy"
-    shutil.copytree(root / "opt/cni/bin", saved_plugin, symlinks=True)
+    # --- stop the agent: pods stay meshed, the plugin stays and says "try again" ---
     await asyncio.to_thread(pm.run, "stop", "-t", "20", name)
     for cid, netns_path, _ in pods:
         assert ":ISTIO_OUTPUT" in await asyncio.to_thread(_ipt_rules, netns_path), cid
-    entry = {"cniVersion": "1.0.0", "name": net, "type": "istio-cni",
-             "cni_agent_run_dir": state_dir,
+    assert chained() and plugin.exists(), "istio-cni must stay installed across a stop"
+    # the chained config exactly as libcni hands it to our plugin (with prevResult)
+    entry = next(p for p in json.loads(conflist.read_text())["plugins"]
+                 if p["type"] == "istio-cni")
+    entry = {**entry, "cniVersion": "1.0.0", "name": net,
              "prevResult": {"cniVersion": "1.0.0", "ips": [{"address": "10.1.2.3/24"}]}}
-    r = subprocess.run([str(saved_plugin / "istio-cni")], input=json.dumps(entry).encode(),
-                       capture_output=True, env={
-                           "CNI_COMMAND": "ADD", "CNI_CONTAINERID": "x" * 64,
-                           "CNI_NETNS": "/var/run/netns/none", "CNI_IFNAME": "eth0",
-                           "CNI_PATH": "/usr/lib/cni", "PATH": "/usr/bin:/bin"})
-    answer = json.loads(r.stdout)
-    assert r.returncode == 1 and answer["code"] == 11, answer
+
+    def plugin_add(container_id: str) -> tuple[int, dict]:
+        r = subprocess.run([str(plugin)], input=json.dumps(entry).encode(),
+                           capture_output=True, env={
+                               "CNI_COMMAND": "ADD", "CNI_CONTAINERID": container_id,
+                               "CNI_NETNS": "/var/run/netns/none", "CNI_IFNAME": "eth0",
+                               "CNI_ARGS": "IgnoreUnknown=1;K8S_POD_NAME=x",
+                               "CNI_PATH": "/usr/lib/cni", "PATH": "/usr/bin:/bin"})
+        return r.returncode, json.loads(r.stdout)
+    # a sandbox re-created for an enrolled (ambient) pod: "try again" until an agent is
+    # back (the agent's enablement snapshot says ambient)
+    code, answer = plugin_add(pods[0][0])
+    assert code == 1 and answer["code"] == 11, answer
+    # a pod the agent never saw, no Kubernetes namespace: not ambient, let through
+    code, answer = plugin_add("f" * 64)
+    assert code == 0 and answer["ips"][0]["address"] == "10.1.2.3/24", answer
 
     # --- start it again: both pods re-snapshotted to ztunnel ---
     snapshots = zt.snapshots
