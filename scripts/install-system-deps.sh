@@ -3,7 +3,7 @@
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 pkgs=(iptables nftables iproute2 containernetworking-plugins podman runc busybox-static
-      python3.11-minimal libpython3.11-stdlib patchelf util-linux  # the standalone istio-cni
+      python3.11-minimal libpython3.11-stdlib python3.11-venv patchelf util-linux  # istio-cni build, image
       tcpdump wrk procps psmisc
       curl openssl)  # curl + openssl: scripts/kube-test-apiserver.sh (certificates, /readyz)
 missing() {
