@@ -171,6 +171,8 @@ def copy_bundle(bundle: str, dest_root: str) -> tuple[str, bool]:
     final = os.path.join(dest_root, bundle_id)
     if os.path.isfile(os.path.join(final, "MANIFEST.json")):
         return bundle_id, False
+    if os.path.lexists(final):  # not made by us (our copies appear whole): replace it
+        shutil.rmtree(final) if os.path.isdir(final) else os.unlink(final)
     os.makedirs(dest_root, mode=0o755, exist_ok=True)
     tmp = os.path.join(dest_root, f".tmp.{secrets.token_hex(4)}")
     os.mkdir(tmp, 0o755)

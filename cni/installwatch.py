@@ -31,7 +31,7 @@ from typing import Any
 
 from agent.lifecycle import AgentContext, Component
 from cni import conflist
-from cni.install import Installer, NoPrimaryConfig
+from cni.install import BundleError, Installer, NoPrimaryConfig
 
 log = logging.getLogger("cni.install")
 
@@ -105,7 +105,7 @@ class CniInstallerComponent(Component):
             self._problem = str(e)
             log.warning("cannot install istio-cni yet: %s", e)
             return
-        except (conflist.ConflistError, OSError) as e:
+        except (conflist.ConflistError, BundleError, OSError) as e:
             self._problem = str(e)
             log.error("cannot install istio-cni: %s", e)
             return

@@ -197,3 +197,34 @@ def short_root():
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+async def test_agent_with_a_bad_bundle_keeps_running_and_reports_it(tmp_path, state_dir):
+    """cni_manage_config with a cni_plugin_bundle that is not a build: the installer
+    component logs and reports the problem (readiness names it), the agent does not die."""
+    from cni.installwatch import CniInstallerComponent
+    from tests.cni.conftest import make_config
+    from agent.lifecycle import AgentContext
+
+    conf = tmp_path / "net.d"
+    conf.mkdir()
+    (conf / "10-br.conflist").write_text(json.dumps(
+        {"cniVersion": "1.0.0", "name": "br", "plugins": [{"type": "bridge"}]}))
+    ctx = AgentContext(make_config(state_dir))
+    comp = CniInstallerComponent(ctx, installer(tmp_path, tmp_path / "not-a-build"))
+    await comp.start()
+    try:
+        ok, why = comp.ready()
+        assert not ok and "no MANIFEST.json" in why, why
+    finally:
+        await comp.stop(1.0)
+        ctx.executor.shutdown(wait=False)
+
+
+def test_partial_dir_at_the_target_is_replaced(bundle, tmp_path):
+    inst = installer(tmp_path, bundle)
+    target = tmp_path / "bin" / BUNDLE_DIR / read_bundle(str(bundle))[0]
+    target.mkdir(parents=True)
+    (target / "junk").write_text("x")  # no MANIFEST.json: not a copy of ours
+    inst.install_binary()
+    assert (target / "MANIFEST.json").exists() and not (target / "junk").exists()
