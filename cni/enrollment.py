@@ -522,27 +522,30 @@ class Enrollment(Component):
         except OSError:
             return False
 
-    async def _remaining_steps(self, rec: PodRecord, fd: int | None, wait_ack: bool) -> None:
-        """ZDS add, host probe set, status. Raises retryable EnrollmentError."""
+    async def _remaining_steps(self, rec: PodRecord, fd: int | None, wait_ack: bool,
+                               announce: bool = True) -> None:
+        """ZDS add (skipped with ``announce=False``: restart recovery recorded the pod in
+        ZDS already), host probe set, status. Raises retryable EnrollmentError."""
         import zds as zds_mod  # lazy: keep cni importable without the zds package's server
 
         zds = self._zds()
-        if zds is None:
+        if announce and zds is None:
             self._fail(rec, "zds", "no ZDS server component", status="pending")
             raise EnrollmentError(f"{rec.label()}: this agent runs no ZDS server", True)
-        info = zds_mod.PodInfo(uid=rec.uid, name=rec.name, namespace=rec.namespace,
-                               service_account=rec.service_account, netns_fd=fd)
-        try:
-            await zds.add(info, wait_ack=wait_ack, ztunnel_wait=_time_left(rec.answer_by))
-        except zds_mod.NoZtunnel as e:
-            self._fail(rec, "zds", str(e), status="pending")
-            await self._set_status(rec, "pending")
-            raise EnrollmentError(f"{rec.label()}: {_no_ztunnel_text(e)}", True) from None
-        except zds_mod.ZdsError as e:
-            self._fail(rec, "zds", f"{type(e).__name__}: {e}", status="pending")
-            await self._set_status(rec, "pending")
-            raise EnrollmentError(f"{rec.label()}: ztunnel did not accept the pod "
-                                  f"({type(e).__name__}: {e}); will retry", True) from None
+        if announce:
+            info = zds_mod.PodInfo(uid=rec.uid, name=rec.name, namespace=rec.namespace,
+                                   service_account=rec.service_account, netns_fd=fd)
+            try:
+                await zds.add(info, wait_ack=wait_ack, ztunnel_wait=_time_left(rec.answer_by))
+            except zds_mod.NoZtunnel as e:
+                self._fail(rec, "zds", str(e), status="pending")
+                await self._set_status(rec, "pending")
+                raise EnrollmentError(f"{rec.label()}: {_no_ztunnel_text(e)}", True) from None
+            except zds_mod.ZdsError as e:
+                self._fail(rec, "zds", f"{type(e).__name__}: {e}", status="pending")
+                await self._set_status(rec, "pending")
+                raise EnrollmentError(f"{rec.label()}: ztunnel did not accept the pod "
+                                      f"({type(e).__name__}: {e}); will retry", True) from None
         rec.steps["zds"] = True
         try:
             await self._blocking(self.host_rules.add_pod, rec.uid, rec.ips)
@@ -607,7 +610,9 @@ class Enrollment(Component):
                         return
                     rec.attempts += 1
                     if await self._retry_once(rec):
-                        log.info("%s: enrolled after %d retries", rec.label(), rec.attempts)
+                        if uid in self.records:
+                            log.info("%s: enrolled after %d retries", rec.label(),
+                                     rec.attempts)
                         return
         finally:
             if self._retry_tasks.get(uid) is asyncio.current_task():
@@ -617,6 +622,13 @@ class Enrollment(Component):
         if rec.status == "netns-missing":
             found = await self._find_netns({rec.uid: rec})
             if rec.uid not in found:
+                if self._recovery_verdict(rec, False)[0] == "drop":  # Pod object gone too
+                    await self._recover_leaving(rec, "drop", "netns and Pod object gone")
+                    self.records.pop(rec.uid, None)
+                    zds = self._zds()
+                    if zds is not None:
+                        await zds.delete(rec.uid)
+                    return True
                 return False
             rec.netns = found[rec.uid]
         try:
@@ -752,24 +764,66 @@ class Enrollment(Component):
                 log.warning("%s: probe set entries for %s: %s", rec.label(), ", ".join(ips), e)
 
     # --- restart recovery -------------------------------------------------------------------
+    #
+    # Upstream's Server.Start: ConstructInitialSnapshot (every live enrolled pod, with its
+    # netns when found) *before* the ztunnel server runs, so the first snapshot a ztunnel
+    # gets names every pod; ztunnel shuts every proxy not named before SnapshotSent. Then
+    # the informer's first events re-decide each pod. Here both happen in recover():
+    # phase 1 decides and records, opens ZDS accepts; phase 2 does the slow per-pod work.
 
     async def recover(self) -> dict[str, str]:
-        """Re-adopt pods enrolled before a restart (§3.9/§3.10). Sources: persisted records,
-        and in Kubernetes mode pods of this node annotated ``enabled``. Returns
-        ``{uid: status}``. Pods whose netns can't be found are reported and retried."""
-        wanted: dict[str, PodRecord] = {r.uid: r for r in self.state.load()}
-        for rec in self._enrolled_from_store():
-            wanted.setdefault(rec.uid, rec)
-        if not wanted:
-            await self._reconcile_probe_set(wanted)  # entries of pods gone while we were not
+        """Re-adopt pods enrolled before a restart (§3.9/§3.10). Returns ``{uid: outcome}``:
+        ``enabled``, ``netns-missing``, ``failed``/``pending`` (a step failed; retried),
+        ``dropped`` (netns and Pod object both gone: forgotten, never announced, so
+        ztunnel drains its proxy) or ``unenrolled`` (no longer qualifies).
+
+        1. Candidates: persisted records and (Kubernetes mode) pods of this node annotated
+           ``enabled``; each netns is looked up (recorded path if it still holds the pod
+           IP, else a ``/proc`` scan).
+        2. Each is re-decided against its current Pod object as a fresh ADD would be
+           (:meth:`_recovery_verdict`).
+        3. Every kept pod is recorded in ZDS (``AddWorkload`` with its netns, ``Keep``
+           without), then ZDS accepts are opened (:meth:`zds.ZdsServer.open_accept`).
+        4. Then, per kept pod: rules reconciled, probe set, status; pods that no longer
+           qualify are un-enrolled; the probe set is reconciled against the kept pods.
+        """
+        try:
+            candidates = self._recovery_candidates()
+            fds = await self._open_recovered_netns(candidates) if candidates else {}
+            try:
+                verdicts = {uid: self._recovery_verdict(rec, uid in fds)
+                            for uid, rec in candidates.items()}
+                kept = [candidates[u] for u, (v, _) in verdicts.items() if v == "keep"]
+                await self._announce_recovered(kept, fds)
+            except BaseException:
+                for fd in fds.values():
+                    os.close(fd)
+                raise
+        finally:
+            zds = self._zds()
+            if zds is not None and hasattr(zds, "open_accept"):
+                zds.open_accept()
+        if not candidates:
+            await self._reconcile_probe_set({})  # entries of pods gone while we were not
             return {}
-        found = await self._find_netns(wanted)
-        results = await asyncio.gather(*(self._recover_one(rec, found.get(rec.uid))
-                                         for rec in wanted.values()))
-        await self._reconcile_probe_set(wanted)
-        log.info("recovered %d pods (%d without netns)", len(wanted),
-                 sum(1 for s in results if s != "enabled"))
-        return {rec.uid: s for rec, s in zip(wanted.values(), results)}
+        outcomes: dict[str, str] = {}
+        try:
+            kept_results = await asyncio.gather(*(self._recover_kept(rec, fds.pop(rec.uid, None))
+                                                  for rec in kept))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        outcomes.update({rec.uid: s for rec, s in zip(kept, kept_results)})
+        for uid, (verdict, why) in verdicts.items():
+            if verdict != "keep":
+                outcomes[uid] = await self._recover_leaving(candidates[uid], verdict, why)
+        await self._reconcile_probe_set({r.uid: r for r in kept})
+        counts: dict[str, int] = {}
+        for s in outcomes.values():
+            counts[s] = counts.get(s, 0) + 1
+        log.info("restart recovery: %d pods (%s)", len(outcomes),
+                 ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+        return outcomes
 
     async def _reconcile_probe_set(self, wanted: dict[str, PodRecord]) -> None:
         """Start of day: the probe sets in place against the pods we know
@@ -782,6 +836,12 @@ class Enrollment(Component):
                 log.info("removed stale probe set entries: %s", ", ".join(pruned))
         except (RulesError, OSError, ValueError) as e:
             log.error("probe set reconcile at start: %s", e)
+
+    def _recovery_candidates(self) -> dict[str, PodRecord]:
+        wanted: dict[str, PodRecord] = {r.uid: r for r in self.state.load()}
+        for rec in self._enrolled_from_store():
+            wanted.setdefault(rec.uid, rec)
+        return wanted
 
     def _enrolled_from_store(self) -> list[PodRecord]:
         store = self._store()
@@ -806,6 +866,142 @@ class Enrollment(Component):
                                  ips=pod_status_ips(pod), annotations=dict(annotations)))
         return out
 
+    def _pod_objects_known(self) -> bool:
+        """Whether the config source has its full set of Pod objects (first load / LIST
+        done), so a missing Pod object means the pod is gone. No source: unknown."""
+        source = self.ctx.get("config-source")
+        if source is None or getattr(source, "store", None) is None:
+            return False
+        try:
+            return bool(source.ready()[0])
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _recovery_verdict(self, rec: PodRecord, netns_alive: bool) -> tuple[str, str]:
+        """Decide a recovered pod as a fresh CNI ADD would (``cni.enablement.decide``).
+        Returns ``(verdict, reason)``: ``keep``; ``drop`` (no netns and no Pod object:
+        the pod is gone); ``unenroll`` (the Pod object says it no longer qualifies:
+        another node, terminal, host network, not ambient, excluded namespace; its
+        in-pod rules are removed when its netns is alive); ``unenroll-deleted`` (the
+        same, but its sandbox is gone or terminal: nothing to remove inside it).
+
+        Only a Pod object with the record's UID is this pod's: a same-named pod with
+        another UID is a new pod. Without a synced config source nothing is dropped."""
+        known = self._pod_objects_known()
+        pod = None
+        store = self._store()
+        if store is not None:
+            try:
+                pod = store.pod_by_uid(rec.uid)
+            except Exception as e:  # noqa: BLE001 - a broken store must not stop recovery
+                log.warning("%s: config source lookup failed: %s", rec.label(), e)
+                known = False
+        if pod is None:
+            if netns_alive:
+                return "keep", "netns alive, no Pod object (enrolled by the plugin config)"
+            if known:
+                return "drop", "netns gone and no Pod object"
+            return "keep", "netns not found; Pod objects not known yet (kept, retried)"
+        meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+        gone = "unenroll" if netns_alive else "unenroll-deleted"
+        node = spec.get("nodeName")
+        if node and node != self.ctx.config.node_name:
+            return gone, f"its Pod object is on node {node}, not {self.ctx.config.node_name}"
+        phase = (pod.get("status") or {}).get("phase")
+        if phase in ("Succeeded", "Failed"):
+            return "unenroll-deleted", f"pod is terminal (phase {phase})"
+        event = CniPodEvent(command="ADD", container_id=rec.uid, netns=rec.netns,
+                            pod_name=meta.get("name") or rec.name,
+                            pod_namespace=meta.get("namespace") or rec.namespace,
+                            pod_uid=rec.uid, ips=list(rec.ips))
+        try:
+            decision = enablement.decide(event, store, self.ctx.config.exclude_namespaces or (),
+                                         pod=pod)
+        except ValueError as e:  # a malformed selector: keep what was decided before
+            log.warning("%s: cannot re-decide at restart: %s", rec.label(), e)
+            return "keep", f"cannot re-decide ({e})"
+        if not decision.ambient:
+            return gone, decision.reason
+        return "keep", decision.reason
+
+    async def _open_recovered_netns(self, wanted: dict[str, PodRecord]) -> dict[str, int]:
+        """``{uid: open netns fd}`` for the pods whose netns was found (caller closes);
+        ``rec.netns`` is updated to where it was found."""
+        found = await self._find_netns(wanted)
+        fds: dict[str, int] = {}
+        for uid, path in found.items():
+            try:
+                fds[uid] = netns_mod.open_netns(path)
+                wanted[uid].netns = path
+            except OSError as e:
+                log.warning("%s: netns %s: %s", wanted[uid].label(), path, e)
+        return fds
+
+    async def _announce_recovered(self, kept: list[PodRecord], fds: dict[str, int]) -> None:
+        """Record every kept pod in ZDS before any ztunnel is accepted: ``AddWorkload``
+        with its netns, ``Keep`` when its netns is not found (so ztunnel keeps a proxy
+        it still runs, §3.10)."""
+        import zds as zds_mod
+
+        zds = self._zds()
+        if zds is None:
+            return
+        for rec in kept:
+            info = zds_mod.PodInfo(uid=rec.uid, name=rec.name, namespace=rec.namespace,
+                                   service_account=rec.service_account,
+                                   netns_fd=fds.get(rec.uid))
+            try:
+                await zds.add(info, wait_ack=False)
+            except (ValueError, zds_mod.ZdsError) as e:
+                log.error("%s: cannot record in ZDS at restart: %s", rec.label(), e)
+
+    async def _recover_kept(self, rec: PodRecord, fd: int | None) -> str:
+        """Phase 2 for a kept pod (already announced to ZDS): reconcile its rules, probe
+        set, status; ``fd`` (closed here) is its netns, None when not found."""
+        async with self._lock(rec.uid):
+            self.records[rec.uid] = rec
+            if fd is None:
+                self._fail(rec, "netns", "netns not found (recorded path gone and no process "
+                           "of this pod in /proc)", status="netns-missing")
+                self._schedule_retry(rec)
+                return rec.status
+            try:
+                opts = pod_options(self.base_options, rec.annotations)
+                try:
+                    await self._blocking(self._apply_rules, fd, opts, rec.netns)
+                    rec.steps["rules"] = True
+                except (LoopbackDown, RulesError, OSError) as e:
+                    self._fail(rec, "rules", f"reconcile at start: {e}; restart the pod")
+                try:
+                    await self._remaining_steps(rec, fd, wait_ack=False, announce=False)
+                except EnrollmentError:
+                    self._schedule_retry(rec)
+            finally:
+                os.close(fd)
+            return rec.status
+
+    async def _recover_leaving(self, rec: PodRecord, verdict: str, why: str) -> str:
+        """Forget a dropped pod (probe set entries, record; never announced to ZDS) or
+        un-enroll one that no longer qualifies (its rules too when its netns is alive)."""
+        if verdict == "drop":
+            log.info("%s: %s: dropped (ztunnel drains its proxy)", rec.label(), why)
+            if rec.ips and self.host_rules is not None:
+                try:
+                    await self.ctx.run_blocking(self.host_rules.remove_pod, rec.uid, rec.ips)
+                except (RulesError, OSError, ValueError) as e:
+                    log.warning("%s: probe set entries: %s", rec.label(), e)
+            self.state.remove(rec.uid)
+            return "dropped"
+        log.info("%s: %s: removing it from the mesh", rec.label(), why)
+        event = CniPodEvent(command="DEL", container_id=rec.uid, netns=rec.netns,
+                            pod_name=rec.name, pod_namespace=rec.namespace, pod_uid=rec.uid,
+                            ips=list(rec.ips))
+        try:
+            await self.unenroll(event, is_delete=verdict == "unenroll-deleted")
+        except EnrollmentError as e:
+            log.warning("un-enrolling %s at restart: %s", rec.label(), e)
+        return "unenrolled"
+
     async def _find_netns(self, wanted: dict[str, PodRecord]) -> dict[str, str]:
         """``{uid: netns path}``: the recorded path when it still holds the pod IP, else a
         ``/proc`` scan (the returned path is ``<proc>/<pid>/ns/net``)."""
@@ -823,44 +1019,6 @@ class Enrollment(Component):
                     paths[uid] = hit.path
             return paths
         return await self.ctx.run_blocking(find)
-
-    async def _recover_one(self, rec: PodRecord, path: str | None) -> str:
-        import zds as zds_mod
-
-        async with self._lock(rec.uid):
-            self.records[rec.uid] = rec
-            zds = self._zds()
-            if path is None:
-                self._fail(rec, "netns", "netns not found (recorded path gone and no process "
-                           "of this pod in /proc)", status="netns-missing")
-                if zds is not None:  # Keep, so a reconnecting ztunnel doesn't drop it
-                    await zds.add(zds_mod.PodInfo(uid=rec.uid, name=rec.name,
-                                                  namespace=rec.namespace,
-                                                  service_account=rec.service_account),
-                                  wait_ack=False)
-                self._schedule_retry(rec)
-                return rec.status
-            rec.netns = path
-            try:
-                fd = netns_mod.open_netns(path)
-            except OSError as e:
-                self._fail(rec, "netns", str(e), status="netns-missing")
-                self._schedule_retry(rec)
-                return rec.status
-            try:
-                opts = pod_options(self.base_options, rec.annotations)
-                try:
-                    await self._blocking(self._apply_rules, fd, opts, path)
-                    rec.steps["rules"] = True
-                except (LoopbackDown, RulesError, OSError) as e:
-                    self._fail(rec, "rules", f"reconcile at start: {e}; restart the pod")
-                try:
-                    await self._remaining_steps(rec, fd, wait_ack=False)
-                except EnrollmentError:
-                    self._schedule_retry(rec)
-            finally:
-                os.close(fd)
-            return rec.status
 
 
 def _answer_deadline(event: CniPodEvent) -> float | None:

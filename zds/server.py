@@ -26,6 +26,14 @@ Deliberate differences from upstream, and why:
   after its delete; a queued live Add whose pod was deleted or replaced is withdrawn.
 - ``add(pod, wait_ack=False)`` records the pod and, if a ztunnel is connected, also
   sends it without waiting (upstream's restart path only caches it).
+
+Restart (upstream ``Server.Start``: ``ConstructInitialSnapshot`` before the ztunnel
+server's ``Run``): built with ``hold_accept=True`` (the daemon does), the socket is bound
+and listening at :meth:`ZdsServer.start` but nothing is accepted until
+:meth:`ZdsServer.open_accept` (the enrollment component calls it once restart recovery
+has recorded every live enrolled pod). A ztunnel that connects earlier waits in the
+listen backlog with its hello queued, so the first snapshot it gets is complete:
+ztunnel shuts every proxy not named before ``SnapshotSent``.
 """
 
 from __future__ import annotations
@@ -617,7 +625,8 @@ class ZdsServer(Component):
 
     ``path``: socket path; ``registry``: Prometheus registry for :class:`ZdsMetrics`;
     ``ztunnel_wait``: seconds :meth:`add` waits for a ztunnel; the other timeouts are
-    seconds and default to upstream's values.
+    seconds and default to upstream's values. ``hold_accept``: listen at start but accept
+    no connection before :meth:`open_accept` (restart recovery first).
     """
 
     name = "zds"
@@ -626,7 +635,7 @@ class ZdsServer(Component):
                  ztunnel_wait: float = 30.0, ack_timeout: float = ACK_TIMEOUT,
                  hello_timeout: float = HELLO_TIMEOUT,
                  keepalive_interval: float = KEEPALIVE_INTERVAL,
-                 accept_rate: float = ACCEPT_RATE):
+                 accept_rate: float = ACCEPT_RATE, hold_accept: bool = False):
         self.path = path
         self.metrics = ZdsMetrics(registry or CollectorRegistry())
         self.ztunnel_wait = ztunnel_wait
@@ -644,6 +653,9 @@ class ZdsServer(Component):
         # Set (and replaced) on every connection change; waiters re-check their condition.
         self._changed = asyncio.Event()
         self._stopped = False
+        self._accepting: asyncio.Event | None = None  # made in start(): needs the loop
+        self._hold_accept = hold_accept
+        self.accept_opened_at: float | None = None  # time.monotonic() when accepts began
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -651,8 +663,33 @@ class ZdsServer(Component):
         """Bind the socket and start accepting. Raises OSError if the path is unusable."""
         loop = asyncio.get_running_loop()
         self._sock, self._inode = await loop.run_in_executor(None, _bind_listener, self.path)
+        if self._accepting is None:
+            self._accepting = asyncio.Event()
+        if not self._hold_accept:
+            self._open()
         self._accept_task = asyncio.create_task(self._accept_loop(), name="zds-accept")
-        log.info("ZDS server listening on %s", self.path)
+        log.info("ZDS server listening on %s%s", self.path,
+                 "" if self._accepting.is_set() else
+                 " (ztunnel connections accepted once restart recovery is done)")
+
+    def open_accept(self) -> None:
+        """Start accepting ztunnel connections (idempotent). Called once every pod that
+        survived a restart is recorded, so the first snapshot names all of them."""
+        if self._accepting is None:
+            self._accepting = asyncio.Event()
+        if not self._accepting.is_set():
+            self._open()
+            log.info("ZDS server accepting ztunnel connections (%d pods recorded)",
+                     len(self._pods))
+
+    def _open(self) -> None:
+        self.accept_opened_at = time.monotonic()
+        self._accepting.set()
+
+    @property
+    def accepting(self) -> bool:
+        """Whether connections are being accepted (False while restart recovery runs)."""
+        return self._accepting is not None and self._accepting.is_set()
 
     async def stop(self, grace: float = 1.0) -> None:
         """Stop accepting, close every connection and the socket, unlink the socket file
@@ -685,10 +722,13 @@ class ZdsServer(Component):
     def ready(self) -> tuple[bool, str]:
         if self._sock is None:
             return False, "ZDS socket not listening"
+        if not self.accepting:
+            return False, "waiting for restart recovery before accepting ztunnel"
         return True, ""
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        await self._accepting.wait()  # connections made before this wait in the backlog
         next_allowed = 0.0
         while True:
             delay = next_allowed - loop.time()
@@ -849,6 +889,7 @@ class ZdsServer(Component):
         latest = self.latest()
         return {
             "socket": self.path,
+            "accepting": self.accepting,
             "pods": {uid: {"name": r.info.name, "namespace": r.info.namespace,
                            "service_account": r.info.service_account,
                            "netns": r.fd is not None} for uid, r in self._pods.items()},
@@ -867,6 +908,8 @@ def _log_background(fut: asyncio.Future) -> None:
 
 
 def build(ctx: AgentContext) -> ZdsServer:
-    """The ``zds`` component from ``ztunnel_uds_address`` and ``ztunnel_wait``."""
+    """The ``zds`` component from ``ztunnel_uds_address`` and ``ztunnel_wait``. It holds
+    accepts until the ``enrollment`` component (always built after it) has recovered
+    the pods of a previous run and calls :meth:`ZdsServer.open_accept`."""
     return ZdsServer(ctx.config.ztunnel_uds_address, ctx.registry,
-                     ztunnel_wait=ctx.config.ztunnel_wait)
+                     ztunnel_wait=ctx.config.ztunnel_wait, hold_accept=True)

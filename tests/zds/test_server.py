@@ -380,7 +380,13 @@ async def test_component_build_from_config():
     await server.start()
     try:
         async with running_client(config.ztunnel_uds_address) as client:
+            # the daemon's server holds accepts until enrollment recovered its pods
+            assert not server.accepting and not server.ready()[0]
+            await asyncio.sleep(0.2)
+            assert server.connections == [] and client.snapshots == 0
+            server.open_accept()
             await client.wait_snapshot(timeout=3)
+            assert server.ready() == (True, "")
             assert ctx.registry.get_sample_value("ztunnel_connected") == 1
     finally:
         await server.stop()
