@@ -20,10 +20,13 @@ A pod is reported enrolled only when all four succeeded. Each enrolled pod is pe
 as ``<state_dir>/pods/<uid>.json`` (uid, name, namespace, service account, netns path,
 IPs, annotations) so a restarted agent recovers it even without Kubernetes: by its
 netns path if that still holds the pod IP, else by scanning ``/proc``
-(:mod:`cni.podnetns`). Recovered pods are re-snapshotted to ztunnel (``wait_ack=False``),
-their rules reconciled (replaced atomically, never duplicated), probe set re-synced.
-A pod whose netns can't be found is reported (``netns-missing``) and retried, and it
-is still announced to ZDS without a netns (``Keep``, §3.10) so ztunnel doesn't drop it.
+(:mod:`cni.podnetns`). At restart each record is re-decided against its current Pod
+object as a fresh ADD would be (dropped when its netns and Pod object are both gone,
+un-enrolled when it no longer qualifies), every kept pod is recorded in ZDS and only then
+are ztunnel connections accepted (:meth:`Enrollment.recover`); rules are reconciled
+after (replaced atomically, never duplicated), probe set re-synced. A kept pod whose
+netns can't be found is reported (``netns-missing``) and retried, and it is still
+announced to ZDS without a netns (``Keep``, §3.10) so ztunnel doesn't drop it.
 """
 
 from __future__ import annotations
