@@ -95,6 +95,7 @@ class HostProbeRules:
         self.netns = netns
         self._ipset_lock = threading.Lock()
         self._ipset_sock: IPSet | None = None
+        self._ipset_loop = None  # the asyncio loop pyroute2 made for it (see _close_ipset)
 
     # --- rendering (pure; the goldens) ---------------------------------------------
 
@@ -134,6 +135,10 @@ class HostProbeRules:
             if self._ipset_sock is None:
                 with self._in_netns():
                     self._ipset_sock = IPSet()
+                # pyroute2 keeps a private event loop per *thread* and closes only the
+                # calling thread's one on close(); worker threads differ between calls
+                self._ipset_loop = getattr(getattr(self._ipset_sock, "asyncore", None),
+                                           "event_loop", None)
             try:
                 yield self._ipset_sock
             except OSError:
@@ -146,6 +151,11 @@ class HostProbeRules:
                 self._ipset_sock.close()
             finally:
                 self._ipset_sock = None
+                loop, self._ipset_loop = self._ipset_loop, None
+                # not running (pyroute2 runs it per call), so closing it here is safe; an
+                # unclosed one is reported at interpreter exit
+                if loop is not None and not loop.is_closed() and not loop.is_running():
+                    loop.close()
 
     def close(self) -> None:
         """Release the kept netlink socket (rules and sets stay)."""
