@@ -225,7 +225,10 @@ def zds(data: dict, now: float) -> list[str]:
     conns = data["connections"]
     known_pods = data.get("pods") or {}
     head = f"ZDS connections (ztunnels) ({len(conns)})"
-    out = [head + f"  socket {cell(data.get('socket'), None)}  pods known {len(known_pods)}"]
+    head += f"  socket {cell(data.get('socket'), None)}  pods known {len(known_pods)}"
+    if data.get("accepting") is False:  # restart recovery still running
+        head += "  not accepting yet (restart recovery)"
+    out = [head]
     rows = [{"id": str(c.get("id")) + (" (latest)" if c.get("latest") else ""),
              "ztunnel pid": c.get("peer_pid"), "version": c.get("version"),
              "connected since": when(c.get("connected_at"), now),
@@ -236,7 +239,7 @@ def zds(data: dict, now: float) -> list[str]:
                                  "snapshot sent", "queued", "last keepalive", "pods held"],
                           conns, ZDS_CONN_KNOWN)
     out += [table(rows, columns, unlimited=("pods held",))] if rows else ["  none connected"]
-    return out + leftovers(data, {"socket", "pods", "connections"})
+    return out + leftovers(data, {"socket", "pods", "connections", "accepting"})
 
 
 def held(holds: dict) -> str:
