@@ -46,6 +46,7 @@ from typing import Any
 
 from agent.lifecycle import AgentContext, Component
 from cni import annotate
+from cni import enablement
 from cni import netns as netns_mod
 from cni import podnetns
 from cni.events import CniPodEvent
