@@ -3,21 +3,28 @@
 One scrape returns, in this order: the agent's own registry, Envoy's ``/stats/prometheus``
 (when an Envoy admin port is configured) and the application's targets from
 ``ISTIO_PROMETHEUS_ANNOTATIONS``, always with HTTP 200: a failing source is logged, counted
-in ``istio_agent_scrape_failures_total{type}`` and left out.
+in ``istio_agent_scrape_failures_total{type}`` and left out. Upstream
+(pilot/cmd/pilot-agent/status/server.go ``handleStats``) concatenates the bodies as they
+come; that breaks the scrape whenever formats differ or names repeat. Here:
 
-What the merge guarantees beyond upstream (which concatenates blindly):
-- exactly one ``# EOF``, at the end, and only for an OpenMetrics response; the agent's own
-  part and Envoy's text are rendered as OpenMetrics too in that case (prometheus-client's
-  parser and OpenMetrics writer), so the whole body parses as OpenMetrics;
-- no ``# HELP``/``# TYPE`` line for a family already declared by an earlier source or
-  earlier in the same source (a second one makes Prometheus reject the whole scrape);
-- a source whose body lacks a final newline is repaired;
+- the format is upstream's choice (OpenMetrics only when every successful app target
+  answered OpenMetrics in one version, else text 0.0.4), and *every* part is made valid
+  for it: Envoy's text and text app bodies are converted to OpenMetrics, OpenMetrics app
+  bodies to text, by :mod:`agent.status.exposition` (prometheus-client's parsers and
+  writers, sample names kept, only types a Prometheus text parser accepts as well);
+  exactly one ``# EOF``, at the end, and only for an OpenMetrics response;
+- the first source to use a metric name keeps it (agent, then Envoy, then apps in target
+  order); a later family using it is dropped whole and counted in
+  ``ambient_agent_metrics_merge_dropped_families_total{source}``;
+- an app body that does not parse is dropped and counted as a failed source (it would
+  make Prometheus reject the whole scrape);
 - a protobuf ``Accept`` is never forwarded (``filter_accept``), Envoy is asked for text only.
 
-Envoy's body is streamed through in text mode (line-aligned chunks), so a multi-megabyte
-stats page costs little more than fetching it. Application bodies are buffered up to
-:data:`APP_BODY_CAP` each (read cap+1 to detect overflow; larger → dropped and counted),
-also for a single target (upstream streams one target uncapped; we cap for memory safety).
+Envoy's body is streamed through in text mode (line-aligned chunks; only metadata lines
+are looked at, by :class:`FamilyGate`), so a multi-megabyte stats page costs little more
+than fetching it. Application bodies are buffered up to :data:`APP_BODY_CAP` each (read
+cap+1 to detect overflow; larger → dropped and counted), also for a single target
+(upstream streams one target uncapped; we cap for memory safety), and parsed.
 """
 
 from __future__ import annotations
@@ -32,8 +39,9 @@ from typing import Any, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.exposition import generate_latest as text_latest
-from prometheus_client.openmetrics.exposition import generate_latest as om_latest
+
+from agent.status import exposition as ex
+from agent.status.exposition import strip_eof  # noqa: F401 - part of this module's API
 
 log = logging.getLogger("agent.status.metrics")
 
@@ -53,7 +61,6 @@ _MEDIA_RE = re.compile(rf"^({_TOKEN})(?:/({_TOKEN}))?$")
 # lines by one C-level findall. _META_AT checks one line start (the slow path).
 _META_AT = re.compile(rb"# ((?:HELP|TYPE) \S+)")
 _META_RE = re.compile(rb"\n# ((?:HELP|TYPE) \S+)")
-_EOF_RE = re.compile(rb"(?:^|\n)# EOF[ \t\r\n]*\Z")
 _COPIED_HEADERS = ("User-Agent", "X-Prometheus-Scrape-Timeout-Seconds")
 
 
@@ -190,16 +197,6 @@ def body_format(content_type: str | None) -> str:
     return "om-0.0.1" if version == "0.0.1" else "text"
 
 
-def strip_eof(body: bytes) -> bytes:
-    """Drop a trailing ``# EOF`` line (trailing spaces/tabs/CR/LF tolerated); end with ``\\n``."""
-    m = _EOF_RE.search(body)
-    if m:
-        body = body[:m.start()]
-    if body and not body.endswith(b"\n"):
-        body += b"\n"
-    return body
-
-
 def _metadata_lines(data: bytes, end: int) -> list[tuple[int, bytes]]:
     """``(offset, b"TYPE <name>" | b"HELP <name>")`` of every metadata line in
     ``data[:end]``, in order."""
@@ -231,69 +228,79 @@ def _metadata_keys(data: bytes, end: int) -> list[bytes]:
     return _META_RE.findall(b"\n".join(lines)) if lines else []
 
 
-class MetadataDedup:
-    """Drops ``# HELP``/``# TYPE`` lines for families already declared in this response.
+def _new_block(key: bytes, last: bytes) -> bool:
+    """A metadata line starts a new family block unless it is the other half (HELP after
+    TYPE or TYPE after HELP) of the block the previous metadata line began; the same line
+    twice is a second block."""
+    return key == last or key[5:] != last[5:]
 
-    Feed complete lines (chunks ending in ``\\n``). Keys are ``b"TYPE <name>"`` /
-    ``b"HELP <name>"``. The fast path (no repeat, the normal case for Envoy's body) costs
-    a memchr scan plus a little work per metadata line (not per sample line) and returns
-    the chunk uncopied.
+
+class FamilyGate:
+    """Cuts, from a text body streamed in line-aligned chunks, whole families that may not
+    appear: a name an earlier source of the response holds
+    (:class:`agent.status.exposition.Claims`), or a family this body declares a second
+    time (first block wins).
+
+    Only metadata lines are looked at: a block runs from a ``# HELP``/``# TYPE`` line to
+    the next metadata line of another name (Envoy declares every family; its samples
+    follow their TYPE line). The fast path (nothing cut, the normal case) costs a memchr
+    scan plus set operations on the chunk's metadata names and returns the chunk uncopied.
     """
 
-    def __init__(self) -> None:
-        self.seen: set[bytes] = set()
+    def __init__(self, claims: ex.Claims, source: str):
+        self.claims = claims
+        self.source = source
+        self._seen: set[bytes] = set()  # names of this body's TYPE lines / blocks so far
+        self._help_seen: set[bytes] = set()  # names of its HELP lines / blocks so far
+        self._last = b""  # the last metadata key (b"TYPE name") seen
+        self._cutting = False  # its block is being cut (it may go on in the next chunk)
 
     def filter(self, data: bytes, end: int | None = None) -> bytes | memoryview:
-        """``data[:end]`` without repeated metadata lines: ``data`` itself (or a
-        memoryview of its first ``end`` bytes) when nothing repeats, else a new bytes."""
+        """``data[:end]`` without the cut families: ``data`` itself (or a memoryview of
+        its first ``end`` bytes) when nothing is cut, else a new bytes."""
         end = len(data) if end is None else end
-        found = _metadata_keys(data, end)
-        keys = set(found)
-        if len(keys) == len(found) and self.seen.isdisjoint(keys):
-            self.seen |= keys
+        keys = _metadata_keys(data, end)
+        if not keys:
+            if self._cutting:
+                return b""
             return data if end == len(data) else memoryview(data)[:end]
-        return self._cut_repeats(data, end, _metadata_lines(data, end))
+        if not self._cutting:
+            types = [k[5:] for k in keys if k[0] == 84]  # b"TYPE ..."
+            helps = [k[5:] for k in keys if k[0] != 84]
+            tset, hset = set(types), set(helps)
+            if (len(tset) == len(types) and len(hset) == len(helps)
+                    and tset.isdisjoint(self._seen) and hset.isdisjoint(self._help_seen)):
+                if not self.claims.admit_text_names(tset | hset, self.source):
+                    self._seen |= tset
+                    self._help_seen |= hset
+                    self._last = keys[-1]
+                    return data if end == len(data) else memoryview(data)[:end]
+        return self._cut(data, end)
 
-    def _cut_repeats(self, data: bytes, end: int, found: list[tuple[int, bytes]]) -> bytes:
-        """The slow path: cut each metadata line whose key was seen before."""
-        out, pos = [], 0
-        for start, key in found:
-            if key in self.seen:
-                nl = data.find(b"\n", start, end)
-                out.append(data[pos:start])
-                pos = end if nl < 0 else nl + 1
-            else:
-                self.seen.add(key)
-        out.append(data[pos:end])
+    def _cut(self, data: bytes, end: int) -> bytes:
+        """The slow path: walk the metadata lines, drop cut blocks up to the next kept one."""
+        out = []
+        keep_from = None if self._cutting else 0
+        for start, key in _metadata_lines(data, end):
+            new, self._last = _new_block(key, self._last), key
+            if not new:
+                continue  # the same block goes on (its HELP, then its TYPE)
+            name = key[5:]
+            repeat = name in self._seen or name in self._help_seen
+            if repeat:
+                self.claims.dropped[self.source] = self.claims.dropped.get(self.source, 0) + 1
+            drop = repeat or bool(self.claims.admit_text_names({name}, self.source))
+            self._seen.add(name)
+            self._help_seen.add(name)
+            if drop and keep_from is not None:
+                out.append(data[keep_from:start])
+                keep_from = None
+            elif not drop and keep_from is None:
+                keep_from = start
+        if keep_from is not None:
+            out.append(data[keep_from:end])
+        self._cutting = keep_from is None
         return b"".join(out)
-
-
-def text_to_openmetrics(body: bytes) -> bytes:
-    """Re-render a Prometheus text body as OpenMetrics (without ``# EOF``).
-
-    Untyped families become ``unknown``; a counter whose samples lack the ``_total``
-    suffix OpenMetrics requires (Envoy has some) becomes ``unknown`` too, so sample
-    names never change. Raises ValueError when the body does not parse. CPU-bound:
-    call off the event loop.
-    """
-    from prometheus_client.parser import text_string_to_metric_families
-
-    families = list(text_string_to_metric_families(body.decode("utf-8")))
-    for fam in families:
-        if fam.type == "untyped":
-            fam.type = "unknown"
-        elif fam.type == "counter" and any(
-                not s.name.endswith(("_total", "_created")) for s in fam.samples):
-            fam.type = "unknown"
-            fam.name = fam.samples[0].name if fam.samples else fam.name
-
-    class _Families:
-        def collect(self):
-            return families
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families())
-    return strip_eof(om_latest(registry))
 
 
 def source_session() -> aiohttp.ClientSession:
@@ -312,6 +319,31 @@ def source_session() -> aiohttp.ClientSession:
 class _AppBody:
     body: bytes
     fmt: str
+    url: str = ""
+
+
+def _own_body(registry: CollectorRegistry, claims: ex.Claims) -> bytes:
+    lower = ex.for_openmetrics if claims.om else ex.for_text
+    return ex.render(claims.admit(lower(registry.collect()), "agent"), claims.om)
+
+
+def _envoy_openmetrics(body: bytes, claims: ex.Claims) -> bytes:
+    """Envoy's text as OpenMetrics (see :mod:`agent.status.exposition`). Raises ValueError."""
+    return ex.render(claims.admit(ex.for_openmetrics(ex.parse_text(body)), "envoy"), True)
+
+
+def _app_part(app: _AppBody, claims: ex.Claims) -> bytes:
+    """One app body in the response's format, families other sources hold left out.
+
+    A text body in a text response that loses nothing is passed through byte for byte
+    (as upstream); otherwise the admitted families are rendered. Raises ValueError when
+    the body does not parse in the format its Content-Type names."""
+    fams = ex.parse_text(app.body) if app.fmt == "text" else ex.parse_openmetrics(app.body)
+    lowered = (ex.for_openmetrics if claims.om else ex.for_text)(fams)
+    kept = claims.admit(lowered, "application")
+    if not claims.om and app.fmt == "text" and len(kept) == len(lowered):
+        return strip_eof(app.body)
+    return ex.render(kept, claims.om)
 
 
 class MetricsMerger:
@@ -339,6 +371,13 @@ class MetricsMerger:
                                 registry=registry)
         for kind in ("envoy", "application"):
             self.failures.labels(kind)
+        self.dropped = Counter("ambient_agent_metrics_merge_dropped_families",
+                               "Metric families left out of a merged scrape because an earlier "
+                               "source (agent, then Envoy, then apps) already used the name, "
+                               "by source", ["source"], registry=registry)
+        for kind in ("envoy", "application"):
+            self.dropped.labels(kind)
+        self._reported_drops: frozenset = frozenset()
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -376,7 +415,7 @@ class MetricsMerger:
                     body += more
                 if len(body) > APP_BODY_CAP:
                     raise ValueError(f"body larger than {APP_BODY_CAP} bytes")
-                return _AppBody(body, body_format(resp.headers.get("Content-Type")))
+                return _AppBody(body, body_format(resp.headers.get("Content-Type")), url)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
             log.warning("scraping application metrics %r failed: %s", url, e)
             self.failures.labels("application").inc()
@@ -415,6 +454,7 @@ class MetricsMerger:
                                                for t in self.app_targets)))
             fmt = self._final_format(apps)
             om = fmt != "text"
+            claims = ex.Claims(om)
             response = web.StreamResponse(status=200)
             response.content_type = "application/openmetrics-text" if om else "text/plain"
             response.headers["Content-Type"] = (OM_CONTENT_TYPE.format(fmt[3:]) if om
@@ -422,33 +462,51 @@ class MetricsMerger:
             if "gzip" in request.headers.get("Accept-Encoding", ""):
                 response.enable_compression()
             await response.prepare(request)
-            dedup = MetadataDedup()
-            own = strip_eof(om_latest(self.registry)) if om else text_latest(self.registry)
-            await response.write(dedup.filter(own))
+            await response.write(_own_body(self.registry, claims))
             if envoy_task is not None:
                 envoy, envoy_task = await envoy_task, None
-                await self._write_envoy(envoy, response, dedup, om)
+                await self._write_envoy(envoy, response, claims)
             for app in apps:
-                if app is not None and app.body:
-                    await response.write(dedup.filter(strip_eof(app.body)))
+                if app is None:
+                    continue
+                try:
+                    part = await self.run_blocking(_app_part, app, claims)
+                except ValueError as e:
+                    log.warning("application metrics %r dropped: not valid %s: %s", app.url,
+                                "text" if app.fmt == "text" else "OpenMetrics", e)
+                    self.failures.labels("application").inc()
+                    continue
+                await response.write(part)
             if om:
                 await response.write(b"# EOF\n")
             await response.write_eof()
+            self._count_drops(claims)
             return response
         finally:
             if envoy_task is not None:  # the scrape failed before Envoy's body was used
                 _discard_envoy(envoy_task)
 
+    def _count_drops(self, claims: ex.Claims) -> None:
+        for source, n in claims.dropped.items():
+            self.dropped.labels(source).inc(n)
+        shape = frozenset(claims.dropped.items())
+        if shape != self._reported_drops:  # log a change, not every scrape
+            self._reported_drops = shape
+            if shape:
+                log.warning("merged metrics: families dropped because an earlier source "
+                            "uses their names (first source wins): %s",
+                            ", ".join(f"{s}={n}" for s, n in sorted(shape)))
+
     async def _write_envoy(self, resp: aiohttp.ClientResponse | None,
-                           response: web.StreamResponse, dedup: MetadataDedup, om: bool) -> None:
+                           response: web.StreamResponse, claims: ex.Claims) -> None:
         if resp is None:
             return
         try:
-            if om:
+            if claims.om:
                 body = await resp.read()
-                await response.write(dedup.filter(
-                    await self.run_blocking(text_to_openmetrics, body)))
+                await response.write(await self.run_blocking(_envoy_openmetrics, body, claims))
                 return
+            gate = FamilyGate(claims, "envoy")
             tail = b""  # the unfinished last line of the previous chunk
             async for chunk in resp.content.iter_any():
                 cut = chunk.rfind(b"\n") + 1
@@ -459,10 +517,10 @@ class MetricsMerger:
                 # one chunk, far cheaper than an extra small send on the socket).
                 if tail:
                     chunk, cut, tail = tail + chunk, cut + len(tail), b""
-                await response.write(dedup.filter(chunk, cut))
+                await response.write(gate.filter(chunk, cut))
                 tail = chunk[cut:]
             if tail:  # a body without a final newline: repair it
-                await response.write(dedup.filter(tail + b"\n"))
+                await response.write(gate.filter(tail + b"\n"))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
             log.warning("reading Envoy metrics failed: %s", e)
             self.failures.labels("envoy").inc()

@@ -111,30 +111,46 @@ def test_body_format_and_strip_eof():
     assert mm.strip_eof(b"# EOF\n") == b""
 
 
-def test_dedup_drops_repeated_metadata_only():
-    d = mm.MetadataDedup()
-    assert d.filter(b"# HELP a A\n# TYPE a counter\na_total 1\n") == \
-        b"# HELP a A\n# TYPE a counter\na_total 1\n"
-    assert d.filter(b"# HELP a again\n# TYPE a counter\na_total{x=\"1\"} 2\n# TYPE b gauge\nb 1\n") == \
-        b"a_total{x=\"1\"} 2\n# TYPE b gauge\nb 1\n"
+def test_gate_cuts_whole_families_an_earlier_source_holds():
+    from agent.status import exposition as ex
+    claims = ex.Claims(om=False)
+    agent = ex.parse_text(b"# TYPE a_total counter\na_total 1\n# TYPE h histogram\n"
+                          b'h_bucket{le="+Inf"} 1\nh_sum 1\nh_count 1\n')
+    assert len(claims.admit(ex.for_text(agent), "agent")) == 2
+    g = mm.FamilyGate(claims, "envoy")
+    assert g.filter(b"# HELP a_total A\n# TYPE a_total counter\na_total 1\n# TYPE b gauge\nb 1\n") \
+        == b"# TYPE b gauge\nb 1\n"
+    assert claims.dropped == {"envoy": 1}
+    # a cut family continues into the next chunk; the next block is kept
+    assert g.filter(b"# TYPE h_bucket gauge\nh_bucket 1\n") == b""
+    assert g.filter(b'h_bucket{x="2"} 2\n# TYPE c gauge\nc 1\n') == b"# TYPE c gauge\nc 1\n"
+    # what the stream declared is held for later (parsed) sources, histogram samples too
+    app = ex.parse_text(b"# TYPE b gauge\nb 2\n# TYPE c_sum gauge\nc_sum 1\n# TYPE d gauge\nd 1\n")
+    assert [f.name for f in claims.admit(ex.for_text(app), "application")] == ["d"]
+    assert claims.dropped == {"envoy": 2, "application": 2}
 
 
-def test_dedup_fast_path_passes_chunk_through_and_catches_repeats():
-    """The common case (no repeat) hands back the very same buffer, no copy; a repeat
-    within one chunk, across chunks, or of a family an earlier source declared is cut."""
-    d = mm.MetadataDedup()
-    own = b"# HELP istio_x X\n# TYPE istio_x gauge\nistio_x 1\n"
-    assert d.filter(own) is own
-    chunk = b"# TYPE envoy_a counter\nenvoy_a 1\n# TYPE envoy_b gauge\nenvoy_b 2\nenvoy_"
-    out = d.filter(chunk, len(chunk) - 7)  # up to the last full line, as streamed
+def test_gate_fast_path_passes_chunk_through_and_catches_repeats():
+    """The common case (nothing cut) hands back the very same buffer, no copy; a family
+    this body declares again, within one chunk or across chunks, is cut whole."""
+    from agent.status.exposition import Claims
+    g = mm.FamilyGate(Claims(om=False), "envoy")
+    chunk = b"# TYPE envoy_a counter\nenvoy_a 1\n# HELP envoy_b B\n# TYPE envoy_b gauge\nenvoy_"
+    out = g.filter(chunk, len(chunk) - 7)  # up to the last full line, as streamed
     assert isinstance(out, memoryview) and out.obj is chunk and bytes(out) == chunk[:-7]
-    assert d.filter(b"a 1 # TYPE not_metadata x\n# HELPER x\n") == \
+    same = b"envoy_b 2\n# TYPE envoy_c gauge\nenvoy_c 1\n"
+    assert g.filter(same) is same  # the block that began in the previous chunk goes on
+    assert g.filter(b"a 1 # TYPE not_metadata x\n# HELPER x\n") == \
         b"a 1 # TYPE not_metadata x\n# HELPER x\n"  # only "# HELP "/"# TYPE " at line start
-    assert d.filter(b"# TYPE istio_x gauge\nistio_x{y=\"1\"} 2\n") == b'istio_x{y="1"} 2\n'
-    assert d.filter(b"# TYPE envoy_c gauge\nenvoy_c 1\n# TYPE envoy_c gauge\nenvoy_c 2\n") == \
-        b"# TYPE envoy_c gauge\nenvoy_c 1\nenvoy_c 2\n"
-    assert d.filter(b"envoy_d 1\n# TYPE envoy_b gauge") == b"envoy_d 1\n"  # no final newline
-    assert d.filter(b"envoy_e 1\n") == b"envoy_e 1\n"  # no metadata at all
+    assert g.filter(b"# TYPE envoy_a counter\nenvoy_a{y=\"1\"} 2\n# TYPE envoy_d gauge\nenvoy_d 1\n") \
+        == b"# TYPE envoy_d gauge\nenvoy_d 1\n"
+    assert g.filter(b"# TYPE envoy_e gauge\nenvoy_e 1\n# TYPE envoy_e gauge\nenvoy_e 2\n") == \
+        b"# TYPE envoy_e gauge\nenvoy_e 1\n"
+    assert g.filter(b'envoy_e{z="3"} 3\n') == b""  # the cut family goes on in this chunk
+    kept = b"# TYPE envoy_f gauge\nenvoy_f 1\n"
+    assert g.filter(kept) == kept
+    assert g.filter(b"envoy_f 2\n") == b"envoy_f 2\n"  # no metadata at all: not cut
+    assert g.claims.dropped == {"envoy": 2}
 
 
 @pytest.mark.parametrize("body", [
@@ -170,3 +186,22 @@ def test_envoy_live_messages():
         "server is not live, current state is: INITIALIZING"
     assert readiness.live_error("server.state: 0\nlistener_manager.workers_started: 1\n") is None
     assert "missing" in readiness.live_error("")
+
+
+def test_text_to_openmetrics_keeps_sample_names_and_parses_strictly():
+    """Envoy's shape reduced: a counter without _total whose name is the base of another
+    counter's, and a histogram with non-canonical le values."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om
+
+    from agent.status import exposition as ex
+    body = (b'# TYPE envoy_rq counter\nenvoy_rq{code="200"} 3\n'
+            b'# TYPE envoy_rq_total counter\nenvoy_rq_total 3\n'
+            b'# TYPE envoy_t histogram\nenvoy_t_bucket{le="1"} 1\nenvoy_t_bucket{le="+Inf"} 2\n'
+            b'envoy_t_sum 3\nenvoy_t_count 2\n')
+    claims = ex.Claims(om=True)
+    out = ex.render(claims.admit(ex.for_openmetrics(ex.parse_text(body)), "envoy"), True)
+    fams = {f.name: f for f in om(out.decode() + "# EOF\n")}
+    assert [s.name for s in fams["envoy_rq"].samples] == ["envoy_rq"]
+    assert [s.name for s in fams["envoy_rq_total"].samples] == ["envoy_rq_total"]
+    assert fams["envoy_t"].type == "histogram"
+    assert b'le="1.0"' in out and b"# TYPE envoy_rq " not in out and claims.dropped == {}
