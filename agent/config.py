@@ -552,6 +552,10 @@ SETTINGS: list[Setting] = [
             component="status"),
     Setting("metrics_localhost_only", False, parse_bool, "serve merged metrics to loopback "
             "clients only", env="METRICS_LOCALHOST_ACCESS_ONLY", component="status"),
+    Setting("metrics_created_series", False, parse_bool, "export the _created series of the "
+            "agent's counters and histograms (prometheus-client's default; pilot-agent and "
+            "istio-cni have none)", env="AMBIENT_AGENT_METRICS_CREATED_SERIES",
+            component="status"),
     # --- workload xDS ---
     Setting("xds_port", 15010, parse_port, "plaintext workload xDS port", component="xds"),
     Setting("xds_address", "127.0.0.1", parse_bind_address, "address the plaintext xDS port binds",

@@ -109,6 +109,15 @@ class StateDirLock:
         self.fd = None
 
 
+def set_created_series(enabled: bool) -> None:
+    """Whether counters and histograms export their ``_created`` series. prometheus-client
+    keeps this process-wide (env ``PROMETHEUS_DISABLE_CREATED_SERIES`` at import, or these
+    two calls); the agent turns it off unless ``metrics_created_series`` asks for it, so
+    its names match pilot-agent's and istio-cni's, which have no such series."""
+    from prometheus_client import disable_created_metrics, enable_created_metrics
+    (enable_created_metrics if enabled else disable_created_metrics)()
+
+
 class Agent:
     """A running agent: context + supervisor. Usable from tests and from ``demo``.
 
@@ -128,6 +137,7 @@ class Agent:
         self._lock = StateDirLock(state)
         self._lock.acquire(self.config.origins.get("state_dir", ""))
         try:
+            set_created_series(self.config.metrics_created_series)
             build(self.ctx)
             await self.supervisor.start()
         except BaseException:

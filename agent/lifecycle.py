@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Any, Callable, TypeVar
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from agent.config import Config, ConfigError
 from agent.errors import ComponentStartError
@@ -65,7 +65,11 @@ class AgentContext:
                  max_workers: int = 8, clock: Callable[[], float] | None = None):
         self.config = config
         self.clock: Callable[[], float] = clock or time.time
-        self.registry = registry or CollectorRegistry(auto_describe=True)
+        if registry is None:
+            registry = CollectorRegistry(auto_describe=True)
+            # pilot-agent registers the same process figures under its istio_agent_ prefix
+            ProcessCollector(namespace="istio_agent", registry=registry)
+        self.registry = registry
         self.components: dict[str, Component] = {}
         self.executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_workers, thread_name_prefix="agent-blocking")

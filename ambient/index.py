@@ -14,7 +14,7 @@ network label changing is rare and reaches across namespaces, so it recomputes e
 
 Bad objects never raise out of the index: the item is dropped (or its old output
 removed), a warning names kind/namespace/name and the field, and
-``ambient_index_rejected_total{kind}`` counts it.
+``ambient_agent_index_rejected_total{kind}`` counts it.
 """
 
 from __future__ import annotations
@@ -124,12 +124,13 @@ class AmbientIndex:
         self._orig_addr: dict[str, bytes | None] = {}
         self._orig_authz: dict[str, bytes | None] = {}
         registry = registry if registry is not None else CollectorRegistry()
-        self.rejected = Counter("ambient_index_rejected", "objects the index skipped or degraded",
-                                ["kind"], registry=registry)
-        self.pushes = Counter("ambient_index_changes", "index changes announced to subscribers",
-                              registry=registry)
-        self._sizes = Gauge("ambient_index_resources", "resources held by the index", ["type"],
-                            registry=registry)
+        self.rejected = Counter("ambient_agent_index_rejected",
+                                "objects the index skipped or degraded", ["kind"],
+                                registry=registry)
+        self.pushes = Counter("ambient_agent_index_changes",
+                              "index changes announced to subscribers", registry=registry)
+        self._sizes = Gauge("ambient_agent_index_resources", "resources held by the index",
+                            ["type"], registry=registry)
 
     # ------------------------------------------------------------------ public API
 

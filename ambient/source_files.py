@@ -17,7 +17,8 @@ rest of the file still loads. A file that does not parse as a whole (a YAML/JSON
 error, an unreadable file, a local-config document with a bad entry) keeps the objects of
 its last good version until it parses again: an editor saving a half-written file must not
 withdraw its pods from xDS. That is logged at WARNING (file, line, reason), counted in
-``ambient_config_file_errors_total{reason}`` and shown by ``ambient_config_files_stale``.
+``ambient_agent_config_file_errors_total{reason}`` and shown by
+``ambient_agent_config_files_stale``.
 A file seen for the first time in that state loads what parsed (the documents before a
 syntax error). Parsing runs off the event loop; the initial load completes before
 :meth:`DirectorySource.start` returns, so the agent is consistent when it reports ready.
@@ -191,10 +192,10 @@ class DirectorySource:
         self._stale: set[str] = set()  # files held at their last good version
         registry = registry if registry is not None else CollectorRegistry()
         self._file_errors = Counter(
-            "ambient_config_file_errors", "config files that did not parse as a whole, by "
+            "ambient_agent_config_file_errors", "config files that did not parse as a whole, by "
             "reason (syntax, unreadable, local-config)", ["reason"], registry=registry)
         self._stale_gauge = Gauge(
-            "ambient_config_files_stale", "config files whose objects are kept from their "
+            "ambient_agent_config_files_stale", "config files whose objects are kept from their "
             "last good version because the current content does not parse",
             registry=registry)
         # (namespace, name) -> (uid, {annotation: value or None = removed})

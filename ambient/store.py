@@ -9,7 +9,7 @@ knows whether a change came from a file or from the Kubernetes API (DESIGN.md:
 "a config store interface with interchangeable backends").
 
 Bad objects never raise out of the store: :func:`validate` names the problem, the object
-is skipped, a log line names origin/kind/name and ``ambient_config_objects_rejected_total``
+is skipped, a log line names origin/kind/name and ``ambient_agent_config_objects_rejected_total``
 counts it.
 """
 
@@ -113,10 +113,10 @@ class ObjectStore:
         self._by_origin: dict[str, set[Key]] = {}
         self._listeners: list[Listener] = []
         registry = registry if registry is not None else CollectorRegistry()
-        self.rejected = Counter("ambient_config_objects_rejected", "config objects skipped "
+        self.rejected = Counter("ambient_agent_config_objects_rejected", "config objects skipped "
                                 "because they are malformed or conflict", ["source", "reason"],
                                 registry=registry)
-        self._count = Gauge("ambient_config_objects", "objects held by the config source",
+        self._count = Gauge("ambient_agent_config_objects", "objects held by the config source",
                             ["kind"], registry=registry)
 
     # --- read side (ambient.api.ObjectStore) ---

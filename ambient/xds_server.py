@@ -113,17 +113,17 @@ class PlaintextAuth:
 
 class _Metrics:
     def __init__(self, registry: CollectorRegistry):
-        self.clients = Gauge("ambient_xds_connected_clients",
+        self.clients = Gauge("ambient_agent_xds_connected_clients",
                              "Connected workload xDS clients by proxy type and type URL",
                              ["proxy_type", "type_url"], registry=registry)
-        self.pushes = Counter("ambient_xds_pushes", "xDS responses sent, by type URL",
+        self.pushes = Counter("ambient_agent_xds_pushes", "xDS responses sent, by type URL",
                               ["type_url"], registry=registry)
-        self.resources = Counter("ambient_xds_pushed_resources",
+        self.resources = Counter("ambient_agent_xds_pushed_resources",
                                  "Resources (updated + removed) sent, by type URL",
                                  ["type_url"], registry=registry)
-        self.nacks = Counter("ambient_xds_nacks", "NACKs received, by type URL",
+        self.nacks = Counter("ambient_agent_xds_nacks", "NACKs received, by type URL",
                              ["type_url"], registry=registry)
-        self.latency = Histogram("ambient_xds_push_latency_seconds",
+        self.latency = Histogram("ambient_agent_xds_push_latency_seconds",
                                  "Index change to response handed to gRPC, seconds",
                                  ["type_url"], registry=registry,
                                  buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))

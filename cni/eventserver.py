@@ -76,7 +76,7 @@ class CniEventServer(Component):
             "istio_cni_plugin_requests", "CNI plugin requests by command and HTTP response code",
             ["command", "response_code"], registry=ctx.registry)
         self.add_seconds = Histogram(
-            "ambient_cni_add_seconds", "time from CNI ADD request to answer, seconds",
+            "ambient_agent_cni_add_seconds", "time from CNI ADD request to answer, seconds",
             registry=ctx.registry, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
 
     # --- lifecycle ---

@@ -29,6 +29,8 @@ import os
 import time
 from typing import Any
 
+from prometheus_client import Counter, Gauge
+
 from agent.lifecycle import AgentContext, Component
 from cni import conflist
 from cni.install import BundleError, Installer, NoPrimaryConfig
@@ -53,6 +55,12 @@ class CniInstallerComponent(Component):
         self._problem: str | None = "not installed yet"
         self.repairs = 0
         self._recent: list[float] = []
+        # istio-cni's names and results (cni/pkg/install/monitoring.go)
+        ready = Gauge("istio_cni_install_ready", "Whether the CNI plugin installation is "
+                      "ready or not", registry=ctx.registry)
+        ready.set_function(lambda: 1.0 if self._problem is None else 0.0)
+        self.installs = Counter("istio_cni_installs", "Total number of CNI plugins installed "
+                                "by the Istio CNI installer", ["result"], registry=ctx.registry)
 
     async def start(self) -> None:
         await self.ctx.run_blocking(self._make_dirs)
@@ -107,8 +115,10 @@ class CniInstallerComponent(Component):
             return
         except (conflist.ConflistError, BundleError, OSError) as e:
             self._problem = str(e)
+            self.installs.labels("CREATE_CNI_CONFIG_FAILURE").inc()
             log.error("cannot install istio-cni: %s", e)
             return
+        self.installs.labels("SUCCESS").inc()
         if why != "start":
             self.repairs += 1
             log.info("repaired istio-cni in %s (%s)", path, problem)

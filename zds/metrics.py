@@ -1,10 +1,10 @@
 """Prometheus metrics of the ZDS server, registered in the agent's one registry.
 
 - ``ztunnel_connected`` (gauge): live ZDS connections (upstream's name, cni-zds.md §1.3).
-- ``zds_messages_total{type,direction}``: packets by message type
+- ``ambient_agent_zds_messages_total{type,direction}``: packets by message type
   (hello/add/keep/del/snapshot_sent/ack/unexpected), direction sent|received.
-- ``zds_acks_total{result}``: acks received, result ok|nack.
-- ``zds_ack_latency_seconds``: time from sendmsg to the matching ack.
+- ``ambient_agent_zds_acks_total{result}``: acks received, result ok|nack.
+- ``ambient_agent_zds_ack_latency_seconds``: time from sendmsg to the matching ack.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ class ZdsMetrics:
         self.registry = registry
         self.connected = Gauge("ztunnel_connected", "ztunnel ZDS connections currently open",
                                registry=registry)
-        self.messages = Counter("zds_messages", "ZDS messages by type and direction",
+        self.messages = Counter("ambient_agent_zds_messages", "ZDS messages by type and direction",
                                 ["type", "direction"], registry=registry)
-        self.acks = Counter("zds_acks", "ZDS acks received from ztunnel, by result",
+        self.acks = Counter("ambient_agent_zds_acks", "ZDS acks received from ztunnel, by result",
                             ["result"], registry=registry)
-        self.ack_latency = Histogram("zds_ack_latency_seconds",
+        self.ack_latency = Histogram("ambient_agent_zds_ack_latency_seconds",
                                      "seconds from sending a ZDS message to its ack",
                                      buckets=ACK_BUCKETS, registry=registry)

@@ -101,6 +101,7 @@ class SecretCache:
         self.last_root: bytes = b""
         self.extra_trust: bytes = b""
         self.csr_count = 0
+        self.csr_failures = 0  # CSRs the CA did not answer with a usable certificate
         self.failures: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._timers: dict[str, asyncio.Task] = {}
@@ -195,14 +196,21 @@ class SecretCache:
         leaf's validity comes from the certificate object the CA built; a remote CA needs
         one hop for the key and CSR, the RPC on the loop, and one hop to parse the answer."""
         local = getattr(self.ca, "sign_with_validity_blocking", None)
-        if local is not None:
-            key_pem, chain, validity = await self._run(self._mint_local, local, spiffe_id)
-        else:
-            key_pem, csr_pem = await self._run(keys.new_key_and_csr, self.algorithm, [spiffe_id])
-            self.csr_count += 1
-            chain = await self.ca.sign(csr_pem, int(self.ttl), spiffe_id)
-            validity = await self._run(keys.leaf_validity, chain[0])
-        return self._item(spiffe_id, key_pem, chain, validity)
+        sent = self.csr_count
+        try:
+            if local is not None:
+                key_pem, chain, validity = await self._run(self._mint_local, local, spiffe_id)
+            else:
+                key_pem, csr_pem = await self._run(keys.new_key_and_csr, self.algorithm,
+                                                   [spiffe_id])
+                self.csr_count += 1
+                chain = await self.ca.sign(csr_pem, int(self.ttl), spiffe_id)
+                validity = await self._run(keys.leaf_validity, chain[0])
+            return self._item(spiffe_id, key_pem, chain, validity)
+        except Exception:
+            if self.csr_count != sent:  # the CSR went out and no certificate came of it
+                self.csr_failures += 1
+            raise
 
     def _mint_local(self, sign_with_validity, spiffe_id: str):
         # The CSR is still made and verified by the CA as istiod would: it proves the

@@ -67,7 +67,11 @@ class StatusServer(Component):
                             "Seconds from agent start until Envoy first became LIVE",
                             registry=ctx.registry)
             self.envoy_ready = EnvoyReadiness(self.envoy_admin, self._terminated, startup.set)
-        self.merger: metrics_merge.MetricsMerger | None = None
+        # Built here, not at start, so its metrics are in the registry from the beginning
+        # (the metrics table in docs/status.md is checked against a built agent).
+        self.merger = metrics_merge.MetricsMerger(
+            ctx.registry, f"{self.envoy_admin}/stats/prometheus" if self.envoy_admin else None,
+            [], self.probe_target.host, ctx.run_blocking)
         self.shutdown_cause = ""
         self._was_ready = False
         self._runners: list[web.AppRunner] = []
@@ -97,10 +101,7 @@ class StatusServer(Component):
         cfg = self.ctx.config
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(use_dns_cache=False, force_close=True))
-        self.merger = metrics_merge.MetricsMerger(
-            self.ctx.registry,
-            f"{self.envoy_admin}/stats/prometheus" if self.envoy_admin else None,
-            self.app_targets, self.probe_target.host, self.ctx.run_blocking)
+        self.merger.app_targets = self.app_targets
         await self.merger.start()
         host = cfg.status_address or None
         try:
@@ -133,8 +134,7 @@ class StatusServer(Component):
                 await asyncio.wait_for(runner.cleanup(), timeout=max(grace, 0.1))
             except asyncio.TimeoutError:
                 log.warning("status listener did not close within %.1fs", grace)
-        if self.merger:
-            await self.merger.close()
+        await self.merger.close()
         if self._session:
             await self._session.close()
         self.port = 0

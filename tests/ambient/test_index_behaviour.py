@@ -102,8 +102,8 @@ def test_bad_input_is_skipped_with_reason_and_counter(caplog):
     assert "Pod ns/bad" in text and "999.1.1.1" in text
     assert "spec.ports[0].port" in text and "spec.rules" in text
     assert "rules[0].from[0].source.bogus" in text
-    assert h.counter("ambient_index_rejected_total", kind="Pod") == 1
-    assert h.counter("ambient_index_rejected_total", kind="AuthorizationPolicy") == 2
+    assert h.counter("ambient_agent_index_rejected_total", kind="Pod") == 1
+    assert h.counter("ambient_agent_index_rejected_total", kind="AuthorizationPolicy") == 2
     # a fixed object replaces the skipped one
     assert h.apply(pod("bad", ip="1.2.3.8")).addresses_changed == {"cluster0//Pod/ns/bad"}
 
@@ -115,9 +115,9 @@ def test_store_rejects_malformed_and_duplicate_uid_objects():
     change = h.apply(dup, {"kind": "Pod", "metadata": {"namespace": "ns"}}, ["not", "a", "dict"],
                      {"kind": "Secret", "metadata": {"name": "s"}})
     assert change.empty()
-    assert h.counter("ambient_config_objects_rejected_total", source="files",
+    assert h.counter("ambient_agent_config_objects_rejected_total", source="files",
                      reason="duplicate-uid") == 1
-    assert h.counter("ambient_config_objects_rejected_total", source="files",
+    assert h.counter("ambient_agent_config_objects_rejected_total", source="files",
                      reason="invalid") == 3
     assert h.store.pod_by_uid("uid-ns-a")["metadata"]["name"] == "a"
 

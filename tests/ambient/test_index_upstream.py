@@ -69,7 +69,7 @@ def test_cluster_ip_service_ip_families(ips, families, expected):
 def test_bad_ip_families_rejects_the_service_and_names_the_field(families, bad, caplog):
     h = Harness(_headless(families))
     assert h.index.address(KEY) is None
-    assert h.counter("ambient_index_rejected_total", kind="Service") == 1
+    assert h.counter("ambient_agent_index_rejected_total", kind="Service") == 1
     assert any("spec.ipFamilies[" in r.getMessage() and bad in r.getMessage()
                for r in caplog.records)
 
@@ -208,7 +208,7 @@ def test_bad_slice_drops_its_memberships():
     bad = _slice([{"addresses": ["1.2.3.4"], "targetRef": _ref()}, "not-a-mapping"],
                  [{"name": "http", "port": 80, "protocol": "TCP"}])
     h.apply(bad)
-    assert h.counter("ambient_index_rejected_total", kind="EndpointSlice") == 1
+    assert h.counter("ambient_agent_index_rejected_total", kind="EndpointSlice") == 1
     assert not h.workload(POD_UID).services
 
 

@@ -110,7 +110,7 @@ async def test_unknown_match_key_never_allows_what_the_file_denied(tmp_path, cap
         f.write_text(DOC.replace("- - - namespaces: [{Exact: ns-a}]",
                                  "- - - namespaces: [{Exact: ns-a}]\n        sourceIp: [x]"))
         await eventually(lambda: registry.get_sample_value(
-            "ambient_config_file_errors_total", {"reason": "local-config"}) == 1)
+            "ambient_agent_config_file_errors_total", {"reason": "local-config"}) == 1)
         assert decisions(index) == (True, False)  # the last good policy is still there
         assert "unknown match field 'policies[0].rules[0][0][0].sourceIp'" in caplog.text
         assert "rejected whole" in caplog.text and "keeping its 2 objects" in caplog.text

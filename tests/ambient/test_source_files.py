@@ -90,12 +90,12 @@ async def test_directory_source_loads_watches_and_reports_bad_objects(tmp_path, 
         assert store.get("Pod", "default", "c") is None  # labels of the wrong type
         assert "duplicate-uid" in caplog.text or "already used" in caplog.text
         assert "metadata.labels" in caplog.text
-        assert registry.get_sample_value("ambient_config_objects_rejected_total",
+        assert registry.get_sample_value("ambient_agent_config_objects_rejected_total",
                                          {"source": "files", "reason": "duplicate-uid"}) == 1
         index.start()
         assert index.address("c//Pod/demo/a") is not None
         assert index.address("c//Pod/demo/b") is None  # invalid IP: skipped by the index
-        assert registry.get_sample_value("ambient_index_rejected_total", {"kind": "Pod"}) == 1
+        assert registry.get_sample_value("ambient_agent_index_rejected_total", {"kind": "Pod"}) == 1
 
         changes = []
         index.subscribe(changes.append)
@@ -162,9 +162,9 @@ async def test_oddly_shaped_entries_are_skipped_and_the_source_still_starts(tmp_
     try:
         assert store.get("LocalWorkload", "a", "ok") is None
         assert store.get("Pod", "demo", "a") is not None
-        assert registry.get_sample_value("ambient_config_objects_rejected_total",
+        assert registry.get_sample_value("ambient_agent_config_objects_rejected_total",
                                          {"source": "files", "reason": "invalid"}) == 3
-        assert registry.get_sample_value("ambient_config_file_errors_total",
+        assert registry.get_sample_value("ambient_agent_config_file_errors_total",
                                          {"reason": "local-config"}) == 1
     finally:
         await src.stop()
@@ -203,7 +203,7 @@ async def test_syntax_error_keeps_the_files_last_good_objects(tmp_path, caplog):
     """An editor saving a half-written file (one line broken) used to withdraw every object
     after the bad line: pods vanished from xDS and an enrolled pod's workload lost its
     tunnel. The file's last good objects now stay until it parses again (WARNING naming
-    file, line and reason; ambient_config_files_stale / ambient_config_file_errors_total)."""
+    file, line and reason; ambient_agent_config_files_stale / ambient_agent_config_file_errors_total)."""
     registry = CollectorRegistry()
     store = ObjectStore(registry)
     src = DirectorySource(store, str(tmp_path), run_blocking, debounce_ms=10,
@@ -213,7 +213,7 @@ async def test_syntax_error_keeps_the_files_last_good_objects(tmp_path, caplog):
     good = NS_AMBIENT + "---\n" + POD % ("a", "u-a", "10.0.0.1") + "---\n" + \
         POD % ("b", "u-b", "10.0.0.2")
     f.write_text(good)
-    stale = lambda: registry.get_sample_value("ambient_config_files_stale")  # noqa: E731
+    stale = lambda: registry.get_sample_value("ambient_agent_config_files_stale")  # noqa: E731
     try:
         await src.start()
         index.start()
@@ -229,7 +229,7 @@ async def test_syntax_error_keeps_the_files_last_good_objects(tmp_path, caplog):
         assert str(f) in warning[0].getMessage() and "line 3" in warning[0].getMessage()
         assert store.get("Pod", "demo", "b") is not None
         assert index.address("c//Pod/demo/b").workload.tunnel_protocol == wl.HBONE
-        assert registry.get_sample_value("ambient_config_file_errors_total",
+        assert registry.get_sample_value("ambient_agent_config_file_errors_total",
                                          {"reason": "syntax"}) == 1
         # fixed (and edited): the new content applies and the file is no longer stale
         f.write_text(NS_AMBIENT + "---\n" + POD % ("a", "u-a", "10.0.0.1"))

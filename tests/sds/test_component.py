@@ -64,9 +64,9 @@ async def test_component_lifecycle_api_and_no_secrets_in_logs(state_dir, tmp_pat
         assert ca_agent.debug_state()["ca_issued"] >= 1
         from prometheus_client import generate_latest
         exposition = generate_latest(cctx.registry).decode()
-        assert "ambient_agent_sds_csrs_total 1.0" in exposition
-        assert 'ambient_agent_sds_cert_expiry_seconds{spiffe_id="spiffe://cluster.local/ns/' \
-            'shop/sa/cart"}' in exposition
+        assert 'istio_agent_num_outgoing_requests_total{request_type="csr"} 1.0' in exposition
+        assert 'istio_agent_cert_expiry_seconds{resource_name="default",' \
+            'spiffe_id="spiffe://cluster.local/ns/shop/sa/cart"}' in exposition
         # a missing token: the name stays unresolved with the CA's reason (debug state,
         # counter), the stream stays open and gets the certificate once the token is back
         token_text = token.read_text()

@@ -99,14 +99,14 @@ async def test_metrics_and_debug_state(connect, server, index):
     assert c["types"][ADDRESS_TYPE]["last_nonce"]
     json.dumps(state)
     text = generate_latest(server.registry).decode()
-    assert (f'ambient_xds_connected_clients{{proxy_type="ztunnel",type_url="{ADDRESS_TYPE}"}} 1.0'
+    assert (f'ambient_agent_xds_connected_clients{{proxy_type="ztunnel",type_url="{ADDRESS_TYPE}"}} 1.0'
             in text)
-    assert f'ambient_xds_pushes_total{{type_url="{ADDRESS_TYPE}"}} 2.0' in text
-    assert f'ambient_xds_push_latency_seconds_count{{type_url="{ADDRESS_TYPE}"}} 1.0' in text
+    assert f'ambient_agent_xds_pushes_total{{type_url="{ADDRESS_TYPE}"}} 2.0' in text
+    assert f'ambient_agent_xds_push_latency_seconds_count{{type_url="{ADDRESS_TYPE}"}} 1.0' in text
     await client.close()
     await asyncio.sleep(0.1)
     text = generate_latest(server.registry).decode()
-    assert (f'ambient_xds_connected_clients{{proxy_type="ztunnel",type_url="{ADDRESS_TYPE}"}} 0.0'
+    assert (f'ambient_agent_xds_connected_clients{{proxy_type="ztunnel",type_url="{ADDRESS_TYPE}"}} 0.0'
             in text)
 
 

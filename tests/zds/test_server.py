@@ -108,12 +108,12 @@ async def test_metrics(nsfd):
             assert metric(registry, "ztunnel_connected") == 1
             await server.add(pod("b", nsfd))
             await server.delete("b")
-            sent = lambda t: metric(registry, "zds_messages_total", {"type": t, "direction": "sent"})
+            sent = lambda t: metric(registry, "ambient_agent_zds_messages_total", {"type": t, "direction": "sent"})
             assert (sent("add"), sent("del"), sent("snapshot_sent")) == (2, 1, 1)
-            assert metric(registry, "zds_messages_total",
+            assert metric(registry, "ambient_agent_zds_messages_total",
                           {"type": "hello", "direction": "received"}) == 1
-            assert metric(registry, "zds_acks_total", {"result": "ok"}) == 4
-            assert metric(registry, "zds_ack_latency_seconds_count") == 4
+            assert metric(registry, "ambient_agent_zds_acks_total", {"result": "ok"}) == 4
+            assert metric(registry, "ambient_agent_zds_ack_latency_seconds_count") == 4
         await eventually(lambda: metric(registry, "ztunnel_connected") == 0)
 
 
