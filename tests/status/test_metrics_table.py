@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 import urllib.request
 from pathlib import Path
 
@@ -85,8 +86,17 @@ def test_one_prefix_or_an_upstream_name(tmp_path):
 
 
 def _scrape(port: str) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats/prometheus", timeout=10) as r:
-        return r.read().decode()
+    """The merged metrics, once the status server (started last) listens."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats/prometheus",
+                                        timeout=10) as r:
+                return r.read().decode()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 @ROOT_ONLY
