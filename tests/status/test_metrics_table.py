@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -115,4 +116,8 @@ def test_running_agent_has_no_created_series_unless_asked(tmp_path, node_netns, 
         assert bool(created) == asked, created[:3]
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
