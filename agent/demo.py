@@ -201,7 +201,8 @@ class Demo:
         pods = self.runtime_kind
         if self.runtime_kind == "podman":
             pods += f", image {self.image}{' (imported)' if self.import_image else ''}"
-        print(f"ambient node in a box (workdir {self.root}, pods run with {pods})")
+        print(f"ambient node in a box (workdir {self.root}, pods run with {pods}; netns and "
+              f"interfaces named ambdemo*{self.suffix})")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
