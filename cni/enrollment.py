@@ -49,6 +49,7 @@ from cni import annotate
 from cni import enablement
 from cni import netns as netns_mod
 from cni import podnetns
+from cni import rules_detect
 from cni.events import CniPodEvent
 from cni.podips import pod_status_ips, usable_ips
 from cni.hostrules import HostProbeRules
@@ -478,17 +479,36 @@ class Enrollment(Component):
             raise
 
     def _apply_rules(self, fd: int, opts: RuleOptions, netns_path: str = "") -> str:
-        """In the pod netns (worker thread): check ``lo`` is up, then apply the ruleset.
-        Raises :class:`LoopbackDown`, RulesError, OSError."""
+        """In the pod netns (worker thread): check ``lo`` is up, then apply the ruleset in
+        the stack the netns already holds our rules in, if any (:func:`rules_detect.pick`:
+        a pod never gets a second copy in another stack, e.g. after the recorded iptables
+        flavor was lost), else with the agent's backend. Raises :class:`LoopbackDown`,
+        RulesError, OSError."""
         with netns_mod.entered(fd):
-            _require_loopback_up(netns_path or f"fd {fd}")
-            return self.backend.apply(opts)
+            label = netns_path or f"fd {fd}"
+            _require_loopback_up(label)
+            backend, strays = rules_detect.pick(self.backend, opts.ipv6)
+            if backend is not self.backend:
+                log.warning("pod netns %s holds our rules in %s, not in the agent's %s: "
+                            "reconciling them there", label, rules_detect.stack_of(backend),
+                            rules_detect.stack_of(self.backend))
+            outcome = backend.apply(opts)
+            for stray in strays:  # copies an earlier agent left in a second stack
+                log.warning("pod netns %s also held our rules in %s: removed", label,
+                            rules_detect.stack_of(stray))
+                stray.delete(opts.ipv6, routing=False)
+            return outcome
+
+    def _delete_rules(self, ipv6: bool) -> None:
+        """In the pod netns (worker thread): our rules out of every stack holding them,
+        then the routing."""
+        rules_detect.delete_everywhere(self.backend, ipv6)
 
     async def _rollback_rules(self, fd: int, opts: RuleOptions) -> list[str]:
         """Delete the in-pod rules; returns what could not be undone (empty: all done)."""
         def undo():
             with netns_mod.entered(fd):
-                self.backend.delete(opts.ipv6)
+                self._delete_rules(opts.ipv6)
         try:
             await self._blocking(undo)
         except (RulesError, OSError) as e:
@@ -706,7 +726,7 @@ class Enrollment(Component):
 
             def undo():
                 with netns_mod.entered(netns_path):
-                    self.backend.delete(opts.ipv6)
+                    self._delete_rules(opts.ipv6)
             try:
                 await self.ctx.run_blocking(undo)
             except netns_mod.NetnsError:

@@ -382,9 +382,11 @@ class IptablesBackend:
             lines.append("COMMIT")
         return "\n".join(lines) + "\n"
 
-    def delete(self, ipv6: bool) -> None:
+    def delete(self, ipv6: bool, routing: bool = True) -> None:
         """Remove every ISTIO_* chain and jump (both families when ``ipv6``), then the
-        routing. Idempotent: a clean netns is fine. Raises :class:`RulesError`.
+        routing (unless ``routing`` is False: removing a stray copy of our rules from this
+        stack while another stack keeps them, :mod:`cni.rules_detect`). Idempotent: a
+        clean netns is fine. Raises :class:`RulesError`.
 
         Every deleting kernel transaction costs ~12 ms here (nf_tables waits for an RCU
         grace period), far more than the tools' start-up, so we do as few as possible:
@@ -411,12 +413,14 @@ class IptablesBackend:
                     raise RulesError(f"{self._tool(v6, 'restore')} (delete) failed: "
                                      f"{p.stderr.strip()}")
         if not drops:
-            rc.delete_routing(ipv6)
+            if routing:
+                rc.delete_routing(ipv6)
             return
         # the routing goes while nft waits out its grace period (as in apply)
         nft = self._start(["nft", "-f", "-"], "".join(drops))
         try:
-            rc.delete_routing(ipv6)
+            if routing:
+                rc.delete_routing(ipv6)
         finally:
             _, err, code = self._wait(nft, "nft")
         if code != 0:

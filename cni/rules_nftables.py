@@ -132,10 +132,11 @@ class NftablesBackend:
         run_nft(render_transaction(opts), "apply")
         return "replaced" if existed else "applied"
 
-    def delete(self, ipv6: bool) -> None:
-        """Drop our tables, then the routing. Idempotent."""
+    def delete(self, ipv6: bool, routing: bool = True) -> None:
+        """Drop our tables, then the routing (unless ``routing`` is False). Idempotent."""
         run_nft(render_delete(), "delete")
-        rc.delete_routing(ipv6)
+        if routing:
+            rc.delete_routing(ipv6)
 
     def present(self, ipv6: bool) -> bool:
         return NAT in list_tables()
