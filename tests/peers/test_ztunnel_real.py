@@ -15,8 +15,9 @@ What is shown:
 - client → server carries traffic over HBONE with mTLS between both identities
   (ztunnel's ``istio_tcp_connections_opened_total{connection_security_policy="mutual_tls"}``)
   and the STRICT PeerAuthentication of the example cluster refuses plaintext;
-- an agent restart (same state dir) drains no proxy: an HBONE connection opened before
-  the restart still carries data after it, and ztunnel stops no proxy;
+- an agent restart (same state dir) with 22 ambient pods drains no proxy: an HBONE
+  connection opened before the restart still carries data after it, and ztunnel stops
+  no proxy (``workload_manager_proxies_stopped_total`` unchanged);
 - a ztunnel restart gets every pod back from the agent's snapshot and HBONE works again.
 """
 
@@ -36,6 +37,7 @@ import pytest
 from agent.envoy import free_port
 
 ZTUNNEL = os.environ.get("AMBIENT_TEST_ZTUNNEL", "")
+EXTRA_PODS = 20  # ambient pods beyond the demo's, enrolled before the agent restart
 
 pytestmark = [
     pytest.mark.root,
@@ -147,6 +149,16 @@ async def test_restarts_keep_the_mesh(tmp_path, readiness_port):
                   if c.get("identity", "").endswith(f"/sa/{client.service_account}")]
         _assert_chain_from_root(chains[0], root_pem)
 
+        # more ambient pods, so a snapshot sent before recovery completes would miss some
+        from agent.demo import DemoPod
+
+        extra = [DemoPod(f"extra{i}", "demo", "client", True) for i in range(EXTRA_PODS)]
+        for pod in extra:
+            demo.pods.append(pod)
+            await demo.start_pod(pod)
+        await _eventually(lambda: all(zt.pod_states().get(p.uid) == "Up" for p in extra), 60,
+                          "every extra pod's proxy Up in ztunnel")
+
         # agent restart: the proxies stay, an open HBONE connection keeps working
         conn = await asyncio.to_thread(_open_pod_connection, demo, client, server.ip, 8080)
         try:
@@ -157,7 +169,7 @@ async def test_restarts_keep_the_mesh(tmp_path, readiness_port):
             await _eventually(lambda: _zds_connections(demo) >= 1, 30,
                               "ztunnel reconnected to the restarted agent's ZDS socket")
             states = await asyncio.to_thread(zt.pod_states)
-            assert states.get(client.uid) == "Up" and states.get(server.uid) == "Up", states
+            assert all(states.get(p.uid) == "Up" for p in [client, server, *extra]), states
             assert await asyncio.to_thread(_echo, conn, b"after\n") == b"after\n"
             assert _proxies_stopped(await asyncio.to_thread(zt.metrics)) == stopped_before
         finally:
