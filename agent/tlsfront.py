@@ -44,6 +44,7 @@ from agent.servercert import ServerCertificate
 log = logging.getLogger("agent.tlsfront")
 
 _RATE_LIMIT = 10.0  # seconds between two identical handshake-failure log lines
+_CHUNK = 1024 * 1024  # relay read size and buffer unit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +223,7 @@ class TlsFrontDoor:
         byte is read). Returns ``(reader, writer)``; raises on failure or timeout."""
         loop = asyncio.get_running_loop()
         context = await self.certificate.current()
-        reader = asyncio.StreamReader(limit=256 * 1024)
+        reader = asyncio.StreamReader(limit=_CHUNK)
         protocol = asyncio.StreamReaderProtocol(reader)
         transport, _ = await asyncio.wait_for(
             loop.connect_accepted_socket(lambda: protocol, sock, ssl=context,
@@ -256,7 +257,10 @@ class TlsFrontDoor:
             except OSError:
                 bsock.close()
                 raise
-            b_reader, backend = await asyncio.open_unix_connection(sock=bsock)
+            b_reader, backend = await asyncio.open_unix_connection(sock=bsock,
+                                                                   limit=_CHUNK)
+            for w in (writer, backend):  # fewer, larger writes for big xDS pushes
+                w.transport.set_write_buffer_limits(high=_CHUNK * 4)
             await asyncio.gather(_pump(reader, backend), _pump(b_reader, writer))
         except (OSError, ConnectionError) as e:
             log.debug("%s: connection from %s: %s", self.name, remote, e)
@@ -281,7 +285,7 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
     """Copy bytes until EOF, then half-close (Unix side) or close (TLS side) the other."""
     try:
         while True:
-            data = await reader.read(256 * 1024)
+            data = await reader.read(_CHUNK)
             if not data:
                 break
             writer.write(data)

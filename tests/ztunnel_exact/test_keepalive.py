@@ -20,6 +20,7 @@ import os
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent.grpc_options import KEEPALIVE_SERVER_OPTIONS
@@ -50,6 +51,7 @@ async def _streamless(agent):
     return tunnel, channel
 
 
+@pytest.mark.timeout(DURATION + 120)
 async def test_idle_pings_are_accepted_with_and_without_streams(make_agent, monkeypatch):
     import ambient.xds_server as xds_server
 
