@@ -129,7 +129,13 @@ class TokensFile:
 
     def _load(self) -> dict[str, Identity]:
         with open(self.path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                # PyYAML's message quotes the offending line, which may hold a token.
+                mark = getattr(e, "problem_mark", None)
+                where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+                raise ValueError(f"malformed YAML{where}") from None
         if not isinstance(data, dict):
             raise ValueError("top level must be a mapping of token: namespace/serviceaccount")
         out = {}

@@ -98,6 +98,12 @@ async def test_client_certificate_first_then_tokens_file(tmp_path, caplog):
         await chain.authenticate(Context("unix-abstract:nocert", [("authorization",
                                                                    f"Bearer {SECRET}")]))
     assert "entry 1" in str(e.value) and SECRET not in str(e.value)
+    tokens.write_text(f"{SECRET}: [unclosed\n")
+    os.utime(tokens, (2, 2))
+    with pytest.raises(AuthenticationError, match="malformed YAML at line") as e:
+        await chain.authenticate(Context("unix-abstract:nocert", [("authorization",
+                                                                   f"Bearer {SECRET}")]))
+    assert SECRET not in str(e.value)
     assert SECRET not in caplog.text
 
 
