@@ -109,6 +109,7 @@ class SdsServer(Component):
         self._grpc: grpc.aio.Server | None = None
         self._ca_grpc: grpc.aio.Server | None = None
         self._ca_door: tlsfront.TlsFrontDoor | None = None
+        self._ca_backend = ""
         self._ca_cert: servercert.ServerCertificate | None = None
         self._ca_service: ca_server.CertificateService | None = None
         self._published_root = b""
@@ -250,7 +251,7 @@ class SdsServer(Component):
         self.ca_servicer()
         self._ca_cert = self.server_certificate("ca_port", self.tls_server_sans())
         await self._ca_cert.start()
-        backend = tlsfront.private_socket_path(cfg.state_dir, "ca")
+        backend = self._ca_backend = tlsfront.private_socket_path(cfg.state_dir, "ca")
         self._ca_grpc, self._ca_door = await ca_server.start_ca_server(
             self._ca_service, cfg.ca_listen_address, cfg.ca_port, self._ca_cert, backend,
             authenticator)
@@ -310,6 +311,8 @@ class SdsServer(Component):
                 await server.stop(grace)
         self._grpc = self._ca_grpc = None
         _unlink(self.config.sds_socket)
+        if self._ca_backend:
+            _unlink(self._ca_backend)
         if self._backend_path:
             _unlink(self._backend_path)
         if self.cache:
