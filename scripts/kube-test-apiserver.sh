@@ -72,10 +72,11 @@ bin_dir() {
 # by ./staging/src/... in its own go.mod, which does not apply to a dependent) pointed at
 # their published v0.X.Y tags.
 k8s_gomod() {
-  local go=$1 dir=$2 kmod staging v0=${K8S_VERSION/#v1./v0.}
-  kmod=$(cd "$dir" && GOFLAGS=-mod=mod "$go" mod download -json "k8s.io/kubernetes@${K8S_VERSION}" \
-           | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')
-  [ -f "$kmod" ] || die "cannot download k8s.io/kubernetes@${K8S_VERSION}'s go.mod"
+  local go=$1 dir=$2 info kmod staging v0=${K8S_VERSION/#v1./v0.}
+  info=$(cd "$dir" && GOFLAGS=-mod=mod "$go" mod download -json "k8s.io/kubernetes@${K8S_VERSION}" 2>&1) \
+    || die "cannot download k8s.io/kubernetes@${K8S_VERSION}: $(echo "$info" | tr -s '\n' ' ')"
+  kmod=$(echo "$info" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')
+  [ -f "$kmod" ] || die "no go.mod for k8s.io/kubernetes@${K8S_VERSION}: $(echo "$info" | tr -s '\n' ' ')"
   staging=$(sed -n 's#^[[:space:]]*\(k8s\.io/[a-z0-9-]*\) => \./staging/.*#\1#p' "$kmod")
   [ -n "$staging" ] || die "no staging replace directives in $kmod"
   {

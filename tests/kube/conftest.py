@@ -66,8 +66,9 @@ def pytest_collection_modifyitems(config, items):
     t0 = time.monotonic()
     proc = subprocess.run(["bash", kc.SCRIPT, "build"], capture_output=True, text=True)
     if proc.returncode:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-5:])
         _build_error = (f"scripts/kube-test-apiserver.sh build failed (exit {proc.returncode}):"
-                        f" {proc.stderr[-3000:]}")
+                        f" {tail}")
     elif time.monotonic() - t0 > 5:
         print(f"\nbuilt kube-apiserver and etcd in {time.monotonic() - t0:.0f}s: "
               f"{proc.stdout.strip()}")
@@ -104,8 +105,9 @@ def kube_cluster(tmp_path_factory) -> kc.KubeCluster:
     proc = subprocess.run(["bash", kc.SCRIPT, "start", directory], capture_output=True,
                           text=True, env=env, timeout=240)
     if proc.returncode:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-8:])
         _unavailable(f"scripts/kube-test-apiserver.sh start failed (exit {proc.returncode}): "
-                     f"{proc.stderr[-3000:]}")
+                     f"{tail}")
     cluster = kc.KubeCluster(directory)
     try:
         _run(_prepare, cluster)
