@@ -315,7 +315,7 @@ cmd_start() {
   fi
   mkdir -p "$d"; chmod 700 "$d"; d=$(cd "$d" && pwd)
   touch "$d/$MARKER"
-  bin=$(cmd_build)
+  bin=$(cmd_build) || { rm -rf "$d"; die "build failed (output above)"; }
   gen_certs "$d"
   if ! etcd=$(start_etcd "$d" "$bin"); then cmd_stop "$d" >/dev/null 2>&1 || true; die "etcd failed to start"; fi
   for tries in 1 2 3; do

@@ -498,3 +498,46 @@ async def test_patch_pod_annotations_as_the_agent(kube_admin, kube_namespace, ag
         with pytest.raises(kc.ApiException) as err:
             await src.patch_pod_annotations(kube_namespace, "missing", {"a": "b"})
         assert err.value.status == 404
+
+
+async def test_a_permission_missing_from_the_role_is_a_403_that_keeps_the_source_unsynced(
+        kube_cluster, kube_admin, kube_namespace, tmp_path, caplog):
+    """The negative control of every test above: the ClusterRole of rbac.yaml with its
+    EndpointSlice rule removed, bound to a fresh ServiceAccount. The source logs the 403
+    naming the kind, stays unsynced (so the agent is not ready), and syncs once the
+    permission is granted."""
+    caplog.set_level(logging.WARNING, logger="ambient.source.kube")
+    role = next(d for d in kc.manifest("rbac.yaml") if d["kind"] == "ClusterRole")
+    name = kc.unique("partial")
+    rules = [r for r in role["rules"] if "endpointslices" not in r["resources"]]
+    assert len(rules) == len(role["rules"]) - 1
+    await kc.create_service_account(kube_admin, kube_namespace, "partial")
+    await kc.apply(kube_admin, {"apiVersion": "rbac.authorization.k8s.io/v1",
+                                "kind": "ClusterRole", "metadata": {"name": name},
+                                "rules": rules})
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+               "metadata": {"name": name},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                           "name": name},
+               "subjects": [{"kind": "ServiceAccount", "name": "partial",
+                             "namespace": kube_namespace}]}
+    await kc.apply(kube_admin, binding)
+    try:
+        token = await kc.service_account_token(kube_admin, kube_namespace, "partial")
+        kubeconfig = kc.kubeconfig_for_token(kube_cluster, token, str(tmp_path / "p.kubeconfig"))
+        async with running(kubeconfig, sync_timeout=3) as src:
+            assert not src.is_synced()
+            assert set(src.errors) == {"EndpointSlice"}, src.errors
+            assert src.errors["EndpointSlice"].startswith("403")
+            assert any("EndpointSlice" in r.getMessage() and " 403 " in r.getMessage()
+                       for r in caplog.records)
+            await kc.apply(kube_admin, {**binding, "roleRef": {
+                **binding["roleRef"], "name": "ambient-agent"}, "metadata": {
+                "name": name + "-full"}})
+            await eventually(src.is_synced, timeout=15, what="sync once granted")
+    finally:
+        for path in (f"clusterrolebindings/{name}", f"clusterrolebindings/{name}-full",
+                     f"clusterroles/{name}"):
+            with contextlib.suppress(kc.ApiException):
+                await kc.request(kube_admin, "DELETE",
+                                 f"/apis/rbac.authorization.k8s.io/v1/{path}")
