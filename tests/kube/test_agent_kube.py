@@ -80,11 +80,11 @@ async def test_agent_process_serves_kubernetes_pods_over_xds_as_its_service_acco
                 await asyncio.sleep(0.2)
         client = DeltaXdsClient(f"127.0.0.1:{xds_port}", metadata={"NODE_NAME": node})
         await client.connect()
-        await client.wait_synced(timeout=10)
+        await client.wait_synced(timeout=30)
         pod_name = f"Kubernetes//Pod/{kube_namespace}/web-0"
         svc_name = f"{kube_namespace}/web.{kube_namespace}.svc.cluster.local"
-        await client.wait_for(pod_name, timeout=10)
-        await client.wait_for(svc_name, timeout=10)
+        await client.wait_for(pod_name, timeout=30)
+        await client.wait_for(svc_name, timeout=30)
         w = client.resources()[pod_name].workload
         assert w.addresses == [bytes([10, 252, 0, 1])]
         assert w.node == node
@@ -95,9 +95,9 @@ async def test_agent_process_serves_kubernetes_pods_over_xds_as_its_service_acco
         # a change in the cluster reaches ztunnel's view through the agent
         await kc.run_pod(kube_admin, "web-1", kube_namespace, node, ["10.252.0.2"],
                          labels={"app": "web"})
-        await client.wait_for(f"Kubernetes//Pod/{kube_namespace}/web-1", timeout=10)
+        await client.wait_for(f"Kubernetes//Pod/{kube_namespace}/web-1", timeout=30)
         await kc.delete_pod(kube_admin, kube_namespace, "web-0")
-        await client.wait_for(pod_name, timeout=10, present=False)
+        await client.wait_for(pod_name, timeout=30, present=False)
     finally:
         if client is not None:
             await client.close()

@@ -159,9 +159,9 @@ async def test_initial_list_and_watch_of_every_kind(kube_admin, kube_namespace, 
             await kc.run_pod(kube_admin, "pod-b", kube_namespace, node, ["10.250.0.10"])
             want_after = await server_objects(kube_admin, after)
             await eventually(lambda: all(rv_of(store, k) == v for k, v in want_after.items()),
-                             timeout=10, what="watched adds")
+                             timeout=30, what="watched adds")
             await eventually(lambda: (store.get("Pod", kube_namespace, "pod-b") or {})
-                             .get("status", {}).get("podIP") == "10.250.0.10", timeout=10)
+                             .get("status", {}).get("podIP") == "10.250.0.10", timeout=30)
             # changes
             for o in before:
                 changed = {**o, "metadata": {**o["metadata"], "labels": {
@@ -171,16 +171,16 @@ async def test_initial_list_and_watch_of_every_kind(kube_admin, kube_namespace, 
                                     ready=False)
             await eventually(lambda: all(
                 (store.get(*key_of(o))["metadata"].get("labels") or {}).get("changed") == "yes"
-                for o in before), timeout=10, what="watched changes")
+                for o in before), timeout=30, what="watched changes")
             await eventually(lambda: {c["type"]: c["status"] for c in store.get(*pod_key)[
-                "status"]["conditions"]}["Ready"] == "False", timeout=10)
+                "status"]["conditions"]}["Ready"] == "False", timeout=30)
             # deletes (the pod as the kubelet finishes it: graceful, then final)
             for o in before + after:
                 await delete_object(kube_admin, o)
             await kc.delete_pod(kube_admin, kube_namespace, "pod-a")
             await kc.delete_node(kube_admin, node)
             gone = [key_of(o) for o in before + after] + [pod_key, ("Node", "", node)]
-            await eventually(lambda: all(store.get(*k) is None for k in gone), timeout=10,
+            await eventually(lambda: all(store.get(*k) is None for k in gone), timeout=30,
                              what="watched deletes")
             assert store.get("Pod", kube_namespace, "pod-b") is not None
             stats = src.debug_state()
@@ -206,12 +206,12 @@ async def test_bookmarks_advance_the_resource_version(kube_admin, agent_kubeconf
             ns_rv = int((await kc.request(kube_admin, "GET", f"/api/v1/namespaces/{other}"))
                         ["metadata"]["resourceVersion"])
             assert ns_rv > rv0
-            await eventually(lambda: src.stats["GatewayClass"].bookmarks >= 1, timeout=15,
+            await eventually(lambda: src.stats["GatewayClass"].bookmarks >= 1, timeout=30,
                              what="a bookmark")
             await eventually(lambda: int(src.resource_versions["GatewayClass"]) >= ns_rv,
-                             timeout=15, what="the bookmark's resourceVersion")
+                             timeout=30, what="the bookmark's resourceVersion")
             # the watch ends at its timeout and resumes from the bookmark's version
-            await eventually(lambda: src.stats["GatewayClass"].watches >= 2, timeout=10)
+            await eventually(lambda: src.stats["GatewayClass"].watches >= 2, timeout=30)
             assert src.stats["GatewayClass"].watch_events == 0
             assert src.relists["GatewayClass"] == 1  # resumed, never relisted
         finally:
@@ -259,7 +259,7 @@ async def test_410_after_compaction_relists_nothing_lost_nothing_duplicated(
                 proxy.restore()
                 await eventually(lambda: src.relists["Pod"] > relists, timeout=20,
                                  what="a relist after 410")
-                await eventually(lambda: mine() == ["add", "change", "keep"], timeout=10)
+                await eventually(lambda: mine() == ["add", "change", "keep"], timeout=30)
                 assert store.get("Pod", kube_namespace, "change")["status"]["podIP"] == \
                     "10.250.3.9"
                 # nothing lost, nothing duplicated: one event per real change, none for "keep"
@@ -326,7 +326,7 @@ async def test_api_server_restart_mid_run(kube_cluster, kube_admin, kube_namespa
         store = src.store
         await kc.run_pod(kube_admin, "during", kube_namespace, node, ["10.250.5.2"])
         await eventually(lambda: store.get("Pod", kube_namespace, "during") is not None,
-                         timeout=10)
+                         timeout=30)
         kube_cluster.apiserver_stop()
         await asyncio.sleep(1.0)
         assert src.errors.get("Pod"), "the source did not notice the API server was gone"
@@ -344,7 +344,7 @@ async def test_api_server_restart_mid_run(kube_cluster, kube_admin, kube_namespa
             "Pod", kube_namespace)) == ["after", "during"], timeout=20, what="pods resynced")
         await eventually(lambda: store.get("Service", kube_namespace, "s") is not None,
                          timeout=20)
-        await eventually(lambda: not src.errors, timeout=10)
+        await eventually(lambda: not src.errors, timeout=30)
         assert src.is_synced()
 
 
@@ -443,7 +443,7 @@ async def test_throttling_429_is_retried_with_backoff(kube_cluster, kube_admin, 
             assert 2 <= len(throttled) <= 5, [r.getMessage() for r in throttled]
             release.set()
             await holder
-            await eventually(src.is_synced, timeout=10, what="sync after the seat is free")
+            await eventually(src.is_synced, timeout=30, what="sync after the seat is free")
             assert "Pod" not in src.errors
         finally:
             release.set()
@@ -470,8 +470,8 @@ async def test_missing_crds_are_retried_until_installed(kube_cluster, kube_admin
                 "metadata": {"name": "late", "namespace": kube_namespace},
                 "spec": {"action": "DENY", "rules": [{}]}})
             await eventually(lambda: src.store.get("AuthorizationPolicy", kube_namespace, "late")
-                             is not None, timeout=15, what="the policy after its CRD")
-            await eventually(lambda: not src.missing, timeout=10)
+                             is not None, timeout=30, what="the policy after its CRD")
+            await eventually(lambda: not src.missing, timeout=30)
             assert not src.errors
             assert any("is served now" in r.getMessage() for r in caplog.records)
     finally:
@@ -489,12 +489,12 @@ async def test_patch_pod_annotations_as_the_agent(kube_admin, kube_namespace, ag
         assert pod["metadata"]["annotations"]["ambient.istio.io/redirection"] == "enabled"
         await eventually(lambda: (src.store.get("Pod", kube_namespace, "p")["metadata"]
                                   .get("annotations") or {}).get(
-            "ambient.istio.io/redirection") == "enabled", timeout=10)
+            "ambient.istio.io/redirection") == "enabled", timeout=30)
         await src.patch_pod_annotations(kube_namespace, "p", {
             "ambient.istio.io/redirection": None})
         await eventually(lambda: "ambient.istio.io/redirection" not in (
             src.store.get("Pod", kube_namespace, "p")["metadata"].get("annotations") or {}),
-            timeout=10)
+            timeout=30)
         with pytest.raises(kc.ApiException) as err:
             await src.patch_pod_annotations(kube_namespace, "missing", {"a": "b"})
         assert err.value.status == 404
@@ -534,7 +534,7 @@ async def test_a_permission_missing_from_the_role_is_a_403_that_keeps_the_source
             await kc.apply(kube_admin, {**binding, "roleRef": {
                 **binding["roleRef"], "name": "ambient-agent"}, "metadata": {
                 "name": name + "-full"}})
-            await eventually(src.is_synced, timeout=15, what="sync once granted")
+            await eventually(src.is_synced, timeout=30, what="sync once granted")
     finally:
         for path in (f"clusterrolebindings/{name}", f"clusterrolebindings/{name}-full",
                      f"clusterroles/{name}"):

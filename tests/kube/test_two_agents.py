@@ -67,10 +67,10 @@ async def test_two_agents_same_address_set_own_node_pods(kube_cluster, kube_admi
         def workload_names(agent: Agent) -> set[str]:
             return {n for n in agent.index.addresses() if kube_namespace in n and "/Pod/" in n}
 
-        await eventually(lambda: all(len(workload_names(a)) == 6 for a in agents), timeout=15,
+        await eventually(lambda: all(len(workload_names(a)) == 6 for a in agents), timeout=30,
                          what="six workloads in both agents")
         await eventually(lambda: agents[0].addresses(kube_namespace) ==
-                         agents[1].addresses(kube_namespace), timeout=10,
+                         agents[1].addresses(kube_namespace), timeout=30,
                          what="identical address sets")
         service = [n for n in agents[0].index.addresses()
                    if n.endswith(f"/web.{kube_namespace}.svc.cluster.local")]
@@ -85,7 +85,7 @@ async def test_two_agents_same_address_set_own_node_pods(kube_cluster, kube_admi
             assert own.isdisjoint(agent.index.node_workloads(other))
         # a change on node B reaches agent A too (same cluster-wide set)
         await kc.delete_pod(kube_admin, kube_namespace, "web-1")
-        await eventually(lambda: all(len(workload_names(a)) == 5 for a in agents), timeout=10)
+        await eventually(lambda: all(len(workload_names(a)) == 5 for a in agents), timeout=30)
         assert agents[0].addresses(kube_namespace) == agents[1].addresses(kube_namespace)
     finally:
         for agent in agents:
