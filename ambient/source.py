@@ -57,7 +57,8 @@ class ConfigSource(Component):
         """
         if isinstance(self.backend, KubernetesSource):
             pod = await self.backend.patch_pod_annotations(namespace, name, annotations)
-            if isinstance(pod, dict) and pod.get("metadata"):
+            if isinstance(pod, dict) and pod.get("metadata") and not _older(
+                    pod, self.store.get("Pod", namespace, name)):
                 pod.setdefault("kind", "Pod")
                 pod.setdefault("apiVersion", "v1")
                 self.store.apply([(pod, "patch")], origin="kubernetes:Pod")
@@ -72,6 +73,18 @@ class ConfigSource(Component):
             state.update(directory=self.backend.directory, files=len(self.backend.files),
                          annotation_overlay=self.backend.overlay())
         return state
+
+
+def _older(patched: dict, stored: dict | None) -> bool:
+    """True when the watch already delivered a newer version of the Pod than the PATCH
+    response (a change right after ours): applying the response would take the store
+    back. resourceVersions are opaque to clients, but etcd's are integers that only
+    grow; anything else is applied (the watch corrects it with its next event)."""
+    if stored is None:
+        return False
+    new = str((patched.get("metadata") or {}).get("resourceVersion") or "")
+    old = str((stored.get("metadata") or {}).get("resourceVersion") or "")
+    return new.isdigit() and old.isdigit() and int(old) > int(new)
 
 
 def build(ctx: AgentContext) -> ConfigSource:

@@ -104,3 +104,15 @@ async def test_overlay_dropped_with_its_pod_and_not_applied_to_a_new_pod(tmp_pat
             await src.patch_pod_annotations("demo", "missing", {REDIRECTION: "enabled"})
     finally:
         await src.stop()
+
+
+def test_patch_response_older_than_the_watch_is_not_applied():
+    """The kubernetes path: a PATCH response is applied to the store at once, unless the
+    watch already brought a newer version (etcd resourceVersions only grow)."""
+    from ambient.source import _older
+    pod = {"metadata": {"resourceVersion": "120"}}
+    assert _older(pod, {"metadata": {"resourceVersion": "121"}})
+    assert not _older(pod, {"metadata": {"resourceVersion": "119"}})
+    assert not _older(pod, {"metadata": {"resourceVersion": "120"}})
+    assert not _older(pod, None)
+    assert not _older(pod, {"metadata": {"resourceVersion": "opaque"}})
