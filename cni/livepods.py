@@ -199,17 +199,19 @@ class LivePods:
             if rec is not None and rec.namespace in self.exclude:
                 self._leave(uid, f"namespace {rec.namespace} is excluded")
             return
-        should = self.should_be_ambient(pod)
         if uid in records:
             phase = _phase(pod)
             if phase in TERMINAL_PHASES:
                 self._leave(uid, f"pod phase is {phase}", terminal=True)
-            elif should is False:
+            elif self.should_be_ambient(pod) is False:
                 self._leave(uid, "no longer ambient")
             else:
                 self.enrollment.pod_ips_seen(uid, pod_ips(pod))
             return
-        if should is not True or uid in self._joining or self.enrollment.enrolling(uid):
+        if not on_this_node(pod, self.node_name, self.files_source):
+            return  # most pods of a cluster: skipped before any decision
+        if (self.should_be_ambient(pod) is not True or uid in self._joining
+                or self.enrollment.enrolling(uid)):
             return
         why_not = self._candidate(pod)
         if why_not:

@@ -167,8 +167,22 @@ class SnapshotWriter(Component):
         return {"path": self.path, "writes": self.writes, "error": self.error,
                 "pods": len(w.get("pods") or {}), "namespaces": len(w.get("namespaces") or {})}
 
+    def _relevant(self, ev) -> bool:
+        """Whether a store event can change the snapshot: a Pod of this node (before or
+        after), a Namespace's labels (or its arrival or removal). Other nodes' pods, and
+        status churn of namespaces, are skipped: at cluster scale pod events are
+        constant and a rebuild walks every pod."""
+        if ev.kind == "Namespace":
+            return _labels(ev.old) != _labels(ev.new) or ev.old is None or ev.new is None
+        if ev.kind != "Pod":
+            return False
+        cfg = self.ctx.config
+        files = cfg.config_source != "kubernetes"
+        return any(obj is not None and on_this_node(obj, cfg.node_name, files)
+                   for obj in (ev.old, ev.new))
+
     def _on_events(self, events: list) -> None:
-        if any(ev.kind in ("Pod", "Namespace") for ev in events):
+        if any(self._relevant(ev) for ev in events):
             self._dirty = True
             if self._task is None or self._task.done():
                 self._task = asyncio.get_running_loop().create_task(
@@ -205,3 +219,7 @@ def build(ctx: AgentContext) -> SnapshotWriter | None:
     """Builder for ``agent.daemon.COMPONENT_BUILDERS`` (before ``cni-installer``): on
     whenever the agent runs a config source."""
     return SnapshotWriter(ctx, snapshot_path(ctx.config.cni_event_socket))
+
+
+def _labels(obj: dict | None) -> dict:
+    return ((obj or {}).get("metadata") or {}).get("labels") or {}

@@ -83,6 +83,12 @@ async def test_written_at_start_follows_edits_and_stays(tmp_path):
             "labels") == {"app": "cart"})
         await eventually(lambda: not writer._task or writer._task.done())
         assert writer.writes == writes
+        # another node's pod changes: not even a rebuild (pod events are constant at scale)
+        objs[2]["metadata"]["labels"] = {"app": "far"}
+        write(cluster / "all.yaml", *objs)
+        await eventually(lambda: source.store.get("Pod", "shop", "far")["metadata"].get(
+            "labels") == {"app": "far"})
+        assert writer._task.done() and not writer._dirty
     finally:
         await writer.stop(1)
         await source.stop(1)
