@@ -276,7 +276,8 @@ class KubernetesSource:
                                     e.reason, MISSING_RETRY)
                     self.missing.add(kind)
                     rv = ""
-                    await asyncio.sleep(MISSING_RETRY)
+                    # jittered, so a fleet of agents started together does not ask in step
+                    await asyncio.sleep(MISSING_RETRY * random.uniform(0.8, 1.2))
                     continue
                 delay = max(backoff, _retry_after(e)) if e.status == 429 else backoff
                 log.warning("%s %s failed: %s %s; retrying in %.1fs", "watch" if rv else "list",

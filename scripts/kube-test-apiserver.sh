@@ -29,8 +29,8 @@
 # against, at the version Kubernetes itself requires (go.mod of k8s.io/kubernetes); it is
 # built by the same toolchain as the apiserver into the same cache, installs no system
 # service, and its HTTP gateway lets tests compact history (410 Gone). Debian 12's
-# etcd-server is 3.4, older than what current kube-apiserver supports; kine would be a
-# translation layer of its own, not the store real clusters run.
+# etcd-server is 3.4 (end of life; Kubernetes 1.37 is built against etcd 3.7); kine would
+# be a translation layer of its own, not the store real clusters run.
 #
 # Build: two throwaway Go modules (k8s.io/kubernetes with its staging modules replaced by
 # their published versions; go.etcd.io/etcd/server/v3), binaries cached under
