@@ -316,3 +316,23 @@ def private_socket_path(state_dir: str, name: str) -> str:
     except FileNotFoundError:
         pass
     return path
+
+
+def remove_private_socket(path: str) -> None:
+    """Unlink a backend socket made by :func:`private_socket_path` (or a caller's temp
+    directory named ``ambient-*``) and remove that temp directory when it is empty."""
+    if not path:
+        return
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    import tempfile
+
+    directory = os.path.dirname(path)
+    if (os.path.dirname(directory) == tempfile.gettempdir()
+            and os.path.basename(directory).startswith("ambient-")):
+        try:
+            os.rmdir(directory)
+        except OSError:
+            pass

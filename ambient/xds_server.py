@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import os
 import time
 from typing import Awaitable, Callable
 
@@ -320,9 +319,7 @@ class XdsServer(Component):
         if self._server:
             await self._server.stop(grace)
             self._server = None
-        if self.backend_path:
-            with contextlib.suppress(OSError):
-                os.unlink(self.backend_path)
+        tlsfront.remove_private_socket(self.backend_path)
 
     def ready(self) -> tuple[bool, str]:
         return (self._server is not None, "" if self._server else "not started")

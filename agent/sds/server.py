@@ -311,8 +311,7 @@ class SdsServer(Component):
                 await server.stop(grace)
         self._grpc = self._ca_grpc = None
         _unlink(self.config.sds_socket)
-        if self._ca_backend:
-            _unlink(self._ca_backend)
+        tlsfront.remove_private_socket(self._ca_backend)
         if self._backend_path:
             _unlink(self._backend_path)
         if self.cache:
