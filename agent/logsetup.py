@@ -6,6 +6,8 @@ A component is a logger name prefix (``zds``, ``cni``, ``agent.sds``, ``ambient`
 
 A redaction filter runs on every record: PEM private keys and bearer tokens are
 replaced by ``[REDACTED]`` so they never reach a log line, whatever a caller passes.
+A repeat filter (:class:`agent.ratelimit.RepeatFilter`) lets an identical WARNING-or-worse
+line through once a minute and counts the rest, so nothing can flood the log.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import logging
 import re
 import sys
 import time
+
+from agent.ratelimit import RepeatFilter
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING,
           "warning": logging.WARNING, "error": logging.ERROR, "none": logging.CRITICAL + 10}
@@ -93,6 +97,7 @@ def setup(level_spec: str = "info", fmt: str = "text", stream=None) -> None:
     handler._ambient_agent = True  # type: ignore[attr-defined]
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     handler.addFilter(RedactingFilter())
+    handler.addFilter(RepeatFilter())
     root.addHandler(handler)
     root.setLevel(default)
     for name, level in per.items():

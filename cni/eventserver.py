@@ -18,6 +18,10 @@ Routes (the body is a :class:`cni.events.CniPodEvent` JSON):
   ``RemovePodFromMesh(pod, isDelete=true)``, spec §3.7). 200 or 500.
 - ``GET /healthz``: 200 while serving, 503 while draining (the plugin's STATUS).
 
+Bounded like every listener (:mod:`agent.listeners`): a request body not received in full
+within ``BODY_TIMEOUT`` (10 s) is answered 408 and the connection closed; a connection idle
+(or stuck in its headers) for ``IDLE_TIMEOUT`` is closed; malformed HTTP is one DEBUG line.
+
 ADD and DEL of one pod (:attr:`CniPodEvent.key`) are serialised, with one exception: a
 DEL arriving while that pod's ADD still runs (e.g. enrollment waiting up to
 ``ztunnel_wait`` for a ztunnel) cancels the enrollment first
@@ -40,6 +44,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 
+from agent import listeners
 from agent.lifecycle import AgentContext, Component
 from cni import enablement
 from cni.events import CniPodEvent, EventError
@@ -49,6 +54,7 @@ log = logging.getLogger("cni.events")
 
 POD_LOOKUP_RETRIES = 10  # Istio: a just-created pod may be missing from a stale cache
 POD_LOOKUP_INTERVAL = 0.01
+IDLE_TIMEOUT = 30.0  # seconds a connection may stay open without a request in progress
 
 
 def _enrollment_error() -> type[BaseException] | None:
@@ -93,7 +99,7 @@ class CniEventServer(Component):
             os.unlink(self.socket_path)  # stale socket of a previous run
         except FileNotFoundError:
             pass
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._runner = listeners.runner(app, "cni-events", IDLE_TIMEOUT)
         await self._runner.setup()
         await web.UnixSite(self._runner, self.socket_path).start()
         os.chmod(self.socket_path, 0o600)
@@ -121,7 +127,9 @@ class CniEventServer(Component):
     # --- handlers ---
 
     async def _read_event(self, request: web.Request, command: str) -> CniPodEvent:
-        body = await request.read()
+        """Raises HTTPBadRequest naming the problem, HTTPRequestTimeout for a body that
+        does not arrive."""
+        body = await listeners.read_body(request)
         if not body:
             raise web.HTTPBadRequest(text="empty request body; expected a CNI pod event JSON")
         try:
@@ -144,14 +152,20 @@ class CniEventServer(Component):
             return web.json_response(body, status=status)
         return web.Response(text=body, status=status)
 
+    def _reject(self, command: str, e: web.HTTPException) -> web.Response:
+        resp = self._respond(command, e.status, e.text or "bad request")
+        if e.status == 408:
+            resp.force_close()  # the rest of that body may still come: drop the connection
+        return resp
+
     async def _handle_add(self, request: web.Request) -> web.Response:
         started = time.monotonic()
         try:
             event = await self._read_event(request, "ADD")
-        except web.HTTPBadRequest as e:
+        except (web.HTTPBadRequest, web.HTTPRequestTimeout) as e:
             self._stats["bad"] += 1
-            log.warning("rejected CNI ADD: %s", e.text)
-            return self._respond("ADD", 400, e.text or "bad request")
+            log.warning("rejected CNI ADD: %s", (e.text or "").strip())
+            return self._reject("ADD", e)
         self._stats["add"] += 1
         if self.ctx.draining:
             return self._respond("ADD", 503, f"{DRAINING_TEXT}; try again later")
@@ -214,9 +228,9 @@ class CniEventServer(Component):
     async def _handle_del(self, request: web.Request) -> web.Response:
         try:
             event = await self._read_event(request, "DEL")
-        except web.HTTPBadRequest as e:
+        except (web.HTTPBadRequest, web.HTTPRequestTimeout) as e:
             self._stats["bad"] += 1
-            return self._respond("DEL", 400, e.text or "bad request")
+            return self._reject("DEL", e)
         self._stats["del"] += 1
         enrollment = self.ctx.get("enrollment")
         abort = getattr(enrollment, "abort_enroll", None)

@@ -51,6 +51,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.config import ConfigError
 from agent.peercred import peer_cred
+from agent.ratelimit import RepeatLimiter
 from agent.lifecycle import AgentContext, Component
 from zds import wire
 from zds.api import NoZtunnel, PodInfo, ZdsError, ZdsNack, ZdsTimeout
@@ -110,27 +111,6 @@ class _Drop(Exception):
 
 
 PRE_HELLO_LOG_WINDOW = 60.0  # seconds: identical pre-hello warnings logged once per window
-
-
-class _RepeatLimiter:
-    """Let one log line per identical text through per ``window`` seconds; the next one
-    let through says how many were held back (those went to DEBUG). A peer that keeps
-    connecting with garbage must not flood the log."""
-
-    def __init__(self, window: float = PRE_HELLO_LOG_WINDOW):
-        self.window = window
-        self._last: dict[str, tuple[float, int]] = {}  # text -> (logged at, held back)
-
-    def check(self, text: str, now: float) -> tuple[bool, int]:
-        """``(log it, how many were held back since the last one logged)``."""
-        if len(self._last) > 256:  # bounded: forget entries whose window has passed
-            self._last = {k: v for k, v in self._last.items() if now - v[0] < self.window}
-        last = self._last.get(text)
-        if last is not None and now - last[0] < self.window:
-            self._last[text] = (last[0], last[1] + 1)
-            return False, 0
-        self._last[text] = (now, 0)
-        return True, last[1] if last is not None else 0
 
 
 class _Request:
@@ -645,7 +625,7 @@ class ZdsServer(Component):
         self.accept_interval = 1.0 / accept_rate if accept_rate > 0 else 0.0
         self._pods: dict[str, _PodRecord] = {}
         self._conns: list[ZdsConnection] = []  # in connect order; latest = last with hello
-        self._pre_hello_limiter = _RepeatLimiter()
+        self._pre_hello_limiter = RepeatLimiter(PRE_HELLO_LOG_WINDOW)
         self._next_id = 1
         self._sock: socket.socket | None = None
         self._inode: int | None = None

@@ -144,3 +144,46 @@ async def test_metrics_count_requests(cni_agent):
                                 {"command": "ADD", "response_code": "200"}) == 1
     assert reg.get_sample_value("istio_cni_plugin_requests_total",
                                 {"command": "ADD", "response_code": "400"}) == 1
+
+
+async def _raw(path: str, data: bytes, timeout: float = 10.0) -> bytes:
+    """Send ``data`` on a fresh connection and read until the server closes it."""
+    reader, writer = await asyncio.open_unix_connection(path)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+
+
+async def test_incomplete_body_gets_408_and_the_connection_is_closed(cni_agent, monkeypatch):
+    """A request announcing 100 bytes and sending 1 used to hold its connection (and a
+    handler) forever."""
+    from agent import listeners
+    monkeypatch.setattr(listeners, "BODY_TIMEOUT", 0.5)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    answer = await _raw(cni_agent.socket_path, b"POST /cmdadd HTTP/1.1\r\nHost: x\r\n"
+                        b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    assert answer.startswith(b"HTTP/1.1 408 ")
+    assert b"request body not received within 0.5s" in answer
+    assert loop.time() - started < 5
+    assert cni_agent.server.requests.labels("ADD", "408")._value.get() == 1
+    # the server still answers
+    assert (await post(cni_agent, "/cmdadd", body=event(ambient_default=True)))[0] == 200
+
+
+async def test_malformed_http_is_one_debug_line_not_an_error(cni_agent, caplog):
+    import logging
+    caplog.set_level(logging.DEBUG)
+    for garbage in (b"POST /cmdadd HTTP/1.1\r\nHost: x\r\nBad Header Line\r\n\r\n",
+                    b"POST /cmdadd HTTP/1.1\r\nContent-Length: x\r\n\r\n",
+                    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 not http\r\n\r\n"):
+        answer = await _raw(cni_agent.socket_path, garbage)
+        assert answer.split(b" ")[1] == b"400", answer[:80]
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+    lines = [r for r in caplog.records if "malformed or broken HTTP request" in r.getMessage()]
+    assert len(lines) >= 2 and all(r.levelno == logging.DEBUG and r.exc_info is None
+                                   and "\n" not in r.getMessage() for r in lines)
+    assert (await post(cni_agent, "/cmdadd", body=event(ambient_default=True)))[0] == 200
