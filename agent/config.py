@@ -102,6 +102,19 @@ def parse_port(value: Any) -> int:
     return port
 
 
+def parse_count(value: Any) -> int:
+    """A whole number >= 0 (connection caps: 0 means "as many as the fd budget allows")."""
+    if isinstance(value, bool):
+        raise ValueError("expected a whole number")
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise ValueError("expected a whole number") from None
+    if number < 0:
+        raise ValueError("must not be negative")
+    return number
+
+
 def parse_str(value: Any) -> str:
     if isinstance(value, (dict, list)):
         raise ValueError("expected a string")
@@ -556,6 +569,19 @@ SETTINGS: list[Setting] = [
             "agent's counters and histograms (prometheus-client's default; pilot-agent and "
             "istio-cni have none)", env="AMBIENT_AGENT_METRICS_CREATED_SERIES",
             component="status"),
+    Setting("admin_socket", _under_state("admin.sock"), parse_path, "Unix socket (0600, root) "
+            "serving /quitquitquit, /drain and /debug; `ambient-agent status` reads it",
+            component="status"),
+    Setting("status_idle_timeout", 30.0, positive(parse_duration), "status, health and admin "
+            "listeners close a connection idle (or stuck in its headers) this long",
+            component="status"),
+    Setting("status_max_connections", 256, parse_count, "open connections the status port "
+            "accepts (more are answered 503 and closed); lowered to fit the open-files limit",
+            component="status"),
+    Setting("health_max_connections", 64, parse_count, "open connections the health port "
+            "accepts; lowered to fit the open-files limit", component="status"),
+    Setting("xds_max_connections", 256, parse_count, "connections each xDS port accepts; "
+            "lowered to fit the open-files limit", component="status"),
     # --- workload xDS ---
     Setting("xds_port", 15010, parse_port, "plaintext workload xDS port", component="xds"),
     Setting("xds_address", "127.0.0.1", parse_bind_address, "address the plaintext xDS port binds",
@@ -692,7 +718,7 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
     return Config(values, origins)
 
 
-_UNIX_SOCKETS = ("cni_event_socket", "sds_socket", "ztunnel_uds_address")
+_UNIX_SOCKETS = ("cni_event_socket", "sds_socket", "ztunnel_uds_address", "admin_socket")
 _UNIX_PATH_MAX = 107
 
 

@@ -22,7 +22,7 @@ import signal
 from pathlib import Path
 from typing import Callable
 
-from agent import sdnotify
+from agent import fdbudget, sdnotify
 from agent.config import Config, ConfigError, prepare_state_dir
 from agent.errors import ComponentStartError
 from agent.lifecycle import AgentContext, Component, Supervisor
@@ -136,6 +136,10 @@ class Agent:
         state = prepare_state_dir(self.config)
         self._lock = StateDirLock(state)
         self._lock.acquire(self.config.origins.get("state_dir", ""))
+        # the whole open-files allowance, and the listener caps fitted inside it
+        note = fdbudget.describe(self.config, fdbudget.raise_soft_limit())
+        if note:
+            log.warning("%s", note)
         try:
             set_created_series(self.config.metrics_created_series)
             build(self.ctx)

@@ -779,15 +779,21 @@ class Demo:
             self.seen.append(queue.get_nowait())
 
     async def check_endpoints(self) -> None:
+        from agent.status.cli import fetch
+
         port = self.agent_port("status")
-        for path, want in (("/stats/prometheus", "# TYPE"), ("/debug", "")):
-            url = f"http://127.0.0.1:{port}{path}"
-            try:
-                body = await asyncio.to_thread(_http_get, url)
-                ok = want in body
-            except OSError as e:
-                ok, body = False, str(e)
-            self.add("status server", path, ok, url)
+        url = f"http://127.0.0.1:{port}/stats/prometheus"
+        try:
+            ok = "# TYPE" in await asyncio.to_thread(_http_get, url)
+        except OSError:
+            ok = False
+        self.add("status server", "/stats/prometheus", ok, url)
+        admin = self.agent.ctx.config.admin_socket
+        try:
+            ok = "components" in await asyncio.to_thread(fetch, admin, 5.0)
+        except RuntimeError:
+            ok = False
+        self.add("status server", "/debug", ok, f"admin socket {admin}")
 
     def print_table(self) -> None:
         rows = [(c.subject, c.what, "ok" if c.ok else "FAIL", c.detail) for c in self.checks]
@@ -799,9 +805,10 @@ class Demo:
         for r in rows:
             print(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}")
         port = self.agent_port("status")
+        admin = self.agent.ctx.config.admin_socket
         print(f"\nmetrics: http://127.0.0.1:{port}/stats/prometheus   "
-              f"debug: http://127.0.0.1:{port}/debug   "
-              f"status: ambient-agent status --addr http://127.0.0.1:{port}")
+              f"debug: curl --unix-socket {admin} http://localhost/debug   "
+              f"status: ambient-agent status --socket {admin}")
 
     # ------------------------------------------------------------------ teardown
     def leftovers(self) -> list[str]:

@@ -11,10 +11,12 @@ host-network pod; the status port faces the network):
   ``BODY_TIMEOUT`` seconds gets 408 and the connection is closed.
 - **connection cap** (:class:`BoundedTCPSite`): past ``max_connections`` open connections
   a new one is answered ``503`` and closed at once, so it never holds an fd; the refusals
-  are counted (``ambient_listener_connections_refused_total{listener}``) and logged at most
-  once a minute. Open connections: ``ambient_listener_connections{listener}``.
+  are counted (``ambient_agent_listener_connections_refused_total{listener}``) and logged at most
+  once a minute. Open connections: ``ambient_agent_listener_connections{listener}``.
 - **malformed HTTP** (:class:`HttpErrorLog`): aiohttp logs a bad request line or header
   with a full traceback at ERROR; here it is one DEBUG line per connection.
+- **gRPC servers** (:func:`grpc_server_bounds`): gRPC core's own connection cap, a
+  handshake timeout and an idle-connection limit.
 """
 
 from __future__ import annotations
@@ -93,10 +95,10 @@ class ListenerMetrics:
     _by_registry: dict[int, "ListenerMetrics"] = {}
 
     def __init__(self, registry: CollectorRegistry):
-        self.open = Gauge("ambient_listener_connections",
+        self.open = Gauge("ambient_agent_listener_connections",
                           "open connections of the agent's TCP listeners", ["listener"],
                           registry=registry)
-        self.refused = Counter("ambient_listener_connections_refused",
+        self.refused = Counter("ambient_agent_listener_connections_refused",
                                "connections refused because the listener was at its cap",
                                ["listener"], registry=registry)
 
@@ -192,3 +194,17 @@ class BoundedTCPSite(web.TCPSite):
             reuse_port=self._reuse_port)
         self._bound_port = (self._server.sockets[0].getsockname()[1] if self._server.sockets
                             else self._port)
+
+
+GRPC_HANDSHAKE_TIMEOUT_MS = 10_000  # a connection must finish its HTTP/2 (TLS) handshake
+GRPC_IDLE_MS = 300_000  # a connection without streams for 5 min is closed (GOAWAY)
+
+
+def grpc_server_bounds(max_connections: int) -> list[tuple[str, int]]:
+    """``grpc.aio.server`` options: past ``max_connections`` (0: no cap) gRPC core closes
+    new connections at once; handshakes and stream-less connections are timed out."""
+    options = [("grpc.server_handshake_timeout_ms", GRPC_HANDSHAKE_TIMEOUT_MS),
+               ("grpc.max_connection_idle_ms", GRPC_IDLE_MS)]
+    if max_connections > 0:
+        options.append(("grpc.max_allowed_incoming_connections", max_connections))
+    return options

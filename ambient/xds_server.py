@@ -41,17 +41,20 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from agent import tlsfront
 from agent.authn import AuthenticationError, Authenticator
 from agent.config import ConfigError, ensure_tcp_port_free
+from agent.fdbudget import listener_caps
 from agent.grpc_options import KEEPALIVE_SERVER_OPTIONS
 from agent.lifecycle import AgentContext, Component
+from agent.listeners import grpc_server_bounds
 from agent.servercert import ServerCertificate, TlsMaterial
 from ambient.api import AmbientIndex, IndexChange
 from ambient.xds_generators import Generator, default_generators
-from ambient.xds_stream import PreparedResponse, RequestError, XdsStream
+from ambient.xds_stream import PreparedResponse, RequestError, StreamInbox, XdsStream
 
 log = logging.getLogger("ambient.xds")
 
 SERVICE_NAME = ads_pb2.DESCRIPTOR.services_by_name["AggregatedDiscoveryService"].full_name
 MAX_MESSAGE = 200 * 1024 * 1024  # ztunnel's max decode size (§2.1)
+STALL_TIMEOUT = 30.0  # seconds a response may wait for a client that does not read
 
 
 TlsProvider = Callable[[], Awaitable[TlsMaterial]]
@@ -123,6 +126,9 @@ class _Metrics:
                                  ["type_url"], registry=registry)
         self.nacks = Counter("ambient_agent_xds_nacks", "NACKs received, by type URL",
                              ["type_url"], registry=registry)
+        self.slow = Counter("ambient_agent_xds_slow_clients_disconnected",
+                            "streams closed because the client stopped reading its responses",
+                            registry=registry)
         self.latency = Histogram("ambient_agent_xds_push_latency_seconds",
                                  "Index change to response handed to gRPC, seconds",
                                  ["type_url"], registry=registry,
@@ -138,7 +144,7 @@ class _Connection:
 
     def __init__(self, state: XdsStream):
         self.state = state
-        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.inbox = StreamInbox()
         self.pending: IndexChange | None = None
         self.pending_since = 0.0
         self.counted: set[str] = set()
@@ -174,12 +180,10 @@ class _Servicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self.server = server
 
     async def DeltaAggregatedResources(self, request_iterator, context):
-        async for resp in self.server.serve_stream(request_iterator, context, delta=True):
-            yield resp
+        await self.server.serve_stream(request_iterator, context, delta=True)
 
     async def StreamAggregatedResources(self, request_iterator, context):
-        async for resp in self.server.serve_stream(request_iterator, context, delta=False):
-            yield resp
+        await self.server.serve_stream(request_iterator, context, delta=False)
 
 
 class XdsServer(Component):
@@ -206,8 +210,11 @@ class XdsServer(Component):
                  registry: CollectorRegistry | None = None, run_blocking=None,
                  authenticator: Authenticator | None = None, ca_service=None,
                  backend_path: str = "", clock: Callable[[], float] = time.time,
-                 trust_domain: str = "cluster.local"):
+                 trust_domain: str = "cluster.local",
+                 max_connections: int = 0, stall_timeout: float = STALL_TIMEOUT):
         self._index_source = index
+        self.max_connections = max_connections  # 0: no cap (gRPC core enforces it)
+        self.stall_timeout = stall_timeout
         self.index: AmbientIndex | None = None
         self.address, self.port = address, port
         self.tls_address, self.tls_port = tls_address, tls_port
@@ -251,7 +258,8 @@ class XdsServer(Component):
         server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE),
                                           ("grpc.max_receive_message_length", MAX_MESSAGE),
                                           ("grpc.so_reuseport", 0),
-                                          *KEEPALIVE_SERVER_OPTIONS])
+                                          *KEEPALIVE_SERVER_OPTIONS,
+                                          *grpc_server_bounds(self.max_connections)])
         server.add_generic_rpc_handlers((_handler(_Servicer(self)),))
         services = [SERVICE_NAME, reflection.SERVICE_NAME]
         tls = self.tls_port is not None and self.tls_provider is not None
@@ -406,7 +414,8 @@ class XdsServer(Component):
                         return
                 for resp in responses:
                     self._count(resp, since)
-                    yield resp
+                    if not await self._write(context, conn, resp):
+                        return
         finally:
             reader.cancel()
             self.connections.pop(state.id, None)
@@ -437,10 +446,32 @@ class XdsServer(Component):
             self.metrics.clients.labels(state.node.proxy_type, req.type_url).inc()
         return responses
 
+    async def _write(self, context, conn: _Connection, resp) -> bool:
+        """Send one response; False after closing the stream of a client that has not
+        taken it within ``stall_timeout`` seconds (it keeps its HTTP/2 window shut: it
+        is not reading), counted in ``ambient_agent_xds_slow_clients_disconnected_total``."""
+        write = asyncio.ensure_future(context.write(resp))
+        done, _ = await asyncio.wait({write}, timeout=self.stall_timeout)
+        if done:
+            write.result()
+            return True
+        # Not cancelled: gRPC's pending write does not unwind on cancellation. The status
+        # queues behind it (the client sees it when it reads) and ending the handler
+        # ends the call, which fails the write; its error is collected here.
+        write.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self.metrics.slow.inc()
+        message = (f"client did not read its responses for {self.stall_timeout:g}s "
+                   f"({conn.inbox.requests} requests queued): disconnected")
+        log.warning("xds: stream %d from %s: %s", conn.state.id, conn.state.peer, message)
+        with contextlib.suppress(asyncio.TimeoutError, grpc.aio.AbortError):
+            await asyncio.wait_for(context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message),
+                                   1.0)
+        return False
+
     async def _read(self, request_iterator, conn: _Connection) -> None:
         try:
             async for req in request_iterator:
-                conn.inbox.put_nowait(req)
+                await conn.inbox.put_request(req)  # waits while the inbox is full
             conn.inbox.put_nowait(_Connection.EOF)
         except asyncio.CancelledError:
             raise
@@ -551,4 +582,5 @@ def build(ctx: AgentContext) -> XdsServer:
                      debounce_max=getattr(cfg, "xds_debounce_max", 1.0),
                      registry=ctx.registry, run_blocking=ctx.run_blocking,
                      authenticator=getattr(authn, "authenticator", None), ca_service=ca_service,
-                     backend_path=backend, clock=ctx.clock, trust_domain=cfg.trust_domain)
+                     backend_path=backend, clock=ctx.clock, trust_domain=cfg.trust_domain,
+                     max_connections=listener_caps(cfg)["xds_max_connections"])

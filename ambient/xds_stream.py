@@ -23,15 +23,21 @@ Rules implemented (spec §2.4–2.7, §4.3–4.5, go-control-plane lessons in an
   ztunnel's on-demand waiter (which only matches ``resources[].name`` and
   ``removed_resources``) wakes up; a key that resolves to nothing is answered as removed;
 - waypoint clients (node type ``waypoint``) see only ``index.waypoint_resources``.
+
+:class:`StreamInbox` is the transport-side queue of one stream: bounded, so a client that
+keeps sending requests while never reading its responses cannot grow the agent (one such
+client once grew it by 746 MB).
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import dataclasses
 import itertools
 import time
 import uuid
-from typing import Iterable
+from typing import Any, Iterable
 
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format
@@ -41,6 +47,69 @@ from ambient.xds_generators import AUTHORIZATION_TYPE, Generator
 
 WAYPOINT_LABEL = "gateway.networking.k8s.io/gateway-name"
 _NACK_HISTORY = 10
+MAX_QUEUED_REQUESTS = 64  # per stream: requests read from the client, not yet handled
+MAX_QUEUED_BYTES = 4 << 20  # per stream: their serialized size (one larger request still fits)
+
+
+class StreamInbox:
+    """The ordered inbox of one stream: the client's requests and the server's own
+    wake-ups (a push, end of stream, a read error), handled strictly in arrival order.
+
+    Wake-ups are always accepted (the server keeps at most one push pending). Requests
+    are bounded: at most ``max_requests`` of them and ``max_bytes`` of serialized size.
+    :meth:`put_request` on a full inbox waits, so the reader stops taking requests from
+    gRPC and HTTP/2 flow control holds the client back; the handler side drains it
+    unless it is stuck writing to a client that does not read (which the server detects
+    on its writes and answers by closing the stream).
+    """
+
+    def __init__(self, max_requests: int = MAX_QUEUED_REQUESTS,
+                 max_bytes: int = MAX_QUEUED_BYTES):
+        self.max_requests = max_requests
+        self.max_bytes = max_bytes
+        self._items: collections.deque[tuple[int, Any]] = collections.deque()
+        self.requests = 0  # queued requests
+        self.bytes = 0  # their size
+        self.high_water = 0  # most requests ever queued at once
+        self._readable = asyncio.Event()
+        self._space = asyncio.Event()
+        self._space.set()
+
+    def put_nowait(self, item: Any) -> None:
+        """A wake-up (never refused)."""
+        self._items.append((-1, item))
+        self._readable.set()
+
+    def full(self, size: int = 0) -> bool:
+        return self.requests >= self.max_requests or (
+            self.requests > 0 and self.bytes + size > self.max_bytes)
+
+    async def put_request(self, request: Any) -> None:
+        """Queue one request, waiting while the inbox is full."""
+        size = request.ByteSize()
+        while self.full(size):
+            self._space.clear()
+            await self._space.wait()
+        self._items.append((size, request))
+        self.requests += 1
+        self.bytes += size
+        self.high_water = max(self.high_water, self.requests)
+        self._readable.set()
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._readable.clear()
+            await self._readable.wait()
+        size, item = self._items.popleft()
+        if size >= 0:
+            self.requests -= 1
+            self.bytes -= size
+            self._space.set()
+        return item
+
+    def debug(self) -> dict:
+        return {"queued_requests": self.requests, "queued_bytes": self.bytes,
+                "high_water": self.high_water}
 
 
 class RequestError(ValueError):

@@ -1,4 +1,5 @@
-"""Who may call what: loopback-only endpoints (spec ``sds-ca-status.md`` §4.2).
+"""Who may call what: loopback-only metrics (``metrics_localhost_only``, spec
+``sds-ca-status.md`` §4.2). The admin endpoints are not on TCP at all (admin socket).
 
 "Loopback" is decided from the TCP peer address only (127.0.0.0/8, ::1, or an
 IPv4-mapped loopback); headers such as ``X-Forwarded-For`` are never trusted.
@@ -28,9 +29,3 @@ def is_loopback(request: web.Request) -> bool:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     return ip.is_loopback
-
-
-def require_loopback(request: web.Request) -> None:
-    """Raise 403 unless the peer is loopback."""
-    if not is_loopback(request):
-        raise web.HTTPForbidden(text="Only requests from localhost are allowed\n")

@@ -1,51 +1,85 @@
-"""``ambient-agent status``: ask a running agent over its debug endpoint and print tables.
+"""``ambient-agent status``: ask a running agent over its admin socket and print tables.
 
-Fetches ``GET <addr>/debug/all`` (loopback only, so run it on the node) and prints the
+Fetches ``GET /debug/all`` on the agent's admin socket (``admin_socket``, default
+``<state dir>/admin.sock``, mode 0600: run it as root on the node) and prints the
 components' readiness, then enrolled pods, ZDS connections (ztunnels), SDS certificates
 and xDS clients, one table each (:mod:`agent.status.report`; fields it doesn't know are
 shown generically, never an error). ``-o json`` prints the raw document. No agent
-answering → one line on stderr, exit 1.
+answering, or no permission on the socket → one line on stderr, exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import sys
-import urllib.error
-import urllib.request
 from typing import Any
+
+import aiohttp
 
 from agent.status.report import render  # noqa: F401 - the report, importable from here
 
+DEFAULT_STATE_DIR = "/var/run/ambient-agent"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--addr", default="http://127.0.0.1:15020",
-                        help="the agent's status server URL (default %(default)s)")
+    parser.add_argument("--socket", default=None,
+                        help="the agent's admin socket (default: $AMBIENT_AGENT_ADMIN_SOCKET, "
+                             "else <state dir>/admin.sock)")
+    parser.add_argument("--state-dir", default=None,
+                        help="the agent's state dir (default: $AMBIENT_AGENT_STATE_DIR, else "
+                             f"{DEFAULT_STATE_DIR})")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
     parser.add_argument("-o", "--output", choices=["table", "json"], default="table")
 
 
-def fetch(addr: str, timeout: float) -> dict[str, Any]:
-    """GET ``<addr>/debug/all`` → dict. Raises RuntimeError with a one-line message."""
-    url = addr.rstrip("/") + "/debug/all"
+def socket_path(args: argparse.Namespace, env: dict[str, str] | None = None) -> str:
+    """``--socket``, else ``$AMBIENT_AGENT_ADMIN_SOCKET``, else ``<state dir>/admin.sock``
+    (the same defaults as ``ambient-agent run``)."""
+    env = os.environ if env is None else env
+    if args.socket:
+        return args.socket
+    if env.get("AMBIENT_AGENT_ADMIN_SOCKET"):
+        return env["AMBIENT_AGENT_ADMIN_SOCKET"]
+    state = args.state_dir or env.get("AMBIENT_AGENT_STATE_DIR") or DEFAULT_STATE_DIR
+    return os.path.join(state, "admin.sock")
+
+
+async def _get(path: str, timeout: float) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path),
+                                     timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+        async with s.get("http://localhost/debug/all") as resp:
+            return resp.status, await resp.read()
+
+
+def fetch(path: str, timeout: float) -> dict[str, Any]:
+    """``GET /debug/all`` on the admin socket ``path`` → dict. Raises RuntimeError with a
+    one-line message."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return json.loads(resp.read().decode("utf-8"))
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(f"agent at {addr} answered HTTP {e.code} for /debug/all"
-                           + (" (debug endpoints answer loopback only)" if e.code == 403 else "")
-                           ) from None
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise RuntimeError(f"no agent answering at {addr}: {reason}") from None
+        status, body = asyncio.run(_get(path, timeout))
+    except PermissionError:
+        raise RuntimeError(f"no permission to connect to {path} (the admin socket is for "
+                           "root only)") from None
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+        reason = getattr(e, "os_error", None) or e or "timed out"
+        if isinstance(getattr(e, "os_error", None), PermissionError):
+            raise RuntimeError(f"no permission to connect to {path} (the admin socket is "
+                               "for root only)") from None
+        raise RuntimeError(f"no agent answering at {path}: {reason}") from None
+    if status != 200:
+        raise RuntimeError(f"agent at {path} answered HTTP {status} for /debug/all: "
+                           f"{body.decode('utf-8', 'replace').strip()[:200]}")
+    try:
+        return json.loads(body.decode("utf-8"))
     except ValueError as e:
-        raise RuntimeError(f"agent at {addr} sent invalid JSON: {e}") from None
+        raise RuntimeError(f"agent at {path} sent invalid JSON: {e}") from None
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        doc = fetch(args.addr, args.timeout)
+        doc = fetch(socket_path(args), args.timeout)
     except RuntimeError as e:
         print(f"ambient-agent status: {e}", file=sys.stderr)
         return 1

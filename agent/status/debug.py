@@ -1,4 +1,5 @@
-"""``/debug/...``: the operator's read-only JSON window into the running agent (loopback only).
+"""``/debug/...``: the operator's read-only JSON window into the running agent (served on the
+root-only admin socket, see :mod:`agent.status.server`).
 
 Every endpoint answers pretty-printed JSON (``application/json``):
 
@@ -28,7 +29,6 @@ from typing import Any
 from aiohttp import web
 
 from agent.lifecycle import AgentContext
-from agent.status.access import require_loopback
 from agent.status.compression import compress_large
 
 log = logging.getLogger("agent.status.debug")
@@ -111,11 +111,10 @@ def everything(ctx: AgentContext) -> dict[str, Any]:
 
 
 def add_routes(app: web.Application, ctx: AgentContext) -> None:
-    """Register the ``/debug`` routes on ``app`` (every one loopback-only)."""
+    """Register the ``/debug`` routes on ``app`` (the admin app: access is decided there)."""
 
     def guarded(build):
         async def handler(request: web.Request) -> web.Response:
-            require_loopback(request)
             try:
                 return json_response(build(request))
             except ComponentMissing as e:

@@ -1,6 +1,6 @@
 """The status server (component ``status``): readiness, app probes, merged metrics, quit/drain, debug.
 
-Two aiohttp listeners (spec ``sds-ca-status.md`` §4.1, §4.2, §4.8):
+Three aiohttp listeners (spec ``sds-ca-status.md`` §4.1, §4.2, §4.8):
 
 ``status_port`` (15020), on ``status_address`` (default: all addresses):
 
@@ -12,12 +12,23 @@ Two aiohttp listeners (spec ``sds-ca-status.md`` §4.1, §4.2, §4.8):
   (:mod:`agent.status.probes`); an unknown path → 400.
 - ``/stats/prometheus``, ``/metrics`` — merged metrics (:mod:`agent.status.metrics_merge`);
   loopback-only when ``metrics_localhost_only``.
-- ``POST /quitquitquit``, ``POST /drain`` — loopback only (403), POST only (405).
-- ``/debug/...`` — loopback-only JSON (:mod:`agent.status.debug`).
+- ``/quitquitquit``, ``/drain``, ``/debug/...`` — 403 naming the admin socket: on a host
+  daemon loopback is every local user and every host-network pod, and these stop,
+  reconfigure or expose the agent.
 - anything else → 404.
 
 ``health_port`` (8000): ``/healthz`` always 200; ``/readyz`` 200 when every component is
 ready, else 503 ``Service Unavailable: <reason>`` (not latched).
+
+``admin_socket`` (``<state dir>/admin.sock``, mode 0600, so root only; the peer's
+``SO_PEERCRED`` uid must also be root or the agent's own): ``POST /quitquitquit``,
+``POST /drain`` (POST only, 405), ``/debug/...`` JSON (:mod:`agent.status.debug`),
+``/healthz/ready``. ``ambient-agent status`` reads it.
+
+Every listener is bounded (:mod:`agent.listeners`): ``status_idle_timeout`` for idle
+connections and unfinished headers; the TCP ports hold at most ``status_max_connections`` /
+``health_max_connections`` connections (fitted to the open-files limit by
+:mod:`agent.fdbudget`), more are answered 503 and closed; malformed HTTP is one DEBUG line.
 
 ``start()`` raises :class:`agent.config.ConfigError` naming ``kube_app_probers`` or
 ``prometheus_annotations`` when those values are invalid, so the CLI prints one line.
@@ -27,16 +38,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import Gauge
 
+from agent import fdbudget, listeners
 from agent.config import ConfigError
 from agent.lifecycle import AgentContext, Component
+from agent.peercred import peer_cred
 from agent.status import debug, metrics_merge, probes
-from agent.status.access import is_loopback, require_loopback
+from agent.status.access import is_loopback
 from agent.status.compression import compress_large
 from agent.status.readiness import EnvoyReadiness
 
@@ -75,6 +89,9 @@ class StatusServer(Component):
         self.shutdown_cause = ""
         self._was_ready = False
         self._runners: list[web.AppRunner] = []
+        self.sites: dict[str, listeners.BoundedTCPSite] = {}
+        listeners.ListenerMetrics.of(ctx.registry)  # registered at build, like every metric
+        self.admin_socket = ""
         self._session: aiohttp.ClientSession | None = None
 
     # --- configuration ---------------------------------------------------------------
@@ -104,13 +121,19 @@ class StatusServer(Component):
         self.merger.app_targets = self.app_targets
         await self.merger.start()
         host = cfg.status_address or None
+        caps = fdbudget.listener_caps(cfg)
+        setting = "status_port"
         try:
-            status_runner = await self._serve(self._status_app(), host, cfg.status_port)
+            status_runner = await self._serve(self._status_app(), host, cfg.status_port,
+                                              "status", caps["status_max_connections"])
             self.port = _bound_port(status_runner)
-            health_runner = await self._serve(self._health_app(), host, cfg.health_port)
+            setting = "health_port"
+            health_runner = await self._serve(self._health_app(), host, cfg.health_port,
+                                              "health", caps["health_max_connections"])
             self.health_port = _bound_port(health_runner)
+            setting = "admin_socket"
+            await self._serve_admin(cfg.admin_socket)
         except OSError as e:
-            setting = "health_port" if self.port else "status_port"
             await self.stop(1.0)
             raise ConfigError(setting, getattr(cfg, setting),
                               f"cannot listen: {e.strerror or e}") from None
@@ -118,13 +141,41 @@ class StatusServer(Component):
                  self.port, self.health_port, len(self.probes), len(self.app_targets),
                  ", Envoy " + self.envoy_admin if self.envoy_admin else "")
 
-    async def _serve(self, app: web.Application, host: str | None, port: int) -> web.AppRunner:
-        runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                               shutdown_timeout=self.ctx.config.shutdown_grace)
+    def _runner(self, app: web.Application, listener: str) -> web.AppRunner:
+        cfg = self.ctx.config
+        return listeners.runner(app, listener, cfg.status_idle_timeout, cfg.shutdown_grace)
+
+    async def _serve(self, app: web.Application, host: str | None, port: int,
+                     listener: str, max_connections: int) -> web.AppRunner:
+        runner = self._runner(app, listener)
         await runner.setup()
         self._runners.append(runner)
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        site = listeners.BoundedTCPSite(runner, host, port, listener=listener,
+                                        max_connections=max_connections,
+                                        registry=self.ctx.registry, reuse_address=True)
+        await site.start()
+        self.sites[listener] = site
         return runner
+
+    async def _serve_admin(self, path: str) -> None:
+        """The root-only admin listener: a 0600 Unix socket (parent created 0700)."""
+        parent = os.path.dirname(path)
+        if parent and not os.path.isdir(parent):
+            os.makedirs(parent, mode=0o700, exist_ok=True)
+        try:
+            os.unlink(path)  # stale socket of a previous run (a live agent holds the lock)
+        except FileNotFoundError:
+            pass
+        runner = self._runner(self._admin_app(), "admin")
+        await runner.setup()
+        self._runners.append(runner)
+        old = os.umask(0o177)  # never reachable with looser permissions, not even briefly
+        try:
+            await web.UnixSite(runner, path).start()
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        self.admin_socket = path
 
     async def stop(self, grace: float) -> None:
         """Close both listeners and in-flight requests within ``grace`` seconds."""
@@ -137,6 +188,13 @@ class StatusServer(Component):
         await self.merger.close()
         if self._session:
             await self._session.close()
+        if self.admin_socket:
+            try:
+                os.unlink(self.admin_socket)
+            except FileNotFoundError:
+                pass
+            self.admin_socket = ""
+        self.sites = {}
         self.port = 0
 
     def ready(self) -> tuple[bool, str]:
@@ -145,6 +203,10 @@ class StatusServer(Component):
     def debug_state(self) -> Any:
         return {
             "port": self.port, "health_port": self.health_port,
+            "admin_socket": self.admin_socket,
+            "connections": {name: {"open": site.open_connections,
+                                   "cap": site.max_connections, "refused": site.refused}
+                            for name, site in self.sites.items()},
             "app_probes": {path: vars(p) for path, p in self.probes.items()},
             "probe_destination": self.probe_target.host,
             "probe_source": [self.probe_target.source_ip, self.probe_target.source_ip6],
@@ -203,7 +265,6 @@ class StatusServer(Component):
         return await self.merger.serve(request)
 
     async def _quit(self, request: web.Request) -> web.Response:
-        require_loopback(request)
         if request.method != "POST":
             raise web.HTTPMethodNotAllowed(request.method, ["POST"])
         self.shutdown_cause = "/quitquitquit called"
@@ -212,11 +273,10 @@ class StatusServer(Component):
         return web.Response(text="OK")
 
     async def _drain(self, request: web.Request) -> web.Response:
-        require_loopback(request)
         if request.method != "POST":
             raise web.HTTPMethodNotAllowed(request.method, ["POST"])
         self.ctx.draining = True
-        log.info("drain requested from %s", request.remote)
+        log.info("drain requested on the admin socket")
         if self.envoy_admin:
             try:
                 async with self._session.post(
@@ -235,8 +295,38 @@ class StatusServer(Component):
         app.router.add_route("*", "/app-lifecycle/{container}/{probe}", self._app_probe)
         app.router.add_route("*", "/stats/prometheus", self._metrics)
         app.router.add_route("*", "/metrics", self._metrics)
+        for path in ("/quitquitquit", "/drain", "/debug", "/debug/{tail:.*}"):
+            app.router.add_route("*", path, self._admin_elsewhere)
+        return app
+
+    async def _admin_elsewhere(self, request: web.Request) -> web.Response:
+        path = self.admin_socket or self.ctx.config.admin_socket
+        method = "-X POST " if request.path in ("/quitquitquit", "/drain") else ""
+        return web.Response(status=403, text=(
+            f"{request.path} is served only on the agent's admin socket {path} (root only), "
+            f"e.g. curl --unix-socket {path} {method}http://localhost{request.path}\n"))
+
+    # --- admin socket ----------------------------------------------------------------
+
+    @web.middleware
+    async def _root_only(self, request: web.Request, handler) -> web.StreamResponse:
+        """Defence in depth behind the socket's 0600 mode: the peer must be root or us."""
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        try:
+            _, uid, _ = peer_cred(sock)
+        except (OSError, TypeError, AttributeError):
+            uid = -1
+        if uid not in (0, os.geteuid()):
+            log.warning("admin socket: refused %s %s from uid %d", request.method,
+                        request.path, uid)
+            return web.Response(status=403, text="the admin socket is for root only\n")
+        return await handler(request)
+
+    def _admin_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._root_only])
         app.router.add_route("*", "/quitquitquit", self._quit)
         app.router.add_route("*", "/drain", self._drain)
+        app.router.add_route("*", "/healthz/ready", self._ready)
         debug.add_routes(app, self.ctx)
         return app
 

@@ -1,4 +1,5 @@
-"""Loopback-only endpoints refuse a real non-loopback peer: a netns pod on a real bridge
+"""Loopback-only metrics and the admin endpoints (admin socket only) refuse a real
+non-loopback peer: a netns pod on a real bridge
 connects to the status server listening on the bridge gateway address (spec §4.2,
 acceptance case 29)."""
 
@@ -42,11 +43,13 @@ async def test_quit_drain_debug_refused_from_pod(tmp_path, bridge, pod):
                                            method, path)
 
         assert (await call("GET", "/healthz/ready"))[0] == 200  # probes are open to all
+        status, body = await call("GET", "/stats/prometheus")
+        assert status == 403 and b"Only requests from localhost are allowed" in body
         for method, path in [("POST", "/quitquitquit"), ("GET", "/quitquitquit"),
                              ("POST", "/drain"), ("GET", "/debug"), ("GET", "/debug/config"),
-                             ("GET", "/debug/all"), ("GET", "/stats/prometheus")]:
+                             ("GET", "/debug/all")]:
             status, body = await call(method, path)
             assert status == 403, (method, path, status, body)
-            assert b"Only requests from localhost are allowed" in body
+            assert b"served only on the agent's admin socket" in body
         await asyncio.sleep(0.05)
         assert not ctx.shutdown.is_set() and not ctx.draining

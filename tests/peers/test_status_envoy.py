@@ -157,7 +157,7 @@ async def test_readiness_from_real_envoy_admin_stats(tmp_path, envoy_admin_port)
 
 
 async def test_drain_drains_real_envoy(tmp_path, envoy_admin_port):
-    """After POST /drain, Envoy's listener answers with ``connection: close`` (its
+    """After POST /drain (admin socket), Envoy's listener answers with ``connection: close`` (its
     HTTP drain behaviour; Envoy runs with ``--drain-strategy immediate``)."""
     async with running_status(tmp_path, envoy_admin_port=envoy_admin_port) as (ctx, server):
         async with aiohttp.ClientSession() as c:
@@ -169,7 +169,9 @@ async def test_drain_drains_real_envoy(tmp_path, envoy_admin_port):
                         assert await r.text() == "hi"
                         return r.headers.get("Connection", "")
             assert await connection_header() != "close"
-            async with c.post(f"http://127.0.0.1:{server.port}/drain") as r:
-                assert r.status == 200
+            async with aiohttp.ClientSession(
+                    connector=aiohttp.UnixConnector(server.admin_socket)) as a:
+                async with a.post("http://localhost/drain") as r:  # the admin socket
+                    assert r.status == 200
             assert await connection_header() == "close"
     assert ctx.draining

@@ -25,7 +25,7 @@ from ambient.xds_client import DeltaXdsClient
 from ambient.xds_server import XdsServer
 from cni.enrollment import Enrollment, PodRecord
 from tests.sds.helpers import Stream, executor_runner, make_config as sds_config, request
-from tests.status.conftest import FakeComponent, free_port, running_status
+from tests.status.conftest import FakeComponent, running_status
 from tests.xds.fake_index import FakeIndex, pod as xds_pod
 from tests.zds.helpers import netns_fd, running_client, running_server
 from zds import PodInfo
@@ -41,7 +41,7 @@ def cli(server, *extra: str) -> tuple[int, str, str]:
     from contextlib import redirect_stderr, redirect_stdout
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
-        code = agent_cli.main(["status", "--addr", f"http://127.0.0.1:{server.port}", *extra])
+        code = agent_cli.main(["status", "--socket", server.admin_socket, *extra])
     return code, out.getvalue(), err.getvalue()
 
 
@@ -216,11 +216,12 @@ def test_times_and_cells():
     assert report.held({str(i): "add" for i in range(10)}) == "10"
 
 
-async def test_no_agent_is_one_line_and_exit_1(capsys):
+async def test_no_agent_is_one_line_and_exit_1(capsys, tmp_path):
     code = await asyncio.to_thread(
-        agent_cli.main, ["status", "--addr", f"http://127.0.0.1:{free_port()}"])
+        agent_cli.main, ["status", "--state-dir", str(tmp_path / "nothing-here")])
     err = capsys.readouterr().err
-    assert code == 1 and err.startswith("ambient-agent status: no agent answering at")
+    assert code == 1 and err.startswith(
+        f"ambient-agent status: no agent answering at {tmp_path}/nothing-here/admin.sock")
     assert err.count("\n") == 1
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import os
 
 import aiohttp
 import pytest
@@ -22,11 +23,19 @@ from tests.status.conftest import FakeComponent, free_port, running_status, serv
 OM_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
 
-async def request(method: str, url: str, raw: bool = False, **kw) -> tuple[int, dict, bytes]:
-    """One request; ``raw`` keeps a compressed body compressed."""
-    async with aiohttp.ClientSession(auto_decompress=not raw) as c:
+async def request(method: str, url: str, raw: bool = False, unix: str | None = None,
+                  **kw) -> tuple[int, dict, bytes]:
+    """One request; ``raw`` keeps a compressed body compressed; ``unix``: over that
+    Unix socket (``url`` is then ``http://localhost/<path>``)."""
+    connector = aiohttp.UnixConnector(unix) if unix else None
+    async with aiohttp.ClientSession(auto_decompress=not raw, connector=connector) as c:
         async with c.request(method, url, **kw) as r:
             return r.status, dict(r.headers), await r.read()
+
+
+def admin(server, method: str, path: str, **kw):
+    """A request on the server's admin socket."""
+    return request(method, "http://localhost" + path, unix=server.admin_socket, **kw)
 
 
 async def test_readiness_follows_components_and_shutdown(tmp_path):
@@ -53,54 +62,69 @@ async def test_readiness_follows_components_and_shutdown(tmp_path):
         assert status == 503 and body.startswith(b"server is terminated")
 
 
-async def test_quit_and_drain_from_loopback(tmp_path):
+async def test_quit_and_drain_only_on_the_admin_socket(tmp_path):
+    """Loopback TCP is every local user and every host-network pod: it gets 403 and a
+    pointer; the 0600 admin socket does it."""
     async with running_status(tmp_path) as (ctx, server):
+        assert oct(os.stat(server.admin_socket).st_mode & 0o777) == "0o600"
+        assert server.admin_socket == str(tmp_path / "state" / "admin.sock")
         base = f"http://127.0.0.1:{server.port}"
-        assert (await request("GET", base + "/quitquitquit"))[0] == 405
-        assert (await request("GET", base + "/drain"))[0] == 405
-        assert not ctx.shutdown.is_set()
-        status, _, body = await request("POST", base + "/drain")
+        for path in ("/quitquitquit", "/drain"):
+            status, _, body = await request("POST", base + path)
+            assert status == 403 and body.decode() == (
+                f"{path} is served only on the agent's admin socket {server.admin_socket} "
+                f"(root only), e.g. curl --unix-socket {server.admin_socket} -X POST "
+                f"http://localhost{path}\n")
+        assert not ctx.shutdown.is_set() and not ctx.draining
+        assert (await admin(server, "GET", "/quitquitquit"))[0] == 405
+        assert (await admin(server, "GET", "/drain"))[0] == 405
+        status, _, body = await admin(server, "POST", "/drain")
         assert (status, body) == (200, b"OK") and ctx.draining
-        status, _, body = await request("POST", base + "/quitquitquit")
+        status, _, body = await admin(server, "POST", "/quitquitquit")
         assert (status, body) == (200, b"OK")
         await asyncio.wait_for(ctx.shutdown.wait(), 2)
         assert server.shutdown_cause == "/quitquitquit called"
+    assert not os.path.exists(tmp_path / "state" / "admin.sock")  # unlinked at stop
 
 
-async def test_quit_over_ipv6_loopback(tmp_path):
+async def test_ipv6_loopback_cannot_quit(tmp_path):
     async with running_status(tmp_path, status_address="::1") as (ctx, server):
         status, _, _ = await request("POST", f"http://[::1]:{server.port}/quitquitquit")
-        assert status == 200
-        await asyncio.wait_for(ctx.shutdown.wait(), 2)
+        assert status == 403
+        await asyncio.sleep(0.1)
+        assert not ctx.shutdown.is_set()
 
 
 async def test_debug_endpoints(tmp_path):
     pods = FakeComponent("enrollment", {"pods": [{"uid": "u1", "name": "p", "status": "enrolled"}]})
     broken = FakeComponent("sds", RuntimeError("boom"))
     async with running_status(tmp_path, [pods, broken]) as (ctx, server):
-        base = f"http://127.0.0.1:{server.port}"
-        status, headers, body = await request("GET", base + "/debug")
+        for path in ("/debug", "/debug/config", "/debug/all"):
+            status, _, body = await request("GET", f"http://127.0.0.1:{server.port}{path}")
+            assert status == 403 and server.admin_socket in body.decode()
+
+        status, headers, body = await admin(server, "GET", "/debug")
         index = json.loads(body)
         assert status == 200 and headers["Content-Type"].startswith("application/json")
         assert "/debug/pods" in index["endpoints"] and index["components"] == [
             "enrollment", "sds", "status"]
         assert body.startswith(b"{\n  ")  # pretty
-        config = json.loads((await request("GET", base + "/debug/config"))[2])
+        config = json.loads((await admin(server, "GET", "/debug/config"))[2])
         assert config["status_port"] == {"value": 0, "source": "env STATUS_PORT"}
-        comps = json.loads((await request("GET", base + "/debug/components"))[2])
+        comps = json.loads((await admin(server, "GET", "/debug/components"))[2])
         assert comps["status"]["ready"] is True
-        assert json.loads((await request("GET", base + "/debug/pods"))[2])["pods"][0]["uid"] == "u1"
-        status, _, body = await request("GET", base + "/debug/sds")
+        assert json.loads((await admin(server, "GET", "/debug/pods"))[2])["pods"][0]["uid"] == "u1"
+        status, _, body = await admin(server, "GET", "/debug/sds")
         assert status == 500 and "boom" in json.loads(body)["error"]
-        status, _, body = await request("GET", base + "/debug/xds")
+        status, _, body = await admin(server, "GET", "/debug/xds")
         assert status == 404 and "'xds' is not running" in json.loads(body)["error"]
-        status, _, body = await request("GET", base + "/debug/component/status")
+        status, _, body = await admin(server, "GET", "/debug/component/status")
         assert status == 200 and json.loads(body)["port"] == server.port
-        assert (await request("GET", base + "/debug/nothing"))[0] == 404
-        doc = json.loads((await request("GET", base + "/debug/all"))[2])
+        assert (await admin(server, "GET", "/debug/nothing"))[0] == 404
+        doc = json.loads((await admin(server, "GET", "/debug/all"))[2])
         assert doc["sds"]["error"] == "RuntimeError: boom" and doc["xds"]["missing"]
         # the server survived the failing component
-        assert (await request("GET", base + "/debug/pods"))[0] == 200
+        assert (await admin(server, "GET", "/debug/pods"))[0] == 200
 
 
 # --- merged metrics ---------------------------------------------------------------------
@@ -246,12 +270,12 @@ async def test_large_buffered_bodies_compressed_probe_is_not(tmp_path):
                                                  for i in range(100)]})
     async with running_status(tmp_path, [many]) as (_, server):
         base = f"http://127.0.0.1:{server.port}"
-        status, headers, body = await request("GET", base + "/debug/all", raw=True,
-                                              headers={"Accept-Encoding": "gzip"})
+        status, headers, body = await admin(server, "GET", "/debug/all", raw=True,
+                                            headers={"Accept-Encoding": "gzip"})
         assert status == 200 and headers.get("Content-Encoding") == "gzip"
         assert b"pod-99" in gzip.decompress(body)
-        status, headers, body = await request("GET", base + "/debug/all", raw=True,
-                                              headers={"Accept-Encoding": "identity"})
+        status, headers, body = await admin(server, "GET", "/debug/all", raw=True,
+                                            headers={"Accept-Encoding": "identity"})
         assert status == 200 and "Content-Encoding" not in headers and b"pod-99" in body
         status, headers, body = await request("GET", base + "/healthz/ready", raw=True,
                                               headers={"Accept-Encoding": "gzip"})
