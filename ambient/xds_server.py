@@ -294,9 +294,10 @@ class XdsServer(Component):
         await server.start()
         self._server = server
         if tls:
-            self.front_door = tlsfront.TlsFrontDoor("xds_tls_port", self.tls_address,
-                                                    self.tls_port, self.backend_path,
-                                                    self.certificate)
+            self.front_door = tlsfront.TlsFrontDoor(
+                "xds_tls_port", self.tls_address, self.tls_port, self.backend_path,
+                self.certificate, **({"max_connections": self.max_connections}
+                                     if self.max_connections else {}))
             try:
                 await self.front_door.start()
             except OSError as e:
