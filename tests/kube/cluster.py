@@ -313,6 +313,16 @@ def kubeconfig_for_token(cluster: KubeCluster, token: str, path: str,
     return path
 
 
+async def service_account_kubeconfig(cluster: KubeCluster, api: kclient.ApiClient,
+                                     namespace: str, name: str, path: str,
+                                     audiences: list[str] | None = None) -> str:
+    """Create (apply) ServiceAccount namespace/name, get a TokenRequest token for it and
+    write a kubeconfig with that token to ``path``; returns ``path``."""
+    await create_service_account(api, namespace, name)
+    token = await service_account_token(api, namespace, name, audiences=audiences)
+    return kubeconfig_for_token(cluster, token, path, user=f"{namespace}-{name}")
+
+
 async def agent_kubeconfig(cluster: KubeCluster, api: kclient.ApiClient, path: str,
                            server: str = "") -> str:
     """A kubeconfig with a token of the DaemonSet's own ServiceAccount

@@ -5,6 +5,8 @@ kept, and the kubelet-playing helpers produce what the kubelet would."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from kubernetes_asyncio.client.exceptions import ApiException
 
@@ -38,7 +40,8 @@ async def test_agent_service_account_is_bound_by_rbac_yaml_and_nothing_more(agen
         await agent.close()
 
 
-async def test_token_request_and_token_review(kube_cluster, kube_admin, kube_namespace):
+async def test_token_request_and_token_review(kube_cluster, kube_admin, kube_namespace,
+                                               tmp_path):
     await kc.create_service_account(kube_admin, kube_namespace, "app")
     token = await kc.service_account_token(kube_admin, kube_namespace, "app",
                                            audiences=["istio-ca"])
@@ -50,6 +53,19 @@ async def test_token_request_and_token_review(kube_cluster, kube_admin, kube_nam
     assert not wrong.get("authenticated")
     forged = await kc.token_review(kube_admin, token[:-4] + "AAAA")
     assert not forged.get("authenticated") and forged.get("error")
+    path = await kc.service_account_kubeconfig(kube_cluster, kube_admin, kube_namespace, "other",
+                                               str(tmp_path / "other.kubeconfig"))
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    other = await kc.client_from_kubeconfig(path)
+    try:
+        who = await kc.request(other, "POST",
+                               "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+                               body={"apiVersion": "authentication.k8s.io/v1",
+                                     "kind": "SelfSubjectReview"})
+        assert who["status"]["userInfo"]["username"] == \
+            f"system:serviceaccount:{kube_namespace}:other"
+    finally:
+        await other.close()
 
 
 async def test_crds_serve_every_version_and_keep_unknown_fields(kube_admin, kube_namespace):
@@ -99,3 +115,38 @@ async def test_playing_the_kubelet(kube_admin, kube_namespace):
         assert err.value.status == 404
     finally:
         await kc.delete_node(kube_admin, node)
+
+
+def test_script_second_server_own_ports_stop_cleans_and_refuses_foreign_dirs(kube_cluster,
+                                                                              tmp_path):
+    """Two servers coexist (a second test run, say): their own free ports, their own etcd;
+    `stop` ends both processes and removes the directory; `stop` and `start` refuse a
+    directory the script did not make / one that is not empty."""
+    import subprocess
+
+    second = tmp_path / "second"
+    run = lambda *a: subprocess.run(["bash", kc.SCRIPT, *a], capture_output=True,  # noqa: E731
+                                    text=True, timeout=180)
+    started = run("start", str(second))
+    assert started.returncode == 0, started.stderr
+    try:
+        env = kc.read_env(str(second))
+        assert env["KUBE_APISERVER_PORT"] != kube_cluster.env["KUBE_APISERVER_PORT"]
+        assert env["ETCD_PORT"] != kube_cluster.env["ETCD_PORT"]
+        assert oct(second.stat().st_mode & 0o777) == "0o700"
+        pids = [int((second / f).read_text()) for f in ("etcd.pid", "kube-apiserver.pid")]
+    finally:
+        stopped = run("stop", str(second))
+    assert stopped.returncode == 0, stopped.stderr
+    assert not second.exists()
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or \
+            open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "keep").write_text("x")
+    refused = run("stop", str(foreign))
+    assert refused.returncode != 0 and "not touching it" in refused.stderr
+    assert (foreign / "keep").exists()
+    refused = run("start", str(foreign))
+    assert refused.returncode != 0 and "not empty" in refused.stderr
