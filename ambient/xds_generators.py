@@ -125,16 +125,31 @@ class Generator(abc.ABC):
         self._cache[name] = res
         return res
 
-    def resource_with_aliases(self, name: str) -> discovery_pb2.Resource | None:
-        """Like :meth:`resource` with ``aliases`` filled (on-demand answers, spec §4.4)."""
+    def resource_with_aliases(self, name: str, extra: Iterable[str] = ()
+                              ) -> discovery_pb2.Resource | None:
+        """Like :meth:`resource` with ``aliases`` filled (on-demand answers, spec §4.4);
+        ``extra`` keys (the one the client asked with, when spelled otherwise) are added
+        when not already there."""
         res = self.resource(name)
-        aliases = self.aliases(name) if res is not None else []
+        if res is None:
+            return None
+        aliases = self.aliases(name)
+        aliases += [k for k in extra if k not in aliases and k != name]
         if not aliases:
             return res
         copy = discovery_pb2.Resource()
         copy.CopyFrom(res)
         copy.aliases.extend(aliases)
         return copy
+
+    def resource_named(self, name: str, key: str) -> discovery_pb2.Resource | None:
+        """The resource ``name`` under the resource name ``key`` (same payload and
+        version): the on-demand answer's copy that wakes a waiter keyed by ``key``."""
+        res = self.resource(name)
+        if res is None:
+            return None
+        return discovery_pb2.Resource(name=key, version=res.version, resource=res.resource,
+                                      aliases=[name])
 
     def snapshot(self) -> "Snapshot":
         """Every resource of this type, pre-serialized as the ``resources`` field of a

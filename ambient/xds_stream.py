@@ -18,10 +18,19 @@ Rules implemented (spec §2.4–2.7, §4.3–4.5, go-control-plane lessons in an
   detail and nothing is resent; a nonce that is not the last one sent is stale and ignored
   (a nonce on the first request of a type, e.g. after a server restart, is accepted);
 - on-demand keys (``network/IP``, ``namespace/hostname``, uid) are resolved with the
-  index lookup; the answer carries aliases and *also echoes the requested key* in
-  ``removed_resources`` when the key is not itself a returned resource name, so
-  ztunnel's on-demand waiter (which only matches ``resources[].name`` and
-  ``removed_resources``) wakes up; a key that resolves to nothing is answered as removed;
+  index lookup, as istiod's ``generateDeltasOndemand``: a found key is answered with
+  the resources (the key among their aliases) and never listed in
+  ``removed_resources``; a key that resolves to nothing is answered as removed; every
+  explicit request is answered, also for a key asked before (ztunnel asks again
+  only when it lacks the address, so held versions are not skipped); a key that
+  resolves later (a new pod with that IP) is pushed to every stream that asked for it;
+- waking ztunnel's on-demand waiter: ztunnel (``src/xds/client.rs``) wakes a waiter
+  only when a response names its key in ``resources[].name`` or ``removed_resources``
+  (aliases are not matched), and removing a ``network/IP`` key makes it log "tried to
+  remove service, but it was not found" (``src/xds.rs`` ``remove_internal``). So when a
+  found key is not itself a resource name, the answer also carries a copy of the
+  resource *named by the key* (ztunnel stores the payload by its own uid/hostname,
+  and it already tracks the key, with an empty version, since it asked);
 - waypoint clients (node type ``waypoint``) see only ``index.waypoint_resources``.
 
 :class:`StreamInbox` is the transport-side queue of one stream: bounded, so a client that
@@ -327,13 +336,15 @@ class XdsStream:
         for name in unsubscribe:
             ts.names.discard(name)
             ts.held.pop(name, None)  # the client forgets it; no removal is sent
-        new = set(subscribe) - {"*"} - ts.names
-        ts.names |= new
+        asked = set(subscribe) - {"*"}
+        ts.names |= asked
         if became_wildcard:
             return [self._full_wildcard(gen, ts)]
-        if not new:
+        if not asked:
             return []
-        return [self._answer_keys(gen, ts, new, always=True)]
+        # every explicit request is answered, names asked before too (istiod answers
+        # req.Delta.Subscribed): ztunnel asks again only when it lacks the resource
+        return [self._answer_keys(gen, ts, asked, always=True, resend=True)]
 
     # ---------------------------------------------------------------- responses
     def _response(self, gen: Generator, ts: TypeState, resources: list, removed: Iterable[str]):
@@ -383,9 +394,15 @@ class XdsStream:
         return PreparedResponse(snap.payload + tail.SerializeToString(), gen.type_url,
                                 tail.nonce, len(snap.versions))
 
-    def _answer_keys(self, gen: Generator, ts: TypeState, keys: Iterable[str], always: bool):
-        """Resolve subscribed names / on-demand keys (§4.4), grow the subscription by
-        the names returned, echo keys that are not names themselves."""
+    def _answer_keys(self, gen: Generator, ts: TypeState, keys: Iterable[str], always: bool,
+                     resend: bool = False):
+        """Resolve subscribed names / on-demand keys (§4.4) and grow the subscription by
+        the names returned. Found: each resource with its aliases (the key among them),
+        plus, for a key that is not a resource name, a copy named by the key (wakes
+        ztunnel's waiter, see the module docstring). Not found: the key is removed.
+        ``resend``: send resources even when the client holds them at that version (an
+        explicit request); otherwise held versions are skipped (the initial request's
+        ``initial_resource_versions``)."""
         scope = self._scope(gen.type_url)
         out: dict[str, object] = {}
         removed: set[str] = set()
@@ -395,13 +412,16 @@ class XdsStream:
                 removed.add(key)
                 continue
             for name in names:
-                if name not in out:
-                    res = gen.resource_with_aliases(name)
-                    if res is not None and ts.held.get(name) != res.version:
-                        out[name] = res
                 ts.names.add(name)
-            if key not in names:
-                removed.add(key)  # wake ztunnel's waiter keyed by this string (§2.4)
+                if name in out:
+                    continue
+                res = gen.resource_with_aliases(name, extra=() if key in names else (key,))
+                if res is not None and (resend or ts.held.get(name) != res.version):
+                    out[name] = res
+            if key not in names and key not in out:
+                twin = gen.resource_named(names[0], key)
+                if twin is not None and (resend or ts.held.get(key) != twin.version):
+                    out[key] = twin
         resources = list(out.values())
         removed -= set(out)
         if not resources and not removed and not always:
@@ -440,9 +460,12 @@ class XdsStream:
             candidates |= self._additional(gen, ts, changed - ts.names)
             if scope is not None:
                 candidates = {n for n in candidates if n in scope or n in held}
+        # on-demand answers carry aliases (istiod's generateDeltasOndemand), pushes too
+        fetch = (gen.resource_with_aliases if gen.on_demand and not ts.wildcard
+                 else gen.resource)
         resources, gone_names = [], []
         for name in candidates:
-            res = gen.resource(name) if (scope is None or name in scope) else None
+            res = fetch(name) if (scope is None or name in scope) else None
             if res is None:
                 if name in held:
                     gone_names.append(name)
@@ -454,12 +477,17 @@ class XdsStream:
 
     def _additional(self, gen: Generator, ts: TypeState, names: Iterable[str]) -> set[str]:
         """On-demand streams also get (and subscribe to) changed workloads on their node
-        or behind a subscribed service (§4.4 AdditionalPodSubscriptions)."""
+        or behind a subscribed service (§4.4 AdditionalPodSubscriptions), and any
+        changed address one of whose aliases (``network/IP``) the client asked for
+        before: a key answered "removed" is pushed once it resolves."""
         if not gen.on_demand:
             return set()
         node = self.node.node_name if self.node else ""
         extra = set()
         for name in names:
+            if any(alias in ts.names for alias in gen.aliases(name)):
+                extra.add(name)
+                continue
             wl = gen.workload(name)
             if wl is None:
                 continue

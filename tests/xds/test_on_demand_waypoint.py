@@ -31,20 +31,21 @@ async def test_on_demand_initial_holds_only_node_local_workloads(connect, index)
 async def test_on_demand_by_ip_wakes_the_waiter(connect):
     client = await connect(on_demand=True, metadata={"NODE_NAME": "nodeX"})
     await client.wait_synced()
-    # ztunnel's waiter only matches resources[].name / removed_resources: the key is echoed
+    # ztunnel's waiter only matches resources[].name / removed_resources: the answer
+    # carries the pod (key among its aliases) and a copy named by the key, no removal
     names = await client.request("/10.0.0.2")
-    assert names == [POD_B]
+    assert set(names) == {POD_B, "/10.0.0.2"}
     assert POD_B in client.resources()
     resp = client.responses[-1]
-    assert list(resp.resources[0].aliases) == ["/10.0.0.2"]
-    assert "/10.0.0.2" in resp.removed_resources
+    assert list(next(r for r in resp.resources if r.name == POD_B).aliases) == ["/10.0.0.2"]
+    assert not resp.removed_resources
 
 
 async def test_on_demand_by_vip_returns_service_and_members(connect, index):
     client = await connect(on_demand=True, metadata={"NODE_NAME": "nodeX"})
     await client.wait_synced()
     names = await client.request("/10.96.0.10")
-    assert set(names) == {SVC, POD_A}
+    assert set(names) == {SVC, POD_A, "/10.96.0.10"}
     # later changes to a pod behind the subscribed service are pushed by uid
     index.put(pod("a", ip="10.0.0.77", services={SVC: (80, 8080)}))
     await client.wait(lambda: client.resources()[POD_A].workload.addresses[0] == bytes([10, 0, 0, 77]))
@@ -95,3 +96,82 @@ async def test_waypoint_name_from_labels_metadata(connect, index):
                        metadata={"LABELS": {"gateway.networking.k8s.io/gateway-name": "gw"}})
     await wp.wait_synced()
     assert set(wp.resources()) == {"default/bound.default.svc.cluster.local"}
+
+
+# --- on-demand answers as istiod gives them, waking ztunnel without a warning ------------
+#
+# ztunnel (src/xds/client.rs) wakes an on-demand waiter only for a response naming the
+# key in resources[].name or removed_resources; for each removed name its Address
+# handler (src/xds.rs remove_internal) removes a workload by uid, else parses the name as
+# namespace/hostname and logs a WARNING unless the hostname holds a "/" (a CIDR) or the
+# service exists. ztunnel_warnings() applies those rules to what a response removes.
+
+def ztunnel_warnings(resp, held_workloads: set[str], held_services: set[str]) -> list[str]:
+    out = []
+    for name in resp.removed_resources:
+        if name in held_workloads:
+            continue
+        namespace, sep, hostname = name.partition("/")
+        if not sep:
+            out.append(f"{name}: not namespace/hostname")
+        elif "/" not in hostname and name not in held_services:
+            out.append(f"{name}: tried to remove service, but it was not found")
+    return out
+
+
+async def test_found_key_is_answered_with_aliases_no_removal_and_wakes_the_waiter(connect):
+    """Issue 17 item 4, issue 13 item 7: found by IP -> the resource with the key among
+    its aliases, the key not in removed_resources (so ztunnel logs nothing), plus a copy
+    named by the key: the only warning-free way ztunnel's waiter (name match) wakes."""
+    client = await connect(on_demand=True, metadata={"NODE_NAME": "nodeX"})
+    await client.wait_synced()
+    names = await client.request("/10.0.0.2")  # returns only once the waiter would wake
+    resp = client.responses[-1]
+    assert "/10.0.0.2" not in resp.removed_resources and not resp.removed_resources
+    by_name = {r.name: r for r in resp.resources}
+    assert set(names) == {POD_B, "/10.0.0.2"}
+    assert "/10.0.0.2" in by_name[POD_B].aliases
+    twin = by_name["/10.0.0.2"]
+    assert twin.resource == by_name[POD_B].resource and twin.version == by_name[POD_B].version
+    assert client.resources()[POD_B].workload.uid == POD_B
+    assert ztunnel_warnings(resp, set(), set()) == []
+
+
+async def test_missing_key_is_removed_then_pushed_to_every_stream_that_asked(connect, index):
+    """Issue 17 item 4: missing -> a removal of the key; when an address with that IP
+    appears it is pushed to each stream that asked (not to one that did not)."""
+    asked1 = await connect(on_demand=True, metadata={"NODE_NAME": "nodeX"})
+    asked2 = await connect(on_demand=True, metadata={"NODE_NAME": "nodeY"})
+    other = await connect(on_demand=True, metadata={"NODE_NAME": "nodeZ"})
+    for c in (asked1, asked2, other):
+        await c.wait_synced()
+    for c in (asked1, asked2):
+        assert await c.request("/10.9.9.9") == []
+        assert list(c.responses[-1].removed_resources) == ["/10.9.9.9"]
+    n_other = len(other.responses)
+    index.put(pod("late", ip="10.9.9.9", node="node7"))
+    late = "Kubernetes//Pod/default/late"
+    for c in (asked1, asked2):
+        await c.wait_for(late)
+        pushed = next(r for r in c.responses if any(x.name == late for x in r.resources))
+        assert "/10.9.9.9" in next(x for x in pushed.resources if x.name == late).aliases
+    await asyncio.sleep(0.1)
+    assert all(late not in [x.name for x in r.resources] for r in other.responses[n_other:])
+    # and it stays subscribed: a later change of that pod is pushed too
+    index.put(pod("late", ip="10.9.9.9", node="node8"))
+    await asked1.wait(lambda: asked1.resources()[late].workload.node == "node8")
+
+
+async def test_asking_again_is_answered_again(connect, index):
+    """Issue 17 item 4: the same key asked twice on one stream gets two answers, found
+    (resent although held at that version) and missing alike."""
+    client = await connect(on_demand=True, metadata={"NODE_NAME": "nodeX"})
+    await client.wait_synced()
+    for _ in range(2):
+        assert await client.request("/10.9.9.8") == []
+        assert list(client.responses[-1].removed_resources) == ["/10.9.9.8"]
+    for _ in range(2):
+        assert POD_B in await client.request("/10.0.0.2")
+    for _ in range(2):
+        assert await client.request(POD_B) == [POD_B]
+        assert not client.responses[-1].removed_resources
