@@ -78,17 +78,16 @@ class _AddrMeta:
 class AmbientIndex:
     """The index over one :class:`ambient.store.ObjectStore`.
 
-    ``derive_hbone_from_labels``: mark ambient pods HBONE from the enablement labels (for
-    the files source, where no CNI annotates pods; §3.1). Call :meth:`start` once the
-    store holds its initial objects; from then on every store transaction is applied.
+    A pod is HBONE only once the node agent annotated it captured (``ambient.istio.io/
+    redirection: enabled``), with every config source (the enrollment writes it through
+    the source). Call :meth:`start` once the store holds its initial objects; from then
+    on every store transaction is applied.
     """
 
-    def __init__(self, store: ObjectStore, mesh: Mesh, registry: CollectorRegistry | None = None,
-                 derive_hbone_from_labels: bool = False):
+    def __init__(self, store: ObjectStore, mesh: Mesh, registry: CollectorRegistry | None = None):
         self.store = store
         self.base_mesh = mesh
         self.mesh = mesh
-        self.derive_hbone = derive_hbone_from_labels
         self._subscribers: list[Updater] = []
         self._unsubscribe_store: Callable[[], None] | None = None
         # outputs
@@ -643,7 +642,7 @@ class AmbientIndex:
                 return
             ns_obj = self.store.get("Namespace", "", ns)
             node = self.store.get("Node", "", str(spec(pod).get("nodeName") or ""))
-            w = tw.pod_workload(pod, self.mesh, ns_obj, node, self.derive_hbone)
+            w = tw.pod_workload(pod, self.mesh, ns_obj, node)
             lbls = labels(pod)
             named = tw.container_ports(pod)
             for info in self._services_for(ns, lbls):
@@ -1001,6 +1000,5 @@ def build(ctx: AgentContext) -> IndexComponent | None:
     cfg = ctx.config
     mesh = Mesh(cluster_id=cfg.cluster_id, root_namespace=cfg.system_namespace,
                 trust_domain=cfg.trust_domain, network=cfg.network)
-    index = AmbientIndex(source.store, mesh, ctx.registry,
-                         derive_hbone_from_labels=cfg.config_source == "files")
+    index = AmbientIndex(source.store, mesh, ctx.registry)
     return IndexComponent(index)

@@ -18,26 +18,12 @@ from ambient.objects import (Mesh, TranslateError, annotations, field, ip_bytes,
                              parse_ip_or_none, pod_ips, spec, status)
 
 REDIRECTION = "ambient.istio.io/redirection"
-DATAPLANE_MODE = "istio.io/dataplane-mode"
 TUNNEL = "networking.istio.io/tunnel"
-SIDECAR_STATUS = "sidecar.istio.io/status"
 _JOB_NAME = re.compile(r"^(.+)-\d{8,10}$")
 
 
 def pod_uid(mesh: Mesh, namespace: str, name: str) -> str:
     return f"{mesh.cluster_id}//Pod/{namespace}/{name}"
-
-
-def ambient_enabled(pod: dict, namespace_obj: dict | None) -> bool:
-    """Istio CNI's default enablement selectors (§3.1): pod label ambient, or namespace label
-    ambient and the pod not opted out; host-network and sidecar pods never."""
-    if spec(pod).get("hostNetwork") is True or SIDECAR_STATUS in annotations(pod):
-        return False
-    pod_mode = labels(pod).get(DATAPLANE_MODE)
-    if pod_mode == "ambient":
-        return True
-    ns_mode = labels(namespace_obj).get(DATAPLANE_MODE) if namespace_obj else None
-    return ns_mode == "ambient" and pod_mode != "none"
 
 
 def workload_name(pod: dict) -> str:
@@ -83,10 +69,15 @@ def locality(node: dict | None) -> wl.Locality | None:
     return loc if (loc.region or loc.zone or loc.subzone) else None
 
 
-def tunnel(lbls: dict[str, str], ann: dict[str, str], enrolled_by_labels: bool,
-           w: wl.Workload) -> None:
-    """tunnel_protocol / native_tunnel (§3.1 order; LEGACY_ISTIO_MTLS is feature-gated off)."""
-    if ann.get(REDIRECTION) == "enabled" or enrolled_by_labels:
+def tunnel(lbls: dict[str, str], ann: dict[str, str], w: wl.Workload) -> None:
+    """tunnel_protocol / native_tunnel, as istiod's ``setTunnelProtocol``
+    (``pilot/pkg/serviceregistry/ambient/workloads.go``; LEGACY_ISTIO_MTLS is
+    feature-gated off): HBONE only when ``ambient.istio.io/redirection: enabled`` says
+    the pod is captured (the node agent writes it once the pod is enrolled), or the
+    ``networking.istio.io/tunnel: http`` label says it speaks HBONE natively. Labels that
+    merely select a pod for ambient are not enough: another ztunnel would send HBONE to
+    a pod where nothing listens on 15008."""
+    if ann.get(REDIRECTION) == "enabled":
         w.tunnel_protocol = wl.HBONE
     if "http" in [v.strip() for v in lbls.get(TUNNEL, "").split(",")]:
         w.tunnel_protocol = wl.HBONE
@@ -114,13 +105,10 @@ def container_ports(pod: dict) -> dict[str, int]:
     return out
 
 
-def pod_workload(pod: dict, mesh: Mesh, namespace_obj: dict | None, node: dict | None,
-                 derive_hbone_from_labels: bool) -> wl.Workload:
+def pod_workload(pod: dict, mesh: Mesh, namespace_obj: dict | None,
+                 node: dict | None) -> wl.Workload:
     """The object-local fields of a pod's Workload. Raises TranslateError on bad fields.
-
-    ``derive_hbone_from_labels``: without a CNI that annotates enrolled pods (the files
-    source), HBONE is derived from the enablement labels instead (§3.1 last paragraph).
-    """
+    ``namespace_obj`` is the pod's Namespace (or None); ``node`` its Node (locality)."""
     m, s = meta(pod), spec(pod)
     ns, name = m["namespace"], m["name"]
     w = wl.Workload(uid=pod_uid(mesh, ns, name), name=name, namespace=ns,
@@ -141,8 +129,7 @@ def pod_workload(pod: dict, mesh: Mesh, namespace_obj: dict | None, node: dict |
     loc = locality(node)
     if loc is not None:
         w.locality.CopyFrom(loc)
-    tunnel(lbls, annotations(pod), derive_hbone_from_labels and ambient_enabled(pod, namespace_obj),
-           w)
+    tunnel(lbls, annotations(pod), w)
     return w
 
 
@@ -167,7 +154,7 @@ def workload_entry(we: dict, mesh: Mesh) -> tuple[wl.Workload, dict[str, str], d
                        or lbls.get("service.istio.io/workload-name") or name)
     w.canonical_name, w.canonical_revision = canonical(lbls, w.workload_name)
     _locality_text(w, field(we, "spec.locality", str, ""))
-    tunnel(lbls, annotations(we), False, w)
+    tunnel(lbls, annotations(we), w)
     return w, lbls, _named_ports(field(we, "spec.ports", dict, {}), "spec.ports")
 
 
@@ -198,7 +185,7 @@ def se_endpoint(se: dict, ep: object, index: int, mesh: Mesh
     ep_labels = {str(k): str(v) for k, v in (ep.get("labels") or {}).items()}
     w.workload_name = se_labels.get("service.istio.io/workload-name") or name
     w.canonical_name, w.canonical_revision = canonical(se_labels, w.workload_name)
-    tunnel(se_labels, annotations(se), False, w)
+    tunnel(se_labels, annotations(se), w)
     return w, ep_labels, _named_ports(ep.get("ports") or {}, f"{path}.ports")
 
 

@@ -71,7 +71,7 @@ def generate(pods: int) -> list[dict]:
 def build(objs: list[dict]) -> tuple[ObjectStore, AmbientIndex]:
     store = ObjectStore()
     store.apply([(o, "bench") for o in objs])
-    index = AmbientIndex(store, Mesh(), derive_hbone_from_labels=True)
+    index = AmbientIndex(store, Mesh())
     index.start()
     return store, index
 
@@ -119,7 +119,7 @@ def run() -> list[Result]:
     gc.collect()
     rss_store = proc.memory_info().rss - rss0
     t0 = time.perf_counter()
-    index = AmbientIndex(store, Mesh(), derive_hbone_from_labels=True)
+    index = AmbientIndex(store, Mesh())
     index.start()
     build_time = time.perf_counter() - t0
     gc.collect()

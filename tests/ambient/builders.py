@@ -81,11 +81,11 @@ class Harness:
     """A store + index pair; ``apply``/``delete`` return the IndexChange they caused."""
 
     def __init__(self, *objects: dict, network: str = "testnetwork", cluster: str = "cluster0",
-                 domain: str = "domain.suffix", derive_hbone: bool = False):
+                 domain: str = "domain.suffix"):
         self.registry = CollectorRegistry()
         self.store = ObjectStore(self.registry)
         self.index = AmbientIndex(self.store, Mesh(cluster_id=cluster, domain_suffix=domain),
-                                  self.registry, derive_hbone_from_labels=derive_hbone)
+                                  self.registry)
         self.changes: list[IndexChange] = []
         self.index.subscribe(self.changes.append)
         sys_labels = {"topology.istio.io/network": network} if network else {}

@@ -72,15 +72,23 @@ def test_shared_ip_lookup_returns_every_workload():
         UID, "cluster0/networking.istio.io/WorkloadEntry/ns/we"]
 
 
-def test_trust_domain_and_hbone_from_labels():
-    h = Harness(ns("ns", {"istio.io/dataplane-mode": "ambient"}), pod("name"),
-                pod("opt", ip="1.2.3.9", labels={"istio.io/dataplane-mode": "none"}),
-                derive_hbone=True)
-    assert h.workload(UID).tunnel_protocol == wl.HBONE
-    assert h.workload("cluster0//Pod/ns/opt").tunnel_protocol == wl.NONE
+def test_hbone_only_for_pods_annotated_captured():
+    """Issue 13 item 7: as istiod's setTunnelProtocol, HBONE follows the node agent's
+    ``ambient.istio.io/redirection: enabled`` (written once the pod is enrolled); labels
+    that select a pod for ambient are not enough (nothing listens on its 15008 yet)."""
+    ambient_ns = ns("ns", {"istio.io/dataplane-mode": "ambient"})
+    h = Harness(ambient_ns, pod("name"),
+                pod("lbl", ip="1.2.3.8", labels={"istio.io/dataplane-mode": "ambient"}))
+    assert h.workload(UID).tunnel_protocol == wl.NONE
+    assert h.workload("cluster0//Pod/ns/lbl").tunnel_protocol == wl.NONE
     assert h.workload(UID).trust_domain == ""  # cluster.local is elided
-    h2 = Harness(pod("name", annotations={"ambient.istio.io/redirection": "enabled"}))
-    assert h2.workload(UID).tunnel_protocol == wl.HBONE
+    h.apply(pod("name", annotations={"ambient.istio.io/redirection": "enabled"}))
+    assert h.workload(UID).tunnel_protocol == wl.HBONE
+    h.apply(pod("name", annotations={"ambient.istio.io/redirection": "disabled"}))
+    assert h.workload(UID).tunnel_protocol == wl.NONE
+    native = Harness(pod("name", labels={"networking.istio.io/tunnel": "http"}))
+    assert (native.workload(UID).tunnel_protocol, native.workload(UID).native_tunnel) == \
+        (wl.HBONE, True)
 
 
 def test_bad_input_is_skipped_with_reason_and_counter(caplog):

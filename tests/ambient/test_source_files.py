@@ -74,7 +74,7 @@ async def test_directory_source_loads_watches_and_reports_bad_objects(tmp_path, 
     store = ObjectStore(registry)
     directory = tmp_path / "cluster"  # created by start()
     src = DirectorySource(store, str(directory), run_blocking, debounce_ms=10)
-    index = AmbientIndex(store, Mesh(cluster_id="c"), registry, derive_hbone_from_labels=True)
+    index = AmbientIndex(store, Mesh(cluster_id="c"), registry)
     try:
         directory.mkdir()
         (directory / "sub").mkdir()
@@ -208,10 +208,12 @@ async def test_syntax_error_keeps_the_files_last_good_objects(tmp_path, caplog):
     store = ObjectStore(registry)
     src = DirectorySource(store, str(tmp_path), run_blocking, debounce_ms=10,
                           registry=registry)
-    index = AmbientIndex(store, Mesh(cluster_id="c"), registry, derive_hbone_from_labels=True)
+    index = AmbientIndex(store, Mesh(cluster_id="c"), registry)
     f = tmp_path / "pods.yaml"
-    good = NS_AMBIENT + "---\n" + POD % ("a", "u-a", "10.0.0.1") + "---\n" + \
-        POD % ("b", "u-b", "10.0.0.2")
+    # pod b as the node agent leaves an enrolled pod: annotated captured (HBONE)
+    enrolled_b = (POD % ("b", "u-b", "10.0.0.2")).replace(
+        "uid: u-b}", "uid: u-b, annotations: {ambient.istio.io/redirection: enabled}}")
+    good = NS_AMBIENT + "---\n" + POD % ("a", "u-a", "10.0.0.1") + "---\n" + enrolled_b
     f.write_text(good)
     stale = lambda: registry.get_sample_value("ambient_agent_config_files_stale")  # noqa: E731
     try:

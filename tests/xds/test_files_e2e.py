@@ -66,7 +66,7 @@ async def stack(tmp_path):
     await source.start()
     index = index_mod.AmbientIndex(store, Mesh(cluster_id="Kubernetes", root_namespace="istio-system",
                                                trust_domain="cluster.local", network=""),
-                                   registry, derive_hbone_from_labels=True)
+                                   registry)
     index.start()
     server = XdsServer(index, port=0, debounce=0.01, registry=registry)
     await server.start()
