@@ -39,6 +39,7 @@ import time
 
 from cryptography import x509
 
+from agent.ratelimit import RepeatLimiter
 from agent.servercert import ServerCertificate
 
 log = logging.getLogger("agent.tlsfront")
@@ -123,6 +124,7 @@ class TlsFrontDoor:
         self.peers: dict[str, TlsPeer] = {}
         self.accepted = 0
         self.refused_over_limit = 0
+        self._refusal_log = RepeatLimiter()
         self.handshake_failures = 0
         self._prefix = f"ambient-tls-{os.getpid()}-{secrets.token_hex(4)}-"
         self._counter = itertools.count(1)
@@ -189,8 +191,12 @@ class TlsFrontDoor:
             remote = grpc_peer(address)
             if len(self._tasks) >= self.max_connections:
                 self.refused_over_limit += 1
-                log.warning("%s: %d connections open (the limit): closing the one from %s",
-                            self.name, len(self._tasks), remote)
+                allowed, held = self._refusal_log.check(self.name, time.monotonic())
+                if allowed:  # a flood of connects must not become a flood of log lines
+                    log.warning("%s: %d connections open (the limit): closing the one from "
+                                "%s%s", self.name, len(self._tasks), remote,
+                                f" ({held} more closed since the last warning)" if held
+                                else "")
                 sock.close()
                 continue
             task = loop.create_task(self._handle(sock, remote))
