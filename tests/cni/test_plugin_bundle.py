@@ -228,3 +228,42 @@ def test_partial_dir_at_the_target_is_replaced(bundle, tmp_path):
     (target / "junk").write_text("x")  # no MANIFEST.json: not a copy of ours
     inst.install_binary()
     assert (target / "MANIFEST.json").exists() and not (target / "junk").exists()
+
+
+def test_execs_during_reinstalls_always_get_a_whole_plugin(bundle, tmp_path):
+    """Upgrades while the runtime keeps exec'ing: two builds installed in turn, over and
+    over, while this thread execs the plugin (a VERSION request shape the shell hands to
+    the bundled interpreter) 150 times; every exec answers correctly."""
+    import threading
+
+    other = tmp_path / "other"
+    shutil.copytree(bundle, other)
+    m = json.loads((other / "MANIFEST.json").read_text())
+    m["python"] += "+other"
+    (other / "MANIFEST.json").write_text(json.dumps(m))
+    installers = [installer(tmp_path, bundle), installer(tmp_path, other)]
+    installers[0].install_binary()
+    installers[1].install_binary()
+    failures: list[str] = []
+    stop = threading.Event()
+    installs = [0]
+
+    def upgrade():
+        while not stop.is_set():
+            assert installers[installs[0] % 2].install_binary()  # the launcher changes
+            installs[0] += 1
+
+    t = threading.Thread(target=upgrade)
+    t.start()
+    try:
+        env = cni_env("VERSION")
+        for _ in range(150):
+            r = subprocess.run([installers[0].binary_path], capture_output=True, env=env,
+                               input=b'{"cniVersion": "0.4.0", "name": "x"}')
+            if r.returncode != 0 or json.loads(r.stdout or b"{}").get("cniVersion") != "0.4.0":
+                failures.append(f"exit {r.returncode}: {r.stdout!r} {r.stderr!r}")
+    finally:
+        stop.set()
+        t.join()
+    assert not failures, failures[:3]
+    assert installs[0] >= 30, installs
