@@ -1,7 +1,8 @@
 """The DaemonSet's pod spec run on this host with rootful podman, as a kubelet would.
 
-The agent container's image, command, args, env, security context, hostPID/hostNetwork
-and volume mounts are READ from ``deploy/kubernetes/daemonset.yaml`` and turned into
+The agent container's image, command, args, env, security context, hostPID/hostNetwork,
+resources (memory limit, CPU request as shares), termination grace and volume mounts are
+READ from ``deploy/kubernetes/daemonset.yaml`` and turned into
 ``podman run`` flags (:func:`podman_run_args`); nothing of them is restated here. What
 the test chooses itself, and why:
 
@@ -105,6 +106,16 @@ def podman_run_args(ds: dict, name: str, node: str, network: str,
         if value is None:
             value = field_ref(e["valueFrom"]["fieldRef"]["fieldPath"], ds, node)
         args += ["--env", f"{e['name']}={value}"]
+    res = c.get("resources") or {}
+    memory = (res.get("limits") or {}).get("memory")
+    if memory:  # kubelet puts limits.memory on the container's cgroup
+        units = {"Ki": "k", "Mi": "m", "Gi": "g"}
+        args += ["--memory", memory[:-2] + units[memory[-2:]] if memory[-2:] in units
+                 else memory]
+    cpu = (res.get("requests") or {}).get("cpu")
+    if cpu:  # and requests.cpu as cpu shares (1 CPU = 1024)
+        milli = int(cpu[:-1]) if cpu.endswith("m") else int(float(cpu) * 1000)
+        args += ["--cpu-shares", str(max(2, milli * 1024 // 1000))]
     volumes = {v["name"]: v for v in pod.get("volumes") or []}
     for m in c.get("volumeMounts") or []:
         v = volumes[m["name"]]
@@ -313,7 +324,8 @@ async def _run(node, ds, cm, spec, container, pr_netns, pod_manifest, ZdsClient)
     assert hit.original_dst[:2] == (pods[1][2], APP_PORT), hit
 
     # --- stop the agent: pods stay meshed, the plugin stays and says "try again" ---
-    await asyncio.to_thread(pm.run, "stop", "-t", "20", name)
+    grace = str(spec.get("terminationGracePeriodSeconds", 30))
+    await asyncio.to_thread(pm.run, "stop", "-t", grace, name)
     for cid, netns_path, _ in pods:
         assert ":ISTIO_OUTPUT" in await asyncio.to_thread(_ipt_rules, netns_path), cid
     assert chained() and plugin.exists(), "istio-cni must stay installed across a stop"
