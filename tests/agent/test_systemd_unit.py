@@ -15,7 +15,8 @@
    keep its CA root and config dir under the state directory, and stop cleanly.
 
 Not emulated: ``ProtectHome`` (this machine's interpreter lives under /root; the unit's
-own venv is under /opt) and the syscall/namespace restrictions systemd adds.
+own venv is under /opt) and the syscall/namespace restrictions systemd adds. A checkout
+under /tmp (CI clones) is bound back at its path after the private /tmp is mounted.
 """
 
 from __future__ import annotations
@@ -116,7 +117,10 @@ awk '{print $5}' /proc/self/mountinfo | sort -u | while read -r mp; do
   mount -o remount,bind,ro "$mp" 2>/dev/null || true
 done
 mount -t tmpfs -o mode=0755 tmpfs /run
+# PrivateTmp hides /tmp; a checkout that lives there (CI clones) is put back at its path
+[ -z "$KEEP" ] || mount --bind "$KEEP" "$STASH"
 mount -t tmpfs -o mode=1777 tmpfs /tmp
+[ -z "$KEEP" ] || { mkdir -p "$KEEP"; mount --bind "$STASH" "$KEEP"; }
 mount -t tmpfs -o mode=0755 tmpfs /var/lib
 [ ! -e /var/run/ztunnel ] || { echo '{"error": "/var/run/ztunnel exists"}'; exit 3; }
 # RuntimeDirectory= / StateDirectory=: created, then the only writable places there
@@ -163,6 +167,7 @@ def test_agent_starts_under_the_units_hardening(tmp_path):
     # sockets belong to the network namespace, so it lives under /dev/shm (kept).
     notify_dir = Path("/dev/shm") / f"ambient-notify-{secrets.token_hex(4)}"
     notify_dir.mkdir(mode=0o700)
+    (notify_dir / "keep").mkdir()
     notify_path = notify_dir / "notify.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(notify_path))
@@ -179,6 +184,9 @@ def test_agent_starts_under_the_units_hardening(tmp_path):
         "UMASK": one(s, "Service.UMask") or "0022",
         "BOUNDING": _caps(s),
         "LOG": str(log),
+        # the unit's venv is under /opt; this checkout may be under /tmp (PrivateTmp)
+        "KEEP": str(ROOT) if str(ROOT).startswith("/tmp/") else "",
+        "STASH": str(notify_dir / "keep"),
         "PY": sys.executable,
         # the agent's own logs: plain text, one line each
         "LOG_LEVEL": "info",
