@@ -613,11 +613,35 @@ class Demo:
     # ------------------------------------------------------------------ checks
     async def verify(self) -> None:
         async with self.progress.step("checking every part"):
+            if self.ztunnel is not None:
+                await self.check_ztunnel()
             for pod in self.pods:
                 await self.check_pod(pod)
             await self.check_envoy()
             await self.check_traffic()
             await self.check_endpoints()
+
+    async def check_ztunnel(self) -> None:
+        """ztunnel is ready (xDS synced over the TLS port with its token, ZDS snapshot
+        received) and holds certificates for the ambient pods, issued from our mesh root."""
+        ready = await asyncio.to_thread(self.ztunnel.ready)
+        subject = f"ztunnel {self.ztunnel_bin.rsplit('/', 1)[-1]}"
+        self.add(subject, "ready (xDS + CA over TLS, token)", ready,
+                 f"{self.ztunnel.settings.xds_address}, :15021/healthz/ready "
+                 f"{'200' if ready else 'not 200'}")
+        try:
+            dump = await asyncio.to_thread(self.ztunnel.config_dump)
+        except Exception as e:  # noqa: BLE001 - reported as the row's detail
+            self.add(subject, "certificates from our CA", False, str(e))
+            return
+        td = self.config.trust_domain
+        want = {f"spiffe://{td}/ns/{p.namespace}/sa/{p.service_account}"
+                for p in self.pods if p.ambient}
+        have = {c.get("identity") for c in dump.get("certificates") or []
+                if c.get("state") == "Available"}
+        self.add(subject, "certificates from our CA", want <= have,
+                 f"holds {', '.join(sorted(have & want))}" if want <= have
+                 else f"missing {', '.join(sorted(want - have))}")
 
     def add(self, subject: str, what: str, ok: bool, detail: str) -> None:
         self.checks.append(Check(subject, what, bool(ok), detail))

@@ -76,7 +76,9 @@ def test_demo_with_real_ztunnel(tmp_path, readiness_port):
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=180)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    for subject, check in [("demo/client", "ZDS (in-pod proxy in ztunnel)"),
+    for subject, check in [("ztunnel", "ready (xDS + CA over TLS, token)"),
+                           ("ztunnel", "certificates from our CA"),
+                           ("demo/client", "ZDS (in-pod proxy in ztunnel)"),
                            ("demo/server", "ZDS (in-pod proxy in ztunnel)"),
                            ("client -> server:8080", "HBONE through ztunnel"),
                            ("legacy -> server:8080", "plaintext refused (STRICT mTLS)")]:
