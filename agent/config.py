@@ -429,6 +429,22 @@ SETTINGS: list[Setting] = [
             env="TRUST_DOMAIN"),
     Setting("system_namespace", "istio-system", parse_namespace, "Istio system namespace",
             env="SYSTEM_NAMESPACE"),
+    # --- workload registration (hosts without Kubernetes: cni.registration) ---
+    Setting("workload_registration", "none", choice("none", "local", "workloadentry"),
+            "register the pods CNI ADDs create: none; local (Pod objects in this agent's "
+            "store); workloadentry (WorkloadEntry objects in the Kubernetes API server of "
+            "config_source kubernetes, shared by several hosts)", component="cni"),
+    Setting("registration_namespace", "default", parse_namespace,
+            "namespace of registered pods without an io.kubernetes.pod.namespace label",
+            component="cni"),
+    Setting("registration_runtime", "podman", choice("podman", "none"),
+            "where container labels of registered pods come from", component="cni"),
+    Setting("podman_containers_conf", "", parse_path,
+            "containers.conf podman runs with (CONTAINERS_CONF; empty: podman's default)",
+            component="cni"),
+    Setting("registration_grace", 10.0, positive(parse_duration),
+            "workloadentry: how long a host's WorkloadEntries outlive its last heartbeat "
+            "(Istio's PILOT_WORKLOAD_ENTRY_GRACE_PERIOD)", component="cni"),
     # --- CNI and enrollment ---
     Setting("cni_event_socket", _under_state("pluginevent.sock"), parse_path,
             "Unix socket the istio-cni plugin posts pod events to", component="cni"),
@@ -758,6 +774,9 @@ def _check_together(values: dict[str, Any], origins: dict[str, str],
                               True)
         except ValueError as e:
             fail("prometheus_annotations", str(e))
+    if values["workload_registration"] == "workloadentry" and values["config_source"] != "kubernetes":
+        fail("workload_registration", "workloadentry needs config_source kubernetes (the API "
+             "server the WorkloadEntries are written to and watched from)")
     # kubeconfig is read only by the kubernetes source; a stray KUBECONFIG in the
     # operator's shell must not stop an agent that reads files.
     if values["config_source"] == "kubernetes" and values["kubeconfig"]:

@@ -35,6 +35,7 @@ log = logging.getLogger("agent")
 COMPONENT_BUILDERS: list[tuple[str, str]] = [
     # ambient index and its config source
     ("ambient.source", "build"),
+    ("cni.registration", "build"),  # registration: pods from CNI ADDs (hosts without Kubernetes)
     ("ambient.index", "build"),
     # caller authentication for the TLS ports (xDS, CA), then SDS and CA
     ("agent.authn", "build"),

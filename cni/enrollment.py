@@ -324,10 +324,18 @@ class Enrollment(Component):
         if store is None:
             return None
         try:
-            return store.pod_by_uid(uid) or (store.get("Pod", namespace, name) if name else None)
+            pod = store.pod_by_uid(uid) or (store.get("Pod", namespace, name) if name else None)
         except Exception as e:  # noqa: BLE001 - a broken store must not break enrollment
             log.warning("config source lookup for pod %s failed: %s", uid, e)
             return None
+        if pod is None:
+            # registered from CNI into a shared API server (WorkloadEntry): the registrar
+            # holds the pod's identity (cni.registration)
+            registration = getattr(self.ctx.get("registration"), "registration", None)
+            reg = registration(uid) if callable(registration) else None
+            if reg is not None:
+                return reg.pod()
+        return pod
 
     def _netns_path(self, path: str) -> str:
         """``path`` (CNI_NETNS, a host path) as this agent sees it (setting

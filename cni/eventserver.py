@@ -177,10 +177,38 @@ class CniEventServer(Component):
 
     async def _add(self, event: CniPodEvent) -> tuple[int, dict | str]:
         name = _pod_name(event)
+        registrar = self.ctx.get("registration")
+        registration = None
+        if registrar is not None:
+            # no kubelet writes a Pod for this sandbox: the agent registers it
+            # (cni.registration); its labels decide enablement as a Pod's would
+            try:
+                registration = await registrar.prepare(event)  # type: ignore[attr-defined]
+            except ValueError as e:
+                self._stats["add_failed"] += 1
+                return 500, f"cannot register pod {name}: {e}"
         try:
-            decision = await self._decide(event)
+            decision = await self._decide(event, registration)
         except ValueError as e:
             return 500, f"cannot decide whether pod {name} is ambient: {e}"
+        if registration is not None:
+            try:
+                await registrar.commit(registration, decision.ambient)  # type: ignore[union-attr]
+            except Exception as e:  # noqa: BLE001
+                self._stats["add_failed"] += 1
+                log.warning("registering pod %s failed: %s", name, e)
+                return 500, f"cannot register pod {name}: {e}"
+            name = _pod_name(event, registration)
+        result = await self._enroll(event, name, decision)
+        if registration is not None and result[0] != 200:
+            try:  # the sandbox will not run: neither does its workload
+                await registrar.remove(event.key)  # type: ignore[union-attr]
+            except Exception as e:  # noqa: BLE001
+                log.warning("unregistering pod %s after its failed ADD: %s", name, e)
+        return result
+
+    async def _enroll(self, event: CniPodEvent, name: str,
+                      decision: enablement.Decision) -> tuple[int, dict | str]:
         enrollment = self.ctx.get("enrollment")
         if not decision.ambient:
             log.info("pod %s is not ambient (%s): not enrolled", name, decision.reason)
@@ -211,11 +239,13 @@ class CniEventServer(Component):
         log.info("pod %s enrolled (%s)", name, decision.reason)
         return 200, {"ambient": True, "reason": decision.reason}
 
-    async def _decide(self, event: CniPodEvent) -> enablement.Decision:
+    async def _decide(self, event: CniPodEvent, registration=None) -> enablement.Decision:
         source = self.ctx.get("config-source")
         store = getattr(source, "store", None)
         exclude = self.ctx.config.exclude_namespaces
         pod = enablement.find_pod(store, event)
+        if pod is None and registration is not None:
+            return enablement.decide(event, store, exclude, pod=registration.pod())
         # a pod the runtime is creating right now may not have reached a watch cache yet
         if pod is None and store is not None and event.pod_namespace and event.pod_name:
             for _ in range(POD_LOOKUP_RETRIES):
@@ -243,13 +273,27 @@ class CniEventServer(Component):
     async def _del(self, event: CniPodEvent) -> tuple[int, dict | str]:
         enrollment = self.ctx.get("enrollment")
         if enrollment is None:
+            await self._unregister(event)
             return 200, {"unenrolled": False, "reason": "no enrollment component"}
         try:
             await enrollment.unenroll(event, is_delete=True)  # type: ignore[attr-defined]
         except Exception as e:  # noqa: BLE001
             log.warning("unenrolling pod %s failed: %s", _pod_name(event), e)
             return 500, f"unenrolling pod {_pod_name(event)} failed: {e}"
+        finally:
+            await self._unregister(event)
         return 200, {"unenrolled": True}
+
+    async def _unregister(self, event: CniPodEvent) -> None:
+        """The DEL's workload goes away with its sandbox (best effort: a failure is logged;
+        the kubernetes backend retries on its own)."""
+        registrar = self.ctx.get("registration")
+        if registrar is None:
+            return
+        try:
+            await registrar.remove(event.key)  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001
+            log.warning("unregistering pod %s failed: %s", _pod_name(event), e)
 
     async def _run_serialised(self, event: CniPodEvent, work) -> tuple[int, dict | str]:
         """Run ``work`` under the pod's lock in its own task, shielded from the plugin
@@ -281,7 +325,9 @@ class CniEventServer(Component):
         return self._respond("STATUS", 200, "ok")
 
 
-def _pod_name(event: CniPodEvent) -> str:
+def _pod_name(event: CniPodEvent, registration=None) -> str:
+    if registration is not None:
+        return f"{registration.namespace}/{registration.name} ({event.key})"
     if event.pod_namespace and event.pod_name:
         return f"{event.pod_namespace}/{event.pod_name} ({event.key})"
     return event.key

@@ -1,0 +1,494 @@
+"""Workload registration from CNI (component ``registration``): a host without Kubernetes
+learns its pods from the CNI calls the runtime makes, not from hand-written Pod YAML.
+
+Why: with podman (or any runtime that is not a kubelet) nothing writes a Pod object, so
+an enrolled container would have rules and a ZDS entry but no workload in xDS, and its
+IP changes on every restart. The agent sees everything a workload needs at the CNI ADD:
+
+- its addresses: the ``prevResult`` IPs (:attr:`cni.events.CniPodEvent.ips`);
+- its name: ``K8S_POD_NAME`` (podman 4.3 passes the container's name, or the pod's name
+  for a podman pod's infra container; ``CNI_ARGS=IgnoreUnknown=1;K8S_POD_NAME=<name>``,
+  no namespace, no UID; ``runtimeConfig`` carries only ``aliases``);
+- its key: ``CNI_CONTAINERID`` (the Pod object's ``metadata.uid``, as
+  :func:`cni.enablement.find_pod` already matches podman pods);
+- its labels: from the runtime (:mod:`cni.runtime_labels`: podman's ``create`` event
+  carries the container's labels, a podman pod's infra container carries the pod's),
+  since the CNI call carries none. Two label keys name the identity:
+  :data:`NAMESPACE_LABEL` (else setting ``registration_namespace``) and
+  :data:`SERVICE_ACCOUNT_LABEL` (else ``default``).
+
+A :class:`Registration` is built for every ADD before the enablement decision (so a
+container label ``istio.io/dataplane-mode=ambient`` or ``none`` decides, as a pod label
+does in Kubernetes; without one the network's ``ambient_default`` is written as that
+label), applied when the ADD succeeds (ready: ``status.conditions`` Ready True), and
+removed on the DEL. A container restart is a DEL then an ADD with a new IP: the
+workload follows. Registrations are persisted in ``<state_dir>/registrations.json``
+(0600, atomic) and re-applied when the agent starts, except those whose netns is gone
+(the container stopped while the agent was down; its DEL was let through).
+
+Backends (setting ``workload_registration``):
+
+- ``local``: Pod objects in this agent's object store (origin
+  :data:`LOCAL_ORIGIN`), next to whatever the files source holds; the index serves them
+  like any Pod. An operator's Pod with the same namespace/name wins (the store rejects
+  ours as a conflict, logged).
+- ``workloadentry``: ``WorkloadEntry`` objects in a Kubernetes API server used as a
+  shared store by several hosts (:mod:`cni.registration_kube`); the agent's kubernetes
+  source watches them back, so every host's workloads reach every ztunnel.
+
+Layering: the event server calls :meth:`WorkloadRegistrar.prepare`,
+:meth:`WorkloadRegistrar.commit` and :meth:`WorkloadRegistrar.remove`; the registrar
+only writes objects (store or API server) and never enrolls anything itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Protocol
+
+from agent.lifecycle import AgentContext, Component
+from cni.events import CniPodEvent
+from cni.netns import host_path
+
+log = logging.getLogger("cni.registration")
+
+NAMESPACE_LABEL = "io.kubernetes.pod.namespace"  # the CRI's container label for the namespace
+SERVICE_ACCOUNT_LABEL = "io.kubernetes.pod.service-account"
+DATAPLANE_MODE_LABEL = "istio.io/dataplane-mode"
+REGISTERED_BY = "ambient.istio.io/registered-by"  # annotation: the node that registered it
+LOCAL_ORIGIN = "registration"
+STATE_FILE = "registrations.json"
+LABEL_WAIT = 0.5  # seconds an ADD waits for the runtime's create event of its container
+_DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*"
+                        r"[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+
+
+class RegistrationError(ValueError):
+    """A registration that can't be built; the message names the field and value."""
+
+
+@dataclasses.dataclass
+class Registration:
+    """One workload registered from a CNI ADD.
+
+    ``uid``: the container ID (``CNI_CONTAINERID``); ``name``/``namespace``/
+    ``service_account``: its identity; ``labels``: the runtime's labels (identity keys
+    removed) plus the dataplane-mode default; ``ips``: ``prevResult`` addresses; ``netns``:
+    the runtime's netns path; ``node``: this agent's node name; ``registered_at``: epoch
+    seconds of the ADD that made it.
+    """
+
+    uid: str
+    name: str
+    namespace: str
+    service_account: str
+    labels: dict[str, str]
+    ips: list[str]
+    netns: str
+    node: str
+    registered_at: float = 0.0
+    ambient: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> "Registration":
+        """Raises :class:`RegistrationError` naming the first bad field."""
+        if not isinstance(data, dict):
+            raise RegistrationError(f"registration must be an object, got {data!r}")
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in data:
+                if f.default is dataclasses.MISSING:
+                    raise RegistrationError(f"registration: missing field {f.name!r}")
+                continue
+            kwargs[f.name] = data[f.name]
+        reg = cls(**kwargs)
+        if not isinstance(reg.labels, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in reg.labels.items()):
+            raise RegistrationError(f"registration {reg.uid}: field 'labels' must map strings "
+                                    f"to strings, got {reg.labels!r}")
+        if not isinstance(reg.ips, list) or not all(isinstance(i, str) for i in reg.ips):
+            raise RegistrationError(f"registration {reg.uid}: field 'ips' must be a list of "
+                                    f"strings, got {reg.ips!r}")
+        for name in ("uid", "name", "namespace", "service_account", "netns", "node"):
+            if not isinstance(getattr(reg, name), str) or not getattr(reg, name):
+                if name != "netns":
+                    raise RegistrationError(f"registration: field {name!r} must be a "
+                                            f"non-empty string, got {getattr(reg, name)!r}")
+        return reg
+
+    def label(self) -> str:
+        return f"{self.namespace}/{self.name} (container {self.uid[:12]})"
+
+    def pod(self) -> dict[str, Any]:
+        """The Kubernetes-shaped Pod the index and the enablement read: running, ready,
+        addresses from the CNI result, node and service account set."""
+        ips = [{"ip": ip} for ip in self.ips]
+        return {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": self.name, "namespace": self.namespace, "uid": self.uid,
+                         "labels": dict(self.labels),
+                         "annotations": {REGISTERED_BY: self.node}},
+            "spec": {"nodeName": self.node, "serviceAccountName": self.service_account,
+                     "containers": [{"name": self.name}]},
+            "status": {"phase": "Running", "podIP": self.ips[0] if self.ips else "",
+                       "podIPs": ips,
+                       "conditions": [{"type": "Ready", "status": "True"}]},
+        }
+
+
+class LabelSource(Protocol):
+    """Where container labels come from (:class:`cni.runtime_labels.PodmanLabels`)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def labels(self, container_id: str, wait: float) -> dict[str, str] | None:
+        """The container's labels, waiting up to ``wait`` seconds for them; None when the
+        runtime has not reported the container."""
+
+
+class Backend(Protocol):
+    """Where registrations are written: the local store or a shared API server."""
+
+    async def start(self, kept: list[Registration]) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def put(self, reg: Registration) -> None: ...
+
+    async def delete(self, reg: Registration) -> None: ...
+
+    def debug_state(self) -> Any: ...
+
+
+def _dns_label(text: str, field: str) -> str:
+    value = text.strip().lower().replace("_", "-").replace(".", "-")
+    value = re.sub(r"[^a-z0-9-]", "-", value).strip("-")[:63].strip("-")
+    if not value or not _DNS1123.match(value):
+        raise RegistrationError(f"field {field!r} {text!r} can't be made a DNS label")
+    return value
+
+
+def identity(event: CniPodEvent, labels: dict[str, str], default_namespace: str
+             ) -> tuple[str, str, str, dict[str, str]]:
+    """``(name, namespace, service account, workload labels)`` for an ADD.
+
+    The name is ``K8S_POD_NAME`` (lower-cased, ``_``/``.`` as ``-``; a name that can't be
+    made a DNS label raises :class:`RegistrationError`), else the container ID's first 12
+    hex digits. Label keys/values that are not valid Kubernetes labels are dropped
+    (logged); the identity keys are taken out."""
+    raw_name = event.pod_name or event.container_id[:12]
+    name = _dns_label(raw_name, "K8S_POD_NAME")
+    labels = dict(labels)
+    ns_raw = labels.pop(NAMESPACE_LABEL, "") or event.pod_namespace or default_namespace
+    sa_raw = labels.pop(SERVICE_ACCOUNT_LABEL, "") or "default"
+    lbls: dict[str, str] = {}
+    for k, v in labels.items():
+        if _LABEL_KEY.match(k) and len(k) <= 317 and _LABEL_VALUE.match(v) and len(v) <= 63:
+            lbls[k] = v
+        else:
+            log.info("container %s: label %r=%r is not a valid Kubernetes label; not "
+                     "registered", event.container_id[:12], k, v)
+    namespace = _dns_label(ns_raw, f"label {NAMESPACE_LABEL}")
+    sa = _dns_label(sa_raw, f"label {SERVICE_ACCOUNT_LABEL}")
+    return name, namespace, sa, lbls
+
+
+class RegistrationFile:
+    """``<state_dir>/registrations.json``: ``{"registrations": [Registration, ...]}``
+    (0600, written atomically). A damaged file is renamed ``.bad`` and reported, never
+    fatal."""
+
+    def __init__(self, state_dir: str):
+        self.path = Path(state_dir, STATE_FILE)
+
+    def load(self) -> list[Registration]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as e:
+            log.error("registrations file %s is unreadable (%s); keeping it as %s.bad and "
+                      "starting without registrations", self.path, e, self.path.name)
+            os.replace(self.path, self.path.with_suffix(".json.bad"))
+            return []
+        items = data.get("registrations") if isinstance(data, dict) else None
+        if not isinstance(items, list):
+            log.error("registrations file %s: field 'registrations' must be a list", self.path)
+            return []
+        out = []
+        for i, item in enumerate(items):
+            try:
+                out.append(Registration.from_json(item))
+            except (RegistrationError, TypeError) as e:
+                log.error("registrations file %s: entry %d skipped: %s", self.path, i, e)
+        return out
+
+    def save(self, regs: list[Registration]) -> None:
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"registrations": [r.to_json() for r in regs]}, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+class LocalBackend:
+    """Pod objects in the agent's own store (origin :data:`LOCAL_ORIGIN`). Annotations
+    others set on our Pod (the enrollment's redirection annotation) are kept when we
+    re-apply it."""
+
+    def __init__(self, store: Any):
+        self.store = store
+
+    async def start(self, kept: list[Registration]) -> None:
+        self.store.replace_origin(LOCAL_ORIGIN, [(self._object(r), f"registration {r.label()}")
+                                                 for r in kept])
+
+    async def stop(self) -> None:
+        # Pod objects go with the process; the file keeps them for the next start
+        return None
+
+    def _object(self, reg: Registration) -> dict:
+        pod = reg.pod()
+        current = self.store.pod_by_uid(reg.uid)
+        if current is not None:
+            kept = {k: v for k, v in ((current.get("metadata") or {}).get("annotations")
+                                      or {}).items() if k != REGISTERED_BY}
+            pod["metadata"]["annotations"] = {**kept, **pod["metadata"]["annotations"]}
+        return pod
+
+    async def put(self, reg: Registration) -> None:
+        stale = [("Pod", p["metadata"]["namespace"], p["metadata"]["name"])
+                 for p in [self.store.pod_by_uid(reg.uid)] if p is not None
+                 and (p["metadata"]["namespace"], p["metadata"]["name"]) != (reg.namespace,
+                                                                             reg.name)
+                 and self.store.origin_of(("Pod", p["metadata"]["namespace"],
+                                           p["metadata"]["name"])) == LOCAL_ORIGIN]
+        events = self.store.apply([(self._object(reg), f"registration {reg.label()}")],
+                                  deletes=stale, origin=LOCAL_ORIGIN)
+        owner = self.store.origin_of(("Pod", reg.namespace, reg.name))
+        if not events and owner not in (LOCAL_ORIGIN, None):
+            # the store logged the conflict; the operator's object stays authoritative
+            log.warning("pod %s is defined by %s; not registered from CNI", reg.label(), owner)
+
+    async def delete(self, reg: Registration) -> None:
+        key = ("Pod", reg.namespace, reg.name)
+        if self.store.origin_of(key) == LOCAL_ORIGIN:
+            self.store.apply(deletes=[key], origin=LOCAL_ORIGIN)
+
+    def debug_state(self) -> Any:
+        return {"backend": "local", "objects": self.store.objects_of_origin(LOCAL_ORIGIN)}
+
+
+class WorkloadRegistrar(Component):
+    """The ``registration`` component (see the module docstring).
+
+    ``backend``: a :class:`Backend`; ``labels``: a :class:`LabelSource` or None (then only
+    the network's ``ambient_default`` and ``registration_namespace`` name the workload).
+    """
+
+    name = "registration"
+
+    def __init__(self, ctx: AgentContext, backend: Backend, labels: LabelSource | None):
+        self.ctx = ctx
+        self.backend = backend
+        self.label_source = labels
+        self.file = RegistrationFile(ctx.config.state_dir)
+        self.registrations: dict[str, Registration] = {}
+        self._started = False
+        self._unlabelled: dict[str, CniPodEvent] = {}  # ADDs registered without labels
+        self._tasks: set[asyncio.Task] = set()
+        self.stats = {"registered": 0, "removed": 0, "failed": 0, "restored": 0,
+                      "dropped_at_start": 0}
+
+    # --- lifecycle ---
+
+    async def start(self) -> None:
+        kept = []
+        for reg in self.file.load():
+            if reg.netns and not os.path.exists(self._netns(reg.netns)):
+                log.info("%s: its netns %s is gone (stopped while the agent was down); "
+                         "not registered again", reg.label(), reg.netns)
+                self.stats["dropped_at_start"] += 1
+                continue
+            kept.append(reg)
+        self.registrations = {r.uid: r for r in kept}
+        self.stats["restored"] = len(kept)
+        await self.backend.start(kept)
+        if len(kept) != len(self.file.load()):
+            self._save()
+        if self.label_source is not None:
+            await self.label_source.start()
+        self._started = True
+        log.info("workload registration (%s) started with %d kept registrations",
+                 self.ctx.config.workload_registration, len(kept))
+
+    async def stop(self, grace: float) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=grace)
+        if self.label_source is not None:
+            await self.label_source.stop()
+        await self.backend.stop()
+        self._started = False
+
+    def ready(self) -> tuple[bool, str]:
+        return (True, "") if self._started else (False, "registration not started")
+
+    def debug_state(self) -> Any:
+        return {"mode": self.ctx.config.workload_registration, **self.stats,
+                "backend": self.backend.debug_state(),
+                "workloads": {r.uid[:12]: {"pod": f"{r.namespace}/{r.name}", "ips": r.ips,
+                                           "ambient": r.ambient}
+                              for r in self.registrations.values()}}
+
+    # --- the event server's calls ---
+
+    async def prepare(self, event: CniPodEvent) -> Registration:
+        """The registration an ADD would make (not applied yet): identity from the
+        runtime's labels (waiting up to :data:`LABEL_WAIT` for them), addresses from the
+        event. Raises :class:`RegistrationError` naming a bad field."""
+        labels: dict[str, str] | None = None
+        if self.label_source is not None:
+            try:
+                labels = await self.label_source.labels(event.container_id, LABEL_WAIT)
+            except Exception as e:  # noqa: BLE001 - the runtime being odd never fails an ADD
+                log.warning("container %s: labels from the runtime unavailable: %s",
+                            event.container_id[:12], e)
+        if labels is None:
+            previous = self.registrations.get(event.key)
+            labels = dict(previous.labels) if previous is not None else {}
+            if previous is None and self.label_source is not None:
+                log.info("container %s: the runtime reported no labels in time; registered "
+                         "with defaults, asked again once the ADD is answered",
+                         event.container_id[:12])
+                self._unlabelled[event.key] = event
+        name, namespace, sa, lbls = identity(event, labels,
+                                             self.ctx.config.registration_namespace)
+        if DATAPLANE_MODE_LABEL not in lbls and event.ambient_default:
+            lbls[DATAPLANE_MODE_LABEL] = "ambient"  # the network says so, as a namespace label would
+        return Registration(uid=event.key, name=name, namespace=namespace,
+                            service_account=sa, labels=lbls, ips=list(event.ips),
+                            netns=event.netns, node=self.ctx.config.node_name,
+                            registered_at=self.ctx.clock())
+
+    async def commit(self, reg: Registration, ambient: bool) -> None:
+        """Apply ``reg`` (the ADD succeeded): write it through the backend and persist it.
+        A backend failure is raised (local: the operator already defines that pod); the
+        kubernetes backend retries on its own and does not raise for the API server being
+        away."""
+        reg.ambient = ambient
+        try:
+            await self.backend.put(reg)
+        except Exception:
+            self.stats["failed"] += 1
+            raise
+        self.registrations[reg.uid] = reg
+        self.stats["registered"] += 1
+        self._save()
+        log.info("registered workload %s ips %s%s", reg.label(), ",".join(reg.ips),
+                 " (ambient)" if ambient else "")
+        event = self._unlabelled.pop(reg.uid, None)
+        inspect = getattr(self.label_source, "inspect", None)
+        if event is not None and callable(inspect):
+            task = asyncio.get_running_loop().create_task(self._relabel(event, inspect),
+                                                          name=f"relabel-{reg.uid[:12]}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _relabel(self, event: CniPodEvent, inspect) -> None:
+        """Ask the runtime for the labels of a container registered without them, once
+        its start released the container's lock; re-register when they say more."""
+        for delay in (0.2, 0.5, 1.0, 2.0, 4.0):
+            await asyncio.sleep(delay)
+            reg = self.registrations.get(event.key)
+            if reg is None:
+                return  # gone meanwhile
+            labels = await inspect(event.container_id)
+            if labels is None:
+                continue
+            name, namespace, sa, lbls = identity(event, labels,
+                                                 self.ctx.config.registration_namespace)
+            if DATAPLANE_MODE_LABEL not in lbls and event.ambient_default:
+                lbls[DATAPLANE_MODE_LABEL] = "ambient"
+            if (name, namespace, sa, lbls) == (reg.name, reg.namespace, reg.service_account,
+                                               reg.labels):
+                return
+            new = dataclasses.replace(reg, name=name, namespace=namespace,
+                                      service_account=sa, labels=lbls)
+            try:
+                await self.backend.put(new)
+            except Exception as e:  # noqa: BLE001
+                log.warning("%s: re-registering with the runtime's labels failed: %s",
+                            reg.label(), e)
+                return
+            self.registrations[new.uid] = new
+            self._save()
+            log.info("workload %s now registered as %s with the runtime's labels",
+                     reg.label(), new.label())
+            return
+
+    async def remove(self, key: str) -> None:
+        """The DEL of container ``key`` (or an ADD that failed): the workload goes away.
+        Unknown keys are fine (a DEL is repeated, or the ADD never registered)."""
+        self._unlabelled.pop(key, None)
+        reg = self.registrations.pop(key, None)
+        if reg is None:
+            return
+        try:
+            await self.backend.delete(reg)
+        finally:
+            self._save()
+        self.stats["removed"] += 1
+        log.info("unregistered workload %s", reg.label())
+
+    def registration(self, key: str) -> Registration | None:
+        return self.registrations.get(key)
+
+    # --- internals ---
+
+    def _netns(self, path: str) -> str:
+        try:
+            return host_path(path, getattr(self.ctx.config, "host_mounts_path", ""))
+        except ValueError:
+            return path
+
+    def _save(self) -> None:
+        try:
+            self.file.save(list(self.registrations.values()))
+        except OSError as e:
+            log.error("cannot persist registrations to %s: %s", self.file.path, e)
+
+
+def build(ctx: AgentContext) -> WorkloadRegistrar | None:
+    """Builder for ``agent.daemon.COMPONENT_BUILDERS`` (after ``config-source``): None when
+    ``workload_registration`` is ``none``."""
+    mode = ctx.config.workload_registration
+    if mode == "none":
+        return None
+    labels: LabelSource | None = None
+    if ctx.config.registration_runtime == "podman":
+        from cni.runtime_labels import PodmanLabels
+        labels = PodmanLabels(ctx.config.podman_containers_conf or None)
+    source = ctx.get("config-source")
+    if mode == "local":
+        backend: Backend = LocalBackend(source.store)  # type: ignore[union-attr]
+    else:
+        from cni.registration_kube import WorkloadEntryBackend
+        backend = WorkloadEntryBackend(ctx)
+    return WorkloadRegistrar(ctx, backend, labels)
+

@@ -1,0 +1,195 @@
+"""Container labels from the runtime, for workload registration (:mod:`cni.registration`).
+
+A CNI call carries no labels, and podman can't be asked during one: ``podman start``
+holds the container's lock while it runs the CNI ADD, so ``podman container inspect`` of
+that container blocks until the ADD is over (measured with podman 4.3: the inspect times
+out). podman's event stream can: its ``create`` event is written when the container is
+created, before any start, and carries the container's labels as ``Attributes`` (a podman
+pod's infra container carries the pod's labels; ``io.buildah.version`` comes with the
+pause image). :class:`PodmanLabels` follows ``podman events --format json --filter
+type=container`` and keeps each container's labels by ID (bounded), so the ADD that
+follows a create finds them; a ``remove`` event forgets them.
+
+For a container created before the agent started (no event seen) :meth:`PodmanLabels.inspect`
+asks ``podman container inspect`` once the ADD is answered (its lock released).
+
+The watcher restarts ``podman events`` with a backoff when it exits; its stderr is logged.
+``CONTAINERS_CONF`` is set to ``containers_conf`` when given, so it reads the same event
+log the runtime writes (``events_logger`` and its path come from that file).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger("cni.runtime_labels")
+
+MAX_CONTAINERS = 4096  # labels kept for this many containers (oldest dropped first)
+INSPECT_TIMEOUT = 10.0
+_IGNORED = frozenset({"io.buildah.version"})
+
+
+def labels_of_event(event: Any) -> tuple[str, str, dict[str, str]] | None:
+    """``(status, container id, labels)`` of one podman event line (a JSON object with
+    ``Type`` ``container``, ``ID``, ``Status``, ``Attributes``), or None for any other
+    line. Attributes that are not strings are dropped."""
+    if not isinstance(event, dict) or event.get("Type") != "container":
+        return None
+    cid, status = event.get("ID"), event.get("Status")
+    if not isinstance(cid, str) or not cid or not isinstance(status, str):
+        return None
+    attrs = event.get("Attributes") or {}
+    labels = {k: v for k, v in attrs.items() if isinstance(k, str) and isinstance(v, str)
+              and k not in _IGNORED} if isinstance(attrs, dict) else {}
+    return status, cid, labels
+
+
+class PodmanLabels:
+    """Labels of podman containers by ID (see the module docstring).
+
+    ``containers_conf``: the runtime's ``containers.conf`` path, or None for podman's
+    default. ``command``: the podman binary.
+    """
+
+    def __init__(self, containers_conf: str | None, command: str = "podman"):
+        self.containers_conf = containers_conf
+        self.command = command
+        self._labels: collections.OrderedDict[str, dict[str, str]] = collections.OrderedDict()
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self.started = asyncio.Event()
+        self.stats = {"events": 0, "restarts": 0, "inspects": 0}
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.containers_conf:
+            env["CONTAINERS_CONF"] = self.containers_conf
+        return env
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._follow(),
+                                                            name="podman-events")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+            self._task = None
+        self._kill()
+
+    def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.returncode is None:
+            try:
+                proc.kill()
+            except ProcessLookupError:
+                pass
+
+    def note(self, status: str, cid: str, labels: dict[str, str]) -> None:
+        """Record one event (also used by tests feeding events)."""
+        if status == "remove":
+            self._labels.pop(cid, None)
+            return
+        self._labels[cid] = labels
+        self._labels.move_to_end(cid)
+        while len(self._labels) > MAX_CONTAINERS:
+            self._labels.popitem(last=False)
+        self._changed.set()
+
+    async def labels(self, container_id: str, wait: float) -> dict[str, str] | None:
+        """The labels of ``container_id``; waits up to ``wait`` seconds for its create
+        event (``podman run`` creates and starts back to back). None if none came."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while container_id not in self._labels:
+            left = deadline - loop.time()
+            if left <= 0:
+                return None
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                return None
+        return dict(self._labels[container_id])
+
+    async def inspect(self, container_id: str) -> dict[str, str] | None:
+        """``podman container inspect`` for the labels of a container whose create event
+        was not seen; None when podman does not know it or does not answer in time."""
+        self.stats["inspects"] += 1
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                self.command, "container", "inspect", "--format", "{{json .Config.Labels}}",
+                container_id, env=self._env(), stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), INSPECT_TIMEOUT)
+        except (OSError, asyncio.TimeoutError) as e:
+            log.info("podman container inspect %s: %s", container_id[:12], e or "timed out")
+            return None
+        if proc.returncode != 0:
+            log.info("podman container inspect %s: exit %s: %s", container_id[:12],
+                     proc.returncode, err.decode(errors="replace").strip())
+            return None
+        try:
+            data = json.loads(out or b"null") or {}
+        except ValueError:
+            return None
+        labels = {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)
+                  and k not in _IGNORED} if isinstance(data, dict) else {}
+        self.note("inspect", container_id, labels)
+        return labels
+
+    async def _follow(self) -> None:
+        delay = 0.5
+        while True:
+            try:
+                self._proc = await asyncio.create_subprocess_exec(
+                    self.command, "events", "--format", "json", "--filter", "type=container",
+                    env=self._env(), stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE, limit=1 << 20)
+            except OSError as e:
+                log.error("cannot run %s events: %s; container labels come from inspect only",
+                          self.command, e)
+                self.started.set()
+                return
+            self.started.set()
+            assert self._proc.stdout is not None
+            try:
+                while True:
+                    line = await self._proc.stdout.readline()
+                    if not line:
+                        break
+                    try:
+                        parsed = labels_of_event(json.loads(line))
+                    except ValueError:
+                        continue
+                    if parsed is not None:
+                        self.stats["events"] += 1
+                        self.note(*parsed)
+                    delay = 0.5
+            except asyncio.CancelledError:
+                self._kill()
+                raise
+            err = b""
+            if self._proc.stderr is not None:
+                try:
+                    err = await asyncio.wait_for(self._proc.stderr.read(4096), 1)
+                except asyncio.TimeoutError:
+                    pass
+            rc = await self._proc.wait()
+            self.stats["restarts"] += 1
+            log.warning("%s events exited (%s): %s; restarting in %.1fs", self.command, rc,
+                        err.decode(errors="replace").strip(), delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 30.0)
+
+    def debug_state(self) -> Any:
+        return {"containers": len(self._labels), **self.stats}
