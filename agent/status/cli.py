@@ -32,7 +32,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the agent's state dir (default: $AMBIENT_AGENT_STATE_DIR, else "
                              f"{DEFAULT_STATE_DIR})")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
-    parser.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    parser.add_argument("-o", "--output", choices=["table", "json"], default="table",
+                        help="table (default) or the raw JSON document")
+    mesh = parser.add_argument_group(
+        "mesh view (what the index serves to ztunnel, like istioctl ztunnel-config); any of "
+        "these prints only the chosen sections")
+    for section in ("workloads", "services", "policies", "waypoints"):
+        mesh.add_argument(f"--{section}", action="store_true",
+                          help=f"list {section}")
+    mesh.add_argument("--namespace", "-n", default=None, metavar="NAMESPACE",
+                      help="only this namespace")
+    mesh.add_argument("--node", default=None, metavar="NODE",
+                      help="only workloads on this node")
+    mesh.add_argument("--wide", action="store_true",
+                      help="workloads also show identity, services and uid")
 
 
 def socket_path(args: argparse.Namespace, env: dict[str, str] | None = None) -> str:
@@ -83,8 +96,20 @@ def main(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"ambient-agent status: {e}", file=sys.stderr)
         return 1
+    from agent.status import mesh
+
+    chosen = [s for s in mesh.SECTIONS if getattr(args, s, False)]
+    filtered = chosen or args.namespace or args.node
+    view = doc.get("mesh") or {"error": "this agent serves no mesh view (older version?)"}
     if args.output == "json":
+        if filtered:
+            sections = chosen or list(mesh.SECTIONS)
+            doc = {s: mesh.select(view, s, args.namespace, args.node) for s in sections}
         print(json.dumps(doc, indent=2))
+    elif filtered:
+        print(mesh.render(view, chosen or mesh.SECTIONS, args.namespace, args.node, args.wide))
     else:
         print(render(doc))
+        print()
+        print(mesh.render(view, mesh.SECTIONS, wide=args.wide))
     return 0

@@ -11,6 +11,7 @@ Every endpoint answers pretty-printed JSON (``application/json``):
 ``/debug/zds``              ZDS connections (ztunnels) and the pods each holds (``zds``)
 ``/debug/sds``              SDS streams and their certificates' expiry (``sds``)
 ``/debug/xds``              xDS clients and their subscriptions (``xds``)
+``/debug/mesh``             workloads, services, policies, waypoints as the index serves them
 ``/debug/component/<name>`` any component's ``debug_state()``
 ``/debug/all``              all of the above in one document (used by ``ambient-agent status``)
 ==========================  ====================================================================
@@ -90,15 +91,28 @@ def index(ctx: AgentContext) -> dict[str, Any]:
         "/debug/config": "effective configuration with each value's source",
         "/debug/components": "components and their readiness",
         **{f"/debug/{s}": f"{desc} (component {c!r})" for s, (c, desc) in SECTIONS.items()},
+        "/debug/mesh": "workloads, services, policies and waypoints as the index serves them",
         "/debug/component/<name>": "any component's debug state",
         "/debug/all": "everything above in one document",
     }
     return {"endpoints": endpoints, "components": list(ctx.components)}
 
 
+def mesh(ctx: AgentContext) -> dict[str, Any]:
+    """The mesh as the index serves it (:mod:`agent.status.mesh`)."""
+    from agent.status.mesh import mesh_view
+
+    return mesh_view(ctx)
+
+
 def everything(ctx: AgentContext) -> dict[str, Any]:
     """One document with config, components and every section; failures inline."""
     doc: dict[str, Any] = {"config": ctx.config.as_dict(), "components": components_summary(ctx)}
+    try:
+        doc["mesh"] = mesh(ctx)
+    except Exception as e:  # noqa: BLE001
+        log.exception("mesh view failed")
+        doc["mesh"] = {"error": f"{type(e).__name__}: {e}"}
     for section, (name, _) in SECTIONS.items():
         try:
             doc[section] = component_state(ctx, name)
@@ -131,6 +145,7 @@ def add_routes(app: web.Application, ctx: AgentContext) -> None:
     app.router.add_get("/debug/config", guarded(lambda r: ctx.config.as_dict()))
     app.router.add_get("/debug/components", guarded(lambda r: components_summary(ctx)))
     app.router.add_get("/debug/all", guarded(lambda r: everything(ctx)))
+    app.router.add_get("/debug/mesh", guarded(lambda r: mesh(ctx)))
     app.router.add_get("/debug/component/{name}",
                        guarded(lambda r: component_state(ctx, r.match_info["name"])))
     for section, (name, _) in SECTIONS.items():

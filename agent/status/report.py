@@ -356,7 +356,7 @@ SECTIONS: tuple[tuple[str, str, Section], ...] = (
     ("sds", "SDS", sds),
     ("xds", "xDS clients", xds),
 )
-SKIPPED = {"config", "components"}  # config: too long for a status view (see -o json)
+SKIPPED = {"config", "components", "mesh"}  # config: too long (see -o json); mesh: agent.status.mesh
 
 
 def render(doc: dict[str, Any], now: float | None = None) -> str:

@@ -1,0 +1,205 @@
+"""The mesh as this agent's index serves it: workloads, services, policies, waypoints.
+
+The operator's equivalent of ``istioctl ztunnel-config workloads|services|policies``
+(which reads ztunnel's ``/config_dump``), taken from the source instead: the ambient
+index's ``Address`` and ``Authorization`` resources, which are exactly what the workload
+xDS server sends. Each workload row also says what this node does with it: whether the
+enrollment holds a record for it (``enrolled``: its status, or ``-``) and whether a
+connected ztunnel holds it over ZDS (``ztunnel``).
+
+Two halves:
+
+- :func:`mesh_view` (server side, in the ``/debug/mesh`` document): plain JSON rows.
+- :func:`render` (``ambient-agent status``): tables, filtered by section, namespace and node.
+
+Row shapes (all values JSON scalars or lists of strings):
+
+- workload: ``namespace``, ``name``, ``kind`` (Pod, WorkloadEntry, ServiceEntry,
+  EndpointSlice, from the uid), ``ips``, ``node``, ``protocol`` (HBONE / TCP),
+  ``status`` (Healthy / Unhealthy), ``identity`` (``spiffe://...``), ``waypoint``,
+  ``services`` (``namespace/hostname``), ``enrolled``, ``ztunnel`` (bool), ``uid``.
+- service: ``namespace``, ``name``, ``hostname``, ``vips``, ``ports`` (``80->8080``),
+  ``endpoints`` (workloads selecting it), ``waypoint``.
+- policy: ``namespace``, ``name``, ``scope``, ``action``, ``rules``, ``dry_run``.
+- waypoint: ``namespace``, ``name``, ``ips``, ``bound`` (services and workloads using it).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any, Iterable
+
+from agent.status.report import table
+
+SECTIONS = ("workloads", "services", "policies", "waypoints")
+
+
+# --- server side ---------------------------------------------------------------------------
+
+def _ip(raw: bytes) -> str:
+    try:
+        return str(ipaddress.ip_address(raw))
+    except ValueError:
+        return raw.hex()
+
+
+def _gateway(gw: Any) -> str:
+    if gw is None:
+        return ""
+    kind = gw.WhichOneof("destination")
+    if kind == "hostname":
+        return f"{gw.hostname.namespace}/{gw.hostname.hostname}"
+    if kind == "address":
+        return _ip(gw.address.address)
+    return ""
+
+
+def _kind(uid: str) -> str:
+    for kind in ("WorkloadEntry", "ServiceEntry", "EndpointSlice", "Pod"):
+        if f"/{kind}/" in uid:
+            return kind
+    return "?"
+
+
+def mesh_view(ctx: Any) -> dict[str, Any]:
+    """The ``/debug/mesh`` document from the running components (``ambient-index``,
+    ``enrollment``, ``zds``); a missing component leaves its columns empty, a missing
+    index gives ``{"error": ...}``."""
+    from ambient import authorization_pb2 as az
+    from ambient import workload_pb2 as wl
+
+    comp = ctx.get("ambient-index")
+    index = getattr(comp, "index", None)
+    if index is None:
+        return {"error": "no ambient index in this agent", "missing": True}
+    enrolled = _enrollment(ctx.get("enrollment"))
+    held = _held(ctx.get("zds"))
+    workloads, services = [], []
+    for name, addr in sorted(index.addresses().items()):
+        if addr.HasField("workload"):
+            w = addr.workload
+            ips = [_ip(a) for a in w.addresses]
+            rec = enrolled.get((w.namespace, w.name)) or next(
+                (r for ip in ips for r in [enrolled.get(ip)] if r), None)
+            workloads.append({
+                "namespace": w.namespace, "name": w.name, "kind": _kind(w.uid), "ips": ips,
+                "node": w.node, "protocol": wl.TunnelProtocol.Name(w.tunnel_protocol)
+                if w.tunnel_protocol else "TCP",
+                "status": "Healthy" if w.status == wl.HEALTHY else "Unhealthy",
+                "identity": f"spiffe://{w.trust_domain or 'cluster.local'}/ns/{w.namespace}"
+                            f"/sa/{w.service_account or 'default'}",
+                "waypoint": _gateway(w.waypoint) if w.HasField("waypoint") else "",
+                "services": sorted(w.services), "uid": w.uid,
+                "enrolled": rec["status"] if rec else "",
+                "ztunnel": bool(rec and rec["uid"] in held)})
+        elif addr.HasField("service"):
+            s = addr.service
+            services.append({
+                "namespace": s.namespace, "name": s.name, "hostname": s.hostname,
+                "vips": [_ip(a.address) for a in s.addresses],
+                "ports": [f"{p.service_port}->{p.target_port or p.service_port}"
+                          for p in s.ports],
+                "endpoints": 0, "waypoint": _gateway(s.waypoint) if s.HasField("waypoint")
+                else ""})
+    by_host = {f"{s['namespace']}/{s['hostname']}": s for s in services}
+    for w in workloads:
+        for key in w["services"]:
+            if key in by_host:
+                by_host[key]["endpoints"] += 1
+    policies = []
+    for name, pol in sorted(index.authorizations().items()):
+        policies.append({"namespace": pol.namespace, "name": pol.name,
+                         "scope": az.Scope.Name(pol.scope), "action": az.Action.Name(pol.action),
+                         "rules": sum(len(g.rules) for g in pol.groups),
+                         "dry_run": pol.dry_run})
+    waypoints = _waypoints(index, workloads, services)
+    return {"workloads": workloads, "services": services, "policies": policies,
+            "waypoints": waypoints}
+
+
+def _waypoints(index: Any, workloads: list[dict], services: list[dict]) -> list[dict]:
+    used: dict[str, list[str]] = {}
+    for row in workloads + services:
+        if row["waypoint"]:
+            used.setdefault(row["waypoint"], []).append(
+                f"{row['namespace']}/{row.get('hostname') or row['name']}")
+    out = []
+    for key, bound in sorted(used.items()):
+        namespace, _, name = key.partition("/")
+        hostname = name
+        svc = next((s for s in services if s["namespace"] == namespace
+                    and s["hostname"] == hostname), None)
+        out.append({"namespace": namespace if name else "", "name": (svc or {}).get("name")
+                    or name or key, "ips": (svc or {}).get("vips", []) if name else [key],
+                    "bound": sorted(bound)})
+    return out
+
+
+def _enrollment(component: Any) -> dict:
+    """(namespace, name) and each IP -> {"uid", "status"} of the enrollment's records."""
+    out: dict = {}
+    pods = getattr(component, "pods", None)
+    if not callable(pods):
+        return out
+    for uid, rec in pods().items():
+        entry = {"uid": uid, "status": getattr(rec, "status", "") or "pending"}
+        out[(rec.namespace, rec.name)] = entry
+        for ip in rec.ips:
+            out[ip] = entry
+    return out
+
+
+def _held(component: Any) -> set[str]:
+    """UIDs that the newest ZDS connection holds (what ztunnel runs proxies for)."""
+    if component is None:
+        return set()
+    try:
+        state = component.debug_state()
+    except Exception:  # noqa: BLE001 - the view never fails for one component
+        return set()
+    out: set[str] = set()
+    for conn in state.get("connections") or []:
+        if conn.get("latest"):
+            out |= set((conn.get("holds") or {}).keys())
+    return out
+
+
+# --- client side ---------------------------------------------------------------------------
+
+WORKLOAD_COLUMNS = ["namespace", "name", "kind", "ips", "node", "protocol", "status",
+                    "waypoint", "enrolled", "ztunnel"]
+SERVICE_COLUMNS = ["namespace", "name", "vips", "ports", "endpoints", "waypoint"]
+POLICY_COLUMNS = ["namespace", "name", "scope", "action", "rules", "dry_run"]
+WAYPOINT_COLUMNS = ["namespace", "name", "ips", "bound"]
+COLUMNS = {"workloads": WORKLOAD_COLUMNS, "services": SERVICE_COLUMNS,
+           "policies": POLICY_COLUMNS, "waypoints": WAYPOINT_COLUMNS}
+
+
+def select(view: dict, section: str, namespace: str | None = None,
+           node: str | None = None) -> list[dict]:
+    """The rows of one section, filtered: ``namespace`` on every section, ``node`` on
+    workloads (and on nothing else: services and policies have no node)."""
+    rows = [r for r in view.get(section) or [] if isinstance(r, dict)]
+    if namespace:
+        rows = [r for r in rows if r.get("namespace") == namespace]
+    if node and section == "workloads":
+        rows = [r for r in rows if r.get("node") == node]
+    return rows
+
+
+def render(view: dict, sections: Iterable[str] = SECTIONS, namespace: str | None = None,
+           node: str | None = None, wide: bool = False) -> str:
+    """Tables of the chosen sections (empty ones say so). ``wide`` adds the identity,
+    services and uid of workloads."""
+    if not isinstance(view, dict) or view.get("error"):
+        return f"Mesh: unavailable ({(view or {}).get('error', 'no data')})"
+    parts = []
+    for section in sections:
+        rows = select(view, section, namespace, node)
+        columns = list(COLUMNS[section])
+        if wide and section == "workloads":
+            columns += ["identity", "services", "uid"]
+        title = f"{section.capitalize()} ({len(rows)})"
+        parts.append(f"{title}\n" + (table(rows, columns, unlimited=("uid", "identity"))
+                                     if rows else "  none"))
+    return "\n\n".join(parts)
