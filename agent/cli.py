@@ -26,6 +26,8 @@ from agent.errors import ComponentStartError
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("agent.demo", "bring up a node in a box: agent, CNI network, pods, ztunnel, Envoy"),
     "status": ("agent.status.cli", "show a running agent's pods, ztunnels, certificates, xDS clients"),
+    "precheck": ("agent.precheck", "check that this node is ready for ambient mode (one line per "
+                 "check; exit 1 if any fails)"),
     "cni": ("cni.install", "install or uninstall the istio-cni plugin and its conflist entry"),
     "xds": ("ambient.xds_cli", "dump what a workload xDS server serves (as a ztunnel-like client)"),
 }

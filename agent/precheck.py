@@ -1,0 +1,283 @@
+"""``ambient-agent precheck``: is this node ready for ambient mode, before the agent runs?
+
+One line per check (``ok``, ``warn`` or ``FAIL``, the check's name, what was found) and
+exit 1 when any check failed (2 for a bad setting, as every subcommand). Checks, with the
+settings they read (flags, env and config file as for ``run``):
+
+- ``kernel modules``: the iptables (or, with ``native_nftables``, nftables) modules
+  Istio's platform requirements list for ambient, IPv6 ones with ``ambient_ipv6``: each
+  loaded (``/proc/modules``), built in (``modules.builtin``) or loadable (a ``.ko`` under
+  ``/lib/modules/<release>``). Without ``/lib/modules`` (a container) a module not loaded
+  is a warning: it can't be told whether the kernel would load it.
+- ``iptables``: the flavor (legacy / nf_tables) and its restore tool, as enrollment
+  detects it (:func:`cni.rules_iptables.detect_flavor`); or ``nft`` with nftables.
+- ``ipset``: the host probe set needs the ``ip_set`` netlink family (a probe set is
+  created and removed).
+- ``CNI config``: ``cni_conf_dir`` exists and holds a primary network config
+  (:func:`cni.conflist.find_primary`; why not, when not).
+- ``istio-cni``: no other istio-cni is installed: the ``istio-cni`` binary in
+  ``cni_bin_dir`` is ours (our launcher, or a standalone build we installed) and no
+  upstream istio-cni node agent answers on ``/var/run/istio-cni/pluginevent.sock``.
+- ``ports``: every TCP port the agent listens on can be bound now.
+- ``ZDS socket``: the directory of ``ztunnel_uds_address`` is (or can be made) writable and
+  no live server answers on the socket (another agent).
+- ``ztunnel``: a ztunnel answers its readiness port (``http://127.0.0.1:15021/healthz/ready``);
+  a warning when none does (ztunnel usually starts after the agent).
+
+Nothing is changed on the node (the probe ipset is created under a unique name and
+removed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import secrets
+import shutil
+import socket
+import sys
+import urllib.error
+import urllib.request
+
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+
+IPTABLES_MODULES = ["iptable_mangle", "iptable_nat", "xt_REDIRECT", "xt_connmark",
+                    "xt_conntrack", "xt_mark", "xt_owner", "xt_tcpudp", "xt_multiport",
+                    "ip_set", "ip_set_hash_ip"]
+IPTABLES6_MODULES = ["ip6table_mangle", "ip6table_nat"]
+NFTABLES_MODULES = ["nf_tables", "ip_set", "ip_set_hash_ip"]
+UPSTREAM_EVENT_SOCKET = "/var/run/istio-cni/pluginevent.sock"
+ZTUNNEL_READY_URL = "http://127.0.0.1:15021/healthz/ready"
+
+
+@dataclasses.dataclass
+class Check:
+    """One result line: ``state`` is ok, warn or FAIL."""
+
+    name: str
+    state: str
+    detail: str
+
+    def line(self) -> str:
+        return f"{self.state:<4}  {self.name:<15} {self.detail}"
+
+
+def _module_state(name: str, loaded: set[str], release_dir: str | None,
+                  builtin: set[str], files: set[str]) -> str:
+    if name in loaded or name.lower() in loaded:
+        return "loaded"
+    if name in builtin:
+        return "built in"
+    if name in files or name.replace("_", "-") in files:
+        return "loadable"
+    return "unknown" if release_dir is None else "missing"
+
+
+def check_modules(config, proc_modules: str = "/proc/modules",
+                  lib_modules: str = "/lib/modules") -> Check:
+    wanted = list(NFTABLES_MODULES if config.native_nftables else IPTABLES_MODULES)
+    if config.ambient_ipv6 and not config.native_nftables:
+        wanted += IPTABLES6_MODULES
+    try:
+        with open(proc_modules) as f:
+            loaded = {line.split()[0] for line in f if line.strip()}
+    except OSError:
+        loaded = set()
+    release_dir: str | None = os.path.join(lib_modules, platform.release())
+    builtin: set[str] = set()
+    files: set[str] = set()
+    if os.path.isdir(release_dir):
+        try:
+            with open(os.path.join(release_dir, "modules.builtin")) as f:
+                builtin = {os.path.basename(line.strip()).split(".ko")[0] for line in f}
+        except OSError:
+            pass
+        for _root, _dirs, names in os.walk(release_dir):
+            files |= {n.split(".ko")[0] for n in names if ".ko" in n}
+    else:
+        release_dir = None
+    states = {m: _module_state(m, loaded, release_dir, builtin, files) for m in wanted}
+    missing = [m for m, s in states.items() if s == "missing"]
+    unknown = [m for m, s in states.items() if s == "unknown"]
+    counts = {s: sum(1 for v in states.values() if v == s)
+              for s in ("loaded", "built in", "loadable")}
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    if missing:
+        return Check("kernel modules", FAIL, f"missing: {', '.join(missing)} ({summary})")
+    if unknown:
+        return Check("kernel modules", WARN, f"not loaded and {lib_modules} not readable "
+                     f"(can't tell if they load): {', '.join(unknown)}")
+    return Check("kernel modules", OK, f"{len(wanted)} needed: {summary}")
+
+
+def check_iptables(config) -> Check:
+    if config.native_nftables:
+        return (Check("nftables", OK, f"nft at {shutil.which('nft')}") if shutil.which("nft")
+                else Check("nftables", FAIL, "native_nftables is set but nft is not installed"))
+    from cni.rules_common import RulesError
+    from cni.rules_iptables import detect_flavor
+
+    try:
+        flavor = detect_flavor(None)
+    except RulesError as e:
+        return Check("iptables", FAIL, str(e))
+    tools = [f"iptables-{flavor}-restore"] + ([f"ip6tables-{flavor}-restore"]
+                                              if config.ambient_ipv6 else [])
+    absent = [t for t in tools if not shutil.which(t)]
+    if absent:
+        return Check("iptables", FAIL, f"flavor {flavor}: {', '.join(absent)} not installed")
+    return Check("iptables", OK, f"flavor {'nf_tables' if flavor == 'nft' else 'legacy'} "
+                 f"({', '.join(tools)})")
+
+
+def check_ipset() -> Check:
+    try:
+        from pyroute2 import IPSet
+    except ImportError as e:
+        return Check("ipset", FAIL, f"pyroute2 missing: {e}")
+    name = f"ambpre-{secrets.token_hex(3)}"
+    try:
+        with IPSet() as ips:
+            ips.create(name, stype="hash:ip")
+            ips.destroy(name)
+    except Exception as e:  # noqa: BLE001 - any netlink failure is the answer
+        return Check("ipset", FAIL, f"cannot create a hash:ip set ({e}); load ip_set and "
+                     "ip_set_hash_ip")
+    return Check("ipset", OK, "hash:ip sets work (host probe set)")
+
+
+def check_cni_config(config) -> Check:
+    from cni.conflist import explain_no_primary, find_primary
+
+    primary = find_primary(config.cni_conf_dir, config.cni_conf_name)
+    if primary is None:
+        return Check("CNI config", FAIL, explain_no_primary(config.cni_conf_dir,
+                                                            config.cni_conf_name))
+    return Check("CNI config", OK, f"primary config {primary}")
+
+
+def check_istio_cni(config) -> Check:
+    from cni.install import PLUGIN_NAME
+
+    found = []
+    binary = os.path.join(config.cni_bin_dir, PLUGIN_NAME)
+    try:
+        with open(binary, "rb") as f:
+            head = f.read(4096)
+    except FileNotFoundError:
+        head = None
+    except OSError as e:
+        return Check("istio-cni", WARN, f"cannot read {binary}: {e.strerror}")
+    if head is not None and b"ambient-agent cni install" not in head:
+        found.append(f"{binary} was not installed by this agent"
+                     + (" (an ELF binary: upstream istio-cni?)" if head.startswith(b"\x7fELF")
+                        else ""))
+    if _live_unix(UPSTREAM_EVENT_SOCKET, socket.SOCK_STREAM) and \
+            os.path.realpath(UPSTREAM_EVENT_SOCKET) != os.path.realpath(config.cni_event_socket):
+        found.append(f"an istio-cni node agent answers on {UPSTREAM_EVENT_SOCKET}")
+    if found:
+        return Check("istio-cni", FAIL, "; ".join(found) + " (remove it first: docs/operating.md"
+                     ", \"Replacing an installed istio-cni\")")
+    state = "ours installed" if head is not None else "not installed yet (run installs it)"
+    return Check("istio-cni", OK, f"no other istio-cni; {binary} {state}")
+
+
+def check_ports(config) -> Check:
+    from agent.config import ConfigError, ensure_tcp_port_free
+
+    ports = [("status_port", config.status_address or "0.0.0.0", config.status_port),
+             ("health_port", config.status_address or "0.0.0.0", config.health_port),
+             ("xds_port", config.xds_address, config.xds_port),
+             ("xds_tls_port", config.xds_tls_address, config.xds_tls_port),
+             ("ca_port", config.ca_listen_address, config.ca_port)]
+    busy, free = [], []
+    for setting, host, port in ports:
+        if not port:
+            continue
+        try:
+            ensure_tcp_port_free(setting, host, port)
+            free.append(str(port))
+        except ConfigError as e:
+            busy.append(str(e))
+    if busy:
+        return Check("ports", FAIL, "; ".join(busy))
+    return Check("ports", OK, f"free: {', '.join(free)}")
+
+
+def _live_unix(path: str, kind: int) -> bool:
+    s = socket.socket(socket.AF_UNIX, kind | socket.SOCK_CLOEXEC)
+    try:
+        s.settimeout(1.0)
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def check_zds(config) -> Check:
+    path = config.ztunnel_uds_address
+    parent = os.path.dirname(path) or "."
+    probe_dir = parent
+    while not os.path.isdir(probe_dir):
+        up = os.path.dirname(probe_dir)
+        if up == probe_dir:
+            break
+        probe_dir = up
+    if not os.access(probe_dir, os.W_OK | os.X_OK):
+        return Check("ZDS socket", FAIL, f"{probe_dir} is not writable (for {path})")
+    if os.path.exists(path) and _live_unix(path, socket.SOCK_SEQPACKET):
+        return Check("ZDS socket", FAIL, f"a live server already answers on {path} (another "
+                     "agent?)")
+    where = parent if os.path.isdir(parent) else f"{probe_dir} (creates {parent})"
+    return Check("ZDS socket", OK, f"{path}: {where} writable")
+
+
+def check_ztunnel(url: str = ZTUNNEL_READY_URL, timeout: float = 2.0) -> Check:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return Check("ztunnel", OK, f"{url} answers {resp.status}")
+    except urllib.error.HTTPError as e:
+        return Check("ztunnel", WARN, f"{url} answers {e.code} (not ready yet)")
+    except (urllib.error.URLError, OSError) as e:
+        return Check("ztunnel", WARN, f"no ztunnel answers {url} "
+                     f"({getattr(e, 'reason', e)}); ambient pod ADDs wait for one")
+
+
+def run_checks(config) -> list[Check]:
+    """Every check, in order; a check that raises is a FAIL naming the error."""
+    checks = [lambda: check_modules(config), lambda: check_iptables(config), check_ipset,
+              lambda: check_cni_config(config), lambda: check_istio_cni(config),
+              lambda: check_ports(config), lambda: check_zds(config), check_ztunnel]
+    names = ["kernel modules", "iptables", "ipset", "CNI config", "istio-cni", "ports",
+             "ZDS socket", "ztunnel"]
+    out = []
+    for name, fn in zip(names, checks):
+        try:
+            out.append(fn())
+        except Exception as e:  # noqa: BLE001 - one broken check is one FAIL line
+            out.append(Check(name, FAIL, f"check crashed: {type(e).__name__}: {e}"))
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from agent.cli import add_setting_flags
+
+    add_setting_flags(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    from agent.cli import load_config
+
+    config = load_config(args)
+    results = run_checks(config)
+    for r in results:
+        print(r.line())
+    failed = [r for r in results if r.state == FAIL]
+    print(f"{len(results) - len(failed)}/{len(results)} checks passed"
+          + (f"; failed: {', '.join(r.name for r in failed)}" if failed else ""))
+    sys.stdout.flush()
+    return 1 if failed else 0

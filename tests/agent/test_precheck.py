@@ -1,0 +1,108 @@
+"""``ambient-agent precheck``: each check's verdict on conditions the test creates (a conf
+dir with and without a primary config, a foreign istio-cni binary, a busy port, a live
+ZDS socket, module lists), and the command's output and exit code."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+from contextlib import redirect_stdout
+
+from agent import cli as agent_cli
+from agent import precheck
+from agent.config import load
+
+
+def config(tmp_path, **extra):
+    conf = tmp_path / "net.d"
+    conf.mkdir(exist_ok=True)
+    return load({"state_dir": str(tmp_path / "state"), "config_file": os.devnull,
+                 "cni_conf_dir": str(conf), "cni_bin_dir": str(tmp_path / "bin"),
+                 "ztunnel_uds_address": str(tmp_path / "zt" / "zds.sock"),
+                 "status_port": "0", "health_port": "0", "xds_port": "0",
+                 "xds_tls_port": "0", **extra}, env={})
+
+
+def primary(tmp_path):
+    (tmp_path / "net.d" / "10-bridge.conflist").write_text(json.dumps({
+        "cniVersion": "1.0.0", "name": "n", "plugins": [{"type": "bridge"}]}))
+
+
+def test_modules(tmp_path):
+    cfg = config(tmp_path, ambient_ipv6="false")
+    lib = tmp_path / "lib"
+    rel = lib / os.uname().release / "kernel"
+    rel.mkdir(parents=True)
+    (lib / os.uname().release / "modules.builtin").write_text("kernel/net/xt_mark.ko\n")
+    for m in ("xt_REDIRECT", "xt_connmark", "xt_conntrack", "xt_owner", "xt_tcpudp",
+              "xt_multiport", "ip_set_hash_ip"):
+        (rel / f"{m}.ko.xz").write_text("")
+    mods = tmp_path / "modules"
+    mods.write_text("iptable_nat 16384 1 - Live 0x0\niptable_mangle 16384 0 - Live 0x0\n")
+    c = precheck.check_modules(cfg, str(mods), str(lib))
+    assert c.state == precheck.FAIL and "missing: ip_set " in c.detail
+    (rel / "ip_set.ko").write_text("")
+    c = precheck.check_modules(cfg, str(mods), str(lib))
+    assert c.state == precheck.OK and "2 loaded, 1 built in, 8 loadable" in c.detail
+    c = precheck.check_modules(cfg, str(mods), str(tmp_path / "nolib"))
+    assert c.state == precheck.WARN and "xt_mark" in c.detail
+
+
+def test_cni_config_and_foreign_istio_cni(tmp_path):
+    cfg = config(tmp_path)
+    c = precheck.check_cni_config(cfg)
+    assert c.state == precheck.FAIL and "no *.conf" in c.detail
+    primary(tmp_path)
+    assert precheck.check_cni_config(cfg).state == precheck.OK
+    assert precheck.check_istio_cni(cfg).state == precheck.OK
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "istio-cni").write_bytes(b"\x7fELF\x02\x01")
+    c = precheck.check_istio_cni(cfg)
+    assert c.state == precheck.FAIL and "upstream istio-cni" in c.detail
+
+
+def test_busy_port_and_live_zds_socket(tmp_path):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    zdir = tmp_path / "zt"
+    zdir.mkdir()
+    zds = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    zds.bind(str(zdir / "zds.sock"))
+    zds.listen()
+    try:
+        cfg = config(tmp_path, xds_port=str(busy.getsockname()[1]))
+        c = precheck.check_ports(cfg)
+        assert c.state == precheck.FAIL and "xds_port" in c.detail
+        c = precheck.check_zds(cfg)
+        assert c.state == precheck.FAIL and "live server" in c.detail
+    finally:
+        busy.close()
+        zds.close()
+    assert precheck.check_zds(cfg).state == precheck.OK  # stale socket: ours to replace
+
+
+def test_command_lines_and_exit_code(tmp_path):
+    args = ["precheck", "--state-dir", str(tmp_path / "state"), "--config-file", os.devnull,
+            "--cni-conf-dir", str(tmp_path / "net.d"), "--cni-bin-dir", str(tmp_path / "bin"),
+            "--ztunnel-uds-address", str(tmp_path / "zds.sock"), "--status-port", "0",
+            "--health-port", "0", "--xds-port", "0", "--xds-tls-port", "0"]
+    (tmp_path / "net.d").mkdir()
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = agent_cli.main(args)
+    lines = out.getvalue().splitlines()
+    assert code == 1
+    assert [ln.split()[0] for ln in lines[:-1]] and all(
+        ln.split()[0] in ("ok", "warn", "FAIL") for ln in lines[:-1])
+    assert any(ln.startswith("FAIL  CNI config") for ln in lines)
+    assert lines[-1].endswith("failed: CNI config")
+    primary(tmp_path)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = agent_cli.main(args)
+    text = out.getvalue()
+    assert "ok    CNI config" in text
+    assert code == (1 if "\nFAIL" in "\n" + text else 0)  # exit code follows the lines
