@@ -40,12 +40,86 @@ def version_string() -> str:
         return "0+unknown"
 
 
+# What each parser accepts, as `run --help` names it (the metavar).
+_TYPE_NAMES = {
+    "parse_duration": "SECONDS", "parse_bool": "BOOL", "parse_port": "PORT",
+    "parse_path": "PATH", "parse_dir_path": "DIR", "parse_existing_file": "FILE",
+    "parse_list": "LIST", "parse_namespace_list": "NAMESPACES", "parse_namespace": "NAMESPACE",
+    "parse_name": "NAME", "parse_service_account": "NS/SA", "parse_account_list": "NS/SA,...",
+    "parse_bind_address": "ADDRESS", "parse_host_port": "HOST:PORT", "parse_log_level": "LEVEL",
+    "parse_json": "JSON", "parse_app_probers": "JSON", "parse_ratio": "RATIO",
+    "parse_file_mode": "MODE", "parse_file_name": "FILENAME", "parse_trust_domain": "DOMAIN",
+    "parse_signature_algorithm": "ALGORITHM", "parse_positive": "SECONDS",
+}
+
+
+def setting_metavar(s: agent_config.Setting) -> str:
+    """``{a,b}`` for a choice, else the value's kind (``SECONDS``, ``PORT``, ``IP``...)."""
+    choices = getattr(s.parse, "choices", None)
+    if choices:
+        return "{" + ",".join(choices) + "}"
+    name = getattr(s.parse, "__name__", "")
+    if name == "parse" and "ip" in getattr(s.parse, "__qualname__", ""):
+        return "IP"
+    return _TYPE_NAMES.get(name, "VALUE")
+
+
+def setting_default(s: agent_config.Setting) -> str:
+    if callable(s.default):
+        return "hostname" if s.name == "node_name" else "derived from other settings"
+    if s.default in (None, "", []):
+        return "none"
+    if isinstance(s.default, list):
+        return ",".join(str(v) for v in s.default)
+    if isinstance(s.default, bool):
+        return "true" if s.default else "false"
+    return str(s.default)
+
+
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per setting; values stay raw strings until :func:`agent.config.load`."""
+    """One ``--flag`` per setting; values stay raw strings until :func:`agent.config.load`.
+    The help names the value's kind or choices, the default and the environment variable."""
     group = parser.add_argument_group("settings (flag > env > config file > default)")
     for s in agent_config.SETTINGS:
-        group.add_argument(s.flag, dest=s.name, default=None, metavar="VALUE",
-                           help=f"{s.help} [env {s.env_name}]")
+        group.add_argument(s.flag, dest=s.name, default=None, metavar=setting_metavar(s),
+                           help=f"{s.help} (default: {setting_default(s)}; "
+                                f"env {s.env_name})".replace("%", "%%"))
+
+
+def parse_addr(text: str, default_port: int) -> tuple[str, int]:
+    """The form every ``--addr`` takes: ``HOST:PORT``, ``[IPv6]:PORT`` or ``HOST`` (then
+    ``default_port``); a leading ``http://`` is accepted and ignored. Raises
+    ``argparse.ArgumentTypeError`` naming the value."""
+    raw = text
+    for scheme in ("http://", "https://"):
+        if text.startswith(scheme):
+            text = text[len(scheme):]
+    text = text.rstrip("/")
+    host, port = text, default_port
+    if text.startswith("["):
+        close = text.find("]")
+        if close < 0:
+            raise argparse.ArgumentTypeError(f"--addr {raw!r}: missing ']' after an IPv6 address")
+        host, rest = text[1:close], text[close + 1:]
+        if rest:
+            if not rest.startswith(":"):
+                raise argparse.ArgumentTypeError(f"--addr {raw!r}: expected :PORT after ']'")
+            port = rest[1:]  # type: ignore[assignment]
+    elif text.count(":") == 1:
+        host, port = text.split(":")  # type: ignore[assignment]
+    elif text.count(":") > 1:
+        raise argparse.ArgumentTypeError(f"--addr {raw!r}: write an IPv6 address as [ADDR]:PORT")
+    try:
+        port = int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--addr {raw!r}: port {port!r} is not a number") from None
+    if not host or not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"--addr {raw!r}: expected HOST:PORT")
+    return host, port
+
+
+def format_addr(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def load_config(args: argparse.Namespace) -> agent_config.Config:
@@ -83,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ambient-agent",
         description="Istio ambient-mode node agent: CNI, ZDS, SDS, status and workload xDS.")
+    parser.add_argument("--version", action="version",
+                        version=f"ambient-agent {version_string()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="run the node agent daemon")
     add_setting_flags(run)
@@ -115,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
+    except BrokenPipeError:
+        # `ambient-agent config | head`: the reader left; not an error worth a traceback.
+        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, what a shell reports for a killed writer
     except agent_config.ConfigError as e:
         print(f"ambient-agent: {e}", file=sys.stderr)
         return 2

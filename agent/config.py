@@ -366,6 +366,7 @@ def choice(*allowed: str) -> Callable[[Any], str]:
             raise ValueError(f"expected one of {', '.join(allowed)}")
         return text
 
+    parse.choices = allowed  # type: ignore[attr-defined]  # shown by `run --help`
     return parse
 
 

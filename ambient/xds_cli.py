@@ -27,7 +27,8 @@ from ambient.xds_generators import SHORT_NAMES
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="xds_command", metavar="ACTION", required=True)
     dump = sub.add_parser("dump", help="print the resources a workload xDS server serves")
-    dump.add_argument("--addr", default="127.0.0.1:15010", help="server host:port")
+    dump.add_argument("--addr", default="127.0.0.1:15010", type=_addr,
+                      help="the xDS server, HOST:PORT (default %(default)s)")
     dump.add_argument("--type", dest="types", action="append", default=[],
                       choices=sorted(SHORT_NAMES) + ["all"],
                       help="resource type (repeatable; default: address and authorization)")
@@ -71,6 +72,13 @@ async def dump(args: argparse.Namespace) -> dict:
                     for name, msg in sorted(client.resources(t).items())} for t in types}
     finally:
         await client.close()
+
+
+def _addr(text: str) -> str:
+    """``--addr`` as every subcommand takes it (:func:`agent.cli.parse_addr`)."""
+    from agent.cli import format_addr, parse_addr
+
+    return format_addr(*parse_addr(text, 15010))
 
 
 _IP_FIELDS = {"address", "addresses"}

@@ -149,6 +149,7 @@ class _Connection:
         self.pending_since = 0.0
         self.counted: set[str] = set()
         self.error = ""
+        self.connected_at = 0.0  # monotonic time of the first valid request
 
     def notify(self, change: IndexChange, since: float) -> None:
         if self.pending is None:
@@ -420,6 +421,10 @@ class XdsServer(Component):
         finally:
             reader.cancel()
             self.connections.pop(state.id, None)
+            if conn.counted and state.node is not None:
+                log.info("xds: client disconnected: stream %d node %s (%s) identity %s after "
+                         "%.0fs", state.id, state.node.id or "-", state.node.proxy_type,
+                         state.identity or "-", time.monotonic() - conn.connected_at)
             for key in conn.counted:
                 self.metrics.clients.labels(*key.split("|", 1)).dec()
 
@@ -442,6 +447,11 @@ class XdsServer(Component):
                               f"does not match the caller identity {state.identity}")
                 return None
         key = f"{state.node.proxy_type}|{req.type_url}"
+        if not conn.counted:  # the stream's first valid request: the client is known now
+            conn.connected_at = time.monotonic()
+            log.info("xds: client connected: stream %d node %s (%s) identity %s from %s",
+                     state.id, state.node.id or "-", state.node.proxy_type,
+                     state.identity or "-", state.peer)
         if key not in conn.counted:
             conn.counted.add(key)
             self.metrics.clients.labels(state.node.proxy_type, req.type_url).inc()

@@ -266,7 +266,17 @@ class Enrollment(Component):
         await self.ctx.run_blocking(self.host_rules.close)
 
     def ready(self) -> tuple[bool, str]:
-        return (True, "") if self._started else (False, "not started")
+        """Not ready while an ambient pod's CNI ADD would block: no ztunnel has said hello
+        on the ZDS socket (the ADD would wait up to ``ztunnel_wait`` and then fail)."""
+        if not self._started:
+            return False, "not started"
+        zds = self._zds()
+        latest = getattr(zds, "latest", None)
+        if callable(latest) and latest() is None:
+            return False, (f"no ztunnel connected on {getattr(zds, 'path', 'the ZDS socket')}: "
+                           f"an ambient pod's CNI ADD would wait up to "
+                           f"{self.ctx.config.ztunnel_wait:g}s for one, then fail")
+        return True, ""
 
     def debug_state(self) -> Any:
         return {

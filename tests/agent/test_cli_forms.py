@@ -1,0 +1,91 @@
+"""The CLI's common forms: ``--version``; ``run --help`` names each setting's kind or
+choices and its default; every ``--addr`` takes HOST:PORT (``[v6]:PORT``, a bare host, an
+``http://`` URL); output into a closed pipe (``config | head``) exits without a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import subprocess
+import sys
+from contextlib import redirect_stdout
+
+import pytest
+
+from agent import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_version_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"ambient-agent {cli.version_string()}")
+
+
+def test_run_help_types_defaults_choices():
+    out = io.StringIO()
+    with redirect_stdout(out), pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    text = " ".join(out.getvalue().split())
+    assert "--config-source {files,kubernetes}" in text
+    assert "--status-port PORT" in text and "(default: 15020; env STATUS_PORT)" in text
+    assert "--ztunnel-wait SECONDS" in text and "--host-probe-snat-ip IP" in text
+    assert "--workload-registration {none,local,workloadentry}" in text
+    assert "--cni-manage-config BOOL" in text and "(default: false;" in text
+
+
+@pytest.mark.parametrize("text,want", [
+    ("127.0.0.1:15020", ("127.0.0.1", 15020)), ("localhost", ("localhost", 99)),
+    ("[::1]:8080", ("::1", 8080)), ("[fd00::1]", ("fd00::1", 99)),
+    ("http://127.0.0.1:15020/", ("127.0.0.1", 15020))])
+def test_addr_forms(text, want):
+    assert cli.parse_addr(text, 99) == want
+
+
+@pytest.mark.parametrize("text,why", [("h:x", "not a number"), ("::1:80", "[ADDR]:PORT"),
+                                      ("[::1", "missing ']'"), ("h:0", "HOST:PORT")])
+def test_addr_errors(text, why):
+    with pytest.raises(argparse.ArgumentTypeError, match=why.replace("[", r"\[")):
+        cli.parse_addr(text, 99)
+
+
+def test_xds_dump_takes_the_addr_form(capsys):
+    for addr in ("127.0.0.1:1", "http://127.0.0.1:1"):
+        code = cli.main(["xds", "dump", "--addr", addr, "--timeout", "0.5"])
+        assert code != 0
+        assert "127.0.0.1:1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["xds", "dump", "--addr", "127.0.0.1:x"])
+    assert "port 'x' is not a number" in capsys.readouterr().err
+
+
+def test_every_addr_flag_uses_the_common_parser():
+    """Every subcommand's ``--addr`` converts with agent.cli.parse_addr (same form)."""
+    parser = cli.build_parser()
+    found = 0
+    for sub in parser._subparsers._group_actions[0].choices.values():  # noqa: SLF001
+        stack = [sub]
+        while stack:
+            p = stack.pop()
+            for action in p._actions:  # noqa: SLF001
+                if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+                    stack += list(action.choices.values())
+                elif "--addr" in action.option_strings:
+                    found += 1
+                    assert getattr(action.type, "__name__", "") == "_addr", p.prog
+                    assert action.type("[::1]:9") == "[::1]:9"
+    assert found >= 1
+
+
+def test_closed_pipe_no_traceback():
+    read, write = os.pipe()
+    os.close(read)  # the reader (head) is gone before we write
+    proc = subprocess.run([sys.executable, "-m", "agent.cli", "config", "-o", "json",
+                           "--config-file", os.devnull], stdout=write, stderr=subprocess.PIPE,
+                          cwd=ROOT, timeout=60, text=True)
+    os.close(write)
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+    assert proc.returncode == 141
