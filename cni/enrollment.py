@@ -266,17 +266,20 @@ class Enrollment(Component):
         await self.ctx.run_blocking(self.host_rules.close)
 
     def ready(self) -> tuple[bool, str]:
-        """Not ready while an ambient pod's CNI ADD would block: no ztunnel has said hello
-        on the ZDS socket (the ADD would wait up to ``ztunnel_wait`` and then fail)."""
-        if not self._started:
-            return False, "not started"
+        return (True, "") if self._started else (False, "not started")
+
+    def add_blocker(self) -> str:
+        """Why an ambient pod's CNI ADD would block now ("" when it would not): no ztunnel
+        has said hello on the ZDS socket, so the ADD would wait up to ``ztunnel_wait`` and
+        then fail. The status server's ``/healthz/ready`` reports it; the health port's
+        ``/readyz`` (the DaemonSet's probe, upstream's install readiness) does not."""
         zds = self._zds()
         latest = getattr(zds, "latest", None)
-        if callable(latest) and latest() is None:
-            return False, (f"no ztunnel connected on {getattr(zds, 'path', 'the ZDS socket')}: "
-                           f"an ambient pod's CNI ADD would wait up to "
-                           f"{self.ctx.config.ztunnel_wait:g}s for one, then fail")
-        return True, ""
+        if self._started and callable(latest) and latest() is None:
+            return (f"no ztunnel connected on {getattr(zds, 'path', 'the ZDS socket')}: an "
+                    f"ambient pod's CNI ADD would wait up to {self.ctx.config.ztunnel_wait:g}s "
+                    f"for one, then fail")
+        return ""
 
     def debug_state(self) -> Any:
         return {

@@ -5,7 +5,8 @@ Three aiohttp listeners (spec ``sds-ca-status.md`` §4.1, §4.2, §4.8):
 ``status_port`` (15020), on ``status_address`` (default: all addresses):
 
 - ``/healthz/ready`` — 200 (empty) when every component is ready, the agent is not
-  shutting down or draining and, with ``envoy_admin_port`` set, Envoy's admin stats say
+  shutting down or draining, a ztunnel is connected when enrollment runs (else an ambient
+  pod's CNI ADD would block) and, with ``envoy_admin_port`` set, Envoy's admin stats say
   config received and LIVE (§4.3); else 503 with a one-line reason.
 - ``/app-health/<container>/{livez,readyz,startupz}``, ``/app-lifecycle/<container>/
   {prestopz,poststartz}`` — the rewritten kubelet probes from ``ISTIO_KUBE_APP_PROBERS``
@@ -235,7 +236,11 @@ class StatusServer(Component):
         if self.ctx.draining:
             return "agent is draining"
         ok, why = self.ctx.ready()
-        return "" if ok else why
+        if not ok:
+            return why
+        # what a new pod needs: an ambient CNI ADD must not block for want of a ztunnel
+        blocker = getattr(self.ctx.get("enrollment"), "add_blocker", None)
+        return (blocker() or "") if callable(blocker) else ""
 
     async def _ready(self, request: web.Request) -> web.Response:
         reason = await self.readiness_reason()
