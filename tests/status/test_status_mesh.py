@@ -19,11 +19,13 @@ from zds import PodInfo
 
 
 def harness():
-    h = b.Harness(derive_hbone=True)
+    h = b.Harness()
+    hbone = {"ambient.istio.io/redirection": "enabled"}  # what enrollment writes
     h.apply(
         b.ns("shop", labels={"istio.io/dataplane-mode": "ambient"}),
-        b.pod("cart", "shop", ip="10.1.0.5", labels={"app": "cart"}, node="node-a"),
-        b.pod("db", "shop", ip="10.1.0.6", labels={"app": "db"}, node="node-b"),
+        b.pod("cart", "shop", ip="10.1.0.5", labels={"app": "cart"}, node="node-a",
+              annotations=hbone),
+        b.pod("db", "shop", ip="10.1.0.6", labels={"app": "db"}, node="node-b", annotations=hbone),
         b.pod("web", "front", ip="10.2.0.7", labels={"app": "web"}, node="node-a"),
         b.service("cart", "shop", selector={"app": "cart"}, cluster_ip="10.96.0.10"),
         b.policy("allow-front", "shop", action="ALLOW",
