@@ -76,26 +76,34 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
         store = self.store()
         if store is None:
             return ""
+        # The node the target must run on: ours, else (no node_name) the caller pod's.
+        # A pod that is not scheduled runs on no node, so it never qualifies (upstream
+        # ``node_auth.go`` indexes only pods with a nodeName).
+        node_wanted = self.node_name
         if who.pod_name:  # a Kubernetes token names the caller's pod: it must be ours
             pod = next((p for p in store.list("Pod", caller.namespace)
                         if (p.get("metadata") or {}).get("name") == who.pod_name), None)
             if pod is None:
                 return f"caller pod {caller.namespace}/{who.pod_name} not found"
-            if who.pod_uid and (pod.get("metadata") or {}).get("uid") not in ("", None,
-                                                                               who.pod_uid):
+            uid = (pod.get("metadata") or {}).get("uid") or ""
+            if who.pod_uid and uid != who.pod_uid:
                 return f"caller pod {caller.namespace}/{who.pod_name}: UID does not match"
-            node = (pod.get("spec") or {}).get("nodeName")
-            if self.node_name and node not in ("", None, self.node_name):
-                return (f"caller pod {caller.namespace}/{who.pod_name} runs on node {node}, "
-                        f"not {self.node_name}")
+            if identity_of_pod(pod, self.trust_domain) != caller:
+                return (f"caller pod {caller.namespace}/{who.pod_name} does not run as "
+                        f"{caller}")
+            node = (pod.get("spec") or {}).get("nodeName") or ""
+            if not node or (self.node_name and node != self.node_name):
+                return (f"caller pod {caller.namespace}/{who.pod_name} runs on node "
+                        f"{node or '(none)'}, not {self.node_name or 'a node'}")
+            node_wanted = node
         for pod in store.list("Pod", wanted.namespace):
-            node = (pod.get("spec") or {}).get("nodeName")
+            node = (pod.get("spec") or {}).get("nodeName") or ""
             phase = (pod.get("status") or {}).get("phase", "")
             # The pod's identity is derived as attestation derives it (one rule).
             if identity_of_pod(pod, self.trust_domain) == wanted and phase != "Failed" and (
-                    not self.node_name or node in ("", None, self.node_name)):
+                    node and (not node_wanted or node == node_wanted)):
                 return ""
-        return f"no pod with identity {target} on node {self.node_name}"
+        return f"no pod with identity {target} on node {node_wanted or '(any)'}"
 
     async def CreateCertificate(self, request, context):  # noqa: N802 - gRPC name
         authenticator = self.authenticator
