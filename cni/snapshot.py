@@ -135,14 +135,37 @@ class SnapshotWriter(Component):
         return build_snapshot(self._store(), node_name=cfg.node_name, source=cfg.config_source,
                               exclude_namespaces=list(cfg.exclude_namespaces or ()))
 
+    def _source_ready(self) -> bool:
+        """Whether the config source holds its first full load (a Kubernetes source that
+        has not synced yet holds a part of the cluster, or nothing)."""
+        source = self.ctx.get("config-source")
+        if source is None:
+            return True
+        try:
+            return bool(source.ready()[0])
+        except Exception:  # noqa: BLE001 - undecidable: treat as not loaded
+            return False
+
     async def start(self) -> None:
         """Write the first snapshot and follow the store. A failed write is logged and
-        retried with the next change (the plugin keeps using the previous file)."""
+        retried with the next change (the plugin keeps using the previous file).
+
+        While the config source has not finished its first load, nothing is written:
+        a snapshot of a partial store would tell the plugin that ambient pods of the
+        previous run are unknown (and so let them through unmeshed while no agent runs).
+        The previous run's file stays until the source is ready (checked every
+        ``DEBOUNCE`` seconds)."""
         os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-        await self._write()
         subscribe = getattr(self._store(), "subscribe", None)
         if callable(subscribe):
             self._unsubscribe = subscribe(self._on_events)
+        if self._source_ready():
+            await self._write()
+        else:
+            self.error = "waiting for the config source's first load"
+            self._dirty = True
+            self._task = asyncio.get_running_loop().create_task(
+                self._debounced(), name="cni-snapshot-write")
 
     async def stop(self, grace: float) -> None:
         if self._unsubscribe is not None:
@@ -191,6 +214,8 @@ class SnapshotWriter(Component):
     async def _debounced(self) -> None:
         while self._dirty:
             await asyncio.sleep(DEBOUNCE)
+            if not self._source_ready():
+                continue  # stays dirty: written once the source is loaded
             self._dirty = False
             await self._write()
 

@@ -5,6 +5,7 @@ and a failed write is reported without stopping the agent."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import stat
@@ -122,6 +123,38 @@ async def test_failed_write_is_reported_and_retried_with_the_next_change(tmp_pat
         write(cluster / "all.yaml", *objects(AMBIENT))
         await eventually(lambda: writer.ready()[0])
         assert read(writer)["namespaces"] == {"shop": True}
+    finally:
+        await writer.stop(1)
+        await source.stop(1)
+        ctx.executor.shutdown(wait=False)
+
+
+async def test_previous_snapshot_kept_until_the_source_has_loaded(tmp_path):
+    """An agent whose config source has not loaded yet (a Kubernetes source before its
+    first LIST) must not replace the previous run's snapshot with an empty one: the plugin
+    would then let that run's ambient pods through unmeshed while no agent answers."""
+    cluster = tmp_path / "cluster"
+    cluster.mkdir()
+    write(cluster / "objs.yaml", *objects(AMBIENT))
+    cfg = agent_config.load({"state_dir": str(tmp_path / "state"), "config_dir": str(cluster),
+                             "config_file": os.devnull, "node_name": "n1"}, env={})
+    ctx = AgentContext(cfg)
+    source = ctx.add(ambient_source.build(ctx))
+    writer = ctx.add(snapshot.build(ctx))
+    os.makedirs(os.path.dirname(writer.path), exist_ok=True)
+    previous = {"version": 1, "excluded_namespaces": [], "namespaces": {"shop": True},
+                "pods": {"u-old": True}}
+    with open(writer.path, "w") as f:
+        json.dump(previous, f)
+    try:
+        await writer.start()  # the source has not loaded anything yet
+        assert not source.ready()[0]
+        await asyncio.sleep(3 * snapshot.DEBOUNCE)
+        assert read(writer) == previous
+        assert writer.ready()[0] is False
+        await source.start()
+        await eventually(lambda: read(writer)["pods"] == {"u-cart": True})
+        assert writer.ready() == (True, "")
     finally:
         await writer.stop(1)
         await source.stop(1)
