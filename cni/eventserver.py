@@ -44,7 +44,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 
-from agent import listeners
+from agent import listeners, unixsocket
 from agent.lifecycle import AgentContext, Component
 from cni import enablement
 from cni.events import CniPodEvent, EventError
@@ -101,8 +101,7 @@ class CniEventServer(Component):
             pass
         self._runner = listeners.runner(app, "cni-events", IDLE_TIMEOUT)
         await self._runner.setup()
-        await web.UnixSite(self._runner, self.socket_path).start()
-        os.chmod(self.socket_path, 0o600)
+        await web.SockSite(self._runner, unixsocket.bind_unix(self.socket_path, 0o600)).start()
         log.info("CNI event server listening on %s", self.socket_path)
 
     async def stop(self, grace: float) -> None:

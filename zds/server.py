@@ -49,6 +49,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from agent import unixsocket
 from agent.config import ConfigError
 from agent.peercred import peer_cred
 from agent.ratelimit import RepeatLimiter
@@ -578,25 +579,12 @@ def _bind_listener(path: str) -> tuple[socket.socket, int]:
         os.unlink(path)  # stale socket of a previous agent; "not exist" is fine
     except FileNotFoundError:
         pass
-    tmp = f"{path}.{os.getpid()}.tmp"
+    sock = unixsocket.bind_unix(path, 0o600, socket.SOCK_SEQPACKET)
     try:
-        os.unlink(tmp)
-    except FileNotFoundError:
-        pass
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK
-                         | socket.SOCK_CLOEXEC)
-    try:
-        sock.bind(tmp)
-        os.chmod(tmp, 0o600)
-        os.rename(tmp, path)
         sock.listen(128)
         return sock, os.stat(path).st_ino
     except BaseException:
         sock.close()
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         raise
 
 

@@ -34,6 +34,7 @@ import secrets
 import socket
 from typing import Callable
 
+from agent import unixsocket
 from agent.peercred import peer_cred
 from agent.sds.keys import Identity
 from cni.podnetns import CgroupError, parse_cgroup
@@ -157,9 +158,9 @@ class FrontDoor:
             os.unlink(self.public_path)
         except FileNotFoundError:
             pass
-        self._server = await asyncio.start_unix_server(self._handle, self.public_path,
-                                                       backlog=self.backlog)
-        os.chmod(self.public_path, self.mode)
+        self._server = await asyncio.start_unix_server(
+            self._handle, sock=unixsocket.bind_unix(self.public_path, self.mode),
+            backlog=self.backlog)
 
     def lookup(self, peer: str) -> PeerCred | None:
         """Credentials for a grpc ``context.peer()`` string, or None if not via the door."""

@@ -46,7 +46,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import Gauge
 
-from agent import fdbudget, listeners
+from agent import fdbudget, listeners, unixsocket
 from agent.config import ConfigError
 from agent.lifecycle import AgentContext, Component
 from agent.peercred import peer_cred
@@ -170,12 +170,8 @@ class StatusServer(Component):
         runner = self._runner(self._admin_app(), "admin")
         await runner.setup()
         self._runners.append(runner)
-        old = os.umask(0o177)  # never reachable with looser permissions, not even briefly
-        try:
-            await web.UnixSite(runner, path).start()
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
+        # never reachable with looser permissions, not even briefly
+        await web.SockSite(runner, unixsocket.bind_unix(path, 0o600)).start()
         self.admin_socket = path
 
     async def stop(self, grace: float) -> None:

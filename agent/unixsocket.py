@@ -1,0 +1,48 @@
+"""Unix listening sockets that are never reachable with wider permissions than asked.
+
+``bind()`` creates the socket file with the process umask applied to 0777, so binding at
+the final path and then ``chmod``-ing leaves a window in which a looser file is
+connectable (with umask 0, by every local user); changing the umask instead is
+process-wide and races every thread creating files at that moment. Here the socket is
+bound under a temporary name next to the final one, ``chmod``-ed, then renamed into
+place (``rename`` is atomic): a client can only ever find the file with its final mode.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import socket
+
+
+def bind_unix(path: str, mode: int, kind: int = socket.SOCK_STREAM) -> socket.socket:
+    """A non-blocking, close-on-exec ``AF_UNIX`` socket of type ``kind`` bound at ``path``
+    with permission bits ``mode`` (not listening yet; the caller or asyncio calls
+    ``listen``). A stale file at ``path`` is replaced. Raises OSError (the temporary
+    name is removed)."""
+    # A short temporary name (the final path may be close to the 108-byte limit).
+    directory = os.path.dirname(path) or "."
+    sock = socket.socket(socket.AF_UNIX, kind | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+    tmp = ""
+    try:
+        for attempt in range(8):
+            tmp = os.path.join(directory, f".s{secrets.token_hex(3)}")
+            try:
+                sock.bind(tmp)
+                break
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE or attempt == 7:
+                    tmp = ""
+                    raise
+        os.chmod(tmp, mode)
+        os.rename(tmp, path)
+        return sock
+    except BaseException:
+        sock.close()
+        if tmp:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        raise
