@@ -96,7 +96,10 @@ def parse_port(value: Any) -> int:
     """A TCP port 0..65535 (0 lets the kernel choose, useful in tests)."""
     if isinstance(value, bool):
         raise ValueError("expected a port number")
-    port = int(str(value).strip())
+    try:
+        port = int(str(value).strip())
+    except ValueError:
+        raise ValueError("expected a port number") from None
     if not 0 <= port <= 65535:
         raise ValueError("port must be between 0 and 65535")
     return port
@@ -321,7 +324,10 @@ def parse_app_probers(value: Any) -> Any:
 
 def parse_ratio(value: Any) -> float:
     """A fraction strictly between 0 and 1."""
-    ratio = float(parse_str(value))
+    try:
+        ratio = float(parse_str(value))
+    except ValueError:
+        raise ValueError("expected a number between 0 and 1, such as 0.5") from None
     if not 0 < ratio < 1:
         raise ValueError("must be between 0 and 1 (exclusive)")
     return ratio
@@ -669,6 +675,8 @@ def _read_config_file(path: str) -> dict[str, Any]:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError("config_file", path, f"malformed YAML{where}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError("config_file", path, f"not UTF-8 text (byte {e.start})") from None
     except OSError as e:
         raise ConfigError("config_file", path, e.strerror or str(e)) from None
     if data is None:

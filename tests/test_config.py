@@ -184,6 +184,22 @@ def test_malformed_yaml_and_unknown_keys(tmp_path):
     wrong_type.write_text("xds_port: {a: 1}\n")
     with pytest.raises(cfg.ConfigError, match="xds_port"):
         cfg.load({"config_file": str(wrong_type)}, env={})
+    not_text = tmp_path / "latin1.yaml"
+    not_text.write_bytes(b"\xff\xfestatus_port: 1\n")
+    with pytest.raises(cfg.ConfigError, match="not UTF-8 text") as e:
+        cfg.load({"config_file": str(not_text)}, env={})
+    assert e.value.setting == "config_file"
+
+
+@pytest.mark.parametrize("flag,value,reason", [
+    ("status_port", "abc", "expected a port number"),
+    ("secret_grace_ratio", "half", "expected a number between 0 and 1"),
+])
+def test_non_numbers_are_named_in_words(flag, value, reason):
+    """Python's "invalid literal for int() with base 10" is not a message for operators."""
+    with pytest.raises(cfg.ConfigError, match=reason) as e:
+        cfg.load({flag: value}, env={})
+    assert e.value.setting == flag and "int()" not in str(e.value) and "float" not in str(e.value)
 
 
 def _cli(*args, env=None):
