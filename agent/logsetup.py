@@ -26,7 +26,11 @@ LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING,
 _PEM_KEY = re.compile(r"-----BEGIN ([A-Z ]*)PRIVATE KEY-----.*?(-----END \1PRIVATE KEY-----|$)",
                       re.S)
 _BEARER = re.compile(r"(?i)(bearer\s+)[A-Za-z0-9\-._~+/]+=*")
-_TOKEN_FIELD = re.compile(r'(?i)("?(?:token|private_key|authorization)"?\s*[:=]\s*"?)[^",\s}]+')
+# The value of a token-like field, unless it is the auth scheme word itself ("Bearer",
+# whose token _BEARER has already replaced; "no 'authorization: Bearer' token" keeps
+# its meaning) or an earlier replacement.
+_TOKEN_FIELD = re.compile(r'(?i)("?(?:token|private_key|authorization)"?\s*[:=]\s*"?)'
+                          r'(?!bearer\b|\[REDACTED)[^",\s}]+')
 
 
 def redact(text: str) -> str:

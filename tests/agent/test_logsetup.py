@@ -49,3 +49,21 @@ def test_bad_level_names_the_part():
     with pytest.raises(ValueError, match="'loud'"):
         logsetup.parse_levels("info,zds:loud")
     assert logsetup.parse_levels("debug,sds:error") == (logging.DEBUG, {"sds": logging.ERROR})
+
+
+@pytest.mark.parametrize("line,kept,gone", [
+    # the agent's own refusal reason: nothing secret, must stay readable
+    ("no client certificate and no 'authorization: Bearer' token",
+     "no client certificate and no 'authorization: Bearer' token", None),
+    ("authorization: Bearer abc.def", "authorization: Bearer [REDACTED]", "abc.def"),
+    ("authorization: bearer\tabc.def", "[REDACTED]", "abc.def"),
+    ("authorization: Bearerabc", "authorization: [REDACTED]", "Bearerabc"),
+    ("authorization: s3cr3t", "authorization: [REDACTED]", "s3cr3t"),
+    ('{"authorization": "Bearer xyz"}', '"Bearer [REDACTED]"', "xyz"),
+])
+def test_bearer_scheme_word_is_not_a_secret(line, kept, gone):
+    out = logsetup.redact(line)
+    assert kept in out
+    if gone:
+        assert gone not in out
+
