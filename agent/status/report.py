@@ -252,7 +252,7 @@ def held(holds: dict) -> str:
 
 
 SDS_KNOWN = {"mode", "identity", "socket", "ca", "ca_port", "ca_issued", "streams", "nacks",
-             "csr_count", "certificates", "failures"}
+             "csr_count", "certificates", "failures", "mesh_root_file"}
 CERT_KNOWN = {"spiffe_id", "serial", "expires", "watchers"}
 
 
@@ -264,7 +264,10 @@ def sds(data: dict, now: float) -> list[str]:
         x for x in [facts(data, [("mode", "mode"), ("identity", "identity")]), f"CA {ca}",
                     facts(data, [("ca_issued", "issued"), ("csr_count", "CSRs")]),
                     f"streams {len(streams)}", facts(data, [("nacks", "NACKs")])] if x),
-           f"  socket {cell(data.get('socket'), None)}"]
+           f"  socket {cell(data.get('socket'), None)}"
+           + (f"  mesh root {data['mesh_root_file']}" if data.get("mesh_root_file") else "")]
+    if "ca_port_tls" in data and not data["ca_port_tls"]:
+        data = {k: v for k, v in data.items() if k != "ca_port_tls"}  # no separate CA port
     rows = [{"spiffe id": c.get("spiffe_id"), "serial": short(c.get("serial")),
              "expires": when(c.get("expires"), now),
              "watching streams": watching(c, streams)} for c in certs]

@@ -97,6 +97,9 @@ async def test_empty_agent(tmp_path, state_dir):
     assert "streams 0" in sds_lines[0]
     # fixed mode mints its certificate at start: held, nobody watching
     assert sds_lines[2] == "Certificates (1)" and row(sds_lines[3:], SPIFFE)[3] == "0"
+    # the mesh root on the socket line, no raw "key: -" lines for an absent CA port
+    assert sds.config.mesh_root_file and f"mesh root {sds.config.mesh_root_file}" in sds_lines[1]
+    assert "ca_port_tls" not in out and "mesh_root_file" not in out
     xds_lines = block(out, "xDS clients")
     assert xds_lines[0].startswith("xDS clients (0)  plaintext 127.0.0.1:")
     assert "pushes 0  cached Address 0" in xds_lines[0] and xds_lines[1:] == ["  none connected"]
