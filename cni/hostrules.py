@@ -134,7 +134,14 @@ class HostProbeRules:
         with self._ipset_lock:
             if self._ipset_sock is None:
                 with self._in_netns():
-                    self._ipset_sock = IPSet()
+                    try:
+                        self._ipset_sock = IPSet()
+                    except NetlinkError as e:
+                        if e.code == errno.EPERM:  # not retried: it never starts working
+                            raise PermissionError(
+                                "ipset netlink socket: operation not permitted (host probe "
+                                "rules need root, CAP_NET_ADMIN)") from None
+                        raise RulesError(f"ipset netlink socket: {e}") from None
                 # pyroute2 keeps a private event loop per *thread* and closes only the
                 # calling thread's one on close(); worker threads differ between calls
                 self._ipset_loop = getattr(getattr(self._ipset_sock, "asyncore", None),

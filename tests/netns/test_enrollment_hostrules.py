@@ -8,11 +8,15 @@ from __future__ import annotations
 import re
 import secrets
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from pyroute2 import netns as pr_netns
 
 from cni.hostrules import HostProbeRules
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -117,3 +121,21 @@ def test_remove_pod_by_owner_when_ips_unknown(rules):
     assert sorted(rules.remove_pod("gone")) == ["10.2.2.2", "fd00::2"]
     assert rules.remove_pod("gone", ["10.2.2.3"]) == []
     assert rules.entries() == {"10.2.2.3": "other"}
+
+
+def test_without_cap_net_admin_one_clear_error(node):
+    """The agent run without CAP_NET_ADMIN (as a plain user, say): setting up the host
+    rules fails at once naming what is missing, not with pyroute2's bare
+    "(1, 'Operation not permitted')" (``ambient-agent run`` prints it after "cannot
+    start enrollment:"). CAP_SYS_ADMIN stays so the scratch netns can be entered."""
+    tag = secrets.token_hex(2)
+    code = ("from cni.hostrules import HostProbeRules\n"
+            f"HostProbeRules(netns='/var/run/netns/{node}', set_v4='probes-v4-{tag}', "
+            f"set_v6='probes-v6-{tag}', chain='ISTIO_POSTRT_{tag}').setup()\n")
+    r = subprocess.run(["setpriv", "--bounding-set=-net_admin", "--inh-caps=-net_admin",
+                        sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=ROOT, timeout=60)
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == ("PermissionError: ipset netlink socket: operation not permitted "
+                    "(host probe rules need root, CAP_NET_ADMIN)"), r.stderr
