@@ -249,7 +249,11 @@ async def _run(node, ds, cm, spec, container, pr_netns, pod_manifest, ZdsClient)
                                                if v["name"] == m["name"]))
     os.rename(root / "config", root / config_mount["name"])
     cluster = Path(state_dir) / "cluster"
-    cluster.mkdir(mode=0o700, exist_ok=True)
+    if not cluster.exists():
+        cluster.mkdir(mode=0o700)
+        node.later(shutil.rmtree, str(cluster), True)
+    if not (cluster / "namespaces.yaml").exists():
+        node.later((cluster / "namespaces.yaml").unlink, missing_ok=True)
     shutil.copy(EXAMPLES / "namespaces.yaml", cluster / "namespaces.yaml")
     busybox = f"localhost/ds-busybox:{node.suffix}"
     await asyncio.to_thread(pm.import_busybox, busybox)
@@ -293,6 +297,10 @@ async def _run(node, ds, cm, spec, container, pr_netns, pod_manifest, ZdsClient)
 
     # --- two pods through CNI, each with its Pod object first ---
     pods = []
+    # The host's state dir is shared: remove the Pod objects written into it, after the
+    # containers (cleanups run in reverse).
+    pod_files: list[Path] = []
+    node.later(lambda: [f.unlink(missing_ok=True) for f in pod_files])
     for i in range(2):
         pname = f"ds-pod{i}-{node.suffix}"
         cid = await asyncio.to_thread(pm.create, pname, net, busybox, "/bin/busybox",
@@ -301,7 +309,9 @@ async def _run(node, ds, cm, spec, container, pr_netns, pod_manifest, ZdsClient)
         manifest = pod_manifest(pname, POD_NAMESPACE, cid, "", socket.gethostname(),
                                 "default", {"app": pname}, ready=False)
         manifest["status"] = {"phase": "Pending"}
-        (cluster / f"pod-{cid[:12]}.yaml").write_text(yaml.safe_dump(manifest))
+        pod_file = cluster / f"pod-{cid[:12]}.yaml"
+        pod_files.append(pod_file)
+        pod_file.write_text(yaml.safe_dump(manifest))
         await asyncio.sleep(1.0)  # the files source picks it up (watch + debounce)
         await asyncio.to_thread(pm.start, cid)
         netns_path, ip = await asyncio.to_thread(pm.netns_and_ip, cid, net)
