@@ -69,6 +69,8 @@ class FakeZtunnel:
                 return
             try:
                 self._handle(packet)
+            except OSError:  # the agent closed the connection before our ack: as ztunnel, stop
+                return
             finally:
                 packet.close_fds()
 
