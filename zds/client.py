@@ -86,7 +86,7 @@ class Accepted:
     data: bytes = b""
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class HeldPod:
     """A running "proxy" for a pod: its workload info, netns fd and listeners."""
 

@@ -21,9 +21,10 @@ Deliberate differences from upstream, and why:
 - An ack timeout **drops the connection** (upstream keeps it, and a late ack is then
   taken as the next message's ack, §7). ztunnel reconnects and gets a fresh snapshot
   that includes the pod, so nothing is lost.
-- A pod deleted while a snapshot is in flight is skipped when the snapshot reaches it
-  (the fd is looked up in the same loop step as ``sendmsg``), so it is never announced
-  after its delete; a queued live Add whose pod was deleted or replaced is withdrawn.
+- The snapshot is sent by a thread with blocking I/O (:meth:`ZdsConnection._send_snapshot`);
+  a pod deleted while it is in flight is skipped when the snapshot reaches it (the fd
+  is looked up under the lock its close takes), so it is never announced after its
+  delete; a queued live Add whose pod was deleted or replaced is withdrawn.
 - ``add(pod, wait_ack=False)`` records the pod and, if a ztunnel is connected, also
   sends it without waiting (upstream's restart path only caches it).
 
@@ -38,12 +39,16 @@ ztunnel shuts every proxy not named before ``SnapshotSent``.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import errno
 import logging
 import os
+import select
 import socket
+import struct
+import threading
 import time
 from typing import Any
 
@@ -64,6 +69,12 @@ HELLO_TIMEOUT = 5.0       # seconds to wait for ZdsHello after accept (§1.4)
 ACK_TIMEOUT = 5.0         # seconds for each write and each ack (readWriteDeadline)
 KEEPALIVE_INTERVAL = 5.0  # seconds of idleness between keepalive probes
 ACCEPT_RATE = 5.0         # accepts per second, burst 1 (§1.1)
+
+
+# Held by a snapshot thread from reading a record's fd to sendmsg having taken it, and
+# by _PodRecord.close: the loop can't close (and the process reuse) an fd number under
+# a send. Uncontended almost always; never held across a blocking call.
+_FD_LOCK = threading.Lock()
 
 
 class _PodRecord:
@@ -89,9 +100,13 @@ class _PodRecord:
                              f"is not an open fd: {e.strerror}") from None
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        with _FD_LOCK:  # never while a snapshot thread is handing this fd to sendmsg
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+
+
+_SNAPSHOT_SENT = wire.encode_snapshot_sent()
 
 
 class _NotSent(Exception):
@@ -134,49 +149,31 @@ class _Flight:
         self.kind, self.uid, self.sent_at, self.on_ack = kind, uid, sent_at, on_ack
 
 
-class _SnapshotPump:
-    """Sends the snapshot from the reader callback: each ack sends the next pod's
-    request in the same loop step, so a 1,000-pod snapshot costs no task wake-up, future
-    or timer per message. :attr:`done` gets None (every pod sent), ``(uid, record)``
-    when the socket buffer is full (the writer then waits for room and resumes), or
-    the :class:`_Drop` that ends the connection."""
+class _SnapshotOutcome:
+    """What the snapshot thread hands back to the loop: per-kind counts of requests
+    sent, the uids ztunnel acked without error (uid -> kind), NACKs, and ack latencies
+    (seconds) for the histogram, observed on the loop after the snapshot is done."""
 
-    __slots__ = ("conn", "uids", "done", "uid", "record")
+    __slots__ = ("sent", "held", "nacks", "latencies")
 
-    def __init__(self, conn: "ZdsConnection", uids):
-        self.conn, self.uids = conn, uids
-        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.uid: str = ""
-        self.record: _PodRecord | None = None
+    def __init__(self):
+        self.sent = {"add": 0, "keep": 0, "snapshot_sent": 0}
+        self.held: dict[str, str] = {}
+        self.nacks = 0
+        self.latencies: list[float] = []
 
-    def next(self) -> None:
-        pods = self.conn.server._pods
-        for uid in self.uids:
-            record = pods.get(uid)
-            if record is None:  # deleted since the snapshot started: never announce it
-                continue
-            try:
-                sent = self.conn._send_now(record.kind, uid, record.message, record,
-                                            self._on_ack)
-            except BlockingIOError:
-                self.done.set_result((uid, record))
-                return
-            except _Drop as e:
-                self.done.set_exception(e)
-                return
-            if sent:
-                self.uid, self.record = uid, record
-                return
-        self.done.set_result(None)
 
-    def _on_ack(self, ack, error) -> None:
-        if self.done.done():  # the writer was cancelled meanwhile
-            return
-        if error is not None:
-            self.done.set_exception(error)
-            return
-        self.conn._snapshot_acked(self.uid, self.record, ack)
-        self.next()
+_TIMEVAL = struct.Struct("ll")
+
+
+def _set_io_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Kernel send/receive timeouts (SO_SNDTIMEO/SO_RCVTIMEO) for blocking calls: the
+    call fails with EAGAIN after ``seconds``, without the poll() Python adds before
+    every call on a socket with a Python-level timeout. 0 turns them off."""
+    whole = int(seconds)
+    tv = _TIMEVAL.pack(whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 class ZdsConnection:
@@ -236,10 +233,10 @@ class ZdsConnection:
         reason, level = "stopped", None
         try:
             await self._read_hello()
+            self.server._notify()  # a new latest connection: waiting adds may queue
+            await self._send_snapshot()
             asyncio.get_running_loop().add_reader(self.sock.fileno(), self._on_readable)
             self._reading = True
-            self.server._notify()  # a new latest connection: waiting adds may go
-            await self._send_snapshot()
             await self._serve_updates()
         except _Drop as e:
             reason = str(e)
@@ -283,30 +280,145 @@ class ZdsConnection:
                  self.peer_pid, hello.version)
 
     async def _send_snapshot(self) -> None:
-        uids = iter(list(self.server._pods))
-        while True:
-            pump = _SnapshotPump(self, uids)
-            pump.next()
-            blocked = await pump.done
-            if blocked is None:
-                break
-            uid, record = blocked  # buffer full: wait for room (write timeout), then resume
-            ack = await self._exchange(record.kind, uid, record.message, record)
-            if ack is not None:
-                self._snapshot_acked(uid, record, ack)
-        ack = await self._exchange("snapshot_sent", "", wire.encode_snapshot_sent(), None)
-        if ack is not None and ack.error:
+        """Send the snapshot (every recorded pod, then ``SnapshotSent``) on a thread of
+        its own with blocking I/O, one request and its ack at a time as upstream does.
+        A 1,000-pod snapshot is 1,001 round trips; on the event loop each would also pay
+        an epoll wake-up and a loop iteration. The loop is free meanwhile: adds and
+        deletes queue for :meth:`_serve_updates`; a pod deleted or replaced before its
+        turn is skipped (``_PodRecord.close`` and the send share ``_FD_LOCK``).
+        Cancelling shuts the socket down, which ends the thread's blocking read."""
+        loop = asyncio.get_running_loop()
+        uids = list(self.server._pods)
+        done = loop.create_future()
+
+        def finish(outcome) -> None:
+            if not done.done():
+                done.set_result(outcome)
+
+        def worker() -> None:
+            try:
+                outcome: Any = self._snapshot_blocking(uids)
+            except BaseException as e:  # noqa: BLE001 - handed to the loop, raised there
+                outcome = e
+            try:
+                loop.call_soon_threadsafe(finish, outcome)
+            except RuntimeError:  # loop closed: nobody waits any more
+                pass
+
+        self.sock.setblocking(True)
+        _set_io_timeouts(self.sock, self.server.ack_timeout)
+        thread = threading.Thread(target=worker, name=f"zds-snapshot-{self.id}", daemon=True)
+        thread.start()
+        try:
+            outcome = await asyncio.shield(done)
+        except asyncio.CancelledError:
+            _shutdown(self.sock)
+            await done
+            raise
+        finally:
+            if not self.closed:
+                try:
+                    _set_io_timeouts(self.sock, 0)
+                    self.sock.setblocking(False)
+                except OSError:
+                    pass
+        if isinstance(outcome, BaseException):
+            raise outcome
+        self._snapshot_done(outcome)
+
+    def _snapshot_blocking(self, uids: list[str]) -> _SnapshotOutcome:
+        """The snapshot thread's loop (blocking socket, kernel timeouts). Raises
+        :class:`_Drop` on a send error, timeout, EOF or a bad ack."""
+        sock, pods, lock = self.sock, self.server._pods, _FD_LOCK
+        out = _SnapshotOutcome()
+        sent, held, latencies = out.sent, out.held, out.latencies
+        clock = time.perf_counter
+        timeout = self.server.ack_timeout
+        for uid in uids:
+            record, kind, deadline = None, "", 0.0
+            while True:
+                with lock:  # the fd stays open (and ours) until sendmsg has taken it
+                    record = pods.get(uid)
+                    if record is None or (record.kind == "add" and record.fd is None):
+                        record = None  # deleted since the snapshot started: never announce it
+                        break
+                    kind = record.kind
+                    t0 = clock()
+                    try:
+                        _send_nowait(sock, record.message, record.fd)
+                        break
+                    except BlockingIOError:
+                        pass  # buffer full: wait for room below, not holding the lock
+                    except OSError as e:
+                        raise _Drop(f"{_what(kind, uid)}: sendmsg: {e.strerror or e}") from None
+                deadline = deadline or t0 + timeout
+                if not _poll_writable(sock, deadline - clock()):
+                    raise _Drop(f"{_what(kind, uid)}: socket not writable within {timeout:g}s",
+                                timeout=True)
+            if record is None:
+                continue
+            ack = self._ack_blocking(kind, uid, timeout)
+            latencies.append(clock() - t0)
+            sent[kind] += 1
+            if ack.error:  # upstream only logs NACKs during the snapshot
+                out.nacks += 1
+                log.warning("ztunnel NACKed pod %s in snapshot (connection %d): %s", uid,
+                            self.id, ack.error)
+            else:
+                held[uid] = kind
+        t0 = clock()
+        self._send_blocking("snapshot_sent", "", _SNAPSHOT_SENT, None)
+        ack = self._ack_blocking("snapshot_sent", "", timeout)
+        latencies.append(clock() - t0)
+        sent["snapshot_sent"] += 1
+        if ack.error:
+            out.nacks += 1
             log.warning("ztunnel NACKed SnapshotSent (connection %d): %s", self.id, ack.error)
+        return out
+
+    def _send_blocking(self, kind: str, uid: str, data: bytes, fd: int | None) -> None:
+        try:
+            wire.send_packet(self.sock, data, fd)
+        except BlockingIOError:  # SO_SNDTIMEO passed with the buffer still full
+            raise _Drop(f"{_what(kind, uid)}: socket not writable within "
+                        f"{self.server.ack_timeout:g}s", timeout=True) from None
+        except OSError as e:
+            raise _Drop(f"{_what(kind, uid)}: sendmsg: {e.strerror or e}") from None
+
+    def _ack_blocking(self, kind: str, uid: str, timeout: float):
+        try:
+            packet = wire.recv_packet(self.sock, max_fds=0)
+        except BlockingIOError:  # SO_RCVTIMEO
+            raise _Drop(f"{_what(kind, uid)}: no ack within {timeout:g}s",
+                        timeout=True) from None
+        except (wire.WireError, OSError) as e:
+            raise _Drop(f"{_what(kind, uid)}: reading ack: {e}") from None
+        if packet is None:
+            raise _Drop(f"{_what(kind, uid)}: ztunnel closed the connection before acking")
+        try:
+            return wire.decode_ack(packet.data)
+        except wire.WireError as e:
+            raise _Drop(f"{_what(kind, uid)}: {e}") from None
+
+    def _snapshot_done(self, out: _SnapshotOutcome) -> None:
+        """Back on the loop: publish holds, mark the snapshot sent, wake waiters; the
+        metrics are updated after that (bookkeeping, not on ztunnel's path)."""
+        self.held.update(out.held)
         self.snapshot_sent = True
         self.server._notify()
         log.info("snapshot of %d pods sent to connection %d", len(self.held), self.id)
-
-    def _snapshot_acked(self, uid: str, record: _PodRecord, ack) -> None:
-        if ack.error:  # upstream only logs NACKs during the snapshot
-            log.warning("ztunnel NACKed pod %s in snapshot (connection %d): %s", uid,
-                        self.id, ack.error)
-        else:
-            self.held[uid] = record.kind
+        for kind, n in out.sent.items():
+            if n:
+                self._m_sent[kind].inc(n)
+        acks = len(out.latencies)
+        self._m_acks.inc(acks)
+        if out.nacks:
+            self._m_nack.inc(out.nacks)
+        if acks - out.nacks:
+            self._m_ok.inc(acks - out.nacks)
+        observe = self._m_latency.observe
+        for seconds in out.latencies:
+            observe(seconds)
 
     async def _serve_updates(self) -> None:
         while True:
@@ -339,7 +451,7 @@ class ZdsConnection:
     def _on_readable(self) -> None:
         """Reader callback: every queued packet (or EOF/error) completes the request in
         flight, or goes to the inbox (ztunnel spoke unasked; the writer drops it).
-        Landing an ack sends the next snapshot request from here (:class:`_SnapshotPump`)."""
+        """
         while True:
             try:
                 outcome: Any = wire.recv_packet(self.sock, max_fds=0)
@@ -535,6 +647,27 @@ class ZdsConnection:
                 "connected_at": self.connected_at, "snapshot_sent": self.snapshot_sent,
                 "queued": self.queue.qsize(), "last_keepalive": self.last_keepalive,
                 "holds": dict(sorted(self.held.items()))}
+
+
+def _send_nowait(sock: socket.socket, data: bytes, fd: int | None) -> None:
+    """One packet with MSG_DONTWAIT (on a blocking socket); BlockingIOError when full."""
+    anc = [] if fd is None else [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+    sock.sendmsg([data], anc, socket.MSG_DONTWAIT)
+
+
+def _poll_writable(sock: socket.socket, seconds: float) -> bool:
+    if seconds <= 0:
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLOUT)
+    return bool(poller.poll(seconds * 1000))
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _peer_pid(sock: socket.socket) -> int | None:
