@@ -433,6 +433,9 @@ class Enrollment(Component):
             old = self.records.get(rec.uid)
             if old is not None and old.netns == rec.netns and old.status == "enabled":
                 rec.steps = dict(old.steps)
+            # a pod this agent knows (repeated ADD, ADD after a failure) may hold rules:
+            # its netns is looked at before applying (cni.rules_detect.apply)
+            known = old is not None
             self.records[rec.uid] = rec
             try:
                 fd = netns_mod.open_netns(rec.netns)
@@ -444,24 +447,24 @@ class Enrollment(Component):
                 raise EnrollmentError(f"{rec.label()}: netns path {rec.netns!r}: "
                                       f"{os.strerror(e.errno or 0)}{hint}") from None
             try:
-                await self._enroll_steps(rec, fd)
+                await self._enroll_steps(rec, fd, known)
             finally:
                 os.close(fd)
 
-    async def _enroll_steps(self, rec: PodRecord, fd: int) -> None:
+    async def _enroll_steps(self, rec: PodRecord, fd: int, known: bool = True) -> None:
         inode = os.fstat(fd).st_ino
         opts = pod_options(self.base_options, rec.annotations)
         try:
-            await self._steps_or_rollback(rec, fd, opts, inode)
+            await self._steps_or_rollback(rec, fd, opts, inode, known)
         except asyncio.CancelledError:
             # a CNI DEL (abort_enroll) or shutdown: undo whatever ran, then stay cancelled
             self._rollback_problems[rec.uid] = await self._rollback_all(rec, fd, opts)
             raise
 
     async def _steps_or_rollback(self, rec: PodRecord, fd: int, opts: RuleOptions,
-                                 inode: int) -> None:
+                                 inode: int, known: bool = True) -> None:
         try:
-            outcome = await self._blocking(self._apply_rules, fd, opts, rec.netns)
+            outcome = await self._blocking(self._apply_rules, fd, opts, rec.netns, known)
         except LoopbackDown as e:  # checked before any rule: nothing to roll back
             self._fail(rec, "rules", str(e))
             raise EnrollmentError(f"{rec.label()}: {e}; nothing was applied") from None
@@ -500,31 +503,31 @@ class Enrollment(Component):
                 fut.exception()  # retrieved: the caller rolls back whatever it did
             raise
 
-    def _apply_rules(self, fd: int, opts: RuleOptions, netns_path: str = "") -> str:
+    def _apply_rules(self, fd: int, opts: RuleOptions, netns_path: str = "",
+                     known: bool = True) -> str:
         """In the pod netns (worker thread): check ``lo`` is up, then apply the ruleset in
-        the stack the netns already holds our rules in, if any (:func:`rules_detect.pick`:
+        the stack the netns already holds our rules in, if any (:func:`rules_detect.apply`:
         a pod never gets a second copy in another stack, e.g. after the recorded iptables
-        flavor was lost), else with the agent's backend. Raises :class:`LoopbackDown`,
-        RulesError, OSError."""
+        flavor was lost), else with the agent's backend. ``known``: the agent has a
+        record of the pod (always looked at; else only when our routing is there).
+        Raises :class:`LoopbackDown`, RulesError, OSError."""
         with netns_mod.entered(fd):
             label = netns_path or f"fd {fd}"
             _require_loopback_up(label)
-            backend, strays = rules_detect.pick(self.backend, opts.ipv6)
+            outcome, backend, strays = rules_detect.apply(self.backend, opts, known)
             if backend is not self.backend:
                 log.warning("pod netns %s holds our rules in %s, not in the agent's %s: "
-                            "reconciling them there", label, rules_detect.stack_of(backend),
+                            "reconciled them there", label, rules_detect.stack_of(backend),
                             rules_detect.stack_of(self.backend))
-            outcome = backend.apply(opts)
-            for stray in strays:  # copies an earlier agent left in a second stack
+            for stray in strays:
                 log.warning("pod netns %s also held our rules in %s: removed", label,
                             rules_detect.stack_of(stray))
-                stray.delete(opts.ipv6, routing=False)
             return outcome
 
-    def _delete_rules(self, ipv6: bool) -> None:
+    def _delete_rules(self, ipv6: bool, during=None) -> None:
         """In the pod netns (worker thread): our rules out of every stack holding them,
-        then the routing."""
-        rules_detect.delete_everywhere(self.backend, ipv6)
+        then the routing. ``during``: see :func:`rules_detect.delete_everywhere`."""
+        rules_detect.delete_everywhere(self.backend, ipv6, during)
 
     async def _rollback_rules(self, fd: int, opts: RuleOptions) -> list[str]:
         """Delete the in-pod rules; returns what could not be undone (empty: all done)."""
@@ -735,26 +738,40 @@ class Enrollment(Component):
 
     async def _remove(self, rec: PodRecord, netns_path: str, is_delete: bool = True
                       ) -> list[str]:
-        """Probe set entries and in-pod rules (when ``netns_path``) at once: they live in
-        different netns and neither depends on the other; ZDS delete only after the
-        rules are gone, so ztunnel never drains a proxy that traffic is still sent to."""
+        """In-pod rules (when ``netns_path``), with the probe set entries removed while the
+        rules' deleting transaction waits for the kernel (they live in another netns and
+        neither depends on the other; started earlier, their netlink work would compete
+        with the rules' look at the pod netns); ZDS delete only after the rules are gone,
+        so ztunnel never drains a proxy that traffic is still sent to."""
         errors: list[str] = []
-        hostset = None
-        if self.host_rules is not None:  # by owner: also when the pod's IPs are unknown
-            hostset = asyncio.ensure_future(
-                self.ctx.run_blocking(self.host_rules.remove_pod, rec.uid, rec.ips))
+        loop = asyncio.get_running_loop()
+        hostset: asyncio.Future | None = None
+
+        def start_hostset() -> None:
+            nonlocal hostset
+            if hostset is None and self.host_rules is not None:  # by owner: IPs may be unknown
+                hostset = asyncio.ensure_future(
+                    self.ctx.run_blocking(self.host_rules.remove_pod, rec.uid, rec.ips))
+
         if netns_path and os.path.exists(netns_path):
             opts = pod_options(self.base_options, rec.annotations)
 
+            def during() -> None:  # the kernel is busy with the deleting transaction
+                try:
+                    loop.call_soon_threadsafe(start_hostset)
+                except RuntimeError:  # loop closing: the entries go below or not at all
+                    pass
+
             def undo():
                 with netns_mod.entered(netns_path):
-                    self._delete_rules(opts.ipv6)
+                    self._delete_rules(opts.ipv6, during)
             try:
                 await self.ctx.run_blocking(undo)
             except netns_mod.NetnsError:
                 pass  # vanished between the check and the entry: nothing left to clean
             except (RulesError, OSError) as e:
                 errors.append(f"in-pod rules: {e}")
+        start_hostset()  # not started during the deletion (no rules, or it failed first)
         zds = self._zds()
         if zds is not None:
             try:

@@ -107,16 +107,29 @@ def _ipv6_lo_disabled() -> bool:
         return False  # upstream: read errors -> still try
 
 
-def add_routing(ipv6: bool) -> None:
+def _loopback_index() -> int | None:
+    """ifindex of ``lo`` in the calling thread's netns (an ioctl on a socket made there,
+    not a netlink link dump); None when there is none."""
+    try:
+        return socket.if_nametoindex("lo")
+    except OSError:
+        return None
+
+
+def add_routing(ipv6: bool) -> bool:
     """In the current netns: ``ip rule fwmark 0x111/0xfff lookup 100 pref 32764`` (EEXIST
     ignored) and ``ip route replace local <any> dev lo table 100`` per family (spec §4.3).
 
-    Raises :class:`RulesError` naming the failed netlink call.
+    Returns True when our ip rule was already there (for some family): the pod holds, or
+    held, our rules (every backend adds this routing with them; :mod:`cni.rules_detect`
+    uses it to decide whether the netns needs looking at). Raises :class:`RulesError`
+    naming the failed netlink call.
     """
+    existed = False
+    lo = _loopback_index()
+    if lo is None:
+        raise RulesError("no loopback interface in the pod netns")
     with IPRoute() as ipr:
-        lo = ipr.link_lookup(ifname="lo")
-        if not lo:
-            raise RulesError("no loopback interface in the pod netns")
         for family in _families(ipv6):
             try:
                 ipr.rule("add", family=family, table=ROUTE_TABLE_INBOUND, priority=RULE_PRIORITY,
@@ -124,20 +137,22 @@ def add_routing(ipv6: bool) -> None:
             except NetlinkError as e:
                 if e.code != errno.EEXIST:
                     raise RulesError(f"ip rule add (family {family}): {e}") from None
+                existed = True
             if family == socket.AF_INET6 and _ipv6_lo_disabled():
                 continue
             dst = "0.0.0.0/0" if family == socket.AF_INET else "::/0"
             try:
-                ipr.route("replace", family=family, dst=dst, type=_RTN_LOCAL, oif=lo[0], scope=254,
+                ipr.route("replace", family=family, dst=dst, type=_RTN_LOCAL, oif=lo, scope=254,
                           table=ROUTE_TABLE_INBOUND)
             except NetlinkError as e:
                 raise RulesError(f"ip route replace local {dst} table 100: {e}") from None
+    return existed
 
 
 def delete_routing(ipv6: bool) -> None:
     """Remove what :func:`add_routing` added; missing entries are fine (idempotent)."""
+    lo = _loopback_index()
     with IPRoute() as ipr:
-        lo = ipr.link_lookup(ifname="lo")
         for family in _families(ipv6):
             while True:  # remove duplicates too, should an older agent have left any
                 try:
@@ -147,9 +162,9 @@ def delete_routing(ipv6: bool) -> None:
                 except NetlinkError:
                     break
             dst = "0.0.0.0/0" if family == socket.AF_INET else "::/0"
-            if lo:
+            if lo is not None:
                 try:
-                    ipr.route("del", family=family, dst=dst, type=_RTN_LOCAL, oif=lo[0], scope=254,
+                    ipr.route("del", family=family, dst=dst, type=_RTN_LOCAL, oif=lo, scope=254,
                               table=ROUTE_TABLE_INBOUND)
                 except NetlinkError as e:
                     if e.code not in (errno.ESRCH, errno.ENOENT):

@@ -13,13 +13,20 @@ legacy when legacy rules exist there, else nft). We do the same per pod netns, f
 three stacks: :func:`held_stacks` looks, :func:`pick` chooses.
 
 Cost (every apply and delete): one nf_tables netlink dump of every family's chains
-(pyroute2, ~0.4 ms on a quiet machine) and a read of
+(pyroute2, ~0.4 ms on a quiet machine, a few ms on a loaded one) and a read of
 ``/proc/thread-self/net/ip{,6}_tables_names`` (µs); only when legacy xtables tables are
-loaded in the netns does ``iptables-legacy-save`` run.
+loaded in the netns does ``iptables-legacy-save`` run. :func:`apply` skips the look for
+a pod that can't hold our rules (no record, and our ip rule was not there: see there)
+and otherwise hides it behind the tools' start-up: the agent's ``iptables-restore`` is
+started first, waiting for its input, and is fed, or killed unfed (nothing applied)
+when the netns holds our rules in another stack. :func:`delete_everywhere`'s look also
+tells whether iptables-nft tables hold anything but ours, which spares the usual pod an
+``iptables-save``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import subprocess
@@ -57,24 +64,97 @@ def backend_for(stack: str):
     raise ValueError(f"unknown rule stack {stack!r}; expected one of {', '.join(STACKS)}")
 
 
-def _nf_tables_holdings() -> set[str]:
+@dataclasses.dataclass
+class Holdings:
+    """What the calling thread's netns holds of ours (:func:`look`).
+
+    ``stacks``: :data:`STACKS` names holding our rules. ``nft_tables`` (only when asked
+    for): ``(family, table) -> ours only`` for every ``ip``/``ip6`` nf_tables table
+    holding an ``ISTIO_*`` chain (the iptables-nft stack; family ``"ip"``/``"ip6"``);
+    True when the table holds nothing but ours: only ``ISTIO_*`` chains and built-in base
+    chains with policy accept, every rule outside ``ISTIO_*`` chains ends in a jump or
+    goto to one, and no set or other object (the table's use count is its chains). Such
+    a table has no effect without our rules, so dropping it whole is the delete."""
+
+    stacks: set[str]
+    nft_tables: dict[tuple[str, str], bool] = dataclasses.field(default_factory=dict)
+
+
+_FAMILY_NAMES = {_NFPROTO_IPV4: "ip", _NFPROTO_IPV6: "ip6"}
+_BUILTIN_CHAINS = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"})
+_NF_ACCEPT = 1
+
+
+def _jumps_to_ours(rule) -> bool:
+    """True when an nf_tables rule's last expression is a jump/goto to an ``ISTIO_*``
+    chain (what iptables-nft makes of ``-A <chain> ... -j ISTIO_*``)."""
+    exprs = rule.get_attr("NFTA_RULE_EXPRESSIONS") or []
+    if not exprs or exprs[-1].get_attr("NFTA_EXPR_NAME") != "immediate":
+        return False
+    data = (exprs[-1].get_attr("NFTA_EXPR_DATA") or {})
+    try:
+        verdict = (data.get_attr("NFTA_IMMEDIATE_DATA").get_attr("NFTA_DATA_VERDICT"))
+        code, chain = verdict.get_attr("NFTA_VERDICT_CODE"), verdict.get_attr("NFTA_VERDICT_CHAIN")
+    except AttributeError:  # not a verdict (a data register)
+        return False
+    return code in ("NFT_JUMP", "NFT_GOTO") and bool(chain) and chain.startswith("ISTIO_")
+
+
+def _nf_tables_look(tables: bool) -> Holdings:
     """iptables-nft and/or nftables, from one nf_tables dump of the calling thread's
-    netns. Raises RulesError when the dump fails."""
+    netns (chains; with ``tables`` also the tables and rules of the ``ip``/``ip6``
+    tables holding ``ISTIO_*`` chains). Raises RulesError when the dump fails."""
     ours = {NAT, MANGLE, RAW}
     held: set[str] = set()
+    chains: dict[tuple[str, str], list] = {}
     try:
         # one dump of every family's chains: our inet tables always hold chains
         with NFTables(nfgen_family=0) as nft:
             for chain in nft.get_chains():
                 family = chain["nfgen_family"]
+                name = chain.get_attr("NFTA_CHAIN_NAME") or ""
                 if family == _NFPROTO_INET and chain.get_attr("NFTA_CHAIN_TABLE") in ours:
                     held.add(NFTABLES)
-                elif (family in (_NFPROTO_IPV4, _NFPROTO_IPV6)
-                      and (chain.get_attr("NFTA_CHAIN_NAME") or "").startswith("ISTIO_")):
-                    held.add(IPTABLES_NFT)
+                elif family in _FAMILY_NAMES:
+                    if name.startswith("ISTIO_"):
+                        held.add(IPTABLES_NFT)
+                    if tables:
+                        key = (_FAMILY_NAMES[family], chain.get_attr("NFTA_CHAIN_TABLE"))
+                        chains.setdefault(key, []).append(chain)
+            if not tables or IPTABLES_NFT not in held:
+                return Holdings(held)
+            verdict: dict[tuple[str, str], bool] = {}
+            for key, in_table in chains.items():
+                names = [c.get_attr("NFTA_CHAIN_NAME") or "" for c in in_table]
+                if not any(n.startswith("ISTIO_") for n in names):
+                    continue
+                verdict[key] = all(
+                    n.startswith("ISTIO_") or (n in _BUILTIN_CHAINS
+                                               and c.get_attr("NFTA_CHAIN_HOOK") is not None
+                                               and c.get_attr("NFTA_CHAIN_POLICY") == _NF_ACCEPT)
+                    for n, c in zip(names, in_table))
+            for table in nft.get_tables():
+                key = (_FAMILY_NAMES.get(table["nfgen_family"], ""),
+                       table.get_attr("NFTA_TABLE_NAME"))
+                if verdict.get(key) and table.get_attr("NFTA_TABLE_USE") != len(chains[key]):
+                    verdict[key] = False  # sets, flowtables or objects besides the chains
+            if any(verdict.values()):
+                for rule in nft.get_rules():
+                    key = (_FAMILY_NAMES.get(rule["nfgen_family"], ""),
+                           rule.get_attr("NFTA_RULE_TABLE"))
+                    if not verdict.get(key):
+                        continue
+                    chain = rule.get_attr("NFTA_RULE_CHAIN") or ""
+                    if not chain.startswith("ISTIO_") and not _jumps_to_ours(rule):
+                        verdict[key] = False
     except (NetlinkError, OSError) as e:
         raise RulesError(f"listing nf_tables tables and chains in the pod netns: {e}") from None
-    return held
+    return Holdings(held, verdict)
+
+
+def _nf_tables_holdings() -> set[str]:
+    """iptables-nft and/or nftables (see :func:`_nf_tables_look`)."""
+    return _nf_tables_look(False).stacks
 
 
 def _legacy_holds(ipv6: bool) -> bool:
@@ -106,13 +186,19 @@ def _legacy_holds(ipv6: bool) -> bool:
     return False
 
 
+def look(ipv6: bool, tables: bool = False) -> Holdings:
+    """What the calling thread's netns holds of ours (see :class:`Holdings`; ``tables``:
+    also judge the iptables-nft tables). Raises RulesError when the netns can't be read."""
+    held = _nf_tables_look(tables)
+    if _legacy_holds(ipv6):
+        held.stacks.add(IPTABLES_LEGACY)
+    return held
+
+
 def held_stacks(ipv6: bool) -> set[str]:
     """The stacks (:data:`STACKS` names) holding our in-pod rules in the calling thread's
     netns; empty for a fresh pod. Raises RulesError when the netns can't be read."""
-    held = _nf_tables_holdings()
-    if _legacy_holds(ipv6):
-        held.add(IPTABLES_LEGACY)
-    return held
+    return look(ipv6).stacks
 
 
 def pick(default, ipv6: bool) -> tuple[object, list]:
@@ -130,14 +216,66 @@ def pick(default, ipv6: bool) -> tuple[object, list]:
     return chosen, [backend_for(s) for s in STACKS if s in held and s != keep]
 
 
-def delete_everywhere(default, ipv6: bool) -> list[str]:
+def apply(default, opts, known: bool = True) -> tuple[str, object, list]:
+    """Apply the in-pod ruleset in the calling thread's netns where :func:`pick` says:
+    ``(outcome, backend used, stray backends whose copies were removed)``. Raises
+    RulesError (and whatever the backend raises).
+
+    When ``default`` can start its tools ahead (``start_apply``: the iptables backend),
+    they start first, unfed; the routing is added while they start, and the netns is
+    looked at only when the pod might hold our rules: ``known`` (the agent has a record
+    of it: a repeated ADD, a retry, restart recovery) or our ip rule was already there
+    (every backend, ours and upstream's, adds it with the rules, so a netns without it
+    holds none). A fresh pod at its first ADD pays no look. The restores are fed only if
+    ``default`` is the pick, else killed unfed (nothing applied)."""
+    pending = default.start_apply(opts) if hasattr(default, "start_apply") else None
+    if pending is None:
+        backend, strays = pick(default, opts.ipv6)
+        outcome = backend.apply(opts)
+    else:
+        try:
+            had_routing = rc.add_routing(opts.ipv6)
+            backend, strays = (pick(default, opts.ipv6) if known or had_routing
+                               else (default, []))
+        except BaseException:
+            pending.abandon()
+            raise
+        if backend is default:
+            outcome = pending.finish(routing=False)
+        else:
+            pending.abandon()
+            outcome = backend.apply(opts)
+    for stray in strays:  # copies an earlier agent left in a second stack
+        stray.delete(opts.ipv6, routing=False)
+    return outcome, backend, strays
+
+
+def delete_everywhere(default, ipv6: bool, during=None) -> list[str]:
     """Remove our in-pod rules from every stack holding them in the calling thread's netns:
-    copies in stacks other than the agent's first (routing kept), then ``default.delete``
-    (the agent's backend, idempotent) which also removes the routing. Returns the other
-    stacks that held rules. Raises RulesError."""
+    copies in stacks other than the agent's first (routing kept), then the agent's own
+    (idempotent), which also removes the routing. Returns the other stacks that held
+    rules. Raises RulesError.
+
+    With iptables-nft as the agent's stack, the one netns look also judges its tables
+    (:class:`Holdings`): when every table holding our chains holds nothing else (the
+    usual pod), they are dropped in one ``nft -f`` transaction
+    (:meth:`IptablesBackend.drop_tables`) without running ``iptables-save``; otherwise
+    the backend's own delete reads the tables first. ``during()`` (must not raise) is
+    called while the agent's stack's deleting transaction waits for the kernel, or after
+    the deletion when the backend has no such wait."""
     mine = stack_of(default)
-    others = [s for s in STACKS if s != mine and s in held_stacks(ipv6)]
+    fast = mine == IPTABLES_NFT and hasattr(default, "drop_tables")
+    held = look(ipv6, tables=fast)
+    others = [s for s in STACKS if s != mine and s in held.stacks]
     for stack in others:
         backend_for(stack).delete(ipv6, routing=False)
-    default.delete(ipv6)
+    mine_tables = {k: v for k, v in held.nft_tables.items() if k[0] == "ip" or ipv6}
+    if fast and all(mine_tables.values()):
+        default.drop_tables(ipv6, sorted(mine_tables), during=during)
+    elif isinstance(default, IptablesBackend):
+        default.delete(ipv6, during=during)
+    else:
+        default.delete(ipv6)
+        if during is not None:
+            during()
     return others

@@ -294,39 +294,52 @@ class IptablesBackend:
         """Install the ruleset (both families when ``opts.ipv6``) plus routing (§4.3).
         Returns ``"applied"`` or ``"replaced"`` (our rules were already there and were
         atomically rewritten). Raises :class:`RulesError` with the tool's stderr.
+        Same as ``start_apply(opts).finish()``."""
+        return self.start_apply(opts).finish()
 
-        The restore processes are started first and the routing is set up while they
-        run (both are done before we return, so before ztunnel hears of the pod):
-        this hides the netlink round trips behind the fork/exec of iptables.
-        """
+    def start_apply(self, opts: RuleOptions) -> "PendingApply":
+        """Start the restore processes (in the calling thread's netns) without giving
+        them their input yet, so their fork/exec and start-up overlap whatever the
+        caller still has to decide (:mod:`cni.rules_detect` looks at the netns meanwhile).
+        Nothing is applied until :meth:`PendingApply.finish`; :meth:`PendingApply.abandon`
+        kills them with nothing applied. Raises :class:`RulesError` if a tool can't run."""
         families = [False, True] if opts.ipv6 else [False]
         texts = {v6: render_restore(build_rules(opts, v6)) for v6 in families}
-        procs = {v6: self._start_restore(v6, texts[v6]) for v6 in families}
+        procs: dict[bool, subprocess.Popen] = {}
         try:
-            rc.add_routing(opts.ipv6)
-        finally:
-            firsts = {v6: self._finish(v6, p) for v6, p in procs.items()}
-        outcomes = [self._after_first(opts, v6, texts[v6], firsts[v6]) for v6 in families]
-        return "replaced" if "replaced" in outcomes else "applied"
-
-    def _start_restore(self, v6: bool, text: str) -> subprocess.Popen:
-        return self._start([self._tool(v6, "restore"), "--noflush", f"--wait={WAIT_SECONDS}"],
-                           text)
+            for v6 in families:
+                procs[v6] = self._spawn([self._tool(v6, "restore"), "--noflush",
+                                         f"--wait={WAIT_SECONDS}"])
+        except BaseException:
+            _kill_all(procs.values())
+            raise
+        return PendingApply(self, opts, procs, texts)
 
     @staticmethod
-    def _start(argv: list[str], text: str) -> subprocess.Popen:
-        """Start ``argv`` with ``text`` on its stdin (closed); RulesError if it can't run."""
+    def _spawn(argv: list[str]) -> subprocess.Popen:
+        """Start ``argv`` with a pipe on its stdin, nothing written yet; RulesError if it
+        can't run."""
         try:
-            p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)
+            return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
         except OSError as e:
             raise RulesError(f"{argv[0]} failed to run: {e}") from None
+
+    @staticmethod
+    def _feed(p: subprocess.Popen, text: str) -> None:
+        """Write ``text`` to a :meth:`_spawn`'ed process's stdin and close it."""
         try:
             p.stdin.write(text)  # a few KiB: fits the pipe buffer, never blocks
             p.stdin.close()
         except OSError:
             pass  # the tool died early; its exit status and stderr say why
         p.stdin = None  # so communicate() only collects output
+
+    @classmethod
+    def _start(cls, argv: list[str], text: str) -> subprocess.Popen:
+        """Start ``argv`` with ``text`` on its stdin (closed); RulesError if it can't run."""
+        p = cls._spawn(argv)
+        cls._feed(p, text)
         return p
 
     @staticmethod
@@ -382,11 +395,13 @@ class IptablesBackend:
             lines.append("COMMIT")
         return "\n".join(lines) + "\n"
 
-    def delete(self, ipv6: bool, routing: bool = True) -> None:
+    def delete(self, ipv6: bool, routing: bool = True, during=None) -> None:
         """Remove every ISTIO_* chain and jump (both families when ``ipv6``), then the
         routing (unless ``routing`` is False: removing a stray copy of our rules from this
         stack while another stack keeps them, :mod:`cni.rules_detect`). Idempotent: a
-        clean netns is fine. Raises :class:`RulesError`.
+        clean netns is fine. Raises :class:`RulesError`. ``during()``, if given, is called
+        while the deleting transaction waits for the kernel (or at the end, when there is
+        none); it must not raise.
 
         Every deleting kernel transaction costs ~12 ms here (nf_tables waits for an RCU
         grace period), far more than the tools' start-up, so we do as few as possible:
@@ -394,9 +409,15 @@ class IptablesBackend:
         nft flavor, tables that would be left empty (the usual pod: only our rules) are
         dropped whole, all families in one ``nft -f`` transaction. Only tables holding
         someone else's rules get an ``iptables-restore`` that deletes just ours.
+        :func:`cni.rules_detect.delete_everywhere` spares the usual pod the saves when its
+        netns look already showed the tables hold only ours (:meth:`drop_tables`).
         """
         families = [False, True] if ipv6 else [False]
-        saves = self._save_all(families)
+        self._delete_from_saves(ipv6, self._save_all(families), routing, during)
+
+    def _delete_from_saves(self, ipv6: bool, saves: dict[bool, str], routing: bool,
+                           during=None) -> None:
+        families = [False, True] if ipv6 else [False]
         drops: list[str] = []
         for v6 in families:
             residue = _istio_residue(saves[v6])
@@ -412,13 +433,30 @@ class IptablesBackend:
                 if p.returncode != 0:
                     raise RulesError(f"{self._tool(v6, 'restore')} (delete) failed: "
                                      f"{p.stderr.strip()}")
-        if not drops:
+        self._drop("".join(drops), ipv6, routing, during)
+
+    def drop_tables(self, ipv6: bool, tables: list[tuple[str, str]], routing: bool = True,
+                    during=None) -> None:
+        """Drop whole nf_tables tables ``(family, table)`` (``"ip"``/``"ip6"``) in one ``nft
+        -f`` transaction, removing the routing while it runs (unless ``routing`` is
+        False): the delete for tables known to hold nothing but ours
+        (:func:`cni.rules_detect.look`), without reading them again. Idempotent (absent
+        tables are fine). Raises :class:`RulesError`. ``during``: as for :meth:`delete`."""
+        self._drop("".join(f"add table {f} {t}\ndelete table {f} {t}\n" for f, t in tables),
+                   ipv6, routing, during)
+
+    def _drop(self, text: str, ipv6: bool, routing: bool, during=None) -> None:
+        if not text:
             if routing:
                 rc.delete_routing(ipv6)
+            if during is not None:
+                during()
             return
-        # the routing goes while nft waits out its grace period (as in apply)
-        nft = self._start(["nft", "-f", "-"], "".join(drops))
+        # the routing goes (and ``during`` runs) while nft waits out its grace period
+        nft = self._start(["nft", "-f", "-"], text)
         try:
+            if during is not None:
+                during()
             if routing:
                 rc.delete_routing(ipv6)
         finally:
@@ -428,13 +466,14 @@ class IptablesBackend:
 
     def _save_all(self, families: list[bool]) -> dict[bool, str]:
         """``iptables-save`` of every family in ``families``, run concurrently."""
-        procs = {}
+        procs: dict[bool, subprocess.Popen] = {}
         for v6 in families:
             argv = [self._tool(v6, "save")]
             try:
                 procs[v6] = subprocess.Popen(argv, stdout=subprocess.PIPE,
                                              stderr=subprocess.PIPE, text=True)
             except OSError as e:
+                _kill_all(procs.values())
                 raise RulesError(f"{argv[0]} failed to run: {e}") from None
         out: dict[bool, str] = {}
         for v6, p in procs.items():
@@ -447,3 +486,47 @@ class IptablesBackend:
     def present(self, ipv6: bool) -> bool:
         """True when our chains exist in the current netns (every family asked for)."""
         return all(_istio_residue(self.save(v6)) for v6 in ([False, True] if ipv6 else [False]))
+
+
+class PendingApply:
+    """Restore processes started by :meth:`IptablesBackend.start_apply`, waiting for
+    their input. Exactly one of :meth:`finish` / :meth:`abandon` must be called, on the
+    thread (netns) that started them."""
+
+    def __init__(self, backend: IptablesBackend, opts: RuleOptions,
+                 procs: dict[bool, subprocess.Popen], texts: dict[bool, str]):
+        self.backend, self.opts, self.procs, self.texts = backend, opts, procs, texts
+
+    def finish(self, routing: bool = True) -> str:
+        """Give each restore its ruleset, set up the routing while they run (unless
+        ``routing`` is False: the caller added it already), then handle their outcome
+        (replace path on "chain exists"). Returns ``"applied"`` or ``"replaced"``;
+        raises :class:`RulesError`."""
+        b = self.backend
+        for v6, p in self.procs.items():
+            b._feed(p, self.texts[v6])
+        try:
+            if routing:
+                rc.add_routing(self.opts.ipv6)
+        finally:
+            firsts = {v6: b._finish(v6, p) for v6, p in self.procs.items()}
+        outcomes = [b._after_first(self.opts, v6, self.texts[v6], firsts[v6])
+                    for v6 in self.procs]
+        return "replaced" if "replaced" in outcomes else "applied"
+
+    def abandon(self) -> None:
+        """Kill the restores before they read anything: nothing is applied."""
+        _kill_all(self.procs.values())
+
+
+def _kill_all(procs) -> None:
+    """Kill and reap ``procs`` (started tools that must not act); never raises."""
+    for p in procs:
+        try:
+            p.kill()
+        except OSError:
+            pass
+        try:
+            p.communicate(timeout=TOOL_TIMEOUT)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass

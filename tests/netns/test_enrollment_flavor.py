@@ -56,6 +56,20 @@ def test_held_stacks_sees_each_stack(bridge, stack):
     assert pod.run(rules_detect.held_stacks, False) == set()
 
 
+@pytest.mark.parametrize("stack", [rules_detect.IPTABLES_NFT, rules_detect.IPTABLES_LEGACY])
+def test_started_apply_acts_only_when_fed(bridge, stack):
+    """The iptables backend starts its restore tools before the netns is looked at
+    (``start_apply``); abandoned unfed, they apply nothing; finished, the rules are in."""
+    pod = bridge.add_pod("tp")
+    backend = rules_detect.backend_for(stack)
+    opts = RuleOptions(ipv6=False)
+    pod.run(lambda: backend.start_apply(opts).abandon())
+    assert ours_in(pod) == {s: False for s in STACKS}
+    assert not pod.run(routing_present, False)
+    assert pod.run(lambda: backend.start_apply(opts).finish()) == "applied"
+    assert ours_in(pod) == only(stack)
+
+
 async def start_agent(state_dir, node_netns, stack: str) -> Harness:
     h = Harness(state_dir, node_netns, native_nftables=stack == rules_detect.NFTABLES)
     h.ctx = AgentContext(h.config)

@@ -15,6 +15,7 @@ import subprocess
 
 import pytest
 
+from cni import rules_detect
 from cni.rules_common import INPOD_MARK, RuleOptions, RulesError
 from cni.rules_iptables import IptablesBackend
 from cni.rules_nftables import NftablesBackend
@@ -247,13 +248,16 @@ def test_restore_failure_reports_stderr_and_leaves_nothing(bridge):
     assert snapshot(pod) == before
 
 
+@pytest.mark.parametrize("via", ["backend", "everywhere"])
 @pytest.mark.parametrize("flavor", ["nft", "legacy"])
-def test_delete_keeps_foreign_rules_and_their_tables(bridge, flavor):
+def test_delete_keeps_foreign_rules_and_their_tables(bridge, flavor, via):
     """Deletion drops a table whole only when nothing but ours is in it (nft flavor):
     a table holding someone else's rule (nat here, with a custom chain) keeps them,
-    loses only our chains and jumps."""
+    loses only our chains and jumps. ``everywhere``: through
+    ``rules_detect.delete_everywhere``, which judges the tables from its netlink look."""
     pod = bridge.add_pod("tp")
-    backend = IptablesBackend(flavor)
+    real = IptablesBackend(flavor)
+    backend = real if via == "backend" else _Everywhere(real)
     save, restore = f"iptables-{flavor}-save", f"iptables-{flavor}-restore"
     pod.exec(restore, "--noflush", input="*nat\n:KEEPME - [0:0]\n"
              "-A OUTPUT -d 192.0.2.9/32 -j KEEPME\n-A KEEPME -j RETURN\nCOMMIT\n")
@@ -269,3 +273,47 @@ def test_delete_keeps_foreign_rules_and_their_tables(bridge, flavor):
         assert "mangle" not in tables and "raw" not in tables and "nat" in tables
     pod.run(backend.delete, False)  # idempotent
     assert [ln for ln in pod.exec(save).stdout.splitlines() if "KEEPME" in ln] == foreign
+
+
+class _Everywhere:
+    """``apply``/``delete`` of a backend, the delete through rules_detect.delete_everywhere."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def apply(self, opts):
+        return self.backend.apply(opts)
+
+    def delete(self, ipv6):
+        rules_detect.delete_everywhere(self.backend, ipv6)
+
+
+FOREIGN = {  # iptables-restore input someone else put in the pod, and what it is
+    "none": "",
+    "custom chain in nat": "*nat\n:KEEPME - [0:0]\n-A OUTPUT -d 192.0.2.9/32 -j KEEPME\n"
+                           "-A KEEPME -j RETURN\nCOMMIT\n",
+    "plain rule in mangle OUTPUT": "*mangle\n-A OUTPUT -d 192.0.2.9/32 -j RETURN\nCOMMIT\n",
+    "policy DROP in raw": "*raw\n:OUTPUT DROP [0:0]\nCOMMIT\n",
+    "conditional jump to ours": "",  # added after apply, below
+}
+
+
+@pytest.mark.parametrize("case", sorted(FOREIGN))
+def test_netlink_judge_agrees_with_the_save(bridge, case):
+    """rules_detect's netlink look says a table holds nothing but ours exactly when
+    ``iptables-save`` (read the way the backend's delete reads it) says so."""
+    from cni.rules_iptables import _empty_without_istio, _istio_residue
+
+    pod = bridge.add_pod("tj")
+    if FOREIGN[case]:
+        pod.exec("iptables-nft-restore", "--noflush", input=FOREIGN[case])
+    apply(pod, IptablesBackend("nft"), RuleOptions(ipv6=False))
+    if case == "conditional jump to ours":
+        pod.exec("iptables-nft", "-t", "nat", "-A", "OUTPUT", "-p", "udp", "-j", "ISTIO_OUTPUT")
+    save = pod.exec("iptables-nft-save").stdout
+    from_save = {("ip", t): t in _empty_without_istio(save) for t in _istio_residue(save)}
+    assert pod.run(rules_detect.look, False, True).nft_tables == from_save
+    if case == "none":
+        assert from_save and all(from_save.values())
+    elif case != "conditional jump to ours":
+        assert not all(from_save.values())
