@@ -146,10 +146,10 @@ class UndeletableRules(IptablesBackend):
     """The real iptables backend, except that deleting fails (fault injection: a real
     rollback failure can't be provoked on demand)."""
 
-    def delete(self, ipv6: bool, routing: bool = True) -> None:
+    def delete(self, ipv6: bool, routing: bool = True, during=None) -> None:
         raise RulesError("iptables-restore: simulated failure while deleting")
 
-    def drop_tables(self, ipv6: bool, tables, routing: bool = True) -> None:
+    def drop_tables(self, ipv6: bool, tables, routing: bool = True, during=None) -> None:
         raise RulesError("iptables-restore: simulated failure while deleting")
 
 
