@@ -9,7 +9,9 @@ the same run also shows the cut happening against grpc's defaults) and all four 
 once in that window: our agent and a control server that differs only by grpc's default
 keepalive options, each with an idle ztunnel stream (30 s pings) and a stream-less
 connection (15 s pings). Set ``AMBIENT_TEST_KEEPALIVE_SECONDS=600`` for the full 10
-minutes. The frames on the wire are counted by the ztunnel-exact tunnel (hyperframe), so
+minutes; past 5 minutes the stream-less connection is expected to be closed by the
+xDS listener's idle bound (GOAWAY NO_ERROR "connection idle", never too_many_pings),
+while the idle ztunnel stream stays. The frames on the wire are counted by the ztunnel-exact tunnel (hyperframe), so
 the test proves pings were sent and answered, not only that nothing happened.
 """
 
@@ -24,6 +26,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent.grpc_options import KEEPALIVE_SERVER_OPTIONS
+from agent.listeners import GRPC_IDLE_MS
 
 from tests.ztunnel_exact.conftest import NODE, ZTUNNEL_TOKEN
 from tests.ztunnel_exact.tls import ControlPlaneTunnel
@@ -72,10 +75,19 @@ async def test_idle_pings_are_accepted_with_and_without_streams(make_agent, monk
         assert 29 <= _median_gap(stream.sent.pings) <= 31, stream.sent
         assert stream.received.ping_acks >= len(stream.sent.pings) - 1
         [idle] = t_ours.connections
-        assert not idle.closed and not idle.received.goaways
-        assert len(idle.sent.pings) >= int(DURATION // 15) * 3 // 4, idle.sent
+        # A connection with no stream at all is closed by the listener bound after
+        # GRPC_IDLE_MS (GOAWAY NO_ERROR "connection idle"): a bound, not a ping strike.
+        # Within that time it must stay, and it must never be cut for its pings.
+        assert not any(code == ENHANCE_YOUR_CALM for code, _ in idle.received.goaways), idle
+        if DURATION * 1000 < GRPC_IDLE_MS:
+            assert not idle.closed and not idle.received.goaways
+        else:
+            assert idle.received.goaways == [(2, b"connection idle")], idle.received
+        stream_less_s = min(DURATION, GRPC_IDLE_MS / 1000)
+        assert len(idle.sent.pings) >= int(stream_less_s // 15) * 3 // 4, idle.sent
         assert 14 <= _median_gap(idle.sent.pings) <= 16, idle.sent
-        assert ch_ours.get_state() == grpc.ChannelConnectivity.READY
+        if DURATION * 1000 < GRPC_IDLE_MS:
+            assert ch_ours.get_state() == grpc.ChannelConnectivity.READY
         assert len(agent.xds.connections) == 1  # the stream is still served
         # the control: grpc's defaults cut both with GOAWAY too_many_pings
         goaways = [g for c in theirs.tunnel.connections + t_theirs.connections
