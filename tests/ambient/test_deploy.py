@@ -33,7 +33,8 @@ def test_manifest_is_schema_valid(name, doc):
 
 def test_all_expected_objects_present():
     kinds = sorted(d["kind"] for _, d in documents())
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap"] + \
+    # rbac-registration.yaml adds a ClusterRole + binding (hosts without Kubernetes)
+    assert kinds == ["ClusterRole"] * 2 + ["ClusterRoleBinding"] * 2 + ["ConfigMap"] + \
         ["CustomResourceDefinition"] * 6 + ["DaemonSet", "ServiceAccount"]
 
 
@@ -54,7 +55,8 @@ def test_crds_cover_exactly_the_custom_kinds_the_source_reads():
 
 
 def test_cluster_role_grants_exactly_what_the_agent_uses():
-    role = next(d for _, d in documents() if d["kind"] == "ClusterRole")
+    role = next(d for _, d in documents() if d["kind"] == "ClusterRole"
+                and d["metadata"]["name"] == "ambient-agent")
     granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
                for r in rule["resources"] for v in rule["verbs"]}
     wanted = {(group, plural, verb) for _, group, _, plural in RESOURCES.values()
@@ -63,6 +65,22 @@ def test_cluster_role_grants_exactly_what_the_agent_uses():
     # agent/authn.py: ztunnel's token on the TLS port is checked with a TokenReview
     wanted.add(("authentication.k8s.io", "tokenreviews", "create"))
     assert granted == wanted
+
+
+def test_registration_role_grants_exactly_what_the_registration_uses():
+    """cni/registration_kube.py: WorkloadEntry create/get/replace/delete, Lease
+    read/create/replace; bound to the agent's ServiceAccount."""
+    role = next(d for _, d in documents() if d["kind"] == "ClusterRole"
+                and d["metadata"]["name"] == "ambient-agent-registration")
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
+               for r in rule["resources"] for v in rule["verbs"]}
+    assert granted == {("networking.istio.io", "workloadentries", v)
+                       for v in ("get", "create", "update", "delete")} | {
+        ("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")}
+    binding = next(d for _, d in documents() if d["kind"] == "ClusterRoleBinding"
+                   and d["roleRef"]["name"] == "ambient-agent-registration")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "ambient-agent",
+                                    "namespace": "istio-system"}]
 
 
 def test_configmap_holds_valid_settings(tmp_path):
