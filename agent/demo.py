@@ -818,6 +818,20 @@ class Demo:
         except RuntimeError:
             ok = False
         self.add("status server", "/debug", ok, f"admin socket {admin}")
+        # `ambient-agent status --workloads`: every demo pod listed with its enrollment
+        from agent.status import mesh
+        try:
+            view = (await asyncio.to_thread(fetch, admin, 5.0)).get("mesh") or {}
+            rows = {(r["namespace"], r["name"]): r for r in mesh.select(view, "workloads")}
+            states = [(p, rows.get((p.namespace, p.name))) for p in self.pods]
+            ok = all(r is not None and (r["enrolled"] == "enabled") == p.ambient
+                     and r["ztunnel"] == p.ambient for p, r in states)
+            detail = ", ".join(f"{p.namespace}/{p.name} "
+                               f"{(r or {}).get('enrolled') or 'not enrolled'}"
+                               for p, r in states)
+        except (RuntimeError, KeyError, TypeError) as e:
+            ok, detail = False, str(e)
+        self.add("status server", "status --workloads", ok, detail)
 
     def print_table(self) -> None:
         rows = [(c.subject, c.what, "ok" if c.ok else "FAIL", c.detail) for c in self.checks]

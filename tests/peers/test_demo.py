@@ -35,6 +35,7 @@ ROWS = [
     ("client -> server:8080", "redirected to ztunnel"),
     ("legacy -> server:8080", "not redirected at source"),
     ("status server", "/stats/prometheus"), ("status server", "/debug"),
+    ("status server", "status --workloads"),
 ]
 
 
