@@ -40,6 +40,7 @@ from typing import Any
 
 from agent.lifecycle import AgentContext, Component
 from cni import enablement
+from cni.install import write_atomic
 from cni.livepods import TERMINAL_PHASES, on_this_node
 from cni.plugin import SNAPSHOT_NAME, SNAPSHOT_VERSION
 
@@ -94,20 +95,7 @@ def write_snapshot(path: str, content: dict) -> None:
     """Write ``content`` (plus ``generated``, Unix seconds) to ``path`` atomically, 0600.
     Raises OSError."""
     data = dict(content, generated=round(time.time(), 3))
-    tmp = f"{path}.tmp.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, sort_keys=True, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    write_atomic(path, json.dumps(data, sort_keys=True, separators=(",", ":")).encode(), 0o600)
 
 
 class SnapshotWriter(Component):
