@@ -232,6 +232,12 @@ class TokenReviewAuthenticator:
             log.warning("TokenReview failed: %s", type(e).__name__)
             raise AuthenticationError("cannot verify the token: the Kubernetes API server is "
                                       f"unreachable ({type(e).__name__})") from None
+        except Exception as e:  # noqa: BLE001 - any other failure refuses (fail closed)
+            # e.g. aiohttp.ClientPayloadError (a reply cut short), a reply that does not
+            # deserialize: not cached, the caller is refused with a reason, never let in
+            log.warning("TokenReview failed: %s", type(e).__name__)
+            raise AuthenticationError("cannot verify the token: the TokenReview call failed "
+                                      f"({type(e).__name__})") from None
         return self._result(review)
 
     def _result(self, review) -> Caller:
