@@ -31,6 +31,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import secrets
 import random
 from typing import Callable
 
@@ -201,9 +202,22 @@ class SdsServer(Component):
             os.chmod(private, 0o700)
             bind = self._backend_path = os.path.join(private, "backend.sock")
         _unlink(bind)
-        server.add_insecure_port("unix:" + bind)
+        if bind == path:
+            # gRPC binds the path itself: bind a temporary name next to it, chmod, then
+            # rename into place (agent/unixsocket.py's rule), so the socket is never
+            # connectable with the umask's wider mode.
+            tmp = os.path.join(os.path.dirname(path) or ".", f".s{secrets.token_hex(3)}")
+            server.add_insecure_port("unix:" + tmp)
+            try:
+                os.chmod(tmp, self.socket_mode)
+                os.rename(tmp, path)
+            except OSError:
+                _unlink(tmp)
+                raise
+        else:  # in the private 0700 directory: nobody else can reach it
+            server.add_insecure_port("unix:" + bind)
+            os.chmod(bind, 0o600)
         await server.start()
-        os.chmod(bind, self.socket_mode if bind == path else 0o600)
         self._grpc = server
         if self._backend_path:
             self.front_door = attest.FrontDoor(path, self._backend_path, self.config.proc_dir,

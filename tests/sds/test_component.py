@@ -46,6 +46,10 @@ async def test_component_lifecycle_api_and_no_secrets_in_logs(state_dir, tmp_pat
         assert os.stat(sock).st_mode & 0o777 == 0o600
         assert os.stat(os.path.dirname(sock)).st_mode & 0o777 == 0o750
         await client_agent.start()
+        # the fixed-identity socket (gRPC's own bind) is renamed into place: no temp left
+        csock = client_agent.config.sds_socket
+        assert os.stat(csock).st_mode & 0o777 == 0o600
+        assert [n for n in os.listdir(os.path.dirname(csock)) if n.startswith(".s")] == []
         async with grpc.aio.insecure_channel("unix:" + client_agent.config.sds_socket) as ch:
             st = Stream(ch)
             await st.send(request(["default", "ROOTCA"]))
