@@ -506,8 +506,8 @@ class ZdsConnection:
         if not self._inbox:
             return
         outcome = self._inbox.popleft()
-        if outcome is None:
-            raise _Drop("ztunnel closed the connection")
+        if outcome is None:  # a clean exit (stop, restart): INFO, as upstream
+            raise _Drop("ztunnel closed the connection", level=logging.INFO)
         if isinstance(outcome, Exception):
             raise _Drop(f"keepalive: {outcome}")
         self.server.metrics.messages.labels("unexpected", "received").inc()

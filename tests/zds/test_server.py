@@ -555,3 +555,19 @@ async def test_pre_hello_closes_are_info_and_garbage_warnings_rate_limited(caplo
         assert len(_close_lines(caplog, logging.WARNING)) == 2
         assert all(r.getMessage().startswith("ztunnel connection")
                    for r in _close_lines(caplog))
+
+
+async def test_ztunnel_leaving_cleanly_is_info(caplog):
+    """A ztunnel that closes its connection after the snapshot (it stopped or restarts)
+    is an INFO line, as upstream's "ztunnel disconnected" (ztunnelserver.go): the demo's
+    and every clean ztunnel restart's log has no WARNING for it."""
+    caplog.set_level(logging.DEBUG, logger="zds")
+    async with running_server() as server:
+        peer = RawPeer(server.path)
+        await peer.hello()
+        await peer.read_snapshot()
+        peer.close()
+        await eventually(lambda: len(_close_lines(caplog)) == 1)
+        line = _close_lines(caplog)[0]
+        assert line.getMessage().endswith("closed: ztunnel closed the connection")
+        assert line.levelno == logging.INFO
