@@ -43,7 +43,7 @@ import yaml
 from agent.lifecycle import AgentContext, Component
 from agent.sds.keys import Identity
 
-log = logging.getLogger("agent.authn")
+log = logging.getLogger(__name__)
 
 SERVICE_ACCOUNTS_GROUP = "system:serviceaccounts"
 POD_NAME_KEY = "authentication.kubernetes.io/pod-name"

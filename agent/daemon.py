@@ -27,7 +27,7 @@ from agent.config import Config, ConfigError, prepare_state_dir
 from agent.errors import ComponentStartError
 from agent.lifecycle import AgentContext, Component, Supervisor
 
-log = logging.getLogger("agent")
+log = logging.getLogger(__name__)
 
 # (module, function): each builder takes the AgentContext and returns a Component, or
 # None when the component is disabled by configuration. Imported lazily so that

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from agent.config import Config, ConfigError
 from agent.errors import ComponentStartError
 
-log = logging.getLogger("agent.lifecycle")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 

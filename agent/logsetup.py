@@ -1,8 +1,15 @@
 """One logging setup for the whole agent: text or JSON lines, a level per component.
 
-``--log-level`` takes a default level and optional per-component overrides, in the
-style of Istio's ``--log_output_level``: ``"info"``, ``"info,zds:debug,sds:warning"``.
-A component is a logger name prefix (``zds``, ``cni``, ``agent.sds``, ``ambient``).
+``--log-level`` takes a default level and optional per-scope overrides, in the style of
+Istio's ``--log_output_level``: ``"info"``, ``"info,zds:debug,sds:warning"``.
+
+Every module logs through ``logging.getLogger(__name__)``, so a logger's name is its
+module path and a scope is a package or module path (``zds``, ``cni.enrollment``,
+``agent.sds.cache``). The subpackages of ``agent`` also answer to their short name
+(:data:`SCOPE_ALIASES`: ``sds`` = ``agent.sds``, ``status`` = ``agent.status``), which
+is the form the README documents. Third-party libraries (:data:`THIRD_PARTY`) stay at
+WARNING or above unless a scope names them (``debug,pyroute2:debug``), so ``--log-level
+debug`` shows the agent's own records, not pyroute2's netlink traffic.
 
 A redaction filter runs on every record: PEM private keys and bearer tokens are
 replaced by ``[REDACTED]`` so they never reach a log line, whatever a caller passes.
@@ -75,16 +82,38 @@ class TextFormatter(logging.Formatter):
         return redact(super().format(record))
 
 
+# Our top-level packages: a scope is one of them or a dotted path below one.
+PACKAGES = ("agent", "cni", "zds", "ambient")
+# Short scope names for the subpackages of ``agent`` (what the README documents).
+SCOPE_ALIASES = {"sds": "agent.sds", "status": "agent.status"}
+# Libraries whose loggers stay at WARNING+ unless named in the level spec.
+THIRD_PARTY = ("asyncio", "aiohttp", "aiohttp.access", "pyroute2", "watchfiles", "grpc",
+               "kubernetes_asyncio", "urllib3")
+
+
+def logger_name(scope: str) -> str:
+    """The logger a scope controls: ``"sds"`` -> ``"agent.sds"``, ``"zds.server"`` ->
+    ``"zds.server"``. Raises ValueError naming the scope when it is none of ours nor a
+    known library (a typo would otherwise silently change nothing)."""
+    name = SCOPE_ALIASES.get(scope, scope)
+    top = name.split(".", 1)[0]
+    if top in PACKAGES or name in THIRD_PARTY or top in THIRD_PARTY:
+        return name
+    known = ", ".join([*PACKAGES, *SCOPE_ALIASES, *THIRD_PARTY])
+    raise ValueError(f"unknown log scope {scope!r} (use one of {known}, or a module path below one)")
+
+
 def parse_levels(spec: str) -> tuple[int, dict[str, int]]:
-    """``"info,zds:debug"`` -> ``(INFO, {"zds": DEBUG})``. Raises ValueError naming the bad part."""
+    """``"info,sds:debug"`` -> ``(INFO, {"agent.sds": DEBUG})``: the default level and the
+    level per logger name (aliases resolved). Raises ValueError naming the bad part."""
     default = logging.INFO
     per: dict[str, int] = {}
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         name, _, level = part.rpartition(":")
         if level.lower() not in LEVELS:
-            raise ValueError(f"unknown level {level!r} (use debug, info, warn, error, none)")
+            raise ValueError(f"unknown level {level!r} in {part!r} (use debug, info, warn, error, none)")
         if name:
-            per[name] = LEVELS[level.lower()]
+            per[logger_name(name.strip())] = LEVELS[level.lower()]
         else:
             default = LEVELS[level.lower()]
     return default, per
@@ -104,9 +133,18 @@ def setup(level_spec: str = "info", fmt: str = "text", stream=None) -> None:
     handler.addFilter(RepeatFilter())
     root.addHandler(handler)
     root.setLevel(default)
+    # A second setup() (tests, the demo) must not keep the first one's per-scope levels.
+    for name in _SCOPED:
+        if name not in per:
+            logging.getLogger(name).setLevel(logging.NOTSET)
+    _SCOPED.clear()
     for name, level in per.items():
         logging.getLogger(name).setLevel(level)
+        _SCOPED.add(name)
     # Library chatter stays at warning unless asked for by name.
-    for noisy in ("asyncio", "aiohttp.access", "pyroute2", "watchfiles", "grpc"):
+    for noisy in THIRD_PARTY:
         if noisy not in per:
             logging.getLogger(noisy).setLevel(max(default, logging.WARNING))
+
+
+_SCOPED: set[str] = set()

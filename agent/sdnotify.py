@@ -20,7 +20,7 @@ import logging
 import os
 import socket
 
-log = logging.getLogger("agent.sdnotify")
+log = logging.getLogger(__name__)
 
 
 def notify(state: str, env: dict[str, str] | None = None) -> bool:

@@ -35,7 +35,7 @@ from typing import Awaitable, Callable
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-log = logging.getLogger("agent.servercert")
+log = logging.getLogger(__name__)
 
 # HTTP/2 (RFC 9113 §9.2.2) forbids TLS 1.2 suites without ephemeral key exchange or AEAD.
 _TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"

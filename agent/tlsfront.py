@@ -42,7 +42,7 @@ from cryptography import x509
 from agent.ratelimit import RepeatLimiter
 from agent.servercert import ServerCertificate
 
-log = logging.getLogger("agent.tlsfront")
+log = logging.getLogger(__name__)
 
 _RATE_LIMIT = 10.0  # seconds between two identical handshake-failure log lines
 _CHUNK = 1024 * 1024  # relay read size and buffer unit

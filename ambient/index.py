@@ -38,7 +38,7 @@ from ambient.api import IndexChange, Updater
 from ambient.objects import Mesh, TranslateError, field, ip_text, labels, meta, spec
 from ambient.store import ObjectStore, StoreEvent
 
-log = logging.getLogger("ambient.index")
+log = logging.getLogger(__name__)
 
 PodKey = tuple[str, str]  # (namespace, name)
 DNS_RESOLUTIONS = ("DNS", "DNS_ROUND_ROBIN", "DYNAMIC_DNS")

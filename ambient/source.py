@@ -16,7 +16,7 @@ from ambient.source_files import DirectorySource, PodNotFound
 from ambient.source_kube import KubernetesSource
 from ambient.store import ObjectStore
 
-log = logging.getLogger("ambient.source")
+log = logging.getLogger(__name__)
 
 
 __all__ = ["ConfigSource", "PodNotFound", "build"]

@@ -43,7 +43,7 @@ from agent.config import ConfigError
 from ambient import localconfig
 from ambient.store import ObjectStore
 
-log = logging.getLogger("ambient.source.files")
+log = logging.getLogger(__name__)
 
 SUFFIXES = (".yaml", ".yml", ".json")
 

@@ -47,7 +47,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from ambient.store import CLUSTER_KINDS, ObjectStore
 
-log = logging.getLogger("ambient.source.kube")
+log = logging.getLogger(__name__)
 
 # kind -> (apiVersion, group, version, plural); group "" = core (/api/v1)
 RESOURCES: dict[str, tuple[str, str, str, str]] = {

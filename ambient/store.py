@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-log = logging.getLogger("ambient.store")
+log = logging.getLogger(__name__)
 
 # Kinds the index consumes. The Local* kinds carry entries of ztunnel's local-config
 # format (spec ambient-wds.md §6), see ambient.localconfig.

@@ -39,7 +39,7 @@ from google.protobuf import empty_pb2
 from ambient import authorization_pb2 as az
 from ambient.objects import TranslateError, annotations, field, meta, spec, str_map
 
-log = logging.getLogger("ambient.authz")
+log = logging.getLogger(__name__)
 
 STATIC_STRICT = "istio_converted_static_strict"
 CONVERTED_PREFIX = "converted_peer_authentication_"

@@ -41,7 +41,7 @@ from google.protobuf import struct_pb2
 from ambient import authorization_pb2, workload_pb2
 from ambient.xds_generators import ADDRESS_TYPE, AUTHORIZATION_TYPE, WORKLOAD_TYPE
 
-log = logging.getLogger("ambient.xds.client")
+log = logging.getLogger(__name__)
 
 MESSAGE_TYPES = {ADDRESS_TYPE: workload_pb2.Address, WORKLOAD_TYPE: workload_pb2.Workload,
                  AUTHORIZATION_TYPE: authorization_pb2.Authorization}

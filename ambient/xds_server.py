@@ -50,7 +50,7 @@ from ambient.api import AmbientIndex, IndexChange
 from ambient.xds_generators import Generator, default_generators
 from ambient.xds_stream import PreparedResponse, RequestError, StreamInbox, XdsStream
 
-log = logging.getLogger("ambient.xds")
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = ads_pb2.DESCRIPTOR.services_by_name["AggregatedDiscoveryService"].full_name
 MAX_MESSAGE = 200 * 1024 * 1024  # ztunnel's max decode size (§2.1)

@@ -24,7 +24,7 @@ import dataclasses
 import logging
 from typing import Callable, Mapping, Protocol, runtime_checkable
 
-log = logging.getLogger("cni.annotate")
+log = logging.getLogger(__name__)
 
 REDIRECTION_ANNOTATION = "ambient.istio.io/redirection"
 ENABLED, PENDING = "enabled", "pending"

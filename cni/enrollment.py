@@ -59,7 +59,7 @@ from cni.rules_common import RuleOptions, RulesError, pod_options
 from cni.rules_iptables import IptablesBackend, detect_flavor
 from cni.rules_nftables import NftablesBackend
 
-log = logging.getLogger("cni.enrollment")
+log = logging.getLogger(__name__)
 
 STATUS_ANNOTATION = annotate.REDIRECTION_ANNOTATION
 BACKOFF_INITIAL, BACKOFF_MAX = 0.2, 30.0

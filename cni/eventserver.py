@@ -50,7 +50,7 @@ from cni import enablement
 from cni.events import CniPodEvent, EventError
 from cni.plugin import DRAINING_TEXT
 
-log = logging.getLogger("cni.events")
+log = logging.getLogger(__name__)
 
 POD_LOOKUP_RETRIES = 10  # Istio: a just-created pod may be missing from a stale cache
 POD_LOOKUP_INTERVAL = 0.01

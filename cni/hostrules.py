@@ -49,7 +49,7 @@ from cni.rules_common import RulesError
 from cni.rules_iptables import Rule, render_restore
 from cni.rules_nftables import run_nft
 
-log = logging.getLogger("cni.hostrules")
+log = logging.getLogger(__name__)
 TOOL_TIMEOUT = 60.0
 SET_COMMENT = "UUID of the pods that are part of ambient mesh"
 

@@ -44,7 +44,7 @@ from typing import Any
 
 from cni import conflist
 
-log = logging.getLogger("cni.install")
+log = logging.getLogger(__name__)
 
 PLUGIN_NAME = "istio-cni"
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -35,7 +35,7 @@ from agent.lifecycle import AgentContext, Component
 from cni import conflist
 from cni.install import BundleError, Installer, NoPrimaryConfig
 
-log = logging.getLogger("cni.install")
+log = logging.getLogger(__name__)
 
 BURST = 5
 REPAIR_INTERVAL = 1.0

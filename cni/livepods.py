@@ -45,7 +45,7 @@ from cni.podips import pod_status_ips as pod_ips
 if TYPE_CHECKING:
     from cni.enrollment import Enrollment
 
-log = logging.getLogger("cni.livepods")
+log = logging.getLogger(__name__)
 
 TERMINAL_PHASES = ("Succeeded", "Failed")
 

@@ -18,7 +18,7 @@ import ipaddress
 import logging
 from typing import Any, Iterable
 
-log = logging.getLogger("cni.podips")
+log = logging.getLogger(__name__)
 
 
 def normalize_ip(text: Any, field: str = "ip") -> str:

@@ -30,7 +30,7 @@ from pyroute2 import IPRoute
 
 from cni import netns as netns_mod
 
-log = logging.getLogger("cni.podnetns")
+log = logging.getLogger(__name__)
 
 _P = r"""[!-/:-@\[-`{-~]"""  # POSIX [[:punct:]] in ASCII
 _N = r"""[^!-/:-@\[-`{-~]"""

@@ -39,7 +39,7 @@ from cni.rules_common import RulesError
 from cni.rules_iptables import IptablesBackend
 from cni.rules_nftables import MANGLE, NAT, RAW, NftablesBackend
 
-log = logging.getLogger("cni.rules")
+log = logging.getLogger(__name__)
 
 IPTABLES_NFT, IPTABLES_LEGACY, NFTABLES = "iptables-nft", "iptables-legacy", "nftables"
 STACKS = (IPTABLES_NFT, IPTABLES_LEGACY, NFTABLES)  # the order ties are broken in

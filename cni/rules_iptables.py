@@ -32,7 +32,7 @@ from pathlib import Path
 from cni import rules_common as rc
 from cni.rules_common import RuleOptions, RulesError
 
-log = logging.getLogger("cni.rules")
+log = logging.getLogger(__name__)
 
 BUILTIN_CHAINS = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"})
 PRERT, OUTPUT = "ISTIO_PRERT", "ISTIO_OUTPUT"

@@ -44,7 +44,7 @@ from cni.install import write_atomic
 from cni.livepods import TERMINAL_PHASES, on_this_node
 from cni.plugin import SNAPSHOT_NAME, SNAPSHOT_VERSION
 
-log = logging.getLogger("cni.snapshot")
+log = logging.getLogger(__name__)
 
 DEBOUNCE = 0.1  # seconds: a burst of store events is written once
 

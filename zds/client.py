@@ -54,7 +54,7 @@ from typing import Awaitable, Callable
 from cni.netns import run_in_netns_thread
 from zds import wire
 
-log = logging.getLogger("zds.client")
+log = logging.getLogger(__name__)
 
 OUTBOUND_PORT, INBOUND_PORT, HBONE_PORT, DNS_PORT = 15001, 15006, 15008, 15053
 PACKET_MARK = 1337           # ztunnel's default in-pod socket mark (0x539)

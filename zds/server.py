@@ -63,7 +63,7 @@ from zds import wire
 from zds.api import NoZtunnel, PodInfo, ZdsError, ZdsNack, ZdsTimeout
 from zds.metrics import ZdsMetrics
 
-log = logging.getLogger("zds")
+log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT = 5.0       # seconds to wait for ZdsHello after accept (§1.4)
 ACK_TIMEOUT = 5.0         # seconds for each write and each ack (readWriteDeadline)

@@ -39,7 +39,7 @@ from agent.peercred import peer_cred
 from agent.sds.keys import Identity
 from cni.podnetns import CgroupError, parse_cgroup
 
-log = logging.getLogger("agent.sds.attest")
+log = logging.getLogger(__name__)
 
 
 class AttestationError(Exception):

@@ -37,7 +37,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from agent.sds import keys
 from cni.install import write_atomic
 
-log = logging.getLogger("agent.sds.ca")
+log = logging.getLogger(__name__)
 
 DEFAULT_TTL = 24 * 3600
 MAX_TTL = 90 * 24 * 3600

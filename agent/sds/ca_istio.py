@@ -34,7 +34,7 @@ from google.protobuf import struct_pb2
 from agent.sds import ca_pb2, ca_pb2_grpc
 from agent.sds.ca_embedded import CAError, EmbeddedCA
 
-log = logging.getLogger("agent.sds.ca")
+log = logging.getLogger(__name__)
 
 RETRY_CODES = {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,

@@ -36,7 +36,7 @@ from agent.sds import ca_pb2, ca_pb2_grpc, keys
 from agent.sds.attest import identity_of_pod
 from agent.sds.ca_embedded import CAError, EmbeddedCA
 
-log = logging.getLogger("agent.sds.ca")
+log = logging.getLogger(__name__)
 
 CA_SERVICE = ca_pb2.DESCRIPTOR.services_by_name["IstioCertificateService"].full_name
 

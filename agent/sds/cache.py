@@ -31,7 +31,7 @@ from typing import Awaitable, Callable
 from agent.sds import keys
 from agent.sds.ca_istio import CAClient, CAClientError
 
-log = logging.getLogger("agent.sds.cache")
+log = logging.getLogger(__name__)
 
 ROOTCA = "ROOTCA"
 DEFAULT = "default"

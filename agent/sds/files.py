@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from agent.sds import keys
 
-log = logging.getLogger("agent.sds.files")
+log = logging.getLogger(__name__)
 
 SYSTEM_BUNDLES = ["/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt",
                   "/etc/ssl/ca-bundle.pem", "/etc/pki/tls/cacert.pem",

@@ -50,7 +50,7 @@ from agent.sds.metrics import SdsCollector
 from agent.sds.cache import DEFAULT, ROOTCA, CacheError, SecretCache
 from agent.sds.service import GenerateError, IdentityError, SdsService, root_secret, tls_secret
 
-log = logging.getLogger("agent.sds")
+log = logging.getLogger(__name__)
 
 SDS_SERVICE = sds_pb2.DESCRIPTOR.services_by_name["SecretDiscoveryService"].full_name
 _MOUNTED_WORKLOAD = "@workload"  # watcher tokens for workload_certs_dir files

@@ -59,7 +59,7 @@ from google.protobuf import any_pb2
 
 from agent.sds.keys import Identity
 
-log = logging.getLogger("agent.sds")
+log = logging.getLogger(__name__)
 
 SECRET_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
 HEALTH_TYPE = "type.googleapis.com/istio.v1.HealthInformation"

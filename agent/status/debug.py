@@ -32,7 +32,7 @@ from aiohttp import web
 from agent.lifecycle import AgentContext
 from agent.status.compression import compress_large
 
-log = logging.getLogger("agent.status.debug")
+log = logging.getLogger(__name__)
 
 # section path -> (component name, description)
 SECTIONS: dict[str, tuple[str, str]] = {

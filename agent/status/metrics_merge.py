@@ -43,7 +43,7 @@ from prometheus_client import CollectorRegistry, Counter
 from agent.status import exposition as ex
 from agent.status.exposition import strip_eof  # noqa: F401 - part of this module's API
 
-log = logging.getLogger("agent.status.metrics")
+log = logging.getLogger(__name__)
 
 RESERVED_PORTS = frozenset({15000, 15001, 15004, 15006, 15008, 15020, 15021, 15053, 15090})
 APP_BODY_CAP = 10 * 1024 * 1024  # bytes per application target (upstream's cap)

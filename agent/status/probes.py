@@ -34,7 +34,7 @@ from urllib.parse import urljoin, urlsplit
 
 import aiohttp
 
-log = logging.getLogger("agent.status.probes")
+log = logging.getLogger(__name__)
 
 PATH_RE = re.compile(r"^/(app-health|app-lifecycle)/[^/]+/(livez|readyz|startupz|prestopz|poststartz)$")
 BODY_CAP = 10240  # bytes of the app's body returned to kubelet (upstream's cap)

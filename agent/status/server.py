@@ -55,7 +55,7 @@ from agent.status.access import is_loopback
 from agent.status.compression import compress_large
 from agent.status.readiness import EnvoyReadiness
 
-log = logging.getLogger("agent.status")
+log = logging.getLogger(__name__)
 
 
 class StatusServer(Component):

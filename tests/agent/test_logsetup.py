@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import logging
+import pkgutil
 
 import pytest
 
@@ -48,7 +50,62 @@ def test_private_keys_and_tokens_redacted(capture):
 def test_bad_level_names_the_part():
     with pytest.raises(ValueError, match="'loud'"):
         logsetup.parse_levels("info,zds:loud")
-    assert logsetup.parse_levels("debug,sds:error") == (logging.DEBUG, {"sds": logging.ERROR})
+    assert logsetup.parse_levels("debug,sds:error") == (logging.DEBUG, {"agent.sds": logging.ERROR})
+    with pytest.raises(ValueError, match="'sdss'"):
+        logsetup.parse_levels("info,sdss:debug")
+
+
+def _our_modules():
+    for package in logsetup.PACKAGES:
+        root = importlib.import_module(package)
+        yield package
+        for info in pkgutil.walk_packages(root.__path__, prefix=f"{package}."):
+            yield info.name
+
+
+def test_logger_names_are_module_paths():
+    """Every module's ``log`` is named after the module, so scopes are package paths."""
+    checked = 0
+    for name in _our_modules():
+        module = importlib.import_module(name)
+        log = getattr(module, "log", None)
+        if isinstance(log, logging.Logger):
+            assert log.name == name, f"{name}: logger named {log.name!r}"
+            checked += 1
+    assert checked >= 30
+    from agent.sds import service
+    assert service.log.name.startswith("agent.sds.")
+
+
+def test_documented_scopes_work(capture):
+    """README's ``info,sds:warning``: SDS info dropped, its warnings kept, others at info;
+    a second setup drops the first one's per-scope level."""
+    from agent.sds import cache, service
+    from zds import server
+
+    logsetup.setup("info,sds:warning", "text", stream=capture)
+    service.log.info("sds-info")
+    cache.log.warning("sds-warning")
+    server.log.info("zds-info")
+    out = capture.getvalue()
+    assert "sds-info" not in out and "sds-warning" in out and "zds-info" in out
+    logsetup.setup("info", "text", stream=capture)
+    service.log.info("sds-info-again")
+    assert "sds-info-again" in capture.getvalue()
+
+
+def test_third_party_stays_at_warning_unless_named(capture):
+    logsetup.setup("debug", "text", stream=capture)
+    for name in ("pyroute2", "grpc", "asyncio", "aiohttp.access", "watchfiles",
+                 "kubernetes_asyncio"):
+        logging.getLogger(f"{name}.inner").debug(f"{name}-debug")
+    logging.getLogger("cni.enrollment").debug("ours-debug")
+    out = capture.getvalue()
+    assert "ours-debug" in out and "-debug" not in out.replace("ours-debug", "")
+    logsetup.setup("info,pyroute2:debug", "text", stream=capture)
+    logging.getLogger("pyroute2.netlink").debug("named-debug")
+    assert "named-debug" in capture.getvalue()
+
 
 
 @pytest.mark.parametrize("line,kept,gone", [
@@ -66,4 +123,3 @@ def test_bearer_scheme_word_is_not_a_secret(line, kept, gone):
     assert kept in out
     if gone:
         assert gone not in out
-

@@ -38,10 +38,10 @@ def fast_retries(monkeypatch):
 @pytest.fixture
 def no_403(caplog):
     """Fails the test if the source logged any 403 (a permission rbac.yaml lacks)."""
-    caplog.set_level(logging.INFO, logger="ambient.source.kube")
+    caplog.set_level(logging.INFO, logger="ambient.source_kube")
     yield caplog
     forbidden = [r.getMessage() for r in caplog.records
-                 if r.name == "ambient.source.kube" and " 403 " in f" {r.getMessage()} "]
+                 if r.name == "ambient.source_kube" and " 403 " in f" {r.getMessage()} "]
     assert not forbidden, forbidden
 
 
@@ -438,7 +438,7 @@ async def test_throttling_429_is_retried_with_backoff(kube_cluster, kube_admin, 
             assert not src.is_synced()
             assert src.errors["Pod"].startswith("429")
             throttled = [r for r in caplog.records if "429" in r.getMessage()
-                         and r.name == "ambient.source.kube"]
+                         and r.name == "ambient.source_kube"]
             # ~3 s at no faster than Retry-After (1 s): a handful of attempts, not a flood
             assert 2 <= len(throttled) <= 5, [r.getMessage() for r in throttled]
             release.set()
@@ -506,7 +506,7 @@ async def test_a_permission_missing_from_the_role_is_a_403_that_keeps_the_source
     EndpointSlice rule removed, bound to a fresh ServiceAccount. The source logs the 403
     naming the kind, stays unsynced (so the agent is not ready), and syncs once the
     permission is granted."""
-    caplog.set_level(logging.WARNING, logger="ambient.source.kube")
+    caplog.set_level(logging.WARNING, logger="ambient.source_kube")
     role = next(d for d in kc.manifest("rbac.yaml") if d["kind"] == "ClusterRole")
     name = kc.unique("partial")
     rules = [r for r in role["rules"] if "endpointslices" not in r["resources"]]
