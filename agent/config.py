@@ -136,10 +136,6 @@ def parse_list(value: Any) -> list[str]:
     return [p.strip() for p in parse_str(value).split(",") if p.strip()]
 
 
-def parse_ip(value: Any) -> str:
-    return str(ipaddress.ip_address(parse_str(value).strip()))
-
-
 def parse_existing_file(value: Any) -> str:
     """An absolute path to a readable regular file, or empty (= not set).
 

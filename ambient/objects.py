@@ -56,11 +56,6 @@ def status(obj: dict) -> dict:
     return obj.get("status") or {}
 
 
-def ns_name(obj: dict) -> str:
-    m = meta(obj)
-    return f"{m.get('namespace', '')}/{m.get('name', '')}"
-
-
 def field(obj: dict, path: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
     """``obj[a][b]...`` for ``path = "a.b"``; missing -> ``default``; wrong type -> error."""
     cur: Any = obj
@@ -113,15 +108,6 @@ def ip_text(raw: bytes) -> str:
     return str(ipaddress.ip_address(raw))
 
 
-def parse_bool_label(value: str | None) -> bool | None:
-    if value is None:
-        return None
-    text = value.strip().lower()
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    return None
 
 
 def pod_ips(pod: dict) -> list[str]:

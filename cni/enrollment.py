@@ -51,7 +51,7 @@ from cni import enablement
 from cni import netns as netns_mod
 from cni import podnetns
 from cni import rules_detect
-from cni.events import CniPodEvent
+from cni.events import CniPodEvent, EnrollmentError
 from cni.podips import pod_status_ips, usable_ips
 from cni.hostrules import HostProbeRules
 from cni.livepods import LivePods
@@ -68,16 +68,6 @@ SANDBOXES_MAX = 4096  # not-ambient pods remembered for live enrollment (a node'
 # ``timeout``): time for the answer to travel and for the work before the ZDS wait.
 ANSWER_MARGIN = 0.5
 IFF_UP, SIOCGIFFLAGS = 0x1, 0x8913  # <linux/if.h>, <linux/sockios.h>
-
-
-class EnrollmentError(Exception):
-    """Enrolling or removing one pod failed; ``str()`` says which pod, which step and why
-    (the CNI plugin shows it as the ADD error). ``retryable`` is True when the agent
-    keeps retrying in the background (ztunnel, host set or status failures)."""
-
-    def __init__(self, message: str, retryable: bool = False):
-        super().__init__(message)
-        self.retryable = retryable
 
 
 class LoopbackDown(Exception):

@@ -17,6 +17,20 @@ class EventError(ValueError):
     """A malformed event; the message names the field and value."""
 
 
+class EnrollmentError(Exception):
+    """Enrolling or removing one pod failed; ``str()`` says which pod, which step and why
+    (the CNI plugin shows it as the ADD error). ``retryable`` is True when the agent
+    keeps retrying in the background (ztunnel, host set or status failures).
+
+    Raised by the enrollment reconciler (:mod:`cni.enrollment`, which re-exports it) and
+    answered by the event server (:mod:`cni.eventserver`): it lives here, with the event
+    both sides share, so the server does not import the reconciler."""
+
+    def __init__(self, message: str, retryable: bool = False):
+        super().__init__(message)
+        self.retryable = retryable
+
+
 @dataclasses.dataclass
 class CniPodEvent:
     """One pod ADD or DEL as seen by the plugin.

@@ -47,7 +47,7 @@ from prometheus_client import Counter, Histogram
 from agent import listeners, unixsocket
 from agent.lifecycle import AgentContext, Component
 from cni import enablement
-from cni.events import CniPodEvent, EventError
+from cni.events import CniPodEvent, EnrollmentError, EventError
 from cni.plugin import DRAINING_TEXT
 
 log = logging.getLogger(__name__)
@@ -55,14 +55,6 @@ log = logging.getLogger(__name__)
 POD_LOOKUP_RETRIES = 10  # Istio: a just-created pod may be missing from a stale cache
 POD_LOOKUP_INTERVAL = 0.01
 IDLE_TIMEOUT = 30.0  # seconds a connection may stay open without a request in progress
-
-
-def _enrollment_error() -> type[BaseException] | None:
-    try:
-        from cni.enrollment import EnrollmentError
-    except ImportError:
-        return None
-    return EnrollmentError
 
 
 class CniEventServer(Component):
@@ -223,12 +215,11 @@ class CniEventServer(Component):
             await enrollment.enroll(event)  # type: ignore[attr-defined]
         except Exception as e:  # noqa: BLE001 - one bad pod never stops the server
             self._stats["add_failed"] += 1
-            known = _enrollment_error()
             status = 500
-            if known is not None and isinstance(e, known):
+            if isinstance(e, EnrollmentError):
                 reason = str(e)
                 # retryable (e.g. no ztunnel yet): the plugin reports "try again later"
-                status = 503 if getattr(e, "retryable", False) else 500
+                status = 503 if e.retryable else 500
             else:
                 log.exception("enrollment of pod %s crashed", name)
                 reason = f"internal error: {type(e).__name__}: {e}"

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from cni import enablement
 from cni import podnetns
-from cni.events import CniPodEvent
+from cni.events import CniPodEvent, EnrollmentError
 from cni.podips import pod_status_ips as pod_ips
 
 if TYPE_CHECKING:
@@ -230,8 +230,6 @@ class LivePods:
         task.add_done_callback(lambda _t, u=uid: self._leaving.pop(u, None))
 
     async def _leave_mesh(self, uid: str, why: str) -> None:
-        from cni.enrollment import EnrollmentError
-
         rec = self.enrollment.records.get(uid)
         if rec is None:
             return
@@ -255,8 +253,6 @@ class LivePods:
         ztunnel at once: probe entries (by owner, so also when the terminal status
         dropped its IPs), ZDS delete, annotation, record. In-pod rules stay with the
         netns, as on a CNI DEL."""
-        from cni.enrollment import EnrollmentError
-
         rec = self.enrollment.records.get(uid)
         if rec is None:
             return
@@ -313,8 +309,6 @@ class LivePods:
             task.add_done_callback(lambda _t, u=uid: self._joining.pop(u, None))
 
     async def _enroll(self, event: CniPodEvent) -> None:
-        from cni.enrollment import EnrollmentError
-
         label = f"{event.pod_namespace}/{event.pod_name} (uid {event.pod_uid})"
         log.info("%s: running pod is now ambient; enrolling it (netns %s)", label, event.netns)
         try:

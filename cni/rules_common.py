@@ -169,15 +169,3 @@ def delete_routing(ipv6: bool) -> None:
                 except NetlinkError as e:
                     if e.code not in (errno.ESRCH, errno.ENOENT):
                         raise RulesError(f"ip route del local {dst} table 100: {e}") from None
-
-
-def routing_present(ipv6: bool) -> bool:
-    """True when our ip rule exists for every family (used by recovery and tests)."""
-    with IPRoute() as ipr:
-        for family in _families(ipv6):
-            found = any(r.get_attr("FRA_TABLE") == ROUTE_TABLE_INBOUND
-                        and r.get_attr("FRA_FWMARK") == INPOD_TPROXY_MARK
-                        for r in ipr.get_rules(family=family))
-            if not found:
-                return False
-    return True

@@ -21,11 +21,7 @@ from agent.lifecycle import AgentContext, Component
 from cni.eventserver import CniEventServer
 from cni.install import Installer
 
-try:
-    from cni.enrollment import EnrollmentError
-except ImportError:  # the enrollment area may not have landed yet
-    class EnrollmentError(Exception):
-        """Stand-in with the same role as cni.enrollment.EnrollmentError."""
+from cni.events import EnrollmentError
 
 
 class RecordingEnroller(Component):

@@ -14,17 +14,33 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import socket
 
 import pytest
 
 from agent.lifecycle import AgentContext
 from cni import rules_detect
 from cni.enrollment import Enrollment
-from cni.rules_common import RuleOptions, routing_present
+from pyroute2 import IPRoute
+
+from cni.rules_common import INPOD_TPROXY_MARK, ROUTE_TABLE_INBOUND, RuleOptions
 from cni.rules_iptables import FLAVOR_FILE
 from tests.netns.test_enrollment_reconciler import Harness, event, node_netns  # noqa: F401
 from tests.netns.test_enrollment_rules import accept_one, dial, original_dst, snapshot
 from zds.server import ZdsServer
+
+
+def routing_present(ipv6: bool) -> bool:
+    """True when the in-pod ``ip rule`` (fwmark 0x111 -> table 100) exists for every family
+    (run inside the pod's netns)."""
+    families = [socket.AF_INET, socket.AF_INET6] if ipv6 else [socket.AF_INET]
+    with IPRoute() as ipr:
+        for family in families:
+            if not any(r.get_attr("FRA_TABLE") == ROUTE_TABLE_INBOUND
+                       and r.get_attr("FRA_FWMARK") == INPOD_TPROXY_MARK
+                       for r in ipr.get_rules(family=family)):
+                return False
+    return True
 
 STACKS = rules_detect.STACKS
 

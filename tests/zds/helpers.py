@@ -17,9 +17,21 @@ from zds.server import ZdsServer
 from tests.helpers import eventually, netns_fd_count  # noqa: F401 - re-exported
 
 
+_CREATED: list[str] = []
+
+
 def short_dir() -> str:
-    """A private dir with a short path (AF_UNIX paths are limited to 108 bytes)."""
-    return tempfile.mkdtemp(prefix="zds-")
+    """A private dir with a short path (AF_UNIX paths are limited to 108 bytes). Removed
+    after the test that made it, pass or fail (``tests/zds/conftest.py``)."""
+    path = tempfile.mkdtemp(prefix="zds-")
+    _CREATED.append(path)
+    return path
+
+
+def remove_short_dirs() -> None:
+    """Remove every dir :func:`short_dir` made so far."""
+    while _CREATED:
+        shutil.rmtree(_CREATED.pop(), ignore_errors=True)
 
 
 def netns_fd() -> int:
