@@ -3,8 +3,8 @@
 Precedence (highest first): command-line flag > environment variable > YAML config
 file > built-in default. Environment names are Istio's where Istio has one
 (``NODE_NAME``, ``TRUST_DOMAIN``, ``ZTUNNEL_UDS_ADDRESS``, ``SECRET_TTL``,
-``ISTIO_KUBE_APP_PROBERS``, ...; spec ``cni-zds.md`` §3.2 and ``sds-ca-status.md``
-§2.8, §4.7), otherwise ``AMBIENT_AGENT_<NAME>``.
+``ISTIO_KUBE_APP_PROBERS``, ...; the README's settings table lists them), otherwise
+``AMBIENT_AGENT_<NAME>``.
 
 Every resolved value remembers where it came from, so ``ambient-agent config`` can
 print "value (source)". Bad values raise :class:`ConfigError` naming the setting,
@@ -261,7 +261,7 @@ _TRUST_DOMAIN = re.compile(r"[A-Za-z0-9._-]+")
 
 
 def parse_trust_domain(value: Any) -> str:
-    """A SPIFFE trust domain (letters, digits, '.', '-', '_'; SPIFFE ID spec §2.1)."""
+    """A SPIFFE trust domain (letters, digits, '.', '-', '_'; SPIFFE ID )."""
     text = parse_str(value).strip()
     if not _TRUST_DOMAIN.fullmatch(text):
         raise ValueError("expected a SPIFFE trust domain such as cluster.local (letters, "

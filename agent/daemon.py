@@ -1,6 +1,6 @@
 """``ambient-agent run``: wire the components into one asyncio process and run until told to stop.
 
-Start order follows the data flow (DESIGN.md): config source and ambient index first,
+Start order follows the data flow: config source and ambient index first,
 then the servers that read from them, then the entry points that accept work.
 Stop order is the reverse, so nothing accepts work that its dependencies can no
 longer do.

@@ -386,7 +386,7 @@ class Demo:
             # Envoy runs outside any pod cgroup, so SDS serves one fixed identity here.
             "service_account": "server", "pod_namespace": "demo",
             "log_level": a.log_level, "shutdown_grace": "3s",
-            # The node's probe SNAT rule and probe sets have fixed names (spec §3.11); in
+            # The node's probe SNAT rule and probe sets have fixed names; in
             # the host netns they would clash with a real agent running on this machine,
             # so the demo's "node" keeps them in a netns of its own.
             "host_rules_netns": f"/var/run/netns/{self.node_netns}",

@@ -2,13 +2,13 @@
 trust bundle from our SDS server over a Unix socket. Used by the SDS peer tests, the
 benchmarks and the demo.
 
-Small API: :func:`sds_tls_bootstrap` writes the bootstrap (spec ``real-peers.md`` §2:
+Small API: :func:`sds_tls_bootstrap` writes the bootstrap (``docs/maintainers/testing.md``:
 an ``sds-grpc`` HTTP/2 cluster on the socket's pipe, ``set_node_on_first_message_only``,
 ``initial_fetch_timeout: 0s``, an HCM listener answering ``direct_response`` — a
-network-level direct_response races TLS 1.3 handshakes, pitfall 4), and
+network-level direct_response races TLS 1.3 handshakes, pitfall 4 there), and
 :class:`EnvoyProcess` starts it, waits for ``/ready`` and stops it.
 
-Pitfalls handled (real-peers.md "Pitfalls found"): Envoy sets ``PR_SET_PDEATHSIG`` so it
+Pitfalls handled (``docs/maintainers/testing.md``, pitfalls 1 and 3): Envoy sets ``PR_SET_PDEATHSIG`` so it
 dies with the *thread* that spawned it — start it from a long-lived thread (the main
 thread, or the event loop's thread); ``--disable-hot-restart`` so several Envoys can run;
 ``/ready`` stays 503 until every SDS secret of a static listener arrived.

@@ -1,6 +1,6 @@
 """Rootful podman as a CNI runtime, the way it works on this kind of host.
 
-podman 4.3 with the CNI backend (spec ``real-peers.md`` §5) runs containers here only
+podman 4.3 with the CNI backend (``docs/maintainers/testing.md``) runs containers here only
 with ``runc`` (crun refuses hybrid cgroups), with NOFILE/NPROC ulimits below the
 sandbox's hard limits and with the ``cni`` network backend. :func:`write_containers_conf`
 writes such a ``containers.conf``; :class:`Podman` runs every command with
@@ -45,8 +45,8 @@ def available() -> bool:
 
 def write_containers_conf(path: str | os.PathLike, plugin_dirs: Iterable[str],
                           network_config_dir: str | os.PathLike) -> None:
-    """Write a ``containers.conf`` for rootful podman with the CNI backend (§5's working
-    config): runc, cgroupfs, file event logger, ulimits nofile/nproc, CNI networks from
+    """Write a ``containers.conf`` for rootful podman with the CNI backend (what
+    works on this machine): runc, cgroupfs, file event logger, ulimits nofile/nproc, CNI networks from
     ``network_config_dir``, plugins from ``plugin_dirs`` (searched in order)."""
     dirs = ", ".join(json.dumps(str(d)) for d in plugin_dirs)
     text = f"""[containers]

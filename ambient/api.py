@@ -1,12 +1,12 @@
 """The contracts between the ambient index and its consumers (xDS server, SDS attestation,
 enrollment, debug). The index implements :class:`AmbientIndex`; consumers depend on this
-module only, so the index never imports the server (DESIGN.md: "an updater interface
+module only, so the index never imports the server ("an updater interface
 the index calls to announce changes").
 
-Resource names are the ones ztunnel expects (spec ``ambient-wds.md`` §2.3): a workload's
-Address is named by its uid (``cluster//Pod/ns/name`` form, §3.1), a service's by
+Resource names are the ones ztunnel expects (``docs/xds.md``): a workload's
+Address is named by its uid (``cluster//Pod/ns/name`` form), a service's by
 ``namespace/hostname``; an Authorization by ``namespace/name`` (static policies by
-their own names, §3.10).
+their own names).
 """
 
 from __future__ import annotations
@@ -56,15 +56,15 @@ class AmbientIndex(Protocol):
     def lookup(self, key: str) -> list[str]:
         """Resource names answering an on-demand key: ``network/IP`` (several workloads
         may share an IP; a service VIP gives the service), ``namespace/hostname`` or a
-        workload uid. Empty list when nothing matches (spec §4.2)."""
+        workload uid. Empty list when nothing matches."""
 
     def waypoint_resources(self, namespace: str, name: str) -> set[str]:
         """Address resource names of the services and workloads bound to the waypoint
-        Gateway ``namespace/name`` (spec §3.7, §7)."""
+        Gateway ``namespace/name``."""
 
     def node_workloads(self, node: str) -> set[str]:
         """Address resource names of the workloads whose ``node`` is ``node`` (the
-        on-demand node-local warm-up, spec §4.4)."""
+        on-demand node-local warm-up)."""
 
     def subscribe(self, updater: Updater) -> Callable[[], None]:
         """Call ``updater`` after every index change (on the event loop). Returns an

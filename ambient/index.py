@@ -1,5 +1,5 @@
 """The ambient index: store objects -> Workload / Service / Authorization resources, kept
-incrementally (spec ambient-wds.md §3, §4.1, §4.2, §4.7). Implements
+incrementally (``docs/ambient.md``). Implements
 :class:`ambient.api.AmbientIndex`.
 
 How it stays incremental: every store event marks what it can affect *dirty* — a pod
@@ -158,7 +158,7 @@ class AmbientIndex:
         return self._authz.get(name)
 
     def lookup(self, key: str) -> list[str]:
-        """§4.2: uid -> it; ``network/IP`` -> workloads and services (+ their members) with
+        """Uid -> it; ``network/IP`` -> workloads and services (+ their members) with
         that address; ``namespace/hostname`` -> the service + its member workloads."""
         if key in self._addresses and "workload" == self._addresses[key].WhichOneof("type"):
             return [key]
@@ -368,7 +368,7 @@ class AmbientIndex:
         self._source_hosts[source] = hosts
 
     def _publish_host(self, host: str) -> None:
-        """§3.6: per namespace one winner (Service > oldest ServiceEntry); one canonical."""
+        """Per namespace one winner (Service > oldest ServiceEntry); one canonical."""
         cands = self._candidates.get(host) or {}
         rank = {"Service": 0, "LocalService": 1, "ServiceEntry": 2}
         winners: dict[str, ts.ServiceInfo] = {}
@@ -450,7 +450,7 @@ class AmbientIndex:
                 bucket.setdefault(pair, set()).add(key)
 
     def _bind_service(self, info: ts.ServiceInfo, proto: wl.Service) -> tuple[str, ...]:
-        """§3.7 for a service: waypoint, weighted waypoints, ingress_use_waypoint."""
+        """Waypoint binding for a service: waypoint, weighted waypoints, ingress_use_waypoint."""
         if info.labels.get(wpmod.MANAGED) in wpmod.MANAGED_NO_WAYPOINT:
             return ()
         ns_obj = self.store.get("Namespace", "", info.namespace)
@@ -473,7 +473,7 @@ class AmbientIndex:
         return tuple(keys)
 
     def _services_for(self, ns: str, lbls: dict[str, str]) -> list[ts.ServiceInfo]:
-        """Published services in ``ns`` whose selector matches ``lbls`` (§3.3)."""
+        """Published services in ``ns`` whose selector matches ``lbls``."""
         bucket = self._sel_by_label.get(ns)
         if not bucket:
             return []
@@ -515,7 +515,7 @@ class AmbientIndex:
         self._set_authz(key, result)
 
     def _update_peer_authentications(self) -> None:
-        """§3.10: modes, the static STRICT policy and converted per-port policies."""
+        """Modes, the static STRICT policy and converted per-port policies."""
         root = self.base_mesh.root_namespace
         pas = sorted(self.store.list("PeerAuthentication"),
                      key=lambda p: (meta(p).get("creationTimestamp") or "", meta(p)["name"]))
@@ -565,7 +565,7 @@ class AmbientIndex:
         return name == tz.STATIC_STRICT or name.startswith(tz.CONVERTED_PREFIX)
 
     def _policy_keys(self, ns: str, lbls: dict[str, str]) -> list[str]:
-        """§3.12: sorted selector AuthorizationPolicies, then PeerAuthentication keys."""
+        """Sorted selector AuthorizationPolicies, then PeerAuthentication keys."""
         keys = [k for scope in {ns, self.base_mesh.root_namespace}
                 for k, sel in self._ap_selectors.get(scope, {}).items() if _subset(sel, lbls)]
         keys.sort()
@@ -717,7 +717,7 @@ class AmbientIndex:
         self._replace_produced(source, produced)
 
     def _update_slice(self, ns: str, name: str) -> None:
-        """§3.5 EndpointSlice endpoints, as istiod's ``endpointSlicesBuilder`` and
+        """EndpointSlice endpoints, as istiod's ``endpointSlicesBuilder`` and
         ``matchingServicesWithoutSelectors`` (pilot/pkg/serviceregistry/ambient/workloads.go).
 
         A Pod targetRef names a pod by (namespace, name, uid); that pod, whatever its network

@@ -1,4 +1,4 @@
-"""ztunnel's local-config format (``LOCAL_XDS_PATH``; spec ambient-wds.md §6) as a config input.
+"""ztunnel's local-config format (``LOCAL_XDS_PATH``; ``docs/ambient.md``) as a config input.
 
 A YAML document with top-level ``workloads``/``services``/``policies`` (and no ``kind``) is
 ztunnel's serde model, not Kubernetes objects. The directory source turns each entry into

@@ -18,7 +18,7 @@ class TranslateError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Mesh:
-    """Global inputs of the mapping rules (spec ambient-wds.md §3 preamble).
+    """Global inputs of the mapping rules (``docs/ambient.md``).
 
     ``network`` is the configured network; the index overrides it with the system
     namespace's ``topology.istio.io/network`` label when present.
@@ -32,7 +32,7 @@ class Mesh:
 
     @property
     def sent_trust_domain(self) -> str:
-        """``Workload.trust_domain``: elided when it is ``cluster.local`` (§1.2)."""
+        """``Workload.trust_domain``: elided when it is ``cluster.local``."""
         return "" if self.trust_domain == "cluster.local" else self.trust_domain
 
 
@@ -111,7 +111,7 @@ def ip_text(raw: bytes) -> str:
 
 
 def pod_ips(pod: dict) -> list[str]:
-    """``status.podIPs[].ip`` if non-empty, else ``status.podIP`` (§3.1)."""
+    """``status.podIPs[].ip`` if non-empty, else ``status.podIP``."""
     st = status(pod)
     ips = st.get("podIPs")
     if isinstance(ips, list) and ips:

@@ -2,7 +2,7 @@
 under ``config_dir``, recursively, watched with watchfiles.
 
 Accepted per file: multi-document YAML, JSON, ``kind: List`` documents (what
-``kubectl get -o yaml`` writes) and ztunnel's local-config format (spec ambient-wds.md §6).
+``kubectl get -o yaml`` writes) and ztunnel's local-config format (``docs/ambient.md``).
 Each file is one *origin* in the store: reloading a file replaces exactly the objects it
 defined, so edits become upserts and removed documents / deleted files become deletes.
 

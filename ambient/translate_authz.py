@@ -1,5 +1,5 @@
 """AuthorizationPolicy and PeerAuthentication -> ``istio.security.Authorization``
-(spec ambient-wds.md §3.9, §3.10; istiod's pilot/pkg/serviceregistry/ambient/authorization.go).
+(``docs/ambient.md``; istiod's pilot/pkg/serviceregistry/ambient/authorization.go).
 
 ztunnel enforces L4 only, so a rule is cut down to what a connection shows (peer identity,
 source/destination IP, destination port) and the cut always errs on the closed side:
@@ -60,7 +60,7 @@ KNOWN_OPERATION_KEYS = {*L4_OPERATION, *L7_OPERATION}
 
 
 def string_match(value: str) -> az.StringMatch:
-    """``*`` -> presence, ``*x`` -> suffix, ``x*`` -> prefix, else exact (§3.9)."""
+    """``*`` -> presence, ``*x`` -> suffix, ``x*`` -> prefix, else exact."""
     if value == "*":
         return az.StringMatch(presence=empty_pb2.Empty())
     if value.startswith("*"):
@@ -86,7 +86,7 @@ def port(value: Any) -> int | None:
 
 
 def ports(values: list) -> list[int]:
-    """Numeric ports only; ``"http"`` or > 65535 are dropped (§3.9)."""
+    """Numeric ports only; ``"http"`` or > 65535 are dropped."""
     return [p for p in map(port, values) if p is not None]
 
 
@@ -367,7 +367,7 @@ def authorization_policy(policy: dict, root_ns: str) -> PolicyTranslation:
     return PolicyTranslation(out, note, problems)
 
 
-# --- PeerAuthentication (§3.10) ---
+# --- PeerAuthentication ---
 
 MODES = ("UNSET", "STRICT", "PERMISSIVE", "DISABLE")
 

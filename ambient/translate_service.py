@@ -1,8 +1,8 @@
-"""Kubernetes Service and Istio ServiceEntry -> ``istio.workload.Service`` (spec ambient-wds.md
-§3.2, §3.4), plus the per-workload port mapping of §3.3.
+"""Kubernetes Service and Istio ServiceEntry -> ``istio.workload.Service`` (``docs/ambient.md``),
+plus the per-workload port mapping (which service ports a workload lists).
 
 The functions here see one object at a time. What depends on other objects — waypoint
-binding (§3.7), ``canonical`` and hostname dedup (§3.6) — is filled in by the index on the
+binding, ``canonical`` and hostname dedup — is filled in by the index on the
 :class:`ServiceInfo` these functions return.
 """
 
@@ -28,7 +28,7 @@ class PortInfo:
     target_port: int          # numeric target (0 = named / resolved per workload)
     name: str = ""
     target_name: str = ""     # k8s named targetPort
-    se_target_zero: bool = False  # ServiceEntry port without targetPort (§3.3)
+    se_target_zero: bool = False  # ServiceEntry port without targetPort
 
 
 @dataclasses.dataclass
@@ -60,7 +60,7 @@ class ServiceInfo:
 
 
 def app_protocol(name: str, app_proto: str | None) -> int:
-    """``appProtocol`` else port-name prefix -> AppProtocol (§3.2)."""
+    """``appProtocol`` else port-name prefix -> AppProtocol."""
     value = (app_proto or "").lower()
     if value:
         if value in ("http", "http1", "http/1.1"):
@@ -90,7 +90,7 @@ def _port_number(value: Any, path: str) -> int:
 
 
 def traffic_distribution_lb(value: str | None) -> wl.LoadBalancing | None:
-    """PreferClose/PreferSameZone/PreferSameNode -> LoadBalancing (§3.2); unknown -> None."""
+    """PreferClose/PreferSameZone/PreferSameNode -> LoadBalancing; unknown -> None."""
     if value in ("PreferClose", "PreferSameZone"):
         return LB(routing_preference=[LB.NETWORK, LB.REGION, LB.ZONE], mode=LB.FAILOVER)
     if value == "PreferSameNode":
@@ -146,7 +146,7 @@ def ip_families(svc: dict, addresses: list[wl.NetworkAddress]) -> int:
 
 
 def k8s_service(svc: dict, mesh: Mesh, namespace_obj: dict | None) -> ServiceInfo | None:
-    """One Kubernetes Service -> ServiceInfo; None for ``type: ExternalName`` (§3.2).
+    """One Kubernetes Service -> ServiceInfo; None for ``type: ExternalName``.
 
     Raises TranslateError naming the first malformed field.
     """
@@ -199,7 +199,7 @@ def k8s_service(svc: dict, mesh: Mesh, namespace_obj: dict | None) -> ServiceInf
 
 
 def service_entry_services(se: dict, mesh: Mesh, namespace_obj: dict | None) -> list[ServiceInfo]:
-    """One ServiceEntry -> one ServiceInfo per ``spec.hosts`` entry (§3.4)."""
+    """One ServiceEntry -> one ServiceInfo per ``spec.hosts`` entry."""
     m = meta(se)
     ns, name = m["namespace"], m["name"]
     hosts = field(se, "spec.hosts", list, [])
@@ -247,7 +247,7 @@ def service_entry_services(se: dict, mesh: Mesh, namespace_obj: dict | None) -> 
 
 def workload_ports(info: ServiceInfo, named_ports: dict[str, int],
                    override_by_name: bool = False) -> wl.PortList:
-    """The PortList a workload lists for one service (§3.3).
+    """The PortList a workload lists for one service.
 
     ``named_ports`` maps the workload's port names to numbers (TCP container ports, or a
     WorkloadEntry's ``spec.ports``, or a ServiceEntry endpoint's ``ports``). A Service port

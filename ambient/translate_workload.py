@@ -1,5 +1,5 @@
 """Pod, WorkloadEntry, ServiceEntry endpoint and EndpointSlice endpoint ->
-``istio.workload.Workload`` (spec ambient-wds.md §3.1, §3.5).
+``istio.workload.Workload`` (``docs/ambient.md``).
 
 These functions fill the fields that come from the object itself (uid, addresses, status,
 identity, names, tunnel protocol, locality). The relational fields — ``services``,
@@ -27,7 +27,7 @@ def pod_uid(mesh: Mesh, namespace: str, name: str) -> str:
 
 
 def workload_name(pod: dict) -> str:
-    """§3.1: label, else the controller owner (ReplicaSet hash / Job suffix trimmed), else name."""
+    """Label, else the controller owner (ReplicaSet hash / Job suffix trimmed), else name."""
     m = meta(pod)
     lbls = labels(pod)
     if lbls.get("service.istio.io/workload-name"):
@@ -85,12 +85,12 @@ def tunnel(lbls: dict[str, str], ann: dict[str, str], w: wl.Workload) -> None:
 
 
 def pod_included(pod: dict) -> bool:
-    """Not terminal and has an IP (§3.1)."""
+    """Not terminal and has an IP."""
     return status(pod).get("phase") not in ("Succeeded", "Failed") and bool(pod_ips(pod))
 
 
 def container_ports(pod: dict) -> dict[str, int]:
-    """Named TCP ports of containers and native-sidecar init containers (§3.3)."""
+    """Named TCP ports of containers and native-sidecar init containers."""
     out: dict[str, int] = {}
     containers = list(field(pod, "spec.containers", list, []))
     containers += [c for c in field(pod, "spec.initContainers", list, [])
@@ -134,7 +134,7 @@ def pod_workload(pod: dict, mesh: Mesh, namespace_obj: dict | None,
 
 
 def workload_entry(we: dict, mesh: Mesh) -> tuple[wl.Workload, dict[str, str], dict[str, int]]:
-    """WorkloadEntry -> (Workload, merged labels, named ports) (§3.5)."""
+    """WorkloadEntry -> (Workload, merged labels, named ports)."""
     m = meta(we)
     ns, name = m["namespace"], m["name"]
     lbls = dict(labels(we))
@@ -160,7 +160,7 @@ def workload_entry(we: dict, mesh: Mesh) -> tuple[wl.Workload, dict[str, str], d
 
 def se_endpoint(se: dict, ep: object, index: int, mesh: Mesh
                 ) -> tuple[wl.Workload, dict[str, str], dict[str, int]]:
-    """ServiceEntry ``spec.endpoints[index]`` -> (Workload, labels, named ports) (§3.5)."""
+    """ServiceEntry ``spec.endpoints[index]`` -> (Workload, labels, named ports)."""
     path = f"spec.endpoints[{index}]"
     if not isinstance(ep, dict):
         raise TranslateError(f"field {path!r} must be a mapping, got {ep!r}")
@@ -190,7 +190,7 @@ def se_endpoint(se: dict, ep: object, index: int, mesh: Mesh
 
 
 def dns_host_workload(se: dict, host: str, mesh: Mesh) -> wl.Workload:
-    """The implicit Workload of a DNS ServiceEntry host without endpoints (§3.5)."""
+    """The implicit Workload of a DNS ServiceEntry host without endpoints."""
     m = meta(se)
     ns, name = m["namespace"], m["name"]
     w = wl.Workload(uid=f"{mesh.cluster_id}/networking.istio.io/ServiceEntry/{ns}/{name}/{host}",
@@ -203,7 +203,7 @@ def dns_host_workload(se: dict, host: str, mesh: Mesh) -> wl.Workload:
 
 
 def slice_endpoint(slice_obj: dict, ep: dict, index: int, mesh: Mesh) -> wl.Workload | None:
-    """An EndpointSlice endpoint without a Pod targetRef -> HOST_NETWORK Workload (§3.5)."""
+    """An EndpointSlice endpoint without a Pod targetRef -> HOST_NETWORK Workload."""
     addrs = ep.get("addresses") or []
     if not isinstance(addrs, list) or not addrs:
         raise TranslateError(f"field 'endpoints[{index}].addresses' must be a non-empty list, "

@@ -1,5 +1,5 @@
-"""Waypoints (Gateway API Gateways) and how objects bind to them (spec ambient-wds.md §3.7),
-plus network gateways (§3.8).
+"""Waypoints (Gateway API Gateways) and how objects bind to them (``docs/ambient.md``),
+plus network gateways.
 
 A Gateway is a waypoint once it has a ``status.addresses`` entry (its deployment is ready);
 the class is not checked, as in Istio. Binding order for an object: instance of a waypoint
@@ -59,14 +59,14 @@ class Waypoint:
         return namespace == self.namespace
 
     def accepts(self, what: str) -> bool:
-        """``what`` is ``service`` or ``workload`` (§3.7 rule 4)."""
+        """``what`` is ``service`` or ``workload``."""
         return self.traffic_type in (what, "all")
 
 
 def _allowed(gw: dict, protocol: str | None, port: int
              ) -> tuple[str, tuple[tuple[str, str], ...]]:
     """``allowedRoutes.namespaces`` (mode, selector) of the listener the inbound binding
-    names, else of the HBONE/15008 listener; ``Same`` when neither exists (§3.7).
+    names, else of the HBONE/15008 listener; ``Same`` when neither exists.
 
     The bound listener, as Istio's ``findBoundListener``: the one on the binding's port,
     else for ``PROXY`` the one with protocol ``istio.io/PROXY``.
@@ -128,7 +128,7 @@ def waypoint_from_gateway(gw: dict, gateway_class: dict | None, network: str) ->
 
 def network_gateway(gw: dict, network_label: str = NETWORK_LABEL) -> tuple[str, bytes] | None:
     """An ``istio-remote`` Gateway labelled with a network -> (network, GatewayAddress bytes)
-    that every workload of that network gets as ``network_gateway`` (§3.8)."""
+    that every workload of that network gets as ``network_gateway``."""
     network = labels(gw).get(network_label)
     if not network or spec(gw).get("gatewayClassName") != "istio-remote":
         return None
@@ -180,7 +180,7 @@ def resolve(ref: tuple[str, str] | None, what: str, obj_ns: str, namespace_obj: 
 
 def instance_of(obj_labels: dict[str, str], obj_ns: str,
                 waypoints: dict[str, Waypoint]) -> Waypoint | None:
-    """The waypoint this pod/WorkloadEntry is an instance of (§3.7 rule 1), or None."""
+    """The waypoint this pod/WorkloadEntry is an instance of, or None."""
     name = obj_labels.get(GATEWAY_NAME)
     return waypoints.get(f"{obj_ns}/{name}") if name else None
 
@@ -188,7 +188,7 @@ def instance_of(obj_labels: dict[str, str], obj_ns: str,
 def canary(obj_labels: dict[str, str], obj_annotations: dict[str, str], obj_ns: str,
            namespace_obj: dict | None, primary: Waypoint,
            waypoints: dict[str, Waypoint]) -> list[wl.WeightedWaypoint]:
-    """``weighted_waypoints`` for a canary split, or [] when any part is unusable (§3.7)."""
+    """``weighted_waypoints`` for a canary split, or [] when any part is unusable."""
     name = obj_labels.get(USE_WAYPOINT_CANARY)
     if not name:
         return []

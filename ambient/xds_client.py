@@ -1,5 +1,5 @@
-"""A reference delta xDS client that behaves like ztunnel's (spec ``ambient-wds.md``
-§2.1, §2.4–2.8): used by the tests, the ``ambient-agent xds dump`` CLI and the demo as
+"""A reference delta xDS client that behaves like ztunnel's (``docs/xds.md``; upstream
+``istio/ztunnel:src/xds/client.rs``): used by the tests, the ``ambient-agent xds dump`` CLI and the demo as
 "the reference ztunnel's" xDS side.
 
 Behavior copied from ztunnel:
@@ -184,7 +184,7 @@ class DeltaXdsClient:
         errors = []
         for res in resp.resources:
             if cls is None:
-                continue  # unknown types: logged and ACKed (§2.5)
+                continue  # unknown types: logged and ACKed
             msg = cls()
             try:
                 msg.ParseFromString(res.resource.value)

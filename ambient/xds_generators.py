@@ -1,12 +1,12 @@
-"""One generator per workload-xDS type URL (spec ``ambient-wds.md`` §2.2).
+"""One generator per workload-xDS type URL (``docs/xds.md``).
 
 A generator turns index entries into ``envoy.service.discovery.v3.Resource`` messages
 for one type URL, caches them by resource name, and knows which resource names an
 :class:`ambient.api.IndexChange` touches for its type. The xDS server holds a registry
 ``type URL -> generator`` (:func:`default_generators`): adding a type means adding a
-generator here, not editing the push loop (DESIGN.md, Istio's ``xdsgen.go``).
+generator here, not editing the push loop (Istio's ``xdsgen.go``).
 
-Versions are content hashes (§2.7: "any deterministic content hash"): the hex
+Versions are content hashes ("any deterministic content hash"): the hex
 BLAKE2b-64 of the deterministically serialized payload, so they are stable across
 restarts and replicas and a client's ``initial_resource_versions`` can be compared.
 
@@ -51,7 +51,7 @@ def _ip_text(raw: bytes) -> str | None:
 
 
 def address_aliases(address: workload_pb2.Address) -> list[str]:
-    """The ``network/IP`` keys of an Address (spec §2.3 aliases): one per workload IP,
+    """The ``network/IP`` keys of an Address: one per workload IP,
     one per service VIP (CIDR VIPs as ``network/IP/len``)."""
     kind = address.WhichOneof("type")
     if kind == "workload":
@@ -127,7 +127,7 @@ class Generator(abc.ABC):
 
     def resource_with_aliases(self, name: str, extra: Iterable[str] = ()
                               ) -> discovery_pb2.Resource | None:
-        """Like :meth:`resource` with ``aliases`` filled (on-demand answers, spec §4.4);
+        """Like :meth:`resource` with ``aliases`` filled (on-demand answers);
         ``extra`` keys (the one the client asked with, when spelled otherwise) are added
         when not already there."""
         res = self.resource(name)
@@ -190,7 +190,7 @@ class Generator(abc.ABC):
 
 class AddressGenerator(Generator):
     """``istio.workload.Address`` (WDS): workloads named by uid, services by
-    ``namespace/hostname``; on-demand keys resolved with ``index.lookup`` (§4.2)."""
+    ``namespace/hostname``; on-demand keys resolved with ``index.lookup``."""
 
     type_url = ADDRESS_TYPE
     on_demand = True
@@ -217,7 +217,7 @@ class AddressGenerator(Generator):
 
 class WorkloadGenerator(AddressGenerator):
     """Legacy ``istio.workload.Workload``: bare Workload messages, services omitted
-    (§2.2 "older clients; same generator")."""
+."""
 
     type_url = WORKLOAD_TYPE
 
@@ -233,7 +233,7 @@ class WorkloadGenerator(AddressGenerator):
 
 class AuthorizationGenerator(Generator):
     """``istio.security.Authorization`` (WADS): policies by ``namespace/name``; wildcard
-    only in ztunnel, exact names otherwise (§4.5)."""
+    only in ztunnel, exact names otherwise."""
 
     type_url = AUTHORIZATION_TYPE
     change_fields = ("authorizations_changed", "authorizations_removed")

@@ -1,5 +1,5 @@
 """The workload xDS server (component ``xds``): delta ADS of Address, Workload (legacy)
-and Authorization for ztunnel and waypoints (spec ``ambient-wds.md`` §2, §4.3–4.6, §7).
+and Authorization for ztunnel and waypoints (``docs/xds.md``).
 
 - gRPC service ``envoy.service.discovery.v3.AggregatedDiscoveryService`` on grpc.aio:
   ``DeltaAggregatedResources`` (what ztunnel speaks) and ``StreamAggregatedResources``
@@ -53,7 +53,7 @@ from ambient.xds_stream import PreparedResponse, RequestError, StreamInbox, XdsS
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = ads_pb2.DESCRIPTOR.services_by_name["AggregatedDiscoveryService"].full_name
-MAX_MESSAGE = 200 * 1024 * 1024  # ztunnel's max decode size (§2.1)
+MAX_MESSAGE = 200 * 1024 * 1024  # ztunnel's max decode size
 STALL_TIMEOUT = 30.0  # seconds a response may wait for a client that does not read
 
 

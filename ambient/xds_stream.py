@@ -1,7 +1,7 @@
 """Per-stream state of the workload xDS server and the response algorithms.
 
 One :class:`XdsStream` per gRPC stream. It holds the client's node (parsed from the
-node id and metadata, spec ``ambient-wds.md`` §2.1 and §7), and per type URL a
+node id and metadata, ``docs/xds.md``), and per type URL a
 :class:`TypeState`: the subscription (wildcard or explicit names/on-demand keys),
 what the client holds (name -> version), the last nonce sent, ACK/NACK history.
 
@@ -9,7 +9,7 @@ The methods are synchronous and never await: a request or a push is turned into 
 responses to send while the state is updated in the same step, so the state always
 matches what went out (the server yields the responses right after).
 
-Rules implemented (spec §2.4–2.7, §4.3–4.5, go-control-plane lessons in anchors.md §3):
+Rules implemented (with lessons from go-control-plane's delta server):
 - the first request of every type is answered, even with nothing in it;
 - ``initial_resource_versions`` (first request of a type only): resources the client
   already holds at the same version are skipped, names it holds that no longer exist
@@ -133,7 +133,7 @@ class RequestError(ValueError):
 @dataclasses.dataclass
 class NodeInfo:
     """A client's node, from ``Node.id`` ``<type>~<ip>~<pod>.<ns>~<ns>.svc.<domain>``
-    (§2.1) and ``Node.metadata`` (string values; ``NODE_NAME``, ``CLUSTER_ID``, ``LABELS``).
+ and ``Node.metadata`` (string values; ``NODE_NAME``, ``CLUSTER_ID``, ``LABELS``).
 
     ``proxy_type`` is ``ztunnel``, ``waypoint``, ``sidecar``, ``router`` or whatever the
     first field says (``"unknown"`` for ids without ``~``).
@@ -304,7 +304,7 @@ class XdsStream:
         ts.nack_count += 1
         ts.nacks.append({"nonce": nonce, "detail": message[:1000], "at": time.time()})
         del ts.nacks[:-_NACK_HISTORY]
-        # ztunnel does not remember rejected resources as held (§2.5): forget the names
+        # ztunnel does not remember rejected resources as held: forget the names
         # its detail ("name: reason; ...") mentions, so a later change resends them.
         for name in sent:
             if f"{name}:" in message:
@@ -321,7 +321,7 @@ class XdsStream:
         if ts.wildcard:
             return [self._full_wildcard(gen, ts)]
         if gen.on_demand and self.node and self.node.node_name:
-            # §4.4 node-local warm-up: the workloads on this client's node
+            # node-local warm-up: the workloads on this client's node
             ts.names |= self.index.node_workloads(self.node.node_name)
         keys = ts.names | set(initial)
         return [self._answer_keys(gen, ts, keys, always=True)]
@@ -364,7 +364,7 @@ class XdsStream:
 
     def _full_wildcard(self, gen: Generator, ts: TypeState):
         """All resources in view, minus those held at the same version; removed = held
-        names no longer in view (§4.3 client request)."""
+        names no longer in view (client request)."""
         scope = self._scope(gen.type_url)
         if scope is None and not ts.held:
             return self._snapshot_response(gen, ts)
@@ -396,7 +396,7 @@ class XdsStream:
 
     def _answer_keys(self, gen: Generator, ts: TypeState, keys: Iterable[str], always: bool,
                      resend: bool = False):
-        """Resolve subscribed names / on-demand keys (§4.4) and grow the subscription by
+        """Resolve subscribed names / on-demand keys and grow the subscription by
         the names returned. Found: each resource with its aliases (the key among them),
         plus, for a key that is not a resource name, a copy named by the key (wakes
         ztunnel's waiter, see the module docstring). Not found: the key is removed.
@@ -477,7 +477,7 @@ class XdsStream:
 
     def _additional(self, gen: Generator, ts: TypeState, names: Iterable[str]) -> set[str]:
         """On-demand streams also get (and subscribe to) changed workloads on their node
-        or behind a subscribed service (§4.4 AdditionalPodSubscriptions), and any
+        or behind a subscribed service, and any
         changed address one of whose aliases (``network/IP``) the client asked for
         before: a key answered "removed" is pushed once it resolves."""
         if not gen.on_demand:

@@ -1,7 +1,7 @@
 """CNI network config files: pick the primary one, chain ``istio-cni`` in, take it out.
 
 Pure functions over parsed JSON (no I/O besides reading a directory in
-:func:`find_primary`), so every case of spec ``cni-zds.md`` §5.2-§5.4/§5.7 is a
+:func:`find_primary`), so every case of ``docs/cni.md`` is a
 golden-file test (``tests/cni/testdata/``).
 
 Where we differ from Istio's installer, on purpose:
@@ -157,7 +157,7 @@ def find_primary(conf_dir: str, conf_name: str = "") -> str | None:
 def plugin_entry(run_dir: str, exclude_namespaces: list[str] | None = None,
                  log_level: str = "info", ambient_default: bool = False,
                  pod_namespace: str = "") -> dict:
-    """Our plugin's entry (keys of spec §2.1 + ``ambient_default``). ``run_dir`` holds the
+    """Our plugin's entry (upstream's plugin config keys + ``ambient_default``). ``run_dir`` holds the
     agent's ``pluginevent.sock``."""
     return {
         "type": PLUGIN_TYPE,

@@ -1,6 +1,6 @@
 """Is this pod ambient? The agent's decision for a CNI ADD.
 
-Istio's rules (spec ``cni-zds.md`` §2.4, ``cni/pkg/util/enablement_selector.go``), in
+Istio's rules (``docs/cni.md``, ``cni/pkg/util/enablement_selector.go``), in
 order: a pod in an excluded namespace is never ambient; a host-network pod is never
 ambient; a pod with the ``sidecar.istio.io/status`` annotation (a sidecar pod) is never
 ambient; otherwise it is ambient when any enablement selector matches (pod selector

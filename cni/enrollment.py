@@ -1,4 +1,4 @@
-"""The enrollment reconciler (component ``enrollment``; spec ``cni-zds.md`` §3.6–§3.10).
+"""The enrollment reconciler (component ``enrollment``; ``docs/enrollment.md``).
 
 Keyed by pod UID (``CniPodEvent.key``). Desired state = pods that should be ambient
 (CNI ADDs the event server accepted, plus pods the config source says are enrolled);
@@ -26,7 +26,7 @@ un-enrolled when it no longer qualifies), every kept pod is recorded in ZDS and 
 are ztunnel connections accepted (:meth:`Enrollment.recover`); rules are reconciled
 after (replaced atomically, never duplicated), probe set re-synced. A kept pod whose
 netns can't be found is reported (``netns-missing``) and retried, and it is still
-announced to ZDS without a netns (``Keep``, §3.10) so ztunnel doesn't drop it.
+announced to ZDS without a netns (``Keep``) so ztunnel doesn't drop it.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ class Enrollment(Component):
     # --- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Pick the backend, set up host rules (retried 10 times, 2 s apart, §3.11), then
+        """Pick the backend, set up host rules (retried 10 times, 2 s apart), then
         recover pods enrolled before a restart. Raises RulesError if host rules can't be
         installed."""
         if self.backend is None:
@@ -213,7 +213,7 @@ class Enrollment(Component):
             self.live.start()
 
     def _choose_backend(self):
-        """§3.13: nftables when asked, unless iptables artifacts (our probe ipset) exist
+        """Nftables when asked, unless iptables artifacts (our probe ipset) exist
         (stay on iptables until reboot); the iptables flavor is detected once and
         recorded in the state dir."""
         cfg = self.ctx.config
@@ -235,7 +235,7 @@ class Enrollment(Component):
         stay too (a restart or upgrade must not open a window where enrolled pods bypass
         the mesh; the next start re-creates them and reconciles pods), unless
         ``ambient_disable_safe_upgrade`` says this node is being decommissioned, as
-        upstream's ``AMBIENT_DISABLE_SAFE_UPGRADE`` does (spec §3.12)."""
+        upstream's ``AMBIENT_DISABLE_SAFE_UPGRADE`` does."""
         if self.live is not None:  # waits for live (un)enrollments in flight
             await self.live.stop(grace)
         tasks = list(self._retry_tasks.values()) + list(self._side_tasks)
@@ -693,8 +693,8 @@ class Enrollment(Component):
     # --- unenroll ---------------------------------------------------------------------------
 
     async def unenroll(self, event: CniPodEvent, is_delete: bool = False) -> None:
-        """Remove a pod from the mesh, upstream's ``RemovePodFromMesh(pod, isDelete)``
-        (spec §3.7): probe set entries it owns, then (only when ``not is_delete`` and its
+        """Remove a pod from the mesh, upstream's ``RemovePodFromMesh(pod, isDelete)``:
+        probe set entries it owns, then (only when ``not is_delete`` and its
         netns still exists) the in-pod rules and routing, then the ZDS delete, the status
         annotation and the persisted record.
 
@@ -825,7 +825,7 @@ class Enrollment(Component):
     # phase 1 decides and records, opens ZDS accepts; phase 2 does the slow per-pod work.
 
     async def recover(self) -> dict[str, str]:
-        """Re-adopt pods enrolled before a restart (§3.9/§3.10). Returns ``{uid: outcome}``:
+        """Re-adopt pods enrolled before a restart. Returns ``{uid: outcome}``:
         ``enabled``, ``netns-missing``, ``failed``/``pending`` (a step failed; retried),
         ``dropped`` (netns and Pod object both gone: forgotten, never announced, so
         ztunnel drains its proxy) or ``unenrolled`` (no longer qualifies).
@@ -993,7 +993,7 @@ class Enrollment(Component):
     async def _announce_recovered(self, kept: list[PodRecord], fds: dict[str, int]) -> None:
         """Record every kept pod in ZDS before any ztunnel is accepted: ``AddWorkload``
         with its netns, ``Keep`` when its netns is not found (so ztunnel keeps a proxy
-        it still runs, §3.10)."""
+        it still runs)."""
         import zds as zds_mod
 
         zds = self._zds()

@@ -1,7 +1,7 @@
 """The plugin→agent event: what the istio-cni plugin tells the agent about a pod.
 
 The plugin POSTs this as JSON to the agent's CNI event server (``/cmdadd``,
-``/cmddel`` over ``<state dir>/pluginevent.sock``; spec ``cni-zds.md`` §2.5, §3.4).
+``/cmddel`` over ``<state dir>/pluginevent.sock``; ``docs/cni.md``).
 Field names on the wire are the JSON keys listed in :meth:`CniPodEvent.from_json`.
 """
 

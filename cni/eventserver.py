@@ -2,7 +2,7 @@
 
 HTTP/1.1 (aiohttp) on the Unix socket ``config.cni_event_socket`` (default
 ``<state dir>/pluginevent.sock``, mode 0600, parent 0700 when we create it). Istio's
-listener is 0666 (spec ``cni-zds.md`` §3.4); ours is 0600 because only the runtime
+listener is 0666 (``docs/enrollment.md``); ours is 0600 because only the runtime
 (root) runs the plugin, and the socket triggers netns work.
 
 Routes (the body is a :class:`cni.events.CniPodEvent` JSON):
@@ -15,7 +15,7 @@ Routes (the body is a :class:`cni.events.CniPodEvent` JSON):
   enrollment error is ``retryable`` (the plugin maps 503 to "try again later", code 11).
 - ``POST /cmddel``: await ``enrollment.unenroll(event, is_delete=True)`` (best effort;
   the sandbox is being destroyed, so its in-pod rules go with its netns, as upstream's
-  ``RemovePodFromMesh(pod, isDelete=true)``, spec §3.7). 200 or 500.
+  ``RemovePodFromMesh(pod, isDelete=true)``). 200 or 500.
 - ``GET /healthz``: 200 while serving, 503 while draining (the plugin's STATUS).
 
 Bounded like every listener (:mod:`agent.listeners`): a request body not received in full

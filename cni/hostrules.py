@@ -1,4 +1,4 @@
-"""Host-side (node netns) rules for kubelet probes (spec ``cni-zds.md`` §3.11, §3.10, §3.12).
+"""Host-side (node netns) rules for kubelet probes (``docs/enrollment.md``).
 
 Kubelet probes come from the node and would otherwise look like any other node-sourced
 traffic (kube-proxy forwarded traffic shares the node IP). Packets from a *local
@@ -56,7 +56,7 @@ SET_COMMENT = "UUID of the pods that are part of ambient mesh"
 
 def find_kubelet_uid() -> int | None:
     """UID of the first process that is kubelet (``comm`` kubelet, or kubelite with
-    "kubelet" in an argv element, or k3s); None when there is none (spec §3.11)."""
+    "kubelet" in an argv element, or k3s); None when there is none."""
     for p in psutil.process_iter(["name", "cmdline", "uids"]):
         name = p.info.get("name") or ""
         argv = p.info.get("cmdline") or []
@@ -100,7 +100,7 @@ class HostProbeRules:
     # --- rendering (pure; the goldens) ---------------------------------------------
 
     def render_iptables(self, v6: bool = False) -> str:
-        """``iptables-restore`` input for one family (spec §4.8 host golden)."""
+        """``iptables-restore`` input for one family."""
         set_name, snat = (self.set_v6, self.snat_ipv6) if v6 else (self.set_v4, self.snat_ipv4)
         return render_restore([
             Rule("nat", "POSTROUTING", f"1 -j {self.chain}", op="-I"),
@@ -178,7 +178,7 @@ class HostProbeRules:
             yield
 
     def setup(self) -> None:
-        """Start of day (§3.10/§3.11): create the sets if missing and (re)write the rules,
+        """Start of day: create the sets if missing and (re)write the rules,
         each in one atomic step. Set entries are kept: a restarted agent reconciles them in
         place (:meth:`sync`), so an enrolled pod's entry is never absent (kubelet probes
         would fail in that window; upstream flushes here). Nothing is duplicated."""
@@ -212,7 +212,7 @@ class HostProbeRules:
         return "\n".join(lines + ["COMMIT"]) + "\n"
 
     def teardown(self) -> None:
-        """Remove the rules and the sets (clean shutdown, §3.12). Idempotent."""
+        """Remove the rules and the sets (clean shutdown). Idempotent."""
         with self._in_netns():
             if self.backend == "nftables":
                 run_nft(f"add table inet {self.nft_table}\ndelete table inet {self.nft_table}\n",
@@ -305,7 +305,7 @@ class HostProbeRules:
         """Remove every entry whose owner is ``uid``, whether or not its IPs are known
         (a DEL for a pod the agent has no record of still finds its entries by the owner
         comment, as upstream's ``ClearEntriesWithComment``). An IP of ``ips`` owned by
-        another pod is kept (IP reuse, §3.7) and logged. Returns the IPs removed."""
+        another pod is kept (IP reuse) and logged. Returns the IPs removed."""
         owners = self.entries()
         removed = [ip for ip, owner in owners.items() if owner == uid]
         for ip in {normalize_ip(ip) for ip in ips}:
@@ -380,7 +380,7 @@ class HostProbeRules:
 
     def sync(self, pods: dict[str, list[str]]) -> list[str]:
         """Reconcile the sets in place with the pods this agent knows (``{uid: [IPs]}``;
-        start of day, §3.9 step 1), never flushing: each known IP is upserted with its
+        start of day), never flushing: each known IP is upserted with its
         owner (only where missing or owned by someone else), and an entry is removed
         only when its IP belongs to no known pod and its owner is not a known pod whose
         IPs are still unknown (a pod whose ``podIPs`` are not published yet keeps the

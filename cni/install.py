@@ -7,7 +7,7 @@ removes what install added: the launcher, and our entry from the conflist (a con
 not necessarily the same bytes (keys sorted, 2-space indent, as every write here). The agent does the same at start/stop when
 ``cni_manage_config`` is true, and repairs the chain in between (component
 ``cni-installer``, :mod:`cni.installwatch`). Behavior follows
-Istio's installer (spec ``cni-zds.md`` §5.1-§5.7); the conflist logic is in
+Istio's installer (``docs/cni.md``); the conflist logic is in
 :mod:`cni.conflist`.
 
 The plugin binary is a POSIX ``sh`` launcher that answers ``CNI_COMMAND=VERSION`` itself

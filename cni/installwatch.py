@@ -1,6 +1,6 @@
 """The ``cni-installer`` component: install at start, keep the chain intact while running.
 
-Istio's loop (spec ``cni-zds.md`` §5.5): install, then forever watch the CNI conf dir
+Istio's loop (``docs/cni.md``): install, then forever watch the CNI conf dir
 and the bin dir; on any change re-check and reinstall when the primary CNI rewrote
 its file without us (or removed our launcher). A throttle (at most one repair per
 ``REPAIR_INTERVAL`` seconds after ``BURST`` quick ones) doubles as Istio's loop

@@ -2,7 +2,7 @@
 
 A thread that calls ``setns(fd, CLONE_NEWNET)`` switches only its own network
 namespace; sockets it creates stay in that netns after it leaves, and a child
-process it forks inherits the netns (real-peers.md §3). So blocking work that must
+process it forks inherits the netns (``docs/maintainers/testing.md``). So blocking work that must
 run "inside the pod" runs in a worker thread that enters the netns, does the work,
 and always restores the thread's original netns before returning to the pool.
 

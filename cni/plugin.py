@@ -11,7 +11,7 @@ interpreter start, and even ``os`` costs ~1 ms (``_collections_abc`` for
 ``VERSION`` itself, without Python).
 
 Contract (CNI spec 1.1.0, "Plugin execution" and "Error codes"; Istio behavior from
-spec ``cni-zds.md`` §2):
+``docs/cni.md``):
 
 - ``CNI_COMMAND`` = ``ADD`` | ``DEL`` | ``CHECK`` | ``VERSION`` | ``STATUS`` | ``GC``;
   other ``CNI_*`` variables as the CNI spec requires per command; the network config
@@ -35,7 +35,7 @@ spec ``cni-zds.md`` §2):
   retryable enrollment error), 50 STATUS with the agent unavailable, 999 the agent
   refused the pod (its reason is the message).
 
-Plugin config keys (Istio's, §2.1): ``plugin_log_level``, ``cni_agent_run_dir``,
+Plugin config keys (Istio's): ``plugin_log_level``, ``cni_agent_run_dir``,
 ``ambient_enabled``, ``exclude_namespaces``, ``pod_namespace``, plus ours:
 ``ambient_default`` (bool, decides for pods the agent has no object for) and
 ``agent_timeout`` (seconds, default 5 like Istio's client). Unknown keys are ignored.
@@ -357,7 +357,7 @@ def prev_result(conf, required):
 
 
 def pod_ips(prev):
-    """Addresses without prefix length, from ``prevResult.ips`` (Istio §3.4)."""
+    """Addresses without prefix length, from ``prevResult.ips``."""
     return [ip["address"].split("/")[0] for ip in (prev or {}).get("ips") or []]
 
 
@@ -509,7 +509,8 @@ class Plugin:
         return event
 
     def _skipped(self, settings, args):
-        """Why this pod needs no agent call (Istio §2.3 steps 3, 7), or ``""``."""
+        """Why this pod needs no agent call (ambient disabled, or a pod with an Istio sidecar, as
+        upstream's ``cni/pkg/plugin/plugin.go`` skips them), or ``""``."""
         if not settings["ambient_enabled"]:
             return "ambient_enabled is false"
         namespace, name = args.get("K8S_POD_NAMESPACE", ""), args.get("K8S_POD_NAME", "")

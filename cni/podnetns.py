@@ -1,4 +1,4 @@
-"""Finding running pods' network namespaces by scanning ``/proc`` (spec ``cni-zds.md`` §3.9).
+"""Finding running pods' network namespaces by scanning ``/proc`` (``docs/enrollment.md``).
 
 Used at agent start for pods enrolled before a restart whose netns path we don't have
 (or whose recorded path is gone), and for running pods that become ambient
@@ -6,10 +6,10 @@ Used at agent start for pods enrolled before a restart whose netns path we don't
 for a podman container, named by its container ID, that ID), and take its ``ns/net``
 if that netns really holds the pod's IP.
 
-Upstream rules kept here, each for a reason (§7):
+Upstream rules kept here, each for a reason:
 - skip the host netns: a hostNetwork pod's processes live there (istio#55139). We
   compare with the agent's own netns taken at start, since ``/proc/1/ns`` is
-  unreadable in some sandboxes (real-peers.md pitfall 9);
+  unreadable in some sandboxes (``docs/maintainers/testing.md``, pitfall 7);
 - a process's cgroup may name pod A while it sits in pod B's netns, so the pod IP must
   be an address inside the netns, and a rejected netns is not marked "seen" (the
   rightful pod may still claim it);
@@ -57,7 +57,7 @@ def parse_cgroup(text: str) -> tuple[str, str]:
     the process is not in a pod. The uid has its punctuation replaced by ``-``
     (``pod2c48913c_b29f_...`` -> ``2c48913c-b29f-...``). CRI-O paths without a pod uid
     give ``("", container id)``. Raises :class:`CgroupError` on malformed lines or on
-    several different uids / container ids (§6.23)."""
+    several different uids / container ids."""
     uids: set[str] = set()
     cids: set[str] = set()
     for line in text.splitlines():
@@ -138,7 +138,7 @@ class FoundNetns:
 
 def scan(proc_dir: str, wanted: dict[str, list[str]], host_netns: tuple[int, int]
          ) -> dict[str, FoundNetns]:
-    """Find the netns of each pod in ``wanted`` (``{uid: [pod IPs]}``), spec §3.9.
+    """Find the netns of each pod in ``wanted`` (``{uid: [pod IPs]}``).
 
     ``host_netns`` is ``(st_ino, st_dev)`` of the node's netns (skipped). Pods without
     IPs can't be verified and are not returned. Returns ``{uid as given: FoundNetns}``;
@@ -190,6 +190,6 @@ def scan(proc_dir: str, wanted: dict[str, list[str]], host_netns: tuple[int, int
 
 
 def host_netns_id() -> tuple[int, int]:
-    """``(st_ino, st_dev)`` of the agent process's netns; take it at start (§7)."""
+    """``(st_ino, st_dev)`` of the agent process's netns; take it at start."""
     st = os.stat("/proc/self/ns/net")
     return st.st_ino, st.st_dev

@@ -1,9 +1,9 @@
 """What both in-pod rule backends share: constants, per-pod options, and the routing.
 
-Constants are Istio's (spec ``cni-zds.md`` §4.1, ``istio/istio:cni/pkg/config/config.go``):
+Constants are Istio's (``docs/enrollment.md``, ``istio/istio:cni/pkg/config/config.go``):
 ztunnel marks its own packets with 0x539 (ztunnel's ``PACKET_MARK``), connections it
 accepts are connmarked 0x111 and packets carrying that mark are routed locally via
-table 100 (§4.3). Pod overrides come from annotations (§3.6 step 3).
+table 100. Pod overrides come from annotations.
 
 The routing helpers block and act on the *calling thread's* netns: call them from a
 thread that already entered the pod's netns (``cni.netns.entered``).
@@ -50,7 +50,7 @@ class RuleOptions:
     """Everything that shapes one pod's redirection ruleset.
 
     ``probe_snat_ipv4``/``probe_snat_ipv6``: kubelet probe source addresses accepted
-    unredirected (§3.11); ``ipv6``: also build/apply the IPv6 ruleset (§4.4);
+    unredirected; ``ipv6``: also build/apply the IPv6 ruleset;
     ``dns_capture``: redirect port 53 to 15053 (global setting unless the pod overrides
     it); ``ingress_mode``: no inbound capture (``bypass-inbound-capture``);
     ``virtual_interfaces``: interfaces whose inbound TCP is treated as outbound.
@@ -74,7 +74,7 @@ def _parse_bool(text: str) -> bool | None:
 
 
 def pod_options(base: RuleOptions, annotations: Mapping[str, str] | None) -> RuleOptions:
-    """Apply a pod's annotation overrides to the global options (spec §3.6 step 3, §6.16).
+    """Apply a pod's annotation overrides to the global options.
 
     ``dns-capture: "true"/"false"`` forces DNS capture (unparsable = unset);
     ``bypass-inbound-capture: "true"`` selects ingress mode;
@@ -118,7 +118,7 @@ def _loopback_index() -> int | None:
 
 def add_routing(ipv6: bool) -> bool:
     """In the current netns: ``ip rule fwmark 0x111/0xfff lookup 100 pref 32764`` (EEXIST
-    ignored) and ``ip route replace local <any> dev lo table 100`` per family (spec §4.3).
+    ignored) and ``ip route replace local <any> dev lo table 100`` per family.
 
     Returns True when our ip rule was already there (for some family): the pod holds, or
     held, our rules (every backend adds this routing with them; :mod:`cni.rules_detect`

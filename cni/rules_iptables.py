@@ -1,8 +1,8 @@
-"""In-pod redirection rules, iptables backend (spec ``cni-zds.md`` §4.2, §4.4, §4.5, §3.13).
+"""In-pod redirection rules, iptables backend (``docs/enrollment.md``).
 
 :func:`build_rules` gives the ordered rule list of one family; :func:`render_restore`
 turns it into ``iptables-restore`` input exactly as upstream renders it (the default
-IPv4 output equals the golden of §4.8 line for line). :class:`IptablesBackend` applies
+IPv4 output equals upstream's default golden line for line). :class:`IptablesBackend` applies
 it inside a pod's netns.
 
 Apply algorithm (ours; upstream compares with ``iptables -C`` per rule and guards the
@@ -16,7 +16,7 @@ are ``-D``'d in the same transaction). No window without rules, no guardrails ne
 
 Flavor (nf_tables vs legacy) is detected once from the host's ``iptables --version``
 and recorded in the state dir so a restarted agent keeps using the variant the pods'
-rules were written with (§3.13; mixing variants inside one netns double-applies).
+rules were written with (mixing variants inside one netns double-applies).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _mark(value: int, mask: int = rc.INPOD_MASK) -> str:
 
 
 def build_rules(opts: RuleOptions, ipv6: bool = False) -> list[Rule]:
-    """The ordered in-pod ruleset for one family (spec §4.2; IPv6 per §4.4).
+    """The ordered in-pod ruleset for one family (IPv6 as upstream's ``ip6tables`` variant).
 
     Order matters: it is the upstream insertion order, which fixes both the rendered
     text and the evaluation order inside each chain.
@@ -117,7 +117,7 @@ def _jump_target(rule: Rule) -> str | None:
 
 
 def render_restore(rules: list[Rule]) -> str:
-    """``iptables-restore`` input (spec §4.5): tables sorted by name; per table ``-N`` for
+    """``iptables-restore`` input: tables sorted by name; per table ``-N`` for
     custom chains in order of first use as a rule's chain, then ``-N`` for jump targets
     not yet declared, then the rules in insertion order, then ``COMMIT``. Ends with a
     newline (the goldens strip it)."""
@@ -141,7 +141,7 @@ def render_restore(rules: list[Rule]) -> str:
 
 def golden_record(opts: RuleOptions, restore_v4: str | None = None,
                   restore_v6: str | None = None) -> str:
-    """What upstream's test stub records for one apply (spec §4.7): the two state probes,
+    """What upstream's test stub records for one apply: the two state probes,
     then the v4 restore lines, then (IPv6 on) the v6 lines, joined by newlines."""
     v4 = restore_v4 if restore_v4 is not None else render_restore(build_rules(opts))
     parts = ["iptables-save", "ip6tables-save", v4.rstrip("\n")]
@@ -185,7 +185,7 @@ def detect_flavor(state_dir: str | None = None) -> str:
 
 
 def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
-    # Forked children inherit the calling thread's netns (real-peers.md §3).
+    # Forked children inherit the calling thread's netns (``docs/maintainers/testing.md``).
     try:
         return subprocess.run(argv, input=stdin, capture_output=True, text=True,
                               timeout=TOOL_TIMEOUT)
@@ -291,7 +291,7 @@ class IptablesBackend:
         return _run([self._tool(v6, "restore"), "--noflush", f"--wait={WAIT_SECONDS}"], text)
 
     def apply(self, opts: RuleOptions) -> str:
-        """Install the ruleset (both families when ``opts.ipv6``) plus routing (§4.3).
+        """Install the ruleset (both families when ``opts.ipv6``) plus routing.
         Returns ``"applied"`` or ``"replaced"`` (our rules were already there and were
         atomically rewritten). Raises :class:`RulesError` with the tool's stderr.
         Same as ``start_apply(opts).finish()``."""

@@ -1,4 +1,4 @@
-"""In-pod redirection rules, native nftables backend (spec ``cni-zds.md`` §4.6).
+"""In-pod redirection rules, native nftables backend (``docs/enrollment.md``).
 
 The same policy as :mod:`cni.rules_iptables`, written as ``nft -f`` transactions in
 three ``inet`` tables (``istio-ambient-nat``, ``-mangle``, ``-raw``). IPv4 and IPv6
@@ -9,7 +9,7 @@ Each table is written as ``add table; flush table; add chain...; add rule...`` s
 re-run replaces instead of duplicating, all tables in one ``nft -f -`` call (one
 atomic kernel transaction). Delete is ``add table`` then ``delete table`` per table,
 which can't fail on an absent table. The builder is a pure function (upstream had
-"concurrent map writes" crashes from a shared builder; §7).
+"concurrent map writes" crashes from a shared builder).
 
 Where upstream's text has a double space (``mark and 0xfff  != 0x539``) we emit one:
 nft parses both, and our goldens are our own output for the upstream scenarios.
@@ -34,8 +34,8 @@ _BASE_CHAINS = {
 
 
 def build_tables(opts: RuleOptions) -> dict[str, list[str]]:
-    """``{table: [rule text after "add rule inet <table> "]}`` in upstream order (§4.2
-    mapped to nft; §4.6). Tables without rules are omitted."""
+    """``{table: [rule text after "add rule inet <table> "]}`` in upstream order
+    (the iptables rules mapped to nft). Tables without rules are omitted."""
     fams = [("ip", "127.0.0.1/32", opts.probe_snat_ipv4)]
     if opts.ipv6:
         fams.append(("ip6", "::1/128", opts.probe_snat_ipv6))
@@ -125,7 +125,7 @@ class NftablesBackend:
     name = "nftables"
 
     def apply(self, opts: RuleOptions) -> str:
-        """Routing first (§4.3), then one transaction. Returns ``"applied"`` or
+        """Routing first, then one transaction. Returns ``"applied"`` or
         ``"replaced"``. Raises :class:`RulesError`."""
         existed = NAT in list_tables()
         rc.add_routing(opts.ipv6)

@@ -1,6 +1,6 @@
 """A small libcni: run a conflist's plugins on a netns the way a container runtime does.
 
-Debian ships no ``cnitool`` (spec ``real-peers.md`` §4), so tests and the demo use this.
+Debian ships no ``cnitool`` (``docs/maintainers/testing.md``), so tests and the demo use this.
 It follows the CNI spec 1.1.0 "Network configuration lists" execution rules, as
 libcni does them:
 

@@ -1,7 +1,7 @@
 """Wire-contract protobufs: drift check, ZDS byte vectors, field numbers.
 
-Spec: spec/cni-zds.md §1.2 (ZDS), spec/ambient-wds.md §1.1-1.5 (workload,
-authorization), spec/sds-ca-status.md §3.1 (Istio CA).
+Spec: ``docs/zds.md`` (ZDS), ``docs/xds.md`` (workload,
+authorization), ``docs/sds.md`` (Istio CA).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_generated_modules_match_protos(tmp_path):
     )
 
 
-# --------------------------------------------------------------------------- ZDS vectors (cni-zds.md §1.2)
+# --------------------------------------------------------------------------- ZDS vectors (``docs/zds.md``)
 
 ZDS_VECTORS = [
     ("hello", zds_pb2.ZdsHello(version=zds_pb2.V1), "0801"),
@@ -104,7 +104,7 @@ def test_zds_field_numbers():
     assert "trust_domain" not in zds_pb2.WorkloadInfo.DESCRIPTOR.fields_by_name
 
 
-# --------------------------------------------------------------------------- workload (ambient-wds.md §1.1-1.4)
+# --------------------------------------------------------------------------- workload (``docs/xds.md``)
 
 
 def _numbers(message_cls):
@@ -186,7 +186,7 @@ def test_address_round_trip():
     assert back.WhichOneof("type") == "service" and back.service == svc
 
 
-# --------------------------------------------------------------------------- authorization (ambient-wds.md §1.5)
+# --------------------------------------------------------------------------- authorization (``docs/xds.md``)
 
 
 def test_authorization_field_numbers():
@@ -233,7 +233,7 @@ def test_authorization_round_trip():
     assert sm.WhichOneof("match_type") == "presence"
 
 
-# --------------------------------------------------------------------------- Istio CA (sds-ca-status.md §3.1)
+# --------------------------------------------------------------------------- Istio CA (``docs/sds.md``)
 
 
 def test_ca_messages_and_service():

@@ -1,4 +1,4 @@
-"""ZDS: the agent↔ztunnel protocol that hands pod netns fds to ztunnel (spec cni-zds.md §1).
+"""ZDS: the agent↔ztunnel protocol that hands pod netns fds to ztunnel (``docs/zds.md``).
 
 - :mod:`zds.server`: the agent side (component ``zds``): :class:`ZdsServer` with
   ``add(PodInfo)``, ``delete(uid)``, ``debug_state()``.

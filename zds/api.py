@@ -1,7 +1,7 @@
 """The ZDS server's API for the enrollment side: the pod record and the errors.
 
 Shapes are fixed by ``docs/internal-interfaces.md`` ("ZDS server API"). The wire
-facts behind them are spec ``cni-zds.md`` §1.
+facts behind them are ``docs/zds.md``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ class ZdsError(Exception):
 
 
 class ZdsNack(ZdsError):
-    """ztunnel answered ``Ack{error=text}``; ``text`` is ztunnel's reason (cni-zds.md §1.5)."""
+    """ztunnel answered ``Ack{error=text}``; ``text`` is ztunnel's reason (``docs/zds.md``)."""
 
     def __init__(self, text: str, uid: str = ""):
         self.text, self.uid = text, uid
@@ -22,7 +22,7 @@ class ZdsNack(ZdsError):
 
 
 class ZdsTimeout(ZdsError):
-    """No ack (or the socket stayed unwritable) within the per-message timeout (5 s, §1.4)."""
+    """No ack (or the socket stayed unwritable) within the per-message timeout (5 s)."""
 
 
 class NoZtunnel(ZdsError):
@@ -40,7 +40,7 @@ class PodInfo:
     """A pod as ZDS announces it.
 
     ``uid`` = ``metadata.uid`` (the ZDS key), ``name``/``namespace`` = metadata,
-    ``service_account`` = ``spec.serviceAccountName`` (§1.2 ``podToWorkload``).
+    ``service_account`` = ``spec.serviceAccountName`` (``podToWorkload``).
     ``netns_fd`` is an open fd of the pod's netns, or None when the netns is not known
     (the snapshot then sends ``KeepWorkload``). The server dups the fd; the caller keeps
     and closes its own.

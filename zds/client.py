@@ -1,6 +1,6 @@
 """A reference ZDS client: the ztunnel side of the protocol, in Python.
 
-Faithful to ztunnel's in-pod manager (spec ``cni-zds.md`` §1.5, ``istio/ztunnel:
+Faithful to ztunnel's in-pod manager (``docs/zds.md``, ``istio/ztunnel:
 src/inpod/{protocol,workloadmanager,statemanager}.rs``):
 
 - connects (retry wait doubles from 20 ms up to 15 s), sends ``ZdsHello{V1}``, and on

@@ -1,6 +1,6 @@
 """Prometheus metrics of the ZDS server, registered in the agent's one registry.
 
-- ``ztunnel_connected`` (gauge): live ZDS connections (upstream's name, cni-zds.md §1.3).
+- ``ztunnel_connected`` (gauge): live ZDS connections (upstream's name, ``docs/zds.md``).
 - ``ambient_agent_zds_messages_total{type,direction}``: packets by message type
   (hello/add/keep/del/snapshot_sent/ack/unexpected), direction sent|received.
 - ``ambient_agent_zds_acks_total{result}``: acks received, result ok|nack.

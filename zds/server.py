@@ -1,25 +1,25 @@
 """The ZDS server (agent side): hands each enrolled pod's netns to ztunnel.
 
-Implements spec ``cni-zds.md`` §1 (Istio's ``cni/pkg/nodeagent/ztunnelserver*.go``):
+Implements ``docs/zds.md`` (Istio's ``cni/pkg/nodeagent/ztunnelserver*.go``):
 
 - a SOCK_SEQPACKET Unix socket at ``ztunnel_uds_address``: a stale file is unlinked,
   the socket is created 0600 (bound under a temporary name, chmod'ed, then renamed into
   place so it is never reachable with looser permissions), accepts are rate-limited to
-  5/s with burst 1 (§1.1, a reconnect loop must not exhaust the agent);
+  5/s with burst 1 (a reconnect loop must not exhaust the agent);
 - per connection (:class:`ZdsConnection`, one task = the one writer, because acks are
-  matched only by order, §1.4/§7): ``ZdsHello`` within 5 s, then the snapshot (one
+  matched only by order): ``ZdsHello`` within 5 s, then the snapshot (one
   ``AddWorkload`` + SCM_RIGHTS netns fd per pod with a netns, ``KeepWorkload`` per pod
   without, then ``SnapshotSent``), then live adds/deletes from its queue, every message
   acked within 5 s; while idle the socket is watched, so EOF is a clean exit and any
   message from ztunnel is "unexpected" and drops the connection; a keepalive probe also
   runs every 5 s of idleness (the upstream keepalive check);
-- several ztunnels (§1.6): each gets the full snapshot; adds go to the newest live
+- several ztunnels: each gets the full snapshot; adds go to the newest live
   connection, deletes to all; when the newest goes away the previous one is used.
 
 Deliberate differences from upstream, and why:
 
 - An ack timeout **drops the connection** (upstream keeps it, and a late ack is then
-  taken as the next message's ack, §7). ztunnel reconnects and gets a fresh snapshot
+  taken as the next message's ack). ztunnel reconnects and gets a fresh snapshot
   that includes the pod, so nothing is lost.
 - The snapshot is sent by a thread with blocking I/O (:meth:`ZdsConnection._send_snapshot`);
   a pod deleted while it is in flight is skipped when the snapshot reaches it (the fd
@@ -65,10 +65,10 @@ from zds.metrics import ZdsMetrics
 
 log = logging.getLogger(__name__)
 
-HELLO_TIMEOUT = 5.0       # seconds to wait for ZdsHello after accept (§1.4)
+HELLO_TIMEOUT = 5.0       # seconds to wait for ZdsHello after accept
 ACK_TIMEOUT = 5.0         # seconds for each write and each ack (readWriteDeadline)
 KEEPALIVE_INTERVAL = 5.0  # seconds of idleness between keepalive probes
-ACCEPT_RATE = 5.0         # accepts per second, burst 1 (§1.1)
+ACCEPT_RATE = 5.0         # accepts per second, burst 1
 
 
 # Held by a snapshot thread from reading a record's fd to sendmsg having taken it, and
@@ -140,7 +140,7 @@ _READABLE = object()  # queue sentinel: the socket became readable while idle
 
 
 class _Flight:
-    """The one request on a connection awaiting its ack (acks match by order only, §1.4).
+    """The one request on a connection awaiting its ack (acks match by order only).
     ``on_ack(ack, error)`` gets the Ack, or None and the :class:`_Drop` to raise."""
 
     __slots__ = ("kind", "uid", "sent_at", "on_ack")
@@ -501,7 +501,7 @@ class ZdsConnection:
 
     def _keepalive_probe(self) -> None:
         """Upstream's keepalive check: nothing to read = alive, EOF = clean exit,
-        a message = protocol error (ztunnel never sends unsolicited data, §7)."""
+        a message = protocol error (ztunnel never sends unsolicited data)."""
         self.last_keepalive = time.time()
         if not self._inbox:
             return
@@ -968,7 +968,7 @@ class ZdsServer(Component):
 
     async def delete(self, uid: str) -> None:
         """Forget pod ``uid``, close its dup'd fd, and send ``DelWorkload`` to every
-        connection (§1.4: broadcast; ack errors ignored). Returns when each connection
+        connection (broadcast; ack errors ignored). Returns when each connection
         acked or went away; never raises for connection problems (the next snapshot no
         longer carries the pod). Unknown uids are still broadcast (ztunnel: no-op)."""
         if not isinstance(uid, str) or not uid:

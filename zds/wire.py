@@ -1,8 +1,8 @@
 """ZDS framing: one protobuf per SOCK_SEQPACKET packet, the netns fd in SCM_RIGHTS.
 
-Spec ``cni-zds.md`` §1.1-1.2: no length prefix (packet boundaries frame messages), a
+Spec ``docs/zds.md``: no length prefix (packet boundaries frame messages), a
 1024-byte receive buffer on both sides, ``MSG_TRUNC``/``MSG_CTRUNC`` rejected, exactly
-one fd and only on ``AddWorkload``. Encoders here produce the §1.2 byte vectors.
+one fd and only on ``AddWorkload``. Encoders here produce the byte vectors ztunnel's decoder expects (``tests/test_protos.py`` pins them).
 
 The socket helpers are non-blocking and event-loop friendly: ``recv_packet`` /
 ``send_packet`` never block (they raise ``BlockingIOError``); :func:`wait_ready` and
@@ -20,7 +20,7 @@ import socket
 
 from zds import zds_pb2
 
-MAX_MESSAGE = 1024  # bytes; both upstream sides read into a 1024-byte buffer (§1.1)
+MAX_MESSAGE = 1024  # bytes; both upstream sides read into a 1024-byte buffer
 # Room for exactly one fd, as ztunnel reserves: a second fd makes the kernel set MSG_CTRUNC.
 FD_CMSG_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)
 MSG_CMSG_CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0x40000000)
@@ -49,7 +49,7 @@ class Packet:
         self.fds = []
 
 
-# ------------------------------------------------------------------ encoders (§1.2)
+# ------------------------------------------------------------------ encoders
 
 def encode_hello(version: int = zds_pb2.V1) -> bytes:
     """``ZdsHello{version}`` (bare, not wrapped): ``08 01`` for V1."""
@@ -58,7 +58,7 @@ def encode_hello(version: int = zds_pb2.V1) -> bytes:
 
 def encode_add(uid: str, name: str, namespace: str, service_account: str) -> bytes:
     """``WorkloadRequest{add{uid, workload_info}}``; workload_info is always present
-    (ztunnel treats an Add without it as a fatal protocol error, §1.5)."""
+    (ztunnel treats an Add without it as a fatal protocol error)."""
     info = zds_pb2.WorkloadInfo(name=name, namespace=namespace, service_account=service_account)
     req = zds_pb2.WorkloadRequest(add=zds_pb2.AddWorkload(uid=uid, workload_info=info))
     return req.SerializeToString()
@@ -86,7 +86,7 @@ def encode_ack(error: str = "") -> bytes:
     return zds_pb2.WorkloadResponse(ack=zds_pb2.Ack(error=error)).SerializeToString()
 
 
-# The success ack is one fixed byte vector (§1.2); sent and recognized without protobuf.
+# The success ack is one fixed byte vector; sent and recognized without protobuf.
 ACK_OK = zds_pb2.WorkloadResponse(ack=zds_pb2.Ack()).SerializeToString()
 assert ACK_OK == b"\x0a\x00", ACK_OK
 

@@ -1,6 +1,6 @@
 """The embedded CA: a root kept under the state dir that signs workload CSRs locally.
 
-Signing follows istiod's rules (spec ``sds-ca-status.md`` §3.5 steps 5-9, §6 "CA
+Signing follows istiod's rules (``docs/sds.md`` "CA
 servers"; upstream ``security/pkg/pki/ca/ca.go``, ``pki/util/generate_cert.go``):
 
 - SANs come only from the authenticated identity; the CSR's own SANs and subject are
@@ -14,8 +14,7 @@ servers"; upstream ``security/pkg/pki/ca/ca.go``, ``pki/util/generate_cert.go``)
   SKI, SHA-256.
 - Response: ``[leaf + "\\n", root_bundle]`` (no intermediates for a self-signed root).
 
-The root is RSA 2048, 10 years, O = trust domain, CA:TRUE, KeyUsage certSign (§3.5
-step 9). It is created once at ``<ca_dir>/{root-cert.pem,root-key.pem}`` (setting ``ca_dir``, default ``<state_dir>/ca``) (key 0600,
+The root is RSA 2048, 10 years, O = trust domain, CA:TRUE, KeyUsage certSign (step 9). It is created once at ``<ca_dir>/{root-cert.pem,root-key.pem}`` (setting ``ca_dir``, default ``<state_dir>/ca``) (key 0600,
 dir 0700), or loaded from the files the user gives (``ca_cert_file``/``ca_key_file``).
 """
 
@@ -46,7 +45,7 @@ ROOT_TTL = dt.timedelta(days=3650)
 
 
 class CAError(Exception):
-    """A signing failure with the gRPC status it maps to (spec §3.5 step 8).
+    """A signing failure with the gRPC status it maps to.
 
     ``code`` is one of ``"INVALID_ARGUMENT"`` (CSR/TTL errors), ``"INTERNAL"`` (CA not
     ready, generation failure), ``"UNAUTHENTICATED"``; ``str()`` is the message.

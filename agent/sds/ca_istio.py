@@ -4,12 +4,12 @@ adapter that gives the embedded CA the same shape.
 Both implement ``async sign(csr_pem, ttl_seconds, identity) -> list[str]`` (the
 response ``cert_chain``: leaf first, root bundle last) and raise :class:`CAClientError`.
 
-Istio CA protocol (spec ``sds-ca-status.md`` §3.2-3.4; upstream
+Istio CA protocol (``docs/sds.md``; upstream
 ``security/pkg/nodeagent/caclient/providers/citadel/client.go``):
 
 - request ``csr`` (PEM text), ``validity_duration`` (seconds), ``metadata``
   ``{"CertSigner": ""}`` plus ``ImpersonatedIdentity`` when asking on behalf of an
-  attested workload (ztunnel's node-proxy mode, §3.7);
+  attested workload (ztunnel's node-proxy mode);
 - gRPC metadata ``clusterid`` and, when the token file is readable and non-empty,
   ``authorization: Bearer <token>`` (re-read on every call; a missing token is not an
   error, mTLS may still authenticate);

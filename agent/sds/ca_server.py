@@ -1,7 +1,7 @@
 """The embedded CA served as ``istio.v1.auth.IstioCertificateService``.
 
 Lets ztunnel (or istio-agent) on a host without istiod get certificates from this
-agent. Spec ``sds-ca-status.md`` §3.5-3.6; upstream ``security/pkg/server/ca/server.go``.
+agent. Spec ``docs/sds.md``; upstream ``security/pkg/server/ca/server.go``.
 
 - Where: on the xDS TLS port (``xds_tls_port``, 15012, next to xDS, as istiod does; the
   ``xds`` component adds :class:`CertificateService` to its gRPC server), and optionally
@@ -13,14 +13,15 @@ agent. Spec ``sds-ca-status.md`` §3.5-3.6; upstream ``security/pkg/server/ca/se
   TokenReview. Nothing → UNAUTHENTICATED ``request authenticate failure: <reason>``
   (istiod's text, plus why; never the token). Calls that did not come through TLS are
   refused the same way.
-- ``ImpersonatedIdentity`` (ztunnel's node-proxy mode, §3.5 step 3): the caller's
+- ``ImpersonatedIdentity`` (ztunnel's node-proxy mode): the caller's
   ``ns/sa`` must be in ``ca_trusted_node_accounts``, the target must be a SPIFFE ID of
   our trust domain, and — when a config source is available — a pod with that
   namespace/service account must run on this node; a caller authenticated by a
   Kubernetes token naming its pod must itself run on this node (istiod checks the
   caller pod's node the same way). Otherwise UNAUTHENTICATED "request impersonation
   authentication failure" (the reason is only logged).
-- The CSR's SANs and subject are ignored; errors map per §3.5 step 8.
+- The CSR's SANs and subject are ignored; errors map to gRPC codes as istiod's do
+  (:class:`agent.sds.ca_embedded.SigningError`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """The secret cache: one workload certificate per SPIFFE ID, minted via a CSR, rotated early.
 
-Upstream: ``security/pkg/nodeagent/cache/secretcache.go`` (spec ``sds-ca-status.md``
-§2.1-2.4, §2.7). What we keep and what we deliberately do differently:
+Upstream: ``istio/istio:security/pkg/nodeagent/cache/secretcache.go`` (``docs/sds.md``).
+What we keep and what we deliberately do differently:
 
-- Double-checked locking per identity so a burst of streams makes one CSR (§6).
+- Double-checked locking per identity so a burst of streams makes one CSR.
 - Rotation time = ``expire - clamp(ratio ± jitter) * lifetime`` (:func:`rotate_delay`,
-  same formula and test vectors as upstream, §2.4, §5 cases 10-11).
+  same formula and test vectors as upstream).
 - Rotation is **eager**, not lazy: when the timer fires and someone watches the identity
   we mint the replacement first and only then push it. Upstream clears the cache first,
   so a CA outage at rotation time makes new SDS requests fail although the old
-  certificate is still valid (§2.7, §6); like ztunnel (§3.7) we keep serving the cached
+  certificate is still valid; like ztunnel we keep serving the cached
   certificate until it expires and retry with backoff (500 ms x1.5, ±50 %, at most 60 s,
   never past expiry). An expired certificate is never served: at expiry the item is
   dropped and watchers are told, so their next generation fails loudly instead.
@@ -156,7 +156,7 @@ class SecretCache:
             return item
 
     async def root_bundle(self, spiffe_id: str) -> bytes:
-        """The trust bundle (``ROOTCA``): the CA's root merged with extra anchors (§2.5).
+        """The trust bundle (``ROOTCA``): the CA's root merged with extra anchors.
 
         Mints ``spiffe_id``'s certificate first when no root is known yet, as upstream does.
         """
@@ -236,7 +236,7 @@ class SecretCache:
                           expire=not_after.timestamp(), serial=serial)
 
     def _install(self, item: SecretItem) -> None:
-        """Cache ``item``, schedule its rotation and announce a root change (§2.1 steps 5-6)."""
+        """Cache ``item``, schedule its rotation and announce a root change."""
         self.items[item.spiffe_id] = item
         self.failures.pop(item.spiffe_id, None)
         self._schedule(item)

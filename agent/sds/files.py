@@ -1,8 +1,8 @@
 """File-mounted certificates: the ``file-cert:``/``file-root:`` resource names and the
 workload certificate directory, read from disk and watched for changes.
 
-Spec ``sds-ca-status.md`` §1.3 (name forms), §2.6 (resolution, watching), §5 cases
-17-20. Names: ``file-cert:<certPath>~<keyPath>`` (exactly two parts),
+Upstream: ``istio/istio:security/pkg/nodeagent/cache/secretcache.go`` (file-mounted
+names, resolution and watching; ``docs/sds.md``). Names: ``file-cert:<certPath>~<keyPath>`` (exactly two parts),
 ``file-root:<caPath>`` (one part), ``file-root:system`` (the OS bundle). Anything else
 is "not a file name".
 

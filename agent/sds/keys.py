@@ -2,7 +2,7 @@
 
 Upstream: ``istio/istio:security/pkg/pki/util/{generate_csr.go,crypto.go,san.go}`` and
 ``security/pkg/nodeagent/cache/secretcache.go`` (``concatCerts``, trust merging);
-spec ``sds-ca-status.md`` §2.2, §2.3, §2.5.
+``docs/sds.md``.
 
 Everything here is synchronous and CPU-bound (RSA key generation takes tens of
 milliseconds): callers on the event loop run it through ``ctx.run_blocking``.
@@ -101,7 +101,7 @@ def _general_names(sans: list[str]) -> list[x509.GeneralName]:
 def build_csr(key, sans: list[str]) -> bytes:
     """A PEM CSR with an empty subject (one empty O, as upstream) and a critical SAN.
 
-    The SHA-256 signature matches istio-agent for RSA and P-256 keys (spec §2.2).
+    The SHA-256 signature matches istio-agent for RSA and P-256 keys.
     """
     # An empty subject is what the spec calls fully compatible (istiod ignores it).
     csr = (x509.CertificateSigningRequestBuilder()
@@ -120,7 +120,7 @@ def new_key_and_csr(algorithm: str, sans: list[str]) -> tuple[bytes, bytes]:
 def concat_certs(certs: list[str]) -> str:
     """Join PEM elements, adding ``\\n`` only where an element lacks one (upstream ``concatCerts``).
 
-    ``[]`` → ``""``, ``["a", "b"]`` → ``"a\\nb"``, ``["a\\n", "b"]`` → ``"a\\nb"`` (spec §5 case 12).
+    ``[]`` → ``""``, ``["a", "b"]`` → ``"a\\nb"``, ``["a\\n", "b"]`` → ``"a\\nb"``.
     """
     out = ""
     for i, c in enumerate(certs):
@@ -138,7 +138,7 @@ def pem_blocks(data: bytes | str) -> list[bytes]:
 
 
 def load_certs(data: bytes | str, what: str = "certificate bundle") -> list[x509.Certificate]:
-    """Parse a PEM bundle, skipping blocks strict parsers reject (negative serials) (spec §2.6).
+    """Parse a PEM bundle, skipping blocks strict parsers reject (negative serials).
 
     Raises ValueError naming ``what`` when no valid certificate is left.
     """
@@ -179,7 +179,7 @@ def uri_sans(cert: x509.Certificate) -> list[str]:
 
 def merge_trust(*bundles: bytes | str) -> bytes:
     """Upstream ``mergeTrustAnchorBytes``: split bundles into PEM certs, de-duplicate,
-    sort lexicographically, join with ``\\n`` (no trailing newline) (spec §2.5)."""
+    sort lexicographically, join with ``\\n`` (no trailing newline)."""
     blocks = set()
     for bundle in bundles:
         for block in pem_blocks(bundle or b""):

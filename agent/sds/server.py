@@ -2,7 +2,7 @@
 (embedded by default, or a remote Istio CA) and, optionally, the embedded CA's own
 ``IstioCertificateService`` port. Built by :func:`build` (``agent.daemon``).
 
-Who gets which identity (spec ``sds-ca-status.md`` §2.2, issue 6):
+Who gets which identity (``docs/sds.md``, issue 6):
 
 - **fixed** — ``service_account`` set: every caller is
   ``spiffe://<trust_domain>/ns/<pod_namespace>/sa/<service_account>``, as pilot-agent
@@ -180,7 +180,7 @@ class SdsServer(Component):
         except CAError as e:
             if not cfg.ca_cert_file:
                 raise RuntimeError(f"embedded CA: {e}") from None
-            # The operator's own root: name the setting to fix (spec §3.5 step 9).
+            # The operator's own root: name the setting to fix.
             name = "ca_key_file" if str(e).startswith("CA key") else "ca_cert_file"
             raise RuntimeError(f"embedded CA: setting {name}={getattr(cfg, name)!r}: {e}"
                                ) from None
@@ -293,7 +293,7 @@ class SdsServer(Component):
         log.info("mesh root published at %s", path)
 
     async def _warm_up(self) -> None:
-        """Fixed mode: mint ``default`` and ``ROOTCA`` before anyone asks (§1.8)."""
+        """Fixed mode: mint ``default`` and ``ROOTCA`` before anyone asks."""
         delay = 0.5
         while True:
             try:
@@ -523,7 +523,7 @@ def publish_root(path: str, root: bytes) -> None:
 
 
 def read_trust_anchors(path: str) -> bytes:
-    """The PEM certificates in ``path`` (spec §2.5 extra anchors). Raises
+    """The PEM certificates in ``path`` (extra anchors). Raises
     :class:`ConfigError` naming ``trust_anchors_file`` when unreadable or not certificates."""
     try:
         with open(path, "rb") as f:

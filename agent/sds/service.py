@@ -1,7 +1,7 @@
 """Envoy's ``SecretDiscoveryService``: StreamSecrets, DeltaSecrets and FetchSecrets.
 
-StreamSecrets follows istio-agent's per-stream state machine (spec
-``sds-ca-status.md`` §1.5-1.7, §5 cases 1-9; upstream ``pkg/xds/server.go`` +
+StreamSecrets follows istio-agent's per-stream state machine
+(``docs/sds.md``; upstream ``pkg/xds/server.go`` +
 ``security/pkg/nodeagent/sds/sdsservice.go``):
 
 - the first message must carry ``node.id`` → else INVALID_ARGUMENT "missing node
@@ -11,7 +11,7 @@ StreamSecrets follows istio-agent's per-stream state machine (spec
 - empty nonce **or** no watch yet → (re)initialise the watch, answer every name. This
   is what makes a reconnect after our restart work: Envoy replays its old
   version/nonce on a fresh stream, and the nonce is only checked once this stream has
-  sent one (SPIRE issue #813, anchors.md §2);
+  sent one (SPIRE issue #813);
 - a nonce other than the last one sent → stale, ignored;
 - matching nonce → ACK; answer only the names added;
 - ``version_info`` is ``<local RFC 3339 time>/<process-wide counter>``, nonce a UUIDv4.
@@ -105,7 +105,7 @@ Identify = Callable[[grpc.aio.ServicerContext], Identity]
 
 
 def next_version() -> str:
-    """``<local time RFC 3339>/<global counter>`` (upstream format, §1.5 item 4)."""
+    """``<local time RFC 3339>/<global counter>`` (upstream format)."""
     now = dt.datetime.now().astimezone().isoformat(timespec="seconds")
     return f"{now}/{next(_version_counter)}"
 

@@ -1,5 +1,5 @@
 """Who may call what: loopback-only metrics (``metrics_localhost_only``, spec
-``sds-ca-status.md`` §4.2). The admin endpoints are not on TCP at all (admin socket).
+``docs/status.md``). The admin endpoints are not on TCP at all (admin socket).
 
 "Loopback" is decided from the TCP peer address only (127.0.0.0/8, ::1, or an
 IPv4-mapped loopback); headers such as ``X-Forwarded-For`` are never trusted.

@@ -1,4 +1,4 @@
-"""Response compression for buffered status-port bodies (spec ``sds-ca-status.md`` §4.2).
+"""Response compression for buffered status-port bodies (``docs/status.md``).
 
 Applied per handler, not as an application middleware: a middleware would wrap every
 request, including the ``/healthz/ready`` probe that kubelet and load balancers hit most

@@ -1,4 +1,4 @@
-"""Merged Prometheus metrics for ``/stats/prometheus`` and ``/metrics`` (spec ``sds-ca-status.md`` §4.6).
+"""Merged Prometheus metrics for ``/stats/prometheus`` and ``/metrics`` (``docs/status.md``).
 
 One scrape returns, in this order: the agent's own registry, Envoy's ``/stats/prometheus``
 (when an Envoy admin port is configured) and the application's targets from
@@ -91,7 +91,7 @@ def _target_port(value: Any, status_port: int, where: str) -> int:
 def parse_annotations(value: Any, status_port: int, given: bool = False) -> list[ScrapeTarget]:
     """Normalise ``ISTIO_PROMETHEUS_ANNOTATIONS`` (a JSON string or decoded object) to targets.
 
-    ``given`` says the variable was set (a set-but-empty value is an error, spec §6).
+    ``given`` says the variable was set (a set-but-empty value is an error).
     Returns [] when app scraping is off (unset, or ``scrape == "false"``). With no
     ``targets`` one target is synthesised from ``port`` (default 80) and ``path``
     (default ``/metrics``). Upstream quirk decided deliberately: when ``targets`` is given
@@ -147,7 +147,7 @@ def _parse_media_range(part: str) -> tuple[str, str] | None:
 
 
 def filter_accept(header: str | None, allowed: tuple[str, ...]) -> str:
-    """The ``Accept`` to send upstream: only ``allowed`` media types (spec §4.6).
+    """The ``Accept`` to send upstream: only ``allowed`` media types.
 
     Any unparsable range, or an empty header, gives ``text/plain;version=0.0.4``;
     ``*``/``*/*`` become that text type (once), ``application/*`` becomes OpenMetrics

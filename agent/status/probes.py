@@ -3,8 +3,8 @@
 The injector rewrites a container's httpGet/tcpSocket/grpc probes to
 ``GET :15020/app-health/<container>/<livez|readyz|startupz>`` (and lifecycle hooks to
 ``/app-lifecycle/<container>/<prestopz|poststartz>``) and stores the originals as JSON
-in ``ISTIO_KUBE_APP_PROBERS`` (spec ``sds-ca-status.md`` §4.4). The status server runs
-the original probe against the app and answers kubelet with the mapped status (§4.5):
+in ``ISTIO_KUBE_APP_PROBERS`` (``docs/status.md``). The status server runs
+the original probe against the app and answers kubelet with the mapped status:
 
 - httpGet: the app's status and up to 10 KiB of its body; a final 3xx → 200 (the
   ``Location`` header is not forwarded); transport error or timeout → 500. Redirects are
@@ -105,7 +105,7 @@ def _timeout(path: str, entry: Mapping[str, Any]) -> float:
 
 
 def parse_probe(path: str, entry: Any) -> AppProbe:
-    """Validate one ``path -> prober`` entry (spec §4.4). Raises :class:`ProberConfigError`."""
+    """Validate one ``path -> prober`` entry. Raises :class:`ProberConfigError`."""
     if not PATH_RE.match(path):
         raise ProberConfigError(f"invalid path {path!r}: must match {PATH_RE.pattern}")
     if not isinstance(entry, dict):
@@ -149,7 +149,7 @@ def parse_probers(value: Any) -> dict[str, AppProbe]:
 
     Returns ``{rewritten path: AppProbe}``; None or ``""`` → no probes. Raises
     :class:`ProberConfigError` (``failed to decode ...``, ``invalid path ...``,
-    ``invalid prober type ...``, ``... must be int type``), spec §4.4 and acceptance case 25.
+    ``invalid prober type ...``, ``... must be int type``), the messages upstream's ``pkg/istio-agent/health`` gives.
     """
     if value is None or value == "":
         return {}
@@ -208,7 +208,7 @@ def _forward_headers(incoming: Mapping[str, str], target: ProbeTarget, app_port:
     """Copy kubelet's headers (it already added the probe's httpHeaders), fixing Host.
 
     Host stays the incoming one unless it names the status port, which the app does not
-    listen on; then it becomes ``<host>:<appPort>`` (spec §4.5).
+    listen on; then it becomes ``<host>:<appPort>``.
     """
     headers = {k: v for k, v in incoming.items() if k.lower() not in _HOP_HEADERS}
     host = incoming.get("Host", "")
@@ -233,7 +233,7 @@ async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
 
 async def run_http(probe: AppProbe, target: ProbeTarget, headers: Mapping[str, str]
                    ) -> ProbeResult:
-    """Run an httpGet probe (spec §4.5). Never raises: errors become 500."""
+    """Run an httpGet probe. Never raises: errors become 500."""
     url = f"{probe.scheme}://{target.hostport(probe.port)}{probe.path}"
     source = target.source()
     connector = aiohttp.TCPConnector(

@@ -1,4 +1,4 @@
-"""Envoy readiness derived from its admin ``/stats`` (spec ``sds-ca-status.md`` §4.3, case 30).
+"""Envoy readiness derived from its admin ``/stats`` (``docs/status.md``, case 30).
 
 Upstream does not call Envoy's ``/ready``; it asks two stats queries and latches each
 result once it succeeds (so a later admin outage does not flip readiness):

@@ -1,13 +1,13 @@
 """The status server (component ``status``): readiness, app probes, merged metrics, quit/drain, debug.
 
-Three aiohttp listeners (spec ``sds-ca-status.md`` §4.1, §4.2, §4.8):
+Three aiohttp listeners (``docs/status.md``):
 
 ``status_port`` (15020), on ``status_address`` (default: all addresses):
 
 - ``/healthz/ready`` — 200 (empty) when every component is ready, the agent is not
   shutting down or draining, a ztunnel is connected when enrollment runs (else an ambient
   pod's CNI ADD would block) and, with ``envoy_admin_port`` set, Envoy's admin stats say
-  config received and LIVE (§4.3); else 503 with a one-line reason.
+  config received and LIVE; else 503 with a one-line reason.
 - ``/app-health/<container>/{livez,readyz,startupz}``, ``/app-lifecycle/<container>/
   {prestopz,poststartz}`` — the rewritten kubelet probes from ``ISTIO_KUBE_APP_PROBERS``
   (:mod:`agent.status.probes`); an unknown path → 400.
@@ -221,7 +221,7 @@ class StatusServer(Component):
         return ""
 
     async def readiness_reason(self) -> str:
-        """"" when ready, else the first failing check's reason (§4.3)."""
+        """"" when ready, else the first failing check's reason."""
         if self.envoy_ready is not None:
             reason = await self.envoy_ready.check(self._session)
             if reason:

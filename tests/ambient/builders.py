@@ -1,5 +1,5 @@
-"""Object builders and an index harness for the ambient tests (spec ambient-wds.md §5
-conventions: cluster ``cluster0``, network ``testnetwork`` from the system-namespace label,
+"""Object builders and an index harness for the ambient tests (conventions: cluster
+``cluster0``, network ``testnetwork`` from the system-namespace label,
 root namespace ``istio-system``)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Spec ambient-wds.md §5 acceptance cases (1-32, 35) against the real store + index.
+"""The index acceptance cases (1-32, 35) against the real store + index.
 
 Cases 33-34 are delta-xDS stream behaviour (on-demand, reconnect versions) and belong to
 the xDS server's tests; the index side of 33 (lookup by IP / VIP) is covered here.

@@ -1,4 +1,4 @@
-"""Index behaviour beyond §5: cascades of §4.1, change-only announcements, bad input,
+"""Index behaviour beyond the acceptance cases: cascades, change-only announcements, bad input,
 ztunnel local-config objects."""
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def test_local_config_objects_map_one_to_one():
 
 
 def test_inbound_binding_selects_the_bound_listener_for_allowed_namespaces():
-    """§3.7 / Istio ``findBoundListener``: the binding's port, else for PROXY the
+    """Istio ``findBoundListener``: the binding's port, else for PROXY the
     ``istio.io/PROXY`` listener, decides allowedRoutes; otherwise the HBONE/15008 one."""
     from ambient.waypoints import waypoint_from_gateway
 

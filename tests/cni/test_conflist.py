@@ -1,4 +1,4 @@
-"""Golden-file tests of the conflist cases of spec cni-zds.md §5.2-§5.8 (inputs and
+"""Golden-file tests of the conflist cases of ``docs/cni.md`` (inputs and
 expected outputs in tests/cni/testdata/; regenerate with UPDATE_GOLDEN=1 and review)."""
 
 from __future__ import annotations

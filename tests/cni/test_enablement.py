@@ -1,4 +1,4 @@
-"""Istio's enablement rules (spec cni-zds.md §2.4, §6 items 21-22)."""
+"""Istio's enablement rules (``docs/cni.md``)."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""cgroup parsing for the /proc scan (spec cni-zds.md §3.9, §6.23)."""
+"""cgroup parsing for the /proc scan (``docs/enrollment.md``)."""
 
 import pytest
 

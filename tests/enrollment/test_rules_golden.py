@@ -1,7 +1,8 @@
-"""Golden tests of the rule builders: every upstream scenario of spec ``cni-zds.md`` §4.7.
+"""Golden tests of the rule builders: every upstream scenario of ``docs/enrollment.md``.
 
 The iptables goldens use upstream's recording format (the two state probes, then the
-v4 restore text, then the v6 one); ``default.golden`` is the spec's §4.8 fact reference
+v4 restore text, then the v6 one); ``default.golden`` is
+upstream's default-options IPv4 output (``istio/istio:cni/pkg/iptables/testdata``), kept
 byte for byte. nftables goldens are our ``nft -f`` transaction text for the same
 scenarios. Regenerate (then review the diff!) with ``UPDATE_GOLDEN=1``.
 """
@@ -66,7 +67,7 @@ def test_nftables_golden(name, ipv6):
                  render_transaction(opts))
 
 
-# The spec's §4.8 fact reference, verbatim: our default IPv4 output must equal it.
+# Upstream's default-options IPv4 ruleset, verbatim: our default IPv4 output must equal it.
 SPEC_DEFAULT = """iptables-save
 ip6tables-save
 * mangle
@@ -129,7 +130,7 @@ def test_hostprobe_spec_fact():
 
 
 def test_pod_overrides():
-    """Spec §6.16: annotation parsing."""
+    """Annotation parsing."""
     base = RuleOptions(dns_capture=False)
     assert pod_options(base, {"ambient.istio.io/dns-capture": "true"}).dns_capture is True
     assert pod_options(RuleOptions(), {"ambient.istio.io/dns-capture": "false"}).dns_capture is False

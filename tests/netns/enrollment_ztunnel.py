@@ -1,6 +1,6 @@
 """A ztunnel stand-in for the enrollment tests (ztunnel itself can't run here).
 
-Faithful to the ZDS client side of spec ``cni-zds.md`` §1.3/§1.5, built on the real
+Faithful to the ZDS client side of ``docs/zds.md``, built on the real
 wire module (``zds.wire``): connect to the agent's SEQPACKET socket, send ZdsHello,
 then answer every WorkloadRequest with an Ack. For each AddWorkload with a netns fd
 it does what ztunnel does with it: enter the netns and open the in-pod listeners

@@ -1,7 +1,7 @@
 """Host probe rules and sets in a scratch "node" netns (never the real host), both
 backends, unique chain/set names: IP reuse by a new pod (owner = UID), idempotent
-setup keeping entries, start-of-day reconcile in place, removal by owner (spec
-cni-zds.md §3.7, §3.9, §3.11, §6.12; issue 17 item 6)."""
+setup keeping entries, start-of-day reconcile in place, removal by owner
+(``docs/enrollment.md``; issue 17 item 6)."""
 
 from __future__ import annotations
 

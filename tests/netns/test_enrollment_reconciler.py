@@ -326,7 +326,7 @@ def _node_rules(node_netns: str) -> str:
 @pytest.mark.parametrize("decommission", [False, True])
 async def test_stop_keeps_host_rules_unless_safe_upgrade_disabled(state_dir, node_netns,
                                                                   decommission):
-    """Spec §3.12: host probe rules survive a restart; with AMBIENT_DISABLE_SAFE_UPGRADE
+    """Host probe rules survive a restart; with AMBIENT_DISABLE_SAFE_UPGRADE
     (the node is being decommissioned) the agent removes them at stop."""
     h = await Harness(state_dir, node_netns,
                       ambient_disable_safe_upgrade=decommission).start()
@@ -336,7 +336,7 @@ async def test_stop_keeps_host_rules_unless_safe_upgrade_disabled(state_dir, nod
 
 
 async def test_cni_del_keeps_in_pod_rules_as_upstream(bridge, state_dir, node_netns):
-    """CNI DEL = upstream RemovePodFromMesh(isDelete=true) (spec §3.7): the sandbox's netns
+    """CNI DEL = upstream RemovePodFromMesh(isDelete=true): the sandbox's netns
     is being destroyed, so its rules are left to go with it; probe set entry, ZDS and
     the persisted record are removed. Un-enrollment of a live pod (is_delete=False) is
     the full removal."""
@@ -395,7 +395,7 @@ async def _until(cond, timeout=5.0):
 
 
 async def test_pod_that_stops_being_ambient_is_unenrolled(bridge, state_dir, node_netns):
-    """Upstream's informer Pod/Namespace Update (spec §3.5): a running enrolled pod whose
+    """Upstream's informer Pod/Namespace Update: a running enrolled pod whose
     labels (or its namespace's) stop selecting it is removed with isDelete=false: its
     in-pod rules, routing, probe entry and ZDS proxy all go, the netns is as before.
     Unrelated changes, and a pod still ambient, change nothing."""

@@ -1,7 +1,6 @@
 """Loopback-only metrics and the admin endpoints (admin socket only) refuse a real
 non-loopback peer: a netns pod on a real bridge
-connects to the status server listening on the bridge gateway address (spec §4.2,
-acceptance case 29)."""
+connects to the status server listening on the bridge gateway address (acceptance case 29)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 pod's netns, listeners opened through it live in the pod, redirected traffic lands on
 them with the original destination, and a port conflict becomes a real NACK.
 
-The ztunnel side is our reference client (zds.client), built from spec cni-zds.md §1.5;
-no real ztunnel runs here (spec/real-peers.md).
+The ztunnel side is our reference client (zds.client), built from ``docs/zds.md``;
+no real ztunnel runs here (``docs/maintainers/testing.md``).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ async def test_received_fd_is_the_pods_netns(bridge):
 
 async def test_redirected_traffic_lands_with_original_destination(bridge):
     p = await asyncio.to_thread(bridge.add_pod, "zr")
-    # A slice of the golden in-pod rules (cni-zds.md §4): outbound and inbound REDIRECT.
+    # A slice of the golden in-pod rules (``docs/enrollment.md``): outbound and inbound REDIRECT.
     rules = ("*nat\n"
              "-A PREROUTING -p tcp --dport 8080 -j REDIRECT --to-ports 15006\n"
              "-A OUTPUT -p tcp -d 192.0.2.10 -m mark ! --mark 0x539/0xfff "

@@ -146,7 +146,7 @@ async def test_ca_returning_one_element_is_invalid_empty_certchain(tmp_path):
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        # 15010 means plaintext (§3.3); reach the fake through a name that ends in it
+        # 15010 means plaintext; reach the fake through a name that ends in it
         c = IstioCAClient(f"127.0.0.1:{port}", "", "")
         c.plaintext = True
         with pytest.raises(CAClientError, match="invalid empty CertChain"):

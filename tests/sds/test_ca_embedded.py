@@ -1,4 +1,4 @@
-"""Embedded CA signing rules (spec §3.5 steps 5-9, §5 case 23) and root handling."""
+"""Embedded CA signing rules and root handling."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Secret cache: rotation timing vectors (spec §5 cases 10-12), trust merging, eager
+"""Secret cache: rotation timing vectors, trust merging, eager
 rotation with CA outages, expiry and clock skew. The CA is the real embedded CA."""
 
 from __future__ import annotations

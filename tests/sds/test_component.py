@@ -114,7 +114,7 @@ async def test_bad_settings_are_clear_errors(state_dir):
 
 
 async def test_extra_trust_anchors_are_merged_into_rootca(state_dir, tmp_path):
-    """Spec §2.5: extra anchors (upstream's ProxyConfig.caCertificatesPem; here the
+    """Extra anchors (upstream's ProxyConfig.caCertificatesPem; here the
     trust_anchors_file setting) are merged into ROOTCA: split, de-duplicated, sorted."""
     other_state = tmp_path / "other"
     other_state.mkdir(mode=0o700)

@@ -1,5 +1,5 @@
-"""SDS stream state machine against the real server over a real Unix socket (spec
-``sds-ca-status.md`` §5 cases 1-9), DeltaSecrets, FetchSecrets, file-backed names and bad
+"""SDS stream state machine against the real server over a real Unix socket
+(``docs/sds.md``), DeltaSecrets, FetchSecrets, file-backed names and bad
 input. The CA is the real embedded CA; ``SwitchableCA`` injects outages."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Pure parsing rules of the status server: ISTIO_KUBE_APP_PROBERS (spec §4.4, case 25),
-ISTIO_PROMETHEUS_ANNOTATIONS (§4.6, case 32), Accept filtering (§4.6, case 31),
-Envoy admin stats readiness messages (§4.3, case 30)."""
+"""Pure parsing rules of the status server: ISTIO_KUBE_APP_PROBERS (case 25),
+ISTIO_PROMETHEUS_ANNOTATIONS (case 32), Accept filtering (case 31),
+Envoy admin stats readiness messages (case 30)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""App probes against real local servers (spec §4.5, acceptance cases 26–28): real aiohttp
+"""App probes against real local servers (acceptance cases 26–28): real aiohttp
 HTTP and HTTPS apps, a real TCP listener, a real grpc.aio server with grpc.health.v1."""
 
 from __future__ import annotations

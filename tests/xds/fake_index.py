@@ -1,8 +1,8 @@
 """A small in-memory index implementing ``ambient.api.AmbientIndex`` for the xDS tests.
 
 It holds real ``workload_pb2.Address`` / ``authorization_pb2.Authorization`` messages and
-reports changes exactly like the real index must (spec ``ambient-wds.md`` §4.1: only when
-the produced proto changed; lookups per §4.2; waypoint membership per §3.7/§7). It is a
+reports changes exactly like the real index must (``docs/xds.md``: only when
+the produced proto changed; lookups and waypoint membership as the real index). It is a
 stand-in for the ambient index (built in parallel), not a mock: the server talks to it
 through the same protocol and gets the same shapes.
 """

@@ -1,4 +1,4 @@
-"""Wildcard delta ADS over a real gRPC connection (spec ambient-wds.md §2.4–2.7, §4.3, §4.5)."""
+"""Wildcard delta ADS over a real gRPC connection (``docs/xds.md``)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ async def test_one_changed_pod_sends_exactly_that_resource(connect, index):
     assert [r.name for r in resp.resources] == [POD_A]
     assert list(resp.removed_resources) == []
     await asyncio.sleep(0.05)
-    assert len(client.responses) == n + 1  # no WADS push for a pod change (§4.5)
+    assert len(client.responses) == n + 1  # no WADS push for a pod change
 
 
 async def test_ack_without_change_gets_no_response(connect):
@@ -92,7 +92,7 @@ async def test_reconnect_with_initial_resource_versions(connect, index):
     n = len(client.responses)
     await client.reconnect()
     resp = await client.next_response(ADDRESS_TYPE, after=n)
-    # unchanged pod a and the service are skipped; b is removed; c is new (spec §5 case 34)
+    # unchanged pod a and the service are skipped; b is removed; c is new
     assert [r.name for r in resp.resources] == ["Kubernetes//Pod/default/c"]
     assert list(resp.removed_resources) == [POD_B]
     # a stale claimed version forces a resend

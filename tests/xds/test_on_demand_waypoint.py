@@ -1,4 +1,4 @@
-"""On-demand lookups (spec ambient-wds.md §2.4, §4.2, §4.4) and waypoint scoping (§7)."""
+"""On-demand lookups (``docs/xds.md``) and waypoint scoping."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ SVC = "default/web.default.svc.cluster.local"
 
 
 async def test_on_demand_initial_holds_only_node_local_workloads(connect, index):
-    # subscribe ["*"] + unsubscribe ["*"] = subscribed to nothing; node-local warm-up (§4.4)
+    # subscribe ["*"] + unsubscribe ["*"] = subscribed to nothing; node-local warm-up
     client = await connect(on_demand=True, metadata={"NODE_NAME": "node1"})
     await client.wait_synced()
     assert set(client.resources(ADDRESS_TYPE)) == {POD_A}
     assert set(client.resources(AUTHORIZATION_TYPE)) == {"default/deny-9999"}  # never on-demand
-    # a pod created on another node is not pushed; one on our node is (spec §5 case 33)
+    # a pod created on another node is not pushed; one on our node is
     n = len(client.responses)
     index.put(pod("remote", ip="10.0.0.50", node="node9"))
     index.put(pod("local", ip="10.0.0.51", node="node1"))

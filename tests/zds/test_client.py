@@ -1,4 +1,4 @@
-"""The reference client's ztunnel behaviors (spec cni-zds.md §1.5), driven by a
+"""The reference client's ztunnel behaviors (``docs/zds.md``), driven by a
 hand-written fake agent on a real SEQPACKET socket: fatal protocol errors, read errors
 answered with "failure to read message" then reconnect, idempotent Add, Del before
 the snapshot, and netns replacement for a known uid."""

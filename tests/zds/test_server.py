@@ -1,8 +1,8 @@
 """ZDS server against the reference client and hand-driven misbehaving peers, over real
-SOCK_SEQPACKET sockets with real netns fds (spec cni-zds.md §1.3-1.6, §6 items 1-7, §7).
+SOCK_SEQPACKET sockets with real netns fds (``docs/zds.md``).
 
 The peer is ztunnel's protocol as our reference client (zds.client) implements it from
-the spec; no real ztunnel runs on this machine (see spec/real-peers.md).
+ztunnel's ``src/inpod/`` source; no real ztunnel runs on this machine (see ``docs/maintainers/testing.md``).
 """
 
 from __future__ import annotations

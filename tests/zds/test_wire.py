@@ -1,5 +1,5 @@
-"""ZDS framing and encoders against the byte vectors of spec cni-zds.md §1.2, and the
-§1.1 receive rules (1024-byte limit, one fd, truncation flags), over real socketpairs."""
+"""ZDS framing and encoders against the byte vectors of ``docs/zds.md``, and the
+ receive rules (1024-byte limit, one fd, truncation flags), over real socketpairs."""
 
 from __future__ import annotations
 
