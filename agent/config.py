@@ -409,7 +409,8 @@ SETTINGS: list[Setting] = [
     Setting("config_file", "/etc/ambient-agent/config.yaml", parse_path,
             "YAML file of settings (keys = setting names); a missing default file is ignored"),
     Setting("log_level", "info", parse_log_level,
-            "log level, or per scope (package path; sds, status = agent.sds, agent.status): 'info,zds:debug,sds:warning'", env="LOG_LEVEL"),
+            "log level, or per scope (package path; sds, status = agent.sds, agent.status): "
+            "'info,zds:debug,sds:warning'", env="LOG_LEVEL"),
     Setting("log_format", "text", choice("text", "json"), "log line format: text or json"),
     Setting("shutdown_grace", 5.0, parse_duration,
             "how long in-flight work may take after SIGTERM before the agent exits",

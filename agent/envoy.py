@@ -8,7 +8,8 @@ an ``sds-grpc`` HTTP/2 cluster on the socket's pipe, ``set_node_on_first_message
 network-level direct_response races TLS 1.3 handshakes, pitfall 4 there), and
 :class:`EnvoyProcess` starts it, waits for ``/ready`` and stops it.
 
-Pitfalls handled (``docs/maintainers/testing.md``, pitfalls 1 and 3): Envoy sets ``PR_SET_PDEATHSIG`` so it
+Pitfalls handled (``docs/maintainers/testing.md``, pitfalls 1 and 3): Envoy sets
+``PR_SET_PDEATHSIG`` so it
 dies with the *thread* that spawned it — start it from a long-lived thread (the main
 thread, or the event loop's thread); ``--disable-hot-restart`` so several Envoys can run;
 ``/ready`` stays 503 until every SDS secret of a static listener arrived.

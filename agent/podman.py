@@ -46,7 +46,8 @@ def available() -> bool:
 def write_containers_conf(path: str | os.PathLike, plugin_dirs: Iterable[str],
                           network_config_dir: str | os.PathLike) -> None:
     """Write a ``containers.conf`` for rootful podman with the CNI backend (what
-    works on this machine): runc, cgroupfs, file event logger, ulimits nofile/nproc, CNI networks from
+    works on this machine): runc, cgroupfs, file event logger, ulimits nofile/nproc, CNI
+    networks from
     ``network_config_dir``, plugins from ``plugin_dirs`` (searched in order)."""
     dirs = ", ".join(json.dumps(str(d)) for d in plugin_dirs)
     text = f"""[containers]

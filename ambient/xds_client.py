@@ -1,5 +1,6 @@
 """A reference delta xDS client that behaves like ztunnel's (``docs/xds.md``; upstream
-``istio/ztunnel:src/xds/client.rs``): used by the tests, the ``ambient-agent xds dump`` CLI and the demo as
+``istio/ztunnel:src/xds/client.rs``): used by the tests, the ``ambient-agent xds dump`` CLI and
+the demo as
 "the reference ztunnel's" xDS side.
 
 Behavior copied from ztunnel:

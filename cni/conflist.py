@@ -157,7 +157,8 @@ def find_primary(conf_dir: str, conf_name: str = "") -> str | None:
 def plugin_entry(run_dir: str, exclude_namespaces: list[str] | None = None,
                  log_level: str = "info", ambient_default: bool = False,
                  pod_namespace: str = "") -> dict:
-    """Our plugin's entry (upstream's plugin config keys + ``ambient_default``). ``run_dir`` holds the
+    """Our plugin's entry (upstream's plugin config keys + ``ambient_default``). ``run_dir``
+    holds the
     agent's ``pluginevent.sock``."""
     return {
         "type": PLUGIN_TYPE,

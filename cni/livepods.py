@@ -1,7 +1,8 @@
 """Running pods follow their enablement live: labels in, enrolled; labels out, removed.
 
 Upstream's informer handlers (``istio/istio:cni/pkg/nodeagent/informers.go``,
-``docs/enrollment.md``): on a Namespace whose ambient selection changed, every pod of that namespace is
+``docs/enrollment.md``): on a Namespace whose ambient selection changed, every pod of that
+namespace is
 re-checked; on a Pod update the pod is; a pod of this node that should be ambient
 (``cni.enablement.pod_matches`` plus the excluded namespaces) but is not enrolled is
 added to the mesh with its netns found through ``/proc`` (``NetServer.getNetns`` ->

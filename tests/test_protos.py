@@ -50,7 +50,7 @@ def test_generated_modules_match_protos(tmp_path):
     )
 
 
-# --------------------------------------------------------------------------- ZDS vectors (``docs/zds.md``)
+# ---------------------------------------- ZDS vectors (``docs/zds.md``)
 
 ZDS_VECTORS = [
     ("hello", zds_pb2.ZdsHello(version=zds_pb2.V1), "0801"),
@@ -104,7 +104,7 @@ def test_zds_field_numbers():
     assert "trust_domain" not in zds_pb2.WorkloadInfo.DESCRIPTOR.fields_by_name
 
 
-# --------------------------------------------------------------------------- workload (``docs/xds.md``)
+# ---------------------------------------- workload (``docs/xds.md``)
 
 
 def _numbers(message_cls):
@@ -186,7 +186,7 @@ def test_address_round_trip():
     assert back.WhichOneof("type") == "service" and back.service == svc
 
 
-# --------------------------------------------------------------------------- authorization (``docs/xds.md``)
+# ---------------------------------------- authorization (``docs/xds.md``)
 
 
 def test_authorization_field_numbers():
@@ -233,7 +233,7 @@ def test_authorization_round_trip():
     assert sm.WhichOneof("match_type") == "presence"
 
 
-# --------------------------------------------------------------------------- Istio CA (``docs/sds.md``)
+# ---------------------------------------- Istio CA (``docs/sds.md``)
 
 
 def test_ca_messages_and_service():

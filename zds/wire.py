@@ -2,7 +2,8 @@
 
 Spec ``docs/zds.md``: no length prefix (packet boundaries frame messages), a
 1024-byte receive buffer on both sides, ``MSG_TRUNC``/``MSG_CTRUNC`` rejected, exactly
-one fd and only on ``AddWorkload``. Encoders here produce the byte vectors ztunnel's decoder expects (``tests/test_protos.py`` pins them).
+one fd and only on ``AddWorkload``. Encoders here produce the byte vectors ztunnel's decoder
+expects (``tests/test_protos.py`` pins them).
 
 The socket helpers are non-blocking and event-loop friendly: ``recv_packet`` /
 ``send_packet`` never block (they raise ``BlockingIOError``); :func:`wait_ready` and

@@ -14,7 +14,9 @@ servers"; upstream ``security/pkg/pki/ca/ca.go``, ``pki/util/generate_cert.go``)
   SKI, SHA-256.
 - Response: ``[leaf + "\\n", root_bundle]`` (no intermediates for a self-signed root).
 
-The root is RSA 2048, 10 years, O = trust domain, CA:TRUE, KeyUsage certSign (step 9). It is created once at ``<ca_dir>/{root-cert.pem,root-key.pem}`` (setting ``ca_dir``, default ``<state_dir>/ca``) (key 0600,
+The root is RSA 2048, 10 years, O = trust domain, CA:TRUE, KeyUsage certSign (step 9). It is
+created once at ``<ca_dir>/{root-cert.pem,root-key.pem}`` (setting ``ca_dir``, default
+``<state_dir>/ca``) (key 0600,
 dir 0700), or loaded from the files the user gives (``ca_cert_file``/``ca_key_file``).
 """
 

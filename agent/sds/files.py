@@ -2,7 +2,8 @@
 workload certificate directory, read from disk and watched for changes.
 
 Upstream: ``istio/istio:security/pkg/nodeagent/cache/secretcache.go`` (file-mounted
-names, resolution and watching; ``docs/sds.md``). Names: ``file-cert:<certPath>~<keyPath>`` (exactly two parts),
+names, resolution and watching; ``docs/sds.md``). Names: ``file-cert:<certPath>~<keyPath>``
+(exactly two parts),
 ``file-root:<caPath>`` (one part), ``file-root:system`` (the OS bundle). Anything else
 is "not a file name".
 

@@ -149,7 +149,8 @@ def parse_probers(value: Any) -> dict[str, AppProbe]:
 
     Returns ``{rewritten path: AppProbe}``; None or ``""`` → no probes. Raises
     :class:`ProberConfigError` (``failed to decode ...``, ``invalid path ...``,
-    ``invalid prober type ...``, ``... must be int type``), the messages upstream's ``pkg/istio-agent/health`` gives.
+    ``invalid prober type ...``, ``... must be int type``), the messages upstream's
+    ``pkg/istio-agent/health`` gives.
     """
     if value is None or value == "":
         return {}

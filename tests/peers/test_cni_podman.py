@@ -1,4 +1,5 @@
-"""Rootful podman (CNI backend, runc; ``docs/maintainers/testing.md``) running a container on a network
+"""Rootful podman (CNI backend, runc; ``docs/maintainers/testing.md``) running a container on a
+network
 whose conflist has istio-cni chained by our installer: the container starts, the (test)
 enroller records its ADD, and its DEL arrives when the container exits. podman uses a
 private containers.conf (CONTAINERS_CONF, written by agent.podman) and a tmp

@@ -2,7 +2,8 @@
 SOCK_SEQPACKET sockets with real netns fds (``docs/zds.md``).
 
 The peer is ztunnel's protocol as our reference client (zds.client) implements it from
-ztunnel's ``src/inpod/`` source; no real ztunnel runs on this machine (see ``docs/maintainers/testing.md``).
+ztunnel's ``src/inpod/`` source; no real ztunnel runs on this machine (see
+``docs/maintainers/testing.md``).
 """
 
 from __future__ import annotations
