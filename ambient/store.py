@@ -5,7 +5,8 @@ Objects are Kubernetes-shaped plain dicts (``apiVersion``, ``kind``, ``metadata`
 for cluster-scoped kinds (Namespace, Node, GatewayClass). A source changes the store in
 *transactions* (:meth:`ObjectStore.apply`, :meth:`ObjectStore.replace_origin`); after each
 one every listener gets the list of :class:`StoreEvent` it produced, so the index never
-knows whether a change came from a file or from the Kubernetes API ("a config store interface with interchangeable backends").
+knows whether a change came from a file or from the Kubernetes API (one config store
+interface with interchangeable backends).
 
 Bad objects never raise out of the store: :func:`validate` names the problem, the object
 is skipped, a log line names origin/kind/name and ``ambient_agent_config_objects_rejected_total``

@@ -31,7 +31,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 

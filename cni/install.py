@@ -4,7 +4,8 @@
 (flags: :data:`CLI_SETTINGS`) installs once and exits 0; ``ambient-agent cni uninstall``
 removes what install added: the launcher, and our entry from the conflist (a converted
 ``.conf`` is restored). The restored file has the same JSON content as before install,
-not necessarily the same bytes (keys sorted, 2-space indent, as every write here). The agent does the same at start/stop when
+not necessarily the same bytes (keys sorted, 2-space indent, as every write here). The
+agent does the same at start/stop when
 ``cni_manage_config`` is true, and repairs the chain in between (component
 ``cni-installer``, :mod:`cni.installwatch`). Behavior follows
 Istio's installer (``docs/cni.md``); the conflist logic is in

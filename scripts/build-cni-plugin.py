@@ -164,7 +164,7 @@ def build(out: str) -> str:
                 info = zipfile.ZipInfo(arc + "c", ZIP_DATE)
                 info.external_attr = 0o644 << 16
                 zf.writestr(info, _pyc(source, arc))
-        for dirpath, dirnames, filenames in os.walk(tmp):
+        for dirpath, _dirnames, filenames in os.walk(tmp):
             os.chmod(dirpath, 0o755)
             for f in filenames:
                 p = os.path.join(dirpath, f)

@@ -52,7 +52,7 @@ class Packet:
 
 # ------------------------------------------------------------------ encoders
 
-def encode_hello(version: int = zds_pb2.V1) -> bytes:
+def encode_hello(version: zds_pb2.Version = zds_pb2.V1) -> bytes:
     """``ZdsHello{version}`` (bare, not wrapped): ``08 01`` for V1."""
     return zds_pb2.ZdsHello(version=version).SerializeToString()
 
@@ -176,7 +176,11 @@ async def wait_ready(sock: socket.socket, timeout: float | None, write: bool = F
     fd = sock.fileno()
     add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader,
                                                                         loop.remove_reader)
-    add(fd, lambda: fut.done() or fut.set_result(True))
+    def ready() -> None:
+        if not fut.done():
+            fut.set_result(True)
+
+    add(fd, ready)
     try:
         if timeout is None:
             return await fut

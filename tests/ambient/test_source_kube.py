@@ -85,7 +85,7 @@ async def test_malformed_and_oversized_watch_streams_reconnect_without_losing_ob
                      b"x" * 5000 + b'"}\n'):
             fake.inject = junk
             await eventually(lambda: fake.inject is None, what="junk sent")
-            await eventually(lambda: src.stats["Pod"].watches > watches, timeout=5,
+            await eventually(lambda seen=watches: src.stats["Pod"].watches > seen, timeout=5,
                              what="a new watch after the bad stream")
             watches = src.stats["Pod"].watches
         await fake.put("/api/v1/pods", pod("b", "demo", ip="1.2.3.5"))

@@ -20,7 +20,6 @@ import pytest
 
 from agent.envoy import free_port
 from ambient.xds_client import DeltaXdsClient
-from tests.helpers import eventually
 from tests.kube import cluster as kc
 
 pytestmark = pytest.mark.timeout(180)

@@ -23,7 +23,7 @@ async def test_agent_service_account_is_bound_by_rbac_yaml_and_nothing_more(agen
                                      "kind": "SelfSubjectReview"})
         assert who["status"]["userInfo"]["username"] == \
             "system:serviceaccount:istio-system:ambient-agent"
-        for kind, (_, group, version, plural) in RESOURCES.items():
+        for _kind, (_, group, version, plural) in RESOURCES.items():
             base = f"/api/{version}" if not group else f"/apis/{group}/{version}"
             await kc.request(agent, "GET", f"{base}/{plural}", query=[("limit", 1)])
         for path in ("/api/v1/secrets", "/api/v1/configmaps",

@@ -274,7 +274,7 @@ async def test_forbidden_patch_is_logged_with_the_pod_and_retried_until_granted(
         assert await api_annotation(kube_admin, kube_namespace, "web") == "enabled"
     finally:
         await agent.stop()
-        for kind, plural in (("ClusterRoleBinding", "clusterrolebindings"),
+        for _kind, plural in (("ClusterRoleBinding", "clusterrolebindings"),
                              ("ClusterRole", "clusterroles")):
             try:
                 await kc.request(kube_admin, "DELETE",

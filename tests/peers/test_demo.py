@@ -9,7 +9,6 @@ the same host."""
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import signal
@@ -111,8 +110,8 @@ def _assert_nothing_left(workdir, out: str, image: str = "") -> None:
 
 def _rows_ok(out: str) -> None:
     for subject, check in ROWS:
-        line = next((l for l in out.splitlines()
-                     if l.startswith(subject) and f" {check} " in l), None)
+        line = next((row for row in out.splitlines()
+                     if row.startswith(subject) and f" {check} " in row), None)
         assert line is not None, f"row {subject} / {check} missing:\n{out}"
         assert re.search(r"\s ok\s", line), f"row failed: {line}\n{out}"
     assert "FAIL" not in out
@@ -189,7 +188,7 @@ def test_demo_ctrl_c_cleans_up(tmp_path):
             lines.append(line)
             if "press Ctrl-C" in line:
                 break
-        assert any("press Ctrl-C" in l for l in lines), "".join(lines)
+        assert any("press Ctrl-C" in seen for seen in lines), "".join(lines)
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
         out = "".join(lines) + rest

@@ -122,7 +122,8 @@ async def test_sds_restart_envoy_reconnects_with_old_nonce(env):
     await server.stop(0.5)
     env["servers"].remove(server)
     server2 = await env["start_sds"]()  # same state dir: same CA root, fresh cache
-    new_serial = lambda: server2.cache.items.get(SPIFFE) and server2.cache.items[SPIFFE].serial
+    def new_serial():
+        return server2.cache.items.get(SPIFFE) and server2.cache.items[SPIFFE].serial
 
     async def reconnected():
         streams = server2.debug_state()["streams"]

@@ -6,7 +6,6 @@ lint only) and prometheus-client's parsers; readiness reads Envoy's real admin s
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import time

@@ -111,7 +111,8 @@ async def test_metrics(nsfd):
             assert metric(registry, "ztunnel_connected") == 1
             await server.add(pod("b", nsfd))
             await server.delete("b")
-            sent = lambda t: metric(registry, "ambient_agent_zds_messages_total", {"type": t, "direction": "sent"})
+            def sent(t):
+                return metric(registry, "ambient_agent_zds_messages_total", {"type": t, "direction": "sent"})
             assert (sent("add"), sent("del"), sent("snapshot_sent")) == (2, 1, 1)
             assert metric(registry, "ambient_agent_zds_messages_total",
                           {"type": "hello", "direction": "received"}) == 1
