@@ -178,7 +178,10 @@ class BoundedTCPSite(web.TCPSite):
             return _Refused()
         self.open_connections += 1
         self._open_gauge.set(self.open_connections)
-        return _Counted(self._runner.server(), self)
+        server = self._runner.server
+        if server is None:  # runner.setup() creates it before any site starts
+            raise RuntimeError(f"{self.listener}: connection accepted before the runner was set up")
+        return _Counted(server(), self)
 
     def _release(self) -> None:
         self.open_connections -= 1

@@ -15,7 +15,7 @@ import asyncio
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Mapping
 
 import aiohttp
 
@@ -51,12 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def socket_path(args: argparse.Namespace, env: dict[str, str] | None = None) -> str:
     """``--socket``, else ``$AMBIENT_AGENT_ADMIN_SOCKET``, else ``<state dir>/admin.sock``
     (the same defaults as ``ambient-agent run``)."""
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     if args.socket:
         return args.socket
-    if env.get("AMBIENT_AGENT_ADMIN_SOCKET"):
-        return env["AMBIENT_AGENT_ADMIN_SOCKET"]
-    state = args.state_dir or env.get("AMBIENT_AGENT_STATE_DIR") or DEFAULT_STATE_DIR
+    if environ.get("AMBIENT_AGENT_ADMIN_SOCKET"):
+        return environ["AMBIENT_AGENT_ADMIN_SOCKET"]
+    state = args.state_dir or environ.get("AMBIENT_AGENT_STATE_DIR") or DEFAULT_STATE_DIR
     return os.path.join(state, "admin.sock")
 
 
