@@ -19,7 +19,7 @@ import logging
 import resource
 from typing import Any
 
-log = logging.getLogger("agent.fds")
+log = logging.getLogger(__name__)
 
 CAP_SETTINGS = ("status_max_connections", "health_max_connections", "xds_max_connections")
 MIN_HEADROOM = 256

@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from agent.ratelimit import RepeatLimiter
 
-log = logging.getLogger("agent.listeners")
+log = logging.getLogger(__name__)
 
 BODY_TIMEOUT = 10.0  # seconds to receive a whole request body
 LINGER = 1.0  # seconds an unread request body is drained before the connection closes
@@ -52,7 +52,7 @@ class HttpErrorLog:
 
     def __init__(self, listener: str, logger: logging.Logger | None = None):
         self.listener = listener
-        self.log = logger or logging.getLogger("agent.http")
+        self.log = logger or logging.getLogger(__name__)
 
     def exception(self, msg: str, *args: Any, exc_info: Any = True, **kw: Any) -> None:
         exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]

@@ -46,3 +46,22 @@ def bind_unix(path: str, mode: int, kind: int = socket.SOCK_STREAM) -> socket.so
             except OSError:
                 pass
         raise
+
+
+def publish(path: str, bind, mode: int) -> None:
+    """The same for a server that binds by path itself (gRPC's
+    ``add_insecure_port("unix:" + tmp)``): ``bind(tmp)`` creates the socket file under a
+    temporary name next to ``path``, then it is ``chmod``-ed and renamed into place (the
+    server keeps listening on the renamed file). A stale file at ``path`` is replaced.
+    Raises OSError or what ``bind`` raises (the temporary name is removed)."""
+    tmp = os.path.join(os.path.dirname(path) or ".", f".s{secrets.token_hex(3)}")
+    try:
+        bind(tmp)
+        os.chmod(tmp, mode)
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

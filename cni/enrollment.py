@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agent.core.files import write_atomic
 from agent.lifecycle import AgentContext, Component
 from cni import annotate
 from cni import enablement
@@ -120,11 +121,7 @@ class PodStateStore:
     def save(self, rec: PodRecord) -> None:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         path = self.dir / f"{_safe(rec.uid)}.json"
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(rec.to_json(), f)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(rec.to_json()), 0o600, fsync=False)
 
     def remove(self, uid: str) -> None:
         try:

@@ -43,6 +43,7 @@ import shutil
 import sys
 from typing import Any
 
+from agent.core.files import write_atomic
 from cni import conflist
 
 log = logging.getLogger(__name__)
@@ -203,25 +204,6 @@ def copy_bundle(bundle: str, dest_root: str) -> tuple[str, bool]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return bundle_id, True
-
-
-def write_atomic(path: str, data: bytes, mode: int) -> None:
-    """Write ``data`` to ``path`` via a temp file in the same dir + rename; ``mode`` applied."""
-    tmp = f"{path}.tmp.{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def _read(path: str) -> bytes | None:

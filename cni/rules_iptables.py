@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
+from agent.core.files import write_atomic
 from cni import rules_common as rc
 from cni.rules_common import RuleOptions, RulesError
 
@@ -178,9 +178,7 @@ def detect_flavor(state_dir: str | None = None) -> str:
         raise RulesError(f"iptables flavor {flavor!r} detected but iptables-{flavor}-restore "
                          "is not installed")
     if path:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(flavor + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, flavor + "\n", 0o644)
     return flavor
 
 

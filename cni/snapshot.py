@@ -38,9 +38,9 @@ import os
 import time
 from typing import Any
 
+from agent.core.files import write_atomic
 from agent.lifecycle import AgentContext, Component
 from cni import enablement
-from cni.install import write_atomic
 from cni.livepods import TERMINAL_PHASES, on_this_node
 from cni.plugin import SNAPSHOT_NAME, SNAPSHOT_VERSION
 
@@ -95,7 +95,7 @@ def write_snapshot(path: str, content: dict) -> None:
     """Write ``content`` (plus ``generated``, Unix seconds) to ``path`` atomically, 0600.
     Raises OSError."""
     data = dict(content, generated=round(time.time(), 3))
-    write_atomic(path, json.dumps(data, sort_keys=True, separators=(",", ":")).encode(), 0o600)
+    write_atomic(path, json.dumps(data, sort_keys=True, separators=(",", ":")), 0o600)
 
 
 class SnapshotWriter(Component):

@@ -36,7 +36,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from agent.sds import keys
-from cni.install import write_atomic
+from agent.core.files import write_atomic
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import secrets
 import random
 from typing import Callable
 
@@ -40,6 +39,7 @@ from cryptography import x509
 from envoy.service.secret.v3 import sds_pb2, sds_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from agent import unixsocket
 from agent.config import Config, ConfigError
 from agent.lifecycle import AgentContext, Component
 from agent import servercert, tlsfront
@@ -203,17 +203,11 @@ class SdsServer(Component):
             bind = self._backend_path = os.path.join(private, "backend.sock")
         _unlink(bind)
         if bind == path:
-            # gRPC binds the path itself: bind a temporary name next to it, chmod, then
-            # rename into place (agent/unixsocket.py's rule), so the socket is never
-            # connectable with the umask's wider mode.
-            tmp = os.path.join(os.path.dirname(path) or ".", f".s{secrets.token_hex(3)}")
-            server.add_insecure_port("unix:" + tmp)
-            try:
-                os.chmod(tmp, self.socket_mode)
-                os.rename(tmp, path)
-            except OSError:
-                _unlink(tmp)
-                raise
+            # gRPC binds the path itself: bound under a temporary name next to it, chmod-ed,
+            # then renamed into place, so the socket is never connectable with the umask's
+            # wider mode
+            unixsocket.publish(path, lambda tmp: server.add_insecure_port("unix:" + tmp),
+                               self.socket_mode)
         else:  # in the private 0700 directory: nobody else can reach it
             server.add_insecure_port("unix:" + bind)
             os.chmod(bind, 0o600)
@@ -514,7 +508,7 @@ class SdsServer(Component):
 def publish_root(path: str, root: bytes) -> None:
     """Write ``root`` to ``path`` atomically, 0644, creating its directory 0755. Blocking;
     raises OSError."""
-    from cni.install import write_atomic
+    from agent.core.files import write_atomic
 
     directory = os.path.dirname(path)
     os.makedirs(directory, mode=0o755, exist_ok=True)
