@@ -75,7 +75,7 @@ def mesh_view(ctx: Any) -> dict[str, Any]:
     enrolled = _enrollment(ctx.get("enrollment"))
     held = _held(ctx.get("zds"))
     workloads, services = [], []
-    for name, addr in sorted(index.addresses().items()):
+    for _name, addr in sorted(index.addresses().items()):
         if addr.HasField("workload"):
             w = addr.workload
             ips = [_ip(a) for a in w.addresses]
@@ -107,7 +107,7 @@ def mesh_view(ctx: Any) -> dict[str, Any]:
             if key in by_host:
                 by_host[key]["endpoints"] += 1
     policies = []
-    for name, pol in sorted(index.authorizations().items()):
+    for _name, pol in sorted(index.authorizations().items()):
         policies.append({"namespace": pol.namespace, "name": pol.name,
                          "scope": az.Scope.Name(pol.scope), "action": az.Action.Name(pol.action),
                          "rules": sum(len(g.rules) for g in pol.groups),
