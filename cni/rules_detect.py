@@ -34,6 +34,7 @@ import subprocess
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.nftables.main import NFTables
 
+from cni import rules_common as rc
 from cni.rules_common import RulesError
 from cni.rules_iptables import IptablesBackend
 from cni.rules_nftables import MANGLE, NAT, RAW, NftablesBackend
