@@ -56,7 +56,7 @@ from agent.lifecycle import AgentContext, Component
 from cni.events import CniPodEvent
 from cni.netns import host_path
 
-log = logging.getLogger("cni.registration")
+log = logging.getLogger(__name__)
 
 NAMESPACE_LABEL = "io.kubernetes.pod.namespace"  # the CRI's container label for the namespace
 SERVICE_ACCOUNT_LABEL = "io.kubernetes.pod.service-account"

@@ -47,7 +47,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from cni.registration import REGISTERED_BY, Registration
 
-log = logging.getLogger("cni.registration")
+log = logging.getLogger(__name__)
 
 GROUP, VERSION, PLURAL = "networking.istio.io", "v1", "workloadentries"
 CONTROLLER = "istio.io/workloadController"
@@ -206,7 +206,7 @@ class WorkloadEntryBackend:
                                                              PLURAL, name)
             owner = ((current.get("metadata") or {}).get("annotations") or {}).get(CONTROLLER)
             if owner and owner != self.node:
-                raise RuntimeError(f"{reg.namespace}/{name} is controlled by node {owner}")
+                raise RuntimeError(f"{reg.namespace}/{name} is controlled by node {owner}") from None
             body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
             await api.replace_namespaced_custom_object(GROUP, VERSION, reg.namespace, PLURAL,
                                                        name, body)

@@ -27,7 +27,7 @@ import logging
 import os
 from typing import Any
 
-log = logging.getLogger("cni.runtime_labels")
+log = logging.getLogger(__name__)
 
 MAX_CONTAINERS = 4096  # labels kept for this many containers (oldest dropped first)
 INSPECT_TIMEOUT = 10.0
