@@ -178,7 +178,7 @@ def check_istio_cni(config) -> Check:
             os.path.realpath(UPSTREAM_EVENT_SOCKET) != os.path.realpath(config.cni_event_socket):
         found.append(f"an istio-cni node agent answers on {UPSTREAM_EVENT_SOCKET}")
     if found:
-        return Check("istio-cni", FAIL, "; ".join(found) + " (remove it first: docs/cni.md"
+        return Check("istio-cni", FAIL, "; ".join(found) + " (remove it first: docs/operating.md"
                      ", \"Replacing an installed istio-cni\")")
     state = "ours installed" if head is not None else "not installed yet (run installs it)"
     return Check("istio-cni", OK, f"no other istio-cni; {binary} {state}")
