@@ -816,6 +816,34 @@ _ADDRESS_OF_PORT = {"xds_port": "xds_address", "xds_tls_port": "xds_tls_address"
                     "health_port": "status_address"}
 
 
+def tcp_listeners(config: "Config") -> list[tuple[str, str, int]]:
+    """``(port setting, bind address, port)`` of every TCP port the agent listens on with
+    ``config`` (port 0 = off is left out): status, health, plaintext xDS, TLS xDS + CA, the
+    separate CA port."""
+    listeners = [("status_port", config.status_address or "0.0.0.0", config.status_port),
+                 ("health_port", config.status_address or "0.0.0.0", config.health_port),
+                 ("xds_port", config.xds_address, config.xds_port),
+                 ("xds_tls_port", config.xds_tls_address, config.xds_tls_port),
+                 ("ca_port", config.ca_listen_address, config.ca_port)]
+    return [entry for entry in listeners if entry[2]]
+
+
+def ensure_ports_free(config: "Config") -> None:
+    """Raise :class:`ConfigError` naming every busy port of :func:`tcp_listeners`, so the
+    agent refuses to start before any component touched the node (host probe rules, CNI
+    config) rather than after the earlier ones did."""
+    busy = []
+    for setting, host, port in tcp_listeners(config):
+        try:
+            ensure_tcp_port_free(setting, host, port)
+        except ConfigError as e:
+            busy.append(e)
+    if len(busy) == 1:
+        raise busy[0]
+    if busy:
+        raise ConfigError(busy[0].setting, busy[0].value, "; ".join(str(e) for e in busy))
+
+
 def ensure_tcp_port_free(setting: str, host: str, port: int) -> None:
     """Raise :class:`ConfigError` if ``host:port`` can't be bound now.
 

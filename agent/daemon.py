@@ -22,7 +22,7 @@ import signal
 from pathlib import Path
 from typing import Callable
 
-from agent import fdbudget, sdnotify
+from agent import config as agent_config, fdbudget, sdnotify
 from agent.config import Config, ConfigError, prepare_state_dir
 from agent.errors import ComponentStartError
 from agent.lifecycle import AgentContext, Component, Supervisor
@@ -142,6 +142,9 @@ class Agent:
         if note:
             log.warning("%s", note)
         try:
+            # every TCP port checked before any component touches the node (host probe
+            # rules, the CNI conflist), so a busy port leaves nothing behind
+            agent_config.ensure_ports_free(self.config)
             set_created_series(self.config.metrics_created_series)
             build(self.ctx)
             await self.supervisor.start()

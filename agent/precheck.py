@@ -187,15 +187,10 @@ def check_istio_cni(config) -> Check:
 def check_ports(config) -> Check:
     from agent.config import ConfigError, ensure_tcp_port_free
 
-    ports = [("status_port", config.status_address or "0.0.0.0", config.status_port),
-             ("health_port", config.status_address or "0.0.0.0", config.health_port),
-             ("xds_port", config.xds_address, config.xds_port),
-             ("xds_tls_port", config.xds_tls_address, config.xds_tls_port),
-             ("ca_port", config.ca_listen_address, config.ca_port)]
+    from agent.config import tcp_listeners
+
     busy, free = [], []
-    for setting, host, port in ports:
-        if not port:
-            continue
+    for setting, host, port in tcp_listeners(config):
         try:
             ensure_tcp_port_free(setting, host, port)
             free.append(str(port))

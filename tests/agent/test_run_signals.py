@@ -108,6 +108,13 @@ def test_port_in_use_is_one_clear_line(tmp_path, taken, node_netns):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and port in lines[0] and taken in lines[0], r.stderr
     assert sockets_under(str(tmp_path / "s")) == set()
+    # refused before any component touched the node: no host probe rules or sets
+    name = os.path.basename(node_netns)
+    rules = subprocess.run(["ip", "netns", "exec", name, "iptables-save"], capture_output=True,
+                           text=True).stdout
+    nft = subprocess.run(["ip", "netns", "exec", name, "nft", "list", "ruleset"],
+                         capture_output=True, text=True).stdout
+    assert "ISTIO" not in rules and "istio" not in nft.lower(), (rules, nft)
 
 
 @ROOT_ONLY
