@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 PLUGIN_TYPE = "istio-cni"
 CONVERTED_KEY = "converted_from_conf"
@@ -149,8 +152,12 @@ def find_primary(conf_dir: str, conf_name: str = "") -> str | None:
                 data = f.read()
         except OSError:
             continue
-        if parse_network_config(name, data) is not None:
+        why = rejection_reason(name, data)
+        if why is None:
             return path
+        # a runtime skips it too (libcni), but the operator should know why it was passed over
+        log.warning("CNI config %s skipped while looking for the primary network: %s",
+                    path, why)
     return None
 
 

@@ -92,3 +92,20 @@ def test_find_primary_skips_invalid_files(tmp_path):
     assert conflist.find_primary(str(tmp_path), "10-list.conf").endswith("10-list.conflist")
     assert conflist.find_primary(str(tmp_path), "99-absent.conflist") is None
     assert conflist.find_primary(str(tmp_path / "nope")) is None
+
+
+def test_an_invalid_config_passed_over_is_named_in_the_log(tmp_path, caplog):
+    """libcni skips a config that does not parse; so do we, but with a WARNING naming the
+    file and why (an operator otherwise never learns their 05-*.conflist is broken)."""
+    import json as _json
+    import logging
+
+    from cni.conflist import find_primary
+
+    (tmp_path / "05-bad.conflist").write_text("{bad")
+    (tmp_path / "10-ok.conflist").write_text(_json.dumps(
+        {"cniVersion": "1.0.0", "name": "ok", "plugins": [{"type": "bridge"}]}))
+    with caplog.at_level(logging.WARNING, logger="cni.conflist"):
+        assert find_primary(str(tmp_path)) == str(tmp_path / "10-ok.conflist")
+    [record] = [r for r in caplog.records if "05-bad.conflist" in r.getMessage()]
+    assert "invalid JSON" in record.getMessage()
