@@ -133,6 +133,9 @@ def pod_workload(pod: dict, mesh: Mesh, namespace_obj: dict | None,
     return w
 
 
+REGISTERED_BY = "ambient.istio.io/registered-by"  # annotation: node that registered an entry
+
+
 def workload_entry(we: dict, mesh: Mesh) -> tuple[wl.Workload, dict[str, str], dict[str, int]]:
     """WorkloadEntry -> (Workload, merged labels, named ports)."""
     m = meta(we)
@@ -154,6 +157,10 @@ def workload_entry(we: dict, mesh: Mesh) -> tuple[wl.Workload, dict[str, str], d
                        or lbls.get("service.istio.io/workload-name") or name)
     w.canonical_name, w.canonical_revision = canonical(lbls, w.workload_name)
     _locality_text(w, field(we, "spec.locality", str, ""))
+    # An entry a host's agent registered from CNI (cni/registration_kube.py) runs on that
+    # host: its node is what lets that host's ztunnel find it as one of its own pods
+    # (ztunnel indexes node-local workloads by node name). Other entries have no node.
+    w.node = annotations(we).get(REGISTERED_BY, "")
     tunnel(lbls, annotations(we), w)
     return w, lbls, _named_ports(field(we, "spec.ports", dict, {}), "spec.ports")
 

@@ -331,10 +331,11 @@ class Enrollment(Component):
         if pod is None:
             # registered from CNI into a shared API server (WorkloadEntry): the registrar
             # holds the pod's identity (cni.registration)
-            registration = getattr(self.ctx.get("registration"), "registration", None)
-            reg = registration(uid) if callable(registration) else None
-            if reg is not None:
-                return reg.pod()
+            # under the name its workload is served with (ztunnel matches ZDS's name)
+            served_pod = getattr(self.ctx.get("registration"), "served_pod", None)
+            reg_pod = served_pod(uid) if callable(served_pod) else None
+            if reg_pod is not None:
+                return reg_pod
         return pod
 
     def _netns_path(self, path: str) -> str:

@@ -130,13 +130,15 @@ class Registration:
     def label(self) -> str:
         return f"{self.namespace}/{self.name} (container {self.uid[:12]})"
 
-    def pod(self) -> dict[str, Any]:
+    def pod(self, name: str = "") -> dict[str, Any]:
         """The Kubernetes-shaped Pod the index and the enablement read: running, ready,
-        addresses from the CNI result, node and service account set."""
+        addresses from the CNI result, node and service account set. ``name``: the name
+        to give it (default: the registration's own)."""
         ips = [{"ip": ip} for ip in self.ips]
         return {
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": self.name, "namespace": self.namespace, "uid": self.uid,
+            "metadata": {"name": name or self.name, "namespace": self.namespace,
+                         "uid": self.uid,
                          "labels": dict(self.labels),
                          "annotations": {REGISTERED_BY: self.node}},
             "spec": {"nodeName": self.node, "serviceAccountName": self.service_account,
@@ -458,6 +460,18 @@ class WorkloadRegistrar(Component):
 
     def registration(self, key: str) -> Registration | None:
         return self.registrations.get(key)
+
+    def served_pod(self, key: str) -> dict[str, Any] | None:
+        """The Pod shape of registration ``key`` named as its workload is served in xDS
+        (the backend's ``served_name``: a WorkloadEntry is ``<pod>-<node>``), or None.
+        Enrollment sends that name to ztunnel over ZDS: ztunnel finds a pod's own
+        workload by name, namespace and service account among its node's workloads
+        (ztunnel ``state/workload.rs`` ``find_by_info``), so the names must agree."""
+        reg = self.registrations.get(key)
+        if reg is None:
+            return None
+        served = getattr(self.backend, "served_name", None)
+        return reg.pod(served(reg) if callable(served) else "")
 
     # --- internals ---
 

@@ -152,6 +152,10 @@ class WorkloadEntryBackend:
     async def delete(self, reg: Registration) -> None:
         self._queue("delete", reg)
 
+    def served_name(self, reg: Registration) -> str:
+        """The name the workload of ``reg`` is served under: its WorkloadEntry's."""
+        return entry_name(reg)
+
     def debug_state(self) -> Any:
         return {"backend": "workloadentry", "node": self.node, "grace_seconds": self.grace,
                 "pending": {uid[:12]: op for uid, (op, _r) in self._pending.items()},

@@ -36,6 +36,7 @@ from agent.authn import AuthenticationError, Authenticator, Caller
 from agent.sds import ca_pb2, ca_pb2_grpc, keys
 from agent.sds.attest import identity_of_pod
 from agent.sds.ca_embedded import CAError, EmbeddedCA
+from ambient.translate_workload import REGISTERED_BY
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,14 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
             # The pod's identity is derived as attestation derives it (one rule).
             if identity_of_pod(pod, self.trust_domain) == wanted and phase != "Failed" and (
                     node and (not node_wanted or node == node_wanted)):
+                return ""
+        # Hosts without Kubernetes register their pods as WorkloadEntries annotated with
+        # the registering node (cni/registration_kube.py); such an entry runs there.
+        for we in store.list("WorkloadEntry", wanted.namespace):
+            node = ((we.get("metadata") or {}).get("annotations") or {}).get(REGISTERED_BY, "")
+            account = (we.get("spec") or {}).get("serviceAccount") or "default"
+            if account == wanted.service_account and node and (
+                    not node_wanted or node == node_wanted):
                 return ""
         return f"no pod with identity {target} on node {node_wanted or '(any)'}"
 

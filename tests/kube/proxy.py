@@ -15,10 +15,12 @@ import contextlib
 
 
 class TcpProxy:
-    """Listens on 127.0.0.1:<free port>; forwards to ``target_port`` on 127.0.0.1."""
+    """Listens on ``listen_host``:<free port> (default 127.0.0.1); forwards to
+    ``target_port`` on 127.0.0.1."""
 
-    def __init__(self, target_port: int):
+    def __init__(self, target_port: int, listen_host: str = "127.0.0.1"):
         self.target_port = target_port
+        self.listen_host = listen_host
         self.port = 0
         self.connections = 0  # accepted while not cut
         self._server: asyncio.base_events.Server | None = None
@@ -27,10 +29,10 @@ class TcpProxy:
 
     @property
     def url(self) -> str:
-        return f"https://127.0.0.1:{self.port}"
+        return f"https://{self.listen_host}:{self.port}"
 
     async def start(self) -> "TcpProxy":
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._serve, self.listen_host, 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
