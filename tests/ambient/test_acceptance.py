@@ -472,3 +472,14 @@ def test_case35_authorization_changes_and_static_policy():
     assert not c.authorizations_changed and not c.authorizations_removed
     c = h.apply(policy("pa", "other", kind="PeerAuthentication", mtls={"mode": "PERMISSIVE"}))
     assert c.authorizations_changed == {"istio-system/istio_converted_static_strict"}
+
+
+def test_registered_workload_entry_runs_on_its_node():
+    """An entry a host's agent registered (annotation ambient.istio.io/registered-by) has
+    that node, so the host's ztunnel finds it among its own pods; others have none."""
+    we = _we(labels={"app": "foo"})
+    we["metadata"]["annotations"] = {"ambient.istio.io/registered-by": "host-a"}
+    h = Harness(we)
+    assert h.workload("cluster0/networking.istio.io/WorkloadEntry/ns/name").node == "host-a"
+    h2 = Harness(_we(labels={"app": "foo"}))
+    assert h2.workload("cluster0/networking.istio.io/WorkloadEntry/ns/name").node == ""

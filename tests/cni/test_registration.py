@@ -111,3 +111,25 @@ async def test_local_backend_keeps_foreign_annotations_and_moves_on_rename():
     assert store.get("Pod", "shop", "db")["metadata"]["uid"] == "other"
     await backend.delete(moved)
     assert store.pod_by_uid(CID) is None
+
+
+def test_served_pod_is_named_as_its_workload_entry(tmp_path):
+    """ZDS must name a registered pod as its workload is served (ztunnel matches the
+    name): the WorkloadEntry backend serves ``<pod>-<node>``, the local backend the pod."""
+    from agent.config import load
+    from agent.lifecycle import AgentContext
+    from cni.registration_kube import WorkloadEntryBackend
+
+    cfg = load({"state_dir": str(tmp_path), "config_file": "/dev/null"}, env={}).replace(
+        node_name="host-a")
+    ctx = AgentContext(cfg)
+    r = Registration(uid=CID, name="web", namespace="shop", service_account="sa", labels={},
+                     ips=["10.0.0.5"], netns="/run/netns/x", node="host-a")
+    for backend, want in ((WorkloadEntryBackend(ctx), "web-host-a"),
+                          (LocalBackend(ObjectStore()), "web")):
+        registrar = reg_mod.WorkloadRegistrar(ctx, backend, None)
+        registrar.registrations[CID] = r
+        pod = registrar.served_pod(CID)
+        assert pod["metadata"]["name"] == want and pod["metadata"]["uid"] == CID
+        assert registrar.served_pod("other") is None
+    ctx.executor.shutdown(wait=False)

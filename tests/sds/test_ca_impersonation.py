@@ -87,3 +87,23 @@ def test_untrusted_caller_and_foreign_trust_domain_are_refused():
     other = Caller((Identity(TD, "bank", "ledger"),), "client certificate")
     assert "ca_trusted_node_accounts" in svc._impersonation_ok(other, TARGET)
     assert "trust domain" in svc._impersonation_ok(by_token(), "spiffe://evil/ns/bank/sa/ledger")
+
+
+def workload_entry(ns, name, sa, registered_by):
+    annotations = {"ambient.istio.io/registered-by": registered_by} if registered_by else {}
+    return {"apiVersion": "networking.istio.io/v1", "kind": "WorkloadEntry",
+            "metadata": {"namespace": ns, "name": name, "annotations": annotations},
+            "spec": {"address": "10.0.0.9", "serviceAccount": sa}}
+
+
+def test_registered_workload_entry_of_this_node_may_be_impersonated():
+    """Hosts without Kubernetes (cni/registration_kube.py): the pod is a WorkloadEntry
+    annotated with the node that registered it; only that node's ztunnel gets its
+    identity, and only for the entry's service account."""
+    caller = Caller((ZTUNNEL,), "bearer token")
+    assert service([workload_entry("bank", "l1-node-a", "ledger", "node-a")]
+                   )._impersonation_ok(caller, TARGET) == ""
+    for objs in ([workload_entry("bank", "l1-node-b", "ledger", "node-b")],
+                 [workload_entry("bank", "l1-node-a", "other", "node-a")],
+                 [workload_entry("bank", "vm", "ledger", "")]):  # not registered by a node
+        assert "no pod with identity" in service(objs)._impersonation_ok(caller, TARGET)
