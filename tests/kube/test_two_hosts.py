@@ -181,7 +181,7 @@ async def until(what: str, predicate, timeout: float, detail=lambda: "") -> None
 
 
 def build_network(a: Host, b: Host, cleanups: list) -> None:
-    for h, other in ((a, b), (b, a)):
+    for h in (a, b):
         sh("ip", "netns", "add", h.netns)
         cleanups.append(lambda h=h: sh("ip", "netns", "del", h.netns, check=False))
         etc = Path("/etc/netns") / h.netns
