@@ -197,14 +197,14 @@ def body_format(content_type: str | None) -> str:
     return "om-0.0.1" if version == "0.0.1" else "text"
 
 
-def _metadata_lines(data: bytes, end: int) -> list[tuple[int, bytes]]:
+def _metadata_lines(data: bytes, end: int, start: int = 0) -> list[tuple[int, bytes]]:
     """``(offset, b"TYPE <name>" | b"HELP <name>")`` of every metadata line in
-    ``data[:end]``, in order."""
+    ``data[start:end]`` (``start`` is a line start), in order."""
     find, match = data.find, _META_AT.match
     found = []
-    i = find(b"#", 0, end)
+    i = find(b"#", start, end)
     while i >= 0:
-        if i == 0 or data[i - 1] == 0x0A:  # "#" at a line start
+        if i == start or data[i - 1] == 0x0A:  # "#" at a line start
             m = match(data, i, end)
             if m:
                 found.append((i, m.group(1)))
@@ -212,18 +212,19 @@ def _metadata_lines(data: bytes, end: int) -> list[tuple[int, bytes]]:
     return found
 
 
-def _metadata_keys(data: bytes, end: int) -> list[bytes]:
-    """``b"TYPE <name>"``/``b"HELP <name>"`` of every metadata line in ``data[:end]``, in
-    order. Per ``#`` only two finds and a slice; the matching runs in C."""
+def _metadata_keys(data: bytes, end: int, start: int = 0) -> list[bytes]:
+    """``b"TYPE <name>"``/``b"HELP <name>"`` of every metadata line in ``data[start:end]``
+    (``start`` is a line start), in order. Per ``#`` only two finds and a slice; the
+    matching runs in C."""
     find = data.find
     lines = []
-    i = find(b"#", 0, end)
+    i = find(b"#", start, end)
     while i >= 0:
         j = find(b"\n", i, end)
         if j < 0:
             j = end
         # From the byte before "#": "\n# TYPE ..." only when the "#" starts a line.
-        lines.append(data[i - 1:j] if i else b"\n" + data[:j])
+        lines.append(data[i - 1:j] if i > start else b"\n" + data[i:j])
         i = find(b"#", j, end)
     return _META_RE.findall(b"\n".join(lines)) if lines else []
 
@@ -255,15 +256,18 @@ class FamilyGate:
         self._last = b""  # the last metadata key (b"TYPE name") seen
         self._cutting = False  # its block is being cut (it may go on in the next chunk)
 
-    def filter(self, data: bytes, end: int | None = None) -> bytes | memoryview:
-        """``data[:end]`` without the cut families: ``data`` itself (or a memoryview of
-        its first ``end`` bytes) when nothing is cut, else a new bytes."""
+    def filter(self, data: bytes, end: int | None = None, start: int = 0
+               ) -> bytes | memoryview:
+        """``data[start:end]`` (``start`` a line start, ``end`` just after a newline)
+        without the cut families: ``data`` itself (or a memoryview of the range) when
+        nothing is cut, else a new bytes."""
         end = len(data) if end is None else end
-        keys = _metadata_keys(data, end)
+        whole = data if start == 0 and end == len(data) else memoryview(data)[start:end]
+        keys = _metadata_keys(data, end, start)
         if not keys:
             if self._cutting:
                 return b""
-            return data if end == len(data) else memoryview(data)[:end]
+            return whole
         if not self._cutting:
             types = [k[5:] for k in keys if k[0] == 84]  # b"TYPE ..."
             helps = [k[5:] for k in keys if k[0] != 84]
@@ -274,14 +278,14 @@ class FamilyGate:
                     self._seen |= tset
                     self._help_seen |= hset
                     self._last = keys[-1]
-                    return data if end == len(data) else memoryview(data)[:end]
-        return self._cut(data, end)
+                    return whole
+        return self._cut(data, end, start)
 
-    def _cut(self, data: bytes, end: int) -> bytes:
+    def _cut(self, data: bytes, end: int, begin: int = 0) -> bytes:
         """The slow path: walk the metadata lines, drop cut blocks up to the next kept one."""
         out = []
-        keep_from = None if self._cutting else 0
-        for start, key in _metadata_lines(data, end):
+        keep_from = None if self._cutting else begin
+        for start, key in _metadata_lines(data, end, begin):
             new, self._last = _new_block(key, self._last), key
             if not new:
                 continue  # the same block goes on (its HELP, then its TYPE)
@@ -301,6 +305,38 @@ class FamilyGate:
             out.append(data[keep_from:end])
         self._cutting = keep_from is None
         return b"".join(out)
+
+
+class LineAligned:
+    """Feeds a body arriving in arbitrary chunks to a :class:`FamilyGate` in line-aligned
+    pieces, copying only the line that straddles two chunks: :meth:`feed` returns the
+    parts to write for one chunk (that line completed, then the rest of the chunk up to
+    its last newline, uncopied), :meth:`close` the unfinished last line (a newline added)."""
+
+    def __init__(self, gate: FamilyGate):
+        self.gate = gate
+        self._tail = b""  # the unfinished last line of the previous chunk
+
+    def feed(self, chunk: bytes) -> list[bytes | memoryview]:
+        cut = chunk.rfind(b"\n") + 1
+        if not cut:
+            self._tail += chunk
+            return []
+        parts = []
+        start = 0
+        if self._tail:  # that line ends in this chunk
+            start = chunk.find(b"\n") + 1
+            parts.append(self.gate.filter(self._tail + chunk[:start]))
+        if cut > start:
+            parts.append(self.gate.filter(chunk, cut, start))
+        self._tail = chunk[cut:]
+        return [p for p in parts if len(p)]
+
+    def close(self) -> list[bytes | memoryview]:
+        if not self._tail:
+            return []
+        part, self._tail = self.gate.filter(self._tail + b"\n"), b""
+        return [part] if len(part) else []
 
 
 def source_session() -> aiohttp.ClientSession:
@@ -506,21 +542,12 @@ class MetricsMerger:
                 body = await resp.read()
                 await response.write(await self.run_blocking(_envoy_openmetrics, body, claims))
                 return
-            gate = FamilyGate(claims, "envoy")
-            tail = b""  # the unfinished last line of the previous chunk
+            lines = LineAligned(FamilyGate(claims, "envoy"))
             async for chunk in resp.content.iter_any():
-                cut = chunk.rfind(b"\n") + 1
-                if not cut:
-                    tail += chunk
-                    continue
-                # One write per chunk: the line split across chunks rides along (a copy of
-                # one chunk, far cheaper than an extra small send on the socket).
-                if tail:
-                    chunk, cut, tail = tail + chunk, cut + len(tail), b""
-                await response.write(gate.filter(chunk, cut))
-                tail = chunk[cut:]
-            if tail:  # a body without a final newline: repair it
-                await response.write(gate.filter(tail + b"\n"))
+                for part in lines.feed(chunk):
+                    await response.write(part)
+            for part in lines.close():
+                await response.write(part)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
             log.warning("reading Envoy metrics failed: %s", e)
             self.failures.labels("envoy").inc()

@@ -205,3 +205,33 @@ def test_text_to_openmetrics_keeps_sample_names_and_parses_strictly():
     assert [s.name for s in fams["envoy_rq_total"].samples] == ["envoy_rq_total"]
     assert fams["envoy_t"].type == "histogram"
     assert b'le="1.0"' in out and b"# TYPE envoy_rq " not in out and claims.dropped == {}
+
+
+def test_line_aligned_stream_gives_the_same_body_for_any_chunking():
+    """The Envoy stream (:class:`metrics_merge.LineAligned`) copies only the line that
+    straddles two chunks; whatever the chunk boundaries, the gated body is the one the
+    gate gives for the whole body at once (a held family and a family declared twice
+    cut, the rest kept byte for byte, a missing final newline added)."""
+    import random
+
+    from agent.status import exposition as ex
+
+    body = (b"# TYPE keep_a counter\nkeep_a 1\n# TYPE held gauge\nheld 1\nheld{x=\"y\"} 2\n"
+            b"# HELP keep_b B\n# TYPE keep_b gauge\nkeep_b 3\n# TYPE keep_a counter\nkeep_a 9\n"
+            b"# TYPE keep_c gauge\nkeep_c 4")
+
+    def gated(chunks):
+        claims = ex.Claims(om=False)
+        claims.admit(ex.for_text(ex.parse_text(b"# TYPE held gauge\nheld 0\n")), "agent")
+        stream = mm.LineAligned(mm.FamilyGate(claims, "envoy"))
+        out = b"".join(bytes(p) for c in chunks for p in stream.feed(c))
+        return out + b"".join(bytes(p) for p in stream.close())
+
+    want = gated([body])
+    assert want == (b"# TYPE keep_a counter\nkeep_a 1\n# HELP keep_b B\n# TYPE keep_b gauge\n"
+                    b"keep_b 3\n# TYPE keep_c gauge\nkeep_c 4\n")
+    rnd = random.Random(7)
+    for _ in range(300):
+        cuts = sorted(rnd.sample(range(1, len(body)), rnd.randint(1, 12)))
+        chunks = [body[a:b] for a, b in zip([0] + cuts, cuts + [len(body)])]
+        assert gated(chunks) == want, chunks
