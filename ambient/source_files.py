@@ -46,6 +46,10 @@ from ambient.store import ObjectStore
 log = logging.getLogger(__name__)
 
 SUFFIXES = (".yaml", ".yml", ".json")
+# libyaml's safe loader when PyYAML was built with it (same documents, same errors with
+# line marks, ~5-10x faster than the pure-Python one: a 100-pod file is parsed on every
+# edit, and the initial load of a big directory is all parsing)
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 @dataclasses.dataclass
@@ -82,7 +86,7 @@ def _docs(path: str, text: str) -> tuple[list[Any], str]:
             return [], f"malformed JSON at line {e.lineno}: {e.msg}"
     docs: list[Any] = []
     try:
-        for doc in yaml.safe_load_all(text):
+        for doc in yaml.load_all(text, Loader=_YAML_LOADER):
             docs.append(doc)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
