@@ -1060,13 +1060,14 @@ class Enrollment(Component):
             paths: dict[str, str] = {}
             recorded = [(uid, rec) for uid, rec in wanted.items()
                         if rec.netns and os.path.exists(rec.netns)]
-            # each check enters the netns on a thread of its own and dumps its addresses
-            # (~1-2 ms, mostly syscalls): run them side by side, restart recovery waits
+            # each check enters the netns (on this private pool's thread, which is back
+            # in the agent's netns after) and lists its addresses: a few syscalls, run
+            # side by side since restart recovery waits for them
             with concurrent.futures.ThreadPoolExecutor(
-                    max_workers=min(8, len(recorded) or 1),
+                    max_workers=min(4, len(recorded) or 1),
                     thread_name_prefix="netns-check") as pool:
-                held = pool.map(lambda item: podnetns.netns_holds_ip(item[1].netns,
-                                                                     item[1].ips), recorded)
+                held = pool.map(lambda item: podnetns.netns_holds_ip(
+                    item[1].netns, item[1].ips, own_thread=False), recorded)
                 for (uid, rec), ok in zip(recorded, held):
                     if ok:
                         paths[uid] = rec.netns

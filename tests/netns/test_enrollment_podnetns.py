@@ -51,3 +51,31 @@ def test_scan_oldest_process_wins(bridge, tmp_path):
     finally:
         for hit in found.values():
             os.close(hit.fd)
+
+
+def test_netns_addresses_agree_with_netlink(bridge):
+    """The cheap address listing (SIOCGIFCONF + ``/proc/thread-self/net/if_inet6``) that
+    restart recovery uses per pod gives what a netlink dump of the same netns gives:
+    the veth's IPv4 and IPv6 addresses, extra and secondary addresses, one on an
+    interface that is down, and the loopback ones."""
+    from pyroute2 import IPRoute
+
+    from cni import podnetns
+
+    pod = bridge.add_pod("tn")
+    pod.exec("ip", "addr", "add", "10.77.0.1/24", "dev", pod.pod_veth)
+    pod.exec("ip", "addr", "add", "10.77.0.2/24", "dev", pod.pod_veth)  # secondary
+    pod.exec("ip", "link", "add", "td0", "type", "veth", "peer", "name", "td1")
+    pod.exec("ip", "addr", "add", "10.78.0.1/32", "dev", "td0")  # interface down
+    pod.exec("ip", "-6", "addr", "add", "fd00:77::1/128", "dev", "lo")
+
+    def both():
+        with IPRoute() as ipr:
+            dumped = {podnetns._unmap(m.get_attr("IFA_ADDRESS")) for m in ipr.get_addr()}
+        return podnetns.netns_addresses(), dumped
+
+    cheap, dumped = pod.run(both)
+    assert cheap == dumped
+    assert {pod.ip, "10.77.0.1", "10.77.0.2", "10.78.0.1", "fd00:77::1", "127.0.0.1"} <= cheap
+    assert podnetns.netns_holds_ip(pod.netns_path, ["10.78.0.1"], own_thread=False)
+    assert not podnetns.netns_holds_ip(pod.netns_path, ["10.79.0.1"])
