@@ -47,11 +47,24 @@ class AmbientIndex(Protocol):
     def address(self, name: str) -> workload_pb2.Address | None:
         """One Address by resource name, or None."""
 
+    def address_names(self, kind: str | None = None) -> list[str]:
+        """Every Address resource name; only workloads (``"workload"``) or services
+        (``"service"``) with ``kind``."""
+
+    def address_bytes(self, name: str) -> bytes | None:
+        """One Address serialized (deterministic), or None: what xDS sends."""
+
     def authorizations(self) -> dict[str, authorization_pb2.Authorization]:
         """Every Authorization by resource name."""
 
     def authorization(self, name: str) -> authorization_pb2.Authorization | None:
         """One Authorization by resource name, or None."""
+
+    def authorization_names(self) -> list[str]:
+        """Every Authorization resource name."""
+
+    def authorization_bytes(self, name: str) -> bytes | None:
+        """One Authorization serialized (deterministic), or None."""
 
     def lookup(self, key: str) -> list[str]:
         """Resource names answering an on-demand key: ``network/IP`` (several workloads

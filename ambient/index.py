@@ -20,6 +20,7 @@ removed), a warning names kind/namespace/name and the field, and
 from __future__ import annotations
 
 import dataclasses
+import sys
 import ipaddress
 import logging
 from typing import Callable, Iterable
@@ -65,14 +66,19 @@ class _Dirty:
                     or self.policies or self.local or self.pa)
 
 
-@dataclasses.dataclass
+_KIND = {"workload": "workload", "service": "service"}  # one str object per kind
+
+
+@dataclasses.dataclass(slots=True)
 class _AddrMeta:
-    """Secondary-index entries of one Address, so removal is exact."""
+    """Secondary-index entries of one Address, so removal is exact, and its kind
+    (``"workload"``/``"service"``: the Address's oneof)."""
 
     ip_keys: tuple[str, ...] = ()
     services: tuple[str, ...] = ()
     waypoints: tuple[str, ...] = ()
     node: str = ""
+    kind: str = ""
 
 
 class AmbientIndex:
@@ -90,14 +96,15 @@ class AmbientIndex:
         self.mesh = mesh
         self._subscribers: list[Updater] = []
         self._unsubscribe_store: Callable[[], None] | None = None
-        # outputs
-        self._addresses: dict[str, wl.Address] = {}
+        # outputs, held serialized (deterministic): a parsed upb Address costs ~2.5 KiB
+        # against ~150 bytes serialized, and xDS sends the bytes; readers of the typed
+        # message parse on demand (address(), addresses())
         self._addr_bytes: dict[str, bytes] = {}
         self._addr_meta: dict[str, _AddrMeta] = {}
-        self._authz: dict[str, az.Authorization] = {}
         self._authz_bytes: dict[str, bytes] = {}
         # secondary indexes of outputs
-        self._by_ip: dict[str, set[str]] = {}
+        # one entry per address, almost always one name: tuples (48 bytes) not sets (216)
+        self._by_ip: dict[str, tuple[str, ...]] = {}
         self._members: dict[str, set[str]] = {}
         self._wp_members: dict[str, set[str]] = {}
         self._node_workloads: dict[str, set[str]] = {}
@@ -146,27 +153,48 @@ class AmbientIndex:
             self._unsubscribe_store = None
 
     def addresses(self) -> dict[str, wl.Address]:
-        return dict(self._addresses)
+        """Every Address, parsed (for inspection; xDS reads :meth:`address_bytes`)."""
+        return {name: wl.Address.FromString(b) for name, b in self._addr_bytes.items()}
 
     def address(self, name: str) -> wl.Address | None:
-        return self._addresses.get(name)
+        data = self._addr_bytes.get(name)
+        return wl.Address.FromString(data) if data is not None else None
+
+    def address_names(self, kind: str | None = None) -> list[str]:
+        """Resource names of every Address (only ``"workload"``s or ``"service"``s with
+        ``kind``)."""
+        if kind is None:
+            return list(self._addr_bytes)
+        return [n for n, m in self._addr_meta.items() if m.kind == kind]
+
+    def address_bytes(self, name: str) -> bytes | None:
+        """The Address serialized (deterministic), or None."""
+        return self._addr_bytes.get(name)
 
     def authorizations(self) -> dict[str, az.Authorization]:
-        return dict(self._authz)
+        return {name: az.Authorization.FromString(b) for name, b in self._authz_bytes.items()}
 
     def authorization(self, name: str) -> az.Authorization | None:
-        return self._authz.get(name)
+        data = self._authz_bytes.get(name)
+        return az.Authorization.FromString(data) if data is not None else None
+
+    def authorization_names(self) -> list[str]:
+        return list(self._authz_bytes)
+
+    def authorization_bytes(self, name: str) -> bytes | None:
+        return self._authz_bytes.get(name)
 
     def lookup(self, key: str) -> list[str]:
         """Uid -> it; ``network/IP`` -> workloads and services (+ their members) with
         that address; ``namespace/hostname`` -> the service + its member workloads."""
-        if key in self._addresses and "workload" == self._addresses[key].WhichOneof("type"):
+        m = self._addr_meta.get(key)
+        if m is not None and m.kind == "workload":
             return [key]
         out: list[str] = []
         seen: set[str] = set()
 
         def add(name: str) -> None:
-            if name not in seen and name in self._addresses:
+            if name not in seen and name in self._addr_bytes:
                 seen.add(name)
                 out.append(name)
 
@@ -177,7 +205,7 @@ class AmbientIndex:
                 for member in sorted(self._members.get(name, ())):
                     add(member)
             return out
-        if key in self._addresses:
+        if key in self._addr_bytes:
             add(key)
             for member in sorted(self._members.get(key, ())):
                 add(member)
@@ -196,10 +224,10 @@ class AmbientIndex:
 
     def debug_state(self) -> dict:
         kinds: dict[str, int] = {}
-        for a in self._addresses.values():
-            kinds[a.WhichOneof("type")] = kinds.get(a.WhichOneof("type"), 0) + 1
+        for m in self._addr_meta.values():
+            kinds[m.kind] = kinds.get(m.kind, 0) + 1
         return {"workloads": kinds.get("workload", 0), "services": kinds.get("service", 0),
-                "authorizations": len(self._authz), "waypoints": sorted(self._waypoints),
+                "authorizations": len(self._authz_bytes), "waypoints": sorted(self._waypoints),
                 "network": self.mesh.network}
 
     # ------------------------------------------------------------------ events
@@ -553,7 +581,7 @@ class AmbientIndex:
                 converted[(ns, name)] = key
         if pas:
             wanted[f"{root}/{tz.STATIC_STRICT}"] = tz.static_strict(root)
-        for key in [k for k in self._authz if self._is_pa_key(k)]:
+        for key in [k for k in self._authz_bytes if self._is_pa_key(k)]:
             if key not in wanted:
                 self._set_authz(key, None)
         for key, policy in wanted.items():
@@ -626,9 +654,10 @@ class AmbientIndex:
             self._set_address(name, None)
             return
         ip_keys = tuple(f"{w.network}/{ip_text(a)}" for a in w.addresses)
+        # service keys and node names repeat across every pod: one string object each
         self._set_address(name, wl.Address(workload=w), _AddrMeta(
-            ip_keys=ip_keys, services=tuple(sorted(w.services)), waypoints=waypoint_keys,
-            node=w.node))
+            ip_keys=ip_keys, services=tuple(sys.intern(k) for k in sorted(w.services)),
+            waypoints=waypoint_keys, node=sys.intern(w.node)))
 
     def _update_pod(self, ns: str, name: str) -> None:
         uid = tw.pod_uid(self.mesh, ns, name)
@@ -844,7 +873,7 @@ class AmbientIndex:
                             for o in self.store.list("EndpointSlice"))
             d.policies.update((meta(o)["namespace"], meta(o)["name"])
                               for o in self.store.list("AuthorizationPolicy"))
-            d.policies.update(tuple(k.split("/", 1)) for k in self._authz
+            d.policies.update(tuple(k.split("/", 1)) for k in self._authz_bytes
                               if not self._is_pa_key(k))
             for kind in ("LocalWorkload", "LocalPolicy"):
                 d.local.update((kind, meta(o)["namespace"], meta(o)["name"])
@@ -895,8 +924,8 @@ class AmbientIndex:
         self._orig_authz.clear()
         change = IndexChange(frozenset(changed), frozenset(removed), frozenset(az_changed),
                              frozenset(az_removed))
-        self._sizes.labels("address").set(len(self._addresses))
-        self._sizes.labels("authorization").set(len(self._authz))
+        self._sizes.labels("address").set(len(self._addr_bytes))
+        self._sizes.labels("authorization").set(len(self._authz_bytes))
         if not change.empty():
             self.pushes.inc()
             for updater in list(self._subscribers):
@@ -914,18 +943,28 @@ class AmbientIndex:
         if old_meta is not None:
             self._index(name, old_meta, remove=True)
         if addr is None:
-            self._addresses.pop(name, None)
             self._addr_bytes.pop(name, None)
             return
-        self._addresses[name] = addr
         self._addr_bytes[name] = addr.SerializeToString(deterministic=True)
         meta_ = meta_ or _AddrMeta()
+        meta_.kind = _KIND.get(addr.WhichOneof("type"), "")
         self._addr_meta[name] = meta_
         self._index(name, meta_, remove=False)
 
     def _index(self, name: str, m: _AddrMeta, remove: bool) -> None:
+        by_ip = self._by_ip
+        for key in m.ip_keys:
+            names = by_ip.get(key, ())
+            if remove:
+                names = tuple(n for n in names if n != name)
+            elif name not in names:
+                names += (name,)
+            if names:
+                by_ip[key] = names
+            else:
+                by_ip.pop(key, None)
         pairs: Iterable[tuple[dict[str, set[str]], str]] = (
-            [(self._by_ip, k) for k in m.ip_keys] + [(self._members, s) for s in m.services]
+            [(self._members, s) for s in m.services]
             + [(self._wp_members, w) for w in m.waypoints]
             + ([(self._node_workloads, m.node)] if m.node else []))
         for table, key in pairs:
@@ -942,10 +981,8 @@ class AmbientIndex:
         if key not in self._orig_authz:
             self._orig_authz[key] = self._authz_bytes.get(key)
         if policy is None:
-            self._authz.pop(key, None)
             self._authz_bytes.pop(key, None)
         else:
-            self._authz[key] = policy
             self._authz_bytes[key] = policy.SerializeToString(deterministic=True)
 
     def _reject(self, kind: str, ns: str, name: object, error: Exception) -> None:

@@ -101,6 +101,12 @@ class Generator(abc.ABC):
     def _payload(self, name: str):
         """The typed message named ``name``, or None when the index has none."""
 
+    def _payload_bytes(self, name: str) -> bytes | None:
+        """``name``'s message serialized (deterministic), or None. The index holds its
+        outputs serialized, so the generators take those bytes as they are."""
+        msg = self._payload(name)
+        return msg.SerializeToString(deterministic=True) if msg is not None else None
+
     def lookup(self, key: str) -> list[str]:
         """Resource names answering a subscribed key (exact name by default)."""
         return [key] if self.resource(key) is not None else []
@@ -115,10 +121,9 @@ class Generator(abc.ABC):
             return self._cache[name]
         except KeyError:
             pass
-        msg = self._payload(name)
+        payload = self._payload_bytes(name)
         res = None
-        if msg is not None:
-            payload = msg.SerializeToString(deterministic=True)
+        if payload is not None:
             res = discovery_pb2.Resource(
                 name=name, version=content_version(payload),
                 resource=any_pb2.Any(type_url=self.type_url, value=payload))
@@ -196,10 +201,13 @@ class AddressGenerator(Generator):
     on_demand = True
 
     def names(self) -> Iterable[str]:
-        return self.index.addresses().keys()
+        return self.index.address_names()
 
     def _payload(self, name: str):
         return self.index.address(name)
+
+    def _payload_bytes(self, name: str) -> bytes | None:
+        return self.index.address_bytes(name)
 
     def lookup(self, key: str) -> list[str]:
         return list(self.index.lookup(key))
@@ -222,10 +230,14 @@ class WorkloadGenerator(AddressGenerator):
     type_url = WORKLOAD_TYPE
 
     def names(self) -> Iterable[str]:
-        return [n for n, a in self.index.addresses().items() if a.WhichOneof("type") == "workload"]
+        return self.index.address_names("workload")
 
     def _payload(self, name: str):
         return self.workload(name)
+
+    def _payload_bytes(self, name: str) -> bytes | None:
+        msg = self.workload(name)
+        return msg.SerializeToString(deterministic=True) if msg is not None else None
 
     def lookup(self, key: str) -> list[str]:
         return [n for n in self.index.lookup(key) if self.workload(n) is not None]
@@ -239,10 +251,13 @@ class AuthorizationGenerator(Generator):
     change_fields = ("authorizations_changed", "authorizations_removed")
 
     def names(self) -> Iterable[str]:
-        return self.index.authorizations().keys()
+        return self.index.authorization_names()
 
     def _payload(self, name: str):
         return self.index.authorization(name)
+
+    def _payload_bytes(self, name: str) -> bytes | None:
+        return self.index.authorization_bytes(name)
 
 
 GENERATOR_CLASSES: tuple[type[Generator], ...] = (

@@ -79,11 +79,26 @@ class FakeIndex:
     def address(self, name):
         return self._addresses.get(name)
 
+    def address_names(self, kind=None):
+        return [n for n, a in self._addresses.items()
+                if kind is None or a.WhichOneof("type") == kind]
+
+    def address_bytes(self, name):
+        addr = self._addresses.get(name)
+        return addr.SerializeToString(deterministic=True) if addr is not None else None
+
     def authorizations(self):
         return dict(self._policies)
 
     def authorization(self, name):
         return self._policies.get(name)
+
+    def authorization_names(self):
+        return list(self._policies)
+
+    def authorization_bytes(self, name):
+        pol = self._policies.get(name)
+        return pol.SerializeToString(deterministic=True) if pol is not None else None
 
     def lookup(self, key):
         if key in self._addresses:
