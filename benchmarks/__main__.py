@@ -1,4 +1,5 @@
-"""``python -m benchmarks [--only NAME] [--json PATH]``: run every ``benchmarks/bench_*.py``.
+"""``python -m benchmarks [--only NAME] [--json PATH] [--scale-max PODS]``: run every
+``benchmarks/bench_*.py``.
 
 Each module defines ``run() -> list[benchmarks.common.Result]`` (sync or async). The
 runner prints one table (figure, value, floor, ratio, target, pass/fail) and writes the
@@ -13,6 +14,7 @@ import asyncio
 import importlib
 import inspect
 import json
+import os
 import pkgutil
 import sys
 import traceback
@@ -34,7 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=[],
                         help="run only bench_<NAME> (repeatable)")
     parser.add_argument("--json", default=str(Path(__file__).with_name("results.json")))
+    parser.add_argument("--scale-max", type=int, default=0, metavar="PODS",
+                        help="largest cluster bench_scale builds (default 10000; 100000 adds "
+                             "the 100k size: minutes, ~1 GiB)")
     args = parser.parse_args(argv)
+    if args.scale_max:
+        os.environ["AMBIENT_BENCH_SCALE_MAX"] = str(args.scale_max)
     names = sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)])
                    if m.name.startswith("bench_"))
     if args.only:

@@ -70,13 +70,13 @@ def write_cluster(directory: str, pods: int) -> tuple[str, list[str]]:
     return os.path.join(directory, "ns0.yaml"), texts
 
 
-def _holds(client: DeltaXdsClient, service: str) -> bool:
-    return _service_of(client) == service
+def _holds(client: DeltaXdsClient, service: str, pod: str = POD) -> bool:
+    return _service_of(client, pod) == service
 
 
-def _service_of(client: DeltaXdsClient) -> str | None:
-    """The ``svc<N>`` pod0's workload belongs to in what the client holds, if any."""
-    addr = client.resources().get(POD)
+def _service_of(client: DeltaXdsClient, pod: str = POD) -> str | None:
+    """The ``svc<N>`` the workload ``pod`` belongs to in what the client holds, if any."""
+    addr = client.resources().get(pod)
     if addr is None:
         return None
     keys = list(addr.workload.services)

@@ -1,0 +1,34 @@
+"""Keeps the benchmarks from rotting: every ``benchmarks/bench_*.py`` imports, and the
+scale and config-dir change paths run end to end at tiny sizes. Nothing here is timed
+or judged (the figures are ``python -m benchmarks``'s job, as ratios to floors)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import pkgutil
+from pathlib import Path
+
+import benchmarks
+from benchmarks import bench_scale, bench_xds_change
+
+
+def test_every_benchmark_module_imports_and_has_run():
+    names = [m.name for m in pkgutil.iter_modules([str(Path(benchmarks.__file__).parent)])
+             if m.name.startswith("bench_")]
+    assert "bench_scale" in names and "bench_kube_xds" in names
+    for name in names:
+        assert callable(importlib.import_module(f"benchmarks.{name}").run), name
+
+
+def test_scale_child_runs_at_a_tiny_size():
+    out = bench_scale.child(200)
+    assert out["addresses"] == 220 and out["authorizations"] == 10  # 2 ns: 200 pods + 20 svc
+    assert out["rss_per_workload"] > 0 and out["change"] > 0
+    assert out["push_1"] > 0 and out["push_100"] > 0
+
+
+def test_config_dir_change_path_runs_at_a_tiny_size():
+    samples = asyncio.run(bench_xds_change.files_latency(100, samples=2, file_debounce_ms=1,
+                                                         xds_debounce=0.0))
+    assert len(samples) == 2 and all(s > 0 for s in samples)
