@@ -105,7 +105,7 @@ class ObjectStore:
 
     def __init__(self, registry: CollectorRegistry | None = None, source: str = "files"):
         self.source = source
-        self._objects: dict[Key, dict] = {}
+        # by kind, then by (kind, namespace): no third map of every key (~60 bytes an object)
         self._by_kind: dict[str, dict[Key, dict]] = {k: {} for k in KINDS}
         self._by_ns: dict[tuple[str, str], dict[Key, dict]] = {}
         self._by_uid: dict[str, Key] = {}
@@ -122,7 +122,8 @@ class ObjectStore:
     # --- read side (ambient.api.ObjectStore) ---
 
     def get(self, kind: str, namespace: str, name: str) -> dict | None:
-        return self._objects.get((kind, namespace, name))
+        by_kind = self._by_kind.get(kind)
+        return by_kind.get((kind, namespace, name)) if by_kind is not None else None
 
     def list(self, kind: str, namespace: str | None = None) -> Iterable[dict]:
         if namespace is None:
@@ -131,10 +132,10 @@ class ObjectStore:
 
     def pod_by_uid(self, uid: str) -> dict | None:
         key = self._by_uid.get(uid)
-        return self._objects.get(key) if key and key[0] == "Pod" else None
+        return self._by_kind["Pod"].get(key) if key and key[0] == "Pod" else None
 
     def __len__(self) -> int:
-        return len(self._objects)
+        return sum(len(v) for v in self._by_kind.values())
 
     def counts(self) -> dict[str, int]:
         return {k: len(v) for k, v in self._by_kind.items() if v}
@@ -228,14 +229,13 @@ class ObjectStore:
                 self.reject("duplicate-uid", where, f"{label} has uid {uid!r} already used by "
                             f"{other[0]} {other[1]}/{other[2]}")
                 return None
-        old = self._objects.get(key)
+        old = self._by_kind[kind].get(key)
         if old == obj:
             return None
         if old is not None:
             old_uid = old["metadata"].get("uid")
             if old_uid and self._by_uid.get(old_uid) == key:
                 del self._by_uid[old_uid]
-        self._objects[key] = obj
         self._by_kind[kind][key] = obj
         self._by_ns.setdefault((kind, namespace), {})[key] = obj
         self._origin[key] = origin
@@ -246,10 +246,10 @@ class ObjectStore:
         return StoreEvent(kind, namespace, name, old, obj)
 
     def _delete(self, key: Key) -> StoreEvent | None:
-        old = self._objects.pop(key, None)
+        by_kind = self._by_kind.get(key[0])
+        old = by_kind.pop(key, None) if by_kind is not None else None
         if old is None:
             return None
-        self._by_kind[key[0]].pop(key, None)
         bucket = self._by_ns.get((key[0], key[1]))
         if bucket is not None:
             bucket.pop(key, None)
