@@ -17,6 +17,12 @@ second thread of the same process:
   the Python stand-in's per-message work, which ztunnel does in Rust.
 
 Each is the best of ``ROUNDS`` runs, interleaved, since other work shares the machine.
+The process is pinned to one CPU for the whole benchmark (floor and figures alike): a
+lockstep exchange between two threads of one process otherwise measures where the
+scheduler puts them, which it decides differently from run to run (same CPU: ~10 us per
+round trip, a context switch each way; two CPUs with idle states between messages:
+~40 us, an inter-processor wake-up each way). On one CPU both sides pay the same context
+switches and the ratio is the per-message work.
 Live adds: p99 <= 2 ms (floor: the bare send_fds + ack round trip).
 """
 
@@ -208,11 +214,14 @@ async def _measure(fd: int, directory: str
 def run() -> list[Result]:
     fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     directory = tempfile.mkdtemp(prefix="zds-bench-")
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})  # see the module docstring: one CPU
     try:
         _floor_round_trips(200, fd)  # warm-up
         floor = _floor_round_trips(LIVE_ADDS, fd)
         floors, bare, snapshots, latencies = asyncio.run(_measure(fd, directory))
     finally:
+        os.sched_setaffinity(0, allowed)
         os.close(fd)
         shutil.rmtree(directory, ignore_errors=True)
     ms = 1000.0
