@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable
 
 import yaml
 
-from agent.lifecycle import AgentContext, Component
+from agent.core.lifecycle import AgentContext, Component
 from agent.sds.keys import Identity
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ import os
 import sys
 from importlib import metadata
 
-from agent import config as agent_config
-from agent.errors import ComponentStartError
+from agent.core import config as agent_config
+from agent.core.errors import ComponentStartError
 
 # name -> (module, help). The module provides add_arguments(parser) and main(args).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -77,7 +77,7 @@ def setting_default(s: agent_config.Setting) -> str:
 
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per setting; values stay raw strings until :func:`agent.config.load`.
+    """One ``--flag`` per setting; values stay raw strings until :func:`agent.core.config.load`.
     The help names the value's kind or choices, the default and the environment variable."""
     group = parser.add_argument_group("settings (flag > env > config file > default)")
     for s in agent_config.SETTINGS:
@@ -128,7 +128,8 @@ def load_config(args: argparse.Namespace) -> agent_config.Config:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from agent import daemon, logsetup
+    from agent import daemon
+    from agent.core import logsetup
 
     config = load_config(args)
     logsetup.setup(config.log_level, config.log_format)

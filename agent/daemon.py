@@ -22,10 +22,10 @@ import signal
 from pathlib import Path
 from typing import Callable
 
-from agent import config as agent_config, fdbudget, sdnotify
-from agent.config import Config, ConfigError, prepare_state_dir
-from agent.errors import ComponentStartError
-from agent.lifecycle import AgentContext, Component, Supervisor
+from agent.core import config as agent_config, fdbudget, sdnotify
+from agent.core.config import Config, ConfigError, prepare_state_dir
+from agent.core.errors import ComponentStartError
+from agent.core.lifecycle import AgentContext, Component, Supervisor
 
 log = logging.getLogger(__name__)
 

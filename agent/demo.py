@@ -59,8 +59,8 @@ from typing import Any, Callable
 
 import yaml
 
-from agent import config as agent_config
-from agent.errors import ComponentStartError
+from agent.core import config as agent_config
+from agent.core.errors import ComponentStartError
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "cluster"
 RUNTIMES = ("auto", "podman", "netns")
@@ -405,7 +405,8 @@ class Demo:
         return flags
 
     async def start_agent(self) -> None:
-        from agent import config as agent_config, daemon, logsetup
+        from agent import daemon
+        from agent.core import config as agent_config, logsetup
 
         config = agent_config.load(self.agent_flags())
         logsetup.setup(config.log_level, config.log_format)
@@ -686,7 +687,7 @@ class Demo:
 
     def rules_present(self, pod: DemoPod) -> bool:
         backend = self.agent.ctx.get("enrollment").backend
-        from cni.netns import run_in_netns_thread
+        from agent.core.netns import run_in_netns_thread
 
         return bool(run_in_netns_thread(pod.netns_path, backend.present, False))
 
@@ -911,7 +912,7 @@ class DemoError(RuntimeError):
 
 
 def run_in_pod(pod: DemoPod, fn: Callable[[], Any]) -> Any:
-    from cni.netns import run_in_netns_thread
+    from agent.core.netns import run_in_netns_thread
 
     return run_in_netns_thread(pod.netns_path, fn)
 

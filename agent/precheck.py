@@ -185,9 +185,9 @@ def check_istio_cni(config) -> Check:
 
 
 def check_ports(config) -> Check:
-    from agent.config import ConfigError, ensure_tcp_port_free
+    from agent.core.config import ConfigError, ensure_tcp_port_free
 
-    from agent.config import tcp_listeners
+    from agent.core.config import tcp_listeners
 
     busy, free = [], []
     for setting, host, port in tcp_listeners(config):

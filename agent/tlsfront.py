@@ -39,7 +39,7 @@ import time
 
 from cryptography import x509
 
-from agent.ratelimit import RepeatLimiter
+from agent.core.ratelimit import RepeatLimiter
 from agent.servercert import ServerCertificate
 
 log = logging.getLogger(__name__)

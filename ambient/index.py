@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from agent.lifecycle import AgentContext, Component
+from agent.core.lifecycle import AgentContext, Component
 from ambient import authorization_pb2 as az
 from ambient import localconfig
 from ambient import translate_authz as tz

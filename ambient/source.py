@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from agent.lifecycle import AgentContext, Component
+from agent.core.lifecycle import AgentContext, Component
 from ambient.source_files import DirectorySource, PodNotFound
 from ambient.source_kube import KubernetesSource
 from ambient.store import ObjectStore

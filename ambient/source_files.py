@@ -39,7 +39,7 @@ import watchfiles
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from agent.config import ConfigError
+from agent.core.config import ConfigError
 from ambient import localconfig
 from ambient.store import ObjectStore
 

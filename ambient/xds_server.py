@@ -17,7 +17,7 @@ and Authorization for ztunnel and waypoints (``docs/xds.md``).
 - The embedded CA's ``IstioCertificateService`` is served on the same TLS port when the
   ``sds`` component has one (ztunnel's default ``CA_ADDRESS`` is its ``XDS_ADDRESS``).
 - Keepalive enforcement accepts client pings every 10 s or more, with or without
-  streams (:mod:`agent.grpc_options`); ztunnel pings every 30 s.
+  streams (:mod:`agent.core.grpc_options`); ztunnel pings every 30 s.
 - Pushes come from the index change feed (``AmbientIndex.subscribe``): the resource cache
   is invalidated at once, the fan-out to streams is debounced (``xds_debounce`` quiet
   period, at most ``xds_debounce_max`` after the first change) and merged, and each stream
@@ -40,11 +40,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from agent import tlsfront
 from agent.authn import AuthenticationError, Authenticator
-from agent.config import ConfigError, ensure_tcp_port_free
-from agent.fdbudget import listener_caps
-from agent.grpc_options import KEEPALIVE_SERVER_OPTIONS
-from agent.lifecycle import AgentContext, Component
-from agent.listeners import grpc_server_bounds
+from agent.core.config import ConfigError, ensure_tcp_port_free
+from agent.core.fdbudget import listener_caps
+from agent.core.grpc_options import KEEPALIVE_SERVER_OPTIONS
+from agent.core.lifecycle import AgentContext, Component
+from agent.core.listeners import grpc_server_bounds
 from agent.servercert import ServerCertificate, TlsMaterial
 from ambient.api import AmbientIndex, IndexChange
 from ambient.xds_generators import Generator, default_generators

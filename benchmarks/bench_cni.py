@@ -211,7 +211,8 @@ class RealNode:
     async def start(self) -> None:
         import shutil
 
-        from agent import config as agent_config, daemon
+        from agent import daemon
+        from agent.core import config as agent_config
         from zds.client import ZdsClient
 
         from pyroute2 import netns

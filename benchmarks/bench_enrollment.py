@@ -168,8 +168,8 @@ async def _start_to_snapshot(state: str, node_netns: str) -> tuple[float, int, i
     the first ``SnapshotSent``, pods named in it, of which with their netns: Adds). The
     agent is then stopped the way a
     SIGKILL leaves things (records, rules and sets stay)."""
-    from agent.config import load
-    from agent.lifecycle import AgentContext
+    from agent.core.config import load
+    from agent.core.lifecycle import AgentContext
     from cni.enrollment import Enrollment
     from tests.ztunnel_exact.zds import ZtunnelZds
     from zds.server import ZdsServer

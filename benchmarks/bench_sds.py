@@ -41,7 +41,7 @@ import grpc
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.secret.v3 import sds_pb2_grpc
 
-from agent import config as agent_config
+from agent.core import config as agent_config
 from agent.envoy import EnvoyProcess, free_port, sds_tls_bootstrap
 from agent.sds import keys
 from agent.sds.ca_embedded import EmbeddedCA

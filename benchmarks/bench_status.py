@@ -202,8 +202,8 @@ def _relay_server(conn, source_port: int) -> None:
 
 
 def _status_server(conn, envoy_admin_port: int) -> None:
-    from agent import config as agent_config
-    from agent.lifecycle import AgentContext, Component
+    from agent.core import config as agent_config
+    from agent.core.lifecycle import AgentContext, Component
     from agent.status.server import StatusServer
 
     class Ready(Component):

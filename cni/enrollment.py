@@ -46,10 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from agent.core.files import write_atomic
-from agent.lifecycle import AgentContext, Component
+from agent.core.lifecycle import AgentContext, Component
 from cni import annotate
 from cni import enablement
-from cni import netns as netns_mod
+from agent.core import netns as netns_mod
 from cni import podnetns
 from cni import rules_detect
 from cni.events import CniPodEvent, EnrollmentError
@@ -340,7 +340,7 @@ class Enrollment(Component):
 
     def _netns_path(self, path: str) -> str:
         """``path`` (CNI_NETNS, a host path) as this agent sees it (setting
-        ``host_mounts_path``, :func:`cni.netns.host_path`); a relative path is kept as
+        ``host_mounts_path``, :func:`agent.core.netns.host_path`); a relative path is kept as
         given and refused by :meth:`enroll`."""
         try:
             return netns_mod.host_path(path, getattr(self.ctx.config, "host_mounts_path", ""))

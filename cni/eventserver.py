@@ -18,7 +18,7 @@ Routes (the body is a :class:`cni.events.CniPodEvent` JSON):
   ``RemovePodFromMesh(pod, isDelete=true)``). 200 or 500.
 - ``GET /healthz``: 200 while serving, 503 while draining (the plugin's STATUS).
 
-Bounded like every listener (:mod:`agent.listeners`): a request body not received in full
+Bounded like every listener (:mod:`agent.core.listeners`): a request body not received in full
 within ``BODY_TIMEOUT`` (10 s) is answered 408 and the connection closed; a connection idle
 (or stuck in its headers) for ``IDLE_TIMEOUT`` is closed; malformed HTTP is one DEBUG line.
 
@@ -44,8 +44,8 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 
-from agent import listeners, unixsocket
-from agent.lifecycle import AgentContext, Component
+from agent.core import listeners, unixsocket
+from agent.core.lifecycle import AgentContext, Component
 from cni import enablement
 from cni.events import CniPodEvent, EnrollmentError, EventError
 from cni.plugin import DRAINING_TEXT

@@ -43,7 +43,7 @@ import psutil
 from pyroute2 import IPSet
 from pyroute2.netlink.exceptions import NetlinkError
 
-from cni import netns as netns_mod
+from agent.core import netns as netns_mod
 from cni.podips import normalize_ip
 from cni.rules_common import RulesError
 from cni.rules_iptables import Rule, render_restore

@@ -420,7 +420,7 @@ class Installer:
 
 
 def installer_from_config(config: Any) -> Installer:
-    """An :class:`Installer` from the agent's :class:`agent.config.Config`."""
+    """An :class:`Installer` from the agent's :class:`agent.core.config.Config`."""
     return Installer(conf_dir=config.cni_conf_dir, bin_dir=config.cni_bin_dir,
                      run_dir=os.path.dirname(config.cni_event_socket),
                      conf_name=config.cni_conf_name,
@@ -449,8 +449,8 @@ DERIVED_DEFAULTS = {"cni_event_socket": "<state-dir>/pluginevent.sock"}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Registered in ``agent.cli.SUBCOMMANDS`` as ``cni``: ``install`` and ``uninstall``,
     each with only the flags of :data:`CLI_SETTINGS` (values stay raw strings until
-    :func:`agent.config.load`; flag > env > config file > default, as for ``run``)."""
-    from agent.config import SETTINGS_BY_NAME
+    :func:`agent.core.config.load`; flag > env > config file > default, as for ``run``)."""
+    from agent.core.config import SETTINGS_BY_NAME
 
     sub = parser.add_subparsers(dest="cni_command", metavar="ACTION", required=True)
     for action, text in (("install", "install the plugin and chain it into the primary "
@@ -470,11 +470,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> Any:
-    """The :class:`agent.config.Config` for install/uninstall: flags of
+    """The :class:`agent.core.config.Config` for install/uninstall: flags of
     :data:`CLI_SETTINGS`, then their env variables, then the config file. Environment
     variables of other settings are ignored (this command does not use them). Raises
-    :class:`agent.config.ConfigError` naming the setting and the bad value."""
-    from agent import config as agent_config
+    :class:`agent.core.config.ConfigError` naming the setting and the bad value."""
+    from agent.core import config as agent_config
 
     env = os.environ if env is None else env
     wanted = {agent_config.SETTINGS_BY_NAME[n].env_name for n in CLI_SETTINGS}

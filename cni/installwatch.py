@@ -31,7 +31,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
-from agent.lifecycle import AgentContext, Component
+from agent.core.lifecycle import AgentContext, Component
 from cni import conflist
 from cni.install import BundleError, Installer, NoPrimaryConfig
 

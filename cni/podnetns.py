@@ -32,7 +32,7 @@ import struct
 
 from pyroute2 import IPRoute
 
-from cni import netns as netns_mod
+from agent.core import netns as netns_mod
 
 log = logging.getLogger(__name__)
 

@@ -52,9 +52,9 @@ import re
 from pathlib import Path
 from typing import Any, Protocol
 
-from agent.lifecycle import AgentContext, Component
+from agent.core.lifecycle import AgentContext, Component
 from cni.events import CniPodEvent
-from cni.netns import host_path
+from agent.core.netns import host_path
 
 log = logging.getLogger(__name__)
 

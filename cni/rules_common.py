@@ -6,7 +6,7 @@ accepts are connmarked 0x111 and packets carrying that mark are routed locally v
 table 100. Pod overrides come from annotations.
 
 The routing helpers block and act on the *calling thread's* netns: call them from a
-thread that already entered the pod's netns (``cni.netns.entered``).
+thread that already entered the pod's netns (``agent.core.netns.entered``).
 """
 
 from __future__ import annotations

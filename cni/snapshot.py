@@ -39,7 +39,7 @@ import time
 from typing import Any
 
 from agent.core.files import write_atomic
-from agent.lifecycle import AgentContext, Component
+from agent.core.lifecycle import AgentContext, Component
 from cni import enablement
 from cni.livepods import TERMINAL_PHASES, on_this_node
 from cni.plugin import SNAPSHOT_NAME, SNAPSHOT_VERSION

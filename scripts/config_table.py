@@ -1,4 +1,4 @@
-"""Print the README's configuration table from ``agent.config.SETTINGS``.
+"""Print the README's configuration table from ``agent.core.config.SETTINGS``.
 
 ``python scripts/config_table.py`` prints it; ``--write`` replaces the table between the
 ``<!-- config-table -->`` markers in README.md. tests/test_readme.py fails when the README
@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agent.config import SETTINGS  # noqa: E402
+from agent.core.config import SETTINGS  # noqa: E402
 
 BEGIN, END = "<!-- config-table -->", "<!-- /config-table -->"
 

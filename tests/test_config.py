@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from agent import config as cfg
+from agent.core import config as cfg
 
 
 def test_defaults_and_derived_paths(tmp_path):
@@ -259,7 +259,7 @@ async def test_directory_source_names_config_dir_when_a_file_is_in_the_way(tmp_p
 
 
 async def test_embedded_ca_names_the_bad_root_file(tmp_path):
-    from agent.lifecycle import AgentContext
+    from agent.core.lifecycle import AgentContext
     from agent.sds.server import build
 
     cert, key = tmp_path / "root.pem", tmp_path / "key.pem"

@@ -51,7 +51,7 @@ import threading
 import time
 from typing import Awaitable, Callable
 
-from cni.netns import run_in_netns_thread
+from agent.core.netns import run_in_netns_thread
 from zds import wire
 
 log = logging.getLogger(__name__)

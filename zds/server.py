@@ -54,11 +54,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from agent import unixsocket
-from agent.config import ConfigError
-from agent.peercred import peer_cred
-from agent.ratelimit import RepeatLimiter
-from agent.lifecycle import AgentContext, Component
+from agent.core import unixsocket
+from agent.core.config import ConfigError
+from agent.core.peercred import peer_cred
+from agent.core.ratelimit import RepeatLimiter
+from agent.core.lifecycle import AgentContext, Component
 from zds import wire
 from zds.api import NoZtunnel, PodInfo, ZdsError, ZdsNack, ZdsTimeout
 from zds.metrics import ZdsMetrics

@@ -34,8 +34,8 @@ import secrets
 import socket
 from typing import Callable
 
-from agent import unixsocket
-from agent.peercred import peer_cred
+from agent.core import unixsocket
+from agent.core.peercred import peer_cred
 from agent.sds.keys import Identity
 from cni.podnetns import CgroupError, parse_cgroup
 

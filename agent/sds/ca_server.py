@@ -163,8 +163,8 @@ async def start_ca_server(service: CertificateService, address: str, port: int,
     :class:`agent.servercert.ServerCertificate` (started by the caller). Returns
     ``(server, front_door)``; ``front_door.port`` is the bound port. Raises ConfigError
     naming ``ca_port``/``ca_listen_address`` when the port can't be bound."""
-    from agent.config import ensure_tcp_port_free
-    from agent.grpc_options import KEEPALIVE_SERVER_OPTIONS
+    from agent.core.config import ensure_tcp_port_free
+    from agent.core.grpc_options import KEEPALIVE_SERVER_OPTIONS
     from agent.tlsfront import TlsFrontDoor
 
     server = grpc.aio.server(options=KEEPALIVE_SERVER_OPTIONS)

@@ -39,9 +39,9 @@ from cryptography import x509
 from envoy.service.secret.v3 import sds_pb2, sds_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from agent import unixsocket
-from agent.config import Config, ConfigError
-from agent.lifecycle import AgentContext, Component
+from agent.core import unixsocket
+from agent.core.config import Config, ConfigError
+from agent.core.lifecycle import AgentContext, Component
 from agent import servercert, tlsfront
 from agent.sds import attest, ca_server, files, keys
 from agent.sds.ca_embedded import CAError, EmbeddedCA

@@ -29,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from agent.lifecycle import AgentContext
+from agent.core.lifecycle import AgentContext
 from agent.status.compression import compress_large
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import re
 from typing import Any, Awaitable, Callable
@@ -40,12 +39,13 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
+from agent.core.scrapetargets import (  # noqa: F401 - part of this module's API
+    RESERVED_PORTS, AnnotationsError, ScrapeTarget, parse_annotations)
 from agent.status import exposition as ex
 from agent.status.exposition import strip_eof  # noqa: F401 - part of this module's API
 
 log = logging.getLogger(__name__)
 
-RESERVED_PORTS = frozenset({15000, 15001, 15004, 15006, 15008, 15020, 15021, 15053, 15090})
 APP_BODY_CAP = 10 * 1024 * 1024  # bytes per application target (upstream's cap)
 SOURCE_READ_BUFSIZE = 1024 * 1024  # bytes buffered per source read before pausing the socket
 DEFAULT_SOURCE_TIMEOUT = 10.0  # seconds, when Prometheus sends no scrape-timeout header
@@ -62,71 +62,6 @@ _MEDIA_RE = re.compile(rf"^({_TOKEN})(?:/({_TOKEN}))?$")
 _META_AT = re.compile(rb"# ((?:HELP|TYPE) \S+)")
 _META_RE = re.compile(rb"\n# ((?:HELP|TYPE) \S+)")
 _COPIED_HEADERS = ("User-Agent", "X-Prometheus-Scrape-Timeout-Seconds")
-
-
-class AnnotationsError(ValueError):
-    """``ISTIO_PROMETHEUS_ANNOTATIONS`` is unusable; the message names the field and value."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ScrapeTarget:
-    """One application metrics endpoint: ``http://<host>:<port><path>``."""
-
-    port: int
-    path: str = "/metrics"
-
-
-def _target_port(value: Any, status_port: int, where: str) -> int:
-    """Ports compare numerically, so ``015020`` is the status port too (recursion guard)."""
-    text = str(value).strip()
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
-        raise AnnotationsError(f"{where}.port={value!r}: must be an integer 1..65535")
-    port = int(text)
-    if port == status_port or port in RESERVED_PORTS:
-        raise AnnotationsError(f"{where}.port={value!r}: port {port} is reserved for the "
-                               "agent/Envoy and would scrape itself")
-    return port
-
-
-def parse_annotations(value: Any, status_port: int, given: bool = False) -> list[ScrapeTarget]:
-    """Normalise ``ISTIO_PROMETHEUS_ANNOTATIONS`` (a JSON string or decoded object) to targets.
-
-    ``given`` says the variable was set (a set-but-empty value is an error).
-    Returns [] when app scraping is off (unset, or ``scrape == "false"``). With no
-    ``targets`` one target is synthesised from ``port`` (default 80) and ``path``
-    (default ``/metrics``). Upstream quirk decided deliberately: when ``targets`` is given
-    the targets are scraped, never a differing legacy top-level port. Raises
-    :class:`AnnotationsError`.
-    """
-    if value is None or value == "":
-        if given:
-            raise AnnotationsError("value is empty: expected a JSON object such as "
-                                   '{"scrape":"true","port":"8080","path":"/metrics"}')
-        return []
-    if isinstance(value, (str, bytes)):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise AnnotationsError(f"failed to decode JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise AnnotationsError(f"expected a JSON object, got {type(value).__name__}")
-    if str(value.get("scrape", "true")).strip().lower() == "false":
-        return []
-    raw_targets = value.get("targets")
-    if raw_targets in (None, []):
-        raw_targets = [{"port": value.get("port") or "80", "path": value.get("path") or ""}]
-    if not isinstance(raw_targets, list):
-        raise AnnotationsError(f"targets={raw_targets!r}: must be a list of {{port, path}}")
-    targets = []
-    for i, t in enumerate(raw_targets):
-        where = f"targets[{i}]"
-        if not isinstance(t, dict):
-            raise AnnotationsError(f"{where}={t!r}: must be an object with port and path")
-        path = str(t.get("path") or "/metrics")
-        if not path.startswith("/"):
-            path = "/" + path
-        targets.append(ScrapeTarget(_target_port(t.get("port"), status_port, where), path))
-    return targets
 
 
 def _parse_media_range(part: str) -> tuple[str, str] | None:

@@ -26,12 +26,12 @@ ready, else 503 ``Service Unavailable: <reason>`` (not latched).
 ``POST /drain`` (POST only, 405), ``/debug/...`` JSON (:mod:`agent.status.debug`),
 ``/healthz/ready``. ``ambient-agent status`` reads it.
 
-Every listener is bounded (:mod:`agent.listeners`): ``status_idle_timeout`` for idle
+Every listener is bounded (:mod:`agent.core.listeners`): ``status_idle_timeout`` for idle
 connections and unfinished headers; the TCP ports hold at most ``status_max_connections`` /
 ``health_max_connections`` connections (fitted to the open-files limit by
-:mod:`agent.fdbudget`), more are answered 503 and closed; malformed HTTP is one DEBUG line.
+:mod:`agent.core.fdbudget`), more are answered 503 and closed; malformed HTTP is one DEBUG line.
 
-``start()`` raises :class:`agent.config.ConfigError` naming ``kube_app_probers`` or
+``start()`` raises :class:`agent.core.config.ConfigError` naming ``kube_app_probers`` or
 ``prometheus_annotations`` when those values are invalid, so the CLI prints one line.
 """
 
@@ -46,10 +46,10 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import Gauge
 
-from agent import fdbudget, listeners, unixsocket
-from agent.config import ConfigError
-from agent.lifecycle import AgentContext, Component
-from agent.peercred import peer_cred
+from agent.core import fdbudget, listeners, unixsocket
+from agent.core.config import ConfigError
+from agent.core.lifecycle import AgentContext, Component
+from agent.core.peercred import peer_cred
 from agent.status import debug, metrics_merge, probes
 from agent.status.access import is_loopback
 from agent.status.compression import compress_large

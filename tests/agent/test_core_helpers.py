@@ -1,5 +1,5 @@
 """Shared helpers: atomic file writes (agent.core.files) and publishing a gRPC server's
-Unix socket race-free (agent.unixsocket.publish; bind_unix is tested in test_unixsocket.py)."""
+Unix socket race-free (agent.core.unixsocket.publish; bind_unix is tested in test_unixsocket.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import stat
 import grpc
 import pytest
 
-from agent import unixsocket
+from agent.core import unixsocket
 from agent.core.files import write_atomic
 
 

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from agent import config as cfg
-from agent.lifecycle import AgentContext, Component, Supervisor
+from agent.core import config as cfg
+from agent.core.lifecycle import AgentContext, Component, Supervisor
 
 
 class Recorder(Component):
@@ -90,7 +90,7 @@ async def test_failed_agent_start_frees_the_state_dir(tmp_path, monkeypatch):
     """A failed ``Agent.start`` releases the state-dir lock: the next agent on the same
     state dir (here in the same process) fails for its own reason, not "in use"."""
     from agent import daemon
-    from agent.errors import ComponentStartError
+    from agent.core.errors import ComponentStartError
 
     monkeypatch.setattr(daemon, "COMPONENT_BUILDERS",
                         [("tests.agent.test_lifecycle", "_failing_builder")])

@@ -10,7 +10,7 @@ import pkgutil
 
 import pytest
 
-from agent import logsetup
+from agent.core import logsetup
 
 KEY = "-----BEGIN EC PRIVATE KEY-----\nMHcCAQEEIBk+secret+material\n-----END EC PRIVATE KEY-----"
 

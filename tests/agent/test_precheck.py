@@ -12,7 +12,7 @@ from contextlib import redirect_stdout
 
 from agent import cli as agent_cli
 from agent import precheck
-from agent.config import load
+from agent.core.config import load
 
 
 def config(tmp_path, **extra):

@@ -1,13 +1,13 @@
-"""Repeated identical log lines are held back (agent.ratelimit), through the agent's own
-log setup (agent.logsetup) writing to a real stream."""
+"""Repeated identical log lines are held back (agent.core.ratelimit), through the agent's own
+log setup (agent.core.logsetup) writing to a real stream."""
 
 from __future__ import annotations
 
 import io
 import logging
 
-from agent import logsetup
-from agent.ratelimit import RepeatFilter, RepeatLimiter
+from agent.core import logsetup
+from agent.core.ratelimit import RepeatFilter, RepeatLimiter
 
 
 def test_limiter_counts_what_it_held_back_and_stays_bounded():

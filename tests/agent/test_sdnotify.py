@@ -1,4 +1,4 @@
-"""agent/sdnotify.py: the sd_notify(3) datagram, path and abstract sockets, and the
+"""agent/core/sdnotify.py: the sd_notify(3) datagram, path and abstract sockets, and the
 cases where nothing may be sent or sending fails (never raises)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import secrets
 import socket
 
-from agent import sdnotify
+from agent.core import sdnotify
 
 
 def _receiver(address: str) -> socket.socket:

@@ -1,4 +1,4 @@
-"""``agent.unixsocket.bind_unix``: the socket file appears at its path only with the
+"""``agent.core.unixsocket.bind_unix``: the socket file appears at its path only with the
 requested mode, whatever the umask; a stale file is replaced; a failed bind leaves no
 temporary file behind."""
 
@@ -10,7 +10,7 @@ import stat
 
 import pytest
 
-from agent.unixsocket import bind_unix
+from agent.core.unixsocket import bind_unix
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import shutil
 
 import yaml
 
-from agent import config as agent_config
-from agent.lifecycle import AgentContext
+from agent.core import config as agent_config
+from agent.core.lifecycle import AgentContext
 from ambient import index as ambient_index
 from ambient import source as ambient_source
 from ambient import workload_pb2 as wl

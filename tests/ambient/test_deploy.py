@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from agent import config as agent_config
+from agent.core import config as agent_config
 from ambient.source_kube import RESOURCES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

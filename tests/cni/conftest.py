@@ -16,8 +16,8 @@ import os
 
 import pytest
 
-from agent import config as agent_config
-from agent.lifecycle import AgentContext, Component
+from agent.core import config as agent_config
+from agent.core.lifecycle import AgentContext, Component
 from cni.eventserver import CniEventServer
 from cni.install import Installer
 

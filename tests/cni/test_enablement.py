@@ -2,7 +2,7 @@
 
 import pytest
 
-from agent import config as agent_config
+from agent.core import config as agent_config
 from cni import enablement
 from cni.events import CniPodEvent
 

@@ -10,7 +10,7 @@ from ambient.store import ObjectStore
 from cni import enablement
 from cni.enrollment import Enrollment
 from cni.events import CniPodEvent
-from agent.lifecycle import AgentContext
+from agent.core.lifecycle import AgentContext
 from tests.cni.conftest import ConfigSource, make_config
 from tests.cni.test_eventserver import namespace, post
 

@@ -160,7 +160,7 @@ async def _raw(path: str, data: bytes, timeout: float = 10.0) -> bytes:
 async def test_incomplete_body_gets_408_and_the_connection_is_closed(cni_agent, monkeypatch):
     """A request announcing 100 bytes and sending 1 used to hold its connection (and a
     handler) forever."""
-    from agent import listeners
+    from agent.core import listeners
     monkeypatch.setattr(listeners, "BODY_TIMEOUT", 0.5)
     loop = asyncio.get_running_loop()
     started = loop.time()

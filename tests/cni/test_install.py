@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from agent.lifecycle import AgentContext
+from agent.core.lifecycle import AgentContext
 from cni import conflist, install
 from cni.installwatch import CniInstallerComponent
 from tests.cni.conftest import make_config

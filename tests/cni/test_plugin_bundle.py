@@ -204,7 +204,7 @@ async def test_agent_with_a_bad_bundle_keeps_running_and_reports_it(tmp_path, st
     component logs and reports the problem (readiness names it), the agent does not die."""
     from cni.installwatch import CniInstallerComponent
     from tests.cni.conftest import make_config
-    from agent.lifecycle import AgentContext
+    from agent.core.lifecycle import AgentContext
 
     conf = tmp_path / "net.d"
     conf.mkdir()

@@ -116,8 +116,8 @@ async def test_local_backend_keeps_foreign_annotations_and_moves_on_rename():
 def test_served_pod_is_named_as_its_workload_entry(tmp_path):
     """ZDS must name a registered pod as its workload is served (ztunnel matches the
     name): the WorkloadEntry backend serves ``<pod>-<node>``, the local backend the pod."""
-    from agent.config import load
-    from agent.lifecycle import AgentContext
+    from agent.core.config import load
+    from agent.core.lifecycle import AgentContext
     from cni.registration_kube import WorkloadEntryBackend
 
     cfg = load({"state_dir": str(tmp_path), "config_file": "/dev/null"}, env={}).replace(

@@ -12,8 +12,8 @@ import stat
 
 import yaml
 
-from agent import config as agent_config
-from agent.lifecycle import AgentContext
+from agent.core import config as agent_config
+from agent.core.lifecycle import AgentContext
 from ambient import source as ambient_source
 from cni import plugin, snapshot
 from tests.helpers import eventually

@@ -135,7 +135,7 @@ def podman_run_args(ds: dict, name: str, node: str, network: str,
 
 
 def http_in_netns(netns: str, url: str) -> int:
-    from cni.netns import run_in_netns_thread
+    from agent.core.netns import run_in_netns_thread
 
     def get() -> int:
         try:
@@ -179,7 +179,7 @@ def _shared_dir(node: Node, path: str) -> None:
 
 
 def _ipt_rules(netns_path: str) -> str:
-    from cni.netns import run_in_netns_thread
+    from agent.core.netns import run_in_netns_thread
     return run_in_netns_thread(netns_path, lambda: subprocess.run(
         ["iptables-save"], capture_output=True, text=True).stdout)
 
@@ -320,7 +320,7 @@ async def _run(node, ds, cm, spec, container, pr_netns, pod_manifest, ZdsClient)
         assert ":ISTIO_OUTPUT" in await asyncio.to_thread(_ipt_rules, netns_path)
 
     # pod0 -> pod1: captured in pod0 and handed to the reference ztunnel's outbound
-    from cni.netns import run_in_netns_thread
+    from agent.core.netns import run_in_netns_thread
 
     def dial():
         try:

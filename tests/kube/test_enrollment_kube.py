@@ -21,8 +21,8 @@ import time
 import pytest
 from pyroute2 import netns as pr_netns
 
-from agent.config import load
-from agent.lifecycle import AgentContext
+from agent.core.config import load
+from agent.core.lifecycle import AgentContext
 from ambient import source as ambient_source
 from ambient import source_kube
 from cni import annotate

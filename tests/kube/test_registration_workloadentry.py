@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 
-from agent.config import load
-from agent.lifecycle import AgentContext
+from agent.core.config import load
+from agent.core.lifecycle import AgentContext
 from ambient import index as ambient_index
 from ambient import source as ambient_source
 from ambient import workload_pb2 as wl

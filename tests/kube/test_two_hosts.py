@@ -56,7 +56,7 @@ import yaml
 
 from agent.demo import _close_listener, _echo_forever, _exchange, _listen, _mtls_connections
 from ambient.xds_client import DeltaXdsClient
-from cni.netns import run_in_netns_thread
+from agent.core.netns import run_in_netns_thread
 from tests.kube import cluster as kc
 from tests.kube.proxy import TcpProxy
 

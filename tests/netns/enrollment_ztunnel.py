@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 
-from cni.netns import run_in_netns
+from agent.core.netns import run_in_netns
 from zds import wire
 
 PORTS = (15001, 15006, 15008)

@@ -29,7 +29,7 @@ ZTUNNEL_WAIT = 30.0  # the default: the ADD would hold the pod's lock this long
 
 async def start(h: Harness, backend=None, source=None) -> Harness:
     """Like ``Harness.start`` with a real ``cni-events`` server and a 30 s ztunnel wait."""
-    from agent.lifecycle import AgentContext
+    from agent.core.lifecycle import AgentContext
 
     h.config = h.config.replace(ztunnel_wait=ZTUNNEL_WAIT,
                                 cni_event_socket=os.path.join(h.state_dir, "pluginevent.sock"))

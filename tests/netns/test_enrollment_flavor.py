@@ -18,7 +18,7 @@ import socket
 
 import pytest
 
-from agent.lifecycle import AgentContext
+from agent.core.lifecycle import AgentContext
 from cni import rules_detect
 from cni.enrollment import Enrollment
 from pyroute2 import IPRoute

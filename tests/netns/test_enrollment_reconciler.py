@@ -17,8 +17,8 @@ import subprocess
 import pytest
 from pyroute2 import netns as pr_netns
 
-from agent.config import load
-from agent.lifecycle import AgentContext, Component
+from agent.core.config import load
+from agent.core.lifecycle import AgentContext, Component
 from cni.enrollment import Enrollment, EnrollmentError
 from cni.events import CniPodEvent
 from tests.netns.enrollment_ztunnel import FakeZtunnel

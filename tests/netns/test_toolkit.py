@@ -8,7 +8,7 @@ import threading
 
 from pyroute2 import IPRoute
 
-from cni.netns import netns_inode
+from agent.core.netns import netns_inode
 from tests.netns.toolkit import Bridge
 
 

@@ -14,7 +14,7 @@ import socket
 
 import pytest
 
-from cni.netns import open_netns
+from agent.core.netns import open_netns
 from zds import PodInfo, ZdsNack
 from tests.zds.helpers import running_client, running_server
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from pyroute2 import IPRoute, NetNS, netns
 
-from cni.netns import run_in_netns_thread
+from agent.core.netns import run_in_netns_thread
 
 NETNS_DIR = "/var/run/netns"
 

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from pyroute2 import netns as pr_netns
 
-from agent import config as agent_config
+from agent.core import config as agent_config
 from agent import daemon
 from agent.envoy import free_port
 from cni import plugin

@@ -25,8 +25,8 @@ import yaml
 from pyroute2 import netns as pr_netns
 
 from agent import podman
-from agent.config import load
-from agent.lifecycle import AgentContext
+from agent.core.config import load
+from agent.core.lifecycle import AgentContext
 from ambient import source as ambient_source
 from cni.enrollment import Enrollment
 from cni.eventserver import CniEventServer

@@ -18,7 +18,7 @@ from cryptography import x509
 
 from agent import authn
 from agent.envoy import free_port
-from agent.lifecycle import AgentContext
+from agent.core.lifecycle import AgentContext
 from agent.sds import ca_pb2, ca_pb2_grpc, keys
 from agent.sds.ca_istio import CAClientError, IstioCAClient
 from agent.sds.server import SdsServer

@@ -10,7 +10,7 @@ from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.secret.v3 import sds_pb2_grpc
 
-from agent import config as agent_config
+from agent.core import config as agent_config
 from agent.sds.service import SECRET_TYPE
 
 

@@ -14,7 +14,7 @@ from cryptography import x509
 
 from agent import authn
 from agent.envoy import free_port
-from agent.lifecycle import AgentContext
+from agent.core.lifecycle import AgentContext
 from agent.sds import keys
 from agent.sds.server import build
 from tests.sds.helpers import Stream, make_config, request, secrets_of
@@ -142,7 +142,7 @@ async def test_extra_trust_anchors_are_merged_into_rootca(state_dir, tmp_path):
 
 @pytest.mark.parametrize("content", [None, b"not a certificate\n"])
 async def test_bad_trust_anchors_file_names_the_setting(state_dir, tmp_path, content):
-    from agent.config import ConfigError
+    from agent.core.config import ConfigError
 
     path = tmp_path / "anchors.pem"
     if content is not None:

@@ -15,7 +15,7 @@ from envoy.service.secret.v3 import sds_pb2_grpc
 
 from agent import authn
 from agent.envoy import free_port
-from agent.lifecycle import AgentContext
+from agent.core.lifecycle import AgentContext
 from agent.sds import keys
 from agent.sds.ca_embedded import EmbeddedCA
 from agent.sds.server import SdsServer, build

@@ -8,9 +8,9 @@ from typing import Any
 
 from aiohttp import web
 
-from agent import config as agent_config
+from agent.core import config as agent_config
 from agent.envoy import free_port  # noqa: F401 - the tests import it from here
-from agent.lifecycle import AgentContext, Component
+from agent.core.lifecycle import AgentContext, Component
 from agent.status.server import StatusServer
 
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent import fdbudget
+from agent.core import fdbudget
 from ambient.xds_server import XdsServer
 from tests.status.conftest import make_config, running_status
 from tests.xds.fake_index import FakeIndex
@@ -131,6 +131,6 @@ async def test_xds_server_caps_its_connections():
 
 @pytest.mark.parametrize("value", ["-1", "many"])
 def test_bad_cap_is_one_clear_config_error(tmp_path, value):
-    from agent.config import ConfigError
+    from agent.core.config import ConfigError
     with pytest.raises(ConfigError, match="status_max_connections"):
         make_config(tmp_path, env={"AMBIENT_AGENT_STATUS_MAX_CONNECTIONS": value})

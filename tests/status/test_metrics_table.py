@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from agent import config as agent_config
+from agent.core import config as agent_config
 from agent import daemon
-from agent.lifecycle import AgentContext
+from agent.core.lifecycle import AgentContext
 from tests.agent.test_run_signals import ROOT_ONLY, agent_argv, node_netns, start_agent  # noqa: F401
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "status.md"

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from agent.config import ConfigError
+from agent.core.config import ConfigError
 from agent.status.probes import BODY_CAP
 from tests.status.conftest import free_port, running_status, serve_app
 

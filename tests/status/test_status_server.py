@@ -16,7 +16,7 @@ from aiohttp import web
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 from prometheus_client.parser import text_string_to_metric_families as text_parse
 
-from agent.config import ConfigError
+from agent.core.config import ConfigError
 from agent.status import metrics_merge
 from tests.status.conftest import FakeComponent, free_port, running_status, serve_app
 

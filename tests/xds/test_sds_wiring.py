@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent import config
-from agent.lifecycle import AgentContext
+from agent.core import config
+from agent.core.lifecycle import AgentContext
 from ambient.xds_client import ClientTls, DeltaXdsClient
 from ambient.xds_server import XdsServer, sds_tls_provider
 

@@ -17,8 +17,8 @@ import threading
 
 import pytest
 
-from agent import config as agent_config
-from agent.lifecycle import AgentContext
+from agent.core import config as agent_config
+from agent.core.lifecycle import AgentContext
 from zds import NoZtunnel, PodInfo, ZdsError, ZdsNack, ZdsTimeout, wire
 from zds.server import ZdsServer, build
 from tests.zds.helpers import (RawPeer, eventually, metric, netns_fd, netns_fd_count,

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from agent import config as agent_config
+from agent.core import config as agent_config
 from agent.envoy import free_port
-from agent.lifecycle import AgentContext, Supervisor
+from agent.core.lifecycle import AgentContext, Supervisor
 
 NODE = "node-a"
 ZTUNNEL_TOKEN = "tok-ztunnel-3f9a1c"  # listed in the tokens file as istio-system/ztunnel

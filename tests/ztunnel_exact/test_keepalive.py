@@ -25,8 +25,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from agent.grpc_options import KEEPALIVE_SERVER_OPTIONS
-from agent.listeners import GRPC_IDLE_MS
+from agent.core.grpc_options import KEEPALIVE_SERVER_OPTIONS
+from agent.core.listeners import GRPC_IDLE_MS
 
 from tests.ztunnel_exact.conftest import NODE, ZTUNNEL_TOKEN
 from tests.ztunnel_exact.tls import ControlPlaneTunnel

@@ -33,6 +33,9 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
+from agent.core.appprobes import parse_probers
+from agent.core.scrapetargets import parse_annotations
+
 
 class ConfigError(ValueError):
     """A setting has a value the agent can't use.
@@ -309,10 +312,8 @@ def parse_json(value: Any) -> Any:
 
 def parse_app_probers(value: Any) -> Any:
     """``ISTIO_KUBE_APP_PROBERS``: JSON, checked now with the status server's own parser
-    (:func:`agent.status.probes.parse_probers`) so a bad prober stops start-up before
+    (:func:`agent.core.appprobes.parse_probers`) so a bad prober stops start-up before
     any component starts; returns the decoded JSON the status server parses again."""
-    from agent.status.probes import parse_probers
-
     decoded = parse_json(value)
     parse_probers(decoded)  # ProberConfigError is a ValueError
     return decoded
@@ -353,8 +354,8 @@ def parse_host_port(value: Any) -> str:
 
 
 def parse_log_level(value: Any) -> str:
-    """A level spec for :func:`agent.logsetup.parse_levels`, validated now."""
-    from agent.logsetup import parse_levels
+    """A level spec for :func:`agent.core.logsetup.parse_levels`, validated now."""
+    from agent.core.logsetup import parse_levels
 
     text = parse_str(value).strip() or "info"
     parse_levels(text)
@@ -772,9 +773,7 @@ def _check_together(values: dict[str, Any], origins: dict[str, str],
         fail("xds_debounce", f"must not exceed xds_debounce_max "
                              f"({values['xds_debounce_max']:g}s)")
     if origins["prometheus_annotations"] != "default":
-        # The status server's own parser; needs status_port for the default target.
-        from agent.status.metrics_merge import parse_annotations
-
+        # The status server's parser; needs status_port for the default target.
         try:
             parse_annotations(values["prometheus_annotations"], values["status_port"] or 15020,
                               True)

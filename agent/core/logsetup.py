@@ -13,7 +13,7 @@ debug`` shows the agent's own records, not pyroute2's netlink traffic.
 
 A redaction filter runs on every record: PEM private keys and bearer tokens are
 replaced by ``[REDACTED]`` so they never reach a log line, whatever a caller passes.
-A repeat filter (:class:`agent.ratelimit.RepeatFilter`) lets an identical WARNING-or-worse
+A repeat filter (:class:`agent.core.ratelimit.RepeatFilter`) lets an identical WARNING-or-worse
 line through once a minute and counts the rest, so nothing can flood the log.
 """
 
@@ -25,7 +25,7 @@ import re
 import sys
 import time
 
-from agent.ratelimit import RepeatFilter
+from agent.core.ratelimit import RepeatFilter
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING,
           "warning": logging.WARNING, "error": logging.ERROR, "none": logging.CRITICAL + 10}

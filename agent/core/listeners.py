@@ -31,7 +31,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from agent.ratelimit import RepeatLimiter
+from agent.core.ratelimit import RepeatLimiter
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from typing import Any, Callable, TypeVar
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 
-from agent.config import Config, ConfigError
-from agent.errors import ComponentStartError
+from agent.core.config import Config, ConfigError
+from agent.core.errors import ComponentStartError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,7 +53,7 @@ class Component:
 class AgentContext:
     """Shared services for components.
 
-    Attributes: ``config`` (:class:`agent.config.Config`), ``registry`` (the agent's one
+    Attributes: ``config`` (:class:`agent.core.config.Config`), ``registry`` (the agent's one
     ``prometheus_client.CollectorRegistry``), ``components`` (name -> Component, in start
     order), ``executor`` (bounded thread pool; use :meth:`run_blocking`), ``shutdown``
     (an ``asyncio.Event`` set when the agent should stop, e.g. by ``/quitquitquit``),

@@ -1,10 +1,10 @@
-"""cni.netns on real namespaces: entering one and always coming back, without fd leaks."""
+"""agent.core.netns on real namespaces: entering one and always coming back, without fd leaks."""
 
 from __future__ import annotations
 
 import pytest
 
-from cni import netns
+from agent.core import netns
 from tests.helpers import fd_count
 
 
