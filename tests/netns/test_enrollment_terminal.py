@@ -62,7 +62,7 @@ async def test_terminal_pod_is_removed_from_ztunnel_at_once(bridge, state_dir, t
         assert await until(lambda: not agent.enrollment.live.busy())
         assert await asyncio.to_thread(agent.enrollment.host_rules.entries) == {
             other.ip: other.uid}
-        assert not os.path.exists(os.path.join(agent.core.config.state_dir, "pods",
+        assert not os.path.exists(os.path.join(agent.config.state_dir, "pods",
                                                f"{job.uid}.json"))
         assert agent.annotation(ns, job.name) is None
         # as for a CNI DEL, the in-pod rules are left to go with the netns
