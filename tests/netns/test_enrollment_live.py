@@ -27,17 +27,11 @@ from cni.enrollment import Enrollment
 from cni.events import CniPodEvent
 from tests.netns.enrollment_ztunnel import FakeZtunnel
 from tests.netns.podproc import PodProcesses, cgroup_root
-from tests.netns.test_enrollment_rules import snapshot as full_snapshot
+from tests.netns.test_enrollment_rules import snapshot
 from zds.server import ZdsServer
 
 REDIRECTION = "ambient.istio.io/redirection"
 NODE = "node-live"
-
-
-def snapshot(pod) -> str:
-    """Everything our rules could touch in the pod, without the IPv6 link-local address
-    and routes the kernel adds on its own once the veth is up (timing, not ours)."""
-    return "\n".join(line for line in full_snapshot(pod).splitlines() if "fe80:" not in line)
 
 
 @pytest.fixture

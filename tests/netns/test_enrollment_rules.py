@@ -60,7 +60,9 @@ def dial(pod, host: str, port: int, mark: int | None = None) -> socket.socket:
 
 
 def snapshot(pod) -> str:
-    """Everything our rules could touch in a pod: both rule stacks, ip rules, table 100."""
+    """Everything our rules could touch in a pod: both rule stacks, ip rules, table 100;
+    without the IPv6 link-local address and routes the kernel adds on its own once the
+    veth is up (they appear at a time of the kernel's choosing, not ours)."""
     out = []
     for argv in (["iptables-save"], ["ip6tables-save"], ["iptables-legacy-save"],
                  ["nft", "list", "ruleset"], ["ip", "rule"], ["ip", "-6", "rule"],
@@ -72,7 +74,8 @@ def snapshot(pod) -> str:
             # empty one (no rules, no custom chains) is not something we left behind
             text = _drop_empty_tables(text)
         out.append(" ".join(argv) + "\n" + "\n".join(
-            line for line in text.splitlines() if not line.startswith("#")))
+            line for line in text.splitlines()
+            if not line.startswith("#") and "fe80:" not in line))
     return "\n".join(out)
 
 
