@@ -29,7 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "precheck": ("agent.precheck", "check that this node is ready for ambient mode (one line per "
                  "check; exit 1 if any fails)"),
     "cni": ("cni.install", "install or uninstall the istio-cni plugin and its conflist entry"),
-    "xds": ("ambient.xds_cli", "dump what a workload xDS server serves (as a ztunnel-like client)"),
+    "xds": ("ambient.xds.cli", "dump what a workload xDS server serves (as a ztunnel-like client)"),
 }
 
 

@@ -48,7 +48,7 @@ COMPONENT_BUILDERS: list[tuple[str, str]] = [
     ("cni.install", "build"),  # cni-installer (only with cni_manage_config)
     ("cni.eventserver", "build"),
     # workload xDS
-    ("ambient.xds_server", "build"),
+    ("ambient.xds.server", "build"),
     # status server (last: it reports the others' readiness)
     ("agent.status.server", "build"),
 ]

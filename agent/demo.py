@@ -24,7 +24,7 @@ Brings up, on this machine and with real parts only:
     calls a runtime makes (loopback, then the chained conflist), with Kubernetes-style
     ``K8S_POD_NAMESPACE/NAME/UID`` args;
 - the reference ztunnel: :class:`zds.client.ZdsClient` (ZDS, with ztunnel's in-pod
-  listeners) and :class:`ambient.xds_client.DeltaXdsClient` (workload xDS); or, with
+  listeners) and :class:`ambient.xds.client.DeltaXdsClient` (workload xDS); or, with
   ``--ztunnel PATH``, a real ztunnel binary (:mod:`agent.ztunnel`) using the agent as its
   only control plane (ZDS, workload xDS and the CA on the TLS port, a bearer token from
   the agent's tokens file), and then the client pod talks to the server pod over HBONE;
@@ -423,7 +423,7 @@ class Demo:
         await self.agent.stop()
 
     async def start_ztunnel(self) -> None:
-        from ambient.xds_client import DeltaXdsClient
+        from ambient.xds.client import DeltaXdsClient
         from zds.client import ZdsClient
 
         self.zds_client = ZdsClient(str(self.state_dir / "ztunnel.sock"), open_listeners=True)

@@ -5,7 +5,7 @@ kube-apiserver (scripts/kube-test-apiserver.sh); the agent's Kubernetes source
 (``ambient.source_kube.KubernetesSource``, authenticated as the DaemonSet's
 ServiceAccount with the shipped RBAC) sees the watch event, the store and the ambient
 index apply it, the xDS server (the agent's default push debounce, 0.1 s) pushes it, and
-the reference delta client (``ambient.xds_client.DeltaXdsClient``, wildcard, as ztunnel)
+the reference delta client (``ambient.xds.client.DeltaXdsClient``, wildcard, as ztunnel)
 holds it. Timed from just before the PATCH to the client holding pod0's workload in its
 new service; the label flips between ``app0`` and ``app1`` (two services), 40 changes
 after 4 warm-up ones.
@@ -33,8 +33,8 @@ from ambient.index import AmbientIndex
 from ambient.objects import Mesh
 from ambient.source_kube import KubernetesSource
 from ambient.store import ObjectStore
-from ambient.xds_client import DeltaXdsClient
-from ambient.xds_server import XdsServer
+from ambient.xds.client import DeltaXdsClient
+from ambient.xds.server import XdsServer
 from benchmarks.bench_kube import _available, _gather_limited
 from benchmarks.bench_xds_change import XDS_DEBOUNCE, XDS_DEBOUNCE_MAX, _holds
 from benchmarks.common import Result, percentile, ratio_result

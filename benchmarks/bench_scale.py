@@ -77,8 +77,8 @@ def _one_pod_change(store, index, repeat: int = 200) -> float:
 
 async def _push(index, clients: int) -> float:
     """Seconds from ``clients`` wildcard requests to the last full response."""
-    from ambient.xds_generators import ADDRESS_TYPE, AUTHORIZATION_TYPE
-    from ambient.xds_server import XdsServer
+    from ambient.xds.generators import ADDRESS_TYPE, AUTHORIZATION_TYPE
+    from ambient.xds.server import XdsServer
     from benchmarks.bench_xds import NODE, RawClient
     from envoy.service.discovery.v3 import discovery_pb2
 
@@ -117,7 +117,7 @@ def _push_floor(index, clients: int) -> float:
     from envoy.service.discovery.v3 import discovery_pb2
     from google.protobuf import any_pb2
 
-    from ambient.xds_generators import ADDRESS_TYPE, AUTHORIZATION_TYPE, content_version
+    from ambient.xds.generators import ADDRESS_TYPE, AUTHORIZATION_TYPE, content_version
 
     t0 = time.perf_counter()
     per_type = []

@@ -34,8 +34,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import any_pb2
 
-from ambient.xds_generators import ADDRESS_TYPE, content_version
-from ambient.xds_server import XdsServer
+from ambient.xds.generators import ADDRESS_TYPE, content_version
+from ambient.xds.server import XdsServer
 from benchmarks.common import Result, percentile, ratio_result
 from tests.xds.fake_index import FakeIndex, address_name, pod, service
 
@@ -134,7 +134,7 @@ async def tls_push(idx: FakeIndex, tmp: str) -> dict[str, float]:
     from agent.authn import Authenticator, TokensFile
     from agent.sds.ca_embedded import EmbeddedCA
     from agent.servercert import TlsMaterial
-    from ambient.xds_server import _handler, _Servicer
+    from ambient.xds.server import _handler, _Servicer
 
     ca = EmbeddedCA.load_or_create(os.path.join(tmp, "ca"), "cluster.local")
     tokens = os.path.join(tmp, "tokens.yaml")

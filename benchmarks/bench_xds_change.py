@@ -4,7 +4,7 @@ A file change in ``--config-dir`` to a ztunnel-like client holding it: the direc
 source (``ambient.source_files.DirectorySource``, watchfiles, the agent's 50 ms file
 debounce), the store, the ambient index, the xDS server with the agent's default push
 debounce (``xds_debounce`` 0.1 s, ``xds_debounce_max`` 1 s) and the reference delta
-client (``ambient.xds_client.DeltaXdsClient``, wildcard Address + Authorization, as
+client (``ambient.xds.client.DeltaXdsClient``, wildcard Address + Authorization, as
 ztunnel subscribes), all in this process on one event loop.
 
 The cluster is :func:`benchmarks.bench_index.generate`'s (per namespace 100 pods, 10
@@ -41,8 +41,8 @@ from ambient.index import AmbientIndex
 from ambient.objects import Mesh
 from ambient.source_files import DirectorySource
 from ambient.store import ObjectStore
-from ambient.xds_client import DeltaXdsClient
-from ambient.xds_server import XdsServer
+from ambient.xds.client import DeltaXdsClient
+from ambient.xds.server import XdsServer
 from benchmarks.bench_index import generate
 from benchmarks.common import Result, percentile, ratio_result
 

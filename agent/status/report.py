@@ -2,7 +2,7 @@
 
 One explicit table per section, built from the shapes the components' ``debug_state()``
 return (``cni/enrollment.py``, ``zds/server.py``, ``agent/sds/server.py`` +
-``sds/cache.py`` + ``sds/service.py``, ``ambient/xds_server.py`` + ``xds_stream.py``; the
+``sds/cache.py`` + ``sds/service.py``, ``ambient/xds/server.py`` + ``ambient/xds/stream.py``; the
 document itself is ``agent/status/debug.py:everything``):
 
 - Components: name, ready, reason.

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from agent.envoy import free_port
-from ambient.xds_client import DeltaXdsClient
+from ambient.xds.client import DeltaXdsClient
 from tests.kube import cluster as kc
 
 pytestmark = pytest.mark.timeout(180)

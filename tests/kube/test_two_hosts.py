@@ -23,7 +23,7 @@ the test fails):
   ``K8S_POD_NAME`` as podman names it.
 
 Checks: (a) each agent serves both pods' workloads (``<pod>-<node>`` WorkloadEntries)
-over workload xDS to the reference client (ambient/xds_client.py), with the other host's
+over workload xDS to the reference client (ambient/xds/client.py), with the other host's
 pod IP; (b) a TCP connection from the pod on host A reaches an echo listener in the pod
 on host B. With a real ztunnel (``AMBIENT_TEST_ZTUNNEL``) one ztunnel runs per host
 (its fixed ports are per netns), the pods are ambient, and the connection must be HBONE:
@@ -55,7 +55,7 @@ import pytest
 import yaml
 
 from agent.demo import _close_listener, _echo_forever, _exchange, _listen, _mtls_connections
-from ambient.xds_client import DeltaXdsClient
+from ambient.xds.client import DeltaXdsClient
 from agent.core.netns import run_in_netns_thread
 from tests.kube import cluster as kc
 from tests.kube.proxy import TcpProxy

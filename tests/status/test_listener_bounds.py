@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.core import fdbudget
-from ambient.xds_server import XdsServer
+from ambient.xds.server import XdsServer
 from tests.status.conftest import make_config, running_status
 from tests.xds.fake_index import FakeIndex
 

@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry
 from agent import cli as agent_cli
 from agent.sds.server import SdsServer
 from agent.status import report
-from ambient.xds_client import DeltaXdsClient
-from ambient.xds_server import XdsServer
+from ambient.xds.client import DeltaXdsClient
+from ambient.xds.server import XdsServer
 from cni.enrollment import Enrollment, PodRecord
 from tests.sds.helpers import Stream, executor_runner, make_config as sds_config, request
 from tests.status.conftest import FakeComponent, running_status

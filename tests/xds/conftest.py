@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from ambient.xds_client import DeltaXdsClient
-from ambient.xds_server import XdsServer
+from ambient.xds.client import DeltaXdsClient
+from ambient.xds.server import XdsServer
 from tests.xds.fake_index import FakeIndex, policy, pod, service
 
 

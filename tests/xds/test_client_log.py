@@ -9,7 +9,7 @@ from tests.helpers import eventually
 
 
 async def test_connect_and_disconnect_logged(connect, server, caplog):
-    caplog.set_level(logging.INFO, logger="ambient.xds_server")
+    caplog.set_level(logging.INFO, logger="ambient.xds.server")
     client = await connect(node_id="ztunnel~10.0.0.9~zt-1.istio-system~istio-system.svc."
                                    "cluster.local")
     await client.wait_synced()

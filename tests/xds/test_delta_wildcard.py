@@ -6,7 +6,7 @@ import asyncio
 
 from envoy.service.discovery.v3 import discovery_pb2
 
-from ambient.xds_generators import ADDRESS_TYPE, AUTHORIZATION_TYPE, WORKLOAD_TYPE
+from ambient.xds.generators import ADDRESS_TYPE, AUTHORIZATION_TYPE, WORKLOAD_TYPE
 from tests.xds.fake_index import pod, policy
 from tests.helpers import eventually
 

@@ -10,9 +10,9 @@ import textwrap
 import pytest
 from prometheus_client import CollectorRegistry
 
-from ambient.xds_client import DeltaXdsClient
-from ambient.xds_generators import ADDRESS_TYPE, AUTHORIZATION_TYPE
-from ambient.xds_server import XdsServer
+from ambient.xds.client import DeltaXdsClient
+from ambient.xds.generators import ADDRESS_TYPE, AUTHORIZATION_TYPE
+from ambient.xds.server import XdsServer
 
 index_mod = pytest.importorskip("ambient.index")
 files_mod = pytest.importorskip("ambient.source_files")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ambient.xds_generators import ADDRESS_TYPE, AUTHORIZATION_TYPE
+from ambient.xds.generators import ADDRESS_TYPE, AUTHORIZATION_TYPE
 from tests.xds.fake_index import pod, service
 
 POD_A = "Kubernetes//Pod/default/a"

@@ -6,8 +6,8 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from ambient.xds_client import ClientTls, DeltaXdsClient
-from ambient.xds_server import TlsMaterial, XdsServer
+from ambient.xds.client import ClientTls, DeltaXdsClient
+from ambient.xds.server import TlsMaterial, XdsServer
 from tests.xds.certs import Pki
 
 ZTUNNEL_ID = "spiffe://cluster.local/ns/istio-system/sa/ztunnel"

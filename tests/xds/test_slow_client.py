@@ -17,10 +17,10 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from prometheus_client import CollectorRegistry
 
-from ambient.xds_client import DeltaXdsClient
-from ambient.xds_generators import ADDRESS_TYPE
-from ambient.xds_server import XdsServer
-from ambient.xds_stream import MAX_QUEUED_BYTES, MAX_QUEUED_REQUESTS
+from ambient.xds.client import DeltaXdsClient
+from ambient.xds.generators import ADDRESS_TYPE
+from ambient.xds.server import XdsServer
+from ambient.xds.stream import MAX_QUEUED_BYTES, MAX_QUEUED_REQUESTS
 from tests.xds.fake_index import FakeIndex, pod
 
 

@@ -15,7 +15,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from prometheus_client import generate_latest
 
 from ambient import workload_pb2
-from ambient.xds_generators import ADDRESS_TYPE
+from ambient.xds.generators import ADDRESS_TYPE
 from tests.xds.fake_index import pod
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -42,7 +42,7 @@ CLUSTER = textwrap.dedent("""\
     status: {podIP: 10.1.1.9, podIPs: [{ip: 10.1.1.9}], phase: Running}
     """)
 WANTED = ("ambient.source", "ambient.index", "agent.authn", "agent.sds.server",
-          "ambient.xds_server")
+          "ambient.xds.server")
 
 
 class FakeClock:

@@ -56,7 +56,7 @@ async def _streamless(agent):
 
 @pytest.mark.timeout(DURATION + 120)
 async def test_idle_pings_are_accepted_with_and_without_streams(make_agent, monkeypatch):
-    import ambient.xds_server as xds_server
+    import ambient.xds.server as xds_server
 
     with monkeypatch.context() as m:  # the control: grpc core's default ping policy
         m.setattr(xds_server, "KEEPALIVE_SERVER_OPTIONS", [])

@@ -2,7 +2,7 @@
 
 Written from istio/ztunnel ``src/xds/client.rs`` (``Config``, ``AdsClient``,
 ``HandlerWrapper``), ``src/state.rs`` (which types it watches) and ``src/config.rs``
-(environment), not from ``ambient/xds_client.py``:
+(environment), not from ``ambient/xds/client.py``:
 
 - **Transport**: :class:`tests.ztunnel_exact.tls.ControlPlaneTunnel` (TLS 1.3, ALPN h2,
   no client certificate, webpki-style verification against ``XDS_ROOT_CA``), one

@@ -40,7 +40,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import struct_pb2
 
 from ambient import authorization_pb2, workload_pb2
-from ambient.xds_generators import ADDRESS_TYPE, AUTHORIZATION_TYPE, WORKLOAD_TYPE
+from ambient.xds.generators import ADDRESS_TYPE, AUTHORIZATION_TYPE, WORKLOAD_TYPE
 
 log = logging.getLogger(__name__)
 

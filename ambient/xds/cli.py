@@ -20,8 +20,8 @@ import sys
 import grpc
 from google.protobuf import json_format
 
-from ambient.xds_client import DEFAULT_NODE_ID, ClientTls, DeltaXdsClient
-from ambient.xds_generators import SHORT_NAMES
+from ambient.xds.client import DEFAULT_NODE_ID, ClientTls, DeltaXdsClient
+from ambient.xds.generators import SHORT_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -47,8 +47,8 @@ from agent.core.lifecycle import AgentContext, Component
 from agent.core.listeners import grpc_server_bounds
 from agent.servercert import ServerCertificate, TlsMaterial
 from ambient.api import AmbientIndex, IndexChange
-from ambient.xds_generators import Generator, default_generators
-from ambient.xds_stream import PreparedResponse, RequestError, StreamInbox, XdsStream
+from ambient.xds.generators import Generator, default_generators
+from ambient.xds.stream import PreparedResponse, RequestError, StreamInbox, XdsStream
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format
 
 from ambient.api import AmbientIndex, IndexChange
-from ambient.xds_generators import AUTHORIZATION_TYPE, Generator
+from ambient.xds.generators import AUTHORIZATION_TYPE, Generator
 
 WAYPOINT_LABEL = "gateway.networking.k8s.io/gateway-name"
 _NACK_HISTORY = 10
