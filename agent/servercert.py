@@ -35,6 +35,8 @@ from typing import Awaitable, Callable
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from agent.core.backoff import Backoff
+
 log = logging.getLogger(__name__)
 
 # HTTP/2 (RFC 9113 §9.2.2) forbids TLS 1.2 suites without ephemeral key exchange or AEAD.
@@ -162,7 +164,7 @@ class ServerCertificate:
         self.renewals = 0
         self.last_error = ""
         self._next_try = 0.0
-        self._backoff = retry_initial
+        self._backoff = Backoff(retry_initial, retry_max, clock=clock)
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
 
@@ -204,8 +206,7 @@ class ServerCertificate:
                 await self._install(await self.provide())
             except Exception as e:  # noqa: BLE001 - keep serving the current certificate
                 self.last_error = str(e) or type(e).__name__
-                self._next_try = now + self._backoff
-                self._backoff = min(self._backoff * 2, self.retry_max)
+                self._next_try = now + self._backoff.next()
                 left = (self.material.not_after - now) if self.material else 0.0
                 log.warning("%s: renewing the server certificate failed (current one expires "
                             "in %.0fs; retry in %.0fs): %s", self.name, left,
@@ -213,7 +214,8 @@ class ServerCertificate:
                 return False
             self.renewals += 1
             self.last_error = ""
-            self._next_try, self._backoff = 0.0, self.retry_initial
+            self._next_try = 0.0
+            self._backoff.reset()
             log.info("%s: server certificate renewed, valid until %s", self.name,
                      time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.material.not_after)))
             return True

@@ -45,6 +45,7 @@ from kubernetes_asyncio import client as kclient
 from kubernetes_asyncio import config as kconfig
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from agent.core.backoff import Backoff
 from ambient.store import CLUSTER_KINDS, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -234,7 +235,7 @@ class KubernetesSource:
 
     async def _reflect(self, kind: str) -> None:
         origin = f"kubernetes:{kind}"
-        backoff = BACKOFF_START
+        backoff = Backoff(BACKOFF_START, BACKOFF_MAX, jitter=(1.0, 1.2))
         rv = ""
         while True:
             try:
@@ -252,10 +253,9 @@ class KubernetesSource:
                 rv = await self._watch_once(kind, origin, rv)
                 if asyncio.get_running_loop().time() - began < MIN_WATCH_SECONDS:
                     # a server that ends watches at once must not get a tight request loop
-                    await asyncio.sleep(backoff * random.uniform(1.0, 1.2))
-                    backoff = min(backoff * 2, BACKOFF_MAX)
+                    await backoff.wait()
                 else:
-                    backoff = BACKOFF_START
+                    backoff.reset()
             except asyncio.CancelledError:
                 raise
             except ApiException as e:
@@ -279,17 +279,18 @@ class KubernetesSource:
                     # jittered, so a fleet of agents started together does not ask in step
                     await asyncio.sleep(MISSING_RETRY * random.uniform(0.8, 1.2))
                     continue
-                delay = max(backoff, _retry_after(e)) if e.status == 429 else backoff
+                delay = backoff.next()
+                if e.status == 429:  # the server's Retry-After is a floor, jittered alike
+                    delay = max(delay, _retry_after(e) * backoff.rand(*backoff.jitter))
                 log.warning("%s %s failed: %s %s; retrying in %.1fs", "watch" if rv else "list",
                             kind, e.status, e.reason, delay)
-                await asyncio.sleep(delay * random.uniform(1.0, 1.2))
-                backoff = min(backoff * 2, BACKOFF_MAX)
+                await asyncio.sleep(delay)
             except Exception as e:  # connection refused/reset, timeout, malformed stream...
                 self.errors[kind] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                delay = backoff.next()
                 log.warning("%s %s failed: %s; retrying in %.1fs", "watch" if rv else "list",
-                            kind, self.errors[kind], backoff)
-                await asyncio.sleep(backoff * random.uniform(1.0, 1.2))
-                backoff = min(backoff * 2, BACKOFF_MAX)
+                            kind, self.errors[kind], delay)
+                await asyncio.sleep(delay)
 
     async def _watch_once(self, kind: str, origin: str, rv: str) -> str:
         """Follow one watch from ``rv`` until the server ends it; returns the last

@@ -24,6 +24,8 @@ import dataclasses
 import logging
 from typing import Callable, Mapping, Protocol, runtime_checkable
 
+from agent.core.backoff import Backoff
+
 log = logging.getLogger(__name__)
 
 REDIRECTION_ANNOTATION = "ambient.istio.io/redirection"
@@ -131,14 +133,14 @@ class RedirectionStatus:
             await asyncio.wait(tasks, timeout=grace)
 
     async def _retry(self, ref: PodRef, value: str | None, first: bool) -> None:
-        delay = BACKOFF_INITIAL
+        backoff = Backoff(BACKOFF_INITIAL, BACKOFF_MAX)
         if first and await self._attempt(ref, value):
             return
         while True:
+            delay = backoff.next()
             log.info("%s: retrying annotation %s=%s in %.1fs", ref.label(),
                      REDIRECTION_ANNOTATION, value, delay)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, BACKOFF_MAX)
             if await self._attempt(ref, value):
                 log.info("%s: annotation %s=%s written after retrying", ref.label(),
                          REDIRECTION_ANNOTATION, value)

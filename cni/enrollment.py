@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agent.core.backoff import Backoff
 from agent.core.files import write_atomic
 from agent.core.lifecycle import AgentContext, Component
 from cni import annotate
@@ -636,11 +637,10 @@ class Enrollment(Component):
 
     async def _retry_loop(self, uid: str) -> None:
         """Exponential backoff (0.2 s doubling to 30 s) until the pod is enabled or gone."""
-        delay = BACKOFF_INITIAL
+        backoff = Backoff(BACKOFF_INITIAL, BACKOFF_MAX)
         try:
             while True:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, BACKOFF_MAX)
+                await backoff.wait()
                 async with self._lock(uid):
                     rec = self.records.get(uid)
                     if rec is None or rec.status == "enabled":

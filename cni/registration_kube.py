@@ -45,6 +45,7 @@ from typing import Any
 from kubernetes_asyncio import client as kclient
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from agent.core.backoff import Backoff
 from cni.registration import REGISTERED_BY, Registration
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,7 @@ class WorkloadEntryBackend:
         self._wake.set()
 
     async def _writer(self) -> None:
-        delay = 0.2
+        backoff = Backoff(0.2, RETRY_MAX)
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -190,11 +191,11 @@ class WorkloadEntryBackend:
                 except Exception as e:  # noqa: BLE001 - retried; the API server may be away
                     self.stats["errors"] += 1
                     self.last_error = f"{op} {reg.namespace}/{entry_name(reg)}: {e}"
+                    delay = backoff.next()
                     log.warning("WorkloadEntry %s; retrying in %.1fs", self.last_error, delay)
                     await asyncio.sleep(delay)
-                    delay = min(delay * 2, RETRY_MAX)
                     continue
-                delay = 0.2
+                backoff.reset()
                 if self._pending.get(key) == (op, reg):
                     del self._pending[key]
 

@@ -27,6 +27,8 @@ import logging
 import os
 from typing import Any
 
+from agent.core.backoff import Backoff
+
 log = logging.getLogger(__name__)
 
 MAX_CONTAINERS = 4096  # labels kept for this many containers (oldest dropped first)
@@ -148,7 +150,7 @@ class PodmanLabels:
         return labels
 
     async def _follow(self) -> None:
-        delay = 0.5
+        backoff = Backoff(0.5, 30.0)
         while True:
             try:
                 self._proc = await asyncio.create_subprocess_exec(
@@ -174,7 +176,7 @@ class PodmanLabels:
                     if parsed is not None:
                         self.stats["events"] += 1
                         self.note(*parsed)
-                    delay = 0.5
+                    backoff.reset()
             except asyncio.CancelledError:
                 self._kill()
                 raise
@@ -186,10 +188,10 @@ class PodmanLabels:
                     pass
             rc = await self._proc.wait()
             self.stats["restarts"] += 1
+            delay = backoff.next()
             log.warning("%s events exited (%s): %s; restarting in %.1fs", self.command, rc,
                         err.decode(errors="replace").strip(), delay)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 30.0)
 
     def debug_state(self) -> Any:
         return {"containers": len(self._labels), **self.stats}

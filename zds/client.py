@@ -51,6 +51,7 @@ import threading
 import time
 from typing import Awaitable, Callable
 
+from agent.core.backoff import Backoff
 from agent.core.netns import run_in_netns_thread
 from zds import wire
 
@@ -60,7 +61,7 @@ OUTBOUND_PORT, INBOUND_PORT, HBONE_PORT, DNS_PORT = 15001, 15006, 15008, 15053
 PACKET_MARK = 1337           # ztunnel's default in-pod socket mark (0x539)
 SO_ORIGINAL_DST = 80         # linux/netfilter_ipv4.h; IP6T_SO_ORIGINAL_DST has the same value
 PENDING_RETRY = 5.0          # seconds between retries of pending proxies
-CONNECT_BACKOFF_MAX = 15.0   # seconds
+CONNECT_BACKOFF = (0.02, 15.0)  # seconds: first retry wait, cap (ztunnel's in-pod connect)
 
 
 class ProtocolError(Exception):
@@ -261,17 +262,17 @@ class ZdsClient:
         (closes listeners and netns fds) before returning."""
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
-        wait = 0.01
+        backoff = Backoff(*CONNECT_BACKOFF)
         try:
             while not self._stopping and self.fatal is None:
                 try:
                     sock = await self._connect()
                 except OSError as e:
-                    wait = min(wait * 2, CONNECT_BACKOFF_MAX)
+                    wait = backoff.next()
                     log.debug("connect %s failed (%s); retry in %.2fs", self.path, e, wait)
                     await self._sleep(wait)
                     continue
-                wait = 0.01
+                backoff.reset()
                 self._session = asyncio.create_task(self._serve(sock))
                 try:
                     await self._session

@@ -28,6 +28,7 @@ import random
 import time
 from typing import Awaitable, Callable
 
+from agent.core.backoff import Backoff
 from agent.sds import keys
 from agent.sds.ca_istio import CAClient, CAClientError
 
@@ -261,7 +262,8 @@ class SecretCache:
         """Renew ``item`` after ``delay``; on CA failure keep it until expiry, retrying."""
         await asyncio.sleep(delay)
         sid = item.spiffe_id
-        backoff = 0.5
+        cap = self.max_retry_interval
+        backoff = Backoff(min(0.5, cap), cap, factor=1.5, jitter=(0.5, 1.5))
         while self.items.get(sid) is item:
             if not self.watchers.get(sid):
                 log.debug("dropping unwatched certificate for %s", sid)
@@ -280,10 +282,9 @@ class SecretCache:
                     self._timers.pop(sid, None)
                     self._notify(sid, DEFAULT)
                     return
-                wait = min(backoff * random.uniform(0.5, 1.5), self.max_retry_interval, left)
+                wait = min(backoff.next(), self.max_retry_interval, left)
                 log.warning("renewing certificate for %s failed, serving the cached one "
                             "(expires in %.0fs), retry in %.1fs: %s", sid, left, wait, e)
-                backoff = min(backoff * 1.5, self.max_retry_interval)
                 await asyncio.sleep(wait)
                 continue
             log.info("rotated certificate for %s: serial %x", sid, new.serial)

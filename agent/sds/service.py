@@ -46,7 +46,6 @@ import datetime as dt
 import hashlib
 import itertools
 import logging
-import random
 import uuid
 from typing import Awaitable, Callable
 
@@ -57,6 +56,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.secret.v3 import sds_pb2_grpc
 from google.protobuf import any_pb2
 
+from agent.core.backoff import Backoff
 from agent.sds.keys import Identity
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,8 @@ class Connection:
     versions: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> content hash
     queue: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     failed: dict[str, GenerateError] = dataclasses.field(default_factory=dict)  # unresolved
-    retry_delay: float = RETRY_FIRST
+    retry: Backoff = dataclasses.field(  # doubling, ±20 %, per stream
+        default_factory=lambda: Backoff(RETRY_FIRST, RETRY_MAX, jitter=(0.8, 1.2)))
     retry_timer: asyncio.TimerHandle | None = None
 
     def debug(self) -> dict:
@@ -234,15 +235,14 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
             del conn.failed[name]  # unsubscribed meanwhile
         retry = {n for n, e in conn.failed.items() if e.retry}
         if not retry:
-            conn.retry_delay = RETRY_FIRST
+            conn.retry.reset()
             if conn.retry_timer is not None:
                 conn.retry_timer.cancel()
                 conn.retry_timer = None
             return
         if conn.retry_timer is not None:
             return  # one timer per stream; it retries everything unresolved when it fires
-        delay = conn.retry_delay * random.uniform(0.8, 1.2)
-        conn.retry_delay = min(conn.retry_delay * 2, RETRY_MAX)
+        delay = conn.retry.next()
 
         def fire() -> None:
             conn.retry_timer = None
