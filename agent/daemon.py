@@ -38,7 +38,7 @@ COMPONENT_BUILDERS: list[tuple[str, str]] = [
     ("cni.registration", "build"),  # registration: pods from CNI ADDs (hosts without Kubernetes)
     ("ambient.index", "build"),
     # caller authentication for the TLS ports (xDS, CA), then SDS and CA
-    ("agent.authn", "build"),
+    ("agent.tlsport.authn", "build"),
     ("agent.sds.server", "build"),
     # ZDS server
     ("zds.server", "build"),

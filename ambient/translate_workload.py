@@ -13,6 +13,7 @@ import re
 
 from google.protobuf import wrappers_pb2
 
+from agent.core.annotations import REGISTERED_BY
 from ambient import workload_pb2 as wl
 from ambient.objects import (Mesh, TranslateError, annotations, field, ip_bytes, labels, meta,
                              parse_ip_or_none, pod_ips, spec, status)
@@ -131,9 +132,6 @@ def pod_workload(pod: dict, mesh: Mesh, namespace_obj: dict | None,
         w.locality.CopyFrom(loc)
     tunnel(lbls, annotations(pod), w)
     return w
-
-
-REGISTERED_BY = "ambient.istio.io/registered-by"  # annotation: node that registered an entry
 
 
 def workload_entry(we: dict, mesh: Mesh) -> tuple[wl.Workload, dict[str, str], dict[str, int]]:

@@ -42,6 +42,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.secret.v3 import sds_pb2_grpc
 
 from agent.core import config as agent_config
+from agent.core.spiffe import Identity
 from agent.envoy import EnvoyProcess, free_port, sds_tls_bootstrap
 from agent.sds import keys
 from agent.sds.ca_embedded import EmbeddedCA
@@ -171,7 +172,7 @@ async def _through_sds(state_dir: Path, algorithm: str, pool, client: _Client,
         return await loop.run_in_executor(pool, fn, *args)
 
     def identify(context):
-        return keys.Identity.parse(dict(context.invocation_metadata())[_HEADER])
+        return Identity.parse(dict(context.invocation_metadata())[_HEADER])
 
     cfg = _config(state_dir, ecc_signature_algorithm=algorithm if algorithm == "ECDSA" else "",
                   secret_ttl=3600.0)

@@ -131,9 +131,9 @@ async def tls_push(idx: FakeIndex, tmp: str) -> dict[str, float]:
     Seconds."""
     import os
 
-    from agent.authn import Authenticator, TokensFile
+    from agent.tlsport.authn import Authenticator, TokensFile
     from agent.sds.ca_embedded import EmbeddedCA
-    from agent.servercert import TlsMaterial
+    from agent.tlsport.servercert import TlsMaterial
     from ambient.xds.server import _handler, _Servicer
 
     ca = EmbeddedCA.load_or_create(os.path.join(tmp, "ca"), "cluster.local")

@@ -26,71 +26,15 @@ import fcntl
 import ipaddress
 import logging
 import os
-import re
 import socket
 import struct
 
 from pyroute2 import IPRoute
 
 from agent.core import netns as netns_mod
+from agent.core.podcgroup import canonical_uid, parse_cgroup
 
 log = logging.getLogger(__name__)
-
-_P = r"""[!-/:-@\[-`{-~]"""  # POSIX [[:punct:]] in ASCII
-_N = r"""[^!-/:-@\[-`{-~]"""
-_UID = rf"[0-9a-fA-F]{{8}}{_P}?[0-9a-fA-F]{{4}}{_P}?[0-9a-fA-F]{{4}}{_P}?[0-9a-fA-F]{{4}}{_P}?[0-9a-fA-F]{{12}}"
-_POD_RE = re.compile(rf"{_P}pod({_UID}){_P}(?:{_N}+{_P})*({_N}+)$")
-_CRIO_RE = re.compile(rf"{_P}crio-({_N}+)$")
-# podman (ours, not upstream's): cgroupfs ``/libpod_parent/libpod-<id>``, systemd
-# ``/machine.slice/libpod-<id>.scope[/container]``; conmon's ``libpod-conmon-<id>`` is not it
-_LIBPOD_RE = re.compile(r"/libpod-([0-9a-f]{64})(?:\.scope)?(?:/|$)")
-
-
-class CgroupError(ValueError):
-    """A process's cgroup file names more than one pod or container."""
-
-
-def canonical_uid(uid: str) -> str:
-    """Compare-form of a pod UID: lowercase hex digits only (``_`` or ``-`` separators and
-    none at all name the same pod)."""
-    return re.sub(r"[^0-9a-f]", "", uid.lower())
-
-
-def parse_cgroup(text: str) -> tuple[str, str]:
-    """``(pod uid, container id)`` from a ``/proc/<pid>/cgroup`` text; ``("", "")`` when
-    the process is not in a pod. The uid has its punctuation replaced by ``-``
-    (``pod2c48913c_b29f_...`` -> ``2c48913c-b29f-...``). CRI-O paths without a pod uid
-    give ``("", container id)``. Raises :class:`CgroupError` on malformed lines or on
-    several different uids / container ids."""
-    uids: set[str] = set()
-    cids: set[str] = set()
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        parts = line.split(":", 2)
-        if len(parts) < 3:
-            raise CgroupError(f"cgroup line {line!r} has fewer than 3 fields")
-        path = parts[2]
-        if path.endswith(".scope"):
-            path = path[: -len(".scope")]
-        m = _POD_RE.search(path)
-        if m:
-            uids.add(re.sub(_P, "-", m.group(1)))
-            cids.add(m.group(2))
-            continue
-        m = _CRIO_RE.search(path)
-        if m:
-            cids.add(m.group(1))
-            continue
-        m = _LIBPOD_RE.search(parts[2])
-        if m:
-            cids.add(m.group(1))
-    if len(cids) > 1:
-        raise CgroupError(f"multiple container IDs found in cgroups ({', '.join(sorted(cids))})")
-    if len(uids) > 1:
-        raise CgroupError(f"multiple pod UIDs found in cgroups ({', '.join(sorted(uids))})")
-    return (uids.pop() if uids else ""), (cids.pop() if cids else "")
-
 
 def starttime(proc_dir: str, pid: str) -> int:
     """Field 22 of ``<pid>/stat`` (clock ticks since boot), parsed after the last ``)``."""

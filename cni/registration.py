@@ -52,6 +52,7 @@ import re
 from pathlib import Path
 from typing import Any, Protocol
 
+from agent.core.annotations import REGISTERED_BY
 from agent.core.lifecycle import AgentContext, Component
 from cni.events import CniPodEvent
 from agent.core.netns import host_path
@@ -61,7 +62,6 @@ log = logging.getLogger(__name__)
 NAMESPACE_LABEL = "io.kubernetes.pod.namespace"  # the CRI's container label for the namespace
 SERVICE_ACCOUNT_LABEL = "io.kubernetes.pod.service-account"
 DATAPLANE_MODE_LABEL = "istio.io/dataplane-mode"
-REGISTERED_BY = "ambient.istio.io/registered-by"  # annotation: the node that registered it
 LOCAL_ORIGIN = "registration"
 STATE_FILE = "registrations.json"
 LABEL_WAIT = 0.5  # seconds an ADD waits for the runtime's create event of its container

@@ -45,8 +45,9 @@ from typing import Any
 from kubernetes_asyncio import client as kclient
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from agent.core.annotations import REGISTERED_BY
 from agent.core.backoff import Backoff
-from cni.registration import REGISTERED_BY, Registration
+from cni.registration import Registration
 
 log = logging.getLogger(__name__)
 

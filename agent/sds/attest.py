@@ -36,8 +36,8 @@ from typing import Callable
 
 from agent.core import unixsocket
 from agent.core.peercred import peer_cred
-from agent.sds.keys import Identity
-from cni.podnetns import CgroupError, parse_cgroup
+from agent.core.spiffe import Identity
+from agent.core.podcgroup import CgroupError, parse_cgroup
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,8 @@ class PeerCred:
 def pod_uid_from_cgroup(text: str) -> str:
     """The pod UID in a ``/proc/<pid>/cgroup`` file's text (dashes restored), or "".
 
-    Parsed exactly as the restart scan does (:func:`cni.podnetns.parse_cgroup`, upstream's
-    ``podcgroupns`` rules): a container cgroup under ``pod<uid>``. Lines naming several
+    Parsed exactly as the restart scan does (:func:`agent.core.podcgroup.parse_cgroup`,
+    upstream's ``podcgroupns`` rules): a container cgroup under ``pod<uid>``. Lines naming several
     pods or containers raise :class:`AttestationError`.
     """
     try:

@@ -6,9 +6,9 @@ agent. Spec ``docs/sds.md``; upstream ``security/pkg/server/ca/server.go``.
 - Where: on the xDS TLS port (``xds_tls_port``, 15012, next to xDS, as istiod does; the
   ``xds`` component adds :class:`CertificateService` to its gRPC server), and optionally
   on a separate TLS port (``ca_port``, :func:`start_ca_server`). Both are TLS front doors
-  (:mod:`agent.tlsfront`): server certificate renewed before expiry, client certificate
+  (:mod:`agent.tlsport.frontdoor`): server certificate renewed before expiry, client certificate
   optional and verified against the mesh root when presented.
-- Authentication: the agent's one chain (:mod:`agent.authn`): client certificate SPIFFE
+- Authentication: the agent's one chain (:mod:`agent.tlsport.authn`): client certificate SPIFFE
   ID, else ``authorization: Bearer`` from ``tokens_file``, else (Kubernetes) a
   TokenReview. Nothing → UNAUTHENTICATED ``request authenticate failure: <reason>``
   (istiod's text, plus why; never the token). Calls that did not come through TLS are
@@ -32,11 +32,12 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_reflection.v1alpha import reflection
 
-from agent.authn import AuthenticationError, Authenticator, Caller
-from agent.sds import ca_pb2, ca_pb2_grpc, keys
+from agent.core.annotations import REGISTERED_BY
+from agent.core.spiffe import Identity
+from agent.tlsport.authn import AuthenticationError, Authenticator, Caller
+from agent.sds import ca_pb2, ca_pb2_grpc
 from agent.sds.attest import identity_of_pod
 from agent.sds.ca_embedded import CAError, EmbeddedCA
-from ambient.translate_workload import REGISTERED_BY
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
         if f"{caller.namespace}/{caller.service_account}" not in self.trusted:
             return f"{caller} is not in ca_trusted_node_accounts"
         try:
-            wanted = keys.Identity.parse(target)
+            wanted = Identity.parse(target)
         except ValueError as e:
             return str(e)
         if wanted.trust_domain != self.trust_domain:
@@ -149,10 +150,12 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
         log.info("CA: issued certificate for %s", ",".join(sans))
         return ca_pb2.IstioCertificateResponse(cert_chain=chain)
 
-
-def add_to_server(service: CertificateService, server: grpc.aio.Server) -> None:
-    """Register ``service`` on ``server``."""
-    ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(service, server)
+    def add_to_server(self, server: grpc.aio.Server) -> str:
+        """Register this service on ``server`` (another component's gRPC server, e.g. the
+        xDS TLS port, which thus never imports this package); returns the service's full
+        name (:data:`CA_SERVICE`) for server reflection."""
+        ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(self, server)
+        return CA_SERVICE
 
 
 async def start_ca_server(service: CertificateService, address: str, port: int,
@@ -160,15 +163,15 @@ async def start_ca_server(service: CertificateService, address: str, port: int,
                           ) -> tuple[grpc.aio.Server, object]:
     """Serve ``service`` alone on a TLS front door at ``address:port`` (0 = pick), the
     gRPC server itself on the private Unix socket ``backend_path``. ``certificate`` is an
-    :class:`agent.servercert.ServerCertificate` (started by the caller). Returns
+    :class:`agent.tlsport.servercert.ServerCertificate` (started by the caller). Returns
     ``(server, front_door)``; ``front_door.port`` is the bound port. Raises ConfigError
     naming ``ca_port``/``ca_listen_address`` when the port can't be bound."""
     from agent.core.config import ensure_tcp_port_free
     from agent.core.grpc_options import KEEPALIVE_SERVER_OPTIONS
-    from agent.tlsfront import TlsFrontDoor
+    from agent.tlsport.frontdoor import TlsFrontDoor
 
     server = grpc.aio.server(options=KEEPALIVE_SERVER_OPTIONS)
-    add_to_server(service, server)
+    service.add_to_server(server)
     reflection.enable_server_reflection((CA_SERVICE, reflection.SERVICE_NAME), server)
     server.add_insecure_port("unix:" + backend_path)
     await server.start()

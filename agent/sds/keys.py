@@ -1,4 +1,4 @@
-"""Keys, CSRs, SPIFFE IDs and PEM helpers shared by the secret cache and the CAs.
+"""Keys, CSRs, SANs and PEM helpers shared by the secret cache and the CAs.
 
 Upstream: ``istio/istio:security/pkg/pki/util/{generate_csr.go,crypto.go,san.go}`` and
 ``security/pkg/nodeagent/cache/secretcache.go`` (``concatCerts``, trust merging);
@@ -10,7 +10,6 @@ milliseconds): callers on the event loop run it through ``ctx.run_blocking``.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import ipaddress
 import re
@@ -21,31 +20,6 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 RSA_KEY_SIZE = 2048
 _PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----\r?\n.*?-----END CERTIFICATE-----", re.S)
-_SPIFFE = re.compile(r"^spiffe://([^/]+)/ns/([^/]+)/sa/([^/]+)$")
-
-
-@dataclasses.dataclass(frozen=True)
-class Identity:
-    """A workload identity: ``spiffe://<trust_domain>/ns/<namespace>/sa/<service_account>``."""
-
-    trust_domain: str
-    namespace: str
-    service_account: str
-
-    @property
-    def spiffe_id(self) -> str:
-        return f"spiffe://{self.trust_domain}/ns/{self.namespace}/sa/{self.service_account}"
-
-    @classmethod
-    def parse(cls, uri: str) -> "Identity":
-        """Parse ``spiffe://td/ns/X/sa/Y``; raises ValueError naming the value otherwise."""
-        m = _SPIFFE.match(uri or "")
-        if not m:
-            raise ValueError(f"identity {uri!r} is not spiffe://<trust domain>/ns/<ns>/sa/<sa>")
-        return cls(*m.groups())
-
-    def __str__(self) -> str:
-        return self.spiffe_id
 
 
 def key_algorithm(setting: str) -> str:

@@ -42,7 +42,8 @@ from grpc_reflection.v1alpha import reflection
 from agent.core import unixsocket
 from agent.core.config import Config, ConfigError
 from agent.core.lifecycle import AgentContext, Component
-from agent import servercert, tlsfront
+from agent.core.spiffe import Identity
+from agent.tlsport import frontdoor, servercert
 from agent.sds import attest, ca_server, files, keys
 from agent.sds.ca_embedded import CAError, EmbeddedCA
 from agent.sds.ca_istio import CAClientError, EmbeddedCAClient, IstioCAClient
@@ -88,8 +89,8 @@ class SdsServer(Component):
         self.clock = clock
         self._run = run_blocking
         self._store = store_getter
-        self.fixed: keys.Identity | None = (
-            keys.Identity(config.trust_domain, config.pod_namespace, config.service_account)
+        self.fixed: Identity | None = (
+            Identity(config.trust_domain, config.pod_namespace, config.service_account)
             if config.service_account else None)
         self.algorithm = keys.key_algorithm(config.ecc_signature_algorithm)
         try:
@@ -109,7 +110,7 @@ class SdsServer(Component):
         self.ca_port: int = 0
         self._grpc: grpc.aio.Server | None = None
         self._ca_grpc: grpc.aio.Server | None = None
-        self._ca_door: tlsfront.TlsFrontDoor | None = None
+        self._ca_door: frontdoor.TlsFrontDoor | None = None
         self._ca_backend = ""
         self._ca_cert: servercert.ServerCertificate | None = None
         self._ca_service: ca_server.CertificateService | None = None
@@ -221,7 +222,7 @@ class SdsServer(Component):
     def ca_servicer(self) -> ca_server.CertificateService | None:
         """The embedded CA's ``IstioCertificateService`` servicer, for a component that
         serves it on its own gRPC server (the xDS TLS port, as istiod does):
-        ``ca_server.add_to_server(servicer, server)``. Callers are authenticated by the
+        ``servicer.add_to_server(server)``. Callers are authenticated by the
         ``authn`` component's chain. None when a remote Istio CA is configured."""
         if self.embedded is None:
             return None
@@ -233,7 +234,7 @@ class SdsServer(Component):
         return self._ca_service
 
     def server_certificate(self, name: str, sans: list[str]) -> servercert.ServerCertificate:
-        """A renewing :class:`~agent.servercert.ServerCertificate` for a TLS listener named
+        """A renewing :class:`~agent.tlsport.servercert.ServerCertificate` for a TLS listener named
         ``name`` with ``sans``, issued by this component's CA (not started)."""
 
         async def provide() -> servercert.TlsMaterial:
@@ -245,7 +246,7 @@ class SdsServer(Component):
 
     def tls_server_sans(self) -> list[str]:
         """SANs of the agent's TLS listeners: ``spiffe://<td>/ns/<system ns>/sa/ambient-agent``
-        and :func:`agent.servercert.server_names`."""
+        and :func:`agent.tlsport.servercert.server_names`."""
         cfg = self.config
         return [f"spiffe://{cfg.trust_domain}/ns/{cfg.system_namespace}/sa/ambient-agent",
                 *servercert.server_names(cfg.system_namespace, cfg.node_name,
@@ -259,7 +260,7 @@ class SdsServer(Component):
         self.ca_servicer()
         self._ca_cert = self.server_certificate("ca_port", self.tls_server_sans())
         await self._ca_cert.start()
-        backend = self._ca_backend = tlsfront.private_socket_path(cfg.state_dir, "ca")
+        backend = self._ca_backend = frontdoor.private_socket_path(cfg.state_dir, "ca")
         self._ca_grpc, self._ca_door = await ca_server.start_ca_server(
             self._ca_service, cfg.ca_listen_address, cfg.ca_port, self._ca_cert, backend,
             authenticator)
@@ -319,7 +320,7 @@ class SdsServer(Component):
                 await server.stop(grace)
         self._grpc = self._ca_grpc = None
         _unlink(self.config.sds_socket)
-        tlsfront.remove_private_socket(self._ca_backend)
+        frontdoor.remove_private_socket(self._ca_backend)
         if self._backend_path:
             _unlink(self._backend_path)
         if self.cache:
@@ -333,7 +334,7 @@ class SdsServer(Component):
         return (True, "") if self._started else (False, "SDS server not started")
 
     # --- identity and generation ------------------------------------------------------
-    def _identify(self, context) -> keys.Identity:
+    def _identify(self, context) -> Identity:
         if self._custom_identify:
             return self._custom_identify(context)
         if self.fixed:
@@ -346,7 +347,7 @@ class SdsServer(Component):
         except attest.AttestationError as e:
             raise IdentityError(str(e)) from None
 
-    async def _generate(self, name: str, identity: keys.Identity):
+    async def _generate(self, name: str, identity: Identity):
         """One Secret for ``name`` as seen by ``identity``. Raises GenerateError."""
         try:
             fr = files.parse(name)

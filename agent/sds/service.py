@@ -57,7 +57,7 @@ from envoy.service.secret.v3 import sds_pb2_grpc
 from google.protobuf import any_pb2
 
 from agent.core.backoff import Backoff
-from agent.sds.keys import Identity
+from agent.core.spiffe import Identity
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ Row shapes (all values JSON scalars or lists of strings):
 from __future__ import annotations
 
 import ipaddress
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping, Protocol
 
 from agent.status.report import table
 
@@ -54,6 +54,28 @@ def _gateway(gw: Any) -> str:
     return ""
 
 
+class MeshIndex(Protocol):
+    """What the view reads of the ambient index (``ambient.api.AmbientIndex`` has it): its
+    ``Address`` and ``Authorization`` resources by name, as protobuf messages.
+
+    The view uses only the generic message API (``HasField``, ``WhichOneof``, fields) and
+    takes enum value names from each message's own descriptor (:func:`_enum_name`), so
+    the status component never imports the index's generated modules."""
+
+    def addresses(self) -> Mapping[str, Any]: ...
+
+    def authorizations(self) -> Mapping[str, Any]: ...
+
+
+def _enum_name(message: Any, field: str) -> str:
+    """The name of the enum value in ``message.<field>`` (``"HBONE"``, ``"HEALTHY"``,
+    ``"ALLOW"``), read from the message's descriptor; the number when the value is not
+    one the descriptor knows (a newer peer)."""
+    number = getattr(message, field)
+    value = message.DESCRIPTOR.fields_by_name[field].enum_type.values_by_number.get(number)
+    return value.name if value is not None else str(number)
+
+
 def _kind(uid: str) -> str:
     for kind in ("WorkloadEntry", "ServiceEntry", "EndpointSlice", "Pod"):
         if f"/{kind}/" in uid:
@@ -65,11 +87,8 @@ def mesh_view(ctx: Any) -> dict[str, Any]:
     """The ``/debug/mesh`` document from the running components (``ambient-index``,
     ``enrollment``, ``zds``); a missing component leaves its columns empty, a missing
     index gives ``{"error": ...}``."""
-    from ambient import authorization_pb2 as az
-    from ambient import workload_pb2 as wl
-
     comp = ctx.get("ambient-index")
-    index = getattr(comp, "index", None)
+    index: MeshIndex | None = getattr(comp, "index", None)
     if index is None:
         return {"error": "no ambient index in this agent", "missing": True}
     enrolled = _enrollment(ctx.get("enrollment"))
@@ -83,9 +102,9 @@ def mesh_view(ctx: Any) -> dict[str, Any]:
                 (r for ip in ips for r in [enrolled.get(ip)] if r), None)
             workloads.append({
                 "namespace": w.namespace, "name": w.name, "kind": _kind(w.uid), "ips": ips,
-                "node": w.node, "protocol": wl.TunnelProtocol.Name(w.tunnel_protocol)
+                "node": w.node, "protocol": _enum_name(w, "tunnel_protocol")
                 if w.tunnel_protocol else "TCP",
-                "status": "Healthy" if w.status == wl.HEALTHY else "Unhealthy",
+                "status": "Healthy" if _enum_name(w, "status") == "HEALTHY" else "Unhealthy",
                 "identity": f"spiffe://{w.trust_domain or 'cluster.local'}/ns/{w.namespace}"
                             f"/sa/{w.service_account or 'default'}",
                 "waypoint": _gateway(w.waypoint) if w.HasField("waypoint") else "",
@@ -109,7 +128,7 @@ def mesh_view(ctx: Any) -> dict[str, Any]:
     policies = []
     for _name, pol in sorted(index.authorizations().items()):
         policies.append({"namespace": pol.namespace, "name": pol.name,
-                         "scope": az.Scope.Name(pol.scope), "action": az.Action.Name(pol.action),
+                         "scope": _enum_name(pol, "scope"), "action": _enum_name(pol, "action"),
                          "rules": sum(len(g.rules) for g in pol.groups),
                          "dry_run": pol.dry_run})
     waypoints = _waypoints(index, workloads, services)
@@ -117,7 +136,7 @@ def mesh_view(ctx: Any) -> dict[str, Any]:
             "waypoints": waypoints}
 
 
-def _waypoints(index: Any, workloads: list[dict], services: list[dict]) -> list[dict]:
+def _waypoints(index: MeshIndex, workloads: list[dict], services: list[dict]) -> list[dict]:
     used: dict[str, list[str]] = {}
     for row in workloads + services:
         if row["waypoint"]:

@@ -8,8 +8,8 @@ and Authorization for ztunnel and waypoints (``docs/xds.md``).
 - Listeners: plaintext on ``xds_address:xds_port`` (loopback by default, anonymous like
   istiod's 15010; optional shared bearer token ``xds_token_file``) and TLS on
   ``xds_tls_address:xds_tls_port`` (istiod's 15012). The TLS port is a front door
-  (:mod:`agent.tlsfront`): TLS 1.2/1.3 with ALPN h2, server certificate from the ``sds``
-  component renewed before expiry (:mod:`agent.servercert`), client certificate optional
+  (:mod:`agent.tlsport.frontdoor`): TLS 1.2/1.3 with ALPN h2, server certificate from the ``sds``
+  component renewed before expiry (:mod:`agent.tlsport.servercert`), client certificate optional
   and verified against the mesh root when presented. Every call on it is authenticated
   by the ``authn`` chain (client certificate SPIFFE ID, or bearer token: tokens file /
   Kubernetes TokenReview); refused calls get UNAUTHENTICATED naming why. A client whose
@@ -38,14 +38,14 @@ from envoy.service.discovery.v3 import ads_pb2, ads_pb2_grpc, discovery_pb2
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from agent import tlsfront
-from agent.authn import AuthenticationError, Authenticator
+from agent.tlsport import frontdoor
+from agent.tlsport.authn import AuthenticationError, Authenticator
 from agent.core.config import ConfigError, ensure_tcp_port_free
 from agent.core.fdbudget import listener_caps
 from agent.core.grpc_options import KEEPALIVE_SERVER_OPTIONS
 from agent.core.lifecycle import AgentContext, Component
 from agent.core.listeners import grpc_server_bounds
-from agent.servercert import ServerCertificate, TlsMaterial
+from agent.tlsport.servercert import ServerCertificate, TlsMaterial
 from ambient.api import AmbientIndex, IndexChange
 from ambient.xds.generators import Generator, default_generators
 from ambient.xds.stream import PreparedResponse, RequestError, StreamInbox, XdsStream
@@ -191,14 +191,16 @@ class XdsServer(Component):
     """The ``xds`` component. ``port``/``tls_port`` are the bound ports after start
     (useful with port 0). ``tls_port=None`` disables the TLS listener; so does a
     missing ``tls_provider`` (an async callable returning
-    :class:`~agent.servercert.TlsMaterial`, called again at each renewal).
+    :class:`~agent.tlsport.servercert.TlsMaterial`, called again at each renewal).
 
     ``index`` may be an :class:`AmbientIndex` or a zero-argument callable returning one
     at start (the ``ambient-index`` component is built before us but started first).
     ``authenticator`` (the ``authn`` chain; default: client certificates only) decides
-    who calls the TLS port; ``ca_service`` (an ``IstioCertificateService`` servicer) is
-    served there too; ``backend_path`` is the private Unix socket behind the TLS front
-    door (default: in a fresh 0700 temp directory); ``clock`` drives certificate renewal.
+    who calls the TLS port; ``ca_service`` (the ``sds`` component's
+    ``IstioCertificateService``: an object with ``add_to_server(grpc server) -> service
+    name``) is served there too; ``backend_path`` is the private Unix socket behind the TLS
+    front door (default: in a fresh 0700 temp directory); ``clock`` drives certificate
+    renewal.
     """
 
     name = "xds"
@@ -236,7 +238,7 @@ class XdsServer(Component):
         self._first_change = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self.certificate: ServerCertificate | None = None
-        self.front_door: tlsfront.TlsFrontDoor | None = None
+        self.front_door: frontdoor.TlsFrontDoor | None = None
         self._tls_note = "disabled"
         self.pushes = 0
 
@@ -267,10 +269,7 @@ class XdsServer(Component):
         if callable(self.ca_service) and not hasattr(self.ca_service, "CreateCertificate"):
             self.ca_service = self.ca_service()  # the sds component's, known once it started
         if tls and self.ca_service is not None:
-            from agent.sds import ca_server
-
-            ca_server.add_to_server(self.ca_service, server)
-            services.append(ca_server.CA_SERVICE)
+            services.append(self.ca_service.add_to_server(server))
         reflection.enable_server_reflection(services, server)
         ensure_tcp_port_free("xds_port", self.address, self.port)
         bound = server.add_insecure_port(f"{_host(self.address)}:{self.port}")
@@ -295,7 +294,7 @@ class XdsServer(Component):
         await server.start()
         self._server = server
         if tls:
-            self.front_door = tlsfront.TlsFrontDoor(
+            self.front_door = frontdoor.TlsFrontDoor(
                 "xds_tls_port", self.tls_address, self.tls_port, self.backend_path,
                 self.certificate, **({"max_connections": self.max_connections}
                                      if self.max_connections else {}))
@@ -329,7 +328,7 @@ class XdsServer(Component):
         if self._server:
             await self._server.stop(grace)
             self._server = None
-        tlsfront.remove_private_socket(self.backend_path)
+        frontdoor.remove_private_socket(self.backend_path)
 
     def ready(self) -> tuple[bool, str]:
         return (self._server is not None, "" if self._server else "not started")
@@ -547,7 +546,7 @@ def sds_tls_provider(ctx: AgentContext) -> TlsProvider | None:
 
     The server certificate carries the SPIFFE ID
     ``spiffe://<trust_domain>/ns/<system_namespace>/sa/ambient-agent`` and the names of
-    :func:`agent.servercert.server_names`: the DNS names and IPs ztunnel verifies by
+    :func:`agent.tlsport.servercert.server_names`: the DNS names and IPs ztunnel verifies by
     default on a plain host (``localhost``, ``127.0.0.1``, ``::1``) and in a cluster
     (``istiod.<ns>.svc``, ...), the node name and ``tls_server_names``.
     """
@@ -585,7 +584,7 @@ def build(ctx: AgentContext) -> XdsServer:
     sds = ctx.get("sds")
     authn = ctx.get("authn")
     ca_service = sds.ca_servicer if tls_port and hasattr(sds, "ca_servicer") else None
-    backend = tlsfront.private_socket_path(cfg.state_dir, "xds") if provider else ""
+    backend = frontdoor.private_socket_path(cfg.state_dir, "xds") if provider else ""
     return XdsServer(index, address=cfg.xds_address, port=cfg.xds_port,
                      tls_address=getattr(cfg, "xds_tls_address", "0.0.0.0"), tls_port=tls_port,
                      tls_provider=provider, token_file=getattr(cfg, "xds_token_file", ""),

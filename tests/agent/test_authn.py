@@ -12,8 +12,8 @@ import os
 import pytest
 from kubernetes_asyncio import client as kclient
 
-from agent.authn import AuthenticationError, Authenticator, TokenReviewAuthenticator, TokensFile
-from agent.tlsfront import TlsPeer
+from agent.tlsport.authn import AuthenticationError, Authenticator, TokenReviewAuthenticator, TokensFile
+from agent.tlsport.frontdoor import TlsPeer
 from tests.xds.certs import Pki
 
 SECRET = "t0ken-value-never-logged"

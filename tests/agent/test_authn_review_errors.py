@@ -10,7 +10,7 @@ import asyncio
 import pytest
 from kubernetes_asyncio import client as kclient
 
-from agent.authn import AuthenticationError, TokenReviewAuthenticator
+from agent.tlsport.authn import AuthenticationError, TokenReviewAuthenticator
 
 
 async def _truncating_server():

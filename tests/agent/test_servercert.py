@@ -11,8 +11,8 @@ import ssl
 import pytest
 
 from agent.sds.ca_embedded import EmbeddedCA
-from agent.servercert import ServerCertificate, TlsMaterial, check_server_leaf, server_names
-from agent.tlsfront import TlsFrontDoor
+from agent.tlsport.servercert import ServerCertificate, TlsMaterial, check_server_leaf, server_names
+from agent.tlsport.frontdoor import TlsFrontDoor
 from tests.xds.certs import Pki
 
 

@@ -62,7 +62,7 @@ def test_cluster_role_grants_exactly_what_the_agent_uses():
     wanted = {(group, plural, verb) for _, group, _, plural in RESOURCES.values()
               for verb in ("list", "watch")}
     wanted.add(("", "pods/status", "patch"))
-    # agent/authn.py: ztunnel's token on the TLS port is checked with a TokenReview
+    # agent/tlsport/authn.py: ztunnel's token on the TLS port is checked with a TokenReview
     wanted.add(("authentication.k8s.io", "tokenreviews", "create"))
     assert granted == wanted
 

@@ -1,5 +1,5 @@
 """The TLS port's Kubernetes authentication against the real kube-apiserver: the
-TokenReview authenticator (agent/authn.py) as the DaemonSet's service account, with
+TokenReview authenticator (agent/tlsport/authn.py) as the DaemonSet's service account, with
 real service-account tokens; then the agent as the daemon builds it in Kubernetes mode,
 with ztunnel's xDS and CA clients (written from ztunnel's source, tests/ztunnel_exact)
 presenting a real projected-style token bound to ztunnel's pod."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.authn import AuthenticationError, Authenticator, TokenReviewAuthenticator
+from agent.tlsport.authn import AuthenticationError, Authenticator, TokenReviewAuthenticator
 from tests.kube import cluster as kc
 from tests.ztunnel_exact.ca import ZtunnelCaClient
 from tests.ztunnel_exact.conftest import agent_dir, make_agent  # noqa: F401 - fixtures

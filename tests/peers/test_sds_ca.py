@@ -16,7 +16,7 @@ import grpc
 import pytest
 from cryptography import x509
 
-from agent import authn
+from agent.tlsport import authn
 from agent.envoy import free_port
 from agent.core.lifecycle import AgentContext
 from agent.sds import ca_pb2, ca_pb2_grpc, keys

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from agent.authn import Caller
+from agent.tlsport.authn import Caller
 from agent.sds.ca_server import CertificateService
-from agent.sds.keys import Identity
+from agent.core.spiffe import Identity
 from ambient.store import ObjectStore
 
 TD = "cluster.local"

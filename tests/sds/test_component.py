@@ -12,7 +12,7 @@ import grpc
 import pytest
 from cryptography import x509
 
-from agent import authn
+from agent.tlsport import authn
 from agent.envoy import free_port
 from agent.core.lifecycle import AgentContext
 from agent.sds import keys

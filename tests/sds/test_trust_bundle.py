@@ -13,7 +13,7 @@ import pytest
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.secret.v3 import sds_pb2_grpc
 
-from agent import authn
+from agent.tlsport import authn
 from agent.envoy import free_port
 from agent.core.lifecycle import AgentContext
 from agent.sds import keys
@@ -109,7 +109,7 @@ async def test_delta_and_fetch_serve_what_resolves(fixed_sds, tmp_path):
 
 async def test_refused_file_name_is_not_retried(state_dir, tmp_path):
     """Attested mode refuses file names for good: reported once, no retry timer."""
-    from agent.sds.keys import Identity
+    from agent.core.spiffe import Identity
     run = executor_runner()
     ident = Identity("cluster.local", "shop", "cart")
     server = SdsServer(make_config(state_dir, ecc_signature_algorithm="ECDSA"), run,

@@ -41,7 +41,7 @@ CLUSTER = textwrap.dedent("""\
     spec: {nodeName: node-b, serviceAccountName: far, containers: [{name: c}]}
     status: {podIP: 10.1.1.9, podIPs: [{ip: 10.1.1.9}], phase: Running}
     """)
-WANTED = ("ambient.source", "ambient.index", "agent.authn", "agent.sds.server",
+WANTED = ("ambient.source", "ambient.index", "agent.tlsport.authn", "agent.sds.server",
           "ambient.xds.server")
 
 

@@ -1,8 +1,8 @@
-"""cgroup parsing for the /proc scan (``docs/enrollment.md``)."""
+"""cgroup parsing shared by the restart /proc scan and SDS attestation (``agent.core.podcgroup``)."""
 
 import pytest
 
-from cni.podnetns import CgroupError, canonical_uid, parse_cgroup
+from agent.core.podcgroup import CgroupError, canonical_uid, parse_cgroup
 
 
 def test_kubepods_path_gives_uid_and_container():

@@ -11,7 +11,7 @@ neither serves both ztunnel and a client that authenticates by certificate.
 
 How: :class:`TlsFrontDoor` listens on the public TCP port and terminates TLS with
 Python's ``ssl`` (OpenSSL) using the context of a
-:class:`agent.servercert.ServerCertificate` (renewed without restart). For each
+:class:`agent.tlsport.servercert.ServerCertificate` (renewed without restart). For each
 connection it records a :class:`TlsPeer` (remote address, verified client certificate
 if any, TLS version, ALPN), then relays the bytes to the gRPC server's private Unix
 socket from a client socket **bound to a unique abstract address**; gRPC reports that
@@ -40,7 +40,7 @@ import time
 from cryptography import x509
 
 from agent.core.ratelimit import RepeatLimiter
-from agent.servercert import ServerCertificate
+from agent.tlsport.servercert import ServerCertificate
 
 log = logging.getLogger(__name__)
 

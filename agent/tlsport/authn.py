@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable
 import yaml
 
 from agent.core.lifecycle import AgentContext, Component
-from agent.sds.keys import Identity
+from agent.core.spiffe import Identity
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ class Authenticator:
         self.failures = 0
 
     def add_front_door(self, door) -> None:
-        """Register an :class:`agent.tlsfront.TlsFrontDoor` whose peers may call."""
+        """Register an :class:`agent.tlsport.frontdoor.TlsFrontDoor` whose peers may call."""
         if door not in self._doors:
             self._doors.append(door)
 
