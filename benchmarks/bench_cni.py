@@ -14,9 +14,9 @@ ships it) installed by the real installer (``cni_plugin_bundle``).
    - bridge + istio-cni chained by the real agent's own installer (``cni_manage_config``),
      the agent (``agent.daemon.Agent`` in this process: directory source, embedded CA,
      free ports, host probe set in a scratch netns) enrolling for real and the reference
-     ztunnel (``zds.client.ZdsClient``) acking ZDS. Each container's Pod object
+     ztunnel (``agent.demo.fake_ztunnel.FakeZtunnel``) acking ZDS. Each container's Pod object
      (uid = container ID, ambient namespace ``demo``) is published before its start,
-     as agent/demo.py does; enrollment and ztunnel's hold are checked after each start;
+     as agent/demo/pods.py does; enrollment and ztunnel's hold are checked after each start;
    - bridge + istio-cni with an agent that answers at once (recording enroller): the
      plugin's own cost, a report row.
    "Start" is ``podman start`` of a container created beforehand (the runtime runs CNI
@@ -112,7 +112,7 @@ def _write_network(d: str, bridges: list[str]) -> tuple[str, "object"]:
     ``d/net.d``. Returns ``(network name, agent.podman.Podman)``."""
     import secrets
 
-    from agent import podman
+    from agent.demo import podman
 
     os.makedirs(f"{d}/net.d")
     podman.write_containers_conf(f"{d}/containers.conf", [f"{d}/bin", "/usr/lib/cni"],
@@ -131,7 +131,7 @@ def _write_network(d: str, bridges: list[str]) -> tuple[str, "object"]:
 def _podman_per_pod(tmp: str) -> list[Result]:
     import secrets
 
-    from agent import podman
+    from agent.demo import podman
     from cni.install import Installer
 
     if not podman.available() or os.geteuid() != 0:
@@ -176,9 +176,9 @@ def _podman_one_name() -> str:
 class RealNode:
     """The real agent (agent.daemon.Agent, in this process, on this loop) with the
     directory source, embedded CA, cni_manage_config, its state/conf/bin dirs under
-    ``root``, free ports, and the reference ztunnel (zds.client.ZdsClient) acking ZDS.
+    ``root``, free ports, and the reference ztunnel (agent.demo.fake_ztunnel.FakeZtunnel) acking ZDS.
     Pods get Pod objects (uid = container ID, namespace ``demo``: ambient) before start,
-    as agent/demo.py's podman path does."""
+    as agent/demo/pods.py's podman path does."""
 
     def __init__(self, root: str):
         import secrets
@@ -191,7 +191,7 @@ class RealNode:
         self.zds_task = None
 
     def flags(self) -> dict[str, str]:
-        from agent.envoy import free_port
+        from agent.demo.envoy import free_port
 
         r = self.root
         return {"state_dir": f"{r}/state", "config_dir": f"{r}/cluster",
@@ -213,7 +213,7 @@ class RealNode:
 
         from agent import daemon
         from agent.core import config as agent_config
-        from zds.client import ZdsClient
+        from agent.demo.fake_ztunnel import FakeZtunnel
 
         from pyroute2 import netns
 
@@ -224,7 +224,7 @@ class RealNode:
         self.config = agent_config.load(self.flags(), env={})
         self.agent = daemon.Agent(self.config)
         await self.agent.start()
-        self.zds = ZdsClient(self.config.ztunnel_uds_address, open_listeners=False)
+        self.zds = FakeZtunnel(self.config.ztunnel_uds_address, open_listeners=False)
         self.zds_task = asyncio.create_task(self.zds.run())
         await self.zds.wait_snapshot(timeout=10)
         await self._wait("istio-cni chained by the agent's installer", self._chained, 10)
@@ -268,7 +268,7 @@ class RealNode:
         """Pod object (Pending, no IP) with uid = container ID; waits for the store."""
         import yaml
 
-        from ambient.examples import pod_manifest
+        from agent.demo.examples import pod_manifest
 
         manifest = pod_manifest(name, POD_NAMESPACE, cid, "", self.config.node_name,
                                 "default", {"app": "bench"}, ready=False)

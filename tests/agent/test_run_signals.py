@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from agent.envoy import free_port
+from agent.demo.envoy import free_port
 from tests.netns.toolkit import is_root
 
 EXPECTED_SOCKETS = {"pluginevent.sock", "workload-spiffe-uds/socket", "ztunnel/ztunnel.sock"}

@@ -13,7 +13,7 @@ from agent.core.lifecycle import AgentContext
 from ambient import index as ambient_index
 from ambient import source as ambient_source
 from ambient import workload_pb2 as wl
-from ambient.examples import pod_manifest
+from agent.demo.examples import pod_manifest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,4 +1,4 @@
-"""cni.runtime (our small libcni) on plugin executables that misbehave.
+"""agent.demo.cni_runtime (our small libcni) on plugin executables that misbehave.
 
 The hung plugin is a two-line shell script: no real CNI plugin hangs on demand."""
 
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from cni.runtime import CniPluginError, CniRuntime
+from agent.demo.cni_runtime import CniPluginError, CniRuntime
 
 
 def test_hung_plugin_is_a_plugin_error_naming_the_timeout(tmp_path):

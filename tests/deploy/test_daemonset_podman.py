@@ -18,7 +18,7 @@ the test chooses itself, and why:
 - ``fieldRef`` env: ``spec.nodeName`` = this host's name, ``metadata.namespace`` = the
   DaemonSet's namespace.
 
-The reference ztunnel (``zds.client.ZdsClient`` with listeners in each pod netns)
+The reference ztunnel (``agent.demo.fake_ztunnel.FakeZtunnel`` with listeners in each pod netns)
 connects to the ZDS socket on the shared hostPath ``/var/run/ztunnel``. Checked: the
 in-container ``cni install`` chained istio-cni into the test conflist and left the
 standalone plugin in the bin dir; pods started by podman are enrolled and held by the
@@ -49,7 +49,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent import podman
+from agent.demo import podman
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"
@@ -191,8 +191,8 @@ def _ipt_rules(netns_path: str) -> str:
 async def test_daemonset_pod_spec_on_podman():
     from pyroute2 import netns as pr_netns
 
-    from ambient.examples import pod_manifest
-    from zds.client import ZdsClient
+    from agent.demo.examples import pod_manifest
+    from agent.demo.fake_ztunnel import FakeZtunnel
 
     ds, cm = manifests()
     spec = ds["spec"]["template"]["spec"]
@@ -205,12 +205,12 @@ async def test_daemonset_pod_spec_on_podman():
         pytest.skip(f"{image} missing: run bash scripts/build-image.sh")
     node = Node()
     try:
-        await _run(node, ds, cm, spec, container, pr_netns, pod_manifest, ZdsClient)
+        await _run(node, ds, cm, spec, container, pr_netns, pod_manifest, FakeZtunnel)
     finally:
         node.close()
 
 
-async def _run(node, ds, cm, spec, container, pr_netns, pod_manifest, ZdsClient):
+async def _run(node, ds, cm, spec, container, pr_netns, pod_manifest, FakeZtunnel):
     root = node.root
     # --- the node: dirs, netns, podman's CNI config ---
     for d in ("opt/cni/bin", "etc/cni/net.d", "config", "ipam"):
@@ -290,7 +290,7 @@ async def _run(node, ds, cm, spec, container, pr_netns, pod_manifest, ZdsClient)
 
     # --- the reference ztunnel on the shared ZDS socket ---
     zds_path = settings.get("ztunnel_uds_address", "/var/run/ztunnel/ztunnel.sock")
-    zt = ZdsClient(zds_path, open_listeners=True)
+    zt = FakeZtunnel(zds_path, open_listeners=True)
     zt_task = asyncio.create_task(zt.run())
     node.later(zt.stop)
     await zt.wait_snapshot(timeout=30)

@@ -18,7 +18,7 @@ import time
 import aiohttp
 import pytest
 
-from agent.envoy import free_port
+from agent.demo.envoy import free_port
 from ambient.xds.client import DeltaXdsClient
 from tests.kube import cluster as kc
 

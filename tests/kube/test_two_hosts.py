@@ -54,7 +54,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.demo import _close_listener, _echo_forever, _exchange, _listen, _mtls_connections
+from agent.demo.driver import _close_listener, _echo_forever, _exchange, _listen, _mtls_connections
 from ambient.xds.client import DeltaXdsClient
 from agent.core.netns import run_in_netns_thread
 from tests.kube import cluster as kc
@@ -76,7 +76,7 @@ pytestmark = [
 # Run inside a host netns (ip netns exec): the CNI calls a runtime makes for one pod.
 CNI_ADD = r"""
 import json, sys
-from cni.runtime import CniRuntime
+from agent.demo.cni_runtime import CniRuntime
 req = json.load(sys.stdin)
 rt = CniRuntime(bin_dirs=req["bins"], cache_dir=req["cache"])
 rt.exec_plugin("ADD", {"cniVersion": "1.0.0", "name": "lo", "type": "loopback"},
@@ -265,7 +265,7 @@ def chained(h: Host) -> dict | None:
 
 
 def start_ztunnel(h: Host, token_file: Path) -> None:
-    from agent.ztunnel import ZtunnelSettings
+    from agent.demo.ztunnel import ZtunnelSettings
 
     settings = ZtunnelSettings(
         binary=ZTUNNEL, xds_address="localhost:15012",

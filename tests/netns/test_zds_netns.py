@@ -2,7 +2,7 @@
 pod's netns, listeners opened through it live in the pod, redirected traffic lands on
 them with the original destination, and a port conflict becomes a real NACK.
 
-The ztunnel side is our reference client (zds.client), built from ``docs/zds.md``;
+The ztunnel side is the fake ztunnel (agent.demo.fake_ztunnel), built from ``docs/zds.md``;
 no real ztunnel runs here (``docs/maintainers/testing.md``).
 """
 

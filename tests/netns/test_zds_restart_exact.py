@@ -3,7 +3,7 @@
 The agent runs as a real ``ambient-agent run`` process (files source, host probe rules
 in a scratch netns) and pods are real netns on a bridge, enrolled through the CNI event
 socket as the plugin does. ztunnel is :class:`tests.ztunnel_exact.zds.ZtunnelZds`,
-written from ztunnel's ``src/inpod/`` (not from ``zds/client.py``): it shuts every proxy
+written from ztunnel's ``src/inpod/`` (not from ``agent/demo/fake_ztunnel.py``): it shuts every proxy
 not named before ``SnapshotSent``, so a snapshot that misses a live pod shows up as a
 drained proxy. Both peers retry connect in a tight loop, so they connect the moment the
 restarted agent's socket exists.
@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 import yaml
 
-from agent.envoy import free_port
+from agent.demo.envoy import free_port
 from tests.helpers import eventually
 from tests.agent.test_run_signals import ROOT_ONLY, node_netns  # noqa: F401 (fixture)
 from tests.ztunnel_exact.zds import ZtunnelZds

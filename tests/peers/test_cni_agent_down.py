@@ -3,9 +3,9 @@
 The real agent (``agent.daemon.Agent``: files config source, enrollment, CNI event
 server, snapshot writer and its own installer with ``cni_manage_config``) chains
 ``istio-cni`` into a real conflist of Debian's ``bridge`` + ``host-local``; the chain is
-driven by ``cni.runtime`` exactly as a runtime drives it (loopback first, then the
+driven by ``agent.demo.cni_runtime`` exactly as a runtime drives it (loopback first, then the
 conflist the installer wrote, with Kubernetes ``CNI_ARGS``), on real netns; the
-reference ztunnel (``zds.client.ZdsClient``) acks ZDS. Host probe rules go into a
+reference ztunnel (``agent.demo.fake_ztunnel.FakeZtunnel``) acks ZDS. Host probe rules go into a
 scratch netns. Then the agent stops (what SIGTERM runs): the plugin stays; an ambient
 pod's ADD fails with code 11 and a non-ambient pod starts; the agent comes back and the
 runtime's retry of the ambient pod enrolls it.
@@ -25,12 +25,12 @@ from pyroute2 import netns as pr_netns
 
 from agent.core import config as agent_config
 from agent import daemon
-from agent.envoy import free_port
+from agent.demo.envoy import free_port
 from cni import plugin
-from cni.runtime import CniPluginError, CniRuntime, load_conflist
+from agent.demo.cni_runtime import CniPluginError, CniRuntime, load_conflist
 from tests.helpers import eventually
 from tests.netns.toolkit import unique
-from zds.client import ZdsClient
+from agent.demo.fake_ztunnel import FakeZtunnel
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/usr/lib/cni/bridge"),
                                 reason="containernetworking-plugins not installed")
@@ -95,7 +95,7 @@ class Node:
         self.config = agent_config.load(self.flags(), env={})
         self.agent = daemon.Agent(self.config)
         await self.agent.start()
-        self.zds = ZdsClient(self.config.ztunnel_uds_address, open_listeners=False)
+        self.zds = FakeZtunnel(self.config.ztunnel_uds_address, open_listeners=False)
         self.zds_task = asyncio.create_task(self.zds.run())
         await self.zds.wait_snapshot(timeout=10)
 

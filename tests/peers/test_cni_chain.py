@@ -1,5 +1,5 @@
 """Debian's real CNI plugins (bridge + host-local, loopback) with istio-cni chained, driven
-by cni.runtime exactly as a runtime drives a conflist, on a real netns, against the real
+by agent.demo.cni_runtime exactly as a runtime drives a conflist, on a real netns, against the real
 CNI event server with a recording enroller (tests/cni/conftest.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from cni.runtime import CniPluginError, CniRuntime
+from agent.demo.cni_runtime import CniPluginError, CniRuntime
 from tests.cni.conftest import launcher, start_agent  # noqa: F401 - fixture
 from tests.netns.toolkit import unique
 

@@ -2,7 +2,7 @@
 network
 whose conflist has istio-cni chained by our installer: the container starts, the (test)
 enroller records its ADD, and its DEL arrives when the container exits. podman uses a
-private containers.conf (CONTAINERS_CONF, written by agent.podman) and a tmp
+private containers.conf (CONTAINERS_CONF, written by agent.demo.podman) and a tmp
 network_config_dir, so the host's podman and CNI configuration are untouched."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from agent import podman
+from agent.demo import podman
 from cni.install import Installer
 from tests.cni.conftest import start_agent
 from tests.netns.toolkit import unique

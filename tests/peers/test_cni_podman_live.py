@@ -24,7 +24,7 @@ import pytest
 import yaml
 from pyroute2 import netns as pr_netns
 
-from agent import podman
+from agent.demo import podman
 from agent.core.config import load
 from agent.core.lifecycle import AgentContext
 from ambient import source as ambient_source

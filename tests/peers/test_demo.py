@@ -19,9 +19,9 @@ import time
 import pytest
 from pyroute2 import IPRoute
 
-from agent import podman
-from agent.demo import DEMO_LABEL
-from agent.envoy import free_port
+from agent.demo import podman
+from agent.demo.driver import DEMO_LABEL
+from agent.demo.envoy import free_port
 
 ROWS = [
     ("demo/client", "enrollment"), ("demo/client", "redirection rules"),
@@ -207,7 +207,7 @@ def test_leftover_check_reports_a_podman_container_and_the_imported_image(tmp_pa
     """The demo's own leftover check sees its containers (by label) and its image."""
     import argparse
 
-    from agent.demo import Demo
+    from agent.demo.driver import Demo
 
     demo = Demo(argparse.Namespace(workdir=str(tmp_path / "demo"), runtime="podman", image=""))
     conf = tmp_path / "containers.conf"

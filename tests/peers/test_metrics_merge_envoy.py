@@ -24,7 +24,7 @@ from aiohttp import web
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 from prometheus_client.parser import text_string_to_metric_families as text_parse
 
-from agent.envoy import free_port
+from agent.demo.envoy import free_port
 from tests.peers.test_status_envoy import envoy_binary
 from tests.status.conftest import running_status
 

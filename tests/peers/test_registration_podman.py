@@ -22,7 +22,7 @@ import subprocess
 import pytest
 from pyroute2 import netns as pr_netns
 
-from agent import podman
+from agent.demo import podman
 from agent.core.config import load
 from agent.core.lifecycle import AgentContext
 from ambient import index as ambient_index

@@ -17,7 +17,7 @@ import pytest
 from cryptography import x509
 
 from agent.tlsport import authn
-from agent.envoy import free_port
+from agent.demo.envoy import free_port
 from agent.core.lifecycle import AgentContext
 from agent.sds import ca_pb2, ca_pb2_grpc, keys
 from agent.sds.ca_istio import CAClientError, IstioCAClient

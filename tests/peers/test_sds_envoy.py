@@ -15,7 +15,7 @@ import time
 import pytest
 from cryptography import x509
 
-from agent.envoy import EnvoyProcess, free_port, sds_tls_bootstrap
+from agent.demo.envoy import EnvoyProcess, free_port, sds_tls_bootstrap
 from agent.sds import keys
 from agent.sds.server import SdsServer
 from tests.sds.helpers import SwitchableCA, executor_runner, make_config

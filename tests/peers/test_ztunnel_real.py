@@ -2,7 +2,7 @@
 
 The binary is built by hand from istio/ztunnel (never by this repository) and named by
 ``AMBIENT_TEST_ZTUNNEL``; without it these tests skip. The node is the demo's node in
-a box (:mod:`agent.demo`, ``--ztunnel``): real CNI plugins chaining our ``istio-cni``,
+a box (:mod:`agent.demo.driver`, ``--ztunnel``): real CNI plugins chaining our ``istio-cni``,
 pods as named netns, the agent in this process on a YAML directory source, and ztunnel
 as a child process speaking ZDS on the agent's socket and xDS + CA over TLS with a
 bearer token (no client certificate), exactly as it does against istiod.
@@ -34,7 +34,7 @@ import time
 
 import pytest
 
-from agent.envoy import free_port
+from agent.demo.envoy import free_port
 
 ZTUNNEL = os.environ.get("AMBIENT_TEST_ZTUNNEL", "")
 EXTRA_PODS = 20  # ambient pods beyond the demo's, enrolled before the agent restart
@@ -108,7 +108,7 @@ async def _eventually(predicate, timeout: float, what: str):
 def _open_pod_connection(demo, src, dst_ip: str, port: int) -> socket.socket:
     """A TCP connection made inside ``src``'s netns (so ztunnel captures it); the socket
     stays usable from any thread once connected."""
-    from agent.demo import run_in_pod
+    from agent.demo.driver import run_in_pod
 
     return run_in_pod(src, lambda: socket.create_connection((dst_ip, port), timeout=10))
 
@@ -127,7 +127,7 @@ async def _restart_agent(demo) -> None:
 
 
 async def test_restarts_keep_the_mesh(tmp_path, readiness_port):
-    from agent.demo import Demo, _mtls_connections
+    from agent.demo.driver import Demo, _mtls_connections
 
     demo = Demo(_demo_args(tmp_path / "node"))
     demo.preflight()
@@ -152,7 +152,7 @@ async def test_restarts_keep_the_mesh(tmp_path, readiness_port):
         _assert_chain_from_root(chains[0], root_pem)
 
         # more ambient pods, so a snapshot sent before recovery completes would miss some
-        from agent.demo import DemoPod
+        from agent.demo.driver import DemoPod
 
         extra = [DemoPod(f"extra{i}", "demo", "client", True) for i in range(EXTRA_PODS)]
         for pod in extra:

@@ -13,7 +13,7 @@ import pytest
 from cryptography import x509
 
 from agent.tlsport import authn
-from agent.envoy import free_port
+from agent.demo.envoy import free_port
 from agent.core.lifecycle import AgentContext
 from agent.sds import keys
 from agent.sds.server import build

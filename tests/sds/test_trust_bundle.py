@@ -14,7 +14,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.secret.v3 import sds_pb2_grpc
 
 from agent.tlsport import authn
-from agent.envoy import free_port
+from agent.demo.envoy import free_port
 from agent.core.lifecycle import AgentContext
 from agent.sds import keys
 from agent.sds.ca_embedded import EmbeddedCA

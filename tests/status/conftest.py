@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from agent.core import config as agent_config
-from agent.envoy import free_port  # noqa: F401 - the tests import it from here
+from agent.demo.envoy import free_port  # noqa: F401 - the tests import it from here
 from agent.core.lifecycle import AgentContext, Component
 from agent.status.server import StatusServer
 

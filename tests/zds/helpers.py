@@ -12,7 +12,7 @@ import tempfile
 from prometheus_client import CollectorRegistry
 
 from zds import wire
-from zds.client import ZdsClient
+from agent.demo.fake_ztunnel import FakeZtunnel
 from zds.server import ZdsServer
 from tests.helpers import eventually, netns_fd_count  # noqa: F401 - re-exported
 
@@ -60,8 +60,8 @@ async def running_server(**kwargs):
 
 @contextlib.asynccontextmanager
 async def running_client(path: str, **kwargs):
-    """A ZdsClient running in a task; stopped (proxies drained) after."""
-    client = ZdsClient(path, **kwargs)
+    """A FakeZtunnel running in a task; stopped (proxies drained) after."""
+    client = FakeZtunnel(path, **kwargs)
     task = asyncio.create_task(client.run())
     try:
         yield client

@@ -12,7 +12,7 @@ import socket
 import pytest
 
 from zds import wire
-from zds.client import ProtocolError
+from agent.demo.fake_ztunnel import ProtocolError
 from tests.zds.helpers import netns_fd, running_client, short_dir
 
 

@@ -1,7 +1,7 @@
 """ZDS server against the reference client and hand-driven misbehaving peers, over real
 SOCK_SEQPACKET sockets with real netns fds (``docs/zds.md``).
 
-The peer is ztunnel's protocol as our reference client (zds.client) implements it from
+The peer is ztunnel's protocol as the fake ztunnel (agent.demo.fake_ztunnel) implements it from
 ztunnel's ``src/inpod/`` source; no real ztunnel runs on this machine (see
 ``docs/maintainers/testing.md``).
 """

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from agent.core import config as agent_config
-from agent.envoy import free_port
+from agent.demo.envoy import free_port
 from agent.core.lifecycle import AgentContext, Supervisor
 
 NODE = "node-a"

@@ -66,7 +66,7 @@ async def test_mesh_root_is_published_world_readable(make_agent):
 
 
 async def test_separate_ca_port_still_works(make_agent):
-    from agent.envoy import free_port
+    from agent.demo.envoy import free_port
 
     agent = await make_agent(ca_port=free_port(), ca_listen_address="127.0.0.1")
     client = await ca_client(agent, port=agent.sds.ca_port).start()

@@ -1,7 +1,7 @@
 """A ZDS peer that does what ztunnel's in-pod workload manager does, for CI without the binary.
 
 Written from ztunnel's own source (``src/inpod/workloadmanager.rs``, ``statemanager.rs``,
-``protocol.rs``, ``packet.rs``), not from this project's ``zds/client.py``, so the agent
+``protocol.rs``, ``packet.rs``), not from this project's ``agent/demo/fake_ztunnel.py``, so the agent
 is tested against the peer's behaviour rather than against our reading of the spec.
 Only the protobuf messages are shared (``zds.zds_pb2``: the wire contract, the same
 ``zds.proto`` as ztunnel's). What it reproduces, each with where ztunnel does it:

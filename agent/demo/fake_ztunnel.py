@@ -15,7 +15,7 @@ src/inpod/{protocol,workloadmanager,statemanager}.rs``):
   ``"failure to start proxy : ..."`` and retried every 5 s;
 - ``Keep`` after ``SnapshotSent``, a second ``SnapshotSent``, or ``Add`` without
   ``workload_info`` are protocol errors: NACKed, then treated as **fatal** (the client
-  stops; :attr:`ZdsClient.fatal` holds the error), as ztunnel does;
+  stops; :attr:`FakeZtunnel.fatal` holds the error), as ztunnel does;
 - ``Del`` before the snapshot drops the uid from the snapshot set and pending; after,
   drains the proxy at once; ``SnapshotSent`` drains every proxy not named since connect.
 
@@ -24,12 +24,12 @@ inside the pod's netns through the received fd: TCP 15001 (outbound; reports
 ``SO_ORIGINAL_DST``), 15006 (inbound plaintext) and 15008 (HBONE), both
 ``IP_TRANSPARENT``, and DNS on 127.0.0.1:15053 (UDP and TCP); all with ``SO_MARK``
 1337 and ``SO_REUSEPORT`` as ztunnel sets them. Each accepted connection (or DNS
-datagram) becomes an :class:`Accepted` on :attr:`ZdsClient.accepted`, or is handed to
+datagram) becomes an :class:`Accepted` on :attr:`FakeZtunnel.accepted`, or is handed to
 ``on_accept(accepted, sock)`` which then owns the socket.
 
 Usage::
 
-    client = ZdsClient("/var/run/ztunnel/ztunnel.sock", open_listeners=True)
+    client = FakeZtunnel("/var/run/ztunnel/ztunnel.sock", open_listeners=True)
     task = asyncio.create_task(client.run())
     await client.wait_snapshot(timeout=5)
     await client.wait_for_pod(uid, timeout=5)
@@ -200,7 +200,7 @@ def _shutdown(sock: socket.socket) -> None:
 AcceptCallback = Callable[[Accepted, "socket.socket | None"], "Awaitable[None] | None"]
 
 
-class ZdsClient:
+class FakeZtunnel:
     """The reference ztunnel-side ZDS client.
 
     ``path``: the agent's ZDS socket; ``open_listeners``: open ztunnel's in-pod
