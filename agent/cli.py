@@ -24,7 +24,7 @@ from agent.core.errors import ComponentStartError
 
 # name -> (module, help). The module provides add_arguments(parser) and main(args).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("agent.demo.driver", "bring up a node in a box: agent, CNI network, pods, ztunnel, Envoy"),
+    "demo": ("agent.demo.cli", "bring up a node in a box: agent, CNI network, pods, ztunnel, Envoy"),
     "status": ("agent.status.cli", "show a running agent's pods, ztunnels, certificates, xDS clients"),
     "precheck": ("agent.precheck", "check that this node is ready for ambient mode (one line per "
                  "check; exit 1 if any fails)"),

@@ -54,7 +54,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.demo.driver import _close_listener, _echo_forever, _exchange, _listen, _mtls_connections
+from agent.demo.traffic import close_listener, echo_forever, exchange, listen, mtls_connections
 from ambient.xds.client import DeltaXdsClient
 from agent.core.netns import run_in_netns_thread
 from tests.kube import cluster as kc
@@ -390,20 +390,20 @@ async def test_two_hosts_serve_each_others_pods(kube_cluster, kube_admin, kube_n
         b_pod = f"/var/run/netns/{b.pod_netns}"
         a_pod = f"/var/run/netns/{a.pod_netns}"
         listener = await asyncio.to_thread(run_in_netns_thread, b_pod,
-                                           lambda: _listen(APP_PORT))
-        cleanups.append(lambda: _close_listener(listener))
-        threading.Thread(target=_echo_forever, args=(listener,), daemon=True).start()
+                                           lambda: listen(APP_PORT))
+        cleanups.append(lambda: close_listener(listener))
+        threading.Thread(target=echo_forever, args=(listener,), daemon=True).start()
         td = "cluster.local"
         src = f"spiffe://{td}/ns/{kube_namespace}/sa/default"
         before = {}
         if HAVE_ZTUNNEL:
             for h in hosts:
-                before[h.letter] = _mtls_connections(h.get(ZT_STATS, "/metrics")[1], src, src)
+                before[h.letter] = mtls_connections(h.get(ZT_STATS, "/metrics")[1], src, src)
         reply = b""
         deadline = time.monotonic() + 60
         while reply != b"ping\n" and time.monotonic() < deadline:
             reply = await asyncio.to_thread(run_in_netns_thread, a_pod,
-                                            lambda: _exchange(b.pod_ip, APP_PORT, b"ping\n"))
+                                            lambda: exchange(b.pod_ip, APP_PORT, b"ping\n"))
             if reply != b"ping\n":
                 await asyncio.sleep(1)
         assert reply == b"ping\n", (
@@ -413,7 +413,7 @@ async def test_two_hosts_serve_each_others_pods(kube_cluster, kube_admin, kube_n
         if HAVE_ZTUNNEL:
             # both ztunnels report the connection as mutual TLS between the pods' identities
             def counted() -> bool:
-                return all(_mtls_connections(h.get(ZT_STATS, "/metrics")[1], src, src)
+                return all(mtls_connections(h.get(ZT_STATS, "/metrics")[1], src, src)
                            > before[h.letter] for h in hosts)
             await until("ztunnel on both hosts to count an mTLS connection "
                         f"{src} -> {src}", counted, timeout=30,

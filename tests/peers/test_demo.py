@@ -20,7 +20,7 @@ import pytest
 from pyroute2 import IPRoute
 
 from agent.demo import podman
-from agent.demo.driver import DEMO_LABEL
+from agent.demo.model import DEMO_LABEL
 from agent.demo.envoy import free_port
 
 ROWS = [

@@ -108,7 +108,7 @@ async def _eventually(predicate, timeout: float, what: str):
 def _open_pod_connection(demo, src, dst_ip: str, port: int) -> socket.socket:
     """A TCP connection made inside ``src``'s netns (so ztunnel captures it); the socket
     stays usable from any thread once connected."""
-    from agent.demo.driver import run_in_pod
+    from agent.demo.traffic import run_in_pod
 
     return run_in_pod(src, lambda: socket.create_connection((dst_ip, port), timeout=10))
 
@@ -127,7 +127,8 @@ async def _restart_agent(demo) -> None:
 
 
 async def test_restarts_keep_the_mesh(tmp_path, readiness_port):
-    from agent.demo.driver import Demo, _mtls_connections
+    from agent.demo.driver import Demo
+    from agent.demo.traffic import mtls_connections
 
     demo = Demo(_demo_args(tmp_path / "node"))
     demo.preflight()
@@ -152,7 +153,7 @@ async def test_restarts_keep_the_mesh(tmp_path, readiness_port):
         _assert_chain_from_root(chains[0], root_pem)
 
         # more ambient pods, so a snapshot sent before recovery completes would miss some
-        from agent.demo.driver import DemoPod
+        from agent.demo.model import DemoPod
 
         extra = [DemoPod(f"extra{i}", "demo", "client", True) for i in range(EXTRA_PODS)]
         for pod in extra:
@@ -191,7 +192,7 @@ async def test_restarts_keep_the_mesh(tmp_path, readiness_port):
             assert await asyncio.to_thread(_echo, conn, b"again\n") == b"again\n"
         finally:
             conn.close()
-        await _eventually(lambda: _mtls_connections(zt.metrics(), src, dst) >= 1, 10,
+        await _eventually(lambda: mtls_connections(zt.metrics(), src, dst) >= 1, 10,
                           "the restarted ztunnel counted the mTLS connection")
     finally:
         await demo.teardown()

@@ -1,0 +1,105 @@
+"""What the demo is made of: its pods, the rows of its table, its error, its constants.
+
+:func:`resolve_runtime` turns ``--runtime`` into what runs the pods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import secrets
+import sys
+import time
+import uuid
+from pathlib import Path
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent.parent / "examples" / "cluster"
+RUNTIMES = ("auto", "podman", "netns")
+DEMO_LABEL = "io.ambient.demo.workdir"  # on every demo container: its workdir
+POD_COMMAND = ("/bin/busybox", "sleep", "infinity")
+CNI_PLUGIN_DIRS = ["/usr/lib/cni", "/opt/cni/bin"]
+APP_PORT = 8080
+LOOPBACK_CONF = {"cniVersion": "1.0.0", "name": "cni-loopback", "type": "loopback"}
+
+
+@dataclasses.dataclass
+class DemoPod:
+    """One demo pod: its name, namespace, service account, whether it should be ambient."""
+
+    name: str
+    namespace: str
+    service_account: str
+    ambient: bool
+    uid: str = dataclasses.field(default_factory=lambda: str(uuid.uuid4()))
+    netns_path: str = ""  # the pod's network namespace (a bind mount under /run/netns)
+    ip: str = ""
+    container_id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(16))
+
+
+@dataclasses.dataclass
+class Check:
+    """One row of the result table."""
+
+    subject: str
+    what: str
+    ok: bool
+    detail: str
+
+
+@dataclasses.dataclass
+class ZtunnelWorkload:
+    """A workload as a real ztunnel holds it (from its ``/config_dump``)."""
+
+    name: str
+    service_account: str
+    protocol: str  # "HBONE" or "TCP" (ztunnel's names)
+
+
+class DemoError(RuntimeError):
+    """A step of the demo could not be done; the message says which and why."""
+
+
+class Progress:
+    """Prints a step, then its duration when it ends; steps over a second show a ticker."""
+
+    def __init__(self, stream=sys.stdout):
+        self.stream = stream
+
+    @contextlib.asynccontextmanager
+    async def step(self, title: str):
+        t0 = time.monotonic()
+        self.stream.write(f"  • {title} ...")
+        self.stream.flush()
+
+        async def ticker():
+            while True:
+                await asyncio.sleep(1.0)
+                self.stream.write(".")
+                self.stream.flush()
+
+        tick = asyncio.create_task(ticker())
+        try:
+            yield
+        except BaseException:
+            self.stream.write(" failed\n")
+            raise
+        finally:
+            tick.cancel()
+        self.stream.write(f" done ({time.monotonic() - t0:.1f}s)\n")
+        self.stream.flush()
+
+
+def resolve_runtime(choice: str) -> str:
+    """``auto`` → ``podman`` when podman and runc are installed, else ``netns``; other
+    values pass through. Raises DemoError for an unknown value or missing podman."""
+    from agent.demo import podman as podman_mod
+
+    if choice not in RUNTIMES:
+        raise DemoError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {choice!r}")
+    if choice == "auto":
+        return "podman" if podman_mod.available() else "netns"
+    if choice == "podman" and not podman_mod.available():
+        raise DemoError("--runtime podman: podman and runc must be installed "
+                        "(apt-get install podman runc)")
+    return choice
