@@ -44,8 +44,10 @@ def plugin_bundle() -> str:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = os.path.join(root, "build", "istio-cni")
     manifest = os.path.join(out, "MANIFEST.json")
-    source = os.path.join(root, "cni", "plugin.py")
-    if not os.path.exists(manifest) or os.path.getmtime(manifest) < os.path.getmtime(source):
+    sources = [os.path.join(root, "cni", n)
+               for n in ("plugin.py", "plugin_request.py", "plugin_wire.py")]
+    newest = max(os.path.getmtime(s) for s in sources)
+    if not os.path.exists(manifest) or os.path.getmtime(manifest) < newest:
         subprocess.run(["/usr/bin/python3.11", os.path.join(root, "scripts",
                         "build-cni-plugin.py"), "--out", out], check=True,
                        capture_output=True)

@@ -97,7 +97,7 @@ def _launcher(run: str, what: str, preamble: str = "") -> str:
     stdin (an invalid network config either way: Python says code 6, the shell may
     answer the version).
     """
-    from cni.plugin import LATEST_VERSION, SUPPORTED_VERSIONS
+    from cni.plugin_request import LATEST_VERSION, SUPPORTED_VERSIONS
 
     supported = ",".join(f'"{v}"' for v in SUPPORTED_VERSIONS)
     return f"""#!/bin/sh
@@ -305,9 +305,8 @@ class Installer:
         """Compile the plugin module now so the first pod does not pay for it."""
         import py_compile
         try:
-            py_compile.compile(os.path.join(self.project_root, "cni", "plugin.py"), doraise=True)
-            py_compile.compile(os.path.join(self.project_root, "cni", "__init__.py"),
-                               doraise=True)
+            for name in ("__init__.py", "plugin.py", "plugin_request.py", "plugin_wire.py"):
+                py_compile.compile(os.path.join(self.project_root, "cni", name), doraise=True)
         except (OSError, py_compile.PyCompileError) as e:
             log.debug("could not precompile the plugin: %s", e)
 

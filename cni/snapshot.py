@@ -42,7 +42,7 @@ from agent.core.files import write_atomic
 from agent.core.lifecycle import AgentContext, Component
 from cni import enablement
 from cni.livepods import TERMINAL_PHASES, on_this_node
-from cni.plugin import SNAPSHOT_NAME, SNAPSHOT_VERSION
+from cni.plugin_request import SNAPSHOT_NAME, SNAPSHOT_VERSION
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ Needs ``patchelf`` (Debian package). Output (``--out``, replaced whole)::
     bin/python3.11                 Debian's interpreter (libpython linked in), RUNPATH
                                    $ORIGIN/../lib so it loads the bundled libraries
     lib/libz.so.1, libexpat.so.1   its two libraries that are not glibc
-    lib/python311.zip              encodings/*, the plugin (cni/plugin.py) and the stdlib
+    lib/python311.zip              encodings/*, the plugin (cni/plugin*.py) and the stdlib
                                    modules it imports (json on its error path), as
                                    unchecked-hash .pyc
     lib/python3.11/lib-dynload/    the extension modules of that set (_json)
@@ -43,8 +43,9 @@ import tempfile
 import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PLUGIN_SOURCES = {"cni/__init__.py": os.path.join(ROOT, "cni", "__init__.py"),
-                  "cni/plugin.py": os.path.join(ROOT, "cni", "plugin.py")}
+# the plugin's modules: cni/plugin.py imports the other two (and nothing else of cni/)
+PLUGIN_SOURCES = {f"cni/{name}": os.path.join(ROOT, "cni", name)
+                  for name in ("__init__.py", "plugin.py", "plugin_request.py", "plugin_wire.py")}
 LIBS = ("libz.so.1", "libexpat.so.1")  # DT_NEEDED of python3.11 besides glibc's
 PACKAGES = ("python3.11-minimal", "libpython3.11-minimal", "libpython3.11-stdlib",
             "zlib1g", "libexpat1")

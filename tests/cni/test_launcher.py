@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from cni import plugin
+from cni import plugin_request
 from cni.install import PROJECT_ROOT, Installer
 
 PLUGIN_CODE = ("import sys;sys.path.insert(0,%r);from cni.plugin import exit_main;exit_main()"
@@ -89,7 +89,7 @@ def test_version_on_a_tty_same_as_python(launchers):
             os.close(secondary)
         outs.append((p.returncode, p.stdout))
     assert outs[0] == outs[1] and outs[0][0] == 0
-    assert b'"cniVersion":"%s"' % plugin.LATEST_VERSION.encode() in outs[0][1]
+    assert b'"cniVersion":"%s"' % plugin_request.LATEST_VERSION.encode() in outs[0][1]
 
 
 @pytest.mark.parametrize("stdin", LIBCNI_REQUESTS)

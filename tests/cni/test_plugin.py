@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from cni import plugin
+from cni import plugin, plugin_request
 from tests.cni.conftest import cni_env, net_conf, run_plugin, start_agent
 
 
@@ -60,7 +60,7 @@ async def test_agent_enrollment_failure_fails_add_with_reason(cni_agent, launche
     cni_agent.enroller.fail_with = "no ztunnel connected within 30s"
     rc, out, _ = await run_plugin(launcher, cni_env(), net_conf(cni_agent.run_dir,
                                                                 ambient_default=True))
-    assert rc == 1 and out["code"] == plugin.ERR_AGENT_REFUSED
+    assert rc == 1 and out["code"] == plugin_request.ERR_AGENT_REFUSED
     assert "no ztunnel connected within 30s" in out["msg"] and "demo/web-0" in out["msg"]
 
 
@@ -79,7 +79,7 @@ async def test_no_enrollment_component_fails_ambient_add(state_dir, launcher):
 
 async def test_agent_down_is_try_again_later(tmp_path, launcher):
     rc, out, _ = await run_plugin(launcher, cni_env(), net_conf(tmp_path / "run"))
-    assert rc == 1 and out["code"] == plugin.ERR_TRY_AGAIN
+    assert rc == 1 and out["code"] == plugin_request.ERR_TRY_AGAIN
     assert "pluginevent.sock" in out["msg"]
 
 
@@ -87,7 +87,7 @@ async def test_agent_slow_times_out_try_again_later(cni_agent, launcher):
     cni_agent.enroller.delay = 2.0
     rc, out, _ = await run_plugin(launcher, cni_env(), net_conf(
         cni_agent.run_dir, ambient_default=True, agent_timeout=0.3))
-    assert rc == 1 and out["code"] == plugin.ERR_TRY_AGAIN and "0.3s" in out["msg"]
+    assert rc == 1 and out["code"] == plugin_request.ERR_TRY_AGAIN and "0.3s" in out["msg"]
     # the enrollment the agent started still completes (a following DEL undoes it)
     await asyncio.sleep(2.2)
     assert len(cni_agent.enroller.enrolled) == 1
@@ -110,20 +110,20 @@ async def test_status_reports_agent_availability(cni_agent, launcher, tmp_path):
     assert rc == 0 and out is None
     rc, out, _ = await run_plugin(launcher, cni_env("STATUS"),
                                   net_conf(tmp_path / "gone", version="1.1.0", prev=False))
-    assert rc == 1 and out["code"] == plugin.ERR_NOT_AVAILABLE
+    assert rc == 1 and out["code"] == plugin_request.ERR_NOT_AVAILABLE
     rc, out, _ = await run_plugin(launcher, cni_env("STATUS"),
                                   net_conf(cni_agent.run_dir, version="1.0.0", prev=False))
-    assert rc == 1 and out["code"] == plugin.ERR_INCOMPATIBLE_VERSION
+    assert rc == 1 and out["code"] == plugin_request.ERR_INCOMPATIBLE_VERSION
 
 
 async def test_version_and_check(launcher, tmp_path):
     rc, out, _ = await run_plugin(launcher, {"CNI_COMMAND": "VERSION"}, {"cniVersion": "0.4.0"})
     assert rc == 0 and out == {"cniVersion": "0.4.0",
-                               "supportedVersions": list(plugin.SUPPORTED_VERSIONS)}
+                               "supportedVersions": list(plugin_request.SUPPORTED_VERSIONS)}
     rc, out, _ = await run_plugin(launcher, cni_env("CHECK"), net_conf(tmp_path, "0.4.0"))
     assert rc == 0 and out is None
     rc, out, _ = await run_plugin(launcher, cni_env("CHECK"), net_conf(tmp_path, "0.3.1"))
-    assert rc == 1 and out["code"] == plugin.ERR_INCOMPATIBLE_VERSION
+    assert rc == 1 and out["code"] == plugin_request.ERR_INCOMPATIBLE_VERSION
 
 
 BAD_INPUT = [

@@ -12,7 +12,7 @@ import os
 import pytest
 
 from ambient.store import ObjectStore
-from cni import plugin
+from cni import plugin_request
 from cni.snapshot import build_snapshot, write_snapshot
 from tests.cni.conftest import cni_env, net_conf, run_plugin, start_agent
 
@@ -42,7 +42,7 @@ def write(run_dir, store, source="kubernetes", exclude=("kube-system",)):
     os.makedirs(run_dir, exist_ok=True)
     content = build_snapshot(store, node_name=NODE, source=source,
                              exclude_namespaces=list(exclude))
-    write_snapshot(os.path.join(run_dir, plugin.SNAPSHOT_NAME), content)
+    write_snapshot(os.path.join(run_dir, plugin_request.SNAPSHOT_NAME), content)
     return content
 
 
@@ -95,7 +95,7 @@ async def test_kubernetes_pods_without_the_agent(tmp_path, launcher):
             ("elsewhere", "x", "u-x", False)]:    # unknown namespace, no ambient_default
         rc, out, err, conf = await add(launcher, run, kube_args(ns, name, uid))
         if ambient:
-            assert rc == 1 and out["code"] == plugin.ERR_TRY_AGAIN, (name, out)
+            assert rc == 1 and out["code"] == plugin_request.ERR_TRY_AGAIN, (name, out)
             assert f"pod {ns}/{name} is ambient" in out["msg"]
             assert "cannot reach the node agent" in out["msg"] and "try again later" in out["msg"]
         else:
@@ -105,7 +105,7 @@ async def test_kubernetes_pods_without_the_agent(tmp_path, launcher):
     # an unknown namespace follows ambient_default, as the agent does without a Pod object
     rc, out, _, _ = await add(launcher, run, kube_args("elsewhere", "x", "u-x"),
                               ambient_default=True)
-    assert rc == 1 and out["code"] == plugin.ERR_TRY_AGAIN
+    assert rc == 1 and out["code"] == plugin_request.ERR_TRY_AGAIN
 
 
 async def test_container_named_pods_without_the_agent(tmp_path, launcher):
@@ -116,14 +116,14 @@ async def test_container_named_pods_without_the_agent(tmp_path, launcher):
                         pod("legacy", "legacy", "cid-legacy", node=None)), source="files")
     podman_args = "IgnoreUnknown=1;K8S_POD_NAME=web-container"
     rc, out, _, _ = await add(launcher, run, podman_args, container_id="cid-web")
-    assert rc == 1 and out["code"] == plugin.ERR_TRY_AGAIN and "pod cid-web is ambient" in out["msg"]
+    assert rc == 1 and out["code"] == plugin_request.ERR_TRY_AGAIN and "pod cid-web is ambient" in out["msg"]
     rc, _, err, _ = await add(launcher, run, podman_args, container_id="cid-legacy")
     assert rc == 0 and "not ambient" in err
     rc, _, _, _ = await add(launcher, run, podman_args, container_id="cid-unknown")
     assert rc == 0
     rc, out, _, _ = await add(launcher, run, podman_args, container_id="cid-unknown",
                               ambient_default=True)
-    assert rc == 1 and out["code"] == plugin.ERR_TRY_AGAIN
+    assert rc == 1 and out["code"] == plugin_request.ERR_TRY_AGAIN
 
 
 @pytest.mark.parametrize("content, why", [
@@ -136,16 +136,16 @@ async def test_container_named_pods_without_the_agent(tmp_path, launcher):
     (json.dumps({"version": 1, "pods": {}, "namespaces": [], "excluded_namespaces": []}),
      "field 'namespaces' must map"),
     (json.dumps({"version": 1, "pods": {}, "namespaces": {}}), "excluded_namespaces"),
-    (b" " * (plugin.SNAPSHOT_MAX_BYTES + 1), "larger than"),
+    (b" " * (plugin_request.SNAPSHOT_MAX_BYTES + 1), "larger than"),
 ])
 async def test_no_usable_snapshot_fails_closed(tmp_path, launcher, content, why):
     run = tmp_path / "run"
     run.mkdir()
     if content is not None:
-        (run / plugin.SNAPSHOT_NAME).write_bytes(content.encode() if isinstance(content, str)
+        (run / plugin_request.SNAPSHOT_NAME).write_bytes(content.encode() if isinstance(content, str)
                                                  else content)
     rc, out, _, _ = await add(launcher, str(run), kube_args("plain", "p", "u-p"))
-    assert rc == 1 and out["code"] == plugin.ERR_TRY_AGAIN
+    assert rc == 1 and out["code"] == plugin_request.ERR_TRY_AGAIN
     assert "no usable enablement snapshot" in out["msg"] and why in out["msg"]
 
 
@@ -160,7 +160,7 @@ async def test_agent_draining_or_timing_out_still_lets_non_ambient_pods_through(
         rc, out, err, _ = await add(launcher, agent.run_dir, kube_args("plain", "p", "u-p"))
         assert rc == 0 and "is shutting down" in err
         rc, out, _, _ = await add(launcher, agent.run_dir, kube_args("amb", "a", "u-a"))
-        assert rc == 1 and out["code"] == plugin.ERR_TRY_AGAIN and "shutting down" in out["msg"]
+        assert rc == 1 and out["code"] == plugin_request.ERR_TRY_AGAIN and "shutting down" in out["msg"]
         agent.ctx.draining = False
         agent.enroller.delay = 2.0
         # the agent (no Pod object, ambient_default) enrolls, slowly: the snapshot knows

@@ -15,7 +15,7 @@ import yaml
 from agent.core import config as agent_config
 from agent.core.lifecycle import AgentContext
 from ambient import source as ambient_source
-from cni import plugin, snapshot
+from cni import plugin_request, snapshot
 from tests.helpers import eventually
 
 AMBIENT = {"istio.io/dataplane-mode": "ambient"}
@@ -63,7 +63,7 @@ async def test_written_at_start_follows_edits_and_stays(tmp_path):
     write(cluster / "all.yaml", *objects({}))
     ctx, source, writer, _ = await start(tmp_path)
     try:
-        assert writer.path == str(tmp_path / "state" / plugin.SNAPSHOT_NAME)
+        assert writer.path == str(tmp_path / "state" / plugin_request.SNAPSHOT_NAME)
         assert writer.ready() == (True, "")
         snap = read(writer)
         assert (snap["pods"], snap["namespaces"]) == ({"u-cart": False}, {"shop": False})
@@ -112,7 +112,7 @@ async def test_failed_write_is_reported_and_retried_with_the_next_change(tmp_pat
     cluster = tmp_path / "cluster"
     cluster.mkdir()
     write(cluster / "all.yaml", *objects({}))
-    blocked = tmp_path / "state" / plugin.SNAPSHOT_NAME
+    blocked = tmp_path / "state" / plugin_request.SNAPSHOT_NAME
     os.makedirs(blocked)  # a directory where the file belongs: rename fails
     ctx, source, writer, _ = await start(tmp_path)
     try:

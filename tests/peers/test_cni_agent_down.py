@@ -26,7 +26,7 @@ from pyroute2 import netns as pr_netns
 from agent.core import config as agent_config
 from agent import daemon
 from agent.demo.envoy import free_port
-from cni import plugin
+from cni import plugin_request
 from agent.demo.cni_runtime import CniPluginError, CniRuntime, load_conflist
 from tests.helpers import eventually
 from tests.netns.toolkit import unique
@@ -165,7 +165,7 @@ async def test_plugin_stays_and_holds_ambient_pods_while_the_agent_is_down(node)
     # the plugin stays: same conflist, launcher in place, snapshot next to the socket
     assert node.conflist() == chained
     assert os.access(root / "bin" / "istio-cni", os.X_OK)
-    snap = json.loads((root / "state" / plugin.SNAPSHOT_NAME).read_text())
+    snap = json.loads((root / "state" / plugin_request.SNAPSHOT_NAME).read_text())
     assert snap["pods"] == {"u-known": True} and snap["namespaces"]["amb"] is True
     assert not os.path.exists(root / "state" / "pluginevent.sock")
 
@@ -174,7 +174,7 @@ async def test_plugin_stays_and_holds_ambient_pods_while_the_agent_is_down(node)
     late_ns = node.new_netns()
     with pytest.raises(CniPluginError) as err:
         await asyncio.to_thread(node.add, "c-late", late_ns, "amb", "late", "u-late")
-    assert err.value.plugin == "istio-cni" and err.value.code == plugin.ERR_TRY_AGAIN
+    assert err.value.plugin == "istio-cni" and err.value.code == plugin_request.ERR_TRY_AGAIN
     assert "pod amb/late is ambient" in err.value.msg
     # the runtime tears the failed sandbox's network down (DEL is best effort: exit 0)
     await asyncio.to_thread(node.delete, "c-late", late_ns, "amb", "late", "u-late")
@@ -186,7 +186,7 @@ async def test_plugin_stays_and_holds_ambient_pods_while_the_agent_is_down(node)
     again_ns = node.new_netns()
     with pytest.raises(CniPluginError) as err:
         await asyncio.to_thread(node.add, "c-known2", again_ns, "amb", "known", "u-known")
-    assert err.value.code == plugin.ERR_TRY_AGAIN
+    assert err.value.code == plugin_request.ERR_TRY_AGAIN
     await asyncio.to_thread(node.delete, "c-known2", again_ns, "amb", "known", "u-known")
 
     # the agent is back: the runtime's retry of the held pod enrolls it
