@@ -14,7 +14,8 @@ contract in ``pyproject.toml``). Modules:
 - launchers for real peers: :mod:`agent.demo.podman`, :mod:`agent.demo.envoy`,
   :mod:`agent.demo.ztunnel` (a ztunnel binary), and :mod:`agent.demo.cni_runtime` (runs a
   conflist's plugins the way a container runtime does);
-- :mod:`agent.demo.fake_ztunnel`: the Python ztunnel stand-in shared by the demo, the
-  tests and the benchmarks;
+- :mod:`agent.demo.fake_ztunnel` (with :mod:`agent.demo.pod_listeners` and
+  :mod:`agent.demo.fake_ztunnel_thread`): the Python ztunnel stand-in shared by the demo,
+  the tests and the benchmarks;
 - :mod:`agent.demo.examples`: Pod manifests as the example cluster writes them.
 """

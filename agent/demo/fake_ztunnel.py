@@ -29,14 +29,8 @@ to ``on_accept(accepted, sock)`` which then owns the socket.
 The tests of ``tests/ztunnel_exact/`` use clients of their own, written independently
 from the same upstream files, so the agent is never judged only against this one.
 
-Usage::
-
-    client = FakeZtunnel("/var/run/ztunnel/ztunnel.sock", open_listeners=True)
-    task = asyncio.create_task(client.run())
-    await client.wait_snapshot(timeout=5)
-    await client.wait_for_pod(uid, timeout=5)
-    ...
-    client.stop(); await task
+Usage: ``docs/zds.md`` ("The fake ztunnel"); :mod:`agent.demo.fake_ztunnel_thread` runs
+one on a thread of its own for synchronous tests.
 """
 
 from __future__ import annotations
@@ -49,11 +43,11 @@ import os
 import socket
 import threading
 import time
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from agent.core.backoff import Backoff
 from agent.demo.pod_listeners import (PACKET_MARK, Accepted, HeldPod, close_listeners,
-                                      open_pod_listeners, original_dst)
+                                      open_pod_listeners, serve_listener)
 from zds import wire
 
 log = logging.getLogger(__name__)
@@ -88,7 +82,10 @@ class FakeZtunnel:
     listeners for every held pod; ``on_accept``: optional callback for landed traffic
     (default: each :class:`Accepted` goes to :attr:`accepted`, TCP peers get the line
     ``"zds-client <uid> <port>\\n"`` and are closed); ``reconnect``: keep reconnecting
-    after EOF (ztunnel does; False ends :meth:`run` after the first session).
+    after EOF (ztunnel does; False ends :meth:`run` after the first session); ``nack``:
+    when set, every Add is refused with this text (a ztunnel that cannot take pods;
+    assignable at any time); ``on_request(kind, payload)``: called on the session thread
+    before each request is handled (tests use it to act at that exact moment).
 
     Each session is read, handled and acked on a dedicated blocking thread (as a
     separate ztunnel process would read), so state changes happen there; waiters and
@@ -97,13 +94,22 @@ class FakeZtunnel:
     State: :attr:`pods` (uid -> :class:`HeldPod`, running proxies), :attr:`pending`
     (uid -> reason), :attr:`snapshot_received`, :attr:`connected`, :attr:`sessions`
     (connections made), :attr:`snapshots` (SnapshotSent handled), :attr:`received`
-    (``(session, kind, uid)`` of every request, newest last), :attr:`fatal`.
+    (``(session, kind, uid)`` of every request, newest last), :attr:`fatal`; and what the
+    agent sent: :attr:`adds` (uid -> netns inode of the last Add, None for a Keep only),
+    :attr:`deleted` (uids, in order), :attr:`snapshot_uids` (the uids named before the
+    latest SnapshotSent, None before the first).
     """
 
     def __init__(self, path: str, *, open_listeners: bool = False,
                  on_accept: AcceptCallback | None = None, reconnect: bool = True,
-                 pending_retry: float = PENDING_RETRY, mark: int = PACKET_MARK):
+                 pending_retry: float = PENDING_RETRY, mark: int = PACKET_MARK,
+                 nack: str = "", on_request: Callable[[str, Any], None] | None = None):
         self.path = path
+        self.nack = nack
+        self.on_request = on_request
+        self.adds: dict[str, int | None] = {}
+        self.deleted: list[str] = []
+        self.snapshot_uids: set[str] | None = None
         self.open_listeners = open_listeners
         self.on_accept = on_accept
         self.reconnect = reconnect
@@ -337,6 +343,9 @@ class FakeZtunnel:
                 return
             body = getattr(request, kind)
             self.received.append((session, kind, body.uid if kind != "snapshot_sent" else ""))
+            self._record(kind, body, packet.fds)
+            if self.on_request is not None:
+                self.on_request(kind, body)
             try:
                 error = self._handle(kind, body, packet.fds)
             except ProtocolError as e:
@@ -369,10 +378,21 @@ class FakeZtunnel:
             packet.close_fds()
             raise
 
+    def _record(self, kind: str, body: Any, fds: list[int]) -> None:
+        if kind == "add" and not self.nack:
+            self.adds[body.uid] = os.fstat(fds[0]).st_ino
+        elif kind == "keep":
+            self.adds.setdefault(body.uid, None)
+        elif kind == "del":
+            self.deleted.append(body.uid)
+
     def _handle(self, kind: str, body, fds: list[int]) -> str:
         """Handle one request (``body`` is its payload message); returns the ack's error
         text ("" = success). Raises ProtocolError for ztunnel's fatal errors."""
         if kind == "add":
+            if self.nack:
+                os.close(fds[0])
+                return self.nack
             return self._on_add(body, fds[0])
         if kind == "keep":
             if self.snapshot_received:
@@ -394,6 +414,7 @@ class FakeZtunnel:
             if uid not in self.snapshot_set:
                 self._drain(uid)
         self.snapshot_received = True
+        self.snapshot_uids = set(self.snapshot_set)
         self.snapshots += 1
         return ""
 
@@ -438,7 +459,7 @@ class FakeZtunnel:
 
     def _serve_listeners(self, pod: HeldPod) -> None:
         if pod.listeners and not pod.tasks:
-            pod.tasks = [asyncio.create_task(self._serve_listener(pod.uid, sock))
+            pod.tasks = [asyncio.create_task(serve_listener(pod.uid, sock, self._deliver))
                          for sock in pod.listeners]
 
     def _drain(self, uid: str) -> None:
@@ -469,21 +490,6 @@ class FakeZtunnel:
             del self._pending_add[uid]
             self.pending.pop(uid, None)
         self._notify()
-
-    async def _serve_listener(self, uid: str, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        port = sock.getsockname()[1]
-        while True:
-            if sock.type == socket.SOCK_DGRAM:
-                data, peer = await loop.sock_recvfrom(sock, 4096)
-                await self._deliver(Accepted(uid, port, "udp", peer, sock.getsockname(),
-                                             sock.getsockname(), data), None)
-                continue
-            conn, peer = await loop.sock_accept(sock)
-            local = conn.getsockname()
-            dst = original_dst(conn)
-            accepted = Accepted(uid, port, "tcp", peer, local, dst or local)
-            await self._deliver(accepted, conn)
 
     async def _deliver(self, accepted: Accepted, conn: socket.socket | None) -> None:
         if self.on_accept is not None:

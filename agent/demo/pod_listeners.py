@@ -16,6 +16,7 @@ import dataclasses
 import os
 import socket
 import struct
+from typing import Awaitable, Callable
 
 from agent.core.netns import run_in_netns_thread
 
@@ -141,3 +142,24 @@ def close_listeners(pod: HeldPod) -> None:
     for sock in pod.listeners:
         sock.close()
 
+
+
+Deliver = Callable[[Accepted, "socket.socket | None"], Awaitable[None]]
+
+
+async def serve_listener(uid: str, sock: socket.socket, deliver: Deliver) -> None:
+    """Accept on (TCP) or receive from (UDP) one of pod ``uid``'s listeners until
+    cancelled; each connection or datagram goes to ``deliver`` as an :class:`Accepted`
+    (with the accepted socket for TCP, which ``deliver`` then owns)."""
+    loop = asyncio.get_running_loop()
+    port = sock.getsockname()[1]
+    while True:
+        if sock.type == socket.SOCK_DGRAM:
+            data, peer = await loop.sock_recvfrom(sock, 4096)
+            await deliver(Accepted(uid, port, "udp", peer, sock.getsockname(),
+                                   sock.getsockname(), data), None)
+            continue
+        conn, peer = await loop.sock_accept(sock)
+        local = conn.getsockname()
+        dst = original_dst(conn)
+        await deliver(Accepted(uid, port, "tcp", peer, local, dst or local), conn)

@@ -5,7 +5,7 @@ backend, the real ZDS server, the real enrollment) authenticate with a token of 
 DaemonSet's own ServiceAccount under deploy/kubernetes/rbac.yaml as shipped; tests play
 the kubelet (Pods bound to a node name, their status with the IP of a real netns pod on a
 bridge, and a real process in that netns in a cgroup named after the API server's pod
-UID, tests/netns/podproc.py). ztunnel is the ZDS stand-in (tests/netns/enrollment_ztunnel.py).
+UID, tests/netns/podproc.py). ztunnel is the fake ztunnel (agent.demo.fake_ztunnel).
 Host probe rules go into a scratch netns. Every test asserts that no 403 was logged,
 except the one that runs with a ServiceAccount lacking the patch permission on purpose.
 """
@@ -31,7 +31,7 @@ from cni.enrollment import Enrollment
 from cni.events import CniPodEvent
 from tests.helpers import eventually
 from tests.kube import cluster as kc
-from tests.netns.enrollment_ztunnel import FakeZtunnel
+from agent.demo.fake_ztunnel_thread import FakeZtunnelThread
 from tests.netns.podproc import PodProcesses, cgroup_root
 from tests.netns.test_enrollment_rules import snapshot as full_snapshot
 from zds.server import ZdsServer
@@ -109,7 +109,7 @@ class KubeAgent:
         assert self.source.ready() == (True, ""), self.source.debug_state()
         await self.zds.start()
         self.ztunnel = await asyncio.to_thread(
-            FakeZtunnel(self.config.ztunnel_uds_address).start)
+            FakeZtunnelThread(self.config.ztunnel_uds_address).start)
         await self.enrollment.start()
         return self
 

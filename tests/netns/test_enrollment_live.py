@@ -4,7 +4,7 @@ source (``ambient.source`` over a YAML directory watched with inotify) and the r
 ambient index, real netns pods on a bridge, a real process inside each pod's netns in a
 real cgroup named like the kubelet's (``tests/netns/podproc.py``: what the agent's
 ``/proc`` scan reads), real rules, the real ZDS server and the ZDS ztunnel stand-in
-(tests/netns/enrollment_ztunnel.py: ztunnel can't run here). Host probe rules go into
+(agent.demo.fake_ztunnel, on a thread of its own: ztunnel can't run here). Host probe rules go into
 a scratch "node" netns. No Kubernetes API here (tests/kube/ covers the PATCH path)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ambient import source as ambient_source
 from ambient import workload_pb2 as wl
 from cni.enrollment import Enrollment
 from cni.events import CniPodEvent
-from tests.netns.enrollment_ztunnel import FakeZtunnel
+from agent.demo.fake_ztunnel_thread import FakeZtunnelThread
 from tests.netns.podproc import PodProcesses, cgroup_root
 from tests.netns.test_enrollment_rules import snapshot
 from zds.server import ZdsServer
@@ -85,7 +85,7 @@ class Agent:
             config_dir=str(config_dir), node_name=NODE,
             ztunnel_uds_address=os.path.join(sd, "zds.sock"), ztunnel_wait=2.0,
             host_rules_netns=node_netns, ambient_ipv6=False)
-        self.ztunnels: list[FakeZtunnel] = []
+        self.ztunnels: list[FakeZtunnelThread] = []
 
     async def start(self):
         self.ctx = AgentContext(self.config)
@@ -100,8 +100,8 @@ class Agent:
     async def start_enrollment(self):
         await self.enrollment.start()
 
-    async def ztunnel(self) -> FakeZtunnel:
-        zt = await asyncio.to_thread(FakeZtunnel(self.config.ztunnel_uds_address).start)
+    async def ztunnel(self) -> FakeZtunnelThread:
+        zt = await asyncio.to_thread(FakeZtunnelThread(self.config.ztunnel_uds_address).start)
         self.ztunnels.append(zt)
         return zt
 

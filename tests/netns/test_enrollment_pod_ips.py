@@ -2,7 +2,7 @@
 IPv4 pods (issue 17 item 5; upstream unmaps with ``netip.Addr.Unmap()``).
 
 Real netns pods on a bridge, real in-pod rules, the real ZDS server with the ZDS
-ztunnel stand-in (tests/netns/enrollment_ztunnel.py), the real CNI event server, and the
+fake ztunnel (agent.demo.fake_ztunnel), the real CNI event server, and the
 real ``istio-cni`` plugin executed through the launcher our installer writes, exactly as
 a runtime runs it. Host probe sets live in a scratch "node" netns.
 """

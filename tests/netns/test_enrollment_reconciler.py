@@ -1,6 +1,6 @@
 """The enrollment component end to end: real netns pods on a bridge, real rules, the real
 ZDS server (``zds.server.ZdsServer``) and a ztunnel stand-in speaking real ZDS
-(tests/netns/enrollment_ztunnel.py, since ztunnel can't run here). Host probe rules
+(agent.demo.fake_ztunnel on a thread of its own, since ztunnel can't run here). Host probe rules
 and sets go into a scratch "node" netns (setting ``host_rules_netns``) so the real
 host is never touched. The config source, where used, is a minimal in-memory
 ObjectStore (the ``ambient.api.ObjectStore`` read side), no Kubernetes API here.
@@ -21,8 +21,8 @@ from agent.core.config import load
 from agent.core.lifecycle import AgentContext, Component
 from cni.enrollment import Enrollment, EnrollmentError
 from cni.events import CniPodEvent
-from tests.netns.enrollment_ztunnel import FakeZtunnel
-from tests.netns.test_enrollment_rules import accept_one, dial, original_dst, snapshot
+from agent.demo.fake_ztunnel_thread import FakeZtunnelThread
+from tests.netns.test_enrollment_rules import dial, snapshot
 from zds.server import ZdsServer
 
 
@@ -61,7 +61,7 @@ class Harness:
         self.config = load({}, env={}).replace(
             state_dir=self.state_dir, ztunnel_uds_address=os.path.join(self.state_dir, "zds.sock"),
             ztunnel_wait=2.0, host_rules_netns=node_netns, ambient_ipv6=False, **overrides)
-        self.ztunnels: list[FakeZtunnel] = []
+        self.ztunnels: list[FakeZtunnelThread] = []
 
     async def start(self, source: FakeConfigSource | None = None):
         self.ctx = AgentContext(self.config)
@@ -73,8 +73,8 @@ class Harness:
         await self.enrollment.start()
         return self
 
-    async def ztunnel(self, **kw) -> FakeZtunnel:
-        zt = await asyncio.to_thread(FakeZtunnel(self.config.ztunnel_uds_address, **kw).start)
+    async def ztunnel(self, **kw) -> FakeZtunnelThread:
+        zt = await asyncio.to_thread(FakeZtunnelThread(self.config.ztunnel_uds_address, **kw).start)
         self.ztunnels.append(zt)
         return zt
 
@@ -122,14 +122,14 @@ async def test_enroll_traffic_and_unenroll(bridge, state_dir, node_netns):
 
         # A -> B lands on ztunnel's outbound listener inside A, original dst recoverable
         client = await asyncio.to_thread(dial, a, b.ip, 8080)
-        conn = accept_one(zt.listeners[a.uid][15001])
-        assert original_dst(conn) == (b.ip, 8080)
-        conn.close(), client.close()
+        hit = await asyncio.to_thread(zt.wait_accepted, lambda x: (x.uid, x.port) == (a.uid, 15001))
+        assert hit.original_dst == (b.ip, 8080)
+        client.close()
         # unenrolled C -> B lands on ztunnel's inbound listener inside B
         client = await asyncio.to_thread(dial, c, b.ip, 8080)
-        conn = accept_one(zt.listeners[b.uid][15006])
-        assert original_dst(conn) == (b.ip, 8080)
-        conn.close(), client.close()
+        hit = await asyncio.to_thread(zt.wait_accepted, lambda x: (x.uid, x.port) == (b.uid, 15006))
+        assert hit.original_dst == (b.ip, 8080)
+        client.close()
 
         # re-ADD of an enrolled pod is harmless: rules not duplicated
         await h.enrollment.enroll(event(a))
@@ -177,14 +177,10 @@ async def test_bad_input_errors_and_rollback(bridge, state_dir, node_netns):
         assert h.enrollment.debug_state()["pods"][bad.uid]["status"] == "failed"
 
         # netns disappears while ztunnel is being told: rolled back, error says so
-        orig_handle = zt._handle
-
-        def vanish(packet):
-            req = __import__("zds.wire", fromlist=["x"]).decode_request(packet.data)
-            if req.WhichOneof("payload") == "add" and req.add.uid == gone.uid:
+        def vanish(kind, payload):
+            if kind == "add" and payload.uid == gone.uid:
                 bridge.remove_pod(gone)
-            orig_handle(packet)
-        zt._handle = vanish
+        zt.fake.on_request = vanish
         with pytest.raises(EnrollmentError, match="disappeared"):
             await h.enrollment.enroll(event(gone))
         assert gone.uid not in h.enrollment.pods()
@@ -292,14 +288,14 @@ async def test_nftables_backend_end_to_end(bridge, state_dir, node_netns):
         await h.enrollment.enroll(event(b))
         assert h.enrollment.debug_state()["backend"] == "nftables"
         client = await asyncio.to_thread(dial, a, b.ip, 8080)
-        conn = accept_one(zt.listeners[a.uid][15001])
-        assert original_dst(conn) == (b.ip, 8080)
-        conn.close(), client.close()
+        hit = await asyncio.to_thread(zt.wait_accepted, lambda x: (x.uid, x.port) == (a.uid, 15001))
+        assert hit.original_dst == (b.ip, 8080)
+        client.close()
         # DNS capture (on by default): UDP/53 from A lands on ztunnel's 15053
         await asyncio.to_thread(a.run, _send_dns, b.ip)
-        udp = zt.listeners[a.uid]["udp15053"]
-        udp.settimeout(3)
-        assert udp.recvfrom(64)[0] == b"q"
+        hit = await asyncio.to_thread(zt.wait_accepted, lambda x: (x.uid, x.port, x.protocol)
+                                      == (a.uid, 15053, "udp"))
+        assert hit.data == b"q"
         assert await host_entries(h) == {a.ip: a.uid, b.ip: b.uid}
         await h.enrollment.unenroll(event(a, "DEL"))
         assert snapshot(a) == before

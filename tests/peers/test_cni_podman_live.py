@@ -3,7 +3,7 @@
 Rootful podman (CNI backend, runc) on a network whose conflist has istio-cni chained by
 our installer; the agent's real pieces (files config source over a YAML directory, CNI
 event server, enrollment, ZDS server) with the ZDS ztunnel stand-in
-(tests/netns/enrollment_ztunnel.py: ztunnel can't run here); host probe rules in a
+(agent.demo.fake_ztunnel, on a thread of its own: ztunnel can't run here); host probe rules in a
 scratch netns. The container's Pod object has ``metadata.uid`` = its container ID (how
 a host without Kubernetes describes its containers, docs/cni.md). The container starts
 outside the mesh; labelling its namespace ambient (a file edit) enrolls it live, found
@@ -32,7 +32,7 @@ from cni.enrollment import Enrollment
 from cni.eventserver import CniEventServer
 from cni.install import Installer
 from tests.helpers import eventually
-from tests.netns.enrollment_ztunnel import FakeZtunnel
+from agent.demo.fake_ztunnel_thread import FakeZtunnelThread
 from tests.netns.toolkit import unique
 from zds.server import ZdsServer
 
@@ -71,7 +71,7 @@ class Agent:
         await self.source.start()
         await self.zds.start()
         self.ztunnel = await asyncio.to_thread(
-            FakeZtunnel(self.config.ztunnel_uds_address).start)
+            FakeZtunnelThread(self.config.ztunnel_uds_address).start)
         await self.enrollment.start()
         await self.events.start()
         return self

@@ -4,7 +4,7 @@ Rootful podman 4.3 (CNI backend, runc; private containers.conf) on a bridge netw
 conflist has istio-cni chained by our installer with ``ambient_default``; the agent's
 real pieces (files config source on an empty directory, ``registration`` in ``local``
 mode following podman's real event stream for labels, ambient index, CNI event server,
-enrollment, ZDS server) with the ZDS ztunnel stand-in (tests/netns/enrollment_ztunnel.py,
+enrollment, ZDS server) with the fake ztunnel (agent.demo.fake_ztunnel,
 from ztunnel's inpod protocol). Checked: the container's workload appears with the IP
 podman gave it, the identity from its labels, HBONE and Ready; a restart moves it to the
 new IP; an agent restart keeps it (state file); the container's removal (CNI DEL)
@@ -33,7 +33,7 @@ from cni.enrollment import Enrollment
 from cni.eventserver import CniEventServer
 from cni.install import Installer
 from tests.helpers import eventually
-from tests.netns.enrollment_ztunnel import FakeZtunnel
+from agent.demo.fake_ztunnel_thread import FakeZtunnelThread
 from tests.netns.toolkit import unique
 from zds.server import ZdsServer
 
@@ -63,7 +63,7 @@ class Agent:
             await c.start()
         await self.zds.start()
         self.ztunnel = await asyncio.to_thread(
-            FakeZtunnel(self.config.ztunnel_uds_address).start)
+            FakeZtunnelThread(self.config.ztunnel_uds_address).start)
         await self.enrollment.start()
         await self.events.start()
         await asyncio.wait_for(self.registrar.label_source.started.wait(), 10)
