@@ -85,19 +85,19 @@ def check_modules(config, proc_modules: str = "/proc/modules",
             loaded = {line.split()[0] for line in f if line.strip()}
     except OSError:
         loaded = set()
-    release_dir: str | None = os.path.join(lib_modules, platform.release())
+    release = os.path.join(lib_modules, platform.release())
+    release_dir: str | None = None  # None: the module tree is not readable here
     builtin: set[str] = set()
     files: set[str] = set()
-    if os.path.isdir(release_dir):
+    if os.path.isdir(release):
+        release_dir = release
         try:
-            with open(os.path.join(release_dir, "modules.builtin")) as f:
+            with open(os.path.join(release, "modules.builtin")) as f:
                 builtin = {os.path.basename(line.strip()).split(".ko")[0] for line in f}
         except OSError:
             pass
-        for _root, _dirs, names in os.walk(release_dir):
+        for _root, _dirs, names in os.walk(release):
             files |= {n.split(".ko")[0] for n in names if ".ko" in n}
-    else:
-        release_dir = None
     states = {m: _module_state(m, loaded, release_dir, builtin, files) for m in wanted}
     missing = [m for m, s in states.items() if s == "missing"]
     unknown = [m for m, s in states.items() if s == "unknown"]

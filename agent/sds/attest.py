@@ -32,7 +32,7 @@ import logging
 import os
 import secrets
 import socket
-from typing import Callable
+from typing import Callable, Iterable, Protocol
 
 from agent.core import unixsocket
 from agent.core.peercred import peer_cred
@@ -40,6 +40,17 @@ from agent.core.spiffe import Identity
 from agent.core.podcgroup import CgroupError, parse_cgroup
 
 log = logging.getLogger(__name__)
+
+
+class PodStore(Protocol):
+    """What SDS reads of the config source's object store (``ambient.store.ObjectStore``
+    has it): Pod and WorkloadEntry objects as dicts, the way the store holds them."""
+
+    def pod_by_uid(self, uid: str) -> dict | None:
+        """The Pod with ``metadata.uid == uid``, or None."""
+
+    def list(self, kind: str, namespace: str | None = None) -> Iterable[dict]:
+        """Every object of ``kind`` (in ``namespace`` when given)."""
 
 
 class AttestationError(Exception):
@@ -101,7 +112,7 @@ class PodAttestor:
     store, the pod is not bound to ``node_name``, or no store is available; never guesses.
     """
 
-    def __init__(self, store_getter: Callable[[], object | None], trust_domain: str,
+    def __init__(self, store_getter: Callable[[], PodStore | None], trust_domain: str,
                  node_name: str):
         self._store = store_getter
         self.trust_domain = trust_domain
@@ -177,6 +188,7 @@ class FrontDoor:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
+        assert task is not None  # asyncio runs each connection's handler as a task
         self._tasks.add(task)
         name = self._prefix + str(next(self._counter))
         backend = None

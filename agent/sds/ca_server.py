@@ -5,7 +5,7 @@ agent. Spec ``docs/sds.md``; upstream ``security/pkg/server/ca/server.go``.
 
 - Where: on the xDS TLS port (``xds_tls_port``, 15012, next to xDS, as istiod does; the
   ``xds`` component adds :class:`CertificateService` to its gRPC server), and optionally
-  on a separate TLS port (``ca_port``, :func:`start_ca_server`). Both are TLS front doors
+  on a separate TLS port (``ca_port``, :class:`CaPort`). Both are TLS front doors
   (:mod:`agent.tlsport.frontdoor`): server certificate renewed before expiry, client certificate
   optional and verified against the mesh root when presented.
 - Authentication: the agent's one chain (:mod:`agent.tlsport.authn`): client certificate SPIFFE
@@ -35,8 +35,10 @@ from grpc_reflection.v1alpha import reflection
 from agent.core.annotations import REGISTERED_BY
 from agent.core.spiffe import Identity
 from agent.tlsport.authn import AuthenticationError, Authenticator, Caller
+from agent.tlsport.frontdoor import TlsFrontDoor, remove_private_socket
+from agent.tlsport.servercert import ServerCertificate
 from agent.sds import ca_pb2, ca_pb2_grpc
-from agent.sds.attest import identity_of_pod
+from agent.sds.attest import PodStore, identity_of_pod
 from agent.sds.ca_embedded import CAError, EmbeddedCA
 
 log = logging.getLogger(__name__)
@@ -48,9 +50,10 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
     """CreateCertificate on top of an :class:`EmbeddedCA`."""
 
     def __init__(self, ca: EmbeddedCA, run_blocking: Callable[..., Awaitable],
-                 trust_domain: str, authenticator: Authenticator | Callable[[], Authenticator],
+                 trust_domain: str,
+                 authenticator: Authenticator | Callable[[], Authenticator | None],
                  trusted_node_accounts: list[str],
-                 store_getter: Callable[[], object | None] = lambda: None, node_name: str = ""):
+                 store_getter: Callable[[], PodStore | None] = lambda: None, node_name: str = ""):
         self.ca = ca
         self._run = run_blocking
         self.trust_domain = trust_domain
@@ -158,29 +161,58 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
         return CA_SERVICE
 
 
-async def start_ca_server(service: CertificateService, address: str, port: int,
-                          certificate, backend_path: str, authenticator: Authenticator
-                          ) -> tuple[grpc.aio.Server, object]:
-    """Serve ``service`` alone on a TLS front door at ``address:port`` (0 = pick), the
-    gRPC server itself on the private Unix socket ``backend_path``. ``certificate`` is an
-    :class:`agent.tlsport.servercert.ServerCertificate` (started by the caller). Returns
-    ``(server, front_door)``; ``front_door.port`` is the bound port. Raises ConfigError
-    naming ``ca_port``/``ca_listen_address`` when the port can't be bound."""
-    from agent.core.config import ensure_tcp_port_free
-    from agent.core.grpc_options import KEEPALIVE_SERVER_OPTIONS
-    from agent.tlsport.frontdoor import TlsFrontDoor
+class CaPort:
+    """The embedded CA alone on its own TLS port (setting ``ca_port``): the gRPC server on
+    the private Unix socket ``backend_path`` (``agent.tlsport.frontdoor.private_socket_path``)
+    behind a TLS front door at ``address:port`` (0 = pick), with ``certificate`` (a
+    renewing :class:`~agent.tlsport.servercert.ServerCertificate`, not started yet).
+    Callers are authenticated by ``authenticator``, which learns of the door at start.
+    :meth:`stop` releases whatever :meth:`start` got to, also after a failed start."""
 
-    server = grpc.aio.server(options=KEEPALIVE_SERVER_OPTIONS)
-    service.add_to_server(server)
-    reflection.enable_server_reflection((CA_SERVICE, reflection.SERVICE_NAME), server)
-    server.add_insecure_port("unix:" + backend_path)
-    await server.start()
-    door = TlsFrontDoor("ca_port", address, port, backend_path, certificate)
-    try:
-        ensure_tcp_port_free("ca_port", address, port)
+    def __init__(self, service: CertificateService, address: str, port: int,
+                 certificate: ServerCertificate, backend_path: str,
+                 authenticator: Authenticator):
+        self.service = service
+        self.address, self.port = address, port
+        self.certificate = certificate
+        self.backend_path = backend_path
+        self.authenticator = authenticator
+        self._server: grpc.aio.Server | None = None
+        self.door: TlsFrontDoor | None = None
+
+    async def start(self) -> int:
+        """Start the certificate, the gRPC server and the door; returns the bound port.
+        Raises ConfigError naming ``ca_port`` when the port is taken or can't be bound,
+        or what the certificate's first issuance raised."""
+        from agent.core.config import ensure_tcp_port_free
+        from agent.core.grpc_options import KEEPALIVE_SERVER_OPTIONS
+
+        await self.certificate.start()
+        server = self._server = grpc.aio.server(options=KEEPALIVE_SERVER_OPTIONS)
+        self.service.add_to_server(server)
+        reflection.enable_server_reflection((CA_SERVICE, reflection.SERVICE_NAME), server)
+        server.add_insecure_port("unix:" + self.backend_path)
+        await server.start()
+        door = TlsFrontDoor("ca_port", self.address, self.port, self.backend_path,
+                            self.certificate)
+        ensure_tcp_port_free("ca_port", self.address, self.port)
         await door.start()
-    except BaseException:
-        await server.stop(0)
-        raise
-    authenticator.add_front_door(door)
-    return server, door
+        self.door = door
+        self.authenticator.add_front_door(door)
+        self.port = door.port
+        return door.port
+
+    async def stop(self, grace: float) -> None:
+        if self.door is not None:
+            self.authenticator.remove_front_door(self.door)
+            await self.door.stop()
+            self.door = None
+        await self.certificate.stop()
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+        remove_private_socket(self.backend_path)
+
+    def debug_state(self) -> dict | None:
+        """The front door's state (None before start)."""
+        return self.door.debug_state() if self.door is not None else None

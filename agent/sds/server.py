@@ -32,10 +32,10 @@ import dataclasses
 import logging
 import os
 import random
-from typing import Callable
+import time
+from typing import Any, Awaitable, Callable
 
 import grpc
-from cryptography import x509
 from envoy.service.secret.v3 import sds_pb2, sds_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -44,18 +44,20 @@ from agent.core.config import Config, ConfigError
 from agent.core.lifecycle import AgentContext, Component
 from agent.core.spiffe import Identity
 from agent.tlsport import frontdoor, servercert
+from agent.tlsport.authn import Authenticator
 from agent.sds import attest, ca_server, files, keys
+from agent.sds.attest import PodStore
 from agent.sds.ca_embedded import CAError, EmbeddedCA
-from agent.sds.ca_istio import CAClientError, EmbeddedCAClient, IstioCAClient
+from agent.sds.ca_istio import CAClient, CAClientError, EmbeddedCAClient, IstioCAClient
 from agent.sds.metrics import SdsCollector
-from agent.sds.cache import DEFAULT, ROOTCA, CacheError, SecretCache
-from agent.sds.service import GenerateError, IdentityError, SdsService, root_secret, tls_secret
+from agent.sds.cache import DEFAULT, ROOTCA, SecretCache
+from agent.sds.resolve import MOUNTED_ROOT, MOUNTED_WORKLOAD, SecretResolver, is_workload_name
+from agent.sds.service import GenerateError, IdentityError, SdsService
+from agent.sds.trustfiles import publish_root, read_pem_bundle, read_trust_anchors
 
 log = logging.getLogger(__name__)
 
 SDS_SERVICE = sds_pb2.DESCRIPTOR.services_by_name["SecretDiscoveryService"].full_name
-_MOUNTED_WORKLOAD = "@workload"  # watcher tokens for workload_certs_dir files
-_MOUNTED_ROOT = "@root"
 _TRUST_ANCHORS = "@trust-anchors"  # watcher tokens for trust_anchors_file and ca_root_cert
 _CA_ROOT = "@ca-root"
 
@@ -69,20 +71,18 @@ class CertBundle:
     root: bytes
 
 
-def _is_workload_name(name: str) -> bool:
-    return name != ROOTCA and files.parse(name) is None
-
-
 class SdsServer(Component):
     """The SDS component. ``store_getter`` returns the config source's ObjectStore (or None);
-    ``identify`` overrides caller identification (benchmarks)."""
+    ``identify`` overrides caller identification (benchmarks); ``authenticator`` returns
+    the ``authn`` component's chain (or None) for the CA; ``clock`` (epoch seconds, default
+    ``time.time``) drives certificate lifetimes, rotation and the CA."""
 
     name = "sds"
 
-    def __init__(self, config: Config, run_blocking: Callable,
-                 store_getter: Callable[[], object | None] = lambda: None,
-                 identify: Callable | None = None,
-                 authenticator: Callable[[], object | None] = lambda: None,
+    def __init__(self, config: Config, run_blocking: Callable[..., Awaitable[Any]],
+                 store_getter: Callable[[], PodStore | None] = lambda: None,
+                 identify: Callable[[grpc.aio.ServicerContext], Identity] | None = None,
+                 authenticator: Callable[[], Authenticator | None] = lambda: None,
                  clock: Callable[[], float] | None = None):
         self.config = config
         self._authenticator = authenticator
@@ -100,8 +100,9 @@ class SdsServer(Component):
                              "mode such as 0600") from None
         self._custom_identify = identify
         self.embedded: EmbeddedCA | None = None
-        self.ca_client = None
+        self.ca_client: CAClient | None = None
         self.cache: SecretCache | None = None
+        self.resolver: SecretResolver | None = None
         self.service: SdsService | None = None
         self.front_door: attest.FrontDoor | None = None
         self.attestor = attest.PodAttestor(store_getter, config.trust_domain,
@@ -109,17 +110,23 @@ class SdsServer(Component):
         self.watcher: files.FileWatcher | None = None
         self.ca_port: int = 0
         self._grpc: grpc.aio.Server | None = None
-        self._ca_grpc: grpc.aio.Server | None = None
-        self._ca_door: frontdoor.TlsFrontDoor | None = None
-        self._ca_backend = ""
-        self._ca_cert: servercert.ServerCertificate | None = None
+        self._ca_port: ca_server.CaPort | None = None
         self._ca_service: ca_server.CertificateService | None = None
         self._published_root = b""
         self._backend_path = ""
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()
+        self.warm_up: asyncio.Task | None = None  # fixed mode: minting before anyone asks
         self._started = False
         self._ca_root_bundle = b""  # canonical ca_root_cert content last acted on
-        self.file_secret_failures = 0  # file-backed inputs that failed to read (any kind)
+        self._reload_failures = 0  # trust_anchors_file / ca_root_cert reloads that failed
+
+    @property
+    def file_secret_failures(self) -> int:
+        """File-backed inputs that failed to read, of any kind (served files, mounted
+        certificates, trust anchors, the CA root): upstream's
+        ``num_file_secret_failures_total``."""
+        served = self.resolver.file_failures if self.resolver is not None else 0
+        return served + self._reload_failures
 
     @property
     def mode(self) -> str:
@@ -137,45 +144,50 @@ class SdsServer(Component):
 
     async def _start(self) -> None:
         cfg = self.config
-        await self._start_ca()
-        extra = {"clock": self.clock} if self.clock else {}
-        self.cache = SecretCache(self.ca_client, self._run, self.algorithm, cfg.secret_ttl,
-                                 cfg.secret_grace_ratio, **extra)
-        self.watcher = files.FileWatcher(self._on_file_change)
+        ca_client = await self._start_ca()
+        cache = self.cache = SecretCache(ca_client, self._run, self.algorithm, cfg.secret_ttl,
+                                         cfg.secret_grace_ratio, clock=self.clock or time.time)
+        watcher = self.watcher = files.FileWatcher(self._on_file_change)
+        self.resolver = SecretResolver(cache, watcher, self._run, self.fixed,
+                                       cfg.workload_certs_dir)
         # The service exists before the first cache update can ask it to push.
-        self.service = SdsService(self._identify, self._generate,
-                                  on_watch=lambda i: self.cache.watch(i.spiffe_id),
-                                  on_unwatch=lambda i: self.cache.unwatch(i.spiffe_id))
-        self.cache.subscribe(self._on_cache_update)
+        self.service = SdsService(self._identify, self.resolver.secret,
+                                  on_watch=lambda i: cache.watch(i.spiffe_id),
+                                  on_unwatch=lambda i: cache.unwatch(i.spiffe_id))
+        cache.subscribe(self._on_cache_update)
         if cfg.trust_anchors_file:
-            self.cache.set_extra_trust(await self._run(read_trust_anchors, cfg.trust_anchors_file))
-            self.watcher.watch(cfg.trust_anchors_file, _TRUST_ANCHORS)
+            cache.set_extra_trust(await self._run(read_trust_anchors, cfg.trust_anchors_file))
+            watcher.watch(cfg.trust_anchors_file, _TRUST_ANCHORS)
         if self._ca_root_watched():
             try:
                 self._ca_root_bundle = await self._run(read_pem_bundle, cfg.ca_root_cert)
             except (OSError, ValueError) as e:  # the CA client reports it at the first CSR
                 log.warning("ca_root_cert=%r: %s", cfg.ca_root_cert, e)
-            self.watcher.watch(cfg.ca_root_cert, _CA_ROOT)
+            watcher.watch(cfg.ca_root_cert, _CA_ROOT)
         await self._start_sds()
         if self.embedded:
             await self._publish_root()
         if cfg.ca_port and self.embedded:
             await self._start_ca_port()
         if self.fixed:
-            self._tasks.append(asyncio.get_running_loop().create_task(self._warm_up()))
+            self.warm_up = asyncio.get_running_loop().create_task(self._warm_up(self.fixed))
+            self._track(self.warm_up)
         self._started = True
         log.info("SDS serving on %s (%s identity, CA %s)", cfg.sds_socket, self.mode,
                  cfg.ca_addr or "embedded")
 
-    async def _start_ca(self) -> None:
+    async def _start_ca(self) -> CAClient:
+        """The CA client the cache signs with (also :attr:`ca_client`): a remote Istio CA
+        when ``ca_addr`` is set, else the embedded CA (loaded or created)."""
         cfg = self.config
         if cfg.ca_addr:
             own = self.fixed.spiffe_id if self.fixed else ""
-            self.ca_client = IstioCAClient(cfg.ca_addr, cfg.ca_root_cert, cfg.ca_token_file,
-                                           cfg.cluster_id, own_identity=own)
-            return
+            remote = self.ca_client = IstioCAClient(cfg.ca_addr, cfg.ca_root_cert,
+                                                    cfg.ca_token_file, cfg.cluster_id,
+                                                    own_identity=own)
+            return remote
         try:
-            self.embedded = await self._run(
+            embedded = self.embedded = await self._run(
                 EmbeddedCA.load_or_create, cfg.ca_dir, cfg.trust_domain,
                 cfg.ca_cert_file, cfg.ca_key_file)
         except CAError as e:
@@ -186,8 +198,9 @@ class SdsServer(Component):
             raise RuntimeError(f"embedded CA: setting {name}={getattr(cfg, name)!r}: {e}"
                                ) from None
         if self.clock:
-            self.embedded.clock = self.clock
-        self.ca_client = EmbeddedCAClient(self.embedded, self._run)
+            embedded.clock = self.clock
+        local = self.ca_client = EmbeddedCAClient(embedded, self._run)
+        return local
 
     async def _start_sds(self) -> None:
         path = self.config.sds_socket
@@ -241,8 +254,7 @@ class SdsServer(Component):
             bundle = await self.certificate_for(sans, "ECDSA")
             return servercert.TlsMaterial(bundle.chain, bundle.key, self.root_pem() or bundle.root)
 
-        extra = {"clock": self.clock} if self.clock else {}
-        return servercert.ServerCertificate(name, provide, **extra)
+        return servercert.ServerCertificate(name, provide, clock=self.clock or time.time)
 
     def tls_server_sans(self) -> list[str]:
         """SANs of the agent's TLS listeners: ``spiffe://<td>/ns/<system ns>/sa/ambient-agent``
@@ -257,14 +269,13 @@ class SdsServer(Component):
         authenticator = self._authenticator()
         if authenticator is None:
             raise RuntimeError("ca_port: no caller authentication (component 'authn' missing)")
-        self.ca_servicer()
-        self._ca_cert = self.server_certificate("ca_port", self.tls_server_sans())
-        await self._ca_cert.start()
-        backend = self._ca_backend = frontdoor.private_socket_path(cfg.state_dir, "ca")
-        self._ca_grpc, self._ca_door = await ca_server.start_ca_server(
-            self._ca_service, cfg.ca_listen_address, cfg.ca_port, self._ca_cert, backend,
-            authenticator)
-        self.ca_port = self._ca_door.port
+        service = self.ca_servicer()
+        assert service is not None, "the CA port is started with the embedded CA only"
+        self._ca_port = ca_server.CaPort(
+            service, cfg.ca_listen_address, cfg.ca_port,
+            self.server_certificate("ca_port", self.tls_server_sans()),
+            frontdoor.private_socket_path(cfg.state_dir, "ca"), authenticator)
+        self.ca_port = await self._ca_port.start()
         log.info("embedded CA serving IstioCertificateService on %s:%d (TLS)",
                  cfg.ca_listen_address, self.ca_port)
 
@@ -287,13 +298,14 @@ class SdsServer(Component):
         self._published_root = root
         log.info("mesh root published at %s", path)
 
-    async def _warm_up(self) -> None:
-        """Fixed mode: mint ``default`` and ``ROOTCA`` before anyone asks."""
+    async def _warm_up(self, identity: Identity) -> None:
+        """Fixed mode: mint ``default`` and ``ROOTCA`` for ``identity`` before anyone asks."""
+        assert self.resolver is not None
         delay = 0.5
         while True:
             try:
-                await self._generate(DEFAULT, self.fixed)
-                await self._generate(ROOTCA, self.fixed)
+                await self.resolver.secret(DEFAULT, identity)
+                await self.resolver.secret(ROOTCA, identity)
                 return
             except GenerateError as e:
                 log.warning("SDS warm-up failed, retry in %.1fs: %s", delay, e)
@@ -307,20 +319,13 @@ class SdsServer(Component):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.front_door:
             await self.front_door.stop()
-        if self._ca_door:
-            authenticator = self._authenticator()
-            if authenticator is not None:
-                authenticator.remove_front_door(self._ca_door)
-            await self._ca_door.stop()
-            self._ca_door = None
-        if self._ca_cert:
-            await self._ca_cert.stop()
-        for server in (self._grpc, self._ca_grpc):
-            if server is not None:
-                await server.stop(grace)
-        self._grpc = self._ca_grpc = None
+        if self._ca_port:
+            await self._ca_port.stop(grace)
+            self._ca_port = None
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+            self._grpc = None
         _unlink(self.config.sds_socket)
-        frontdoor.remove_private_socket(self._ca_backend)
         if self._backend_path:
             _unlink(self._backend_path)
         if self.cache:
@@ -334,7 +339,12 @@ class SdsServer(Component):
         return (True, "") if self._started else (False, "SDS server not started")
 
     # --- identity and generation ------------------------------------------------------
-    def _identify(self, context) -> Identity:
+    def _track(self, task: asyncio.Task) -> None:
+        """Keep a background task until it ends (cancelled at stop)."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _identify(self, context: grpc.aio.ServicerContext) -> Identity:
         if self._custom_identify:
             return self._custom_identify(context)
         if self.fixed:
@@ -347,54 +357,6 @@ class SdsServer(Component):
         except attest.AttestationError as e:
             raise IdentityError(str(e)) from None
 
-    async def _generate(self, name: str, identity: Identity):
-        """One Secret for ``name`` as seen by ``identity``. Raises GenerateError."""
-        try:
-            fr = files.parse(name)
-            if fr is not None:
-                return await self._file_secret(fr)
-            if name == ROOTCA:
-                mounted = self._mounted("root-cert.pem")
-                if mounted:
-                    bundle = await self._run(files.read_root, mounted)
-                    self.watcher.watch(mounted, _MOUNTED_ROOT)
-                    return root_secret(name, keys.merge_trust(bundle, self.cache.extra_trust))
-                return root_secret(name, await self.cache.root_bundle(identity.spiffe_id))
-            cert, key = self._mounted("cert-chain.pem"), self._mounted("key.pem")
-            if cert and key:
-                chain, key_pem = await self._run(files.read_pair, cert, key)
-                self.watcher.watch(cert, _MOUNTED_WORKLOAD)
-                return tls_secret(name, chain, key_pem)
-            item = await self.cache.workload(identity.spiffe_id)
-            return tls_secret(name, item.chain, item.key)
-        except files.FileSecretError as e:
-            self.file_secret_failures += 1  # upstream's num_file_secret_failures_total
-            raise GenerateError(str(e)) from None
-        except (CacheError, CAClientError) as e:
-            raise GenerateError(str(e)) from None
-
-    async def _file_secret(self, fr: files.FileResource):
-        if not self.fixed:
-            raise GenerateError("file-cert:/file-root: names are served only with a fixed "
-                                "identity (service_account set), not to attested pods",
-                                retry=False)
-        # Watched before reading: a file that does not exist yet is pushed when it appears.
-        self.watcher.watch(fr.cert, fr.name)
-        if fr.kind == "cert":
-            chain, key = await self._run(files.read_pair, fr.cert, fr.key)
-            return tls_secret(fr.name, chain, key)
-        return root_secret(fr.name, await self._run(files.read_root, fr.cert))
-
-    def _mounted(self, filename: str) -> str:
-        """A non-empty file in ``workload_certs_dir`` (fixed mode only), else ""."""
-        if not self.fixed or not self.config.workload_certs_dir:
-            return ""
-        path = os.path.join(self.config.workload_certs_dir, filename)
-        try:
-            return path if os.path.getsize(path) > 0 else ""
-        except OSError:
-            return ""
-
     # --- pushes ----------------------------------------------------------------------
     def _on_cache_update(self, spiffe_id: str | None, name: str) -> None:
         if self.service is None:  # nothing can be watching yet
@@ -402,24 +364,21 @@ class SdsServer(Component):
         if name == ROOTCA:
             self.service.push(lambda c: {ROOTCA}, spiffe_id)
             if self.config.mesh_root_file and self.root_pem() != self._published_root:
-                task = asyncio.get_running_loop().create_task(self._publish_root())
-                self._tasks.append(task)
-                task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
+                self._track(asyncio.get_running_loop().create_task(self._publish_root()))
         else:
-            self.service.push(lambda c: {n for n in (c.names or ()) if _is_workload_name(n)},
+            self.service.push(lambda c: {n for n in (c.names or ()) if is_workload_name(n)},
                               spiffe_id)
 
     def _on_file_change(self, name: str) -> None:
         if name in (_TRUST_ANCHORS, _CA_ROOT):
             reload = self._reload_trust_anchors if name == _TRUST_ANCHORS else self._reload_ca_root
-            task = asyncio.get_running_loop().create_task(reload(), name=f"sds reload {name}")
-            self._tasks.append(task)
-            task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
-        elif name == _MOUNTED_WORKLOAD:
+            self._track(asyncio.get_running_loop().create_task(reload(),
+                                                               name=f"sds reload {name}"))
+        elif name == MOUNTED_WORKLOAD:
             self._on_cache_update(None, DEFAULT)
-        elif name == _MOUNTED_ROOT:
+        elif name == MOUNTED_ROOT:
             self._on_cache_update(None, ROOTCA)
-        else:
+        elif self.service is not None:
             self.service.push(lambda c: {name})
 
     def _ca_root_watched(self) -> bool:
@@ -436,7 +395,7 @@ class SdsServer(Component):
         try:
             bundle = await self._run(read_trust_anchors, path)
         except ConfigError as e:
-            self.file_secret_failures += 1
+            self._reload_failures += 1
             log.error("trust anchors not reloaded, keeping the previous ones: %s", e)
             return
         if self.cache is not None:
@@ -452,13 +411,14 @@ class SdsServer(Component):
         try:
             bundle = await self._run(read_pem_bundle, path)
         except (OSError, ValueError) as e:
-            self.file_secret_failures += 1
+            self._reload_failures += 1
             log.error("ca_root_cert=%r changed but is unusable, not reconnecting: %s", path, e)
             return
         if bundle == self._ca_root_bundle:
             return
         self._ca_root_bundle = bundle
-        await self.ca_client.reload()
+        if isinstance(self.ca_client, IstioCAClient):
+            await self.ca_client.reload()
         renewed = self.cache.renew_all() if self.cache is not None else 0
         log.info("ca_root_cert changed: reconnected to the CA, renewing %d certificate(s)",
                  renewed)
@@ -485,6 +445,8 @@ class SdsServer(Component):
             except CAError as e:
                 raise CAClientError(e.code, str(e)) from None
             return CertBundle(chain, key, self.embedded.root_pem)
+        if self.ca_client is None:
+            raise CAClientError("UNAVAILABLE", "the sds component has not started")
         key, csr = await self._run(keys.new_key_and_csr, algorithm, sans)
         chain = await self.ca_client.sign(csr, ttl, sans[0] if sans else "")
         return CertBundle(keys.concat_certs(chain).encode(), key, chain[-1].encode())
@@ -497,49 +459,13 @@ class SdsServer(Component):
             "socket": self.config.sds_socket,
             "ca": self.config.ca_addr or "embedded",
             "ca_port": self.ca_port or None,
-            "ca_port_tls": self._ca_door.debug_state() if self._ca_door else None,
+            "ca_port_tls": self._ca_port.debug_state() if self._ca_port else None,
             "mesh_root_file": self.config.mesh_root_file or None,
             "ca_issued": self._ca_service.issued if self._ca_service else 0,
             "streams": self.service.debug_state() if self.service else [],
             "nacks": self.service.nacks if self.service else 0,
             **(self.cache.debug_state() if self.cache else {}),
         }
-
-
-def publish_root(path: str, root: bytes) -> None:
-    """Write ``root`` to ``path`` atomically, 0644, creating its directory 0755. Blocking;
-    raises OSError."""
-    from agent.core.files import write_atomic
-
-    directory = os.path.dirname(path)
-    os.makedirs(directory, mode=0o755, exist_ok=True)
-    os.chmod(directory, 0o755)
-    write_atomic(path, root if root.endswith(b"\n") else root + b"\n", 0o644)
-
-
-def read_trust_anchors(path: str) -> bytes:
-    """The PEM certificates in ``path`` (extra anchors). Raises
-    :class:`ConfigError` naming ``trust_anchors_file`` when unreadable or not certificates."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-        if not x509.load_pem_x509_certificates(data):
-            raise ValueError("no certificate")
-    except OSError as e:
-        raise ConfigError("trust_anchors_file", path, e.strerror or str(e)) from None
-    except ValueError as e:
-        raise ConfigError("trust_anchors_file", path, f"not PEM certificates ({e})") from None
-    return data
-
-
-def read_pem_bundle(path: str) -> bytes:
-    """The certificates of a PEM file in canonical form (split, de-duplicated, sorted:
-    :func:`agent.sds.keys.merge_trust`), so two files holding the same certificates in
-    another order compare equal. Raises OSError, or ValueError when it holds none."""
-    with open(path, "rb") as f:
-        data = f.read()
-    keys.load_certs(data, f"ca_root_cert {path}")
-    return keys.merge_trust(data)
 
 
 def _unlink(path: str) -> None:
@@ -552,11 +478,11 @@ def _unlink(path: str) -> None:
 def build(ctx: AgentContext) -> SdsServer:
     """The ``sds`` component for the daemon (always on)."""
 
-    def store():
+    def store() -> PodStore | None:
         source = ctx.get("config-source")
         return getattr(source, "store", None) if source is not None else None
 
-    def authenticator():
+    def authenticator() -> Authenticator | None:
         authn = ctx.get("authn")
         return getattr(authn, "authenticator", None) if authn is not None else None
 

@@ -199,6 +199,7 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         except IdentityError as e:
             log.warning("SDS caller %s denied: %s", context.peer(), e)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"caller not attested: {e}")
+            raise  # abort() raises; should it return, the caller is still not identified
 
     async def _secrets(self, names: list[str], identity: Identity,
                        known: dict[str, GenerateError] | None = None
@@ -426,14 +427,17 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
             conn.last_nack = req.error_detail.message
             log.warning("SDS delta NACK from %s (stream %d): %s", conn.node_id, conn.id,
                         req.error_detail.message)
+        names = conn.names
+        if names is None:  # a delta stream holds a set from its start (DeltaSecrets)
+            names = conn.names = set()
         for name in req.resource_names_unsubscribe:
-            conn.names.discard(name)
+            names.discard(name)
             conn.versions.pop(name, None)
         added = [n for n in dict.fromkeys(req.resource_names_subscribe)
-                 if n not in conn.names and n != "*"]
-        await self._check_count(conn.names | set(added), context,
+                 if n not in names and n != "*"]
+        await self._check_count(names | set(added), context,
                                 "resource_names_subscribe (subscribed on this stream)")
-        conn.names.update(added)
+        names.update(added)
         if req.response_nonce:
             conn.nonce_acked = req.response_nonce
         await self._delta_respond(conn, added, context)

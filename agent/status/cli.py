@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import aiohttp
 
-from agent.status.report import render  # noqa: F401 - the report, importable from here
+from agent.status.report import render
 
 DEFAULT_STATE_DIR = "/var/run/ambient-agent"
 

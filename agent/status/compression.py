@@ -15,6 +15,7 @@ COMPRESS_MIN_BYTES = 1024  # smaller bodies are not worth compressing
 def compress_large(response: web.Response) -> web.Response:
     """``response``, with gzip/deflate negotiated from the request's ``Accept-Encoding``
     (at send time) when its buffered body is at least :data:`COMPRESS_MIN_BYTES`."""
-    if response.body is not None and len(response.body) >= COMPRESS_MIN_BYTES:
+    body = response.body  # handlers here buffer bytes; a streamed Payload is left as is
+    if isinstance(body, (bytes, bytearray)) and len(body) >= COMPRESS_MIN_BYTES:
         response.enable_compression()
     return response

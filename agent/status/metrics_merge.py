@@ -21,8 +21,8 @@ come; that breaks the scrape whenever formats differ or names repeat. Here:
 - a protobuf ``Accept`` is never forwarded (``filter_accept``), Envoy is asked for text only.
 
 Envoy's body is streamed through in text mode (line-aligned chunks; only metadata lines
-are looked at, by :class:`FamilyGate`), so a multi-megabyte stats page costs little more
-than fetching it. Application bodies are buffered up to :data:`APP_BODY_CAP` each (read
+are looked at, by :mod:`agent.status.familygate`), so a multi-megabyte stats page costs
+little more than fetching it. Application bodies are buffered up to :data:`APP_BODY_CAP` each (read
 cap+1 to detect overflow; larger → dropped and counted), also for a single target
 (upstream streams one target uncapped; we cap for memory safety), and parsed.
 """
@@ -39,10 +39,9 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
-from agent.core.scrapetargets import (  # noqa: F401 - part of this module's API
-    RESERVED_PORTS, AnnotationsError, ScrapeTarget, parse_annotations)
+from agent.core.scrapetargets import ScrapeTarget
 from agent.status import exposition as ex
-from agent.status.exposition import strip_eof  # noqa: F401 - part of this module's API
+from agent.status.familygate import FamilyGate, LineAligned
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +55,6 @@ ENVOY_ACCEPT = ("text/plain", "text/*")
 APP_ACCEPT = ("text/plain", "text/*", "application/openmetrics-text")
 _TOKEN = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
 _MEDIA_RE = re.compile(rf"^({_TOKEN})(?:/({_TOKEN}))?$")
-# Metadata lines are located with bytes.find (memchr) on "#", rare in a stats body and
-# ~4x faster than a regex scan of every byte; the keys are then pulled out of just those
-# lines by one C-level findall. _META_AT checks one line start (the slow path).
-_META_AT = re.compile(rb"# ((?:HELP|TYPE) \S+)")
-_META_RE = re.compile(rb"\n# ((?:HELP|TYPE) \S+)")
 _COPIED_HEADERS = ("User-Agent", "X-Prometheus-Scrape-Timeout-Seconds")
 
 
@@ -132,148 +126,6 @@ def body_format(content_type: str | None) -> str:
     return "om-0.0.1" if version == "0.0.1" else "text"
 
 
-def _metadata_lines(data: bytes, end: int, start: int = 0) -> list[tuple[int, bytes]]:
-    """``(offset, b"TYPE <name>" | b"HELP <name>")`` of every metadata line in
-    ``data[start:end]`` (``start`` is a line start), in order."""
-    find, match = data.find, _META_AT.match
-    found = []
-    i = find(b"#", start, end)
-    while i >= 0:
-        if i == start or data[i - 1] == 0x0A:  # "#" at a line start
-            m = match(data, i, end)
-            if m:
-                found.append((i, m.group(1)))
-        i = find(b"#", i + 1, end)
-    return found
-
-
-def _metadata_keys(data: bytes, end: int, start: int = 0) -> list[bytes]:
-    """``b"TYPE <name>"``/``b"HELP <name>"`` of every metadata line in ``data[start:end]``
-    (``start`` is a line start), in order. Per ``#`` only two finds and a slice; the
-    matching runs in C."""
-    find = data.find
-    lines = []
-    i = find(b"#", start, end)
-    while i >= 0:
-        j = find(b"\n", i, end)
-        if j < 0:
-            j = end
-        # From the byte before "#": "\n# TYPE ..." only when the "#" starts a line.
-        lines.append(data[i - 1:j] if i > start else b"\n" + data[i:j])
-        i = find(b"#", j, end)
-    return _META_RE.findall(b"\n".join(lines)) if lines else []
-
-
-def _new_block(key: bytes, last: bytes) -> bool:
-    """A metadata line starts a new family block unless it is the other half (HELP after
-    TYPE or TYPE after HELP) of the block the previous metadata line began; the same line
-    twice is a second block."""
-    return key == last or key[5:] != last[5:]
-
-
-class FamilyGate:
-    """Cuts, from a text body streamed in line-aligned chunks, whole families that may not
-    appear: a name an earlier source of the response holds
-    (:class:`agent.status.exposition.Claims`), or a family this body declares a second
-    time (first block wins).
-
-    Only metadata lines are looked at: a block runs from a ``# HELP``/``# TYPE`` line to
-    the next metadata line of another name (Envoy declares every family; its samples
-    follow their TYPE line). The fast path (nothing cut, the normal case) costs a memchr
-    scan plus set operations on the chunk's metadata names and returns the chunk uncopied.
-    """
-
-    def __init__(self, claims: ex.Claims, source: str):
-        self.claims = claims
-        self.source = source
-        self._seen: set[bytes] = set()  # names of this body's TYPE lines / blocks so far
-        self._help_seen: set[bytes] = set()  # names of its HELP lines / blocks so far
-        self._last = b""  # the last metadata key (b"TYPE name") seen
-        self._cutting = False  # its block is being cut (it may go on in the next chunk)
-
-    def filter(self, data: bytes, end: int | None = None, start: int = 0
-               ) -> bytes | memoryview:
-        """``data[start:end]`` (``start`` a line start, ``end`` just after a newline)
-        without the cut families: ``data`` itself (or a memoryview of the range) when
-        nothing is cut, else a new bytes."""
-        end = len(data) if end is None else end
-        whole = data if start == 0 and end == len(data) else memoryview(data)[start:end]
-        keys = _metadata_keys(data, end, start)
-        if not keys:
-            if self._cutting:
-                return b""
-            return whole
-        if not self._cutting:
-            types = [k[5:] for k in keys if k[0] == 84]  # b"TYPE ..."
-            helps = [k[5:] for k in keys if k[0] != 84]
-            tset, hset = set(types), set(helps)
-            if (len(tset) == len(types) and len(hset) == len(helps)
-                    and tset.isdisjoint(self._seen) and hset.isdisjoint(self._help_seen)):
-                if not self.claims.admit_text_names(tset | hset, self.source):
-                    self._seen |= tset
-                    self._help_seen |= hset
-                    self._last = keys[-1]
-                    return whole
-        return self._cut(data, end, start)
-
-    def _cut(self, data: bytes, end: int, begin: int = 0) -> bytes:
-        """The slow path: walk the metadata lines, drop cut blocks up to the next kept one."""
-        out = []
-        keep_from = None if self._cutting else begin
-        for start, key in _metadata_lines(data, end, begin):
-            new, self._last = _new_block(key, self._last), key
-            if not new:
-                continue  # the same block goes on (its HELP, then its TYPE)
-            name = key[5:]
-            repeat = name in self._seen or name in self._help_seen
-            if repeat:
-                self.claims.dropped[self.source] = self.claims.dropped.get(self.source, 0) + 1
-            drop = repeat or bool(self.claims.admit_text_names({name}, self.source))
-            self._seen.add(name)
-            self._help_seen.add(name)
-            if drop and keep_from is not None:
-                out.append(data[keep_from:start])
-                keep_from = None
-            elif not drop and keep_from is None:
-                keep_from = start
-        if keep_from is not None:
-            out.append(data[keep_from:end])
-        self._cutting = keep_from is None
-        return b"".join(out)
-
-
-class LineAligned:
-    """Feeds a body arriving in arbitrary chunks to a :class:`FamilyGate` in line-aligned
-    pieces, copying only the line that straddles two chunks: :meth:`feed` returns the
-    parts to write for one chunk (that line completed, then the rest of the chunk up to
-    its last newline, uncopied), :meth:`close` the unfinished last line (a newline added)."""
-
-    def __init__(self, gate: FamilyGate):
-        self.gate = gate
-        self._tail = b""  # the unfinished last line of the previous chunk
-
-    def feed(self, chunk: bytes) -> list[bytes | memoryview]:
-        cut = chunk.rfind(b"\n") + 1
-        if not cut:
-            self._tail += chunk
-            return []
-        parts = []
-        start = 0
-        if self._tail:  # that line ends in this chunk
-            start = chunk.find(b"\n") + 1
-            parts.append(self.gate.filter(self._tail + chunk[:start]))
-        if cut > start:
-            parts.append(self.gate.filter(chunk, cut, start))
-        self._tail = chunk[cut:]
-        return [p for p in parts if len(p)]
-
-    def close(self) -> list[bytes | memoryview]:
-        if not self._tail:
-            return []
-        part, self._tail = self.gate.filter(self._tail + b"\n"), b""
-        return [part] if len(part) else []
-
-
 def source_session() -> aiohttp.ClientSession:
     """The client session for metrics sources: keep-alive connections reused across
     scrapes (no per-scrape TCP handshake to Envoy's admin), bodies passed through
@@ -313,7 +165,7 @@ def _app_part(app: _AppBody, claims: ex.Claims) -> bytes:
     lowered = (ex.for_openmetrics if claims.om else ex.for_text)(fams)
     kept = claims.admit(lowered, "application")
     if not claims.om and app.fmt == "text" and len(kept) == len(lowered):
-        return strip_eof(app.body)
+        return ex.strip_eof(app.body)
     return ex.render(kept, claims.om)
 
 
@@ -323,8 +175,8 @@ class MetricsMerger:
     ``registry`` is the agent's registry (the merger registers
     ``istio_agent_scrapes_total`` and ``istio_agent_scrape_failures_total{type}`` in it);
     ``envoy_url`` the Envoy stats URL or None; ``app_targets`` from
-    :func:`parse_annotations`; ``app_host`` where the app listens; ``run_blocking`` runs
-    CPU-bound conversions off the loop.
+    :func:`agent.core.scrapetargets.parse_annotations`; ``app_host`` where the app
+    listens; ``run_blocking`` runs CPU-bound conversions off the loop.
     """
 
     def __init__(self, registry: CollectorRegistry, envoy_url: str | None,
@@ -358,6 +210,11 @@ class MetricsMerger:
         if self.session:
             await self.session.close()
 
+    def _client(self) -> aiohttp.ClientSession:
+        if self.session is None:
+            raise RuntimeError("MetricsMerger.start() was not called")
+        return self.session
+
     def _upstream(self, request: web.Request, allowed: tuple[str, ...]
                   ) -> tuple[dict[str, str], aiohttp.ClientTimeout]:
         headers = {h: request.headers[h] for h in _COPIED_HEADERS if h in request.headers}
@@ -375,7 +232,7 @@ class MetricsMerger:
         headers, timeout = self._upstream(request, APP_ACCEPT)
         url = f"http://{self.app_host}:{target.port}{target.path}"
         try:
-            async with self.session.get(url, headers=headers, timeout=timeout) as resp:
+            async with self._client().get(url, headers=headers, timeout=timeout) as resp:
                 if resp.status != 200:
                     raise ValueError(f"HTTP {resp.status}")
                 body = await resp.content.read(APP_BODY_CAP + 1)
@@ -392,11 +249,12 @@ class MetricsMerger:
             self.failures.labels("application").inc()
             return None
 
-    async def _open_envoy(self, request: web.Request) -> aiohttp.ClientResponse | None:
+    async def _open_envoy(self, request: web.Request, envoy_url: str
+                          ) -> aiohttp.ClientResponse | None:
         headers, timeout = self._upstream(request, ENVOY_ACCEPT)
-        url = self.envoy_url + (("?" + request.query_string) if request.query_string else "")
+        url = envoy_url + (("?" + request.query_string) if request.query_string else "")
         try:
-            resp = await self.session.get(url, headers=headers, timeout=timeout)
+            resp = await self._client().get(url, headers=headers, timeout=timeout)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             log.warning("scraping Envoy metrics failed: %s", e)
             self.failures.labels("envoy").inc()
@@ -418,7 +276,7 @@ class MetricsMerger:
     async def serve(self, request: web.Request) -> web.StreamResponse:
         """Write one merged scrape to ``request``'s response. Always 200."""
         self.scrapes.inc()
-        envoy_task = (asyncio.ensure_future(self._open_envoy(request))
+        envoy_task = (asyncio.ensure_future(self._open_envoy(request, self.envoy_url))
                       if self.envoy_url else None)
         try:
             apps = list(await asyncio.gather(*(self._fetch_app(request, t)
@@ -436,7 +294,8 @@ class MetricsMerger:
             await response.write(_own_body(self.registry, claims))
             if envoy_task is not None:
                 envoy, envoy_task = await envoy_task, None
-                await self._write_envoy(envoy, response, claims)
+                if envoy is not None:
+                    await self._write_envoy(envoy, response, claims)
             for app in apps:
                 if app is None:
                     continue
@@ -468,10 +327,8 @@ class MetricsMerger:
                             "uses their names (first source wins): %s",
                             ", ".join(f"{s}={n}" for s, n in sorted(shape)))
 
-    async def _write_envoy(self, resp: aiohttp.ClientResponse | None,
+    async def _write_envoy(self, resp: aiohttp.ClientResponse,
                            response: web.StreamResponse, claims: ex.Claims) -> None:
-        if resp is None:
-            return
         try:
             if claims.om:
                 body = await resp.read()
@@ -495,5 +352,7 @@ def _discard_envoy(task: "asyncio.Future[aiohttp.ClientResponse | None]") -> Non
     client went away does not keep a pooled admin connection checked out."""
     if not task.done():
         task.cancel()
-    elif not task.cancelled() and task.exception() is None and task.result() is not None:
-        task.result().release()
+    elif not task.cancelled() and task.exception() is None:
+        resp = task.result()
+        if resp is not None:
+            resp.release()

@@ -32,8 +32,7 @@ from urllib.parse import urljoin, urlsplit
 
 import aiohttp
 
-from agent.core.appprobes import (  # noqa: F401 - part of this module's API
-    PATH_RE, AppProbe, ProberConfigError, parse_probe, parse_probers)
+from agent.core.appprobes import AppProbe
 
 log = logging.getLogger(__name__)
 

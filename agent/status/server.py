@@ -49,7 +49,9 @@ from prometheus_client import Gauge
 from agent.core import fdbudget, listeners, unixsocket
 from agent.core.config import ConfigError
 from agent.core.lifecycle import AgentContext, Component
+from agent.core.appprobes import AppProbe, ProberConfigError, parse_probers
 from agent.core.peercred import peer_cred
+from agent.core.scrapetargets import AnnotationsError, ScrapeTarget, parse_annotations
 from agent.status import debug, metrics_merge, probes
 from agent.status.access import is_loopback
 from agent.status.compression import compress_large
@@ -69,8 +71,8 @@ class StatusServer(Component):
         cfg = ctx.config
         self.port = 0
         self.health_port = 0
-        self.probes: dict[str, probes.AppProbe] = {}
-        self.app_targets: list[metrics_merge.ScrapeTarget] = []
+        self.probes: dict[str, AppProbe] = {}
+        self.app_targets: list[ScrapeTarget] = []
         self.probe_target = probes.ProbeTarget(
             host=cfg.instance_ip or "127.0.0.1", source_ip=cfg.probe_source_ip,
             source_ip6=cfg.probe_source_ipv6, status_port=cfg.status_port)
@@ -100,15 +102,15 @@ class StatusServer(Component):
     def _parse_config(self) -> None:
         cfg = self.ctx.config
         try:
-            self.probes = probes.parse_probers(cfg.kube_app_probers)
-        except probes.ProberConfigError as e:
+            self.probes = parse_probers(cfg.kube_app_probers)
+        except ProberConfigError as e:
             raise ConfigError("kube_app_probers", _short(cfg.kube_app_probers), str(e),
                               cfg.origins.get("kube_app_probers", "")) from None
         given = cfg.origins.get("prometheus_annotations", "default") != "default"
         try:
-            self.app_targets = metrics_merge.parse_annotations(
+            self.app_targets = parse_annotations(
                 cfg.prometheus_annotations, cfg.status_port or 15020, given)
-        except metrics_merge.AnnotationsError as e:
+        except AnnotationsError as e:
             raise ConfigError("prometheus_annotations", _short(cfg.prometheus_annotations),
                               str(e), cfg.origins.get("prometheus_annotations", "")) from None
 
@@ -213,6 +215,12 @@ class StatusServer(Component):
             "envoy_live": self.envoy_ready.live if self.envoy_ready else None,
         }
 
+    def _client(self) -> aiohttp.ClientSession:
+        """The HTTP client for Envoy's admin port (made at start)."""
+        if self._session is None:
+            raise RuntimeError("the status server has not started")
+        return self._session
+
     # --- readiness -------------------------------------------------------------------
 
     def _terminated(self) -> str:
@@ -223,7 +231,7 @@ class StatusServer(Component):
     async def readiness_reason(self) -> str:
         """"" when ready, else the first failing check's reason."""
         if self.envoy_ready is not None:
-            reason = await self.envoy_ready.check(self._session)
+            reason = await self.envoy_ready.check(self._client())
             if reason:
                 return reason
         cause = self._terminated()
@@ -280,7 +288,7 @@ class StatusServer(Component):
         log.info("drain requested on the admin socket")
         if self.envoy_admin:
             try:
-                async with self._session.post(
+                async with self._client().post(
                         f"{self.envoy_admin}/drain_listeners?graceful",
                         timeout=aiohttp.ClientTimeout(total=3)) as resp:
                     if resp.status != 200:
@@ -314,7 +322,7 @@ class StatusServer(Component):
         """Defence in depth behind the socket's 0600 mode: the peer must be root or us."""
         sock = request.transport.get_extra_info("socket") if request.transport else None
         try:
-            _, uid, _ = peer_cred(sock)
+            _, uid, _ = peer_cred(sock) if sock is not None else (0, -1, 0)
         except (OSError, TypeError, AttributeError):
             uid = -1
         if uid not in (0, os.geteuid()):

@@ -36,12 +36,15 @@ import hashlib
 import logging
 import os
 import time
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import yaml
 
 from agent.core.lifecycle import AgentContext, Component
 from agent.core.spiffe import Identity
+
+if TYPE_CHECKING:
+    from kubernetes_asyncio.client import ApiClient
 
 log = logging.getLogger(__name__)
 
@@ -377,7 +380,7 @@ class AuthnComponent(Component):
     def __init__(self, authenticator: Authenticator, kubeconfig: str | None = None):
         self.authenticator = authenticator
         self.kubeconfig = kubeconfig  # None: no API client needed
-        self.api = None
+        self.api: ApiClient | None = None
 
     async def start(self) -> None:
         if self.kubeconfig is None or self.authenticator.token_review is None:

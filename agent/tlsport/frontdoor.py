@@ -138,7 +138,7 @@ class TlsFrontDoor:
         self._listener = self._bind()
         self.port = self._listener.getsockname()[1]
         self._accept_task = asyncio.get_running_loop().create_task(
-            self._accept_loop(), name=f"accept-{self.name}")
+            self._accept_loop(self._listener), name=f"accept-{self.name}")
 
     def _bind(self) -> socket.socket:
         # One socket per door: a wildcard address listens dual-stack on [::] (IPv4
@@ -179,11 +179,11 @@ class TlsFrontDoor:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _accept_loop(self) -> None:
+    async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                sock, address = await loop.sock_accept(self._listener)
+                sock, address = await loop.sock_accept(listener)
             except OSError as e:  # EMFILE and friends: back off, keep the listener
                 log.warning("%s: accept failed: %s", self.name, e)
                 await asyncio.sleep(0.5)

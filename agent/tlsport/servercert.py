@@ -30,7 +30,7 @@ import logging
 import os
 import ssl
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterable
 
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
@@ -70,7 +70,8 @@ class TlsMaterial:
             not_after=self.not_after or leaf.not_valid_after_utc.timestamp())
 
 
-def server_names(system_namespace: str, node_name: str = "", extra: list[str] = ()) -> list[str]:
+def server_names(system_namespace: str, node_name: str = "", extra: Iterable[str] = ()
+                 ) -> list[str]:
     """The names a server certificate of the agent carries, in order, without duplicates.
 
     ztunnel verifies the host of its ``XDS_ADDRESS``/``CA_ADDRESS`` (or ``ALT_XDS_HOSTNAME``
@@ -203,7 +204,7 @@ class ServerCertificate:
             if now < self.renew_at or now < self._next_try:
                 return False  # someone else renewed while we waited, or backing off
             try:
-                await self._install(await self.provide())
+                material = await self._install(await self.provide())
             except Exception as e:  # noqa: BLE001 - keep serving the current certificate
                 self.last_error = str(e) or type(e).__name__
                 self._next_try = now + self._backoff.next()
@@ -217,14 +218,17 @@ class ServerCertificate:
             self._next_try = 0.0
             self._backoff.reset()
             log.info("%s: server certificate renewed, valid until %s", self.name,
-                     time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.material.not_after)))
+                     time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(material.not_after)))
             return True
 
-    async def _install(self, material: TlsMaterial) -> None:
+    async def _install(self, material: TlsMaterial) -> TlsMaterial:
+        """Check ``material`` and put it in use; returns it with its validity filled in.
+        Raises ValueError (unusable leaf) or ssl.SSLError (key does not match)."""
         material = material.with_validity()
         check_server_leaf(material.cert_chain_pem)
         self.context = server_context(material)
         self.material = material
+        return material
 
     async def _run(self) -> None:
         while True:

@@ -131,7 +131,7 @@ async def test_generation_failure_keeps_the_stream_and_retries(sds, channel_for)
     """Deliberately unlike upstream (whose generate() aborts the stream): the name stays
     unresolved on the open stream, is counted, and arrives once the CA is back."""
     server = await sds()
-    server._tasks[0].cancel()  # no warm-up: the first request must hit the CA
+    server.warm_up.cancel()  # no warm-up: the first request must hit the CA
     flaky = SwitchableCA(server.cache.ca)
     flaky.down = True
     server.cache.ca = flaky

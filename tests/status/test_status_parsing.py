@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from agent.core import appprobes, scrapetargets
+from agent.status import exposition, familygate
 from agent.status import metrics_merge as mm
-from agent.status import probes, readiness
+from agent.status import readiness
 
 
 # --- ISTIO_KUBE_APP_PROBERS ---------------------------------------------------------------
@@ -26,55 +28,55 @@ from agent.status import probes, readiness
     ('[1]', "expected a JSON object"),
 ])
 def test_probers_rejected_with_path_and_field(value, message):
-    with pytest.raises(probes.ProberConfigError, match=message):
-        probes.parse_probers(value)
+    with pytest.raises(appprobes.ProberConfigError, match=message):
+        appprobes.parse_probers(value)
 
 
 def test_probers_accepted_shapes():
-    parsed = probes.parse_probers(
+    parsed = appprobes.parse_probers(
         '{"/app-health/hello/livez":{"httpGet":{"port":80}},'
         '"/app-health/hello/readyz":{"httpGet":{"path":"health","port":3333,"scheme":"HTTPS"},'
         '"timeoutSeconds":2},'
         '"/app-lifecycle/hello/poststartz":{"tcpSocket":{"port":93}},'
         '"/app-health/g/startupz":{"gRPC":{"port":50051,"service":null}},'
         '"/app-health/h/livez":{"HttpGet":{"Port":81,"Path":"/x"}}}')
-    assert parsed["/app-health/hello/livez"] == probes.AppProbe("httpGet", 80, path="/")
-    assert parsed["/app-health/hello/readyz"] == probes.AppProbe(
+    assert parsed["/app-health/hello/livez"] == appprobes.AppProbe("httpGet", 80, path="/")
+    assert parsed["/app-health/hello/readyz"] == appprobes.AppProbe(
         "httpGet", 3333, path="/health", scheme="https", timeout=2.0)
     assert parsed["/app-lifecycle/hello/poststartz"].kind == "tcpSocket"
-    assert parsed["/app-health/g/startupz"] == probes.AppProbe("grpc", 50051, service="")
-    assert parsed["/app-health/h/livez"] == probes.AppProbe("httpGet", 81, path="/x")
-    assert probes.parse_probers("{}") == {}
-    assert probes.parse_probers(None) == {}
+    assert parsed["/app-health/g/startupz"] == appprobes.AppProbe("grpc", 50051, service="")
+    assert parsed["/app-health/h/livez"] == appprobes.AppProbe("httpGet", 81, path="/x")
+    assert appprobes.parse_probers("{}") == {}
+    assert appprobes.parse_probers(None) == {}
 
 
 # --- ISTIO_PROMETHEUS_ANNOTATIONS ---------------------------------------------------------
 
 def test_annotations_default_target_and_targets():
-    assert mm.parse_annotations('{"scrape":"true"}', 15020) == [mm.ScrapeTarget(80, "/metrics")]
-    assert mm.parse_annotations('{"scrape":"false","port":"8080"}', 15020) == []
-    assert mm.parse_annotations(None, 15020) == []
-    assert mm.parse_annotations(
+    assert scrapetargets.parse_annotations('{"scrape":"true"}', 15020) == [scrapetargets.ScrapeTarget(80, "/metrics")]
+    assert scrapetargets.parse_annotations('{"scrape":"false","port":"8080"}', 15020) == []
+    assert scrapetargets.parse_annotations(None, 15020) == []
+    assert scrapetargets.parse_annotations(
         '{"scrape":"true","path":"/metrics","port":"8080","targets":[{"port":"8080",'
         '"path":"/metrics"},{"port":"9100","path":"/custom"},{"port":9200}]}', 15020) == [
-        mm.ScrapeTarget(8080, "/metrics"), mm.ScrapeTarget(9100, "/custom"),
-        mm.ScrapeTarget(9200, "/metrics")]
+        scrapetargets.ScrapeTarget(8080, "/metrics"), scrapetargets.ScrapeTarget(9100, "/custom"),
+        scrapetargets.ScrapeTarget(9200, "/metrics")]
 
 
 @pytest.mark.parametrize("port", ["15020", "015020", "15000", "015000", "15090", "15006",
                                   "abc", "0", "70000", ""])
 def test_annotations_reserved_or_bad_port_rejected(port):
-    with pytest.raises(mm.AnnotationsError, match=r"targets\[0\]\.port"):
-        mm.parse_annotations({"targets": [{"port": port}]}, 15020)
+    with pytest.raises(scrapetargets.AnnotationsError, match=r"targets\[0\]\.port"):
+        scrapetargets.parse_annotations({"targets": [{"port": port}]}, 15020)
 
 
 def test_annotations_custom_status_port_and_empty_value():
-    with pytest.raises(mm.AnnotationsError, match="reserved"):
-        mm.parse_annotations('{"port":"16000"}', 16000)
-    with pytest.raises(mm.AnnotationsError, match="empty"):
-        mm.parse_annotations(None, 15020, given=True)
-    with pytest.raises(mm.AnnotationsError, match="failed to decode"):
-        mm.parse_annotations("{", 15020)
+    with pytest.raises(scrapetargets.AnnotationsError, match="reserved"):
+        scrapetargets.parse_annotations('{"port":"16000"}', 16000)
+    with pytest.raises(scrapetargets.AnnotationsError, match="empty"):
+        scrapetargets.parse_annotations(None, 15020, given=True)
+    with pytest.raises(scrapetargets.AnnotationsError, match="failed to decode"):
+        scrapetargets.parse_annotations("{", 15020)
 
 
 # --- Accept filtering ---------------------------------------------------------------------
@@ -105,10 +107,10 @@ def test_body_format_and_strip_eof():
     assert mm.body_format("application/openmetrics-text; version=1.0.0; charset=utf-8") == "om-1.0.0"
     assert mm.body_format("application/openmetrics-text") == "om-0.0.1"
     assert mm.body_format("text/plain; version=0.0.4") == "text"
-    assert mm.strip_eof(b"a 1\n# EOF\n") == b"a 1\n"
-    assert mm.strip_eof(b"a 1\n# EOF \t\r\n\n") == b"a 1\n"
-    assert mm.strip_eof(b"a 1") == b"a 1\n"
-    assert mm.strip_eof(b"# EOF\n") == b""
+    assert exposition.strip_eof(b"a 1\n# EOF\n") == b"a 1\n"
+    assert exposition.strip_eof(b"a 1\n# EOF \t\r\n\n") == b"a 1\n"
+    assert exposition.strip_eof(b"a 1") == b"a 1\n"
+    assert exposition.strip_eof(b"# EOF\n") == b""
 
 
 def test_gate_cuts_whole_families_an_earlier_source_holds():
@@ -117,7 +119,7 @@ def test_gate_cuts_whole_families_an_earlier_source_holds():
     agent = ex.parse_text(b"# TYPE a_total counter\na_total 1\n# TYPE h histogram\n"
                           b'h_bucket{le="+Inf"} 1\nh_sum 1\nh_count 1\n')
     assert len(claims.admit(ex.for_text(agent), "agent")) == 2
-    g = mm.FamilyGate(claims, "envoy")
+    g = familygate.FamilyGate(claims, "envoy")
     assert g.filter(b"# HELP a_total A\n# TYPE a_total counter\na_total 1\n# TYPE b gauge\nb 1\n") \
         == b"# TYPE b gauge\nb 1\n"
     assert claims.dropped == {"envoy": 1}
@@ -134,7 +136,7 @@ def test_gate_fast_path_passes_chunk_through_and_catches_repeats():
     """The common case (nothing cut) hands back the very same buffer, no copy; a family
     this body declares again, within one chunk or across chunks, is cut whole."""
     from agent.status.exposition import Claims
-    g = mm.FamilyGate(Claims(om=False), "envoy")
+    g = familygate.FamilyGate(Claims(om=False), "envoy")
     chunk = b"# TYPE envoy_a counter\nenvoy_a 1\n# HELP envoy_b B\n# TYPE envoy_b gauge\nenvoy_"
     out = g.filter(chunk, len(chunk) - 7)  # up to the last full line, as streamed
     assert isinstance(out, memoryview) and out.obj is chunk and bytes(out) == chunk[:-7]
@@ -159,8 +161,8 @@ def test_gate_fast_path_passes_chunk_through_and_catches_repeats():
 def test_fast_and_slow_metadata_scans_agree(body):
     """The fast path's keys (memchr + one findall) equal the slow path's line walk, also
     for "#" inside labels, a "#" right before a line break and no final newline."""
-    assert mm._metadata_keys(body, len(body)) == \
-        [key for _, key in mm._metadata_lines(body, len(body))]
+    assert familygate._metadata_keys(body, len(body)) == \
+        [key for _, key in familygate._metadata_lines(body, len(body))]
 
 
 # --- Envoy admin stats → readiness messages -----------------------------------------------
@@ -208,7 +210,7 @@ def test_text_to_openmetrics_keeps_sample_names_and_parses_strictly():
 
 
 def test_line_aligned_stream_gives_the_same_body_for_any_chunking():
-    """The Envoy stream (:class:`metrics_merge.LineAligned`) copies only the line that
+    """The Envoy stream (:class:`familygate.LineAligned`) copies only the line that
     straddles two chunks; whatever the chunk boundaries, the gated body is the one the
     gate gives for the whole body at once (a held family and a family declared twice
     cut, the rest kept byte for byte, a missing final newline added)."""
@@ -223,7 +225,7 @@ def test_line_aligned_stream_gives_the_same_body_for_any_chunking():
     def gated(chunks):
         claims = ex.Claims(om=False)
         claims.admit(ex.for_text(ex.parse_text(b"# TYPE held gauge\nheld 0\n")), "agent")
-        stream = mm.LineAligned(mm.FamilyGate(claims, "envoy"))
+        stream = familygate.LineAligned(familygate.FamilyGate(claims, "envoy"))
         out = b"".join(bytes(p) for c in chunks for p in stream.feed(c))
         return out + b"".join(bytes(p) for p in stream.close())
 
