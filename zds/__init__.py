@@ -1,7 +1,9 @@
 """ZDS: the agent↔ztunnel protocol that hands pod netns fds to ztunnel (``docs/zds.md``).
 
 - :mod:`zds.server`: the agent side (component ``zds``): :class:`ZdsServer` with
-  ``add(PodInfo)``, ``delete(uid)``, ``debug_state()``.
+  ``add(PodInfo)``, ``delete(uid)``, ``debug_state()``; it drives each connection with
+  :mod:`zds.connection` (socket I/O) over :mod:`zds.session` (the protocol state
+  machine, no I/O); :mod:`zds.pods` holds the recorded pods.
 - :mod:`zds.wire`: framing (SEQPACKET, SCM_RIGHTS, 1024-byte limit) and encoders.
 """
 

@@ -137,6 +137,14 @@ def recv_packet(sock: socket.socket, max_fds: int = 1) -> Packet | None:
     Received fds are close-on-exec (``MSG_CMSG_CLOEXEC``, as ztunnel does).
     """
     data, ancdata, flags, _ = sock.recvmsg(MAX_MESSAGE, FD_CMSG_SPACE, MSG_CMSG_CLOEXEC)
+    return check_received(data, ancdata, flags, max_fds)
+
+
+def check_received(data: bytes, ancdata: list[tuple[int, int, bytes]], flags: int,
+                   max_fds: int = 1) -> Packet | None:
+    """The framing checks of :func:`recv_packet` on what ``recvmsg`` returned (for
+    callers that call ``recvmsg`` themselves on a hot path). Returns None on EOF;
+    raises :class:`WireError` (fds closed) as :func:`recv_packet` does."""
     fds: list[int] = []
     for level, kind, cdata in ancdata:
         if level == _SOL_SOCKET and kind == _SCM_RIGHTS:

@@ -508,7 +508,7 @@ async def test_burst_beyond_the_queue_waits_for_room(nsfd):
 
 
 def _close_lines(caplog, level=None):
-    return [r for r in caplog.records if r.name == "zds.server" and "closed:" in r.getMessage()
+    return [r for r in caplog.records if r.name == "zds.connection" and "closed:" in r.getMessage()
             and (level is None or r.levelno == level)]
 
 
@@ -517,7 +517,7 @@ async def test_pre_hello_closes_are_info_and_garbage_warnings_rate_limited(caplo
     check, port scans) log at INFO; identical pre-hello warnings (garbage hello) are
     logged once per window, the next one says how many were held back; a protocol error
     after the hello stays a WARNING every time."""
-    caplog.set_level(logging.DEBUG, logger="zds.server")
+    caplog.set_level(logging.DEBUG, logger="zds.connection")
     async with running_server() as server:
         for _ in range(20):
             RawPeer(server.path).close()
