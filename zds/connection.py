@@ -132,8 +132,7 @@ class ZdsConnection:
 
     def debug_state(self) -> dict:
         return {"id": self.id, "peer_pid": self.peer_pid, "version": self.version,
-                "connected_at": self.connected_at, "state": self.session.state.value,
-                "snapshot_sent": self.snapshot_sent, "queued": self.session.queued,
+                "connected_at": self.connected_at, "snapshot_sent": self.snapshot_sent, "queued": self.session.queued,
                 "last_keepalive": self.last_keepalive,
                 "holds": dict(sorted(dict(self.held).items()))}
 

@@ -354,13 +354,23 @@ class ZdsSession:
         return self._close(f"keepalive: {error}", said_hello=True)
 
     def send_failed(self, message: Message, error: str) -> Closed | None:
-        """``sendmsg`` of ``message`` failed with ``error`` (EPIPE, ...)."""
-        return self._close(f"{message.what()}: sendmsg: {error}", said_hello=True)
+        """``sendmsg`` of ``message`` failed with ``error`` (EPIPE, ...). Its update is
+        reported as ``in_flight`` (its caller gets the error, as upstream's)."""
+        return self._write_failed(message, self._close(
+            f"{message.what()}: sendmsg: {error}", said_hello=True))
 
     def not_writable(self, message: Message) -> Closed | None:
-        """The socket stayed full for ``ack_timeout`` seconds while ``message`` waited."""
-        return self._close(f"{message.what()}: socket not writable within "
-                           f"{self.ack_timeout:g}s", timeout=True, said_hello=True)
+        """The socket stayed full for ``ack_timeout`` seconds while ``message`` waited
+        (a write timeout: its update is reported as ``in_flight``)."""
+        return self._write_failed(message, self._close(
+            f"{message.what()}: socket not writable within {self.ack_timeout:g}s",
+            timeout=True, said_hello=True))
+
+    @staticmethod
+    def _write_failed(message: Message, closed: Closed | None) -> Closed | None:
+        if closed is not None and closed.queued and closed.queued[0].message is message:
+            closed.in_flight = closed.queued.pop(0)
+        return closed
 
     def timeout(self, now: float) -> Closed | None:
         """Time passed (see :meth:`deadline`): closes on a missed hello or ack deadline;

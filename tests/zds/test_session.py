@@ -341,7 +341,8 @@ def test_write_failures_name_the_request(pods):
     event = session.not_writable(message)
     assert event is not None and event.timeout
     assert event.reason == "del x: socket not writable within 2.5s"
-    assert event.queued and event.queued[0].uid == "x"  # never sent: safe elsewhere
+    # the caller of the update that could not be written gets the timeout
+    assert event.in_flight is not None and event.in_flight.uid == "x" and not event.queued
     other = live(pods)
     failed = other.send_failed(SNAPSHOT_SENT, "Broken pipe")
     assert failed is not None and failed.reason == "snapshot_sent: sendmsg: Broken pipe"
