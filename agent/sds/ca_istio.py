@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from typing import Awaitable, Callable, Protocol
 
 import grpc
 from google.protobuf import struct_pb2
 
+from agent.core.backoff import Backoff
 from agent.sds import ca_pb2, ca_pb2_grpc
 from agent.sds.ca_embedded import CAError, EmbeddedCA
 
@@ -165,6 +165,8 @@ class IstioCAClient:
         """One CreateCertificate with retries. Returns ``cert_chain`` (>= 2 elements)."""
         req, headers = self._request(csr_pem, ttl_seconds, identity)
         attempt = 0
+        # retry_base doubling, ±10 %; at most MAX_RETRIES retries, so the step never caps
+        retry = Backoff(self.retry_base, self.retry_base * 2 ** MAX_RETRIES, jitter=(0.9, 1.1))
         while True:
             try:
                 if self._channel is None:
@@ -175,7 +177,7 @@ class IstioCAClient:
             except grpc.aio.AioRpcError as e:
                 await self._reset()
                 if e.code() in RETRY_CODES and attempt < MAX_RETRIES:
-                    delay = self.retry_base * (2 ** attempt) * random.uniform(0.9, 1.1)
+                    delay = retry.next()
                     attempt += 1
                     self.retries += 1
                     log.debug("CA %s: %s, retry %d in %.2fs", self.address, e.code().name,

@@ -26,6 +26,7 @@ from typing import Callable
 import watchfiles
 from cryptography.hazmat.primitives.serialization import Encoding
 
+from agent.core.backoff import Backoff
 from agent.sds import keys
 
 log = logging.getLogger(__name__)
@@ -100,17 +101,17 @@ def read_pair(cert_path: str, key_path: str, timeout: float = 2.0,
     often written before the cert). Blocking. Returns ``(chain, key)``; raises
     :class:`FileSecretError` naming the paths."""
     deadline = time.monotonic() + timeout
-    delay = first_delay
+    retry = Backoff(first_delay, max(first_delay, timeout))  # doubling
     while True:
         chain, key = _read(cert_path), _read(key_path)
         if not chain.strip():
             raise FileSecretError(f"{cert_path}: empty certificate file")
         if keys.key_matches_cert(key, chain):
             return chain, key
+        delay = retry.next()
         if time.monotonic() + delay > deadline:
             raise FileSecretError(f"{key_path} does not hold the private key of {cert_path}")
         time.sleep(delay)
-        delay *= 2
 
 
 class FileWatcher:

@@ -31,7 +31,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import random
 import time
 from typing import Any, Awaitable, Callable
 
@@ -40,6 +39,7 @@ from envoy.service.secret.v3 import sds_pb2, sds_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from agent.core import unixsocket
+from agent.core.backoff import Backoff
 from agent.core.config import Config, ConfigError
 from agent.core.lifecycle import AgentContext, Component
 from agent.core.spiffe import Identity
@@ -301,16 +301,16 @@ class SdsServer(Component):
     async def _warm_up(self, identity: Identity) -> None:
         """Fixed mode: mint ``default`` and ``ROOTCA`` for ``identity`` before anyone asks."""
         assert self.resolver is not None
-        delay = 0.5
+        retry = Backoff(0.5, 60.0, factor=1.5, jitter=(0.5, 1.5))
         while True:
             try:
                 await self.resolver.secret(DEFAULT, identity)
                 await self.resolver.secret(ROOTCA, identity)
                 return
             except GenerateError as e:
+                delay = retry.next()
                 log.warning("SDS warm-up failed, retry in %.1fs: %s", delay, e)
-                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
-                delay = min(delay * 1.5, 60.0)
+                await asyncio.sleep(delay)
 
     async def stop(self, grace: float) -> None:
         self._started = False
