@@ -67,9 +67,9 @@ def setting_metavar(s: agent_config.Setting) -> str:
 def setting_default(s: agent_config.Setting) -> str:
     if callable(s.default):
         return "hostname" if s.name == "node_name" else "derived from other settings"
-    if s.default in (None, "", []):
+    if s.default in (None, "", ()):
         return "none"
-    if isinstance(s.default, list):
+    if isinstance(s.default, tuple):
         return ",".join(str(v) for v in s.default)
     if isinstance(s.default, bool):
         return "true" if s.default else "false"
@@ -144,7 +144,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     width = max(len(n) for n in config.values)
     for name, entry in config.as_dict().items():
         value = entry["value"]
-        shown = json.dumps(value) if isinstance(value, (list, dict)) else value
+        shown = json.dumps(value) if isinstance(value, (tuple, list, dict)) else value
         print(f"{name:<{width}}  {shown}  ({entry['source']})")
     return 0
 

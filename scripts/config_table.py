@@ -24,6 +24,8 @@ def _default(s) -> str:
         return "derived" if s.name != "node_name" else "hostname"
     if s.default in (None, ""):
         return "—"
+    if isinstance(s.default, tuple):
+        return json.dumps(list(s.default))
     return json.dumps(s.default) if isinstance(s.default, (list, dict)) else str(s.default)
 
 

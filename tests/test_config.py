@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from agent.core import config as cfg
+from agent.core import config as cfg, config_values
 
 
 def test_defaults_and_derived_paths(tmp_path):
@@ -37,7 +37,7 @@ def test_precedence_flag_env_file_default(tmp_path):
 @pytest.mark.parametrize("text,seconds", [("24h", 86400), ("1h30m", 5400), ("250ms", 0.25),
                                           ("90", 90), (12, 12)])
 def test_durations(text, seconds):
-    assert cfg.parse_duration(text) == seconds
+    assert config_values.parse_duration(text) == seconds
 
 
 @pytest.mark.parametrize("flags,name", [({"status_port": "http"}, "status_port"),
@@ -129,7 +129,7 @@ def test_good_values_are_accepted_and_normalised(tmp_path):
                  env={})
     assert (c.ca_cert_file, c.ca_key_file) == (str(cert), str(key))
     assert (c.xds_address, c.xds_tls_address, c.ca_listen_address) == ("127.0.0.1", "::1", "::")
-    assert c.exclude_namespaces == ["kube-system", "istio-system"]
+    assert c.exclude_namespaces == ("kube-system", "istio-system")
     # files settings are empty (= not set) by default, so defaults load on any machine
     d = cfg.load({"state_dir": str(tmp_path)}, env={})
     assert d.ca_cert_file == d.ca_root_cert == d.xds_token_file == d.kubeconfig == ""
@@ -289,6 +289,6 @@ def test_renamed_settings_and_ca_port_collision_are_clear_errors(tmp_path):
     assert cfg.load({"ca_port": "15013"}, env={}).ca_port == 15013
     d = cfg.load({"state_dir": str(tmp_path)}, env={})
     assert d.mesh_root_file == str(tmp_path / "mesh-root" / "root-cert.pem")
-    assert d.token_audiences == ["istio-ca"] and d.tls_server_names == []
+    assert d.token_audiences == ("istio-ca",) and d.tls_server_names == ()
     assert cfg.load({}, env={"ISTIOD_CUSTOM_HOST": "agent.example,10.0.0.5"}).tls_server_names \
-        == ["agent.example", "10.0.0.5"]
+        == ("agent.example", "10.0.0.5")

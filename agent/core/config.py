@@ -12,11 +12,14 @@ the value and the reason; the CLI turns that into one line on stderr, never a
 traceback. Everything checkable without starting a component is checked in
 :func:`load`: files that must exist (certificates, keys, tokens), bind addresses (IP
 literals), directories, namespace and account names, JSON settings (with the status
-server's own parsers) and rules across settings (``_check_together``).
+server's own parsers) and rules across settings (:mod:`agent.core.config_checks`).
 
 To add a setting, append a :class:`Setting` to ``SETTINGS``; it becomes a flag
 (``--name-with-dashes``), a config-file key (``name_with_underscores``) and an
-environment variable automatically.
+environment variable automatically. Then run ``python scripts/gen_config_fields.py``:
+it writes the setting's typed attribute into :mod:`agent.core.config_fields` (the
+parser's return annotation is its type), and tests/test_config_fields.py fails until
+that file matches the table. The parsers live in :mod:`agent.core.config_values`.
 """
 
 from __future__ import annotations
@@ -24,17 +27,23 @@ from __future__ import annotations
 import dataclasses
 import errno
 import ipaddress
-import json
 import os
-import re
 import socket
+import types
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import yaml
 
-from agent.core.appprobes import parse_probers
-from agent.core.scrapetargets import parse_annotations
+from agent.core import config_checks
+from agent.core.config_fields import Settings
+from agent.core.config_values import (
+    choice, ip_of, parse_account_list, parse_app_probers, parse_bind_address, parse_bool,
+    parse_count, parse_dir_path, parse_duration, parse_existing_file, parse_file_mode,
+    parse_file_name, parse_host_port, parse_json, parse_list, parse_log_level, parse_name,
+    parse_namespace, parse_namespace_list, parse_path, parse_port, parse_ratio,
+    parse_service_account, parse_signature_algorithm, parse_str, parse_trust_domain, positive,
+)
 
 
 class ConfigError(ValueError):
@@ -48,330 +57,6 @@ class ConfigError(ValueError):
         self.setting, self.value, self.reason, self.origin = setting, value, reason, origin
         where = f" (from {origin})" if origin else ""
         super().__init__(f"invalid setting {setting}={value!r}{where}: {reason}")
-
-
-# --- value parsers: str (or YAML scalar) -> typed value, ValueError on bad input ---
-
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def parse_duration(value: Any) -> float:
-    """Parse a Go-style duration (``"24h"``, ``"1h30m"``, ``"250ms"``) or a number of seconds.
-
-    Returns seconds as a float. Raises ValueError for anything else or a negative value.
-    """
-    if isinstance(value, bool):
-        raise ValueError("expected a duration such as 30s, 5m, 24h")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    else:
-        text = str(value).strip()
-        try:
-            seconds = float(text)
-        except ValueError:
-            pos, seconds = 0, 0.0
-            for m in _DURATION_RE.finditer(text):
-                if m.start() != pos:
-                    break
-                seconds += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
-                pos = m.end()
-            if pos != len(text) or not text:
-                raise ValueError("expected a duration such as 30s, 5m, 24h") from None
-    if seconds < 0:
-        raise ValueError("duration must not be negative")
-    return seconds
-
-
-def parse_bool(value: Any) -> bool:
-    """Accept YAML booleans and the strings true/false/1/0/yes/no/on/off (any case)."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected true or false")
-
-
-def parse_port(value: Any) -> int:
-    """A TCP port 0..65535 (0 lets the kernel choose, useful in tests)."""
-    if isinstance(value, bool):
-        raise ValueError("expected a port number")
-    try:
-        port = int(str(value).strip())
-    except ValueError:
-        raise ValueError("expected a port number") from None
-    if not 0 <= port <= 65535:
-        raise ValueError("port must be between 0 and 65535")
-    return port
-
-
-def parse_count(value: Any) -> int:
-    """A whole number >= 0 (connection caps: 0 means "as many as the fd budget allows")."""
-    if isinstance(value, bool):
-        raise ValueError("expected a whole number")
-    try:
-        number = int(str(value).strip())
-    except ValueError:
-        raise ValueError("expected a whole number") from None
-    if number < 0:
-        raise ValueError("must not be negative")
-    return number
-
-
-def parse_str(value: Any) -> str:
-    if isinstance(value, (dict, list)):
-        raise ValueError("expected a string")
-    return "" if value is None else str(value)
-
-
-def parse_path(value: Any) -> str:
-    text = parse_str(value)
-    return os.path.abspath(text) if text else ""
-
-
-def parse_list(value: Any) -> list[str]:
-    """A comma-separated string or a YAML list of strings."""
-    if isinstance(value, list):
-        return [str(v).strip() for v in value if str(v).strip()]
-    return [p.strip() for p in parse_str(value).split(",") if p.strip()]
-
-
-def parse_existing_file(value: Any) -> str:
-    """An absolute path to a readable regular file, or empty (= not set).
-
-    For settings whose file is read at start (certificates, keys, tokens, kubeconfig):
-    a typo fails ``load`` with "no such file" instead of a component failing later.
-    """
-    path = parse_path(value)
-    if not path:
-        return ""
-    if not os.path.exists(path):
-        raise ValueError("no such file")
-    if os.path.isdir(path):
-        raise ValueError("is a directory, expected a file")
-    if not os.access(path, os.R_OK):
-        raise ValueError("file is not readable")
-    return path
-
-
-def parse_dir_path(value: Any) -> str:
-    """An absolute directory path that need not exist yet (the agent creates it), but if
-    something exists there it must be a directory."""
-    path = parse_path(value)
-    if path and os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError("exists and is not a directory")
-    return path
-
-
-def parse_bind_address(value: Any) -> str:
-    """An IPv4/IPv6 address to bind a listener to (``[::1]`` brackets allowed), or empty.
-
-    ``localhost`` maps to ``127.0.0.1``; other host names are rejected because gRPC and
-    aiohttp would resolve them at bind time and fail with an error blaming the port.
-    """
-    text = parse_str(value).strip()
-    if not text:
-        return ""
-    if text.lower() == "localhost":
-        return "127.0.0.1"
-    if text.startswith("[") and text.endswith("]"):
-        text = text[1:-1]
-    try:
-        return str(ipaddress.ip_address(text))
-    except ValueError:
-        raise ValueError("expected an IPv4 or IPv6 address to bind "
-                         "(such as 127.0.0.1, 0.0.0.0, ::)") from None
-
-
-def ip_of(version: int | None, allow_empty: bool = False) -> Callable[[Any], str]:
-    """A parser for an IP address of ``version`` (4, 6 or None for either)."""
-
-    def parse(value: Any) -> str:
-        text = parse_str(value).strip()
-        if not text and allow_empty:
-            return ""
-        try:
-            address = ipaddress.ip_address(text)
-        except ValueError:
-            raise ValueError(f"expected an IPv{version or '4 or IPv6'} address") from None
-        if version and address.version != version:
-            raise ValueError(f"expected an IPv{version} address, got IPv{address.version}")
-        return str(address)
-
-    return parse
-
-
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-
-
-def check_namespace(name: str) -> str:
-    """Raise ValueError unless ``name`` is a Kubernetes namespace name (DNS-1123 label:
-    lowercase letters, digits and '-', at most 63 characters)."""
-    if len(name) > 63 or not _DNS_LABEL.fullmatch(name):
-        raise ValueError(f"{name!r} is not a valid namespace name (DNS-1123 label: lowercase "
-                         "letters, digits and '-', at most 63 characters)")
-    return name
-
-
-def parse_namespace(value: Any) -> str:
-    """One Kubernetes namespace name (see :func:`check_namespace`)."""
-    return check_namespace(parse_str(value).strip())
-
-
-def parse_namespace_list(value: Any) -> list[str]:
-    """Like :func:`parse_list` (Istio's SplitExcludeNamespaces), each entry a namespace."""
-    return [check_namespace(n) for n in parse_list(value)]
-
-
-def parse_service_account(value: Any) -> str:
-    """A Kubernetes service account name (DNS-1123 subdomain), or empty."""
-    text = parse_str(value).strip()
-    if text and (len(text) > 253 or not _DNS_SUBDOMAIN.fullmatch(text)):
-        raise ValueError("not a valid service account name (DNS-1123 subdomain: lowercase "
-                         "letters, digits, '-' and '.')")
-    return text
-
-
-def parse_account_list(value: Any) -> list[str]:
-    """``namespace/serviceaccount`` entries (comma-separated or a YAML list)."""
-    accounts = parse_list(value)
-    for entry in accounts:
-        ns, sep, sa = entry.partition("/")
-        if not sep or not sa or "/" in sa:
-            raise ValueError(f"entry {entry!r} is not namespace/serviceaccount")
-        check_namespace(ns)
-        if parse_service_account(sa) != sa:
-            raise ValueError(f"entry {entry!r}: bad service account")
-    return accounts
-
-
-def parse_name(value: Any) -> str:
-    """A non-empty name without whitespace or '/' (node name, cluster ID): these end up
-    inside workload UIDs (``<cluster>//Pod/ns/name``) and CA requests."""
-    text = parse_str(value).strip()
-    if not text:
-        raise ValueError("must not be empty")
-    if "/" in text or any(c.isspace() for c in text):
-        raise ValueError("must not contain '/' or whitespace")
-    return text
-
-
-_TRUST_DOMAIN = re.compile(r"[A-Za-z0-9._-]+")
-
-
-def parse_trust_domain(value: Any) -> str:
-    """A SPIFFE trust domain (letters, digits, '.', '-', '_'; SPIFFE ID )."""
-    text = parse_str(value).strip()
-    if not _TRUST_DOMAIN.fullmatch(text):
-        raise ValueError("expected a SPIFFE trust domain such as cluster.local (letters, "
-                         "digits, '.', '-', '_')")
-    return text
-
-
-def parse_signature_algorithm(value: Any) -> str:
-    """``ECC_SIGNATURE_ALGORITHM``: empty or RSA (RSA 2048), ECDSA or EC (P-256)."""
-    text = parse_str(value).strip()
-    if text.upper() not in ("", "RSA", "ECDSA", "EC"):
-        raise ValueError("unsupported signature algorithm (expected ECDSA, or empty for "
-                         "RSA 2048)")
-    return text
-
-
-def positive(parse: Callable[[Any], float]) -> Callable[[Any], float]:
-    """Wrap a number parser to reject zero (e.g. a certificate lifetime)."""
-
-    def parse_positive(value: Any) -> float:
-        number = parse(value)
-        if number <= 0:
-            raise ValueError("must be greater than zero")
-        return number
-
-    return parse_positive
-
-
-def parse_file_name(value: Any) -> str:
-    """A bare file name inside a configured directory (no '/'), or empty."""
-    text = parse_str(value).strip()
-    if "/" in text or text in (".", ".."):
-        raise ValueError("expected a file name in the directory, not a path")
-    return text
-
-
-def parse_json(value: Any) -> Any:
-    """A JSON document given as a string (as Istio's env vars are), or already-parsed YAML."""
-    if value is None or value == "":
-        return None
-    if isinstance(value, (dict, list)):
-        return value
-    return json.loads(value)
-
-
-def parse_app_probers(value: Any) -> Any:
-    """``ISTIO_KUBE_APP_PROBERS``: JSON, checked now with the status server's own parser
-    (:func:`agent.core.appprobes.parse_probers`) so a bad prober stops start-up before
-    any component starts; returns the decoded JSON the status server parses again."""
-    decoded = parse_json(value)
-    parse_probers(decoded)  # ProberConfigError is a ValueError
-    return decoded
-
-
-def parse_ratio(value: Any) -> float:
-    """A fraction strictly between 0 and 1."""
-    try:
-        ratio = float(parse_str(value))
-    except ValueError:
-        raise ValueError("expected a number between 0 and 1, such as 0.5") from None
-    if not 0 < ratio < 1:
-        raise ValueError("must be between 0 and 1 (exclusive)")
-    return ratio
-
-
-def parse_file_mode(value: Any) -> str:
-    """An octal permission mode such as ``0600``; kept as the string given."""
-    text = parse_str(value).strip()
-    try:
-        mode = int(text, 8)
-    except ValueError:
-        raise ValueError("expected an octal mode such as 0600") from None
-    if not 0 <= mode <= 0o777:
-        raise ValueError("mode must be between 0000 and 0777")
-    return text
-
-
-def parse_host_port(value: Any) -> str:
-    """``host:port`` (``[v6]:port`` for IPv6), or empty."""
-    text = parse_str(value).strip()
-    if not text:
-        return ""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError("expected host:port")
-    return text
-
-
-def parse_log_level(value: Any) -> str:
-    """A level spec for :func:`agent.core.logsetup.parse_levels`, validated now."""
-    from agent.core.logsetup import parse_levels
-
-    text = parse_str(value).strip() or "info"
-    parse_levels(text)
-    return text
-
-
-def choice(*allowed: str) -> Callable[[Any], str]:
-    def parse(value: Any) -> str:
-        text = parse_str(value).strip().lower()
-        if text not in allowed:
-            raise ValueError(f"expected one of {', '.join(allowed)}")
-        return text
-
-    parse.choices = allowed  # type: ignore[attr-defined]  # shown by `run --help`
-    return parse
-
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
@@ -467,7 +152,7 @@ SETTINGS: list[Setting] = [
             "(scripts/build-cni-plugin.py) that cni install copies into cni_bin_dir; the image "
             "sets it (empty: a launcher running this agent's own Python and checkout)",
             component="cni"),
-    Setting("exclude_namespaces", ["kube-system"], parse_namespace_list,
+    Setting("exclude_namespaces", ("kube-system",), parse_namespace_list,
             "namespaces never enrolled", env="EXCLUDE_NAMESPACES", component="cni"),
     Setting("ambient_dns_capture", True, parse_bool, "redirect pod DNS to ztunnel's 15053",
             env="AMBIENT_DNS_CAPTURE", component="cni"),
@@ -539,10 +224,10 @@ SETTINGS: list[Setting] = [
     Setting("tokens_file", "", parse_existing_file,
             "YAML {token: namespace/serviceaccount} of bearer tokens accepted on the TLS ports "
             "(xDS and CA), for hosts without a Kubernetes API server", component="authn"),
-    Setting("token_audiences", ["istio-ca"], parse_list,
+    Setting("token_audiences", ("istio-ca",), parse_list,
             "audiences a Kubernetes service-account token must carry (TokenReview, "
             "config_source kubernetes)", env="TOKEN_AUDIENCES", component="authn"),
-    Setting("tls_server_names", [], parse_list,
+    Setting("tls_server_names", (), parse_list,
             "extra DNS names / IPs in the TLS ports' server certificates (besides localhost, "
             "127.0.0.1, ::1, istiod's service names and the node name)",
             env="ISTIOD_CUSTOM_HOST", component="authn"),
@@ -552,7 +237,7 @@ SETTINGS: list[Setting] = [
     Setting("ca_dir", _under_state("ca"), parse_dir_path, "directory of the embedded CA's "
             "self-signed root (created once, reused at every start: keep it on persistent "
             "storage)", component="sds"),
-    Setting("ca_trusted_node_accounts", ["istio-system/ztunnel"], parse_account_list,
+    Setting("ca_trusted_node_accounts", ("istio-system/ztunnel",), parse_account_list,
             "namespace/serviceaccount allowed to request certificates for other identities "
             "(ImpersonatedIdentity)", env="CA_TRUSTED_NODE_ACCOUNTS", component="sds"),
     Setting("workload_certs_dir", "/etc/certs", parse_dir_path, "file-mounted cert-chain.pem, "
@@ -631,36 +316,35 @@ RENAMED = {
 }
 
 
-@dataclasses.dataclass
-class Config:
-    """The effective configuration: typed values plus the origin of each.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config(Settings):
+    """The effective configuration: one typed, read-only attribute per setting (declared
+    in the generated :class:`agent.core.config_fields.Settings`) plus where each came from.
 
-    Attribute access (``config.status_port``) returns the value; ``origins[name]`` is one
-    of ``"flag"``, ``"env NAME"``, ``"file PATH"``, ``"default"``.
+    ``origins[name]`` is one of ``"flag --x"``, ``"env NAME"``, ``"file PATH"``,
+    ``"default"`` or ``"override"``. Neither the values nor ``origins`` can be changed
+    after :func:`load`; :meth:`replace` makes a changed copy.
     """
 
-    values: dict[str, Any]
-    origins: dict[str, str]
+    origins: Mapping[str, str]
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.__dict__["values"][name]
-        except KeyError:
-            raise AttributeError(name) from None
+    @property
+    def values(self) -> dict[str, Any]:
+        """``{setting name: value}`` in table order."""
+        return {s.name: getattr(self, s.name) for s in SETTINGS}
 
     def replace(self, **changes: Any) -> "Config":
-        """A copy with some values overridden (origin ``"override"``); used by tests and demo."""
-        values, origins = dict(self.values), dict(self.origins)
-        for name, value in changes.items():
+        """A copy with some values overridden (origin ``"override"``), not checked by the
+        parsers; used by tests and the demo. Raises KeyError for an unknown setting."""
+        for name in changes:
             if name not in SETTINGS_BY_NAME:
                 raise KeyError(name)
-            values[name] = value
-            origins[name] = "override"
-        return Config(values, origins)
+        origins = {**self.origins, **{name: "override" for name in changes}}
+        return dataclasses.replace(self, origins=types.MappingProxyType(origins), **changes)
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
         """``{name: {"value": v, "source": origin}}``, JSON-friendly, for /debug and ``config``."""
-        return {n: {"value": self.values[n], "source": self.origins[n]} for n in self.values}
+        return {n: {"value": v, "source": self.origins[n]} for n, v in self.values.items()}
 
 
 def _read_config_file(path: str) -> dict[str, Any]:
@@ -737,58 +421,12 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         except (ValueError, TypeError) as e:
             raise ConfigError(s.name, value, str(e) or type(e).__name__, origin) from None
         origins[s.name], given[s.name] = origin, value
-    _check_together(values, origins, given)
-    return Config(values, origins)
-
-
-_UNIX_SOCKETS = ("cni_event_socket", "sds_socket", "ztunnel_uds_address", "admin_socket")
-_UNIX_PATH_MAX = 107
-
-
-def _check_together(values: dict[str, Any], origins: dict[str, str],
-                    given: dict[str, Any]) -> None:
-    """Checks that involve more than one setting; raise :class:`ConfigError` naming the
-    setting the operator most likely has to change, with the value as written."""
-
-    def fail(name: str, reason: str) -> None:
+    for name, reason in config_checks.problems(values, origins):
         origin = origins.get(name, "")
         raise ConfigError(name, given.get(name, values[name]), reason,
                           "" if origin == "default" else origin)
+    return Config(**values, origins=types.MappingProxyType(origins))
 
-    if bool(values["ca_cert_file"]) != bool(values["ca_key_file"]):
-        one, other = (("ca_cert_file", "ca_key_file") if values["ca_cert_file"]
-                      else ("ca_key_file", "ca_cert_file"))
-        fail(one, f"{other} must be set too (both or neither)")
-    # Checked for defaults too: they derive from state_dir, and a long state_dir makes
-    # bind() fail later with "AF_UNIX path too long" (sun_path is 108 bytes with NUL).
-    for name in _UNIX_SOCKETS:
-        if len(os.fsencode(values[name])) > _UNIX_PATH_MAX:
-            fail(name, f"Unix socket path longer than {_UNIX_PATH_MAX} bytes"
-                 + (" (derived from state_dir: choose a shorter state_dir)"
-                    if origins[name] == "default" else ""))
-    if values["ca_port"] and values["ca_port"] == values["xds_tls_port"]:
-        fail("ca_port", f"collides with xds_tls_port {values['xds_tls_port']}, which serves the "
-                        "CA already (set ca_port 0, or another port for a separate CA port)")
-    if values["xds_debounce"] > values["xds_debounce_max"]:
-        fail("xds_debounce", f"must not exceed xds_debounce_max "
-                             f"({values['xds_debounce_max']:g}s)")
-    if origins["prometheus_annotations"] != "default":
-        # The status server's parser; needs status_port for the default target.
-        try:
-            parse_annotations(values["prometheus_annotations"], values["status_port"] or 15020,
-                              True)
-        except ValueError as e:
-            fail("prometheus_annotations", str(e))
-    if values["workload_registration"] == "workloadentry" and values["config_source"] != "kubernetes":
-        fail("workload_registration", "workloadentry needs config_source kubernetes (the API "
-             "server the WorkloadEntries are written to and watched from)")
-    # kubeconfig is read only by the kubernetes source; a stray KUBECONFIG in the
-    # operator's shell must not stop an agent that reads files.
-    if values["config_source"] == "kubernetes" and values["kubeconfig"]:
-        try:
-            parse_existing_file(values["kubeconfig"])
-        except ValueError as e:
-            fail("kubeconfig", str(e))
 
 
 def prepare_state_dir(config: Config) -> Path:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import resource
-from typing import Any
+from agent.core.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -50,27 +50,34 @@ def headroom(nofile: int) -> int:
     return max(MIN_HEADROOM, nofile // 4)
 
 
-def listener_caps(config: Any, nofile: int | None = None) -> dict[str, int]:
+def configured_caps(config: Config) -> dict[str, int]:
+    """The caps ``config`` asks for, by setting name (0: as many as the budget allows)."""
+    return {"status_max_connections": config.status_max_connections,
+            "health_max_connections": config.health_max_connections,
+            "xds_max_connections": config.xds_max_connections}
+
+
+def listener_caps(config: Config, nofile: int | None = None) -> dict[str, int]:
     """The connection cap of each network listener (setting name -> cap), scaled down
     proportionally (each at least 1) when their sum would eat into :func:`headroom`.
     A configured 0 means "as many as the budget allows" for that listener alone."""
     nofile = soft_limit() if nofile is None else nofile
     budget = max(len(CAP_SETTINGS), nofile - headroom(nofile))
-    wanted = {name: int(getattr(config, name)) for name in CAP_SETTINGS}
-    wanted = {name: (cap if cap > 0 else budget) for name, cap in wanted.items()}
+    wanted = {name: (cap if cap > 0 else budget) for name, cap in configured_caps(config).items()}
     total = sum(wanted.values())
     if total <= budget:
         return wanted
     return {name: max(1, cap * budget // total) for name, cap in wanted.items()}
 
 
-def describe(config: Any, nofile: int | None = None) -> str:
+def describe(config: Config, nofile: int | None = None) -> str:
     """One line for the start-up log when caps were scaled down, else ""."""
     nofile = soft_limit() if nofile is None else nofile
     caps = listener_caps(config, nofile)
-    scaled = {n: c for n, c in caps.items() if c < int(getattr(config, n) or 0)}
+    asked = configured_caps(config)
+    scaled = {n: c for n, c in caps.items() if c < asked[n]}
     if not scaled:
         return ""
     return (f"open-files limit {nofile} keeps {headroom(nofile)} fds for node-local sockets: "
-            + ", ".join(f"{n} lowered from {getattr(config, n)} to {c}"
+            + ", ".join(f"{n} lowered from {asked[n]} to {c}"
                         for n, c in scaled.items()))
