@@ -27,7 +27,7 @@ agent. Spec ``docs/sds.md``; upstream ``security/pkg/server/ca/server.go``.
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterable
 
 import grpc
 from grpc_reflection.v1alpha import reflection
@@ -52,7 +52,7 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
     def __init__(self, ca: EmbeddedCA, run_blocking: Callable[..., Awaitable],
                  trust_domain: str,
                  authenticator: Authenticator | Callable[[], Authenticator | None],
-                 trusted_node_accounts: list[str],
+                 trusted_node_accounts: Iterable[str],
                  store_getter: Callable[[], PodStore | None] = lambda: None, node_name: str = ""):
         self.ca = ca
         self._run = run_blocking

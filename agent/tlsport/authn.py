@@ -167,7 +167,7 @@ class TokenReviewAuthenticator:
 
     source = "TokenReview"
 
-    def __init__(self, api, audiences: list[str], trust_domain: str, cluster_id: str,
+    def __init__(self, api, audiences: Iterable[str], trust_domain: str, cluster_id: str,
                  *, cache_ttl: float = 30.0, negative_ttl: float = 5.0,
                  max_entries: int = 4096, timeout: float = 10.0,
                  clock: Callable[[], float] = time.monotonic):
