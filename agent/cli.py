@@ -86,42 +86,6 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
                                 f"env {s.env_name})".replace("%", "%%"))
 
 
-def parse_addr(text: str, default_port: int) -> tuple[str, int]:
-    """The form every ``--addr`` takes: ``HOST:PORT``, ``[IPv6]:PORT`` or ``HOST`` (then
-    ``default_port``); a leading ``http://`` is accepted and ignored. Raises
-    ``argparse.ArgumentTypeError`` naming the value."""
-    raw = text
-    for scheme in ("http://", "https://"):
-        if text.startswith(scheme):
-            text = text[len(scheme):]
-    text = text.rstrip("/")
-    host, port = text, default_port
-    if text.startswith("["):
-        close = text.find("]")
-        if close < 0:
-            raise argparse.ArgumentTypeError(f"--addr {raw!r}: missing ']' after an IPv6 address")
-        host, rest = text[1:close], text[close + 1:]
-        if rest:
-            if not rest.startswith(":"):
-                raise argparse.ArgumentTypeError(f"--addr {raw!r}: expected :PORT after ']'")
-            port = rest[1:]  # type: ignore[assignment]
-    elif text.count(":") == 1:
-        host, port = text.split(":")  # type: ignore[assignment]
-    elif text.count(":") > 1:
-        raise argparse.ArgumentTypeError(f"--addr {raw!r}: write an IPv6 address as [ADDR]:PORT")
-    try:
-        port = int(port)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--addr {raw!r}: port {port!r} is not a number") from None
-    if not host or not 0 < port < 65536:
-        raise argparse.ArgumentTypeError(f"--addr {raw!r}: expected HOST:PORT")
-    return host, port
-
-
-def format_addr(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def load_config(args: argparse.Namespace) -> agent_config.Config:
     flags = {s.name: getattr(args, s.name, None) for s in agent_config.SETTINGS}
     return agent_config.load(flags)

@@ -48,7 +48,7 @@ COMPONENT_BUILDERS: list[tuple[str, str]] = [
     ("cni.install", "build"),  # cni-installer (only with cni_manage_config)
     ("cni.eventserver", "build"),
     # workload xDS
-    ("ambient.xds.server", "build"),
+    ("agent.daemon", "build_xds"),
     # status server (last: it reports the others' readiness)
     ("agent.status.server", "build"),
 ]
@@ -73,6 +73,25 @@ def build(ctx: AgentContext) -> AgentContext:
         if component is not None:
             ctx.add(component)
     return ctx
+
+
+def build_xds(ctx: AgentContext) -> Component | None:
+    """Component ``xds`` (:func:`ambient.xds.server.build`), with the embedded CA's
+    ``IstioCertificateService`` mounted on its TLS port when the ``sds`` component runs
+    one (as istiod serves xDS and the CA on 15012). Wired here so that the ambient
+    package imports nothing of SDS."""
+    from ambient.xds import server as xds_server
+
+    sds = ctx.get("sds")
+    ca_servicer = getattr(sds, "ca_servicer", None)
+
+    def mount_ca(server) -> list[str]:
+        servicer = ca_servicer() if ca_servicer is not None else None  # known once sds started
+        if servicer is None:  # no sds component, or a remote Istio CA
+            return []
+        return [servicer.add_to_server(server)]  # the CA registers itself, returns its name
+
+    return xds_server.build(ctx, tls_services=mount_ca)
 
 
 class StateDirLock:

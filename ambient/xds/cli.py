@@ -75,8 +75,8 @@ async def dump(args: argparse.Namespace) -> dict:
 
 
 def _addr(text: str) -> str:
-    """``--addr`` as every subcommand takes it (:func:`agent.cli.parse_addr`)."""
-    from agent.cli import format_addr, parse_addr
+    """``--addr`` as every subcommand takes it (:func:`agent.core.hostport.parse_addr`)."""
+    from agent.core.hostport import format_addr, parse_addr
 
     return format_addr(*parse_addr(text, 15010))
 

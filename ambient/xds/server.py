@@ -14,8 +14,10 @@ and Authorization for ztunnel and waypoints (``docs/xds.md``).
   by the ``authn`` chain (client certificate SPIFFE ID, or bearer token: tokens file /
   Kubernetes TokenReview); refused calls get UNAUTHENTICATED naming why. A client whose
   identity namespace differs from its node namespace is refused, as istiod does.
-- The embedded CA's ``IstioCertificateService`` is served on the same TLS port when the
-  ``sds`` component has one (ztunnel's default ``CA_ADDRESS`` is its ``XDS_ADDRESS``).
+- Extra gRPC services mounted by the application on the same TLS port (``tls_services``,
+  :data:`TlsServices`): the daemon mounts the embedded CA's ``IstioCertificateService``
+  there when the ``sds`` component has one (ztunnel's default ``CA_ADDRESS`` is its
+  ``XDS_ADDRESS``, as istiod serves both on 15012). This package imports nothing of SDS.
 - Keepalive enforcement accepts client pings every 10 s or more, with or without
   streams (:mod:`agent.core.grpc_options`); ztunnel pings every 30 s.
 - Pushes come from the index change feed (``AmbientIndex.subscribe``): the resource cache
@@ -31,7 +33,7 @@ import contextlib
 import hmac
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2, ads_pb2_grpc, discovery_pb2
@@ -58,6 +60,12 @@ STALL_TIMEOUT = 30.0  # seconds a response may wait for a client that does not r
 
 
 TlsProvider = Callable[[], Awaitable[TlsMaterial]]
+
+TlsServices = Callable[[grpc.aio.Server], Sequence[str]]
+"""The hook that mounts extra gRPC services next to ADS on the TLS port: called once at
+start, with the gRPC server being built, when the TLS listener is on; adds its services
+to that server and returns their full names (for reflection and ``debug_state``), an
+empty sequence when it has none (e.g. a remote CA is configured). Its errors fail start."""
 
 
 class AuthError(Exception):
@@ -196,11 +204,10 @@ class XdsServer(Component):
     ``index`` may be an :class:`AmbientIndex` or a zero-argument callable returning one
     at start (the ``ambient-index`` component is built before us but started first).
     ``authenticator`` (the ``authn`` chain; default: client certificates only) decides
-    who calls the TLS port; ``ca_service`` (the ``sds`` component's
-    ``IstioCertificateService``: an object with ``add_to_server(grpc server) -> service
-    name``) is served there too; ``backend_path`` is the private Unix socket behind the TLS
-    front door (default: in a fresh 0700 temp directory); ``clock`` drives certificate
-    renewal.
+    who calls the TLS port; ``tls_services`` (:data:`TlsServices`) mounts more services
+    there (the embedded CA's, by the daemon); ``backend_path`` is the private Unix socket
+    behind the TLS front door (default: in a fresh 0700 temp directory); ``clock`` drives
+    certificate renewal.
     """
 
     name = "xds"
@@ -211,7 +218,8 @@ class XdsServer(Component):
                  tls_provider: TlsProvider | None = None, token_file: str = "",
                  debounce: float = 0.1, debounce_max: float = 1.0,
                  registry: CollectorRegistry | None = None, run_blocking=None,
-                 authenticator: Authenticator | None = None, ca_service=None,
+                 authenticator: Authenticator | None = None,
+                 tls_services: TlsServices | None = None,
                  backend_path: str = "", clock: Callable[[], float] = time.time,
                  trust_domain: str = "cluster.local",
                  max_connections: int = 0, stall_timeout: float = STALL_TIMEOUT):
@@ -224,7 +232,8 @@ class XdsServer(Component):
         self.tls_provider = tls_provider
         self.plaintext_auth = PlaintextAuth(token_file, run_blocking)
         self.authenticator = authenticator or Authenticator(trust_domain, run_blocking=run_blocking)
-        self.ca_service = ca_service
+        self.tls_services = tls_services
+        self.extra_services: list[str] = []  # full names mounted by tls_services
         self.backend_path = backend_path
         self.clock = clock
         self.debounce, self.debounce_max = debounce, debounce_max
@@ -266,10 +275,9 @@ class XdsServer(Component):
         server.add_generic_rpc_handlers((_handler(_Servicer(self)),))
         services = [SERVICE_NAME, reflection.SERVICE_NAME]
         tls = self.tls_port is not None and self.tls_provider is not None
-        if callable(self.ca_service) and not hasattr(self.ca_service, "CreateCertificate"):
-            self.ca_service = self.ca_service()  # the sds component's, known once it started
-        if tls and self.ca_service is not None:
-            services.append(self.ca_service.add_to_server(server))
+        if tls and self.tls_services is not None:
+            self.extra_services = list(self.tls_services(server))
+            services.extend(self.extra_services)
         reflection.enable_server_reflection(services, server)
         ensure_tcp_port_free("xds_port", self.address, self.port)
         bound = server.add_insecure_port(f"{_host(self.address)}:{self.port}")
@@ -308,7 +316,7 @@ class XdsServer(Component):
             self.tls_port = self.front_door.port
             self._tls_note = "serving"
         log.info("xds: serving plaintext on %s:%d%s", self.address, self.port,
-                 f", TLS (xDS{' + CA' if self.ca_service and tls else ''}) on "
+                 f", TLS ({self._tls_served()}) on "
                  f"{self.tls_address}:{self.tls_port}" if self.tls_port else "")
 
     async def stop(self, grace: float) -> None:
@@ -329,6 +337,10 @@ class XdsServer(Component):
             await self._server.stop(grace)
             self._server = None
         frontdoor.remove_private_socket(self.backend_path)
+
+    def _tls_served(self) -> str:
+        """What the TLS port serves, for logs and ``debug_state``: ``xDS + <service>...``."""
+        return " + ".join(["xDS", *(n.rsplit(".", 1)[-1] for n in self.extra_services)])
 
     def ready(self) -> tuple[bool, str]:
         return (self._server is not None, "" if self._server else "not started")
@@ -503,7 +515,7 @@ class XdsServer(Component):
         return {
             "plaintext": f"{self.address}:{self.port}",
             "tls": (f"{self.tls_address}:{self.tls_port}"
-                    + (" (xDS + CA)" if self.ca_service else " (xDS)")
+                    + f" ({self._tls_served()})"
                     if self.front_door else self._tls_note),
             "tls_port": self.front_door.debug_state() if self.front_door else None,
             "authn": self.authenticator.debug_state(),
@@ -569,10 +581,11 @@ def _b(value) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
-def build(ctx: AgentContext) -> XdsServer:
+def build(ctx: AgentContext, tls_services: TlsServices | None = None) -> XdsServer:
     """Component ``xds`` from the agent config: settings ``xds_address``, ``xds_port``,
     ``xds_tls_address``, ``xds_tls_port`` (0: off), ``xds_token_file``, ``xds_debounce``,
-    ``xds_debounce_max``; the index from component ``ambient-index``."""
+    ``xds_debounce_max``; the index from component ``ambient-index``; ``tls_services``
+    mounted on the TLS port (the application passes the embedded CA's)."""
     cfg = ctx.config
 
     def index() -> AmbientIndex | None:
@@ -581,9 +594,7 @@ def build(ctx: AgentContext) -> XdsServer:
 
     tls_port = cfg.xds_tls_port or None
     provider = sds_tls_provider(ctx) if tls_port else None
-    sds = ctx.get("sds")
     authn = ctx.get("authn")
-    ca_service = sds.ca_servicer if tls_port and hasattr(sds, "ca_servicer") else None
     backend = frontdoor.private_socket_path(cfg.state_dir, "xds") if provider else ""
     return XdsServer(index, address=cfg.xds_address, port=cfg.xds_port,
                      tls_address=getattr(cfg, "xds_tls_address", "0.0.0.0"), tls_port=tls_port,
@@ -591,6 +602,6 @@ def build(ctx: AgentContext) -> XdsServer:
                      debounce=getattr(cfg, "xds_debounce", 0.1),
                      debounce_max=getattr(cfg, "xds_debounce_max", 1.0),
                      registry=ctx.registry, run_blocking=ctx.run_blocking,
-                     authenticator=getattr(authn, "authenticator", None), ca_service=ca_service,
+                     authenticator=getattr(authn, "authenticator", None), tls_services=tls_services,
                      backend_path=backend, clock=ctx.clock, trust_domain=cfg.trust_domain,
                      max_connections=listener_caps(cfg)["xds_max_connections"])

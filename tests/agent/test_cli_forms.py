@@ -14,6 +14,7 @@ from contextlib import redirect_stdout
 import pytest
 
 from agent import cli
+from agent.core.hostport import parse_addr
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,14 +43,14 @@ def test_run_help_types_defaults_choices():
     ("[::1]:8080", ("::1", 8080)), ("[fd00::1]", ("fd00::1", 99)),
     ("http://127.0.0.1:15020/", ("127.0.0.1", 15020))])
 def test_addr_forms(text, want):
-    assert cli.parse_addr(text, 99) == want
+    assert parse_addr(text, 99) == want
 
 
 @pytest.mark.parametrize("text,why", [("h:x", "not a number"), ("::1:80", "[ADDR]:PORT"),
                                       ("[::1", "missing ']'"), ("h:0", "HOST:PORT")])
 def test_addr_errors(text, why):
     with pytest.raises(argparse.ArgumentTypeError, match=why.replace("[", r"\[")):
-        cli.parse_addr(text, 99)
+        parse_addr(text, 99)
 
 
 def test_xds_dump_takes_the_addr_form(capsys):
@@ -63,7 +64,7 @@ def test_xds_dump_takes_the_addr_form(capsys):
 
 
 def test_every_addr_flag_uses_the_common_parser():
-    """Every subcommand's ``--addr`` converts with agent.cli.parse_addr (same form)."""
+    """Every subcommand's ``--addr`` converts with agent.core.hostport.parse_addr (same form)."""
     parser = cli.build_parser()
     found = 0
     for sub in parser._subparsers._group_actions[0].choices.values():  # noqa: SLF001

@@ -42,7 +42,7 @@ CLUSTER = textwrap.dedent("""\
     status: {podIP: 10.1.1.9, podIPs: [{ip: 10.1.1.9}], phase: Running}
     """)
 WANTED = ("ambient.source", "ambient.index", "agent.tlsport.authn", "agent.sds.server",
-          "ambient.xds.server")
+          "agent.daemon")  # build_xds: ambient.xds.server with the CA mounted
 
 
 class FakeClock:
