@@ -45,7 +45,7 @@ class StoreEvent:
     new: dict | None
 
 
-Listener = Callable[[list[StoreEvent]], None]
+Listener = Callable[[list[StoreEvent]], object]  # the return value is ignored
 
 
 class InvalidObject(ValueError):

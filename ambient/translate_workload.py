@@ -207,7 +207,7 @@ def dns_host_workload(se: dict, host: str, mesh: Mesh) -> wl.Workload:
     return w
 
 
-def slice_endpoint(slice_obj: dict, ep: dict, index: int, mesh: Mesh) -> wl.Workload | None:
+def slice_endpoint(slice_obj: dict, ep: dict, index: int, mesh: Mesh) -> wl.Workload:
     """An EndpointSlice endpoint without a Pod targetRef -> HOST_NETWORK Workload."""
     addrs = ep.get("addresses") or []
     if not isinstance(addrs, list) or not addrs:
