@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from typing import Awaitable, Callable, Sequence
@@ -38,7 +37,7 @@ from typing import Awaitable, Callable, Sequence
 import grpc
 from envoy.service.discovery.v3 import ads_pb2, ads_pb2_grpc, discovery_pb2
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from agent.tlsport import frontdoor
 from agent.tlsport.authn import AuthenticationError, Authenticator
@@ -50,7 +49,11 @@ from agent.core.listeners import grpc_server_bounds
 from agent.tlsport.servercert import ServerCertificate, TlsMaterial
 from ambient.api import AmbientIndex, IndexChange
 from ambient.xds.generators import Generator, default_generators
-from ambient.xds.stream import PreparedResponse, RequestError, StreamInbox, XdsStream
+from ambient.xds.auth import AuthError, PlaintextAuth, spiffe_namespace
+from ambient.xds.connection import Connection, merge_changes
+from ambient.xds.metrics import XdsMetrics
+from ambient.xds.node import RequestError
+from ambient.xds.stream import PreparedResponse, XdsStream
 
 log = logging.getLogger(__name__)
 
@@ -66,122 +69,6 @@ TlsServices = Callable[[grpc.aio.Server], Sequence[str]]
 start, with the gRPC server being built, when the TLS listener is on; adds its services
 to that server and returns their full names (for reflection and ``debug_state``), an
 empty sequence when it has none (e.g. a remote CA is configured). Its errors fail start."""
-
-
-class AuthError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        self.code = code
-        super().__init__(message)
-
-
-def spiffe_namespace(spiffe_id: str) -> str | None:
-    """``ns`` of ``spiffe://<td>/ns/<ns>/sa/<sa>``, else None."""
-    parts = spiffe_id.removeprefix("spiffe://").split("/")
-    if len(parts) >= 5 and parts[1] == "ns" and parts[3] == "sa":
-        return parts[2]
-    return None
-
-
-class PlaintextAuth:
-    """The plaintext port's optional shared bearer token (``xds_token_file``): calls must
-    send ``authorization: Bearer <the file's content>``. Raises :class:`AuthError`
-    (UNAUTHENTICATED) on a missing or wrong token, UNAVAILABLE when the file is unreadable."""
-
-    def __init__(self, token_file: str = "", run_blocking=None):
-        self.token_file = token_file
-        self._token: bytes | None = None
-        self._read_at = 0.0
-        self._run_blocking = run_blocking
-
-    def _read_token(self) -> bytes:
-        with open(self.token_file, "rb") as f:
-            return f.read().strip()
-
-    async def _expected(self) -> bytes | None:
-        if not self.token_file:
-            return None
-        if self._token is None or time.monotonic() - self._read_at > 10.0:
-            try:
-                if self._run_blocking:
-                    self._token = await self._run_blocking(self._read_token)
-                else:
-                    self._token = await asyncio.to_thread(self._read_token)
-            except OSError as e:
-                raise AuthError(grpc.StatusCode.UNAVAILABLE,
-                                f"xds_token_file={self.token_file!r}: {e.strerror}") from None
-            self._read_at = time.monotonic()
-        return self._token
-
-    async def authenticate(self, context) -> None:
-        expected = await self._expected()
-        if expected is not None:
-            got = dict(context.invocation_metadata() or ()).get("authorization", "")
-            token = got[7:].strip().encode() if got.lower().startswith("bearer ") else b""
-            if not token or not hmac.compare_digest(token, expected):
-                raise AuthError(grpc.StatusCode.UNAUTHENTICATED,
-                                "authorization: missing or wrong bearer token")
-
-
-class _Metrics:
-    def __init__(self, registry: CollectorRegistry):
-        self.clients = Gauge("ambient_agent_xds_connected_clients",
-                             "Connected workload xDS clients by proxy type and type URL",
-                             ["proxy_type", "type_url"], registry=registry)
-        self.pushes = Counter("ambient_agent_xds_pushes", "xDS responses sent, by type URL",
-                              ["type_url"], registry=registry)
-        self.resources = Counter("ambient_agent_xds_pushed_resources",
-                                 "Resources (updated + removed) sent, by type URL",
-                                 ["type_url"], registry=registry)
-        self.nacks = Counter("ambient_agent_xds_nacks", "NACKs received, by type URL",
-                             ["type_url"], registry=registry)
-        self.slow = Counter("ambient_agent_xds_slow_clients_disconnected",
-                            "streams closed because the client stopped reading its responses",
-                            registry=registry)
-        self.latency = Histogram("ambient_agent_xds_push_latency_seconds",
-                                 "Index change to response handed to gRPC, seconds",
-                                 ["type_url"], registry=registry,
-                                 buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
-
-
-class _Connection:
-    """Transport side of one stream: an inbox of requests and push wake-ups, drained
-    by the response generator so requests and pushes are handled strictly in order."""
-
-    EOF = object()
-    PUSH = object()
-
-    def __init__(self, state: XdsStream):
-        self.state = state
-        self.inbox = StreamInbox()
-        self.pending: IndexChange | None = None
-        self.pending_since = 0.0
-        self.counted: set[str] = set()
-        self.error = ""
-        self.connected_at = 0.0  # monotonic time of the first valid request
-
-    def notify(self, change: IndexChange, since: float) -> None:
-        if self.pending is None:
-            self.pending, self.pending_since = change, since
-            self.inbox.put_nowait(self.PUSH)
-        else:
-            self.pending = merge_changes(self.pending, change)
-
-    def take(self) -> tuple[IndexChange | None, float]:
-        change, since = self.pending, self.pending_since
-        self.pending = None
-        return change, since
-
-
-def merge_changes(a: IndexChange, b: IndexChange) -> IndexChange:
-    """Set-union of two changes; a name changed in the later one is no longer removed."""
-    ac = a.addresses_changed | b.addresses_changed
-    zc = a.authorizations_changed | b.authorizations_changed
-    return IndexChange(
-        addresses_changed=ac,
-        addresses_removed=(a.addresses_removed - b.addresses_changed) | b.addresses_removed,
-        authorizations_changed=zc,
-        authorizations_removed=(a.authorizations_removed - b.authorizations_changed)
-        | b.authorizations_removed)
 
 
 class _Servicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
@@ -238,9 +125,9 @@ class XdsServer(Component):
         self.clock = clock
         self.debounce, self.debounce_max = debounce, debounce_max
         self.registry = registry or CollectorRegistry()
-        self.metrics = _Metrics(self.registry)
+        self.metrics = XdsMetrics(self.registry)
         self.generators: dict[str, Generator] = {}
-        self.connections: dict[int, _Connection] = {}
+        self.connections: dict[int, Connection] = {}
         self._server: grpc.aio.Server | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self._pending: IndexChange | None = None
@@ -332,7 +219,7 @@ class XdsServer(Component):
         if self.certificate:
             await self.certificate.stop()
         for conn in list(self.connections.values()):
-            conn.inbox.put_nowait(_Connection.EOF)
+            conn.inbox.put_nowait(Connection.EOF)
         if self._server:
             await self._server.stop(grace)
             self._server = None
@@ -403,18 +290,18 @@ class XdsServer(Component):
             return
         state = XdsStream(self.generators, self.index, peer=context.peer(),
                           identity=identity, delta=delta)
-        conn = _Connection(state)
+        conn = Connection(state)
         self.connections[state.id] = conn
         reader = asyncio.create_task(self._read(request_iterator, conn))
         try:
             while True:
                 item = await conn.inbox.get()
-                if item is _Connection.EOF:
+                if item is Connection.EOF:
                     return
                 if isinstance(item, BaseException):
                     log.debug("xds: stream %d ended: %r", state.id, item)
                     return
-                if item is _Connection.PUSH:
+                if item is Connection.PUSH:
                     change, since = conn.take()
                     if change is None:
                         continue
@@ -439,7 +326,7 @@ class XdsServer(Component):
             for key in conn.counted:
                 self.metrics.clients.labels(*key.split("|", 1)).dec()
 
-    def _handle_request(self, state: XdsStream, conn: _Connection, req):
+    def _handle_request(self, state: XdsStream, conn: Connection, req):
         nacks = sum(t.nack_count for t in state.types.values())
         try:
             responses = state.handle_request(req)
@@ -468,7 +355,7 @@ class XdsServer(Component):
             self.metrics.clients.labels(state.node.proxy_type, req.type_url).inc()
         return responses
 
-    async def _write(self, context, conn: _Connection, resp) -> bool:
+    async def _write(self, context, conn: Connection, resp) -> bool:
         """Send one response; False after closing the stream of a client that has not
         taken it within ``stall_timeout`` seconds (it keeps its HTTP/2 window shut: it
         is not reading), counted in ``ambient_agent_xds_slow_clients_disconnected_total``."""
@@ -490,11 +377,11 @@ class XdsServer(Component):
                                    1.0)
         return False
 
-    async def _read(self, request_iterator, conn: _Connection) -> None:
+    async def _read(self, request_iterator, conn: Connection) -> None:
         try:
             async for req in request_iterator:
                 await conn.inbox.put_request(req)  # waits while the inbox is full
-            conn.inbox.put_nowait(_Connection.EOF)
+            conn.inbox.put_nowait(Connection.EOF)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a broken stream ends this client only

@@ -33,160 +33,26 @@ Rules implemented (with lessons from go-control-plane's delta server):
   and it already tracks the key, with an empty version, since it asked);
 - waypoint clients (node type ``waypoint``) see only ``index.waypoint_resources``.
 
-:class:`StreamInbox` is the transport-side queue of one stream: bounded, so a client that
-keeps sending requests while never reading its responses cannot grow the agent (one such
-client once grew it by 746 MB).
+No I/O and no gRPC here: the server (:mod:`ambient.xds.server`) feeds requests and
+pushes through the stream's inbox (:mod:`ambient.xds.connection`) and sends what comes
+back; the client's node is parsed by :mod:`ambient.xds.node`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import dataclasses
 import itertools
 import time
 import uuid
-from typing import Any, Iterable
+from typing import Iterable
 
 from envoy.service.discovery.v3 import discovery_pb2
-from google.protobuf import json_format
 
 from ambient.api import AmbientIndex, IndexChange
 from ambient.xds.generators import AUTHORIZATION_TYPE, Generator
+from ambient.xds.node import NodeInfo, RequestError, parse_node
 
-WAYPOINT_LABEL = "gateway.networking.k8s.io/gateway-name"
 _NACK_HISTORY = 10
-MAX_QUEUED_REQUESTS = 64  # per stream: requests read from the client, not yet handled
-MAX_QUEUED_BYTES = 4 << 20  # per stream: their serialized size (one larger request still fits)
-
-
-class StreamInbox:
-    """The ordered inbox of one stream: the client's requests and the server's own
-    wake-ups (a push, end of stream, a read error), handled strictly in arrival order.
-
-    Wake-ups are always accepted (the server keeps at most one push pending). Requests
-    are bounded: at most ``max_requests`` of them and ``max_bytes`` of serialized size.
-    :meth:`put_request` on a full inbox waits, so the reader stops taking requests from
-    gRPC and HTTP/2 flow control holds the client back; the handler side drains it
-    unless it is stuck writing to a client that does not read (which the server detects
-    on its writes and answers by closing the stream).
-    """
-
-    def __init__(self, max_requests: int = MAX_QUEUED_REQUESTS,
-                 max_bytes: int = MAX_QUEUED_BYTES):
-        self.max_requests = max_requests
-        self.max_bytes = max_bytes
-        self._items: collections.deque[tuple[int, Any]] = collections.deque()
-        self.requests = 0  # queued requests
-        self.bytes = 0  # their size
-        self.high_water = 0  # most requests ever queued at once
-        self._readable = asyncio.Event()
-        self._space = asyncio.Event()
-        self._space.set()
-
-    def put_nowait(self, item: Any) -> None:
-        """A wake-up (never refused)."""
-        self._items.append((-1, item))
-        self._readable.set()
-
-    def full(self, size: int = 0) -> bool:
-        return self.requests >= self.max_requests or (
-            self.requests > 0 and self.bytes + size > self.max_bytes)
-
-    async def put_request(self, request: Any) -> None:
-        """Queue one request, waiting while the inbox is full."""
-        size = request.ByteSize()
-        while self.full(size):
-            self._space.clear()
-            await self._space.wait()
-        self._items.append((size, request))
-        self.requests += 1
-        self.bytes += size
-        self.high_water = max(self.high_water, self.requests)
-        self._readable.set()
-
-    async def get(self) -> Any:
-        while not self._items:
-            self._readable.clear()
-            await self._readable.wait()
-        size, item = self._items.popleft()
-        if size >= 0:
-            self.requests -= 1
-            self.bytes -= size
-            self._space.set()
-        return item
-
-    def debug(self) -> dict:
-        return {"queued_requests": self.requests, "queued_bytes": self.bytes,
-                "high_water": self.high_water}
-
-
-class RequestError(ValueError):
-    """A request the server refuses; ``field`` and ``value`` name what was wrong.
-    The server closes the stream with INVALID_ARGUMENT and this message."""
-
-    def __init__(self, field: str, value: object, reason: str):
-        self.field, self.value = field, value
-        super().__init__(f"{field}={value!r}: {reason}")
-
-
-@dataclasses.dataclass
-class NodeInfo:
-    """A client's node, from ``Node.id`` ``<type>~<ip>~<pod>.<ns>~<ns>.svc.<domain>``
- and ``Node.metadata`` (string values; ``NODE_NAME``, ``CLUSTER_ID``, ``LABELS``).
-
-    ``proxy_type`` is ``ztunnel``, ``waypoint``, ``sidecar``, ``router`` or whatever the
-    first field says (``"unknown"`` for ids without ``~``).
-    """
-
-    id: str
-    proxy_type: str = "unknown"
-    ip: str = ""
-    pod_name: str = ""
-    namespace: str = ""
-    dns_domain: str = ""
-    metadata: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def node_name(self) -> str:
-        return str(self.metadata.get("NODE_NAME", ""))
-
-    @property
-    def cluster_id(self) -> str:
-        return str(self.metadata.get("CLUSTER_ID", ""))
-
-    def waypoint_name(self) -> str:
-        """The Gateway a waypoint proxy serves: its ``gateway-name`` label (metadata
-        ``LABELS``), else ``WORKLOAD_NAME``/``WAYPOINT_NAME`` metadata, else the pod name
-        without the Deployment's two hash suffixes (``<gw>-<rs>-<pod>``)."""
-        labels = self.metadata.get("LABELS")
-        if isinstance(labels, dict) and labels.get(WAYPOINT_LABEL):
-            return str(labels[WAYPOINT_LABEL])
-        for key in ("WAYPOINT_NAME", "WORKLOAD_NAME"):
-            if self.metadata.get(key):
-                return str(self.metadata[key])
-        parts = self.pod_name.rsplit("-", 2)
-        return parts[0] if len(parts) == 3 else self.pod_name
-
-
-def parse_node(node) -> NodeInfo:
-    """Parse an ``envoy.config.core.v3.Node``. Raises :class:`RequestError` for an
-    empty id. Ids without the four ``~`` fields are accepted as type ``unknown``."""
-    if not node.id:
-        raise RequestError("node.id", node.id, "missing on the first request of the stream")
-    metadata = json_format.MessageToDict(node.metadata) if node.HasField("metadata") else {}
-    info = NodeInfo(id=node.id, metadata=metadata)
-    parts = node.id.split("~")
-    if len(parts) == 4:
-        info.proxy_type, info.ip = parts[0], parts[1]
-        pod, _, ns = parts[2].rpartition(".")
-        info.pod_name, info.namespace = (pod, ns) if pod else (parts[2], "")
-        info.dns_domain = parts[3]
-    if not info.namespace:
-        info.namespace = str(metadata.get("NAMESPACE", ""))
-    if not info.pod_name:
-        info.pod_name = str(metadata.get("NAME", ""))
-    return info
 
 
 @dataclasses.dataclass

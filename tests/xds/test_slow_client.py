@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from ambient.xds.client import DeltaXdsClient
 from ambient.xds.generators import ADDRESS_TYPE
 from ambient.xds.server import XdsServer
-from ambient.xds.stream import MAX_QUEUED_BYTES, MAX_QUEUED_REQUESTS
+from ambient.xds.connection import MAX_QUEUED_BYTES, MAX_QUEUED_REQUESTS
 from tests.xds.fake_index import FakeIndex, pod
 
 
