@@ -11,7 +11,7 @@ its local-config file whole or not at all) and every bad entry is named in the l
 from __future__ import annotations
 
 import ipaddress
-from typing import Any
+from typing import Any, Mapping, TypeVar
 
 from google.protobuf import empty_pb2, wrappers_pb2
 
@@ -49,7 +49,10 @@ def _opt(entry: dict, key: str, kind: type, path: str, default: Any) -> Any:
     return value
 
 
-def _enum(value: Any, table: dict, path: str) -> int:
+_E = TypeVar("_E")
+
+
+def _enum(value: Any, table: Mapping[Any, _E], path: str) -> _E:
     if value not in table:
         raise TranslateError(f"field {path!r} must be one of {', '.join(table)}, got {value!r}")
     return table[value]

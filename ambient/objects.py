@@ -44,7 +44,8 @@ def labels(obj: dict) -> dict[str, str]:
     return meta(obj).get("labels") or {}
 
 
-def annotations(obj: dict) -> dict[str, str]:
+def annotations_of(obj: dict) -> dict[str, str]:
+    """``metadata.annotations`` of ``obj`` ({} when absent)."""
     return meta(obj).get("annotations") or {}
 
 

@@ -98,7 +98,8 @@ def _docs(path: str, text: str) -> tuple[list[Any], str]:
 def _label(obj: Any) -> str:
     if not isinstance(obj, dict):
         return type(obj).__name__
-    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    raw = obj.get("metadata")
+    meta: dict = raw if isinstance(raw, dict) else {}
     name = meta.get("name", "?")
     ns = meta.get("namespace")
     # str(): a malformed object (``namespace: 5``) is labelled here and rejected by the store
@@ -165,7 +166,7 @@ def _with_annotations(obj: dict, changes: dict[str, str | None]) -> dict:
 
 def scan(directory: str) -> list[str]:
     """Every wanted file under ``directory``, sorted (so load order is reproducible)."""
-    out = []
+    out: list[str] = []
     for root, dirs, files in os.walk(directory):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         out.extend(os.path.join(root, f) for f in sorted(files) if wanted(f))

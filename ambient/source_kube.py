@@ -107,14 +107,15 @@ async def _check(resp: Any) -> None:
     except (ValueError, AttributeError):
         pass
     err = ApiException(status=resp.status, reason=reason)
-    err.headers = dict(resp.headers)
+    err.headers = dict(resp.headers)  # type: ignore[assignment]  # read by _retry_after
     raise err
 
 
 def _retry_after(err: ApiException) -> float:
     """Seconds from a ``Retry-After`` header (delta-seconds form), 0 when absent/invalid."""
     try:
-        return max(0.0, float((err.headers or {}).get("Retry-After", 0)))
+        headers: Any = err.headers or {}
+        return max(0.0, float(headers.get("Retry-After", 0)))
     except (TypeError, ValueError):
         return 0.0
 
@@ -199,7 +200,10 @@ class KubernetesSource:
     async def _get(self, path: str, query: list[tuple[str, Any]],
                    timeout: aiohttp.ClientTimeout) -> Any:
         """GET ``path`` through the ApiClient (auth, TLS, host from its configuration);
-        returns the raw aiohttp response (not preloaded). Raises ApiException for non-2xx."""
+        returns the raw aiohttp response (not preloaded). Raises ApiException for non-2xx,
+        RuntimeError before :meth:`start`."""
+        if self.api is None:
+            raise RuntimeError(f"cannot GET {path}: the kubernetes source is not started")
         resp = await self.api.call_api(path, "GET", query_params=query,
                                        header_params={"Accept": "application/json"},
                                        auth_settings=["BearerToken"], _preload_content=False,
@@ -338,7 +342,7 @@ class KubernetesSource:
             status = obj if isinstance(obj, dict) else {}
             err = ApiException(status=int(status.get("code") or 500),
                                reason=str(status.get("message") or status.get("reason") or ""))
-            err.headers = {}
+            err.headers = {}  # type: ignore[assignment]
             raise err
         meta = obj.get("metadata") if isinstance(obj, dict) else None
         new_rv = str(meta.get("resourceVersion") or "") if isinstance(meta, dict) else ""

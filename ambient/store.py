@@ -15,6 +15,7 @@ counts it.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import logging
 from typing import Callable, Iterable
@@ -155,7 +156,7 @@ class ObjectStore:
         log.warning("skipping object from %s: %s", where, detail)
 
     def apply(self, upserts: Iterable[tuple[dict, str]] = (), deletes: Iterable[Key] = (),
-              origin: str = "") -> list[StoreEvent]:
+              origin: str = "") -> builtins.list[StoreEvent]:
         """One transaction: upsert ``(object, where)`` pairs and delete keys; notify listeners.
 
         Invalid objects and duplicate UIDs are skipped (logged with ``where``, counted).
@@ -173,7 +174,8 @@ class ObjectStore:
         self._notify(events)
         return events
 
-    def replace_origin(self, origin: str, objects: Iterable[tuple[dict, str]]) -> list[StoreEvent]:
+    def replace_origin(self, origin: str, objects: Iterable[tuple[dict, str]]
+                       ) -> builtins.list[StoreEvent]:
         """Make ``objects`` the complete set owned by ``origin`` (a file path, a watch).
 
         Objects the origin held before and no longer lists are deleted; objects another
@@ -268,7 +270,7 @@ class ObjectStore:
         self._count.labels(key[0]).set(len(self._by_kind[key[0]]))
         return StoreEvent(key[0], key[1], key[2], old, None)
 
-    def _notify(self, events: list[StoreEvent]) -> None:
+    def _notify(self, events: builtins.list[StoreEvent]) -> None:
         if not events:
             return
         for listener in list(self._listeners):

@@ -37,7 +37,7 @@ from typing import Any
 from google.protobuf import empty_pb2
 
 from ambient import authorization_pb2 as az
-from ambient.objects import TranslateError, annotations, field, meta, spec, str_map
+from ambient.objects import TranslateError, annotations_of, field, meta, spec, str_map
 
 log = logging.getLogger(__name__)
 
@@ -324,7 +324,7 @@ def authorization_policy(policy: dict, root_ns: str) -> PolicyTranslation:
     if action not in ("ALLOW", "DENY"):
         raise TranslateError(f"field 'spec.action' must be one of ALLOW, DENY, AUDIT, "
                              f"CUSTOM, got {action!r}")
-    if annotations(policy).get("istio.io/dry-run", "").lower() == "true":
+    if annotations_of(policy).get("istio.io/dry-run", "").lower() == "true":
         return PolicyTranslation(None, "dry-run policies are not supported (UnsupportedValue)")
     selector = field(policy, "spec.selector", dict)
     if selector is not None:

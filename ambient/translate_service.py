@@ -13,7 +13,7 @@ import ipaddress
 from typing import Any
 
 from ambient import workload_pb2 as wl
-from ambient.objects import (Mesh, TranslateError, annotations, field, labels, meta, spec,
+from ambient.objects import (Mesh, TranslateError, annotations_of, field, labels, meta, spec,
                              str_map)
 
 TRAFFIC_DISTRIBUTION = "networking.istio.io/traffic-distribution"
@@ -59,7 +59,7 @@ class ServiceInfo:
         return self.source, self.namespace, self.name
 
 
-def app_protocol(name: str, app_proto: str | None) -> int:
+def app_protocol(name: str, app_proto: str | None) -> wl.AppProtocol:
     """``appProtocol`` else port-name prefix -> AppProtocol."""
     value = (app_proto or "").lower()
     if value:
@@ -78,7 +78,7 @@ def app_protocol(name: str, app_proto: str | None) -> int:
             "https": wl.TLS, "tcp": wl.TCP}.get(prefix, wl.UNKNOWN)
 
 
-def _se_protocol(protocol: str | None) -> int:
+def _se_protocol(protocol: str | None) -> wl.AppProtocol:
     return {"HTTP": wl.HTTP11, "HTTP2": wl.HTTP2, "GRPC": wl.GRPC, "TLS": wl.TLS,
             "HTTPS": wl.TLS, "TCP": wl.TCP}.get((protocol or "").upper(), wl.UNKNOWN)
 
@@ -110,7 +110,7 @@ def _network_address(text: str, network: str, path: str) -> wl.NetworkAddress:
     return wl.NetworkAddress(network=network, address=net.network_address.packed)
 
 
-def ip_families(svc: dict, addresses: list[wl.NetworkAddress]) -> int:
+def ip_families(svc: dict, addresses: list[wl.NetworkAddress]) -> wl.IPFamilies:
     """``Service.ip_families`` (an ``IPFamilies`` value) for one Kubernetes Service.
 
     ``spec.ipFamilies`` decides, as in istiod's ``constructService``
@@ -183,8 +183,8 @@ def k8s_service(svc: dict, mesh: Mesh, namespace_obj: dict | None) -> ServiceInf
     if s.get("internalTrafficPolicy") == "Local":
         lb = LB(routing_preference=[LB.NODE], mode=LB.STRICT)
     else:
-        td = (s.get("trafficDistribution") or annotations(svc).get(TRAFFIC_DISTRIBUTION)
-              or (annotations(namespace_obj).get(TRAFFIC_DISTRIBUTION) if namespace_obj else None))
+        td = (s.get("trafficDistribution") or annotations_of(svc).get(TRAFFIC_DISTRIBUTION)
+              or (annotations_of(namespace_obj).get(TRAFFIC_DISTRIBUTION) if namespace_obj else None))
         lb = traffic_distribution_lb(td)
     if s.get("publishNotReadyAddresses") is True:
         lb = lb or LB()
@@ -195,7 +195,7 @@ def k8s_service(svc: dict, mesh: Mesh, namespace_obj: dict | None) -> ServiceInf
     selector = str_map(s.get("selector"), "spec.selector") or None
     return ServiceInfo(f"{ns}/{host}", ns, name, host, "Service",
                        m.get("creationTimestamp") or "", proto, selector, ports,
-                       dict(labels(svc)), dict(annotations(svc)))
+                       dict(labels(svc)), dict(annotations_of(svc)))
 
 
 def service_entry_services(se: dict, mesh: Mesh, namespace_obj: dict | None) -> list[ServiceInfo]:
@@ -222,12 +222,13 @@ def service_entry_services(se: dict, mesh: Mesh, namespace_obj: dict | None) -> 
         proto_ports.append(wl.Port(service_port=number, target_port=target or number,
                                    app_protocol=_se_protocol(p.get("protocol"))))
     s = spec(se)
+    lb: wl.LoadBalancing | None
     if s.get("resolution") == "NONE":
         lb = LB(mode=LB.PASSTHROUGH, health_policy=LB.ALLOW_ALL)
     else:
         lb = traffic_distribution_lb(
-            annotations(se).get(TRAFFIC_DISTRIBUTION)
-            or (annotations(namespace_obj).get(TRAFFIC_DISTRIBUTION) if namespace_obj else None))
+            annotations_of(se).get(TRAFFIC_DISTRIBUTION)
+            or (annotations_of(namespace_obj).get(TRAFFIC_DISTRIBUTION) if namespace_obj else None))
     selector = str_map(field(se, "spec.workloadSelector.labels", dict), "spec.workloadSelector")
     sans = [str(x) for x in field(se, "spec.subjectAltNames", list, [])]
     public = (s.get("exportTo") or ["*"]) != ["."]
@@ -241,7 +242,7 @@ def service_entry_services(se: dict, mesh: Mesh, namespace_obj: dict | None) -> 
             proto.visibility = wl.Service.NAMESPACE
         out.append(ServiceInfo(f"{ns}/{host}", ns, name, host, "ServiceEntry",
                                m.get("creationTimestamp") or "", proto, selector or None, ports,
-                               dict(labels(se)), dict(annotations(se)), public))
+                               dict(labels(se)), dict(annotations_of(se)), public))
     return out
 
 

@@ -15,7 +15,7 @@ from google.protobuf import wrappers_pb2
 
 from agent.core.annotations import REGISTERED_BY
 from ambient import workload_pb2 as wl
-from ambient.objects import (Mesh, TranslateError, annotations, field, ip_bytes, labels, meta,
+from ambient.objects import (Mesh, TranslateError, annotations_of, field, ip_bytes, labels, meta,
                              parse_ip_or_none, pod_ips, spec, status)
 
 REDIRECTION = "ambient.istio.io/redirection"
@@ -130,7 +130,7 @@ def pod_workload(pod: dict, mesh: Mesh, namespace_obj: dict | None,
     loc = locality(node)
     if loc is not None:
         w.locality.CopyFrom(loc)
-    tunnel(lbls, annotations(pod), w)
+    tunnel(lbls, annotations_of(pod), w)
     return w
 
 
@@ -151,15 +151,15 @@ def workload_entry(we: dict, mesh: Mesh) -> tuple[wl.Workload, dict[str, str], d
     weight = field(we, "spec.weight", int, 0)
     if weight > 0:
         w.capacity.CopyFrom(wrappers_pb2.UInt32Value(value=weight))
-    w.workload_name = (annotations(we).get("istio.io/autoRegistrationGroup")
+    w.workload_name = (annotations_of(we).get("istio.io/autoRegistrationGroup")
                        or lbls.get("service.istio.io/workload-name") or name)
     w.canonical_name, w.canonical_revision = canonical(lbls, w.workload_name)
     _locality_text(w, field(we, "spec.locality", str, ""))
     # An entry a host's agent registered from CNI (cni/registration_kube.py) runs on that
     # host: its node is what lets that host's ztunnel find it as one of its own pods
     # (ztunnel indexes node-local workloads by node name). Other entries have no node.
-    w.node = annotations(we).get(REGISTERED_BY, "")
-    tunnel(lbls, annotations(we), w)
+    w.node = annotations_of(we).get(REGISTERED_BY, "")
+    tunnel(lbls, annotations_of(we), w)
     return w, lbls, _named_ports(field(we, "spec.ports", dict, {}), "spec.ports")
 
 
@@ -190,7 +190,7 @@ def se_endpoint(se: dict, ep: object, index: int, mesh: Mesh
     ep_labels = {str(k): str(v) for k, v in (ep.get("labels") or {}).items()}
     w.workload_name = se_labels.get("service.istio.io/workload-name") or name
     w.canonical_name, w.canonical_revision = canonical(se_labels, w.workload_name)
-    tunnel(se_labels, annotations(se), w)
+    tunnel(se_labels, annotations_of(se), w)
     return w, ep_labels, _named_ports(ep.get("ports") or {}, f"{path}.ports")
 
 

@@ -13,7 +13,7 @@ import dataclasses
 import ipaddress
 
 from ambient import workload_pb2 as wl
-from ambient.objects import annotations, labels, meta, selector_matches, spec, status
+from ambient.objects import annotations_of, labels, meta, selector_matches, spec, status
 
 USE_WAYPOINT = "istio.io/use-waypoint"
 USE_WAYPOINT_NS = "istio.io/use-waypoint-namespace"
@@ -112,9 +112,9 @@ def waypoint_from_gateway(gw: dict, gateway_class: dict | None, network: str) ->
     if address is None:
         return None
     class_labels = labels(gateway_class) if gateway_class else {}
-    class_ann = annotations(gateway_class) if gateway_class else {}
+    class_ann = annotations_of(gateway_class) if gateway_class else {}
     traffic = labels(gw).get(WAYPOINT_FOR) or class_labels.get(WAYPOINT_FOR) or "service"
-    binding = annotations(gw).get(INBOUND_BINDING) or class_ann.get(INBOUND_BINDING)
+    binding = annotations_of(gw).get(INBOUND_BINDING) or class_ann.get(INBOUND_BINDING)
     protocol, port = None, 0
     if binding:
         head, _, tail = binding.partition("/")

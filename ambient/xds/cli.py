@@ -56,8 +56,8 @@ async def dump(args: argparse.Namespace) -> dict:
     types = list(SHORT_NAMES.values()) if "all" in names else [SHORT_NAMES[n] for n in names]
     tls = None
     if args.ca:
-        tls = ClientTls(_read(args.ca), _read(args.cert), _read(args.key), args.server_name)
-    token = _read(args.token_file).decode().strip() if args.token_file else None
+        tls = ClientTls(_read(args.ca) or b"", _read(args.cert), _read(args.key), args.server_name)
+    token = (_read(args.token_file) or b"").decode().strip() if args.token_file else None
     metadata = {"NODE_NAME": args.node_name} if args.node_name else {}
     client = DeltaXdsClient(args.addr, node_id=args.node_id, metadata=metadata, tls=tls,
                             token=token, types=types, on_demand=bool(args.on_demand))

@@ -94,7 +94,8 @@ class DeltaXdsClient:
         return base_pb2.Node(id=self.node_id, metadata=md)
 
     def _open_channel(self) -> grpc.aio.Channel:
-        options = [("grpc.max_receive_message_length", 200 * 1024 * 1024)]
+        options: list[tuple[str, int | str]] = [("grpc.max_receive_message_length",
+                                                 200 * 1024 * 1024)]
         if self.tls is None:
             return grpc.aio.insecure_channel(self.target, options=options)
         if self.tls.server_name:
@@ -255,8 +256,8 @@ class DeltaXdsClient:
         response names it in resources or removed_resources. Returns the names of the
         resources in that response (empty when the key was not found)."""
         start = len(self.responses)
-        self._outbox.put_nowait(discovery_pb2.DeltaDiscoveryRequest(
-            type_url=type_url, resource_names_subscribe=[key]))
+        self.send(discovery_pb2.DeltaDiscoveryRequest(type_url=type_url,
+                                                      resource_names_subscribe=[key]))
 
         def mentioned():
             return any(r.type_url == type_url and (key in r.removed_resources
@@ -268,5 +269,8 @@ class DeltaXdsClient:
         return [r.name for r in resp.resources]
 
     def send(self, req: discovery_pb2.DeltaDiscoveryRequest) -> None:
-        """Send a raw request on the stream (tests: stale nonces, resubscriptions)."""
+        """Send a raw request on the stream (tests: stale nonces, resubscriptions).
+        Raises RuntimeError before :meth:`connect`."""
+        if self._outbox is None:
+            raise RuntimeError("xds client: not connected")
         self._outbox.put_nowait(req)

@@ -114,6 +114,10 @@ class Generator(abc.ABC):
     def aliases(self, name: str) -> list[str]:
         return []
 
+    def workload(self, name: str) -> workload_pb2.Workload | None:
+        """The Workload behind resource ``name`` (on-demand push decisions), if any."""
+        return None
+
     # -- cache --
     def resource(self, name: str) -> discovery_pb2.Resource | None:
         """The cached Resource for ``name`` (name, version, Any), or None if absent."""

@@ -148,7 +148,7 @@ class XdsServer(Component):
 
     async def _start(self) -> None:
         source = self._index_source
-        index = source if hasattr(source, "addresses") else source()
+        index = source() if callable(source) else source
         if index is None:
             raise RuntimeError("xds: no ambient index (component 'ambient-index' missing)")
         self.index = index
@@ -172,7 +172,7 @@ class XdsServer(Component):
             raise ConfigError("xds_port", self.port, f"gRPC cannot bind "
                               f"{self.address}:{self.port} (check xds_address)")
         self.port = bound
-        if tls:
+        if self.tls_port is not None and self.tls_provider is not None:
             ensure_tcp_port_free("xds_tls_port", self.tls_address, self.tls_port)
             self.certificate = ServerCertificate("xds_tls_port", self.tls_provider,
                                                  clock=self.clock)
@@ -188,7 +188,7 @@ class XdsServer(Component):
             self.tls_port = None
         await server.start()
         self._server = server
-        if tls:
+        if self.tls_port is not None and self.certificate is not None:
             self.front_door = frontdoor.TlsFrontDoor(
                 "xds_tls_port", self.tls_address, self.tls_port, self.backend_path,
                 self.certificate, **({"max_connections": self.max_connections}
@@ -288,6 +288,7 @@ class XdsServer(Component):
                 await asyncio.wait_for(request_iterator.__anext__(), 1.0)
             await context.abort(e.code, str(e))
             return
+        assert self.index is not None  # set by start(), before the server accepts a call
         state = XdsStream(self.generators, self.index, peer=context.peer(),
                           identity=identity, delta=delta)
         conn = Connection(state)
@@ -344,15 +345,17 @@ class XdsServer(Component):
                 conn.error = (f"node.id={state.node.id!r}: namespace {state.node.namespace!r} "
                               f"does not match the caller identity {state.identity}")
                 return None
-        key = f"{state.node.proxy_type}|{req.type_url}"
+        node = state.node
+        assert node is not None  # handle_request parsed it or raised RequestError
+        key = f"{node.proxy_type}|{req.type_url}"
         if not conn.counted:  # the stream's first valid request: the client is known now
             conn.connected_at = time.monotonic()
             log.info("xds: client connected: stream %d node %s (%s) identity %s from %s",
-                     state.id, state.node.id or "-", state.node.proxy_type,
-                     state.identity or "-", state.peer)
+                     state.id, node.id or "-", node.proxy_type, state.identity or "-",
+                     state.peer)
         if key not in conn.counted:
             conn.counted.add(key)
-            self.metrics.clients.labels(state.node.proxy_type, req.type_url).inc()
+            self.metrics.clients.labels(node.proxy_type, req.type_url).inc()
         return responses
 
     async def _write(self, context, conn: Connection, resp) -> bool:

@@ -128,9 +128,9 @@ class XdsStream:
 
     def _scope(self, type_url: str) -> set[str] | None:
         """Names this client may see for a type, or None for everything."""
-        if self.is_waypoint() and type_url != AUTHORIZATION_TYPE:
-            return set(self.index.waypoint_resources(self.node.namespace,
-                                                     self.node.waypoint_name()))
+        node = self.node
+        if node is not None and node.proxy_type == "waypoint" and type_url != AUTHORIZATION_TYPE:
+            return set(self.index.waypoint_resources(node.namespace, node.waypoint_name()))
         return None
 
     def _new_nonce(self) -> str:
@@ -143,10 +143,9 @@ class XdsStream:
         if self.node is None:
             self.node = parse_node(req.node)
         gen = self._generator(req.type_url)
-        ts = self.types.get(req.type_url)
-        first = ts is None
-        if first:
-            ts = self.types[req.type_url] = TypeState()
+        held_state = self.types.get(req.type_url)
+        first = held_state is None
+        ts = self.types[req.type_url] = held_state or TypeState()
         if not self.delta:
             return self._sotw_request(gen, ts, req, first)
         nonce = req.response_nonce
@@ -315,14 +314,15 @@ class XdsStream:
             return None
         held = ts.held
         scope = self._scope(gen.type_url)
+        candidates: set[str]
         if ts.wildcard:
-            candidates = changed | removed
+            candidates = set(changed | removed)
             if scope is not None:
                 # names that left the waypoint's view are removed for this client
                 gone = [n for n in held if n not in scope]
                 candidates = (candidates & scope) | set(gone)
         else:
-            candidates = (changed | removed) & ts.names
+            candidates = set((changed | removed) & ts.names)
             candidates |= self._additional(gen, ts, changed - ts.names)
             if scope is not None:
                 candidates = {n for n in candidates if n in scope or n in held}
