@@ -12,7 +12,7 @@ from zds.api import NoZtunnel, PodInfo, ZdsError, ZdsNack, ZdsTimeout
 __all__ = ["PodInfo", "ZdsError", "ZdsNack", "ZdsTimeout", "NoZtunnel", "ZdsServer", "build"]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> object:
     # Lazy so `import zds` (e.g. for the pb2 module) stays light and import-cycle free.
     if name in ("ZdsServer", "build"):
         from zds import server

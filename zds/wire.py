@@ -18,6 +18,9 @@ import asyncio
 import dataclasses
 import os
 import socket
+from typing import TypeVar
+
+from google.protobuf.message import Message
 
 from zds import zds_pb2
 
@@ -94,7 +97,10 @@ assert ACK_OK == b"\x0a\x00", ACK_OK
 
 # ------------------------------------------------------------------ decoders
 
-def _parse(message_type, data: bytes, what: str):
+_M = TypeVar("_M", bound=Message)
+
+
+def _parse(message_type: type[_M], data: bytes, what: str) -> _M:
     msg = message_type()
     try:
         msg.ParseFromString(data)
