@@ -40,7 +40,11 @@ def sockets_under(root: str) -> set[str]:
     for dirpath, _, files in os.walk(root):
         for f in files:
             p = os.path.join(dirpath, f)
-            if stat.S_ISSOCK(os.lstat(p).st_mode):
+            try:
+                mode = os.lstat(p).st_mode
+            except FileNotFoundError:  # a socket bound under a temporary name, renamed since
+                continue
+            if stat.S_ISSOCK(mode):
                 found.add(os.path.relpath(p, root))
     return found
 
