@@ -234,6 +234,9 @@ SETTINGS: list[Setting] = [
     Setting("mesh_root_file", _under_state("mesh-root", "root-cert.pem"), parse_path,
             "where the mesh root is published (0644, directory 0755) for ztunnel's "
             "XDS_ROOT_CA / CA_ROOT_CA (empty: not published)", component="sds"),
+    Setting("ca_signer_process", False, parse_bool, "embedded CA: mint SDS workload "
+            "certificates in a supervised child process (another CPU for the crypto, which "
+            "holds the GIL; see docs/sds.md)", component="sds"),
     Setting("ca_dir", _under_state("ca"), parse_dir_path, "directory of the embedded CA's "
             "self-signed root (created once, reused at every start: keep it on persistent "
             "storage)", component="sds"),

@@ -195,11 +195,18 @@ class SecretCache:
         """Key + CSR + signature + validity checks. With a local CA
         (``sign_with_validity_blocking``) all of it runs in one worker-thread hop and the
         leaf's validity comes from the certificate object the CA built; a remote CA needs
-        one hop for the key and CSR, the RPC on the loop, and one hop to parse the answer."""
+        one hop for the key and CSR, the RPC on the loop, and one hop to parse the answer.
+        A CA client with ``mint`` (:class:`agent.sds.signer.SignerCAClient`) does the key,
+        CSR and signature in its own process and returns the validity with the chain."""
         local = getattr(self.ca, "sign_with_validity_blocking", None)
+        minter = getattr(self.ca, "mint", None)  # the embedded CA's signer process
         sent = self.csr_count
         try:
-            if local is not None:
+            if minter is not None:
+                self.csr_count += 1
+                key_pem, chain, validity = await minter(spiffe_id, self.algorithm,
+                                                        int(self.ttl))
+            elif local is not None:
                 key_pem, chain, validity = await self._run(self._mint_local, local, spiffe_id)
             else:
                 key_pem, csr_pem = await self._run(keys.new_key_and_csr, self.algorithm,

@@ -53,6 +53,7 @@ from agent.sds.metrics import SdsCollector
 from agent.sds.cache import DEFAULT, ROOTCA, SecretCache
 from agent.sds.resolve import MOUNTED_ROOT, MOUNTED_WORKLOAD, SecretResolver, is_workload_name
 from agent.sds.service import GenerateError, IdentityError, SdsService
+from agent.sds.signer import SignerCAClient, SignerProcess
 from agent.sds.trustfiles import publish_root, read_pem_bundle, read_trust_anchors
 
 log = logging.getLogger(__name__)
@@ -199,6 +200,11 @@ class SdsServer(Component):
                                ) from None
         if self.clock:
             embedded.clock = self.clock
+        if cfg.ca_signer_process:
+            signer = SignerProcess(*embedded_ca_files(cfg), clock=self.clock or time.time)
+            await signer.start()
+            child = self.ca_client = SignerCAClient(signer)
+            return child
         local = self.ca_client = EmbeddedCAClient(embedded, self._run)
         return local
 
@@ -473,6 +479,14 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def embedded_ca_files(cfg: Config) -> tuple[str, str]:
+    """``(root certificate, root key)`` paths of the embedded CA: the user's
+    ``ca_cert_file``/``ca_key_file``, else the ones in ``ca_dir``."""
+    if cfg.ca_cert_file:
+        return cfg.ca_cert_file, cfg.ca_key_file
+    return os.path.join(cfg.ca_dir, "root-cert.pem"), os.path.join(cfg.ca_dir, "root-key.pem")
 
 
 def build(ctx: AgentContext) -> SdsServer:
