@@ -143,6 +143,9 @@ class Settings:
     #: where the mesh root is published (0644, directory 0755) for ztunnel's XDS_ROOT_CA /
     #: CA_ROOT_CA (empty: not published)
     mesh_root_file: str
+    #: embedded CA: mint SDS workload certificates in a supervised child process (another
+    #: CPU for the crypto, which holds the GIL; see docs/sds.md)
+    ca_signer_process: bool
     #: directory of the embedded CA's self-signed root (created once, reused at every
     #: start: keep it on persistent storage)
     ca_dir: str
