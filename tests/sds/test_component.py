@@ -152,3 +152,40 @@ async def test_bad_trust_anchors_file_names_the_setting(state_dir, tmp_path, con
     sds = ctx.add(build(ctx))
     with pytest.raises(ConfigError, match="trust_anchors_file"):
         await sds.start()
+
+
+async def test_busy_ca_port_fails_start_naming_it_and_leaves_nothing_behind(state_dir,
+                                                                             monkeypatch):
+    """A ``ca_port`` another process holds stops start-up with an error naming the
+    setting; the stop that follows a failed start releases the CA port's certificate
+    renewal, gRPC server and private socket, and the authenticator keeps no front door."""
+    import asyncio
+    import socket
+
+    from agent.core.config import ConfigError
+    from agent.tlsport import frontdoor
+
+    backends = []
+    made = frontdoor.private_socket_path
+    monkeypatch.setattr(frontdoor, "private_socket_path",
+                        lambda *a: backends.append(made(*a)) or backends[-1])
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    ctx = AgentContext(make_config(state_dir, service_account="cart", pod_namespace="shop",
+                                   ca_port=port, ca_listen_address="127.0.0.1"))
+    auth = ctx.add(authn.build(ctx))
+    server = ctx.add(build(ctx))
+    try:
+        with pytest.raises(ConfigError) as e:
+            await server.start()
+        assert e.value.setting == "ca_port" and e.value.value == port
+        assert server._ca_port is None and server.ca_port == 0
+        assert auth.authenticator._doors == []
+        assert len(backends) == 1 and not os.path.exists(backends[0])
+        assert [t for t in asyncio.all_tasks() if t.get_name() == "renew-ca_port"] == []
+        assert not os.path.exists(server.config.sds_socket)
+    finally:
+        holder.close()
+        await server.stop(0)

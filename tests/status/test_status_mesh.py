@@ -86,3 +86,19 @@ async def test_status_workloads_services_policies(tmp_path):
 async def _cli(server, *args):
     import asyncio
     return await asyncio.to_thread(cli, server, *args)
+
+
+def test_enum_names_come_from_the_message_descriptor():
+    """The mesh view names enum values from each message's own descriptor (the status
+    package never imports the index's generated modules); a number the descriptor does
+    not know (a newer index) is shown as the number, never an error."""
+    from agent.status.mesh import _enum_name
+    from ambient import authorization_pb2 as az
+    from ambient import workload_pb2 as wl
+
+    w = wl.Workload(tunnel_protocol=wl.HBONE, status=wl.UNHEALTHY)
+    assert (_enum_name(w, "tunnel_protocol"), _enum_name(w, "status")) == ("HBONE", "UNHEALTHY")
+    assert _enum_name(wl.Workload(), "status") == "HEALTHY"  # proto3 default, 0
+    p = az.Authorization(scope=az.WORKLOAD_SELECTOR, action=az.DENY)
+    assert (_enum_name(p, "scope"), _enum_name(p, "action")) == ("WORKLOAD_SELECTOR", "DENY")
+    assert _enum_name(wl.Workload(tunnel_protocol=99), "tunnel_protocol") == "99"
