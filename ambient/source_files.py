@@ -33,7 +33,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterator
 
 import watchfiles
 import yaml
@@ -64,7 +64,7 @@ class ParsedFile:
     broken: str = ""
     broken_kind: str = ""
 
-    def __iter__(self):  # ``objects, errors = parse_file(path)``
+    def __iter__(self) -> Iterator[list]:  # ``objects, errors = parse_file(path)``
         return iter((self.objects, self.errors))
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 from google.protobuf import empty_pb2
 
@@ -301,7 +301,7 @@ class PolicyTranslation:
     note: str = ""
     problems: list[str] = dataclasses.field(default_factory=list)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[az.Authorization | str | None]:
         return iter((self.policy, self.note))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+from typing import Any, Awaitable, Callable
 
 import grpc
 
@@ -29,7 +30,8 @@ class PlaintextAuth:
     send ``authorization: Bearer <the file's content>``. Raises :class:`AuthError`
     (UNAUTHENTICATED) on a missing or wrong token, UNAVAILABLE when the file is unreadable."""
 
-    def __init__(self, token_file: str = "", run_blocking=None):
+    def __init__(self, token_file: str = "",
+                 run_blocking: Callable[..., Awaitable[Any]] | None = None):
         self.token_file = token_file
         self._token: bytes | None = None
         self._read_at = 0.0
@@ -54,7 +56,7 @@ class PlaintextAuth:
             self._read_at = time.monotonic()
         return self._token
 
-    async def authenticate(self, context) -> None:
+    async def authenticate(self, context: grpc.aio.ServicerContext) -> None:
         expected = await self._expected()
         if expected is not None:
             got = dict(context.invocation_metadata() or ()).get("authorization", "")

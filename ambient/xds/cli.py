@@ -16,6 +16,7 @@ import ipaddress
 import json
 import os
 import sys
+from typing import Any
 
 import grpc
 from google.protobuf import json_format
@@ -84,7 +85,7 @@ def _addr(text: str) -> str:
 _IP_FIELDS = {"address", "addresses"}
 
 
-def readable(value):
+def readable(value: Any) -> Any:
     """JSON of a workload/authorization message with IP ``bytes`` fields (``address``,
     ``addresses``; 4 or 16 bytes, base64 in proto JSON) shown as IP text."""
     if isinstance(value, dict):
@@ -94,7 +95,7 @@ def readable(value):
     return value
 
 
-def _ip_text(value):
+def _ip_text(value: Any) -> Any:
     if isinstance(value, list):
         return [_ip_text(v) for v in value]
     if not isinstance(value, str):

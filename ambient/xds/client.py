@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -144,14 +144,14 @@ class DeltaXdsClient:
             await self._channel.close()
             self._channel = None
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> "DeltaXdsClient":
         return await self.connect()
 
-    async def __aexit__(self, *exc):
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     @staticmethod
-    async def _write(call, outbox: asyncio.Queue) -> None:
+    async def _write(call: Any, outbox: asyncio.Queue) -> None:
         # Explicit writes (not a request iterator): when the server ends the stream, a
         # failing write must not mask the server's status, which the reader reports.
         with contextlib.suppress(Exception):
@@ -162,7 +162,7 @@ class DeltaXdsClient:
                     return
                 await call.write(req)
 
-    async def _run(self, call, outbox: asyncio.Queue) -> None:
+    async def _run(self, call: Any, outbox: asyncio.Queue) -> None:
         writer = asyncio.create_task(self._write(call, outbox))
         try:
             while True:
@@ -221,7 +221,7 @@ class DeltaXdsClient:
     async def wait(self, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
         """Wait until ``predicate()`` holds after some response. Raises TimeoutError,
         or the stream's grpc.RpcError if it failed."""
-        async def until():
+        async def until() -> None:
             async with self._changed:
                 while not predicate():
                     if self.error is not None:
@@ -245,7 +245,7 @@ class DeltaXdsClient:
         (default: now) in :attr:`responses`."""
         start = len(self.responses) if after is None else after
 
-        def found():
+        def found() -> bool:
             return any(type_url in (None, r.type_url) for r in self.responses[start:])
         await self.wait(found, timeout)
         return next(r for r in self.responses[start:] if type_url in (None, r.type_url))
@@ -259,7 +259,7 @@ class DeltaXdsClient:
         self.send(discovery_pb2.DeltaDiscoveryRequest(type_url=type_url,
                                                       resource_names_subscribe=[key]))
 
-        def mentioned():
+        def mentioned() -> bool:
             return any(r.type_url == type_url and (key in r.removed_resources
                                                    or any(x.name == key for x in r.resources))
                        for r in self.responses[start:])

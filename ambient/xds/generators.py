@@ -26,6 +26,7 @@ from typing import Iterable
 
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
+from google.protobuf.message import Message
 
 from ambient import authorization_pb2, workload_pb2  # noqa: F401  (registers the types)
 from ambient.api import AmbientIndex, IndexChange
@@ -98,7 +99,7 @@ class Generator(abc.ABC):
         """Every resource name of this type currently in the index."""
 
     @abc.abstractmethod
-    def _payload(self, name: str):
+    def _payload(self, name: str) -> Message | None:
         """The typed message named ``name``, or None when the index has none."""
 
     def _payload_bytes(self, name: str) -> bytes | None:
@@ -207,7 +208,7 @@ class AddressGenerator(Generator):
     def names(self) -> Iterable[str]:
         return self.index.address_names()
 
-    def _payload(self, name: str):
+    def _payload(self, name: str) -> Message | None:
         return self.index.address(name)
 
     def _payload_bytes(self, name: str) -> bytes | None:
@@ -236,7 +237,7 @@ class WorkloadGenerator(AddressGenerator):
     def names(self) -> Iterable[str]:
         return self.index.address_names("workload")
 
-    def _payload(self, name: str):
+    def _payload(self, name: str) -> Message | None:
         return self.workload(name)
 
     def _payload_bytes(self, name: str) -> bytes | None:
@@ -257,7 +258,7 @@ class AuthorizationGenerator(Generator):
     def names(self) -> Iterable[str]:
         return self.index.authorization_names()
 
-    def _payload(self, name: str):
+    def _payload(self, name: str) -> Message | None:
         return self.index.authorization(name)
 
     def _payload_bytes(self, name: str) -> bytes | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from envoy.config.core.v3 import base_pb2
 from google.protobuf import json_format
 
 WAYPOINT_LABEL = "gateway.networking.k8s.io/gateway-name"
@@ -59,7 +60,7 @@ class NodeInfo:
         return parts[0] if len(parts) == 3 else self.pod_name
 
 
-def parse_node(node) -> NodeInfo:
+def parse_node(node: base_pb2.Node) -> NodeInfo:
     """Parse an ``envoy.config.core.v3.Node``. Raises :class:`RequestError` for an
     empty id. Ids without the four ``~`` fields are accepted as type ``unknown``."""
     if not node.id:

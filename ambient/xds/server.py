@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2, ads_pb2_grpc, discovery_pb2
@@ -53,7 +53,7 @@ from ambient.xds.auth import AuthError, PlaintextAuth, spiffe_namespace
 from ambient.xds.connection import Connection, merge_changes
 from ambient.xds.metrics import XdsMetrics
 from ambient.xds.node import RequestError
-from ambient.xds.stream import PreparedResponse, XdsStream
+from ambient.xds.stream import PreparedResponse, Request, Response, XdsStream
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +75,12 @@ class _Servicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
     def __init__(self, server: "XdsServer"):
         self.server = server
 
-    async def DeltaAggregatedResources(self, request_iterator, context):
+    async def DeltaAggregatedResources(self, request_iterator: AsyncIterator[Request],
+                                       context: grpc.aio.ServicerContext) -> None:
         await self.server.serve_stream(request_iterator, context, delta=True)
 
-    async def StreamAggregatedResources(self, request_iterator, context):
+    async def StreamAggregatedResources(self, request_iterator: AsyncIterator[Request],
+                                        context: grpc.aio.ServicerContext) -> None:
         await self.server.serve_stream(request_iterator, context, delta=False)
 
 
@@ -104,7 +106,8 @@ class XdsServer(Component):
                  tls_address: str = "0.0.0.0", tls_port: int | None = None,
                  tls_provider: TlsProvider | None = None, token_file: str = "",
                  debounce: float = 0.1, debounce_max: float = 1.0,
-                 registry: CollectorRegistry | None = None, run_blocking=None,
+                 registry: CollectorRegistry | None = None,
+                 run_blocking: Callable[..., Awaitable[Any]] | None = None,
                  authenticator: Authenticator | None = None,
                  tls_services: TlsServices | None = None,
                  backend_path: str = "", clock: Callable[[], float] = time.time,
@@ -233,7 +236,7 @@ class XdsServer(Component):
         return (self._server is not None, "" if self._server else "not started")
 
     # ---------------------------------------------------------------- auth
-    async def _authenticate(self, context) -> str | None:
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> str | None:
         """The caller's SPIFFE ID (TLS port) or None (plaintext port). Raises AuthError."""
         if self.authenticator.tls_peer(context) is None:
             if not context.peer().startswith(("ipv4:", "ipv6:")):
@@ -276,7 +279,8 @@ class XdsServer(Component):
             conn.notify(change, since)
 
     # ---------------------------------------------------------------- streams
-    async def serve_stream(self, request_iterator, context, delta: bool):
+    async def serve_stream(self, request_iterator: AsyncIterator[Request],
+                           context: grpc.aio.ServicerContext, delta: bool) -> None:
         try:
             identity = await self._authenticate(context)
         except AuthError as e:
@@ -309,10 +313,11 @@ class XdsServer(Component):
                     responses = state.handle_push(change)
                 else:
                     since = None
-                    responses = self._handle_request(state, conn, item)
-                    if responses is None:
+                    answered = self._handle_request(state, conn, item)
+                    if answered is None:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, conn.error)
                         return
+                    responses = answered
                 for resp in responses:
                     self._count(resp, since)
                     if not await self._write(context, conn, resp):
@@ -327,7 +332,8 @@ class XdsServer(Component):
             for key in conn.counted:
                 self.metrics.clients.labels(*key.split("|", 1)).dec()
 
-    def _handle_request(self, state: XdsStream, conn: Connection, req):
+    def _handle_request(self, state: XdsStream, conn: Connection, req: Request
+                        ) -> list[Response] | None:
         nacks = sum(t.nack_count for t in state.types.values())
         try:
             responses = state.handle_request(req)
@@ -358,7 +364,8 @@ class XdsServer(Component):
             self.metrics.clients.labels(node.proxy_type, req.type_url).inc()
         return responses
 
-    async def _write(self, context, conn: Connection, resp) -> bool:
+    async def _write(self, context: grpc.aio.ServicerContext, conn: Connection,
+                     resp: Response) -> bool:
         """Send one response; False after closing the stream of a client that has not
         taken it within ``stall_timeout`` seconds (it keeps its HTTP/2 window shut: it
         is not reading), counted in ``ambient_agent_xds_slow_clients_disconnected_total``."""
@@ -380,7 +387,7 @@ class XdsServer(Component):
                                    1.0)
         return False
 
-    async def _read(self, request_iterator, conn: Connection) -> None:
+    async def _read(self, request_iterator: AsyncIterator[Request], conn: Connection) -> None:
         try:
             async for req in request_iterator:
                 await conn.inbox.put_request(req)  # waits while the inbox is full
@@ -390,7 +397,7 @@ class XdsServer(Component):
         except Exception as e:  # a broken stream ends this client only
             conn.inbox.put_nowait(e)
 
-    def _count(self, resp, since: float | None) -> None:
+    def _count(self, resp: Response, since: float | None) -> None:
         self.metrics.pushes.labels(resp.type_url).inc()
         if isinstance(resp, PreparedResponse):
             n = resp.count
@@ -417,7 +424,7 @@ class XdsServer(Component):
         }
 
 
-def _serialize(resp) -> bytes:
+def _serialize(resp: Response) -> bytes:
     # PreparedResponse is already wire bytes (see Generator.snapshot); the rest are messages.
     return resp.data if isinstance(resp, PreparedResponse) else resp.SerializeToString()
 
@@ -467,7 +474,7 @@ def sds_tls_provider(ctx: AgentContext) -> TlsProvider | None:
     return provide
 
 
-def _b(value) -> bytes:
+def _b(value: str | bytes) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 

@@ -44,7 +44,7 @@ import dataclasses
 import itertools
 import time
 import uuid
-from typing import Iterable
+from typing import Iterable, TypeAlias
 
 from envoy.service.discovery.v3 import discovery_pb2
 
@@ -93,6 +93,13 @@ class PreparedResponse:
         return discovery_pb2.DeltaDiscoveryResponse.FromString(self.data)
 
 
+# what a stream takes and gives (envoy's discovery messages; xds-protos ships no stubs)
+DeltaResponse: TypeAlias = discovery_pb2.DeltaDiscoveryResponse
+SotwResponse: TypeAlias = discovery_pb2.DiscoveryResponse
+Request: TypeAlias = "discovery_pb2.DeltaDiscoveryRequest | discovery_pb2.DiscoveryRequest"
+Response: TypeAlias = "DeltaResponse | SotwResponse | PreparedResponse"
+
+
 _ids = itertools.count(1)
 
 
@@ -137,7 +144,7 @@ class XdsStream:
         return f"{self.push_version}-{uuid.uuid4().hex[:12]}"
 
     # ---------------------------------------------------------------- requests
-    def handle_request(self, req) -> list:
+    def handle_request(self, req: Request) -> list[Response]:
         """Apply one DeltaDiscoveryRequest (or DiscoveryRequest when ``delta`` is
         False); return the responses to send (possibly none). Raises RequestError."""
         if self.node is None:
@@ -147,7 +154,9 @@ class XdsStream:
         first = held_state is None
         ts = self.types[req.type_url] = held_state or TypeState()
         if not self.delta:
+            assert isinstance(req, discovery_pb2.DiscoveryRequest)
             return self._sotw_request(gen, ts, req, first)
+        assert isinstance(req, discovery_pb2.DeltaDiscoveryRequest)
         nonce = req.response_nonce
         if nonce and not first:
             if nonce != ts.last_nonce:
@@ -176,7 +185,7 @@ class XdsStream:
                 ts.held.pop(name, None)
 
     def _initial(self, gen: Generator, ts: TypeState, subscribe: list[str],
-                 unsubscribe: list[str], initial: dict[str, str]) -> list:
+                 unsubscribe: list[str], initial: dict[str, str]) -> list[Response]:
         ts.held = dict(initial)
         explicit = set(subscribe) - {"*"} - set(unsubscribe)
         # Istio: wildcard if "*" subscribed (and not unsubscribed) or no name at all.
@@ -189,10 +198,10 @@ class XdsStream:
             # node-local warm-up: the workloads on this client's node
             ts.names |= self.index.node_workloads(self.node.node_name)
         keys = ts.names | set(initial)
-        return [self._answer_keys(gen, ts, keys, always=True)]
+        return [self._answer_keys(gen, ts, keys)]
 
     def _resubscribe(self, gen: Generator, ts: TypeState, subscribe: list[str],
-                     unsubscribe: list[str]) -> list:
+                     unsubscribe: list[str]) -> list[Response]:
         became_wildcard = "*" in subscribe and not ts.wildcard
         if "*" in unsubscribe:
             ts.wildcard = False
@@ -209,10 +218,11 @@ class XdsStream:
             return []
         # every explicit request is answered, names asked before too (istiod answers
         # req.Delta.Subscribed): ztunnel asks again only when it lacks the resource
-        return [self._answer_keys(gen, ts, asked, always=True, resend=True)]
+        return [self._answer_keys(gen, ts, asked, resend=True)]
 
     # ---------------------------------------------------------------- responses
-    def _response(self, gen: Generator, ts: TypeState, resources: list, removed: Iterable[str]):
+    def _response(self, gen: Generator, ts: TypeState, resources: list[discovery_pb2.Resource],
+                  removed: Iterable[str]) -> DeltaResponse:
         resp = discovery_pb2.DeltaDiscoveryResponse(
             type_url=gen.type_url, system_version_info=str(self.push_version),
             nonce=self._new_nonce())
@@ -227,7 +237,7 @@ class XdsStream:
         ts.responses += 1
         return resp
 
-    def _full_wildcard(self, gen: Generator, ts: TypeState):
+    def _full_wildcard(self, gen: Generator, ts: TypeState) -> DeltaResponse | PreparedResponse:
         """All resources in view, minus those held at the same version; removed = held
         names no longer in view (client request)."""
         scope = self._scope(gen.type_url)
@@ -259,8 +269,8 @@ class XdsStream:
         return PreparedResponse(snap.payload + tail.SerializeToString(), gen.type_url,
                                 tail.nonce, len(snap.versions))
 
-    def _answer_keys(self, gen: Generator, ts: TypeState, keys: Iterable[str], always: bool,
-                     resend: bool = False):
+    def _answer_keys(self, gen: Generator, ts: TypeState, keys: Iterable[str],
+                     resend: bool = False) -> DeltaResponse:
         """Resolve subscribed names / on-demand keys and grow the subscription by
         the names returned. Found: each resource with its aliases (the key among them),
         plus, for a key that is not a resource name, a copy named by the key (wakes
@@ -269,7 +279,7 @@ class XdsStream:
         explicit request); otherwise held versions are skipped (the initial request's
         ``initial_resource_versions``)."""
         scope = self._scope(gen.type_url)
-        out: dict[str, object] = {}
+        out: dict[str, discovery_pb2.Resource] = {}
         removed: set[str] = set()
         for key in keys:
             names = [n for n in gen.lookup(key) if scope is None or n in scope]
@@ -289,17 +299,16 @@ class XdsStream:
                     out[key] = twin
         resources = list(out.values())
         removed -= set(out)
-        if not resources and not removed and not always:
-            return None
         return self._response(gen, ts, resources, removed)
 
     # ---------------------------------------------------------------- pushes
-    def handle_push(self, change: IndexChange) -> list:
+    def handle_push(self, change: IndexChange) -> list[Response]:
         """Responses for an index change (one per type whose view changed)."""
         self.push_version += 1
-        out = []
+        out: list[Response] = []
         for type_url, ts in self.types.items():
             gen = self.generators[type_url]
+            resp: Response | None
             if not self.delta:
                 resp = self._sotw_push(gen, ts, change)
             else:
@@ -308,7 +317,8 @@ class XdsStream:
                 out.append(resp)
         return out
 
-    def _delta_push(self, gen: Generator, ts: TypeState, change: IndexChange):
+    def _delta_push(self, gen: Generator, ts: TypeState, change: IndexChange
+                    ) -> DeltaResponse | None:
         changed, removed = gen.touched(change)
         if not changed and not removed:
             return None
@@ -363,7 +373,7 @@ class XdsStream:
         return extra
 
     # ---------------------------------------------------------------- state of the world
-    def _sotw_current(self, gen: Generator, ts: TypeState) -> list:
+    def _sotw_current(self, gen: Generator, ts: TypeState) -> list[discovery_pb2.Resource]:
         scope = self._scope(gen.type_url)
         if ts.wildcard:
             names = gen.names() if scope is None else scope
@@ -380,7 +390,7 @@ class XdsStream:
                 out.append(res)
         return out
 
-    def _sotw_response(self, gen: Generator, ts: TypeState):
+    def _sotw_response(self, gen: Generator, ts: TypeState) -> SotwResponse:
         current = self._sotw_current(gen, ts)
         ts.held = {r.name: r.version for r in current}
         ts.sotw_version += 1
@@ -391,7 +401,8 @@ class XdsStream:
         ts.responses += 1
         return resp
 
-    def _sotw_request(self, gen: Generator, ts: TypeState, req, first: bool) -> list:
+    def _sotw_request(self, gen: Generator, ts: TypeState, req: discovery_pb2.DiscoveryRequest,
+                      first: bool) -> list[Response]:
         names = set(req.resource_names) - {"*"}
         wildcard = not req.resource_names or "*" in req.resource_names
         if not first and req.response_nonce:
@@ -407,7 +418,8 @@ class XdsStream:
         ts.wildcard, ts.names = wildcard, names
         return [self._sotw_response(gen, ts)]
 
-    def _sotw_push(self, gen: Generator, ts: TypeState, change: IndexChange):
+    def _sotw_push(self, gen: Generator, ts: TypeState, change: IndexChange
+                   ) -> SotwResponse | None:
         changed, removed = gen.touched(change)
         if not changed and not removed:
             return None
