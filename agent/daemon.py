@@ -43,7 +43,7 @@ COMPONENT_BUILDERS: list[tuple[str, str]] = [
     # ZDS server
     ("zds.server", "build"),
     # enrollment (rules, host probe set, reconciler) and the CNI event server
-    ("cni.enrollment", "build"),
+    ("agent.enrollment_zds", "build"),  # enrollment, wired to the zds component
     ("cni.snapshot", "build"),  # cni-snapshot: how the plugin decides while no agent runs
     ("cni.install", "build"),  # cni-installer (only with cni_manage_config)
     ("cni.eventserver", "build"),

@@ -170,6 +170,7 @@ async def _start_to_snapshot(state: str, node_netns: str) -> tuple[float, int, i
     SIGKILL leaves things (records, rules and sets stay)."""
     from agent.core.config import load
     from agent.core.lifecycle import AgentContext
+    from agent.enrollment_zds import ZdsServerChannel
     from cni.enrollment import Enrollment
     from tests.ztunnel_exact.zds import ZtunnelZds
     from zds.server import ZdsServer
@@ -181,7 +182,7 @@ async def _start_to_snapshot(state: str, node_netns: str) -> tuple[float, int, i
     ctx = AgentContext(config)
     t0 = time.monotonic()
     zds = ctx.add(ZdsServer(path, hold_accept=True))
-    enrollment = ctx.add(Enrollment(ctx))
+    enrollment = ctx.add(Enrollment(ctx, zds=ZdsServerChannel(zds)))
     try:
         await zds.start()
         await enrollment.start()
@@ -191,8 +192,7 @@ async def _start_to_snapshot(state: str, node_netns: str) -> tuple[float, int, i
         return first.at - t0, len(first.names), first.adds
     finally:
         peer.stop()
-        for task in list(enrollment._retry_tasks.values()):
-            task.cancel()
+        enrollment.retries.kill()
         if enrollment.host_rules is not None:
             await asyncio.to_thread(enrollment.host_rules.close)
         await zds.stop(0.5)

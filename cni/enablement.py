@@ -23,6 +23,7 @@ from cni.events import CniPodEvent
 
 DATAPLANE_MODE_LABEL = "istio.io/dataplane-mode"
 SIDECAR_STATUS_ANNOTATION = "sidecar.istio.io/status"
+TERMINAL_PHASES = ("Succeeded", "Failed")  # a pod in these phases is never (re-)enrolled
 
 DEFAULT_SELECTORS: list[dict[str, Any]] = [
     {"podSelector": {"matchLabels": {DATAPLANE_MODE_LABEL: "ambient"}}},
@@ -145,7 +146,7 @@ def object_is_ambient(pod: dict, store: Any, exclude_namespaces: Iterable[str],
     """The decision for a Pod object already in ``store`` (an
     :class:`ambient.api.ObjectStore`), as a CNI ADD for it would make it now: excluded
     namespace, then :func:`pod_matches` with its Namespace object's labels (none when the
-    store has no such Namespace). Used for running pods (``cni.livepods``) and the
+    store has no such Namespace). Used for running pods (``cni.enrollment.watch``) and the
     plugin's snapshot (``cni.snapshot``). Raises ValueError for a malformed selector."""
     namespace = (pod.get("metadata") or {}).get("namespace") or ""
     if namespace and namespace in set(exclude_namespaces):
@@ -154,3 +155,10 @@ def object_is_ambient(pod: dict, store: Any, exclude_namespaces: Iterable[str],
     ambient, _ = pod_matches(pod, ((ns_obj or {}).get("metadata") or {}).get("labels") or {},
                              selectors)
     return ambient
+
+
+def on_this_node(pod: dict, node_name: str, files_source: bool) -> bool:
+    """``spec.nodeName`` is ``node_name``; with the files source a Pod without a node
+    counts too (a host describing its own containers rarely names itself)."""
+    node = (pod.get("spec") or {}).get("nodeName") or ""
+    return node == node_name or (not node and files_source)

@@ -2,7 +2,7 @@
 
 Used at agent start for pods enrolled before a restart whose netns path we don't have
 (or whose recorded path is gone), and for running pods that become ambient
-(:mod:`cni.livepods`): for every process, read its cgroup path to get the pod UID (or,
+(:mod:`cni.enrollment.watch`): for every process, read its cgroup path to get the pod UID (or,
 for a podman container, named by its container ID, that ID), and take its ``ns/net``
 if that netns really holds the pod's IP.
 

@@ -41,7 +41,7 @@ from typing import Any
 from agent.core.files import write_atomic
 from agent.core.lifecycle import AgentContext, Component
 from cni import enablement
-from cni.livepods import TERMINAL_PHASES, on_this_node
+from cni.enablement import TERMINAL_PHASES, on_this_node
 from cni.plugin_request import SNAPSHOT_NAME, SNAPSHOT_VERSION
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The ``ambient-agent status`` text report: ``/debug/all`` (a dict) → operator tables.
 
 One explicit table per section, built from the shapes the components' ``debug_state()``
-return (``cni/enrollment.py``, ``zds/server.py``, ``agent/sds/server.py`` +
+return (``cni/enrollment/reconciler.py``, ``zds/server.py``, ``agent/sds/server.py`` +
 ``sds/cache.py`` + ``sds/service.py``, ``ambient/xds/server.py`` + ``ambient/xds/stream.py``; the
 document itself is ``agent/status/debug.py:everything``):
 

@@ -1,6 +1,6 @@
 """Pods without Kubernetes (podman): the CNI event carries only ``K8S_POD_NAME=<container
 name>`` and the container ID, so the Pod object is the one whose ``metadata.uid`` is that
-container ID (cni/enablement.py ``find_pod``, cni/enrollment.py record). Uses the real
+container ID (cni/enablement.py ``find_pod``, cni/enrollment/reconciler.py record). Uses the real
 :class:`ambient.store.ObjectStore`, the real event server socket and the real
 :class:`cni.enrollment.Enrollment` record building."""
 

@@ -27,6 +27,8 @@ from ambient import source as ambient_source
 from ambient import source_kube
 from cni import annotate
 from cni import enrollment as enrollment_mod
+from cni.enrollment import reconciler as reconciler_mod
+from agent.enrollment_zds import ZdsServerChannel
 from cni.enrollment import Enrollment
 from cni.events import CniPodEvent
 from tests.helpers import eventually
@@ -40,7 +42,7 @@ pytestmark = pytest.mark.timeout(180)
 
 REDIRECTION = "ambient.istio.io/redirection"
 AMBIENT = {"istio.io/dataplane-mode": "ambient"}
-LOGGERS = ("cni.annotate", "cni.enrollment", "cni.livepods", "ambient.source.kube")
+LOGGERS = ("cni.annotate", "cni.enrollment", "ambient.source.kube")
 
 
 def snapshot(pod) -> str:
@@ -53,7 +55,7 @@ def snapshot(pod) -> str:
 def fast_retries(monkeypatch):
     monkeypatch.setattr(source_kube, "BACKOFF_START", 0.1)
     monkeypatch.setattr(source_kube, "BACKOFF_MAX", 1.0)
-    monkeypatch.setattr(enrollment_mod, "BACKOFF_MAX", 1.0)
+    monkeypatch.setattr(reconciler_mod, "BACKOFF_MAX", 1.0)
     monkeypatch.setattr(annotate, "BACKOFF_MAX", 1.0)
 
 
@@ -65,7 +67,8 @@ def logs(caplog):
 
 def forbidden(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name in LOGGERS and "403" in r.getMessage()]
+            if r.name.startswith(tuple(n + "." for n in LOGGERS)) or r.name in LOGGERS
+            if "403" in r.getMessage()]
 
 
 @pytest.fixture
@@ -104,7 +107,7 @@ class KubeAgent:
         self.ctx = AgentContext(self.config)
         self.source = self.ctx.add(ambient_source.build(self.ctx))
         self.zds = self.ctx.add(ZdsServer(self.config.ztunnel_uds_address, ztunnel_wait=2.0))
-        self.enrollment = self.ctx.add(Enrollment(self.ctx))
+        self.enrollment = self.ctx.add(Enrollment(self.ctx, zds=ZdsServerChannel(self.zds)))
         await self.source.start()
         assert self.source.ready() == (True, ""), self.source.debug_state()
         await self.zds.start()

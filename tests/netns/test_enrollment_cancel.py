@@ -15,6 +15,7 @@ import time
 import aiohttp
 import pytest
 
+from agent.enrollment_zds import ZdsServerChannel
 from cni.enrollment import Enrollment, EnrollmentError
 from cni.eventserver import CniEventServer
 from cni.rules_common import RulesError
@@ -37,7 +38,7 @@ async def start(h: Harness, backend=None, source=None) -> Harness:
     if source is not None:
         h.ctx.add(source)
     h.zds = h.ctx.add(ZdsServer(h.config.ztunnel_uds_address, ztunnel_wait=ZTUNNEL_WAIT))
-    h.enrollment = h.ctx.add(Enrollment(h.ctx, backend=backend))
+    h.enrollment = h.ctx.add(Enrollment(h.ctx, backend=backend, zds=ZdsServerChannel(h.zds)))
     h.events = h.ctx.add(CniEventServer(h.ctx, h.config.cni_event_socket))
     await h.zds.start()
     await h.enrollment.start()

@@ -20,6 +20,7 @@ import pytest
 
 from agent.core.lifecycle import AgentContext
 from cni import rules_detect
+from agent.enrollment_zds import ZdsServerChannel
 from cni.enrollment import Enrollment
 from pyroute2 import IPRoute
 
@@ -90,7 +91,8 @@ async def start_agent(state_dir, node_netns, stack: str) -> Harness:
     h = Harness(state_dir, node_netns, native_nftables=stack == rules_detect.NFTABLES)
     h.ctx = AgentContext(h.config)
     h.zds = h.ctx.add(ZdsServer(h.config.ztunnel_uds_address, ztunnel_wait=2.0))
-    h.enrollment = h.ctx.add(Enrollment(h.ctx, backend=rules_detect.backend_for(stack)))
+    h.enrollment = h.ctx.add(Enrollment(h.ctx, backend=rules_detect.backend_for(stack),
+                                           zds=ZdsServerChannel(h.zds)))
     await h.zds.start()
     await h.enrollment.start()
     return h

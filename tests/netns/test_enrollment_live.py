@@ -1,4 +1,4 @@
-"""Running pods follow their labels live (``cni.livepods``) and the redirection annotation is
+"""Running pods follow their labels live (``cni.enrollment.watch``) and the redirection annotation is
 written through the config source (``cni.annotate``), end to end: the real files config
 source (``ambient.source`` over a YAML directory watched with inotify) and the real
 ambient index, real netns pods on a bridge, a real process inside each pod's netns in a
@@ -23,6 +23,7 @@ from agent.core.lifecycle import AgentContext
 from ambient import index as ambient_index
 from ambient import source as ambient_source
 from ambient import workload_pb2 as wl
+from agent.enrollment_zds import ZdsServerChannel
 from cni.enrollment import Enrollment
 from cni.events import CniPodEvent
 from agent.demo.fake_ztunnel_thread import FakeZtunnelThread
@@ -92,7 +93,7 @@ class Agent:
         self.source = self.ctx.add(ambient_source.build(self.ctx))
         self.index = self.ctx.add(ambient_index.build(self.ctx))
         self.zds = self.ctx.add(ZdsServer(self.config.ztunnel_uds_address, ztunnel_wait=2.0))
-        self.enrollment = self.ctx.add(Enrollment(self.ctx))
+        self.enrollment = self.ctx.add(Enrollment(self.ctx, zds=ZdsServerChannel(self.zds)))
         for c in (self.source, self.index, self.zds):
             await c.start()
         return self
@@ -121,8 +122,7 @@ class Agent:
         for zt in self.ztunnels:
             zt.close()
         self.ztunnels.clear()
-        for task in list(self.enrollment._retry_tasks.values()):
-            task.cancel()
+        self.enrollment.retries.kill()
         if self.enrollment.live is not None:
             await self.enrollment.live.stop(0.5)
         await self.zds.stop(0.5)

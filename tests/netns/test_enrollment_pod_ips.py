@@ -75,7 +75,7 @@ async def test_restart_takes_mapped_pod_ips_from_pod_status(bridge, state_dir, n
         "kind": "Pod",
         "metadata": {"uid": pod.uid, "name": pod.name, "namespace": "default",
                      # still ambient: the agent removes an enrolled pod whose labels no
-                     # longer select it (cni.livepods), which would race the checks below
+                     # longer select it (cni.enrollment.watch), which would race the checks below
                      "labels": {"istio.io/dataplane-mode": "ambient"},
                      "annotations": {"ambient.istio.io/redirection": "enabled"}},
         "spec": {"nodeName": ""},

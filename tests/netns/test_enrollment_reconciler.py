@@ -19,6 +19,7 @@ from pyroute2 import netns as pr_netns
 
 from agent.core.config import load
 from agent.core.lifecycle import AgentContext, Component
+from agent.enrollment_zds import ZdsServerChannel
 from cni.enrollment import Enrollment, EnrollmentError
 from cni.events import CniPodEvent
 from agent.demo.fake_ztunnel_thread import FakeZtunnelThread
@@ -68,7 +69,7 @@ class Harness:
         if source is not None:
             self.ctx.add(source)
         self.zds = self.ctx.add(ZdsServer(self.config.ztunnel_uds_address, ztunnel_wait=2.0))
-        self.enrollment = self.ctx.add(Enrollment(self.ctx))
+        self.enrollment = self.ctx.add(Enrollment(self.ctx, zds=ZdsServerChannel(self.zds)))
         await self.zds.start()
         await self.enrollment.start()
         return self
@@ -84,8 +85,7 @@ class Harness:
         for zt in self.ztunnels:
             zt.close()
         self.ztunnels.clear()
-        for task in list(self.enrollment._retry_tasks.values()):
-            task.cancel()
+        self.enrollment.retries.kill()
         await self.zds.stop(0.5)
         self.ctx.executor.shutdown(wait=False)
 

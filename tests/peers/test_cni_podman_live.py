@@ -28,6 +28,7 @@ from agent.demo import podman
 from agent.core.config import load
 from agent.core.lifecycle import AgentContext
 from ambient import source as ambient_source
+from agent.enrollment_zds import ZdsServerChannel
 from cni.enrollment import Enrollment
 from cni.eventserver import CniEventServer
 from cni.install import Installer
@@ -66,7 +67,7 @@ class Agent:
         self.ctx = AgentContext(self.config)
         self.source = self.ctx.add(ambient_source.build(self.ctx))
         self.zds = self.ctx.add(ZdsServer(self.config.ztunnel_uds_address, ztunnel_wait=2.0))
-        self.enrollment = self.ctx.add(Enrollment(self.ctx))
+        self.enrollment = self.ctx.add(Enrollment(self.ctx, zds=ZdsServerChannel(self.zds)))
         self.events = self.ctx.add(CniEventServer(self.ctx, self.config.cni_event_socket))
         await self.source.start()
         await self.zds.start()

@@ -29,6 +29,7 @@ from ambient import index as ambient_index
 from ambient import source as ambient_source
 from ambient import workload_pb2 as wl
 from cni import registration
+from agent.enrollment_zds import ZdsServerChannel
 from cni.enrollment import Enrollment
 from cni.eventserver import CniEventServer
 from cni.install import Installer
@@ -57,7 +58,7 @@ class Agent:
             self.components.append(self.ctx.add(build(self.ctx)))
         self.source, self.registrar, self.index = self.components
         self.zds = self.ctx.add(ZdsServer(self.config.ztunnel_uds_address, ztunnel_wait=2.0))
-        self.enrollment = self.ctx.add(Enrollment(self.ctx))
+        self.enrollment = self.ctx.add(Enrollment(self.ctx, zds=ZdsServerChannel(self.zds)))
         self.events = self.ctx.add(CniEventServer(self.ctx, self.config.cni_event_socket))
         for c in self.components:
             await c.start()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import aiohttp
 
+from agent.enrollment_zds import ZdsServerChannel
 from cni.enrollment import Enrollment
 from tests.status.conftest import running_status
 from tests.zds.helpers import running_client, running_server
@@ -14,7 +15,7 @@ from tests.zds.helpers import running_client, running_server
 async def test_not_ready_without_ztunnel(tmp_path):
     async with running_server(ztunnel_wait=3) as zds:
         async with running_status(tmp_path, components=[zds]) as (ctx, server):
-            enrollment = ctx.add(Enrollment(ctx))
+            enrollment = ctx.add(Enrollment(ctx, zds=ZdsServerChannel(zds)))
             enrollment._started = True  # started without host rules: readiness only
             url = f"http://127.0.0.1:{server.port}/healthz/ready"
             async with aiohttp.ClientSession() as http:

@@ -34,29 +34,21 @@ every pod that became ambient into a single ``/proc`` scan (off the loop).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING, Any, Iterable
 
 from cni import enablement
+from cni.enablement import TERMINAL_PHASES, on_this_node
 from cni import podnetns
 from cni.events import CniPodEvent, EnrollmentError
 from cni.podips import pod_status_ips as pod_ips
 
 if TYPE_CHECKING:
-    from cni.enrollment import Enrollment
+    from cni.enrollment.reconciler import Enrollment
 
 log = logging.getLogger(__name__)
-
-TERMINAL_PHASES = ("Succeeded", "Failed")
-
-
-def on_this_node(pod: dict, node_name: str, files_source: bool) -> bool:
-    """``spec.nodeName`` is ``node_name``; with the files source a Pod without a node
-    counts too (a host describing its own containers rarely names itself)."""
-    node = (pod.get("spec") or {}).get("nodeName") or ""
-    return node == node_name or (not node and files_source)
-
 
 class LivePods:
     """Reconciles running pods of this node with their enablement, for ``enrollment``.
@@ -228,7 +220,7 @@ class LivePods:
         work = self._terminated(uid, why) if terminal else self._leave_mesh(uid, why)
         task = asyncio.get_running_loop().create_task(work, name=f"unenroll-{uid}")
         self._leaving[uid] = task
-        task.add_done_callback(lambda _t, u=uid: self._leaving.pop(u, None))
+        task.add_done_callback(functools.partial(_forget, self._leaving, uid))
 
     async def _leave_mesh(self, uid: str, why: str) -> None:
         rec = self.enrollment.records.get(uid)
@@ -307,7 +299,7 @@ class LivePods:
             task = asyncio.get_running_loop().create_task(self._enroll(event),
                                                           name=f"enroll-live-{uid}")
             self._joining[uid] = task
-            task.add_done_callback(lambda _t, u=uid: self._joining.pop(u, None))
+            task.add_done_callback(functools.partial(_forget, self._joining, uid))
 
     async def _enroll(self, event: CniPodEvent) -> None:
         label = f"{event.pod_namespace}/{event.pod_name} (uid {event.pod_uid})"
@@ -334,3 +326,8 @@ def _uid(obj: dict | None) -> str:
 
 def _labels(obj: dict | None) -> dict:
     return ((obj or {}).get("metadata") or {}).get("labels") or {}
+
+
+def _forget(tasks: dict[str, asyncio.Task], uid: str, _task: asyncio.Task) -> None:
+    """Done callback: the pod's task leaves ``tasks``."""
+    tasks.pop(uid, None)

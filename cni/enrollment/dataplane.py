@@ -1,0 +1,333 @@
+"""The enrollment pipeline for one pod: open netns -> in-pod rules -> ZDS add -> host probe
+set -> status, written once, with the failure policy as a parameter; and its inverse
+(rollback of a failed or cancelled ADD, removal of an enrolled pod).
+
+Upstream: ``cni/pkg/nodeagent/net.go`` (``AddPodToMesh``: rules, then ztunnel, then
+the probe set; ``RemovePodFromMesh(pod, isDelete)``) and ``meshdataplane_linux.go``.
+Three callers, three policies (:data:`ADD`, :data:`RETRY`, :data:`RECOVER`):
+
+================  ===============================  ==============================
+policy            rules step fails                 a later step fails
+================  ===============================  ==============================
+``ADD``           rules rolled back; the ADD fails  retryable error (rules kept:
+                  for good (no retry)              fail closed); if the netns
+                                                   vanished meanwhile, everything
+                                                   is rolled back instead
+``RETRY``         recorded; this attempt fails      retryable error
+                  (retried with backoff)
+``RECOVER``       recorded ("restart the pod"); the retryable error; ZDS was told
+                  later steps still run             already (no announce, no ack)
+================  ===============================  ==============================
+
+Only ``ADD`` rolls back when cancelled (a CNI DEL during the ADD, or shutdown).
+Every blocking call runs on the agent's executor; a cancelled caller waits for the
+worker thread to finish first (a thread can't be stopped, and a rollback racing a
+half-applied ruleset in another thread would leave rules behind).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import logging
+from typing import Any, Callable, Protocol, TypeVar
+
+from cni import annotate
+from cni.enrollment.api import NetnsGone, NetnsOps, ProbeSet, ZdsChannel, ZdsPod, \
+    ZdsRejected, ZtunnelUnavailable
+from cni.enrollment.kernel import LoopbackDown
+from cni.enrollment.records import PodRecord, PodState, PodStateStore, Step
+from cni.events import EnrollmentError
+from cni.rules_common import RuleOptions, RulesError, pod_options
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class OnRulesFailure(enum.Enum):
+    """What a failed rules step does to the rest of the pipeline."""
+
+    ROLLBACK = "rollback"  # undo the rules; the enrollment fails for good
+    FAIL = "fail"          # keep what is there; this attempt fails (retried)
+    CONTINUE = "continue"  # record it; run the remaining steps anyway
+
+
+@dataclasses.dataclass(frozen=True)
+class FailurePolicy:
+    """How one run of the pipeline reacts to failures (see the module's table).
+
+    ``announce``: send the pod to ZDS (False: restart recovery recorded it already);
+    ``wait_ack``: wait for ztunnel's ACK; ``guard_netns``: roll everything back when the
+    netns vanished during the run; ``rollback_on_cancel``: undo every step when
+    cancelled; ``rules_hint``: appended to a recorded rules failure."""
+
+    name: str
+    on_rules_failure: OnRulesFailure
+    announce: bool = True
+    wait_ack: bool = True
+    guard_netns: bool = False
+    rollback_on_cancel: bool = False
+    rules_hint: str = ""
+
+
+ADD = FailurePolicy("add", OnRulesFailure.ROLLBACK, guard_netns=True, rollback_on_cancel=True)
+RETRY = FailurePolicy("retry", OnRulesFailure.FAIL)
+RECOVER = FailurePolicy("recover", OnRulesFailure.CONTINUE, announce=False, wait_ack=False,
+                        rules_hint="; restart the pod")
+
+
+class RunBlocking(Protocol):
+    async def __call__(self, fn: Callable[..., T], *args: Any) -> T: ...
+
+
+class Dataplane:
+    """The pipeline's steps over the injected parts. ``records`` is the reconciler's map
+    (a rolled-back pod leaves it); ``status`` writes the redirection annotation."""
+
+    def __init__(self, *, run_blocking: RunBlocking, netns: NetnsOps, backend: Any,
+                 host_rules: ProbeSet | None, zds: ZdsChannel | None,
+                 status: annotate.RedirectionStatus, state: PodStateStore,
+                 base_options: RuleOptions, records: dict[str, PodRecord]):
+        self.run_blocking = run_blocking
+        self.netns = netns
+        self.backend = backend
+        self.host_rules = host_rules
+        self.zds = zds
+        self.status = status
+        self.state = state
+        self.base_options = base_options
+        self.records = records
+
+    async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """``run_blocking`` that, when cancelled, first waits for the worker thread."""
+        fut = asyncio.ensure_future(self.run_blocking(fn, *args))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            if not fut.cancelled():
+                fut.exception()  # retrieved: the caller rolls back whatever it did
+            raise
+
+    def options(self, rec: PodRecord) -> RuleOptions:
+        return pod_options(self.base_options, rec.annotations)
+
+    # --- the pipeline ------------------------------------------------------------------
+
+    async def run(self, rec: PodRecord, fd: int, policy: FailurePolicy,
+                  known: bool = True) -> None:
+        """Rules, then :meth:`remaining_steps`, in the netns ``fd`` (the caller closes
+        it), under ``policy``. ``known``: the agent had a record of the pod (its netns
+        is looked at for rules before applying). Raises :class:`EnrollmentError`
+        (``retryable`` set when a retry can fix it)."""
+        inode = self.netns.inode(fd)
+        opts = self.options(rec)
+        try:
+            await self._run(rec, fd, opts, inode, policy, known)
+        except asyncio.CancelledError:
+            if policy.rollback_on_cancel:  # undo whatever ran, then stay cancelled
+                rec.rollback_problems = await self.rollback_all(rec, fd, opts)
+            raise
+
+    async def _run(self, rec: PodRecord, fd: int, opts: RuleOptions, inode: int,
+                   policy: FailurePolicy, known: bool) -> None:
+        try:
+            outcome = await self.blocking(self.netns.apply_rules, fd, self.backend, opts,
+                                          rec.netns, known)
+        except (LoopbackDown, RulesError, OSError) as e:
+            await self._rules_failed(rec, fd, opts, policy, e)
+        else:
+            rec.steps[Step.RULES] = True
+            (log.info if policy is ADD else log.debug)(
+                "%s: in-pod rules %s (%s)", rec.label(), outcome, getattr(self.backend, "name", "?"))
+        try:
+            await self.remaining_steps(rec, fd, policy)
+        except EnrollmentError as e:
+            if policy.guard_netns and not self.netns.holds(rec.netns, inode):
+                problems = await self.rollback_all(rec, fd, opts)
+                raise EnrollmentError(f"{rec.label()}: netns {rec.netns} disappeared during "
+                                      f"enrollment; {rollback_outcome(problems)} ({e})"
+                                      ) from None
+            raise
+        if policy.guard_netns and not self.netns.holds(rec.netns, inode):
+            problems = await self.rollback_all(rec, fd, opts)
+            raise EnrollmentError(f"{rec.label()}: netns {rec.netns} disappeared during "
+                                  f"enrollment; {rollback_outcome(problems)}")
+
+    async def _rules_failed(self, rec: PodRecord, fd: int, opts: RuleOptions,
+                            policy: FailurePolicy, e: Exception) -> None:
+        """Apply ``policy`` to a failed rules step: raise, or return to carry on."""
+        if policy.on_rules_failure is OnRulesFailure.CONTINUE:
+            rec.fail(Step.RULES, f"reconcile at start: {e}{policy.rules_hint}")
+            return
+        if policy.on_rules_failure is OnRulesFailure.FAIL:
+            rec.fail(Step.RULES, str(e))
+            raise EnrollmentError(f"{rec.label()}: in-pod rules failed: {e}", True) from None
+        if isinstance(e, LoopbackDown):  # checked before any rule: nothing to roll back
+            rec.fail(Step.RULES, str(e))
+            raise EnrollmentError(f"{rec.label()}: {e}; nothing was applied") from None
+        problems = await self.rollback_rules(fd, opts)
+        rec.fail(Step.RULES, str(e))
+        raise EnrollmentError(f"{rec.label()}: in-pod rules failed "
+                              f"({rollback_outcome(problems)}): {e}") from None
+
+    async def remaining_steps(self, rec: PodRecord, fd: int | None,
+                              policy: FailurePolicy) -> None:
+        """ZDS add (when ``policy.announce``), host probe set, status; then the record is
+        enabled and persisted. Raises retryable :class:`EnrollmentError`."""
+        zds = self.zds
+        if policy.announce:
+            if zds is None:
+                rec.fail(Step.ZDS, "no ZDS server component", status=PodState.PENDING)
+                raise EnrollmentError(f"{rec.label()}: this agent runs no ZDS server", True)
+            pod = ZdsPod(uid=rec.uid, name=rec.name, namespace=rec.namespace,
+                         service_account=rec.service_account, netns_fd=fd)
+            try:
+                await zds.add(pod, wait_ack=policy.wait_ack,
+                              ztunnel_wait=time_left(rec.answer_by))
+            except ZtunnelUnavailable as e:
+                rec.fail(Step.ZDS, str(e), status=PodState.PENDING)
+                await self.set_status(rec, "pending")
+                raise EnrollmentError(f"{rec.label()}: {no_ztunnel_text(e)}", True) from None
+            except ZdsRejected as e:
+                rec.fail(Step.ZDS, f"{e.kind}: {e}", status=PodState.PENDING)
+                await self.set_status(rec, "pending")
+                raise EnrollmentError(f"{rec.label()}: ztunnel did not accept the pod "
+                                      f"({e.kind}: {e}); will retry", True) from None
+        rec.steps[Step.ZDS] = True
+        try:
+            if self.host_rules is None:
+                raise RulesError("host probe rules not set up")
+            await self.blocking(self.host_rules.add_pod, rec.uid, rec.ips)
+        except (RulesError, OSError, ValueError) as e:
+            rec.fail(Step.HOSTSET, str(e), status=PodState.PENDING)
+            raise EnrollmentError(f"{rec.label()}: host probe set: {e}; will retry",
+                                  True) from None
+        rec.steps[Step.HOSTSET] = True
+        if not await self.set_status(rec, "enabled"):
+            rec.fail(Step.STATUS, "status annotation patch failed", status=PodState.PENDING)
+            raise EnrollmentError(f"{rec.label()}: could not write status annotation; "
+                                  "will retry", True)
+        rec.steps[Step.STATUS] = True
+        rec.enabled()
+        self.state.save(rec)
+
+    async def set_status(self, rec: PodRecord, value: str | None) -> bool:
+        """Write ``ambient.istio.io/redirection`` (None removes it) through the config
+        source (:mod:`cni.annotate`), one attempt; True when done or nothing to write.
+        A failure is logged with the pod's name; the caller's retry covers it."""
+        return await self.status.write(pod_ref(rec), value)
+
+    # --- undo --------------------------------------------------------------------------
+
+    async def rollback_rules(self, fd: int, opts: RuleOptions) -> list[str]:
+        """Delete the in-pod rules; returns what could not be undone (empty: all done)."""
+        try:
+            await self.blocking(self.netns.delete_rules, fd, self.backend, opts.ipv6, None)
+        except (RulesError, OSError) as e:
+            log.warning("rollback of in-pod rules failed: %s", e)
+            return [f"in-pod rules: {e}"]
+        return []
+
+    async def rollback_all(self, rec: PodRecord, fd: int, opts: RuleOptions) -> list[str]:
+        """Undo every step of a failed or cancelled enrollment; returns what could not be
+        undone. ZDS delete always: the server records the pod even when unacked."""
+        problems: list[str] = []
+        if self.zds is not None:
+            try:
+                await self.zds.delete(rec.uid)
+            except Exception as e:  # noqa: BLE001
+                log.warning("%s: ZDS delete during rollback: %s", rec.label(), e)
+                problems.append(f"ZDS delete: {e}")
+        if rec.steps.get(Step.HOSTSET) and self.host_rules is not None:
+            try:
+                await self.blocking(self.host_rules.remove_pod, rec.uid, rec.ips)
+            except (RulesError, OSError, ValueError) as e:
+                log.warning("%s: probe set rollback: %s", rec.label(), e)
+                problems.append(f"host probe set: {e}")
+        problems += await self.rollback_rules(fd, opts)  # harmless when none applied
+        if self.records.get(rec.uid) is rec:
+            self.records.pop(rec.uid, None)
+        self.state.remove(rec.uid)
+        return problems
+
+    async def remove(self, rec: PodRecord, netns_path: str, is_delete: bool = True
+                     ) -> list[str]:
+        """Take an enrolled pod out: in-pod rules (when ``netns_path``), with the probe set
+        entries removed while the rules' deleting transaction waits for the kernel (they
+        live in another netns and neither depends on the other; started earlier, their
+        netlink work would compete with the rules' look at the pod netns); ZDS delete
+        only after the rules are gone, so ztunnel never drains a proxy that traffic is
+        still sent to; then the status annotation. Returns the steps that failed."""
+        errors: list[str] = []
+        loop = asyncio.get_running_loop()
+        hostset: asyncio.Future | None = None
+        host_rules = self.host_rules
+
+        def start_hostset() -> None:
+            nonlocal hostset
+            if hostset is None and host_rules is not None:  # by owner: IPs may be unknown
+                hostset = asyncio.ensure_future(
+                    self.run_blocking(host_rules.remove_pod, rec.uid, rec.ips))
+
+        if netns_path and self.netns.exists(netns_path):
+            opts = self.options(rec)
+
+            def during() -> None:  # the kernel is busy with the deleting transaction
+                try:
+                    loop.call_soon_threadsafe(start_hostset)
+                except RuntimeError:  # loop closing: the entries go below or not at all
+                    pass
+            try:
+                await self.run_blocking(self.netns.delete_rules, netns_path, self.backend,
+                                        opts.ipv6, during)
+            except NetnsGone:
+                pass  # vanished between the check and the entry: nothing left to clean
+            except (RulesError, OSError) as e:
+                errors.append(f"in-pod rules: {e}")
+        start_hostset()  # not started during the deletion (no rules, or it failed first)
+        if self.zds is not None:
+            try:
+                await self.zds.delete(rec.uid)
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"ZDS delete: {e}")
+        if hostset is not None:
+            try:
+                await hostset
+            except (RulesError, OSError, ValueError) as e:
+                errors.insert(0, f"host probe set: {e}")
+        if not is_delete:
+            # a live pod leaving the mesh: the annotation must go, so a failed write is
+            # retried in the background with backoff; but, as upstream, not while the
+            # removal itself failed (the pod may still be redirected: the control plane
+            # must keep seeing it as captured)
+            if not errors:
+                self.status.ensure(pod_ref(rec), None)
+        else:
+            # CNI DEL: the pod is going away; one attempt, as upstream ignores the error
+            await self.set_status(rec, None)
+        return errors
+
+
+def time_left(deadline: float | None) -> float | None:
+    """Seconds from now to loop time ``deadline`` (at least 0); None without one."""
+    if deadline is None:
+        return None
+    return max(0.0, deadline - asyncio.get_running_loop().time())
+
+
+def no_ztunnel_text(e: ZtunnelUnavailable) -> str:
+    """The CNI error for an ADD no ztunnel took: upstream answers "no ztunnel
+    connection" at once; we say which socket, how long we waited, and that the runtime
+    should retry (the pod's rules stay and the agent keeps retrying in the background)."""
+    return (f"no ztunnel connected to {e.socket} for {e.waited:.1f} s; retry (in-pod "
+            "rules are in place; the agent hands the pod to ztunnel when one connects)")
+
+
+def pod_ref(rec: PodRecord) -> annotate.PodRef:
+    return annotate.PodRef(uid=rec.uid, namespace=rec.namespace, name=rec.name)
+
+
+def rollback_outcome(problems: list[str]) -> str:
+    return "rolled back" if not problems else "rollback incomplete: " + "; ".join(problems)

@@ -1,0 +1,278 @@
+"""Restart recovery: re-adopt the pods enrolled before the agent restarted.
+
+Upstream's ``Server.Start`` (``cni/pkg/nodeagent/server.go``) builds the initial snapshot
+(every live enrolled pod, with its netns when found, ``ConstructInitialSnapshot`` in
+``net.go``) *before* the ztunnel server runs, so the first snapshot a ztunnel gets names
+every pod; ztunnel shuts every proxy not named before ``SnapshotSent``. Then the
+informer's first events re-decide each pod. Here both happen in :meth:`Recovery.run`:
+phase 1 decides and records, opens ZDS accepts; phase 2 does the slow per-pod work.
+
+Each record is re-decided against its current Pod object as a fresh ADD would be
+(:meth:`Recovery.verdict`): dropped when its netns and Pod object are both gone,
+un-enrolled when it no longer qualifies. A kept pod whose netns can't be found is
+reported (``netns-missing``) and retried, and it is still announced to ZDS without a
+netns (``Keep``) so ztunnel doesn't drop it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from cni import annotate, enablement
+from cni.enrollment.api import ZdsPod, ZdsRejected, ZtunnelUnavailable
+from cni.enrollment.dataplane import RECOVER
+from cni.enrollment.records import PodRecord, PodState, Step
+from cni.events import CniPodEvent, EnrollmentError
+from cni.podips import pod_status_ips
+from cni.rules_common import RulesError
+
+if TYPE_CHECKING:
+    from cni.enrollment.reconciler import Enrollment
+
+log = logging.getLogger(__name__)
+
+# verdicts of :meth:`Recovery.verdict`
+KEEP, DROP, UNENROLL, UNENROLL_DELETED = "keep", "drop", "unenroll", "unenroll-deleted"
+
+
+class Recovery:
+    """Restart recovery for ``enrollment`` (its records, locks, dataplane, retry queue)."""
+
+    def __init__(self, enrollment: "Enrollment"):
+        self.e = enrollment
+
+    async def run(self) -> dict[str, str]:
+        """Re-adopt pods enrolled before a restart. Returns ``{uid: outcome}``:
+        ``enabled``, ``netns-missing``, ``failed``/``pending`` (a step failed; retried),
+        ``dropped`` (netns and Pod object both gone: forgotten, never announced, so
+        ztunnel drains its proxy) or ``unenrolled`` (no longer qualifies).
+
+        1. Candidates: persisted records and (Kubernetes mode) pods of this node annotated
+           ``enabled``; each netns is looked up (recorded path if it still holds the pod
+           IP, else a ``/proc`` scan).
+        2. Each is re-decided against its current Pod object as a fresh ADD would be.
+        3. Every kept pod is recorded in ZDS (``AddWorkload`` with its netns, ``Keep``
+           without), then ZDS accepts are opened.
+        4. Then, per kept pod: rules reconciled, probe set, status; pods that no longer
+           qualify are un-enrolled; the probe set is reconciled against the kept pods.
+        """
+        e = self.e
+        try:
+            candidates = self.candidates()
+            fds = await self._open_netns(candidates) if candidates else {}
+            try:
+                verdicts = {uid: self.verdict(rec, uid in fds)
+                            for uid, rec in candidates.items()}
+                kept = [candidates[u] for u, (v, _) in verdicts.items() if v == KEEP]
+                await self._announce(kept, fds)
+            except BaseException:
+                for fd in fds.values():
+                    e.netns.close(fd)
+                raise
+        finally:
+            if e.zds is not None:
+                e.zds.open_accept()
+        if not candidates:
+            await self._reconcile_probe_set({})  # entries of pods gone while we were not
+            return {}
+        outcomes: dict[str, str] = {}
+        try:
+            kept_results = await asyncio.gather(*(self._recover_kept(rec, fds.pop(rec.uid, None))
+                                                  for rec in kept))
+        finally:
+            for fd in fds.values():
+                e.netns.close(fd)
+        outcomes.update({rec.uid: s for rec, s in zip(kept, kept_results)})
+        for uid, (verdict, why) in verdicts.items():
+            if verdict != KEEP:
+                outcomes[uid] = await self.leave(candidates[uid], verdict, why)
+        await self._reconcile_probe_set({r.uid: r for r in kept})
+        counts: dict[str, int] = {}
+        for s in outcomes.values():
+            counts[s] = counts.get(s, 0) + 1
+        log.info("restart recovery: %d pods (%s)", len(outcomes),
+                 ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+        return outcomes
+
+    async def _reconcile_probe_set(self, wanted: dict[str, PodRecord]) -> None:
+        """Start of day: the probe sets in place against the pods we know
+        (:meth:`HostProbeRules.sync`: known IPs upserted, entries owned by no known pod
+        removed, never a flush). Logged, never fatal."""
+        host_rules = self.e.host_rules
+        if host_rules is None:
+            return
+        try:
+            pruned = await self.e.ctx.run_blocking(
+                host_rules.sync, {r.uid: r.ips for r in wanted.values()})
+            if pruned:
+                log.info("removed stale probe set entries: %s", ", ".join(pruned))
+        except (RulesError, OSError, ValueError) as err:
+            log.error("probe set reconcile at start: %s", err)
+
+    def candidates(self) -> dict[str, PodRecord]:
+        """Persisted records, plus pods of this node the config source says are enrolled."""
+        wanted: dict[str, PodRecord] = {r.uid: r for r in self.e.state.load()}
+        for rec in self._enrolled_from_store():
+            wanted.setdefault(rec.uid, rec)
+        return wanted
+
+    def _enrolled_from_store(self) -> list[PodRecord]:
+        cfg = self.e.ctx.config
+        store = self.e.store()
+        if store is None or cfg.config_source != "kubernetes":
+            return []
+        out: list[PodRecord] = []
+        try:
+            pods = list(store.list("Pod"))
+        except Exception as err:  # noqa: BLE001
+            log.warning("config source pod list failed: %s", err)
+            return out
+        for pod in pods:
+            meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+            annotations = meta.get("annotations") or {}
+            if annotations.get(annotate.REDIRECTION_ANNOTATION) != "enabled" or not meta.get("uid"):
+                continue
+            if spec.get("nodeName") not in (None, "", cfg.node_name):
+                continue
+            out.append(PodRecord(uid=meta["uid"], name=meta.get("name", ""),
+                                 namespace=meta.get("namespace", ""),
+                                 service_account=spec.get("serviceAccountName") or "default",
+                                 ips=pod_status_ips(pod), annotations=dict(annotations)))
+        return out
+
+    def _pod_objects_known(self) -> bool:
+        """Whether the config source has its full set of Pod objects (first load / LIST
+        done), so a missing Pod object means the pod is gone. No source: unknown."""
+        source = self.e.ctx.get("config-source")
+        if source is None or getattr(source, "store", None) is None:
+            return False
+        try:
+            return bool(source.ready()[0])
+        except Exception:  # noqa: BLE001
+            return False
+
+    def verdict(self, rec: PodRecord, netns_alive: bool) -> tuple[str, str]:
+        """Decide a recovered pod as a fresh CNI ADD would (``cni.enablement.decide``).
+        Returns ``(verdict, reason)``: ``keep``; ``drop`` (no netns and no Pod object:
+        the pod is gone); ``unenroll`` (the Pod object says it no longer qualifies:
+        another node, terminal, host network, not ambient, excluded namespace; its
+        in-pod rules are removed when its netns is alive); ``unenroll-deleted`` (the
+        same, but its sandbox is gone or terminal: nothing to remove inside it).
+
+        Only a Pod object with the record's UID is this pod's: a same-named pod with
+        another UID is a new pod. Without a synced config source nothing is dropped."""
+        cfg = self.e.ctx.config
+        known = self._pod_objects_known()
+        pod = None
+        store = self.e.store()
+        if store is not None:
+            try:
+                pod = store.pod_by_uid(rec.uid)
+            except Exception as err:  # noqa: BLE001 - a broken store must not stop recovery
+                log.warning("%s: config source lookup failed: %s", rec.label(), err)
+                known = False
+        if pod is None:
+            if netns_alive:
+                return KEEP, "netns alive, no Pod object (enrolled by the plugin config)"
+            if known:
+                return DROP, "netns gone and no Pod object"
+            return KEEP, "netns not found; Pod objects not known yet (kept, retried)"
+        meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+        gone = UNENROLL if netns_alive else UNENROLL_DELETED
+        node = spec.get("nodeName")
+        if node and node != cfg.node_name:
+            return gone, f"its Pod object is on node {node}, not {cfg.node_name}"
+        phase = (pod.get("status") or {}).get("phase")
+        if phase in enablement.TERMINAL_PHASES:
+            return UNENROLL_DELETED, f"pod is terminal (phase {phase})"
+        event = CniPodEvent(command="ADD", container_id=rec.uid, netns=rec.netns,
+                            pod_name=meta.get("name") or rec.name,
+                            pod_namespace=meta.get("namespace") or rec.namespace,
+                            pod_uid=rec.uid, ips=list(rec.ips))
+        try:
+            decision = enablement.decide(event, store, cfg.exclude_namespaces or (), pod=pod)
+        except ValueError as err:  # a malformed selector: keep what was decided before
+            log.warning("%s: cannot re-decide at restart: %s", rec.label(), err)
+            return KEEP, f"cannot re-decide ({err})"
+        if not decision.ambient:
+            return gone, decision.reason
+        return KEEP, decision.reason
+
+    async def _open_netns(self, wanted: dict[str, PodRecord]) -> dict[str, int]:
+        """``{uid: open netns fd}`` for the pods whose netns was found (caller closes);
+        ``rec.netns`` is updated to where it was found."""
+        found = await self.find_netns(wanted)
+        fds: dict[str, int] = {}
+        for uid, path in found.items():
+            try:
+                fds[uid] = self.e.netns.open(path)
+                wanted[uid].netns = path
+            except OSError as err:
+                log.warning("%s: netns %s: %s", wanted[uid].label(), path, err)
+        return fds
+
+    async def _announce(self, kept: list[PodRecord], fds: dict[str, int]) -> None:
+        """Record every kept pod in ZDS before any ztunnel is accepted: ``AddWorkload``
+        with its netns, ``Keep`` when its netns is not found (so ztunnel keeps a proxy
+        it still runs)."""
+        zds = self.e.zds
+        if zds is None:
+            return
+        for rec in kept:
+            pod = ZdsPod(uid=rec.uid, name=rec.name, namespace=rec.namespace,
+                         service_account=rec.service_account, netns_fd=fds.get(rec.uid))
+            try:
+                await zds.add(pod, wait_ack=False)
+            except (ValueError, ZtunnelUnavailable, ZdsRejected) as err:
+                log.error("%s: cannot record in ZDS at restart: %s", rec.label(), err)
+
+    async def _recover_kept(self, rec: PodRecord, fd: int | None) -> str:
+        """Phase 2 for a kept pod (already announced to ZDS): reconcile its rules, probe
+        set, status; ``fd`` (closed here) is its netns, None when not found."""
+        e = self.e
+        async with e.lock(rec.uid):
+            e.records[rec.uid] = rec
+            if fd is None:
+                rec.fail(Step.NETNS, "netns not found (recorded path gone and no process "
+                         "of this pod in /proc)", status=PodState.NETNS_MISSING)
+                e.retries.add(rec.uid)
+                return rec.status
+            try:
+                await e.dataplane.run(rec, fd, RECOVER)
+            except EnrollmentError:
+                e.retries.add(rec.uid)
+            finally:
+                e.netns.close(fd)
+            return rec.status
+
+    async def leave(self, rec: PodRecord, verdict: str, why: str) -> str:
+        """Forget a dropped pod (probe set entries, record; never announced to ZDS) or
+        un-enroll one that no longer qualifies (its rules too when its netns is alive)."""
+        e = self.e
+        if verdict == DROP:
+            log.info("%s: %s: dropped (ztunnel drains its proxy)", rec.label(), why)
+            if rec.ips and e.host_rules is not None:
+                try:
+                    await e.ctx.run_blocking(e.host_rules.remove_pod, rec.uid, rec.ips)
+                except (RulesError, OSError, ValueError) as err:
+                    log.warning("%s: probe set entries: %s", rec.label(), err)
+            e.state.remove(rec.uid)
+            return "dropped"
+        log.info("%s: %s: removing it from the mesh", rec.label(), why)
+        event = CniPodEvent(command="DEL", container_id=rec.uid, netns=rec.netns,
+                            pod_name=rec.name, pod_namespace=rec.namespace, pod_uid=rec.uid,
+                            ips=list(rec.ips))
+        try:
+            await e.unenroll(event, is_delete=verdict == UNENROLL_DELETED)
+        except EnrollmentError as err:
+            log.warning("un-enrolling %s at restart: %s", rec.label(), err)
+        return "unenrolled"
+
+    async def find_netns(self, wanted: dict[str, PodRecord]) -> dict[str, str]:
+        """``{uid: netns path}`` (:meth:`cni.enrollment.api.NetnsOps.find`, off the loop)."""
+        e = self.e
+        return await e.ctx.run_blocking(
+            e.netns.find, {u: (r.netns, list(r.ips)) for u, r in wanted.items()},
+            e.ctx.config.proc_dir)

@@ -1,0 +1,140 @@
+"""One keyed, rate-limited retry queue (upstream: the informer's ``controllers.Queue`` with
+a per-item exponential rate limiter, ``cni/pkg/nodeagent/informers.go``).
+
+A key (a pod UID) is in the queue at most once and processed by at most one task at a
+time. :meth:`RetryQueue.add` schedules it after its backoff (``initial`` doubling per
+failed attempt, at most ``maximum``); the ``process`` coroutine returns True when the
+key is done (its backoff is then forgotten) or False to be retried later.
+:meth:`RetryQueue.forget` drops a key now, cancelling an attempt in flight (a fresh
+CNI ADD or DEL takes over the pod).
+
+What differs from upstream, on purpose: there is no global token bucket, and due keys are
+processed concurrently. An attempt may wait up to ``ztunnel_wait`` for a ztunnel; when
+one connects, every pending pod must be handed to it at once, not at 10 per second
+behind the slowest. The per-key backoff already bounds each pod's attempts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+from typing import Awaitable, Callable
+
+log = logging.getLogger(__name__)
+
+
+class RetryQueue:
+    """``process(key) -> bool`` runs on the event loop; one worker task sleeps until the
+    next key is due. Delays are in seconds of the loop's clock."""
+
+    def __init__(self, process: Callable[[str], Awaitable[bool]], *, initial: float,
+                 maximum: float, name: str = "retry"):
+        self._process = process
+        self.initial, self.maximum, self.name = initial, maximum, name
+        self._due: dict[str, float] = {}  # key -> loop time it is due
+        self._heap: list[tuple[float, str]] = []  # (due, key); stale entries skipped
+        self._failures: dict[str, int] = {}
+        self._running: dict[str, asyncio.Task] = {}
+        self._wake = asyncio.Event()
+        self._worker: asyncio.Task | None = None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._due or key in self._running
+
+    def pending(self) -> dict[str, float]:
+        """``{key: seconds until due}`` (0 for keys being processed now)."""
+        now = asyncio.get_running_loop().time()
+        out = {k: max(0.0, t - now) for k, t in self._due.items()}
+        out.update({k: 0.0 for k in self._running})
+        return out
+
+    def backoff(self, key: str) -> float:
+        """The delay the next :meth:`add` of ``key`` waits."""
+        return min(self.initial * (2 ** self._failures.get(key, 0)), self.maximum)
+
+    def add(self, key: str) -> None:
+        """Queue ``key`` after its backoff, unless it is queued or processed already."""
+        if key in self:
+            return
+        self._schedule(key)
+
+    def _schedule(self, key: str) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + self.backoff(key)
+        self._failures[key] = self._failures.get(key, 0) + 1
+        self._due[key] = due
+        heapq.heappush(self._heap, (due, key))
+        if self._worker is None or self._worker.done():
+            self._worker = loop.create_task(self._run(), name=f"{self.name}-queue")
+        self._wake.set()
+
+    def forget(self, key: str) -> None:
+        """Drop ``key``: no longer queued, its backoff reset, an attempt in flight
+        cancelled (unless that attempt is the caller)."""
+        self._due.pop(key, None)
+        self._failures.pop(key, None)
+        task = self._running.pop(key, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._due:
+            self._wake.clear()
+            now = loop.time()
+            while self._heap and self._heap[0][0] <= now:
+                due, key = heapq.heappop(self._heap)
+                if self._due.get(key) != due:
+                    continue  # forgotten or re-added since
+                del self._due[key]
+                self._running[key] = loop.create_task(self._attempt(key),
+                                                      name=f"{self.name}-{key}")
+            if not self._heap:
+                break
+            try:
+                await asyncio.wait_for(self._wake.wait(), self._heap[0][0] - now)
+            except asyncio.TimeoutError:
+                pass
+        self._heap.clear()
+
+    async def _attempt(self, key: str) -> None:
+        me = asyncio.current_task()
+        done = False
+        try:
+            done = await self._process(key)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a bug in one attempt must not stop the queue
+            log.exception("%s: attempt for %s failed", self.name, key)
+        finally:
+            if self._running.get(key) is me:
+                del self._running[key]
+                if done:
+                    self._failures.pop(key, None)
+                else:
+                    self._schedule(key)
+
+    def tasks(self) -> list[asyncio.Task]:
+        """The worker and every attempt in flight."""
+        out = list(self._running.values())
+        if self._worker is not None and not self._worker.done():
+            out.append(self._worker)
+        return out
+
+    def kill(self) -> list[asyncio.Task]:
+        """Cancel everything now (no waiting); returns the cancelled tasks."""
+        tasks = self.tasks()
+        self._due.clear()
+        self._heap.clear()
+        self._failures.clear()
+        self._running.clear()
+        for t in tasks:
+            t.cancel()
+        return tasks
+
+    async def stop(self, grace: float) -> None:
+        """Cancel everything and wait up to ``grace`` seconds for it to end."""
+        tasks = self.kill()
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)

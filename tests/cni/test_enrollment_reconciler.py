@@ -1,0 +1,426 @@
+"""The enrollment reconciler and its pipeline without root: the real :class:`Enrollment`,
+:class:`Dataplane`, :class:`RetryQueue` and :class:`Recovery` over the protocol fakes of
+``tests/cni/enrollment_fakes.py`` (netns table, ZDS server, probe set, config source).
+
+What needs a kernel (rules really in a netns, a real ztunnel-side ZDS peer, ``/proc``
+scans) is ``tests/netns/test_enrollment_*.py``; these tests pin the decisions: which
+failure policy rolls back, what is retried and how fast, what a CNI DEL during an ADD
+leaves, what restart recovery keeps, drops and un-enrolls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+
+from agent.core.config import load
+from agent.core.lifecycle import AgentContext
+from cni.enrollment import Enrollment, EnrollmentError, PodState, Step
+from cni.enrollment import reconciler as reconciler_mod
+from cni.enrollment.kernel import LoopbackDown
+from cni.enrollment.records import PodStateStore
+from cni.events import CniPodEvent
+from cni.rules_common import RulesError
+from tests.cni.enrollment_fakes import FakeNetns, FakeProbeSet, FakeSource, FakeZds
+
+UID, NETNS, IP = "uid-a", "/run/netns/pod-a", "10.1.0.5"
+
+
+class Rig:
+    """An :class:`Enrollment` over fakes; ``netns``/``zds``/``probes`` are inspectable."""
+
+    def __init__(self, state_dir, zds: FakeZds | None = None, source: FakeSource | None = None):
+        self.config = load({}, env={}).replace(state_dir=str(state_dir), ambient_ipv6=False,
+                                               node_name="node-1")
+        self.ctx = AgentContext(self.config, max_workers=2)
+        if source is not None:
+            self.ctx.add(source)
+        self.netns, self.probes = FakeNetns(), FakeProbeSet()
+        self.zds = zds if zds is not None else FakeZds()
+        self.enrollment = Enrollment(self.ctx, backend=object(), host_rules=self.probes,
+                                     zds=self.zds, netns=self.netns)
+        self.enrollment.retries.initial = 0.01  # the doubling is what is tested
+
+    def close(self) -> None:
+        self.enrollment.retries.kill()
+        self.ctx.executor.shutdown(wait=False)
+
+
+@pytest.fixture
+async def rig(state_dir):
+    r = Rig(state_dir)
+    r.netns.create(NETNS)
+    yield r
+    r.close()
+
+
+def event(uid=UID, netns=NETNS, ip=IP, command="ADD") -> CniPodEvent:
+    return CniPodEvent(command=command, container_id="c-" + uid, netns=netns,
+                       pod_name="web", pod_namespace="shop", pod_uid=uid, ips=[ip])
+
+
+async def until(cond, timeout=5.0):
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        if loop.time() > end:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.005)
+
+
+async def test_add_success_runs_every_step_and_persists(rig, state_dir):
+    await rig.enrollment.enroll(event())
+    rec = rig.enrollment.pods()[UID]
+    assert rec.status is PodState.ENABLED and rec.error == ""
+    assert rec.steps == {Step.RULES: True, Step.ZDS: True, Step.HOSTSET: True, Step.STATUS: True}
+    assert rig.netns.rules_at(NETNS) is not None
+    pod, wait_ack = rig.zds.adds[-1]
+    assert (pod.uid, pod.name, pod.namespace, wait_ack) == (UID, "web", "shop", True)
+    assert pod.netns_fd is not None
+    assert rig.probes.entries == {UID: {IP}}
+    assert rig.netns.open_fds == {}  # the netns fd was closed
+    saved = json.loads((state_dir / "pods" / f"{UID}.json").read_text())
+    assert saved == {"uid": UID, "name": "web", "namespace": "shop", "service_account": "default",
+                     "netns": NETNS, "ips": [IP], "annotations": {}}
+    assert rig.enrollment.debug_state()["pods"][UID]["status"] == "enabled"
+    assert UID not in rig.enrollment.retries
+
+
+async def test_add_rules_failure_rolls_back_and_is_not_retried(rig, state_dir):
+    rig.netns.apply_error = RulesError("iptables-restore: line 3 failed")
+    with pytest.raises(EnrollmentError) as err:
+        await rig.enrollment.enroll(event())
+    assert not err.value.retryable
+    assert "in-pod rules failed (rolled back): iptables-restore: line 3 failed" in str(err.value)
+    assert rig.netns.rules_at(NETNS) is None  # the half-applied ruleset was deleted
+    assert rig.netns.deleted and isinstance(rig.netns.deleted[0], int)
+    rec = rig.enrollment.pods()[UID]
+    assert rec.status is PodState.FAILED and rec.steps[Step.RULES] is False
+    assert rig.zds.adds == [] and rig.probes.entries == {}
+    assert UID not in rig.enrollment.retries
+    assert not (state_dir / "pods" / f"{UID}.json").exists()
+
+
+async def test_add_rules_failure_whose_rollback_fails_says_so(rig):
+    rig.netns.apply_error = RulesError("restore failed")
+    rig.netns.delete_error = RulesError("delete failed")
+    with pytest.raises(EnrollmentError, match=r"rollback incomplete: in-pod rules: delete "
+                                              r"failed\): restore failed"):
+        await rig.enrollment.enroll(event())
+
+
+async def test_add_with_loopback_down_applies_and_rolls_back_nothing(rig):
+    rig.netns.apply_error = LoopbackDown("loopback interface 'lo' in the pod netns is down")
+    with pytest.raises(EnrollmentError, match="is down; nothing was applied"):
+        await rig.enrollment.enroll(event())
+    assert rig.netns.deleted == [] and rig.netns.rules == {}
+
+
+async def test_add_of_missing_netns_fails_naming_the_path(rig):
+    with pytest.raises(EnrollmentError, match=r"netns path '/run/netns/gone': No such file"):
+        await rig.enrollment.enroll(event(netns="/run/netns/gone"))
+    assert rig.enrollment.pods()[UID].error.startswith("netns: ")
+
+
+async def test_zds_unavailable_keeps_rules_and_retries_with_backoff(state_dir):
+    r = Rig(state_dir, zds=FakeZds(ztunnel=False))
+    try:
+        r.netns.create(NETNS)
+        with pytest.raises(EnrollmentError) as err:
+            await r.enrollment.enroll(event())
+        assert err.value.retryable and "no ztunnel connected to /fake/ztunnel.sock" in str(err.value)
+        rec = r.enrollment.pods()[UID]
+        assert rec.status is PodState.PENDING and rec.error.startswith("zds: ")
+        assert r.netns.rules_at(NETNS) is not None  # fail closed: the rules stay
+        assert UID in r.enrollment.retries
+        # retried with doubling delays (0.01, 0.02, 0.04, ...): each attempt one add
+        loop = asyncio.get_running_loop()
+        times: list[float] = []
+        original = r.zds.add
+
+        async def timed_add(pod, wait_ack=True, ztunnel_wait=None):
+            times.append(loop.time())
+            await original(pod, wait_ack, ztunnel_wait)
+        r.zds.add = timed_add  # type: ignore[method-assign]
+        await until(lambda: len(times) >= 4)
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert gaps[1] > gaps[0] * 1.5 and gaps[2] > gaps[1] * 1.5, gaps
+        r.zds.ztunnel = True  # a ztunnel connects: the next retry enrolls the pod
+        await until(lambda: r.enrollment.pods()[UID].status == PodState.ENABLED)
+        assert r.enrollment.pods()[UID].attempts >= 4
+        await until(lambda: UID not in r.enrollment.retries)
+        assert r.probes.entries == {UID: {IP}}
+    finally:
+        r.close()
+
+
+def test_backoff_is_capped(state_dir):
+    async def main():
+        r = Rig(state_dir)
+        try:
+            q = r.enrollment.retries
+            q.initial, q.maximum = 0.2, reconciler_mod.BACKOFF_MAX
+            delays = []
+            for _ in range(10):
+                delays.append(q.backoff("k"))
+                q._failures["k"] = q._failures.get("k", 0) + 1
+            assert delays[:4] == [0.2, 0.4, 0.8, 1.6] and delays[-1] == 30.0
+            q.forget("k")
+            assert q.backoff("k") == 0.2  # a fresh ADD starts over
+        finally:
+            r.close()
+    asyncio.run(main())
+
+
+async def test_zds_nack_is_retried_and_named(rig):
+    rig.zds.nack = "no such pod"
+    with pytest.raises(EnrollmentError, match=r"ztunnel did not accept the pod \(ZdsNack: "
+                                              r"ztunnel rejected pod uid-a: no such pod\)"):
+        await rig.enrollment.enroll(event())
+    await until(lambda: rig.enrollment.pods()[UID].status == PodState.ENABLED)
+
+
+async def test_probe_set_failure_is_retried(rig):
+    rig.probes.add_error = RulesError("ipset: busy")
+    with pytest.raises(EnrollmentError, match="host probe set: ipset: busy; will retry"):
+        await rig.enrollment.enroll(event())
+    assert rig.enrollment.pods()[UID].status is PodState.PENDING
+    await until(lambda: rig.enrollment.pods()[UID].status == PodState.ENABLED)
+
+
+async def test_retry_with_rules_failure_keeps_retrying(state_dir):
+    """The RETRY policy: a rules failure on a retry fails that attempt (no rollback)."""
+    r = Rig(state_dir, zds=FakeZds(ztunnel=False))
+    try:
+        r.netns.create(NETNS)
+        with pytest.raises(EnrollmentError):
+            await r.enrollment.enroll(event())
+        r.netns.apply_error = RulesError("transient")
+        await until(lambda: r.enrollment.pods()[UID].error == "rules: transient")
+        assert r.netns.deleted == []  # nothing rolled back by a retry
+        r.zds.ztunnel = True
+        await until(lambda: r.enrollment.pods()[UID].status == PodState.ENABLED)
+    finally:
+        r.close()
+
+
+async def test_del_during_add_cancels_and_rolls_back(rig, state_dir):
+    rig.zds.hold = asyncio.Event()  # the ADD waits for ztunnel's ack
+    add = asyncio.create_task(rig.enrollment.enroll(event()))
+    await asyncio.wait_for(rig.zds.adding.wait(), 5)
+    assert rig.enrollment.enrolling(UID)
+    await rig.enrollment.unenroll(event(command="DEL"), is_delete=True)
+    with pytest.raises(EnrollmentError, match=r"pod deleted during enrollment \(CNI DEL\); "
+                                              r"rolled back"):
+        await add
+    assert rig.netns.rules_at(NETNS) is None  # the ADD's rules were rolled back
+    assert UID not in rig.zds.pods and rig.zds.deletes.count(UID) >= 1
+    assert rig.enrollment.pods() == {} and rig.probes.entries == {}
+    assert rig.enrollment._enrolling == {} and rig.enrollment._aborted == set()
+    assert UID not in rig.enrollment.retries
+    assert not (state_dir / "pods" / f"{UID}.json").exists()
+
+
+async def test_del_cancels_a_pending_retry(state_dir):
+    r = Rig(state_dir, zds=FakeZds(ztunnel=False))
+    try:
+        r.netns.create(NETNS)
+        with pytest.raises(EnrollmentError):
+            await r.enrollment.enroll(event())
+        assert UID in r.enrollment.retries
+        await r.enrollment.unenroll(event(command="DEL"), is_delete=True)
+        assert UID not in r.enrollment.retries and r.enrollment.pods() == {}
+        adds = len(r.zds.adds)
+        await asyncio.sleep(0.1)
+        assert len(r.zds.adds) == adds  # no retry after the DEL
+    finally:
+        r.close()
+
+
+async def test_label_removal_unenroll_removes_rules_and_everything(rig, state_dir):
+    await rig.enrollment.enroll(event())
+    await rig.enrollment.unenroll(event(command="DEL"), is_delete=False)
+    assert rig.netns.deleted == [NETNS]  # by path: the live pod's rules and routing go
+    assert rig.netns.rules_at(NETNS) is None
+    assert UID in rig.zds.deletes and rig.probes.entries == {}
+    assert rig.enrollment.pods() == {}
+    assert not (state_dir / "pods" / f"{UID}.json").exists()
+
+
+async def test_cni_del_leaves_rules_to_the_dying_netns(rig):
+    await rig.enrollment.enroll(event())
+    await rig.enrollment.unenroll(event(command="DEL"), is_delete=True)
+    assert rig.netns.deleted == []  # as upstream: not deleted, the netns goes away
+    assert UID in rig.zds.deletes and rig.probes.entries == {}
+
+
+async def test_unenroll_reports_a_failed_step_after_trying_all(rig):
+    await rig.enrollment.enroll(event())
+    rig.netns.delete_error = RulesError("nft: busy")
+    with pytest.raises(EnrollmentError, match="removal incomplete: in-pod rules: nft: busy"):
+        await rig.enrollment.unenroll(event(command="DEL"), is_delete=False)
+    assert UID in rig.zds.deletes and rig.probes.entries == {}
+
+
+async def test_unenroll_of_vanished_netns_is_clean(rig):
+    await rig.enrollment.enroll(event())
+    rig.netns.destroy(NETNS)
+    await rig.enrollment.unenroll(event(command="DEL"), is_delete=False)
+    assert rig.enrollment.pods() == {}
+
+
+def _pod(uid, name, node="node-1", labels=None, phase="Running") -> dict:
+    return {"kind": "Pod", "metadata": {"uid": uid, "name": name, "namespace": "shop",
+                                        "labels": labels or {"istio.io/dataplane-mode": "ambient"}},
+            "spec": {"nodeName": node}, "status": {"phase": phase, "podIPs": []}}
+
+
+def _write_record(state_dir, uid, netns, ip, **extra):
+    """A state file in the format every released agent writes (``cni/enrollment/records.py``)."""
+    d = state_dir / "pods"
+    d.mkdir(mode=0o700, exist_ok=True)
+    data = {"uid": uid, "name": uid.split("-")[1], "namespace": "shop",
+            "service_account": "sa-" + uid, "netns": netns, "ips": [ip],
+            "annotations": {"ambient.istio.io/redirection": "enabled"}, **extra}
+    (d / f"{uid}.json").write_text(json.dumps(data))
+
+
+def test_records_written_by_the_previous_version_load(state_dir):
+    """Files written before states and steps became enums: the same seven keys, an old
+    file's IPv4-mapped address, a file missing optional keys, one with an unknown key
+    and one malformed file (skipped, the others load)."""
+    _write_record(state_dir, "uid-a", "/run/netns/a", "10.1.0.1")
+    _write_record(state_dir, "uid-b", "/proc/42/ns/net", "::ffff:10.1.0.2", future_key=1)
+    (state_dir / "pods" / "uid-c.json").write_text(json.dumps({"uid": "uid-c"}))
+    (state_dir / "pods" / "broken.json").write_text("{not json")
+    records = {r.uid: r for r in PodStateStore(str(state_dir)).load()}
+    assert sorted(records) == ["uid-a", "uid-b", "uid-c"]
+    a = records["uid-a"]
+    assert (a.name, a.namespace, a.service_account, a.netns, a.ips) == \
+        ("a", "shop", "sa-uid-a", "/run/netns/a", ["10.1.0.1"])
+    assert a.annotations == {"ambient.istio.io/redirection": "enabled"}
+    assert a.status is PodState.PENDING and a.status == "pending" and a.steps == {}
+    assert records["uid-b"].ips == ["10.1.0.2"]
+    assert records["uid-c"].service_account == "default" and records["uid-c"].ips == []
+    # and what this version writes reads back the same, in the same seven keys
+    store = PodStateStore(str(state_dir))
+    store.save(a)
+    assert set(json.loads((state_dir / "pods" / "uid-a.json").read_text())) == \
+        {"uid", "name", "namespace", "service_account", "netns", "ips", "annotations"}
+    assert os.stat(state_dir / "pods" / "uid-a.json").st_mode & 0o777 == 0o600
+
+
+async def test_restart_recovery_decisions(state_dir):
+    """Each record re-decided as a fresh ADD: kept (netns alive), kept as netns-missing
+    (Pod object there, netns not found), found elsewhere by the scan, dropped (netns and
+    Pod object gone), un-enrolled (its Pod object is on another node now / no longer
+    ambient). Every kept pod is announced to ZDS before accepts open."""
+    source = FakeSource(synced=True)
+    r = Rig(state_dir, source=source)
+    try:
+        for uid, ip in [("uid-keep", "10.1.0.1"), ("uid-missing", "10.1.0.2"),
+                        ("uid-moved", "10.1.0.3"), ("uid-gone", "10.1.0.4"),
+                        ("uid-elsewhere", "10.1.0.5"), ("uid-optout", "10.1.0.6")]:
+            _write_record(state_dir, uid, f"/run/netns/{uid}", ip)
+        for uid in ("uid-keep", "uid-elsewhere", "uid-optout"):
+            r.netns.create(f"/run/netns/{uid}")
+        r.netns.create("/proc/77/ns/net")
+        r.netns.moved["uid-moved"] = "/proc/77/ns/net"
+        source.pods = {u: _pod(u, u) for u in ("uid-keep", "uid-missing", "uid-moved")}
+        source.pods["uid-elsewhere"] = _pod("uid-elsewhere", "elsewhere", node="node-2")
+        source.pods["uid-optout"] = _pod("uid-optout", "optout",
+                                         labels={"istio.io/dataplane-mode": "none"})
+        r.probes.entries["uid-stale"] = {"10.9.9.9"}  # a pod gone while we were down
+
+        outcomes = await r.enrollment.recover()
+
+        assert outcomes == {"uid-keep": "enabled", "uid-missing": "netns-missing",
+                            "uid-moved": "enabled", "uid-gone": "dropped",
+                            "uid-elsewhere": "unenrolled", "uid-optout": "unenrolled"}
+        assert r.zds.accepting
+        announced = [(p.uid, p.netns_fd is not None, ack) for p, ack in r.zds.adds]
+        assert announced[:r.zds.adds_before_accept] == [
+            ("uid-keep", True, False), ("uid-missing", False, False), ("uid-moved", True, False)]
+        assert len(announced) == 3  # recovered pods are not announced twice
+        assert r.enrollment.pods()["uid-moved"].netns == "/proc/77/ns/net"
+        assert "uid-gone" not in r.zds.pods  # never announced: ztunnel drains it
+        for uid in ("uid-elsewhere", "uid-optout"):  # their rules go, their netns stays
+            assert f"/run/netns/{uid}" in r.netns.deleted and uid in r.zds.deletes
+        assert set(r.probes.entries) == {"uid-keep", "uid-missing", "uid-moved"}
+        assert "uid-missing" in r.enrollment.retries
+        assert sorted(p.name for p in (state_dir / "pods").iterdir()) == [
+            "uid-keep.json", "uid-missing.json", "uid-moved.json"]
+        # the missing pod's Pod object goes too: its retry drops it
+        del source.pods["uid-missing"]
+        await until(lambda: "uid-missing" not in r.enrollment.pods())
+        assert "uid-missing" in r.zds.deletes and "uid-missing" not in r.enrollment.retries
+    finally:
+        r.close()
+
+
+async def test_recovery_without_synced_source_drops_nothing(state_dir):
+    r = Rig(state_dir, source=FakeSource(synced=False))
+    try:
+        _write_record(state_dir, "uid-gone", "/run/netns/gone", "10.1.0.4")
+        assert await r.enrollment.recover() == {"uid-gone": "netns-missing"}
+        assert r.zds.accepting and [p.uid for p, _ in r.zds.adds] == ["uid-gone"]
+    finally:
+        r.close()
+
+
+async def test_recovery_rules_failure_continues_with_the_other_steps(state_dir):
+    """The RECOVER policy: the rules failure is recorded, ZDS (already told), probe set
+    and status still run; nothing is rolled back."""
+    r = Rig(state_dir)
+    try:
+        _write_record(state_dir, "uid-a", "/run/netns/a", "10.1.0.1")
+        r.netns.create("/run/netns/a")
+        r.netns.apply_error = RulesError("nft: no such table")
+        await r.enrollment.recover()
+        rec = r.enrollment.pods()["uid-a"]
+        assert r.probes.entries == {"uid-a": {"10.1.0.1"}} and r.netns.deleted == []
+        assert rec.steps[Step.RULES] is False and rec.steps[Step.HOSTSET] is True
+    finally:
+        r.close()
+
+
+async def test_recovery_opens_accepts_with_nothing_to_recover(state_dir):
+    r = Rig(state_dir)
+    try:
+        r.probes.entries["uid-stale"] = {"10.9.9.9"}
+        assert await r.enrollment.recover() == {}
+        assert r.zds.accepting and r.probes.entries == {}
+    finally:
+        r.close()
+
+
+async def test_start_and_stop_over_fakes(state_dir):
+    r = Rig(state_dir)
+    try:
+        await r.enrollment.start()
+        assert r.enrollment.ready() == (True, "") and r.probes.set_up and r.zds.accepting
+        assert r.enrollment.add_blocker() == ""
+        r.zds.ztunnel = False
+        assert "no ztunnel connected on /fake/ztunnel.sock" in r.enrollment.add_blocker()
+        await r.enrollment.stop(1.0)
+        assert r.probes.closed
+    finally:
+        r.close()
+
+
+async def test_no_zds_channel_is_a_retryable_failure(state_dir):
+    config = load({}, env={}).replace(state_dir=str(state_dir), ambient_ipv6=False)
+    ctx = AgentContext(config, max_workers=2)
+    netns = FakeNetns()
+    netns.create(NETNS)
+    e = Enrollment(ctx, backend=object(), host_rules=FakeProbeSet(), netns=netns)
+    try:
+        with pytest.raises(EnrollmentError, match="this agent runs no ZDS server") as err:
+            await e.enroll(event())
+        assert err.value.retryable
+    finally:
+        e.retries.kill()
+        ctx.executor.shutdown(wait=False)
