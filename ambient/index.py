@@ -23,8 +23,9 @@ one :class:`ambient.api.IndexChange`. A Gateway (waypoint) or the system namespa
 network label changing is rare and reaches across namespaces, so it recomputes everything
 (still announcing only what changed).
 
-Adding a kind: a mark handler (and, if it has its own dirty set, an update) in the part
-that owns its output, and one row in :attr:`AmbientIndex.handlers`.
+Adding a kind: the kind in :data:`ambient.store.KINDS`, a mark handler (and, if it has
+its own dirty set, an update) in the part that owns its output, and one row in
+:attr:`AmbientIndex.handlers`.
 
 Bad objects never raise out of the index: the item is dropped (or its old output
 removed), a warning names kind/namespace/name and the field, and
