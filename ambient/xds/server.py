@@ -46,7 +46,7 @@ from agent.core.fdbudget import listener_caps
 from agent.core.grpc_options import KEEPALIVE_SERVER_OPTIONS
 from agent.core.lifecycle import AgentContext, Component
 from agent.core.listeners import grpc_server_bounds
-from agent.tlsport.servercert import ServerCertificate, TlsMaterial
+from agent.tlsport.servercert import ServerCertificate
 from ambient.api import AmbientIndex, IndexChange
 from ambient.xds.generators import Generator, default_generators
 from ambient.xds.auth import AuthError, PlaintextAuth, spiffe_namespace
@@ -54,6 +54,7 @@ from ambient.xds.connection import Connection, merge_changes
 from ambient.xds.metrics import XdsMetrics
 from ambient.xds.node import RequestError
 from ambient.xds.stream import PreparedResponse, Request, Response, XdsStream
+from ambient.xds.tls import TlsProvider, sds_tls_provider
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,6 @@ MAX_MESSAGE = 200 * 1024 * 1024  # ztunnel's max decode size
 STALL_TIMEOUT = 30.0  # seconds a response may wait for a client that does not read
 
 
-TlsProvider = Callable[[], Awaitable[TlsMaterial]]
 
 TlsServices = Callable[[grpc.aio.Server], Sequence[str]]
 """The hook that mounts extra gRPC services next to ADS on the TLS port: called once at
@@ -446,36 +446,6 @@ def _handler(servicer: _Servicer) -> grpc.GenericRpcHandler:
 
 def _host(address: str) -> str:
     return f"[{address}]" if ":" in address and not address.startswith("[") else address
-
-
-def sds_tls_provider(ctx: AgentContext) -> TlsProvider | None:
-    """A provider backed by the ``sds`` component (``certificate_for(sans)`` returning a
-    bundle with ``chain``/``key``/``root`` PEM, and ``root_pem()``), or None when that
-    component or API is missing.
-
-    The server certificate carries the SPIFFE ID
-    ``spiffe://<trust_domain>/ns/<system_namespace>/sa/ambient-agent`` and the names of
-    :func:`agent.tlsport.servercert.server_names`: the DNS names and IPs ztunnel verifies by
-    default on a plain host (``localhost``, ``127.0.0.1``, ``::1``) and in a cluster
-    (``istiod.<ns>.svc``, ...), the node name and ``tls_server_names``.
-    """
-    sds = ctx.get("sds")
-    get_cert = getattr(sds, "certificate_for", None)
-    root = getattr(sds, "root_pem", None)
-    sans_of = getattr(sds, "tls_server_sans", None)
-    if get_cert is None or root is None or sans_of is None:
-        return None
-
-    async def provide() -> TlsMaterial:
-        bundle = await get_cert(sans_of(), "ECDSA")
-        root_pem = root() if callable(root) else root
-        return TlsMaterial(_b(bundle.chain), _b(bundle.key), _b(root_pem or bundle.root))
-
-    return provide
-
-
-def _b(value: str | bytes) -> bytes:
-    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 def build(ctx: AgentContext, tls_services: TlsServices | None = None) -> XdsServer:

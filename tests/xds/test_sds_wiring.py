@@ -8,7 +8,8 @@ import pytest
 from agent.core import config
 from agent.core.lifecycle import AgentContext
 from ambient.xds.client import ClientTls, DeltaXdsClient
-from ambient.xds.server import XdsServer, sds_tls_provider
+from ambient.xds.server import XdsServer
+from ambient.xds.tls import sds_tls_provider
 
 sds_server = pytest.importorskip("agent.sds.server")
 

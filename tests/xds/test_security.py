@@ -7,7 +7,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from ambient.xds.client import ClientTls, DeltaXdsClient
-from ambient.xds.server import TlsMaterial, XdsServer
+from agent.tlsport.servercert import TlsMaterial
+from ambient.xds.server import XdsServer
 from tests.xds.certs import Pki
 
 ZTUNNEL_ID = "spiffe://cluster.local/ns/istio-system/sa/ztunnel"
