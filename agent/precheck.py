@@ -40,6 +40,10 @@ import socket
 import sys
 import urllib.error
 import urllib.request
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agent.core.config import Config
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -75,7 +79,7 @@ def _module_state(name: str, loaded: set[str], release_dir: str | None,
     return "unknown" if release_dir is None else "missing"
 
 
-def check_modules(config, proc_modules: str = "/proc/modules",
+def check_modules(config: Config, proc_modules: str = "/proc/modules",
                   lib_modules: str = "/lib/modules") -> Check:
     wanted = list(NFTABLES_MODULES if config.native_nftables else IPTABLES_MODULES)
     if config.ambient_ipv6 and not config.native_nftables:
@@ -112,7 +116,7 @@ def check_modules(config, proc_modules: str = "/proc/modules",
     return Check("kernel modules", OK, f"{len(wanted)} needed: {summary}")
 
 
-def check_iptables(config) -> Check:
+def check_iptables(config: Config) -> Check:
     if config.native_nftables:
         return (Check("nftables", OK, f"nft at {shutil.which('nft')}") if shutil.which("nft")
                 else Check("nftables", FAIL, "native_nftables is set but nft is not installed"))
@@ -148,7 +152,7 @@ def check_ipset() -> Check:
     return Check("ipset", OK, "hash:ip sets work (host probe set)")
 
 
-def check_cni_config(config) -> Check:
+def check_cni_config(config: Config) -> Check:
     from cni.conflist import explain_no_primary, find_primary
 
     primary = find_primary(config.cni_conf_dir, config.cni_conf_name)
@@ -158,7 +162,7 @@ def check_cni_config(config) -> Check:
     return Check("CNI config", OK, f"primary config {primary}")
 
 
-def check_istio_cni(config) -> Check:
+def check_istio_cni(config: Config) -> Check:
     from cni.install import PLUGIN_NAME
 
     found = []
@@ -184,7 +188,7 @@ def check_istio_cni(config) -> Check:
     return Check("istio-cni", OK, f"no other istio-cni; {binary} {state}")
 
 
-def check_ports(config) -> Check:
+def check_ports(config: Config) -> Check:
     from agent.core.config import ConfigError, ensure_tcp_port_free
 
     from agent.core.config import tcp_listeners
@@ -213,7 +217,7 @@ def _live_unix(path: str, kind: int) -> bool:
         s.close()
 
 
-def check_zds(config) -> Check:
+def check_zds(config: Config) -> Check:
     path = config.ztunnel_uds_address
     parent = os.path.dirname(path) or "."
     probe_dir = parent
@@ -242,7 +246,7 @@ def check_ztunnel(url: str = ZTUNNEL_READY_URL, timeout: float = 2.0) -> Check:
                      f"({getattr(e, 'reason', e)}); ambient pod ADDs wait for one")
 
 
-def run_checks(config) -> list[Check]:
+def run_checks(config: Config) -> list[Check]:
     """Every check, in order; a check that raises is a FAIL naming the error."""
     checks = [lambda: check_modules(config), lambda: check_iptables(config), check_ipset,
               lambda: check_cni_config(config), lambda: check_istio_cni(config),

@@ -31,7 +31,7 @@ import grpc
 from google.protobuf import struct_pb2
 
 from agent.core.backoff import Backoff
-from agent.sds import ca_pb2, ca_pb2_grpc
+from agent.sds import ca_pb2, ca_pb2_grpc, keys
 from agent.sds.ca_embedded import CAError, EmbeddedCA
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,8 @@ class EmbeddedCAClient:
         """Same as :meth:`sign`, on the calling (worker) thread."""
         return self.sign_with_validity_blocking(csr_pem, ttl_seconds, identity)[0]
 
-    def sign_with_validity_blocking(self, csr_pem: bytes, ttl_seconds: int, identity: str):
+    def sign_with_validity_blocking(self, csr_pem: bytes, ttl_seconds: int, identity: str
+                                    ) -> tuple[list[str], keys.Validity]:
         """:meth:`sign_blocking` plus the leaf's ``(not_before, not_after, serial)`` (UTC
         datetimes, int), taken from the certificate just built instead of re-parsing its
         PEM (the secret cache's issuance path). Raises :class:`CAClientError`."""
@@ -147,7 +148,8 @@ class IstioCAClient:
         except OSError:
             return ""
 
-    def _request(self, csr_pem: bytes, ttl_seconds: int, identity: str):
+    def _request(self, csr_pem: bytes, ttl_seconds: int, identity: str
+                 ) -> tuple[ca_pb2.IstioCertificateRequest, tuple[tuple[str, str], ...]]:
         metadata = struct_pb2.Struct()
         metadata.update({"CertSigner": ""})
         if identity and self.own_identity and identity != self.own_identity:

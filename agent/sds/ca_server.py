@@ -120,7 +120,9 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
                 return ""
         return f"no pod with identity {target} on node {node_wanted or '(any)'}"
 
-    async def CreateCertificate(self, request, context):  # noqa: N802 - gRPC name
+    async def CreateCertificate(  # noqa: N802 - gRPC name
+            self, request: ca_pb2.IstioCertificateRequest, context: grpc.aio.ServicerContext
+            ) -> ca_pb2.IstioCertificateResponse:
         authenticator = self.authenticator
         try:
             if authenticator is None:

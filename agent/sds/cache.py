@@ -220,7 +220,9 @@ class SecretCache:
                 self.csr_failures += 1
             raise
 
-    def _mint_local(self, sign_with_validity, spiffe_id: str):
+    def _mint_local(self, sign_with_validity: Callable[[bytes, int, str],
+                                                        tuple[list[str], keys.Validity]],
+                    spiffe_id: str) -> tuple[bytes, list[str], keys.Validity]:
         # The CSR is still made and verified by the CA as istiod would: it proves the
         # caller holds the key. Only the PEM → x509 re-parse of the answer is skipped.
         key_pem, csr_pem = keys.new_key_and_csr(self.algorithm, [spiffe_id])
@@ -228,7 +230,8 @@ class SecretCache:
         chain, validity = sign_with_validity(csr_pem, int(self.ttl), spiffe_id)
         return key_pem, chain, validity
 
-    def _item(self, spiffe_id: str, key_pem: bytes, chain: list[str], validity) -> SecretItem:
+    def _item(self, spiffe_id: str, key_pem: bytes, chain: list[str],
+              validity: keys.Validity) -> SecretItem:
         now = self.clock()
         not_before, not_after, serial = validity
         if not_before.timestamp() > now + CLOCK_SKEW_TOLERANCE:

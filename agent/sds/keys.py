@@ -17,6 +17,10 @@ import re
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
+
+PrivateKey = rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey  # what generate_key makes
+Validity = tuple[dt.datetime, dt.datetime, int]  # a leaf's not_before, not_after (UTC), serial
 
 RSA_KEY_SIZE = 2048
 _PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----\r?\n.*?-----END CERTIFICATE-----", re.S)
@@ -36,7 +40,7 @@ def key_algorithm(setting: str) -> str:
                      "(expected ECDSA or empty for RSA 2048)")
 
 
-def generate_key(algorithm: str = "RSA"):
+def generate_key(algorithm: str = "RSA") -> PrivateKey:
     """A new private key: RSA 2048 (e=65537) or ECDSA P-256. Blocking (RSA ~50 ms)."""
     if algorithm == "ECDSA":
         return ec.generate_private_key(ec.SECP256R1())
@@ -45,7 +49,7 @@ def generate_key(algorithm: str = "RSA"):
     raise ValueError(f"key algorithm {algorithm!r}: expected RSA or ECDSA")
 
 
-def key_pem(key) -> bytes:
+def key_pem(key: PrivateKey) -> bytes:
     """PEM of a private key the way istio-agent writes it without ``PKCS8_KEY``:
     ``RSA PRIVATE KEY`` (PKCS#1) or ``EC PRIVATE KEY`` (SEC1)."""
     return key.private_bytes(serialization.Encoding.PEM,
@@ -72,7 +76,7 @@ def _general_names(sans: list[str]) -> list[x509.GeneralName]:
     return names
 
 
-def build_csr(key, sans: list[str]) -> bytes:
+def build_csr(key: PrivateKey, sans: list[str]) -> bytes:
     """A PEM CSR with an empty subject (one empty O, as upstream) and a critical SAN.
 
     The SHA-256 signature matches istio-agent for RSA and P-256 keys.
@@ -130,7 +134,7 @@ def load_certs(data: bytes | str, what: str = "certificate bundle") -> list[x509
     return certs
 
 
-def leaf_validity(chain: bytes | str) -> tuple[dt.datetime, dt.datetime, int]:
+def leaf_validity(chain: bytes | str) -> Validity:
     """``(not_before, not_after, serial)`` of the first certificate of a chain (UTC datetimes).
 
     Raises ValueError "failed to extract expire time" when the chain has no parsable cert.
@@ -161,7 +165,7 @@ def merge_trust(*bundles: bytes | str) -> bytes:
     return b"\n".join(sorted(blocks))
 
 
-def same_public_key(key, cert: x509.Certificate) -> bool:
+def same_public_key(key: PrivateKeyTypes, cert: x509.Certificate) -> bool:
     """True when private ``key`` belongs to ``cert`` (their SubjectPublicKeyInfo match)."""
     spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     return key.public_key().public_bytes(*spki) == cert.public_key().public_bytes(*spki)

@@ -15,8 +15,12 @@ two. The rest are ours (``ambient_agent_sds_*``).
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from agent.sds.server import SdsServer
 
 RESOURCE_KINDS = ("default", "ROOTCA", "file-cert", "file-root")
 
@@ -24,10 +28,10 @@ RESOURCE_KINDS = ("default", "ROOTCA", "file-cert", "file-root")
 class SdsCollector:
     """A ``prometheus_client`` collector over an :class:`agent.sds.server.SdsServer`."""
 
-    def __init__(self, server):
+    def __init__(self, server: SdsServer):
         self.server = server
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         s = self.server
         service, cache = s.service, s.cache
         streams = GaugeMetricFamily("ambient_agent_sds_streams",

@@ -47,7 +47,7 @@ import hashlib
 import itertools
 import logging
 import uuid
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, Collection, TypeAlias, TypeVar
 
 import grpc
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2, secret_pb2
@@ -100,6 +100,8 @@ def resource_kind(name: str) -> str:
 
 
 # generate(name, identity) -> Secret ; identify(context) -> Identity
+Context: TypeAlias = grpc.aio.ServicerContext  # one SDS call's context
+Request = TypeVar("Request", discovery_pb2.DiscoveryRequest, discovery_pb2.DeltaDiscoveryRequest)
 Generate = Callable[[str, Identity], Awaitable[secret_pb2.Secret]]
 Identify = Callable[[grpc.aio.ServicerContext], Identity]
 
@@ -193,7 +195,7 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         return n
 
     # --- helpers ---------------------------------------------------------------------
-    async def _identify(self, context) -> Identity:
+    async def _identify(self, context: Context) -> Identity:
         try:
             return self.identify(context)
         except IdentityError as e:
@@ -254,13 +256,14 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         conn.retry_timer = asyncio.get_running_loop().call_later(delay, fire)
 
     @staticmethod
-    async def _check_count(names, context, what: str = "resource_names") -> None:
+    async def _check_count(names: Collection[str], context: Context,
+                           what: str = "resource_names") -> None:
         if len(names) > MAX_NAMES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{what}: {len(names)} secret names, at most {MAX_NAMES} are "
                                 "served per request")
 
-    async def _check_type(self, type_url: str, context) -> None:
+    async def _check_type(self, type_url: str, context: Context) -> None:
         if type_url and type_url != SECRET_TYPE:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"type_url {type_url!r} is not served here; SDS serves {SECRET_TYPE}")
@@ -277,7 +280,7 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
             self.on_unwatch(conn.identity)
 
     @staticmethod
-    async def _read_into(context, queue: asyncio.Queue) -> None:
+    async def _read_into(context: Context, queue: asyncio.Queue) -> None:
         try:
             while True:
                 req = await context.read()
@@ -289,8 +292,10 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         queue.put_nowait(("eof", None))
 
     # --- the stream loop both protocols share ----------------------------------------
-    async def _serve(self, conn: Connection, context, first_request, on_request,
-                     on_push) -> None:
+    async def _serve(self, conn: Connection, context: Context,
+                     first_request: Callable[[Request], Awaitable[bool]],
+                     on_request: Callable[[Request], Awaitable[None]],
+                     on_push: Callable[[set[str]], Awaitable[None]]) -> None:
         """Drive one stream: requests and rotation pushes arrive on ``conn.queue`` in
         order. ``first_request(req)`` vets the first one (False: skip it and wait for the
         next); every request's type is checked, the identity is watched from the first
@@ -320,7 +325,9 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
             reader.cancel()
             self._unregister(conn, watched)
 
-    async def _first_request(self, conn: Connection, req, context) -> bool:
+    async def _first_request(self, conn: Connection,
+                             req: discovery_pb2.DiscoveryRequest | discovery_pb2.DeltaDiscoveryRequest,
+                             context: Context) -> bool:
         """Node id required on a stream's first request (set_node_on_first_message_only)."""
         if not req.node.id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing node information")
@@ -328,7 +335,9 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         return True
 
     # --- StreamSecrets (SotW) --------------------------------------------------------
-    async def StreamSecrets(self, request_iterator, context):  # noqa: N802 - gRPC name
+    async def StreamSecrets(  # noqa: N802 - gRPC name
+            self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],
+            context: Context) -> None:
         identity = await self._identify(context)
         conn = Connection(next(_connection_ids), context.peer(), identity)
 
@@ -337,7 +346,7 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
                 return False
             return await self._first_request(conn, req, context)
 
-        async def push(names) -> None:
+        async def push(names: set[str]) -> None:
             if conn.names is not None:
                 await self._respond(conn, [n for n in sorted(names) if n in conn.names],
                                     context, only_changed=True)
@@ -345,7 +354,8 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         await self._serve(conn, context, first,
                           lambda req: self._handle_request(conn, req, context), push)
 
-    async def _handle_request(self, conn: Connection, req, context) -> None:
+    async def _handle_request(self, conn: Connection, req: discovery_pb2.DiscoveryRequest,
+                              context: Context) -> None:
         names = list(dict.fromkeys(req.resource_names))
         await self._check_count(names, context)
         if req.HasField("error_detail"):
@@ -371,7 +381,7 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         if added:
             await self._respond(conn, added, context)
 
-    async def _respond(self, conn: Connection, names: list[str], context,
+    async def _respond(self, conn: Connection, names: list[str], context: Context,
                        only_changed: bool = False) -> None:
         """Send ``names``; for pushes (``only_changed``) skip secrets this stream already
         has byte for byte (e.g. the first root announcement racing the first answer)."""
@@ -387,7 +397,7 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         await context.write(resp)
         conn.nonce_sent, conn.version_sent = resp.nonce, resp.version_info
 
-    async def _versioned(self, conn: Connection, names: list[str], context,
+    async def _versioned(self, conn: Connection, names: list[str], context: Context,
                          skip_unchanged: bool) -> list[tuple[str, any_pb2.Any, str]]:
         """Generate ``names`` as ``(name, packed Secret, version)``; the version is a
         content hash, recorded in ``conn.versions``. With ``skip_unchanged`` a secret the
@@ -405,7 +415,9 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         return out
 
     # --- DeltaSecrets ----------------------------------------------------------------
-    async def DeltaSecrets(self, request_iterator, context):  # noqa: N802
+    async def DeltaSecrets(  # noqa: N802 - gRPC name
+            self, request_iterator: AsyncIterator[discovery_pb2.DeltaDiscoveryRequest],
+            context: Context) -> None:
         identity = await self._identify(context)
         conn = Connection(next(_connection_ids), context.peer(), identity, kind="delta")
         conn.names = set()
@@ -415,13 +427,15 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
             conn.versions.update(req.initial_resource_versions)
             return True
 
-        async def push(names) -> None:
-            await self._delta_respond(conn, sorted(names & conn.names), context)
+        async def push(names: set[str]) -> None:
+            await self._delta_respond(conn, sorted(names & (conn.names or set())), context)
 
         await self._serve(conn, context, first,
                           lambda req: self._handle_delta_request(conn, req, context), push)
 
-    async def _handle_delta_request(self, conn: Connection, req, context) -> None:
+    async def _handle_delta_request(self, conn: Connection,
+                                    req: discovery_pb2.DeltaDiscoveryRequest,
+                                    context: Context) -> None:
         if req.HasField("error_detail"):
             self.nacks += 1
             conn.last_nack = req.error_detail.message
@@ -442,7 +456,8 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
             conn.nonce_acked = req.response_nonce
         await self._delta_respond(conn, added, context)
 
-    async def _delta_respond(self, conn: Connection, names: list[str], context) -> None:
+    async def _delta_respond(self, conn: Connection, names: list[str], context: Context
+                             ) -> None:
         # Unchanged ones are left out: the client already has exactly those (reconnect).
         resources = [discovery_pb2.Resource(name=name, version=version, resource=body)
                      for name, body, version in await self._versioned(conn, names, context,
@@ -456,7 +471,9 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         conn.nonce_sent, conn.version_sent = resp.nonce, resp.system_version_info
 
     # --- FetchSecrets ----------------------------------------------------------------
-    async def FetchSecrets(self, request, context):  # noqa: N802
+    async def FetchSecrets(  # noqa: N802 - gRPC name
+            self, request: discovery_pb2.DiscoveryRequest, context: Context
+            ) -> discovery_pb2.DiscoveryResponse:
         identity = await self._identify(context)
         await self._check_type(request.type_url, context)
         names = list(dict.fromkeys(request.resource_names))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
@@ -127,7 +127,8 @@ def everything(ctx: AgentContext) -> dict[str, Any]:
 def add_routes(app: web.Application, ctx: AgentContext) -> None:
     """Register the ``/debug`` routes on ``app`` (the admin app: access is decided there)."""
 
-    def guarded(build):
+    def guarded(build: Callable[[web.Request], Any]
+                ) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(request: web.Request) -> web.Response:
             try:
                 return json_response(build(request))
@@ -148,9 +149,11 @@ def add_routes(app: web.Application, ctx: AgentContext) -> None:
     app.router.add_get("/debug/mesh", guarded(lambda r: mesh(ctx)))
     app.router.add_get("/debug/component/{name}",
                        guarded(lambda r: component_state(ctx, r.match_info["name"])))
-    for section, (name, _) in SECTIONS.items():
-        app.router.add_get(f"/debug/{section}",
-                           guarded(lambda r, name=name: component_state(ctx, name)))
+    def section(name: str) -> Callable[[web.Request], Any]:
+        return lambda r: component_state(ctx, name)
+
+    for path, (name, _) in SECTIONS.items():
+        app.router.add_get(f"/debug/{path}", guarded(section(name)))
     app.router.add_route("*", "/debug/{tail:.*}", guarded(_not_found))
 
 

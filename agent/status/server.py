@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -318,7 +318,9 @@ class StatusServer(Component):
     # --- admin socket ----------------------------------------------------------------
 
     @web.middleware
-    async def _root_only(self, request: web.Request, handler) -> web.StreamResponse:
+    async def _root_only(self, request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                         ) -> web.StreamResponse:
         """Defence in depth behind the socket's 0600 mode: the peer must be root or us."""
         sock = request.transport.get_extra_info("socket") if request.transport else None
         try:

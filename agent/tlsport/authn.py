@@ -36,7 +36,7 @@ import hashlib
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 import yaml
 
@@ -44,13 +44,23 @@ from agent.core.lifecycle import AgentContext, Component
 from agent.core.spiffe import Identity
 
 if TYPE_CHECKING:
+    import grpc
     from kubernetes_asyncio.client import ApiClient
+
+    from agent.tlsport.frontdoor import TlsPeer
 
 log = logging.getLogger(__name__)
 
 SERVICE_ACCOUNTS_GROUP = "system:serviceaccounts"
 POD_NAME_KEY = "authentication.kubernetes.io/pod-name"
 POD_UID_KEY = "authentication.kubernetes.io/pod-uid"
+
+
+class PeerLookup(Protocol):
+    """What the chain needs of a TLS front door (:class:`agent.tlsport.frontdoor.TlsFrontDoor`):
+    the TLS peer behind a gRPC ``context.peer()`` string, or None."""
+
+    def lookup(self, peer: str) -> TlsPeer | None: ...
 
 
 class AuthenticationError(Exception):
@@ -167,7 +177,8 @@ class TokenReviewAuthenticator:
 
     source = "TokenReview"
 
-    def __init__(self, api, audiences: Iterable[str], trust_domain: str, cluster_id: str,
+    def __init__(self, api: ApiClient | Callable[[], ApiClient | None] | None,
+                 audiences: Iterable[str], trust_domain: str, cluster_id: str,
                  *, cache_ttl: float = 30.0, negative_ttl: float = 5.0,
                  max_entries: int = 4096, timeout: float = 10.0,
                  clock: Callable[[], float] = time.monotonic):
@@ -183,7 +194,7 @@ class TokenReviewAuthenticator:
             collections.OrderedDict()
         self.reviews = 0
 
-    def _api_client(self):
+    def _api_client(self) -> ApiClient | None:
         return self._api() if callable(self._api) else self._api
 
     async def authenticate(self, token: str, cluster_header: str = "") -> Caller:
@@ -207,7 +218,7 @@ class TokenReviewAuthenticator:
         self._remember(key, now + self.cache_ttl, caller)
         return caller
 
-    def _remember(self, key: str, until: float, value) -> None:
+    def _remember(self, key: str, until: float, value: Caller | str) -> None:
         self._cache[key] = (until, value)
         self._cache.move_to_end(key)
         while len(self._cache) > self.max_entries:
@@ -243,7 +254,7 @@ class TokenReviewAuthenticator:
                                       f"({type(e).__name__})") from None
         return self._result(review)
 
-    def _result(self, review) -> Caller:
+    def _result(self, review: Any) -> Caller:
         status = review.status
         error = (getattr(status, "error", None) or "") if status else ""
         if not status or not status.authenticated:
@@ -287,19 +298,19 @@ class Authenticator:
         self.tokens = tokens
         self.token_review = token_review
         self._run = run_blocking
-        self._doors: list = []
+        self._doors: list[PeerLookup] = []
         self.failures = 0
 
-    def add_front_door(self, door) -> None:
+    def add_front_door(self, door: PeerLookup) -> None:
         """Register an :class:`agent.tlsport.frontdoor.TlsFrontDoor` whose peers may call."""
         if door not in self._doors:
             self._doors.append(door)
 
-    def remove_front_door(self, door) -> None:
+    def remove_front_door(self, door: PeerLookup) -> None:
         if door in self._doors:
             self._doors.remove(door)
 
-    def tls_peer(self, context):
+    def tls_peer(self, context: grpc.aio.ServicerContext | None) -> TlsPeer | None:
         """The TLS peer of a gRPC call, or None when it did not come through a front door."""
         peer = context.peer() if context is not None else ""
         for door in self._doors:
@@ -308,7 +319,8 @@ class Authenticator:
                 return found
         return None
 
-    async def authenticate(self, context, require_tls: bool = True) -> Caller:
+    async def authenticate(self, context: grpc.aio.ServicerContext | None,
+                           require_tls: bool = True) -> Caller:
         """Authenticate a gRPC call. ``require_tls``: refuse calls that did not come
         through a TLS front door. Raises :class:`AuthenticationError`."""
         try:
@@ -317,7 +329,8 @@ class Authenticator:
             self.failures += 1
             raise
 
-    async def _authenticate(self, context, require_tls: bool) -> Caller:
+    async def _authenticate(self, context: grpc.aio.ServicerContext | None,
+                            require_tls: bool) -> Caller:
         peer = self.tls_peer(context)
         if peer is None and require_tls:
             raise AuthenticationError("this service is served over TLS only")

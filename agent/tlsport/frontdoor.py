@@ -68,7 +68,7 @@ class TlsPeer:
         return [u for u in self.uri_sans if u.startswith("spiffe://")]
 
 
-def grpc_peer(address) -> str:
+def grpc_peer(address: object) -> str:
     """A socket address in gRPC's peer format: ``ipv4:h:p`` / ``ipv6:[h]:p`` (an
     IPv4-mapped IPv6 address is shown as IPv4)."""
     if isinstance(address, tuple) and len(address) >= 2:
@@ -224,7 +224,8 @@ class TlsFrontDoor:
                 self._last_log.clear()
             log.info("%s: TLS handshake from %s failed: %s", self.name, remote, what)
 
-    async def _handshake(self, sock: socket.socket):
+    async def _handshake(self, sock: socket.socket
+                         ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """TLS from the first byte (the context is chosen, and renewed if due, before any
         byte is read). Returns ``(reader, writer)``; raises on failure or timeout."""
         loop = asyncio.get_running_loop()
@@ -240,7 +241,8 @@ class TlsFrontDoor:
     async def _handle(self, sock: socket.socket, remote: str) -> None:
         self.accepted += 1
         name = self._prefix + str(next(self._counter))
-        writer = backend = None
+        writer: asyncio.StreamWriter | None = None
+        backend: asyncio.StreamWriter | None = None
         try:
             sock.setblocking(False)
             _keepalive(sock)
@@ -276,9 +278,9 @@ class TlsFrontDoor:
             # Forget the peer before the backend socket (and its abstract name) is freed,
             # so a later connection can never be mistaken for this one.
             self.peers.pop(name, None)
-            for w in (backend, writer):
-                if w is not None:
-                    w.close()
+            for stream in (backend, writer):
+                if stream is not None:
+                    stream.close()
 
     def debug_state(self) -> dict:
         return {"listen": f"{self.host}:{self.port}", "connections": self.connections,
