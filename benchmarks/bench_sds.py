@@ -426,10 +426,15 @@ async def run() -> list[Result]:
                 t = await _through_sds(state, algorithm, pool, client, rounds)
                 ms = {k: v * 1000 for k, v in t.items()}
                 best = f"best of {rounds}, " if rounds > 1 else ""
-                results.append(ratio_result(
-                    f"SDS: {N} distinct {algorithm} identities issued", ms["sds"], ms["floor"],
-                    "ms", 1.3, note=f"{best}client process, {WIDTH} in flight; floor: "
-                    f"keygen+CSR+verify+sign with cryptography, {WIDTH} threads"))
+                row = ratio_result(
+                    f"SDS: {N} distinct {algorithm} identities issued (Python client)",
+                    ms["sds"], ms["floor"], "ms", 1.3,
+                    note=f"{best}grpcio client process, {WIDTH} FetchSecrets in flight, minted "
+                    f"in-process; floor: keygen+CSR+verify+sign with cryptography, {WIDTH} "
+                    "threads")
+                if algorithm == "ECDSA":  # judged on the real Envoy row below
+                    row.target, row.passed = "report", None
+                results.append(row)
                 results.append(Result(
                     f"SDS: {algorithm} issuance vs crypto + bare gRPC floors", ms["sds"], "ms",
                     ms["floor"] + ms["bare"], "report", None,
@@ -443,19 +448,19 @@ async def run() -> list[Result]:
         state = Path(tmp) / "envoy-many"
         state.mkdir(mode=0o700)
         try:
-            took, floor, updates, cpu = await _envoy_many(state / "signer", pool, ROUNDS, True)
-            results.append(ratio_result(
-                f"SDS: a real Envoy's {N} distinct ECDSA identities (ca_signer_process)",
-                took * 1000, floor * 1000, "ms", 1.3,
-                note=f"best of {ROUNDS}; Envoy's first SDS request -> last secret written, "
-                f"{N} StreamSecrets; Envoy counted {updates} update_success; floor: "
-                f"keygen+CSR+verify+sign with cryptography, {WIDTH} threads; {cpu}"))
             took, floor, updates, cpu = await _envoy_many(state / "inproc", pool, ROUNDS, False)
+            results.append(ratio_result(
+                f"SDS: a real Envoy's {N} distinct ECDSA identities", took * 1000,
+                floor * 1000, "ms", 1.3,
+                note=f"best of {ROUNDS}; default config (minted in the agent's process); "
+                f"Envoy's first SDS request -> last secret written, {N} StreamSecrets; Envoy "
+                f"counted {updates} update_success; floor: keygen+CSR+verify+sign with "
+                f"cryptography, {WIDTH} threads; {cpu}"))
+            took, floor, updates, cpu = await _envoy_many(state / "signer", pool, ROUNDS, True)
             results.append(Result(
-                f"SDS: a real Envoy's {N} distinct ECDSA identities (minted in-process)",
-                took * 1000, "ms", floor * 1000, "report", None,
-                f"best of {ROUNDS}; the default (no signer process); {updates} update_success; "
-                f"{cpu}"))
+                "SDS: the same Envoy figure with ca_signer_process", took * 1000, "ms", floor * 1000,
+                "report", None, f"best of {ROUNDS}; minted in the signer child; "
+                f"{updates} update_success; {cpu}"))
         except Exception as e:  # noqa: BLE001 - Envoy missing: report, don't crash the run
             results.append(Result(f"SDS: Envoy {N} identities (skipped: {e})", 0.0, "ms"))
         finally:
