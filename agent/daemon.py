@@ -14,84 +14,126 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
-import importlib
 import logging
 import os
 import signal
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from agent.core import config as agent_config, fdbudget, sdnotify
 from agent.core.config import Config, ConfigError, prepare_state_dir
 from agent.core.errors import ComponentStartError
 from agent.core.lifecycle import AgentContext, Component, Supervisor
 
+if TYPE_CHECKING:  # imported by build() when the agent starts
+    import grpc
+
+    from agent.sds.server import SdsServer
+    from agent.status.server import StatusServer
+    from agent.tlsport.authn import AuthnComponent
+    from ambient.index import IndexComponent
+    from ambient.source import ConfigSource
+    from ambient.xds.server import XdsServer
+    from cni.enrollment import Enrollment
+    from cni.eventserver import CniEventServer
+    from cni.installwatch import CniInstallerComponent
+    from cni.registration import WorkloadRegistrar
+    from cni.snapshot import SnapshotWriter
+    from zds.server import ZdsServer
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-# (module, function): each builder takes the AgentContext and returns a Component, or
-# None when the component is disabled by configuration. Imported lazily so that
-# `ambient-agent config` and `version` stay fast. Order = start order.
-COMPONENT_BUILDERS: list[tuple[str, str]] = [
-    # ambient index and its config source
-    ("ambient.source", "build"),
-    ("cni.registration", "build"),  # registration: pods from CNI ADDs (hosts without Kubernetes)
-    ("ambient.index", "build"),
-    # caller authentication for the TLS ports (xDS, CA), then SDS and CA
-    ("agent.tlsport.authn", "build"),
-    ("agent.sds.server", "build"),
-    # ZDS server
-    ("zds.server", "build"),
-    # enrollment (rules, host probe set, reconciler) and the CNI event server
-    ("agent.enrollment_zds", "build"),  # enrollment, wired to the zds component
-    ("cni.snapshot", "build"),  # cni-snapshot: how the plugin decides while no agent runs
-    ("cni.install", "build"),  # cni-installer (only with cni_manage_config)
-    ("cni.eventserver", "build"),
-    # workload xDS
-    ("agent.daemon", "build_xds"),
-    # status server (last: it reports the others' readiness)
-    ("agent.status.server", "build"),
-]
+@dataclasses.dataclass(frozen=True)
+class Components:
+    """The agent's components as :func:`build` wired them, typed for tests and the demo
+    (``agent.components.enrollment``); None where configuration turns one off."""
+
+    source: ConfigSource
+    registration: WorkloadRegistrar | None
+    index: IndexComponent
+    authn: AuthnComponent
+    sds: SdsServer
+    zds: ZdsServer
+    enrollment: Enrollment
+    snapshot: SnapshotWriter
+    installer: CniInstallerComponent | None
+    events: CniEventServer
+    xds: XdsServer
+    status: StatusServer
+
+    def in_start_order(self) -> list[Component]:
+        """Every enabled component, in the order of the fields (= start order)."""
+        parts = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return [part for part in parts if part is not None]
 
 
-def build(ctx: AgentContext) -> AgentContext:
-    """Instantiate every enabled component into ``ctx`` in start order.
+def build(ctx: AgentContext) -> Components:
+    """Construct every enabled component, each handed the ones it uses, and add them to
+    ``ctx`` in start order.
 
-    A builder that rejects a setting raises :class:`ConfigError`; any other failure is
-    wrapped in :class:`ComponentStartError` naming the module, so the CLI prints one line.
+    Start order follows the data flow: the config source (and the registration that
+    writes pods into it) and the index first; caller authentication, SDS and ZDS; then
+    enrollment and the CNI parts that hand it work; xDS; status last, as it reports the
+    others' readiness. A builder that rejects a setting raises :class:`ConfigError`; any
+    other failure is wrapped in :class:`ComponentStartError` naming the component.
+    Imports are here, not at the top, so that ``ambient-agent config`` and ``version``
+    stay fast.
     """
-    for module_name, function_name in COMPONENT_BUILDERS:
-        builder: Callable[[AgentContext], Component | None] = getattr(
-            importlib.import_module(module_name), function_name)
+    from agent import enrollment_zds
+    from agent.sds import server as sds_server
+    from agent.status import server as status_server
+    from agent.tlsport import authn as tls_authn
+    from ambient import index as ambient_index, source as ambient_source
+    from ambient.xds import server as xds_server
+    from cni import eventserver, install, registration, snapshot
+    from zds import server as zds_server
+
+    def made(name: str, builder: Callable[[], T]) -> T:
         try:
-            component = builder(ctx)
+            return builder()
         except ConfigError:
             raise
         except Exception as e:
-            log.debug("building %s failed", module_name, exc_info=True)
-            raise ComponentStartError(module_name, e) from e
-        if component is not None:
-            ctx.add(component)
-    return ctx
+            log.debug("building %s failed", name, exc_info=True)
+            raise ComponentStartError(name, e) from e
+
+    source = made("config-source", lambda: ambient_source.build(ctx))
+    registrar = made("registration", lambda: registration.build(ctx, source))
+    index = made("ambient-index", lambda: ambient_index.build(ctx, source.store))
+    authn = made("authn", lambda: tls_authn.build(ctx))
+    sds = made("sds", lambda: sds_server.build(ctx, source.store, authn.authenticator))
+    zds = made("zds", lambda: zds_server.build(ctx))
+    enrollment = made("enrollment", lambda: enrollment_zds.build(ctx, zds))
+    components = Components(
+        source=source, registration=registrar, index=index, authn=authn, sds=sds, zds=zds,
+        enrollment=enrollment,
+        snapshot=made("cni-snapshot", lambda: snapshot.build(ctx, source)),
+        installer=made("cni-installer", lambda: install.build(ctx)),
+        events=made("cni-events",
+                    lambda: eventserver.build(ctx, source, enrollment, registrar)),
+        xds=made("xds", lambda: xds_server.build(ctx, index.index, sds, authn.authenticator,
+                                                 tls_services=mount_ca(sds))),
+        status=made("status", lambda: status_server.build(ctx, enrollment, index.index, zds)))
+    for component in components.in_start_order():
+        ctx.add(component)
+    return components
 
 
-def build_xds(ctx: AgentContext) -> Component | None:
-    """Component ``xds`` (:func:`ambient.xds.server.build`), with the embedded CA's
-    ``IstioCertificateService`` mounted on its TLS port when the ``sds`` component runs
-    one (as istiod serves xDS and the CA on 15012). Wired here so that the ambient
-    package imports nothing of SDS."""
-    from ambient.xds import server as xds_server
+def mount_ca(sds: SdsServer) -> Callable[[grpc.aio.Server], list[str]]:
+    """The xDS TLS port's ``tls_services`` hook (:data:`ambient.xds.server.TlsServices`):
+    mounts the embedded CA's ``IstioCertificateService`` when ``sds`` runs one, as istiod
+    serves xDS and the CA on 15012. Wired here so that ambient imports nothing of SDS."""
 
-    sds = ctx.get("sds")
-    ca_servicer = getattr(sds, "ca_servicer", None)
-
-    def mount_ca(server) -> list[str]:
-        servicer = ca_servicer() if ca_servicer is not None else None  # known once sds started
-        if servicer is None:  # no sds component, or a remote Istio CA
+    def mount(server: grpc.aio.Server) -> list[str]:
+        servicer = sds.ca_servicer()  # known once sds started (the hook runs at xDS start)
+        if servicer is None:  # a remote Istio CA
             return []
         return [servicer.add_to_server(server)]  # the CA registers itself, returns its name
 
-    return xds_server.build(ctx, tls_services=mount_ca)
+    return mount
 
 
 class StateDirLock:
@@ -142,7 +184,9 @@ class Agent:
     """A running agent: context + supervisor. Usable from tests and from ``demo``.
 
     ``await agent.start()`` raises whatever a component's start raised (after stopping
-    the ones already started); ``await agent.stop()`` is idempotent.
+    the ones already started); ``await agent.stop()`` is idempotent. Once started,
+    ``agent.components`` holds every component, typed (``agent.components.zds``), and the
+    ones tests and the demo read most have their own attribute (``agent.enrollment``).
     """
 
     def __init__(self, config: Config, clock: Callable[[], float] | None = None):
@@ -151,6 +195,34 @@ class Agent:
         self.supervisor = Supervisor(self.ctx)
         self._stopped = False
         self._lock: StateDirLock | None = None
+        self._components: Components | None = None
+
+    @property
+    def components(self) -> Components:
+        """The components :func:`build` made; RuntimeError before :meth:`start` built them."""
+        if self._components is None:
+            raise RuntimeError("the agent's components are built by start()")
+        return self._components
+
+    @property
+    def source(self) -> ConfigSource:
+        return self.components.source
+
+    @property
+    def enrollment(self) -> Enrollment:
+        return self.components.enrollment
+
+    @property
+    def zds(self) -> ZdsServer:
+        return self.components.zds
+
+    @property
+    def sds(self) -> SdsServer:
+        return self.components.sds
+
+    @property
+    def xds(self) -> XdsServer:
+        return self.components.xds
 
     async def start(self) -> "Agent":
         state = prepare_state_dir(self.config)
@@ -165,7 +237,7 @@ class Agent:
             # rules, the CNI conflist), so a busy port leaves nothing behind
             agent_config.ensure_ports_free(self.config)
             set_created_series(self.config.metrics_created_series)
-            build(self.ctx)
+            self._components = build(self.ctx)
             await self.supervisor.start()
         except BaseException:
             # Started components were stopped by the supervisor; free the state dir too,

@@ -2,7 +2,7 @@
 
 ``cni.enrollment`` owns the shape it needs from ZDS (:class:`cni.enrollment.api.ZdsChannel`)
 and never imports ``zds``; this module adapts the real :class:`zds.server.ZdsServer` to it
-and builds the ``enrollment`` component with it (``agent.daemon.COMPONENT_BUILDERS``).
+and builds the ``enrollment`` component with it (called by ``agent.daemon.build``).
 """
 
 from __future__ import annotations
@@ -48,9 +48,8 @@ class ZdsServerChannel:
         return self.server.latest() is not None
 
 
-def build(ctx: AgentContext) -> Enrollment:
-    """The ``enrollment`` component, built after ``zds`` and before ``cni-events``, with the
-    ``zds`` component (when this agent runs one) as its ZDS channel."""
-    server = ctx.get("zds")
-    channel = ZdsServerChannel(server) if isinstance(server, ZdsServer) else None
-    return Enrollment(ctx, zds=channel)
+def build(ctx: AgentContext, zds: ZdsServer | None) -> Enrollment:
+    """The ``enrollment`` component with ``zds`` as its ZDS channel (None: no ZDS server
+    in this agent, every ADD fails retryably); ``agent.daemon.build`` builds it after
+    ``zds`` and before ``cni-events``."""
+    return Enrollment(ctx, zds=ZdsServerChannel(zds) if zds is not None else None)

@@ -305,14 +305,8 @@ class IndexComponent(Component):
         return self.index.debug_state()
 
 
-def build(ctx: AgentContext) -> IndexComponent | None:
-    """Builder for ``agent.daemon.COMPONENT_BUILDERS``; needs the ``config-source`` component."""
-    source = ctx.get("config-source")
-    if source is None:
-        return None
-    store: ObjectStore | None = getattr(source, "store", None)
-    if store is None:
-        raise TypeError(f"component 'config-source' ({type(source).__name__}) has no store")
+def build(ctx: AgentContext, store: ObjectStore) -> IndexComponent:
+    """The ``ambient-index`` component over the config source's ``store``."""
     cfg = ctx.config
     mesh = Mesh(cluster_id=cfg.cluster_id, root_namespace=cfg.system_namespace,
                 trust_domain=cfg.trust_domain, network=cfg.network)

@@ -1,15 +1,17 @@
 """Component ``config-source``: the object store plus the backend chosen by ``config_source``
 (``files``: :mod:`ambient.source_files`, ``kubernetes``: :mod:`ambient.source_kube`).
 
-Consumers use ``ctx.get("config-source").store`` (an :class:`ambient.api.ObjectStore`) and
-``await ctx.get("config-source").patch_pod_annotations(namespace, name, annotations)``
-(the enrollment's ``cni.annotate.PodAnnotator``).
+``agent.daemon`` hands the component to its consumers: the index, SDS and the cni
+builders read ``store`` (an :class:`ambient.api.ObjectStore`); enrollment writes pod
+annotations with ``await source.patch_pod_annotations(namespace, name, annotations)``
+(its ``cni.annotate.PodAnnotator``); WorkloadEntry registration uses ``kube_api()``.
+The cni side sees it through its own protocol, ``cni.sourceapi.PodSource``.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Mapping
 
 from agent.core.lifecycle import AgentContext, Component
 from ambient.source_files import DirectorySource, PodNotFound
@@ -45,7 +47,7 @@ class ConfigSource(Component):
         return (True, "") if self.backend.loaded else (False, "config directory not loaded")
 
     async def patch_pod_annotations(self, namespace: str, name: str,
-                                    annotations: dict[str, str | None]) -> dict:
+                                    annotations: Mapping[str, str | None]) -> dict:
         """Set (value) or remove (None) annotations on a pod; returns the updated Pod.
 
         Kubernetes: a merge patch of ``pods/status`` (the store follows via the watch and is
@@ -56,14 +58,18 @@ class ConfigSource(Component):
         files source has no such pod.
         """
         if isinstance(self.backend, KubernetesSource):
-            pod = await self.backend.patch_pod_annotations(namespace, name, annotations)
+            pod = await self.backend.patch_pod_annotations(namespace, name, dict(annotations))
             if isinstance(pod, dict) and pod.get("metadata") and not _older(
                     pod, self.store.get("Pod", namespace, name)):
                 pod.setdefault("kind", "Pod")
                 pod.setdefault("apiVersion", "v1")
                 self.store.apply([(pod, "patch")], origin="kubernetes:Pod")
             return pod
-        return await self.backend.patch_pod_annotations(namespace, name, annotations)
+        return await self.backend.patch_pod_annotations(namespace, name, dict(annotations))
+
+    def kube_api(self) -> Any | None:
+        """The Kubernetes source's API client once started; None for the files source."""
+        return self.backend.api if isinstance(self.backend, KubernetesSource) else None
 
     def debug_state(self) -> Any:
         state: dict[str, Any] = {"objects": self.store.counts()}

@@ -279,13 +279,13 @@ class RealNode:
         with open(path + ".tmp", "w") as f:
             yaml.safe_dump(manifest, f)
         os.replace(path + ".tmp", path)
-        store = self.agent.ctx.get("config-source").store
+        store = self.agent.source.store
         await self._wait(f"pod {cid[:12]} in the store",
                          lambda: store.pod_by_uid(cid) is not None, 10)
 
     def enrolled(self, cid: str) -> bool:
         """Enrollment says enabled and the reference ztunnel holds the pod's netns."""
-        pods = self.agent.ctx.get("enrollment").debug_state()["pods"]
+        pods = self.agent.enrollment.debug_state()["pods"]
         return (pods.get(cid) or {}).get("status") == "enabled" and cid in self.zds.pods
 
     def forget_pod(self, cid: str) -> None:

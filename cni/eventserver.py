@@ -8,7 +8,7 @@ listener is 0666 (``docs/enrollment.md``); ours is 0600 because only the runtime
 Routes (the body is a :class:`cni.events.CniPodEvent` JSON):
 
 - ``POST /cmdadd``: decide "is this pod ambient" (:mod:`cni.enablement`); if yes, await
-  ``ctx.get("enrollment").enroll(event)`` and answer only when the pod is enrolled, so
+  ``enrollment.enroll(event)`` and answer only when the pod is enrolled, so
   no pod starts outside the mesh by accident. 200 ``{"ambient": bool, "reason": str}``;
   400 malformed event (message names the field); 500 enrollment failed or impossible
   (the reason becomes the plugin's CNI error); 503 the agent is shutting down or the
@@ -39,7 +39,7 @@ import json
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 from prometheus_client import Counter, Histogram
@@ -49,6 +49,8 @@ from agent.core.lifecycle import AgentContext, Component
 from cni import enablement
 from cni.events import CniPodEvent, EnrollmentError, EventError
 from cni.plugin import DRAINING_TEXT
+from cni.registration import WorkloadRegistrar
+from cni.sourceapi import PodSource, PodStore
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +59,37 @@ POD_LOOKUP_INTERVAL = 0.01
 IDLE_TIMEOUT = 30.0  # seconds a connection may stay open without a request in progress
 
 
+class PodEnroller(Protocol):
+    """What the event server asks of enrollment (``cni.enrollment.Enrollment`` has it)."""
+
+    async def enroll(self, event: CniPodEvent) -> None:
+        """Return once the pod is enrolled; raise ``EnrollmentError`` (or anything) if not."""
+
+    async def unenroll(self, event: CniPodEvent, is_delete: bool = False) -> None: ...
+
+    def note_sandbox(self, event: CniPodEvent) -> None:
+        """Remember a non-ambient sandbox, found at once if it becomes ambient later."""
+
+    def abort_enroll(self, uid: str) -> Any:
+        """Cancel the ADD of ``uid`` in flight; truthy when there was one."""
+
+
 class CniEventServer(Component):
-    """The ``cni-events`` component. ``socket_path``: where to listen (str)."""
+    """The ``cni-events`` component. ``socket_path``: where to listen (str); ``store``:
+    the config source's objects, where pods are looked up (None: every pod is decided
+    by the network's ``ambient_default``); ``enrollment``: who enrolls ambient pods (None:
+    an ambient ADD fails); ``registrar``: registers the pods of hosts without Kubernetes
+    (``cni.registration``; None: off)."""
 
     name = "cni-events"
 
-    def __init__(self, ctx: AgentContext, socket_path: str):
+    def __init__(self, ctx: AgentContext, socket_path: str, *, store: PodStore | None,
+                 enrollment: PodEnroller | None, registrar: WorkloadRegistrar | None = None):
         self.ctx = ctx
         self.socket_path = socket_path
+        self.store = store
+        self.enrollment = enrollment
+        self.registrar = registrar
         self._runner: web.AppRunner | None = None
         self._locks: dict[str, list] = {}  # key -> [lock, users]
         self._inflight: dict[str, str] = {}
@@ -168,13 +193,13 @@ class CniEventServer(Component):
 
     async def _add(self, event: CniPodEvent) -> tuple[int, dict | str]:
         name = _pod_name(event)
-        registrar = self.ctx.get("registration")
+        registrar = self.registrar
         registration = None
         if registrar is not None:
             # no kubelet writes a Pod for this sandbox: the agent registers it
             # (cni.registration); its labels decide enablement as a Pod's would
             try:
-                registration = await registrar.prepare(event)  # type: ignore[attr-defined]
+                registration = await registrar.prepare(event)
             except ValueError as e:
                 self._stats["add_failed"] += 1
                 return 500, f"cannot register pod {name}: {e}"
@@ -182,37 +207,36 @@ class CniEventServer(Component):
             decision = await self._decide(event, registration)
         except ValueError as e:
             return 500, f"cannot decide whether pod {name} is ambient: {e}"
-        if registration is not None:
+        if registrar is not None and registration is not None:
             try:
-                await registrar.commit(registration, decision.ambient)  # type: ignore[union-attr]
+                await registrar.commit(registration, decision.ambient)
             except Exception as e:  # noqa: BLE001
                 self._stats["add_failed"] += 1
                 log.warning("registering pod %s failed: %s", name, e)
                 return 500, f"cannot register pod {name}: {e}"
             name = _pod_name(event, registration)
         result = await self._enroll(event, name, decision)
-        if registration is not None and result[0] != 200:
+        if registrar is not None and registration is not None and result[0] != 200:
             try:  # the sandbox will not run: neither does its workload
-                await registrar.remove(event.key)  # type: ignore[union-attr]
+                await registrar.remove(event.key)
             except Exception as e:  # noqa: BLE001
                 log.warning("unregistering pod %s after its failed ADD: %s", name, e)
         return result
 
     async def _enroll(self, event: CniPodEvent, name: str,
                       decision: enablement.Decision) -> tuple[int, dict | str]:
-        enrollment = self.ctx.get("enrollment")
+        enrollment = self.enrollment
         if not decision.ambient:
             log.info("pod %s is not ambient (%s): not enrolled", name, decision.reason)
-            note = getattr(enrollment, "note_sandbox", None)
-            if callable(note):  # found at once if it becomes ambient while running
-                note(event)
+            if enrollment is not None:  # found at once if it becomes ambient while running
+                enrollment.note_sandbox(event)
             return 200, {"ambient": False, "reason": decision.reason}
         if enrollment is None:
             self._stats["add_failed"] += 1
             return 500, (f"pod {name} should be enrolled in ambient mode ({decision.reason}) but "
                          f"this agent runs no enrollment component")
         try:
-            await enrollment.enroll(event)  # type: ignore[attr-defined]
+            await enrollment.enroll(event)
         except Exception as e:  # noqa: BLE001 - one bad pod never stops the server
             self._stats["add_failed"] += 1
             status = 500
@@ -230,8 +254,7 @@ class CniEventServer(Component):
         return 200, {"ambient": True, "reason": decision.reason}
 
     async def _decide(self, event: CniPodEvent, registration=None) -> enablement.Decision:
-        source = self.ctx.get("config-source")
-        store = getattr(source, "store", None)
+        store = self.store
         exclude = self.ctx.config.exclude_namespaces
         pod = enablement.find_pod(store, event)
         if pod is None and registration is not None:
@@ -252,21 +275,21 @@ class CniEventServer(Component):
             self._stats["bad"] += 1
             return self._reject("DEL", e)
         self._stats["del"] += 1
-        enrollment = self.ctx.get("enrollment")
-        abort = getattr(enrollment, "abort_enroll", None)
-        if callable(abort) and self._inflight.get(event.key) == "ADD" and abort(event.key):
+        enrollment = self.enrollment
+        if (enrollment is not None and self._inflight.get(event.key) == "ADD"
+                and enrollment.abort_enroll(event.key)):
             log.info("CNI DEL of pod %s during its ADD: enrollment cancelled",
                      _pod_name(event))
         status, body = await self._run_serialised(event, self._del(event))
         return self._respond("DEL", status, body)
 
     async def _del(self, event: CniPodEvent) -> tuple[int, dict | str]:
-        enrollment = self.ctx.get("enrollment")
+        enrollment = self.enrollment
         if enrollment is None:
             await self._unregister(event)
             return 200, {"unenrolled": False, "reason": "no enrollment component"}
         try:
-            await enrollment.unenroll(event, is_delete=True)  # type: ignore[attr-defined]
+            await enrollment.unenroll(event, is_delete=True)
         except Exception as e:  # noqa: BLE001
             log.warning("unenrolling pod %s failed: %s", _pod_name(event), e)
             return 500, f"unenrolling pod {_pod_name(event)} failed: {e}"
@@ -277,11 +300,11 @@ class CniEventServer(Component):
     async def _unregister(self, event: CniPodEvent) -> None:
         """The DEL's workload goes away with its sandbox (best effort: a failure is logged;
         the kubernetes backend retries on its own)."""
-        registrar = self.ctx.get("registration")
+        registrar = self.registrar
         if registrar is None:
             return
         try:
-            await registrar.remove(event.key)  # type: ignore[attr-defined]
+            await registrar.remove(event.key)
         except Exception as e:  # noqa: BLE001
             log.warning("unregistering pod %s failed: %s", _pod_name(event), e)
 
@@ -323,6 +346,9 @@ def _pod_name(event: CniPodEvent, registration=None) -> str:
     return event.key
 
 
-def build(ctx: AgentContext) -> CniEventServer:
-    """Builder for ``agent.daemon.COMPONENT_BUILDERS``: always on."""
-    return CniEventServer(ctx, ctx.config.cni_event_socket)
+def build(ctx: AgentContext, source: PodSource, enrollment: PodEnroller,
+          registrar: WorkloadRegistrar | None) -> CniEventServer:
+    """The ``cni-events`` component (always on); ``agent.daemon`` builds it after
+    everything it hands work to, so it is the last CNI part to start."""
+    return CniEventServer(ctx, ctx.config.cni_event_socket, store=source.store,
+                          enrollment=enrollment, registrar=registrar)

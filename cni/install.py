@@ -41,10 +41,15 @@ import secrets
 import shlex
 import shutil
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.core.files import write_atomic
 from cni import conflist
+
+if TYPE_CHECKING:  # the component and the context are needed by the daemon only
+    from agent.core.config import Config
+    from agent.core.lifecycle import AgentContext
+    from cni.installwatch import CniInstallerComponent
 
 log = logging.getLogger(__name__)
 
@@ -418,13 +423,13 @@ class Installer:
         return done
 
 
-def installer_from_config(config: Any) -> Installer:
+def installer_from_config(config: Config) -> Installer:
     """An :class:`Installer` from the agent's :class:`agent.core.config.Config`."""
     return Installer(conf_dir=config.cni_conf_dir, bin_dir=config.cni_bin_dir,
                      run_dir=os.path.dirname(config.cni_event_socket),
                      conf_name=config.cni_conf_name,
                      exclude_namespaces=list(config.exclude_namespaces),
-                     plugin_bundle=getattr(config, "cni_plugin_bundle", ""))
+                     plugin_bundle=config.cni_plugin_bundle)
 
 
 # --- `ambient-agent cni install|uninstall` ---
@@ -496,7 +501,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def build(ctx: Any):
+def build(ctx: AgentContext) -> CniInstallerComponent | None:
     """Builder of the ``cni-installer`` component; None unless ``cni_manage_config``."""
     if not ctx.config.cni_manage_config:
         return None

@@ -55,6 +55,7 @@ from typing import Any, Protocol
 from agent.core.annotations import REGISTERED_BY
 from agent.core.lifecycle import AgentContext, Component
 from cni.events import CniPodEvent
+from cni.sourceapi import PodSource
 from agent.core.netns import host_path
 
 log = logging.getLogger(__name__)
@@ -477,7 +478,7 @@ class WorkloadRegistrar(Component):
 
     def _netns(self, path: str) -> str:
         try:
-            return host_path(path, getattr(self.ctx.config, "host_mounts_path", ""))
+            return host_path(path, self.ctx.config.host_mounts_path)
         except ValueError:
             return path
 
@@ -488,9 +489,10 @@ class WorkloadRegistrar(Component):
             log.error("cannot persist registrations to %s: %s", self.file.path, e)
 
 
-def build(ctx: AgentContext) -> WorkloadRegistrar | None:
-    """Builder for ``agent.daemon.COMPONENT_BUILDERS`` (after ``config-source``): None when
-    ``workload_registration`` is ``none``."""
+def build(ctx: AgentContext, source: PodSource) -> WorkloadRegistrar | None:
+    """The ``registration`` component, which ``agent.daemon`` builds after the config
+    ``source`` it registers pods in (local: its store; workloadentry: its API server).
+    None when ``workload_registration`` is ``none``."""
     mode = ctx.config.workload_registration
     if mode == "none":
         return None
@@ -498,11 +500,10 @@ def build(ctx: AgentContext) -> WorkloadRegistrar | None:
     if ctx.config.registration_runtime == "podman":
         from cni.runtime_labels import PodmanLabels
         labels = PodmanLabels(ctx.config.podman_containers_conf or None)
-    source = ctx.get("config-source")
     if mode == "local":
-        backend: Backend = LocalBackend(source.store)  # type: ignore[union-attr]
+        backend: Backend = LocalBackend(source.store)
     else:
         from cni.registration_kube import WorkloadEntryBackend
-        backend = WorkloadEntryBackend(ctx)
+        backend = WorkloadEntryBackend(ctx.config, source)
     return WorkloadRegistrar(ctx, backend, labels)
 

@@ -47,7 +47,9 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from agent.core.annotations import REGISTERED_BY
 from agent.core.backoff import Backoff
+from agent.core.config import Config
 from cni.registration import Registration
+from cni.sourceapi import PodSource, PodStore
 
 log = logging.getLogger(__name__)
 
@@ -92,16 +94,17 @@ def workload_entry(reg: Registration, network: str, connected_at: str) -> dict[s
 class WorkloadEntryBackend:
     """:class:`cni.registration.Backend` writing WorkloadEntries (module docstring).
 
-    Uses the ``config-source`` component's Kubernetes ApiClient (so the same credentials
-    and API server as the watch) and its store to find the entries other nodes control.
+    Uses ``source``'s Kubernetes ApiClient (so the same credentials and API server as the
+    watch) and its store to find the entries other nodes control; node name, grace,
+    lease namespace and network come from ``config``.
     """
 
-    def __init__(self, ctx: Any):
-        self.ctx = ctx
-        self.node = ctx.config.node_name
-        self.grace = float(ctx.config.registration_grace)
-        self.lease_namespace = ctx.config.system_namespace
-        self.network = ctx.config.network
+    def __init__(self, config: Config, source: PodSource):
+        self.source = source
+        self.node = config.node_name
+        self.grace = config.registration_grace
+        self.lease_namespace = config.system_namespace
+        self.network = config.network
         self._pending: dict[str, tuple[str, Registration]] = {}  # uid -> (op, reg)
         self._written: dict[str, Registration] = {}  # uid -> what the API server holds
         self._wake = asyncio.Event()
@@ -113,8 +116,7 @@ class WorkloadEntryBackend:
 
     @property
     def api(self) -> kclient.ApiClient:
-        source = self.ctx.get("config-source")
-        api = getattr(getattr(source, "backend", None), "api", None)
+        api = self.source.kube_api()
         if api is None:
             raise RuntimeError("the kubernetes config source has no API client (not started?)")
         return api
@@ -122,8 +124,8 @@ class WorkloadEntryBackend:
     def _objects(self) -> kclient.CustomObjectsApi:
         return kclient.CustomObjectsApi(self.api)
 
-    def _store(self) -> Any:
-        return getattr(self.ctx.get("config-source"), "store", None)
+    def _store(self) -> PodStore:
+        return self.source.store
 
     # --- Backend ---
 
@@ -299,8 +301,6 @@ class WorkloadEntryBackend:
         """Delete entries of nodes whose Lease lapsed more than the grace period ago (or
         that have none). Returns how many were deleted."""
         store = self._store()
-        if store is None:
-            return 0
         by_node: dict[str, list[tuple[str, str]]] = {}
         for we in store.list("WorkloadEntry"):
             meta = we.get("metadata") or {}

@@ -36,13 +36,14 @@ import json
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from agent.core.files import write_atomic
 from agent.core.lifecycle import AgentContext, Component
 from cni import enablement
 from cni.enablement import TERMINAL_PHASES, on_this_node
 from cni.plugin_request import SNAPSHOT_NAME, SNAPSHOT_VERSION
+from cni.sourceapi import PodSource, PodStore
 
 log = logging.getLogger(__name__)
 
@@ -105,32 +106,30 @@ class SnapshotWriter(Component):
 
     name = "cni-snapshot"
 
-    def __init__(self, ctx: AgentContext, path: str):
+    def __init__(self, ctx: AgentContext, path: str, source: PodSource):
         self.ctx = ctx
         self.path = path
+        self.source = source
         self._written: dict | None = None
-        self._unsubscribe = None
+        self._unsubscribe: Callable[[], None] | None = None
         self._task: asyncio.Task | None = None
         self._dirty = False
         self.writes = 0
         self.error = ""
 
-    def _store(self):
-        return getattr(self.ctx.get("config-source"), "store", None)
+    def _store(self) -> PodStore:
+        return self.source.store
 
     def _content(self) -> dict:
         cfg = self.ctx.config
         return build_snapshot(self._store(), node_name=cfg.node_name, source=cfg.config_source,
-                              exclude_namespaces=list(cfg.exclude_namespaces or ()))
+                              exclude_namespaces=list(cfg.exclude_namespaces))
 
     def _source_ready(self) -> bool:
         """Whether the config source holds its first full load (a Kubernetes source that
         has not synced yet holds a part of the cluster, or nothing)."""
-        source = self.ctx.get("config-source")
-        if source is None:
-            return True
         try:
-            return bool(source.ready()[0])
+            return bool(self.source.ready()[0])
         except Exception:  # noqa: BLE001 - undecidable: treat as not loaded
             return False
 
@@ -144,9 +143,7 @@ class SnapshotWriter(Component):
         The previous run's file stays until the source is ready (checked every
         ``DEBOUNCE`` seconds)."""
         os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-        subscribe = getattr(self._store(), "subscribe", None)
-        if callable(subscribe):
-            self._unsubscribe = subscribe(self._on_events)
+        self._unsubscribe = self._store().subscribe(self._on_events)
         if self._source_ready():
             await self._write()
         else:
@@ -228,10 +225,10 @@ class SnapshotWriter(Component):
                   len(content["pods"]), len(content["namespaces"]))
 
 
-def build(ctx: AgentContext) -> SnapshotWriter | None:
-    """Builder for ``agent.daemon.COMPONENT_BUILDERS`` (before ``cni-installer``): on
-    whenever the agent runs a config source."""
-    return SnapshotWriter(ctx, snapshot_path(ctx.config.cni_event_socket))
+def build(ctx: AgentContext, source: PodSource) -> SnapshotWriter:
+    """The ``cni-snapshot`` component of the config ``source``'s pods; ``agent.daemon``
+    starts it before ``cni-installer`` (the plugin reads the file while no agent runs)."""
+    return SnapshotWriter(ctx, snapshot_path(ctx.config.cni_event_socket), source)
 
 
 def _labels(obj: dict | None) -> dict:

@@ -271,7 +271,7 @@ async def test_embedded_ca_names_the_bad_root_file(tmp_path):
     ctx = AgentContext(config)
     try:
         with pytest.raises(RuntimeError, match=f"ca_cert_file='{cert}'"):
-            await build(ctx).start()
+            await build(ctx, None, None).start()
     finally:
         ctx.executor.shutdown(wait=False)
 

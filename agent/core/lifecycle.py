@@ -50,6 +50,9 @@ class Component:
         return {}
 
 
+C = TypeVar("C", bound=Component)
+
+
 class AgentContext:
     """Shared services for components.
 
@@ -76,7 +79,9 @@ class AgentContext:
         self.shutdown = asyncio.Event()
         self.draining = False
 
-    def add(self, component: Component) -> Component:
+    def add(self, component: C) -> C:
+        """Append ``component`` to the start order; returns it. ValueError on a duplicate
+        name (names key ``/debug/component/<name>`` and readiness reasons)."""
         if component.name in self.components:
             raise ValueError(f"duplicate component name {component.name!r}")
         self.components[component.name] = component

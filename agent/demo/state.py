@@ -100,7 +100,7 @@ class DemoState:
         self._cleanups.append((what, fn))
 
     def agent_port(self, name: str) -> int:
-        component = self.agent.ctx.get(name)
+        component = self.agent.ctx.components.get(name)
         port = getattr(component, "port", None)
         return int(port or getattr(self.config, f"{name}_port"))
 
@@ -117,7 +117,7 @@ class DemoState:
     def component(self, name: str) -> Any:
         """The agent's component ``name`` (its debug state, store, backend are read as
         duck-typed objects here); DemoError if the agent has none by that name."""
-        found = self.agent.ctx.get(name)
+        found = self.agent.ctx.components.get(name)
         if found is None:
             raise DemoError(f"the agent has no component {name!r}")
         return found

@@ -489,18 +489,12 @@ def embedded_ca_files(cfg: Config) -> tuple[str, str]:
     return os.path.join(cfg.ca_dir, "root-cert.pem"), os.path.join(cfg.ca_dir, "root-key.pem")
 
 
-def build(ctx: AgentContext) -> SdsServer:
-    """The ``sds`` component for the daemon (always on)."""
-
-    def store() -> PodStore | None:
-        source = ctx.get("config-source")
-        return getattr(source, "store", None) if source is not None else None
-
-    def authenticator() -> Authenticator | None:
-        authn = ctx.get("authn")
-        return getattr(authn, "authenticator", None) if authn is not None else None
-
-    server = SdsServer(ctx.config, ctx.run_blocking, store, authenticator=authenticator,
-                       clock=ctx.clock)
+def build(ctx: AgentContext, store: PodStore | None,
+          authenticator: Authenticator | None) -> SdsServer:
+    """The ``sds`` component for the daemon (always on): callers attested against the
+    config source's ``store`` (None: only a fixed identity is served), callers of the CA
+    checked by ``authenticator`` (None: a separate ``ca_port`` refuses to start)."""
+    server = SdsServer(ctx.config, ctx.run_blocking, lambda: store,
+                       authenticator=lambda: authenticator, clock=ctx.clock)
     ctx.registry.register(SdsCollector(server))
     return server

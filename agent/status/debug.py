@@ -31,6 +31,7 @@ from aiohttp import web
 
 from agent.core.lifecycle import AgentContext
 from agent.status.compression import compress_large
+from agent.status.mesh import MeshParts, mesh_view
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def json_response(data: Any, status: int = 200) -> web.Response:
 def component_state(ctx: AgentContext, name: str) -> Any:
     """``debug_state()`` of component ``name``. Raises :class:`ComponentMissing`;
     re-raises what ``debug_state`` raised."""
-    component = ctx.get(name)
+    component = ctx.components.get(name)
     if component is None:
         raise ComponentMissing(f"component {name!r} is not running in this agent "
                                f"(running: {', '.join(ctx.components) or 'none'})")
@@ -98,18 +99,11 @@ def index(ctx: AgentContext) -> dict[str, Any]:
     return {"endpoints": endpoints, "components": list(ctx.components)}
 
 
-def mesh(ctx: AgentContext) -> dict[str, Any]:
-    """The mesh as the index serves it (:mod:`agent.status.mesh`)."""
-    from agent.status.mesh import mesh_view
-
-    return mesh_view(ctx)
-
-
-def everything(ctx: AgentContext) -> dict[str, Any]:
+def everything(ctx: AgentContext, parts: MeshParts) -> dict[str, Any]:
     """One document with config, components and every section; failures inline."""
     doc: dict[str, Any] = {"config": ctx.config.as_dict(), "components": components_summary(ctx)}
     try:
-        doc["mesh"] = mesh(ctx)
+        doc["mesh"] = mesh_view(parts)
     except Exception as e:  # noqa: BLE001
         log.exception("mesh view failed")
         doc["mesh"] = {"error": f"{type(e).__name__}: {e}"}
@@ -124,8 +118,9 @@ def everything(ctx: AgentContext) -> dict[str, Any]:
     return doc
 
 
-def add_routes(app: web.Application, ctx: AgentContext) -> None:
-    """Register the ``/debug`` routes on ``app`` (the admin app: access is decided there)."""
+def add_routes(app: web.Application, ctx: AgentContext, parts: MeshParts) -> None:
+    """Register the ``/debug`` routes on ``app`` (the admin app: access is decided there);
+    ``/debug/mesh`` reads ``parts``, the others ``ctx.components`` by name."""
 
     def guarded(build: Callable[[web.Request], Any]
                 ) -> Callable[[web.Request], Awaitable[web.Response]]:
@@ -145,8 +140,8 @@ def add_routes(app: web.Application, ctx: AgentContext) -> None:
     app.router.add_get("/debug/", guarded(lambda r: index(ctx)))
     app.router.add_get("/debug/config", guarded(lambda r: ctx.config.as_dict()))
     app.router.add_get("/debug/components", guarded(lambda r: components_summary(ctx)))
-    app.router.add_get("/debug/all", guarded(lambda r: everything(ctx)))
-    app.router.add_get("/debug/mesh", guarded(lambda r: mesh(ctx)))
+    app.router.add_get("/debug/all", guarded(lambda r: everything(ctx, parts)))
+    app.router.add_get("/debug/mesh", guarded(lambda r: mesh_view(parts)))
     app.router.add_get("/debug/component/{name}",
                        guarded(lambda r: component_state(ctx, r.match_info["name"])))
     def section(name: str) -> Callable[[web.Request], Any]:

@@ -26,6 +26,7 @@ Row shapes (all values JSON scalars or lists of strings):
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 from typing import Any, Iterable, Mapping, Protocol
 
@@ -83,16 +84,38 @@ def _kind(uid: str) -> str:
     return "?"
 
 
-def mesh_view(ctx: Any) -> dict[str, Any]:
-    """The ``/debug/mesh`` document from the running components (``ambient-index``,
-    ``enrollment``, ``zds``); a missing component leaves its columns empty, a missing
-    index gives ``{"error": ...}``."""
-    comp = ctx.get("ambient-index")
-    index: MeshIndex | None = getattr(comp, "index", None)
+class EnrolledPods(Protocol):
+    """What the view reads of enrollment (``cni.enrollment.Enrollment`` has it): its
+    records by pod UID, each with ``namespace``, ``name``, ``ips`` and ``status``."""
+
+    def pods(self) -> Mapping[str, Any]: ...
+
+
+class DebugState(Protocol):
+    """A component's ``/debug`` document (the ZDS server's lists its connections)."""
+
+    def debug_state(self) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshParts:
+    """The components ``/debug/mesh`` reads, as ``agent.daemon`` wired them (None: not
+    running in this agent)."""
+
+    index: MeshIndex | None = None
+    enrollment: EnrolledPods | None = None
+    zds: DebugState | None = None
+
+
+def mesh_view(parts: MeshParts) -> dict[str, Any]:
+    """The ``/debug/mesh`` document from the running components (index, enrollment,
+    ZDS); a missing component leaves its columns empty, a missing index gives
+    ``{"error": ...}``."""
+    index = parts.index
     if index is None:
         return {"error": "no ambient index in this agent", "missing": True}
-    enrolled = _enrollment(ctx.get("enrollment"))
-    held = _held(ctx.get("zds"))
+    enrolled = _enrollment(parts.enrollment)
+    held = _held(parts.zds)
     workloads, services = [], []
     for _name, addr in sorted(index.addresses().items()):
         if addr.HasField("workload"):
@@ -154,13 +177,12 @@ def _waypoints(index: MeshIndex, workloads: list[dict], services: list[dict]) ->
     return out
 
 
-def _enrollment(component: Any) -> dict:
+def _enrollment(component: EnrolledPods | None) -> dict:
     """(namespace, name) and each IP -> {"uid", "status"} of the enrollment's records."""
     out: dict = {}
-    pods = getattr(component, "pods", None)
-    if not callable(pods):
+    if component is None:
         return out
-    for uid, rec in pods().items():
+    for uid, rec in component.pods().items():
         entry = {"uid": uid, "status": getattr(rec, "status", "") or "pending"}
         out[(rec.namespace, rec.name)] = entry
         for ip in rec.ips:
@@ -168,7 +190,7 @@ def _enrollment(component: Any) -> dict:
     return out
 
 
-def _held(component: Any) -> set[str]:
+def _held(component: DebugState | None) -> set[str]:
     """UIDs that the newest ZDS connection holds (what ztunnel runs proxies for)."""
     if component is None:
         return set()

@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -56,18 +56,31 @@ from agent.status import debug, metrics_merge, probes
 from agent.status.access import is_loopback
 from agent.status.compression import compress_large
 from agent.status.readiness import EnvoyReadiness
+from agent.status.mesh import DebugState, EnrolledPods, MeshIndex, MeshParts
 
 log = logging.getLogger(__name__)
 
 
+class PodEnrollment(EnrolledPods, Protocol):
+    """What status reads of enrollment (``cni.enrollment.Enrollment`` has it): the
+    records for ``/debug/mesh`` and what would block a new pod's CNI ADD."""
+
+    def add_blocker(self) -> str:
+        """"" when an ambient ADD can complete now, else why not (no ztunnel)."""
+
+
 class StatusServer(Component):
     """The ``status`` component. After ``start()``, ``port`` and ``health_port`` hold the
-    bound ports (useful when configured as 0)."""
+    bound ports (useful when configured as 0). ``enrollment``, ``index`` and ``zds`` are
+    the components readiness and ``/debug/mesh`` read (None: not in this agent)."""
 
     name = "status"
 
-    def __init__(self, ctx: AgentContext):
+    def __init__(self, ctx: AgentContext, *, enrollment: PodEnrollment | None = None,
+                 index: MeshIndex | None = None, zds: DebugState | None = None):
         self.ctx = ctx
+        self.enrollment = enrollment
+        self.mesh = MeshParts(index=index, enrollment=enrollment, zds=zds)
         cfg = ctx.config
         self.port = 0
         self.health_port = 0
@@ -243,8 +256,7 @@ class StatusServer(Component):
         if not ok:
             return why
         # what a new pod needs: an ambient CNI ADD must not block for want of a ztunnel
-        blocker = getattr(self.ctx.get("enrollment"), "add_blocker", None)
-        return (blocker() or "") if callable(blocker) else ""
+        return self.enrollment.add_blocker() if self.enrollment is not None else ""
 
     async def _ready(self, request: web.Request) -> web.Response:
         reason = await self.readiness_reason()
@@ -338,7 +350,7 @@ class StatusServer(Component):
         app.router.add_route("*", "/quitquitquit", self._quit)
         app.router.add_route("*", "/drain", self._drain)
         app.router.add_route("*", "/healthz/ready", self._ready)
-        debug.add_routes(app, self.ctx)
+        debug.add_routes(app, self.ctx, self.mesh)
         return app
 
     # --- node agent health port (istio-cni healthServer.go) --------------------------
@@ -373,7 +385,9 @@ def _short(value: Any, limit: int = 80) -> Any:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def build(ctx: AgentContext) -> StatusServer:
-    """Builder listed in ``agent.daemon.COMPONENT_BUILDERS`` (last: it reports the others)."""
-    return StatusServer(ctx)
+def build(ctx: AgentContext, enrollment: PodEnrollment, index: MeshIndex,
+          zds: DebugState) -> StatusServer:
+    """The ``status`` component; ``agent.daemon`` builds and starts it last, since it
+    reports the others' readiness."""
+    return StatusServer(ctx, enrollment=enrollment, index=index, zds=zds)
 

@@ -54,7 +54,7 @@ from ambient.xds.connection import Connection, merge_changes
 from ambient.xds.metrics import XdsMetrics
 from ambient.xds.node import RequestError
 from ambient.xds.stream import PreparedResponse, Request, Response, XdsStream
-from ambient.xds.tls import TlsProvider, sds_tls_provider
+from ambient.xds.tls import TlsProvider, WorkloadCertificates, sds_tls_provider
 
 log = logging.getLogger(__name__)
 
@@ -448,27 +448,23 @@ def _host(address: str) -> str:
     return f"[{address}]" if ":" in address and not address.startswith("[") else address
 
 
-def build(ctx: AgentContext, tls_services: TlsServices | None = None) -> XdsServer:
-    """Component ``xds`` from the agent config: settings ``xds_address``, ``xds_port``,
+def build(ctx: AgentContext, index: AmbientIndex, sds: WorkloadCertificates,
+          authenticator: Authenticator,
+          tls_services: TlsServices | None = None) -> XdsServer:
+    """Component ``xds`` serving ``index``: settings ``xds_address``, ``xds_port``,
     ``xds_tls_address``, ``xds_tls_port`` (0: off), ``xds_token_file``, ``xds_debounce``,
-    ``xds_debounce_max``; the index from component ``ambient-index``; ``tls_services``
-    mounted on the TLS port (the application passes the embedded CA's)."""
+    ``xds_debounce_max``; the TLS port's certificate from ``sds``, its callers checked by
+    ``authenticator``, ``tls_services`` mounted on it (the application passes the
+    embedded CA's)."""
     cfg = ctx.config
-
-    def index() -> AmbientIndex | None:
-        comp = ctx.get("ambient-index")
-        return getattr(comp, "index", None) if comp is not None else None
-
     tls_port = cfg.xds_tls_port or None
-    provider = sds_tls_provider(ctx) if tls_port else None
-    authn = ctx.get("authn")
+    provider = sds_tls_provider(sds) if tls_port else None
     backend = frontdoor.private_socket_path(cfg.state_dir, "xds") if provider else ""
     return XdsServer(index, address=cfg.xds_address, port=cfg.xds_port,
-                     tls_address=getattr(cfg, "xds_tls_address", "0.0.0.0"), tls_port=tls_port,
-                     tls_provider=provider, token_file=getattr(cfg, "xds_token_file", ""),
-                     debounce=getattr(cfg, "xds_debounce", 0.1),
-                     debounce_max=getattr(cfg, "xds_debounce_max", 1.0),
+                     tls_address=cfg.xds_tls_address, tls_port=tls_port,
+                     tls_provider=provider, token_file=cfg.xds_token_file,
+                     debounce=cfg.xds_debounce, debounce_max=cfg.xds_debounce_max,
                      registry=ctx.registry, run_blocking=ctx.run_blocking,
-                     authenticator=getattr(authn, "authenticator", None), tls_services=tls_services,
+                     authenticator=authenticator, tls_services=tls_services,
                      backend_path=backend, clock=ctx.clock, trust_domain=cfg.trust_domain,
                      max_connections=listener_caps(cfg)["xds_max_connections"])

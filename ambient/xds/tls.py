@@ -1,21 +1,34 @@
 """Where the xDS TLS port's server certificate comes from: a :data:`TlsProvider` (an async
 callable returning :class:`~agent.tlsport.servercert.TlsMaterial`, called again at each
-renewal), by default backed by the ``sds`` component found in the agent context."""
+renewal), by default backed by the ``sds`` component ``agent.daemon.build`` hands to the
+xDS builder (:class:`WorkloadCertificates` is what it uses of it)."""
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
-from agent.core.lifecycle import AgentContext
 from agent.tlsport.servercert import TlsMaterial
 
 TlsProvider = Callable[[], Awaitable[TlsMaterial]]
 
 
-def sds_tls_provider(ctx: AgentContext) -> TlsProvider | None:
-    """A provider backed by the ``sds`` component (``certificate_for(sans)`` returning a
-    bundle with ``chain``/``key``/``root`` PEM, and ``root_pem()``), or None when that
-    component or API is missing.
+class WorkloadCertificates(Protocol):
+    """What the xDS TLS port uses of SDS (``agent.sds.server.SdsServer`` has it; ambient
+    never imports agent.sds): its server certificate and the mesh root."""
+
+    def root_pem(self) -> bytes:
+        """The mesh root bundle (PEM); b"" before the first certificate."""
+
+    async def certificate_for(self, sans: list[str], algorithm: str = "ECDSA",
+                              ttl: float | None = None) -> Any:
+        """A fresh bundle with ``chain``, ``key`` and ``root`` PEM for ``sans``."""
+
+    def tls_server_sans(self) -> list[str]:
+        """SANs of the agent's TLS listeners."""
+
+
+def sds_tls_provider(sds: WorkloadCertificates) -> TlsProvider:
+    """A provider of the TLS port's certificate, issued by ``sds``.
 
     The server certificate carries the SPIFFE ID
     ``spiffe://<trust_domain>/ns/<system_namespace>/sa/ambient-agent`` and the names of
@@ -23,17 +36,10 @@ def sds_tls_provider(ctx: AgentContext) -> TlsProvider | None:
     default on a plain host (``localhost``, ``127.0.0.1``, ``::1``) and in a cluster
     (``istiod.<ns>.svc``, ...), the node name and ``tls_server_names``.
     """
-    sds = ctx.get("sds")
-    get_cert = getattr(sds, "certificate_for", None)
-    root = getattr(sds, "root_pem", None)
-    sans_of = getattr(sds, "tls_server_sans", None)
-    if get_cert is None or root is None or sans_of is None:
-        return None
 
     async def provide() -> TlsMaterial:
-        bundle = await get_cert(sans_of(), "ECDSA")
-        root_pem = root() if callable(root) else root
-        return TlsMaterial(_b(bundle.chain), _b(bundle.key), _b(root_pem or bundle.root))
+        bundle = await sds.certificate_for(sds.tls_server_sans(), "ECDSA")
+        return TlsMaterial(_b(bundle.chain), _b(bundle.key), _b(sds.root_pem() or bundle.root))
 
     return provide
 

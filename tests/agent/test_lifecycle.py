@@ -81,9 +81,10 @@ def test_duplicate_component_names_rejected(tmp_path):
         ctx.add(Recorder("a", []))
 
 
-def _failing_builder(ctx):
-    """A daemon builder (see test below): one component whose start fails."""
-    return Recorder("broken", [], fail=True)
+def _failing_build(ctx):
+    """Stands in for ``agent.daemon.build`` (see test below): one component whose start
+    fails."""
+    ctx.add(Recorder("broken", [], fail=True))
 
 
 async def test_failed_agent_start_frees_the_state_dir(tmp_path, monkeypatch):
@@ -92,8 +93,7 @@ async def test_failed_agent_start_frees_the_state_dir(tmp_path, monkeypatch):
     from agent import daemon
     from agent.core.errors import ComponentStartError
 
-    monkeypatch.setattr(daemon, "COMPONENT_BUILDERS",
-                        [("tests.agent.test_lifecycle", "_failing_builder")])
+    monkeypatch.setattr(daemon, "build", _failing_build)
     config = cfg.load({"state_dir": str(tmp_path)}, env={})
     for _ in range(2):
         with pytest.raises(ComponentStartError, match="broken: broken cannot start"):

@@ -30,7 +30,7 @@ def make_ctx(tmp_path) -> AgentContext:
 async def test_example_cluster_through_components(tmp_path):
     ctx = make_ctx(tmp_path)
     source = ctx.add(ambient_source.build(ctx))
-    idx = ctx.add(ambient_index.build(ctx))
+    idx = ctx.add(ambient_index.build(ctx, source.store))
     await source.start()
     await idx.start()
     try:

@@ -38,6 +38,7 @@ class RecordingEnroller(Component):
         self.fail_with: str | None = None
         self.active: dict[str, int] = {}
         self.max_concurrent_per_pod = 0
+        self.noted: list = []  # non-ambient sandboxes the server told about
 
     async def enroll(self, event):
         self.active[event.key] = self.active.get(event.key, 0) + 1
@@ -54,6 +55,12 @@ class RecordingEnroller(Component):
     async def unenroll(self, event, is_delete=False):
         self.unenrolled.append(event)
         self.unenrolled_is_delete.append(is_delete)
+
+    def note_sandbox(self, event):
+        self.noted.append(event)
+
+    def abort_enroll(self, uid):
+        return None  # nothing in flight to cancel: enroll() runs to its end here
 
 
 class DictStore:
@@ -80,13 +87,6 @@ class DictStore:
         return None
 
 
-class ConfigSource(Component):
-    name = "config-source"
-
-    def __init__(self, store):
-        self.store = store
-
-
 @dataclasses.dataclass
 class CniAgent:
     ctx: AgentContext
@@ -96,7 +96,8 @@ class CniAgent:
     run_dir: str
 
     def set_store(self, store):
-        self.ctx.add(ConfigSource(store))
+        """The config source's objects the server decides enablement with."""
+        self.server.store = store
 
 
 def make_config(state_dir, **extra):
@@ -111,7 +112,7 @@ async def start_agent(state_dir, with_enroller=True, **extra) -> CniAgent:
     if with_enroller:
         enroller = RecordingEnroller()
         ctx.add(enroller)
-    server = CniEventServer(ctx, ctx.config.cni_event_socket)
+    server = CniEventServer(ctx, ctx.config.cni_event_socket, store=None, enrollment=enroller)
     ctx.add(server)
     await server.start()
     return CniAgent(ctx, server, enroller, ctx.config.cni_event_socket,

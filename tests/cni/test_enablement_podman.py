@@ -10,12 +10,21 @@ from ambient.store import ObjectStore
 from cni import enablement
 from cni.enrollment import Enrollment
 from cni.events import CniPodEvent
-from agent.core.lifecycle import AgentContext
-from tests.cni.conftest import ConfigSource, make_config
+from agent.core.lifecycle import AgentContext, Component
+from tests.cni.conftest import make_config
 from tests.cni.test_eventserver import namespace, post
 
 CID = "4f1c" * 16  # a podman container ID: 64 hex digits
 AMBIENT = {"istio.io/dataplane-mode": "ambient"}
+
+
+class ConfigSource(Component):
+    """The ``config-source`` component enrollment reads its pods from (only the store)."""
+
+    name = "config-source"
+
+    def __init__(self, store):
+        self.store = store
 
 
 def pod(name, ns, uid, sa="default", labels=None):

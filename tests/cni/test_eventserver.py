@@ -71,7 +71,7 @@ async def test_store_decides_by_labels(cni_agent):
     cases = {"uid-1": True, "u2": False, "u3": False, "u4": False, "u5": True, "u6": False,
              "u7": False}
     for uid, want in cases.items():
-        p = cni_agent.ctx.get("config-source").store.pod_by_uid(uid)["metadata"]
+        p = cni_agent.server.store.pod_by_uid(uid)["metadata"]
         status, text = await post(cni_agent, "/cmdadd", body=event(
             pod_uid=uid, pod_name=p["name"], pod_namespace=p["namespace"], container_id=uid,
             ambient_default=True))  # ambient_default is ignored when the Pod object exists

@@ -118,6 +118,7 @@ def test_served_pod_is_named_as_its_workload_entry(tmp_path):
     name): the WorkloadEntry backend serves ``<pod>-<node>``, the local backend the pod."""
     from agent.core.config import load
     from agent.core.lifecycle import AgentContext
+    from ambient import source as ambient_source
     from cni.registration_kube import WorkloadEntryBackend
 
     cfg = load({"state_dir": str(tmp_path), "config_file": "/dev/null"}, env={}).replace(
@@ -125,7 +126,8 @@ def test_served_pod_is_named_as_its_workload_entry(tmp_path):
     ctx = AgentContext(cfg)
     r = Registration(uid=CID, name="web", namespace="shop", service_account="sa", labels={},
                      ips=["10.0.0.5"], netns="/run/netns/x", node="host-a")
-    for backend, want in ((WorkloadEntryBackend(ctx), "web-host-a"),
+    source = ambient_source.build(ctx)
+    for backend, want in ((WorkloadEntryBackend(cfg, source), "web-host-a"),
                           (LocalBackend(ObjectStore()), "web")):
         registrar = reg_mod.WorkloadRegistrar(ctx, backend, None)
         registrar.registrations[CID] = r

@@ -46,7 +46,7 @@ async def start(tmp_path, **extra):
                              "config_file": os.devnull, "node_name": "n1"}, env={})
     ctx = AgentContext(cfg.replace(**extra) if extra else cfg)
     source = ctx.add(ambient_source.build(ctx))
-    writer = ctx.add(snapshot.build(ctx))
+    writer = ctx.add(snapshot.build(ctx, source))
     await source.start()
     await writer.start()
     return ctx, source, writer, cluster
@@ -140,7 +140,7 @@ async def test_previous_snapshot_kept_until_the_source_has_loaded(tmp_path):
                              "config_file": os.devnull, "node_name": "n1"}, env={})
     ctx = AgentContext(cfg)
     source = ctx.add(ambient_source.build(ctx))
-    writer = ctx.add(snapshot.build(ctx))
+    writer = ctx.add(snapshot.build(ctx, source))
     os.makedirs(os.path.dirname(writer.path), exist_ok=True)
     previous = {"version": 1, "excluded_namespaces": [], "namespaces": {"shop": True},
                 "pods": {"u-old": True}}

@@ -38,9 +38,10 @@ class Host:
 
     async def start(self) -> "Host":
         self.ctx = AgentContext(self.config)
-        self.components = [self.ctx.add(b(self.ctx)) for b in (
-            ambient_source.build, registration.build, ambient_index.build)]
-        self.source, self.registrar, self.index = self.components
+        self.source = self.ctx.add(ambient_source.build(self.ctx))
+        self.registrar = self.ctx.add(registration.build(self.ctx, self.source))
+        self.index = self.ctx.add(ambient_index.build(self.ctx, self.source.store))
+        self.components = [self.source, self.registrar, self.index]
         for c in self.components:
             await c.start()
         return self

@@ -91,7 +91,7 @@ class Agent:
     async def start(self):
         self.ctx = AgentContext(self.config)
         self.source = self.ctx.add(ambient_source.build(self.ctx))
-        self.index = self.ctx.add(ambient_index.build(self.ctx))
+        self.index = self.ctx.add(ambient_index.build(self.ctx, self.source.store))
         self.zds = self.ctx.add(ZdsServer(self.config.ztunnel_uds_address, ztunnel_wait=2.0))
         self.enrollment = self.ctx.add(Enrollment(self.ctx, zds=ZdsServerChannel(self.zds)))
         for c in (self.source, self.index, self.zds):

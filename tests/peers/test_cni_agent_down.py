@@ -131,7 +131,7 @@ class Node:
         self.runtime.delete(LO, cid, netns, "lo", args)
 
     def enrolled(self, uid):
-        pods = self.agent.ctx.get("enrollment").debug_state()["pods"]
+        pods = self.agent.enrollment.debug_state()["pods"]
         return (pods.get(uid) or {}).get("status") == "enabled" and uid in self.zds.pods
 
     async def close(self):

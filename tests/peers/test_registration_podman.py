@@ -53,13 +53,15 @@ class Agent:
 
     async def start(self):
         self.ctx = AgentContext(self.config)
-        self.components = []
-        for build in (ambient_source.build, registration.build, ambient_index.build):
-            self.components.append(self.ctx.add(build(self.ctx)))
-        self.source, self.registrar, self.index = self.components
+        self.source = self.ctx.add(ambient_source.build(self.ctx))
+        self.registrar = self.ctx.add(registration.build(self.ctx, self.source))
+        self.index = self.ctx.add(ambient_index.build(self.ctx, self.source.store))
+        self.components = [self.source, self.registrar, self.index]
         self.zds = self.ctx.add(ZdsServer(self.config.ztunnel_uds_address, ztunnel_wait=2.0))
         self.enrollment = self.ctx.add(Enrollment(self.ctx, zds=ZdsServerChannel(self.zds)))
-        self.events = self.ctx.add(CniEventServer(self.ctx, self.config.cni_event_socket))
+        self.events = self.ctx.add(CniEventServer(
+            self.ctx, self.config.cni_event_socket, store=self.source.store,
+            enrollment=self.enrollment, registrar=self.registrar))
         for c in self.components:
             await c.start()
         await self.zds.start()

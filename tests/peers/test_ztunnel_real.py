@@ -201,7 +201,7 @@ async def test_restarts_keep_the_mesh(tmp_path, readiness_port):
 
 def _zds_connections(demo) -> int:
     """ztunnel connections of the (new) agent whose snapshot is complete."""
-    state = demo.agent.ctx.get("zds").debug_state()
+    state = demo.agent.zds.debug_state()
     return sum(1 for c in state.get("connections") or [] if c.get("snapshot_sent"))
 
 

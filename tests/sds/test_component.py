@@ -27,8 +27,8 @@ async def test_component_lifecycle_api_and_no_secrets_in_logs(state_dir, tmp_pat
     ctx = AgentContext(make_config(state_dir, service_account="cart", pod_namespace="shop",
                                    ca_port=free_port(), ca_listen_address="127.0.0.1",
                                    tokens_file=str(tokens), ecc_signature_algorithm="ECDSA"))
-    ctx.add(authn.build(ctx))
-    ca_agent = ctx.add(build(ctx))
+    authenticator = ctx.add(authn.build(ctx)).authenticator
+    ca_agent = ctx.add(build(ctx, None, authenticator))
     await ca_agent.start()
     client_state = tmp_path / "client-state"
     client_state.mkdir(mode=0o700)
@@ -39,7 +39,7 @@ async def test_component_lifecycle_api_and_no_secrets_in_logs(state_dir, tmp_pat
     cctx = AgentContext(make_config(client_state, service_account="cart", pod_namespace="shop",
                                     ca_addr=f"localhost:{ca_agent.ca_port}",
                                     ca_root_cert=str(root), ca_token_file=str(token)))
-    client_agent = cctx.add(build(cctx))
+    client_agent = cctx.add(build(cctx, None, None))
     try:
         assert ca_agent.ready() == (True, "")
         sock = ca_agent.config.sds_socket
@@ -101,13 +101,13 @@ async def test_component_lifecycle_api_and_no_secrets_in_logs(state_dir, tmp_pat
 async def test_bad_settings_are_clear_errors(state_dir):
     ctx = AgentContext(make_config(state_dir, ecc_signature_algorithm="DSA"))
     with pytest.raises(ValueError, match="ecc_signature_algorithm='DSA'"):
-        build(ctx)
+        build(ctx, None, None)
     ctx = AgentContext(make_config(state_dir, sds_socket_mode="rw"))
     with pytest.raises(ValueError, match="sds_socket_mode"):
-        build(ctx)
+        build(ctx, None, None)
     ctx = AgentContext(make_config(state_dir, ca_cert_file=str(state_dir / "missing.pem"),
                                    ca_key_file=str(state_dir / "missing.key")))
-    comp = build(ctx)
+    comp = build(ctx, None, None)
     with pytest.raises(RuntimeError, match="missing.pem"):
         await comp.start()
     ctx.executor.shutdown(wait=False)
@@ -119,14 +119,14 @@ async def test_extra_trust_anchors_are_merged_into_rootca(state_dir, tmp_path):
     other_state = tmp_path / "other"
     other_state.mkdir(mode=0o700)
     other = AgentContext(make_config(other_state, service_account="a", pod_namespace="ns"))
-    other_sds = other.add(build(other))
+    other_sds = other.add(build(other, None, None))
     await other_sds.start()
     anchors = tmp_path / "anchors.pem"
     anchors.write_bytes(other_sds.root_pem())
     await other_sds.stop(0)
     ctx = AgentContext(make_config(state_dir, service_account="a", pod_namespace="ns",
                                    trust_anchors_file=str(anchors)))
-    sds = ctx.add(build(ctx))
+    sds = ctx.add(build(ctx, None, None))
     await sds.start()
     try:
         async with grpc.aio.insecure_channel("unix:" + sds.config.sds_socket) as ch:
@@ -149,7 +149,7 @@ async def test_bad_trust_anchors_file_names_the_setting(state_dir, tmp_path, con
         path.write_bytes(content)
     ctx = AgentContext(make_config(state_dir, service_account="a", pod_namespace="ns",
                                    trust_anchors_file=str(path)))
-    sds = ctx.add(build(ctx))
+    sds = ctx.add(build(ctx, None, None))
     with pytest.raises(ConfigError, match="trust_anchors_file"):
         await sds.start()
 

@@ -173,8 +173,8 @@ async def _ca_agent(state: str, port: int) -> tuple[AgentContext, SdsServer]:
                                    pod_namespace="istio-system", ca_port=port,
                                    ca_listen_address="127.0.0.1", tokens_file=tokens,
                                    ecc_signature_algorithm="ECDSA"))
-    ctx.add(authn.build(ctx))
-    agent = ctx.add(build(ctx))
+    authenticator = ctx.add(authn.build(ctx)).authenticator
+    agent = ctx.add(build(ctx, None, authenticator))
     await agent.start()
     return ctx, agent
 
@@ -195,7 +195,7 @@ async def test_changed_ca_root_file_reaches_rootca_at_once(tmp_path):
     cctx = AgentContext(make_config(client_state, service_account="cart", pod_namespace="shop",
                                     ca_addr=f"localhost:{port}", ca_root_cert=str(root_file),
                                     ca_token_file=str(token), ecc_signature_algorithm="ECDSA"))
-    client = cctx.add(build(cctx))
+    client = cctx.add(build(cctx, None, None))
     await client.start()
     ctx2 = ca2 = None
     try:
@@ -249,7 +249,7 @@ async def test_unusable_ca_root_file_keeps_the_connection(tmp_path):
     cctx = AgentContext(make_config(client_state, service_account="cart", pod_namespace="shop",
                                     ca_addr=f"localhost:{port}", ca_root_cert=str(root_file),
                                     ca_token_file=str(token), ecc_signature_algorithm="ECDSA"))
-    client = cctx.add(build(cctx))
+    client = cctx.add(build(cctx, None, None))
     await client.start()
     try:
         await client.watcher.wait_ready()

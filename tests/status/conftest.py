@@ -43,12 +43,23 @@ def make_config(tmp_path, env: dict[str, str] | None = None, **overrides):
 
 
 @contextlib.asynccontextmanager
-async def running_status(tmp_path, components=(), env=None, **overrides):
-    """Yield (ctx, server) with the status server started; always stopped."""
+async def running_status(tmp_path, components=(), env=None, enrollment=False, **overrides):
+    """Yield (ctx, server) with the status server started; always stopped. The
+    ``components`` named ``ambient-index`` and ``zds`` are handed to the server as
+    ``agent.daemon.build`` hands them; ``enrollment=True`` adds a real (not started)
+    ``cni.enrollment.Enrollment`` built on the same context (or the one a callable
+    ``enrollment(ctx)`` makes) and hands that over too."""
     ctx = AgentContext(make_config(tmp_path, env, **overrides))
     for c in components:
         ctx.add(c)
-    server = StatusServer(ctx)
+    enroller = None
+    if enrollment:
+        from cni.enrollment import Enrollment
+
+        enroller = ctx.add(enrollment(ctx) if callable(enrollment) else Enrollment(ctx))
+    index = ctx.components.get("ambient-index")
+    server = StatusServer(ctx, enrollment=enroller, index=getattr(index, "index", None),
+                          zds=ctx.components.get("zds"))
     ctx.add(server)
     await server.start()
     try:

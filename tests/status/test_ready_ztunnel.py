@@ -14,8 +14,9 @@ from tests.zds.helpers import running_client, running_server
 
 async def test_not_ready_without_ztunnel(tmp_path):
     async with running_server(ztunnel_wait=3) as zds:
-        async with running_status(tmp_path, components=[zds]) as (ctx, server):
-            enrollment = ctx.add(Enrollment(ctx, zds=ZdsServerChannel(zds)))
+        async with running_status(tmp_path, components=[zds], enrollment=lambda ctx: Enrollment(
+                ctx, zds=ZdsServerChannel(zds))) as (ctx, server):
+            enrollment = ctx.components["enrollment"]
             enrollment._started = True  # started without host rules: readiness only
             url = f"http://127.0.0.1:{server.port}/healthz/ready"
             async with aiohttp.ClientSession() as http:

@@ -23,7 +23,7 @@ from agent.sds.server import SdsServer
 from agent.status import report
 from ambient.xds.client import DeltaXdsClient
 from ambient.xds.server import XdsServer
-from cni.enrollment import Enrollment, PodRecord
+from cni.enrollment import PodRecord
 from tests.sds.helpers import Stream, executor_runner, make_config as sds_config, request
 from tests.status.conftest import FakeComponent, running_status
 from tests.xds.fake_index import FakeIndex, pod as xds_pod
@@ -82,8 +82,7 @@ async def real_components(tmp_path, state_dir):
 
 async def test_empty_agent(tmp_path, state_dir):
     async with real_components(tmp_path, state_dir) as (zds, sds, xds):
-        async with running_status(tmp_path, [zds, sds, xds]) as (ctx, server):
-            ctx.add(Enrollment(ctx))
+        async with running_status(tmp_path, [zds, sds, xds], enrollment=True) as (ctx, server):
             code, out, err = await asyncio.to_thread(cli, server)
     assert (code, err) == (0, "")
     assert out.startswith("Components (")
@@ -109,8 +108,8 @@ async def test_empty_agent(tmp_path, state_dir):
 async def test_populated_agent(tmp_path, state_dir):
     nsfd = netns_fd()
     async with real_components(tmp_path, state_dir) as (zds, sds, xds):
-        async with running_status(tmp_path, [zds, sds, xds]) as (ctx, server):
-            enrollment = ctx.add(Enrollment(ctx))
+        async with running_status(tmp_path, [zds, sds, xds], enrollment=True) as (ctx, server):
+            enrollment = ctx.components["enrollment"]
             enrollment.records = {
                 UID_OK: PodRecord(UID_OK, "client", "demo", netns="/run/netns/pod-a",
                                   ips=["10.77.10.2"], status="enabled",

@@ -10,7 +10,7 @@ import json
 import os
 
 from ambient.index import IndexComponent
-from cni.enrollment import Enrollment, PodRecord
+from cni.enrollment import PodRecord
 from tests.ambient import builders as b
 from tests.status.conftest import running_status
 from tests.status.test_status_cli import block, cli, row
@@ -43,8 +43,9 @@ async def test_status_workloads_services_policies(tmp_path):
         await client.wait_snapshot(timeout=3)
         await zds.add(PodInfo("uid-shop-cart", "cart", "shop", "cart", nsfd))
         await client.wait_for_pod("uid-shop-cart", timeout=5)
-        async with running_status(tmp_path, components=[index, zds]) as (ctx, server):
-            enrollment = ctx.add(Enrollment(ctx))  # not started: records as enroll() leaves them
+        async with running_status(tmp_path, components=[index, zds],
+                                  enrollment=True) as (ctx, server):
+            enrollment = ctx.components["enrollment"]  # not started: records as enroll() leaves them
             enrollment.records = {"uid-shop-cart": PodRecord(
                 "uid-shop-cart", "cart", "shop", netns="/x", ips=["10.1.0.5"], status="enabled")}
             code, out, err = await _cli(server, "--workloads")

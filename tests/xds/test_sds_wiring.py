@@ -17,12 +17,11 @@ sds_server = pytest.importorskip("agent.sds.server")
 async def test_mtls_with_certificate_from_sds(index, state_dir):
     cfg = config.load({"state_dir": str(state_dir)}, env={})
     ctx = AgentContext(cfg)
-    sds = ctx.add(sds_server.build(ctx))
+    sds = ctx.add(sds_server.build(ctx, None, None))
     await sds.start()
     server = None
     try:
-        provider = sds_tls_provider(ctx)
-        assert provider is not None
+        provider = sds_tls_provider(sds)
         server = XdsServer(index, port=0, tls_address="127.0.0.1", tls_port=0,
                            tls_provider=provider, registry=ctx.registry)
         await server.start()

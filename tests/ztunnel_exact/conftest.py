@@ -6,7 +6,6 @@ are covered elsewhere. ``clock`` injects the agent's wall clock (:class:`FakeClo
 
 from __future__ import annotations
 
-import importlib
 import shutil
 import tempfile
 import textwrap
@@ -41,8 +40,6 @@ CLUSTER = textwrap.dedent("""\
     spec: {nodeName: node-b, serviceAccountName: far, containers: [{name: c}]}
     status: {podIP: 10.1.1.9, podIPs: [{ip: 10.1.1.9}], phase: Running}
     """)
-WANTED = ("ambient.source", "ambient.index", "agent.tlsport.authn", "agent.sds.server",
-          "agent.daemon")  # build_xds: ambient.xds.server with the CA mounted
 
 
 class FakeClock:
@@ -64,27 +61,27 @@ class AgentStack:
         self.supervisor = Supervisor(self.ctx)
 
     async def start(self) -> "AgentStack":
-        from agent.daemon import COMPONENT_BUILDERS
+        """The components ztunnel talks to, wired as ``agent.daemon.build`` wires them:
+        config source, index, authn, SDS (with the embedded CA) and xDS."""
+        from agent.daemon import mount_ca
+        from agent.sds import server as sds_server
+        from agent.tlsport import authn as tls_authn
+        from ambient import index as ambient_index, source as ambient_source
+        from ambient.xds import server as xds_server
 
-        for module, fn in COMPONENT_BUILDERS:
-            if module in WANTED:
-                component = getattr(importlib.import_module(module), fn)(self.ctx)
-                if component is not None:
-                    self.ctx.add(component)
+        ctx = self.ctx
+        source = ctx.add(ambient_source.build(ctx))
+        index = ctx.add(ambient_index.build(ctx, source.store))
+        authn = ctx.add(tls_authn.build(ctx))
+        self.sds = ctx.add(sds_server.build(ctx, source.store, authn.authenticator))
+        self.xds = ctx.add(xds_server.build(ctx, index.index, self.sds, authn.authenticator,
+                                            tls_services=mount_ca(self.sds)))
         await self.supervisor.start()
         return self
 
     async def stop(self) -> None:
         await self.supervisor.stop(0.5)
         self.ctx.executor.shutdown(wait=False)
-
-    @property
-    def xds(self):
-        return self.ctx.get("xds")
-
-    @property
-    def sds(self):
-        return self.ctx.get("sds")
 
     @property
     def root_pem(self) -> bytes:
