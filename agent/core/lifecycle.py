@@ -8,9 +8,12 @@ server, CNI event server, enrollment reconciler, config source, ...) is a
 serving, with a short reason when not; ``debug_state()`` is its JSON view for
 ``/debug``.
 
-:class:`AgentContext` is what components are built from: the effective config, the
-one Prometheus registry, the bounded thread pool for blocking work, and the other
-components by name (so enrollment can find the ZDS server without a global).
+:class:`AgentContext` is what every component is built from: the effective config, the
+one Prometheus registry, the bounded thread pool for blocking work, the clock and the
+shutdown event. The components a component uses are not looked up here: its ``build``
+function takes them as typed parameters and ``agent.daemon.build`` passes them.
+``components`` (name -> component, in start order) is for what concerns all of them:
+the supervisor, readiness and ``/debug``.
 """
 
 from __future__ import annotations
@@ -88,6 +91,8 @@ class AgentContext:
         return component
 
     def get(self, name: str) -> Component | None:
+        """The component called ``name``, or None. Only enrollment still finds its
+        config source and registration this way, until its constructor takes them; new code takes what it uses as ``build`` parameters."""
         return self.components.get(name)
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:

@@ -4,7 +4,7 @@ Lets ztunnel (or istio-agent) on a host without istiod get certificates from thi
 agent. Spec ``docs/sds.md``; upstream ``security/pkg/server/ca/server.go``.
 
 - Where: on the xDS TLS port (``xds_tls_port``, 15012, next to xDS, as istiod does; the
-  daemon's wiring, ``agent.daemon.build_xds``, mounts :class:`CertificateService` on the
+  daemon's wiring, ``agent.daemon.mount_ca``, mounts :class:`CertificateService` on the
   ``xds`` component's gRPC server with :meth:`CertificateService.add_to_server`), and optionally
   on a separate TLS port (``ca_port``, :class:`CaPort`). Both are TLS front doors
   (:mod:`agent.tlsport.frontdoor`): server certificate renewed before expiry, client certificate
