@@ -92,7 +92,8 @@ class AgentContext:
 
     def get(self, name: str) -> Component | None:
         """The component called ``name``, or None. Only enrollment still finds its
-        config source and registration this way, until its constructor takes them; new code takes what it uses as ``build`` parameters."""
+        config source and registration this way, until its constructor takes them; new
+        code takes what it uses as ``build`` parameters."""
         return self.components.get(name)
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:

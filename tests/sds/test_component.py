@@ -176,7 +176,7 @@ async def test_busy_ca_port_fails_start_naming_it_and_leaves_nothing_behind(stat
     ctx = AgentContext(make_config(state_dir, service_account="cart", pod_namespace="shop",
                                    ca_port=port, ca_listen_address="127.0.0.1"))
     auth = ctx.add(authn.build(ctx))
-    server = ctx.add(build(ctx))
+    server = ctx.add(build(ctx, None, auth.authenticator))
     try:
         with pytest.raises(ConfigError) as e:
             await server.start()
