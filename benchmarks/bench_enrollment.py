@@ -48,7 +48,7 @@ from pyroute2 import netns as pr_netns
 from benchmarks.common import Result, median, percentile, ratio_result
 from cni.events import CniPodEvent
 from cni.rules_common import RuleOptions
-from cni.rules_iptables import build_rules, render_restore
+from cni.rules_iptables_text import build_rules, render_restore
 
 
 def _event(pod) -> CniPodEvent:

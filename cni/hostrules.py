@@ -46,7 +46,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 from agent.core import netns as netns_mod
 from cni.podips import normalize_ip
 from cni.rules_common import RulesError
-from cni.rules_iptables import Rule, render_restore
+from cni.rules_iptables_text import Rule, render_restore
 from cni.rules_nftables import run_nft
 
 log = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ def build_tables(opts: RuleOptions) -> dict[str, list[str]]:
     if not opts.ingress_mode:
         nat += [f"{PRERT} meta l4proto tcp {f} saddr {probe} counter accept"
                 for f, _, probe in fams]
-    # ztunnel's packets connmarked, ingress mode included (see rules_iptables.build_rules)
+    # ztunnel's packets connmarked, ingress mode included (see rules_iptables_text.build_rules)
     mangle.append(f"{PRERT} meta mark & {rc.INPOD_MASK:#x} == {rc.INPOD_MARK:#x} counter "
                   f"ct mark set ct mark & 0xfffff000 | {rc.INPOD_TPROXY_MARK:#x}")
     nat += [f"{OUTPUT} meta l4proto tcp {f} daddr {probe} counter accept" for f, _, probe in fams]

@@ -16,7 +16,7 @@ import pytest
 
 from cni.hostrules import HostProbeRules
 from cni.rules_common import RuleOptions, pod_options
-from cni.rules_iptables import golden_record
+from cni.rules_iptables_text import golden_record
 from cni.rules_nftables import render_transaction
 
 TESTDATA = Path(__file__).parent / "testdata"

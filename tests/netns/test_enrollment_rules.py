@@ -305,7 +305,7 @@ FOREIGN = {  # iptables-restore input someone else put in the pod, and what it i
 def test_netlink_judge_agrees_with_the_save(bridge, case):
     """rules_detect's netlink look says a table holds nothing but ours exactly when
     ``iptables-save`` (read the way the backend's delete reads it) says so."""
-    from cni.rules_iptables import _empty_without_istio, _istio_residue
+    from cni.rules_iptables_text import empty_without_istio, istio_residue
 
     pod = bridge.add_pod("tj")
     if FOREIGN[case]:
@@ -314,7 +314,7 @@ def test_netlink_judge_agrees_with_the_save(bridge, case):
     if case == "conditional jump to ours":
         pod.exec("iptables-nft", "-t", "nat", "-A", "OUTPUT", "-p", "udp", "-j", "ISTIO_OUTPUT")
     save = pod.exec("iptables-nft-save").stdout
-    from_save = {("ip", t): t in _empty_without_istio(save) for t in _istio_residue(save)}
+    from_save = {("ip", t): t in empty_without_istio(save) for t in istio_residue(save)}
     assert pod.run(rules_detect.look, False, True).nft_tables == from_save
     if case == "none":
         assert from_save and all(from_save.values())
