@@ -74,7 +74,7 @@ async def _plugin_round_trip(tmp: str, n: int = 60) -> list[Result]:
     from cni.install import Installer
     from tests.cni.conftest import cni_env, net_conf, start_agent
 
-    from cni.install import BUNDLE_DIR, read_bundle
+    from cni.install_plugin import BUNDLE_DIR, read_bundle
 
     bundle = plugin_bundle()
     inst = Installer(conf_dir=f"{tmp}/net.d", bin_dir=f"{tmp}/bin", run_dir=f"{tmp}/state",

@@ -19,9 +19,9 @@ measures it). Which Python:
 - ``cni_plugin_bundle`` set (the image sets it): the standalone build of
   ``scripts/build-cni-plugin.py`` (Debian's interpreter + the plugin, needing only glibc
   on the node) is copied to ``<bin dir>/istio-cni.d/<id>/`` and the launcher
-  (:func:`bundle_launcher_text`) runs it from there, found relative to the launcher's
+  (:func:`cni.install_plugin.bundle_launcher_text`) runs it from there, found relative to the launcher's
   own path, so it works on a node with no Python and nothing of the agent;
-- empty (development, the demo, a host install): :func:`launcher_text` runs this
+- empty (development, the demo, a host install): :func:`cni.install_plugin.launcher_text` runs this
   agent's own interpreter with its checkout on ``sys.path``.
 
 Every file is written atomically (``<name>.tmp.<random>`` + rename, a build as one
@@ -33,18 +33,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import os
-import secrets
-import shlex
 import shutil
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from agent.core.files import write_atomic
 from cni import conflist
+from cni.install_plugin import BUNDLE_DIR, PLUGIN_NAME, PROJECT_ROOT, BundleError, \
+    bundle_launcher_text, copy_bundle, launcher_text, read_bundle, read_file
 
 if TYPE_CHECKING:  # the component and the context are needed by the daemon only
     from agent.core.config import Config
@@ -53,170 +52,8 @@ if TYPE_CHECKING:  # the component and the context are needed by the daemon only
 
 log = logging.getLogger(__name__)
 
-PLUGIN_NAME = "istio-cni"
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 class NoPrimaryConfig(RuntimeError):
     """The CNI conf dir holds no valid network config to chain into (yet)."""
-
-
-BUNDLE_DIR = PLUGIN_NAME + ".d"  # <bin dir>/istio-cni.d/<bundle id>/: standalone builds
-ENTRY_CODE = "from cni.plugin import exit_main;exit_main()"
-
-
-def launcher_text(python: str = sys.executable, project_root: str = PROJECT_ROOT) -> str:
-    """The development launcher: runs the plugin on ``python`` with ``project_root`` on
-    ``sys.path`` (this agent's own interpreter and checkout: the node must have them).
-
-    Same inputs, same bytes. See :func:`_launcher` for what the script does.
-    """
-    code = f"import sys;sys.path.insert(0,{project_root!r});{ENTRY_CODE}"
-    return _launcher(f"{shlex.quote(python)} -I -S -c {shlex.quote(code)}",
-                     "runs the Python plugin of the agent's own checkout")
-
-
-def bundle_launcher_text(bundle_id: str) -> str:
-    """The launcher of a standalone build installed at ``<its dir>/istio-cni.d/<id>``.
-
-    The script finds its own directory from ``$0`` (runtimes exec plugins by path), so it
-    is the same whatever the host bin dir is and wherever the agent's container mounts
-    it. See :func:`_launcher`.
-    """
-    python = f'"$d/{BUNDLE_DIR}/{bundle_id}/bin/python3.11"'
-    preamble = ('case $0 in */*) self=$0 ;; *) self=$(command -v -- "$0") ;; esac\n'
-                'd=${self%/*}\n')
-    return _launcher(f"{python} -I -S -c {shlex.quote(ENTRY_CODE)}",
-                     f"runs the standalone build {BUNDLE_DIR}/{bundle_id} (no Python "
-                     "needed on the node)", preamble)
-
-
-def _launcher(run: str, what: str, preamble: str = "") -> str:
-    """A POSIX ``sh`` script: ``CNI_COMMAND=VERSION`` is answered by the shell when the
-    request has the shape libcni sends (``{"cniVersion":"V"}``, or empty stdin) and
-    ``CNI_IFNAME`` is plainly valid: it prints what :func:`cni.plugin.main` prints, in
-    ~1 ms instead of a ~8 ms interpreter start (runtimes ask VERSION before ADD and
-    before DEL). Any other request, and every other command, ``exec``s ``run`` (a Python
-    ``-I -S`` running :func:`cni.plugin.exit_main`) with the same arguments, environment
-    and stdin bytes. One difference: ``sh`` drops NUL bytes from a VERSION request's
-    stdin (an invalid network config either way: Python says code 6, the shell may
-    answer the version).
-    """
-    from cni.plugin_request import LATEST_VERSION, SUPPORTED_VERSIONS
-
-    supported = ",".join(f'"{v}"' for v in SUPPORTED_VERSIONS)
-    return f"""#!/bin/sh
-# istio-cni: written by `ambient-agent cni install` (cni/install.py); {what}.
-# VERSION is answered here; everything else runs the Python plugin with the standard
-# library only (-I: no PYTHON* env, no user site; -S: no site, no .pth files).
-{preamble}if [ "${{CNI_COMMAND-}}" = VERSION ] && [ "$#" = 0 ]; then
-  case ${{CNI_IFNAME-}} in
-    .|..|*[!A-Za-z0-9_.-]*) ;;
-    *) if [ "${{#CNI_IFNAME}}" -le 15 ]; then
-      v={LATEST_VERSION}
-      if ! [ -t 0 ]; then
-        # the request, byte for byte (a last line without newline included)
-        req=
-        while IFS= read -r line; do req="$req$line
-"; done
-        req="$req$line"
-        body=${{req%
-}}
-        case $body in
-          '') ;;
-          '{{"cniVersion":"'*'"}}') v=${{body#'{{"cniVersion":"'}}; v=${{v%'"}}'}} ;;
-          '{{"cniVersion": "'*'"}}') v=${{body#'{{"cniVersion": "'}}; v=${{v%'"}}'}} ;;
-          *) v= ;;
-        esac
-        case $v in
-          ''|*[!A-Za-z0-9._+-]*)
-            printf '%s' "$req" | exec {run} "$@"
-            exit ;;
-        esac
-      fi
-      printf '{{"cniVersion":"%s","supportedVersions":[{supported}]}}\\n' "$v"
-      exit 0
-    fi ;;
-  esac
-fi
-exec {run} "$@"
-"""
-
-
-class BundleError(RuntimeError):
-    """The standalone plugin build (setting ``cni_plugin_bundle``) is missing or damaged."""
-
-
-def read_bundle(bundle: str) -> tuple[str, dict]:
-    """``(bundle id, manifest)`` of a build of ``scripts/build-cni-plugin.py``; the id is
-    the sha256 (first 16 hex digits) of its ``MANIFEST.json``. Raises :class:`BundleError`
-    naming the path."""
-    path = os.path.join(bundle, "MANIFEST.json")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-        manifest = json.loads(raw)
-        files = manifest["files"]
-        if not isinstance(files, dict) or "bin/python3.11" not in files:
-            raise ValueError("no bin/python3.11 in its file list")
-    except FileNotFoundError:
-        raise BundleError(f"cni_plugin_bundle {bundle!r}: no MANIFEST.json (build it with "
-                          "scripts/build-cni-plugin.py)") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise BundleError(f"cni_plugin_bundle {bundle!r}: bad MANIFEST.json: {e}") from None
-    return hashlib.sha256(raw).hexdigest()[:16], manifest
-
-
-def copy_bundle(bundle: str, dest_root: str) -> tuple[str, bool]:
-    """Copy the build ``bundle`` to ``<dest_root>/<id>`` as one rename: every file is
-    written to ``<dest_root>/.tmp.<random>/``, checked against the manifest's sha256 and
-    mode and fsynced, then the directory is renamed into place, so a launcher never
-    points at a partial copy. Returns ``(id, copied)``; an existing complete copy is
-    kept. Raises :class:`BundleError` when a file is missing or differs from its manifest.
-    """
-    bundle_id, manifest = read_bundle(bundle)
-    final = os.path.join(dest_root, bundle_id)
-    if os.path.isfile(os.path.join(final, "MANIFEST.json")):
-        return bundle_id, False
-    if os.path.lexists(final):  # not made by us (our copies appear whole): replace it
-        shutil.rmtree(final) if os.path.isdir(final) else os.unlink(final)
-    os.makedirs(dest_root, mode=0o755, exist_ok=True)
-    tmp = os.path.join(dest_root, f".tmp.{secrets.token_hex(4)}")
-    os.mkdir(tmp, 0o755)
-    try:
-        for rel in sorted(manifest["files"]) + ["MANIFEST.json"]:
-            src, dst = os.path.join(bundle, rel), os.path.join(tmp, rel)
-            os.makedirs(os.path.dirname(dst), mode=0o755, exist_ok=True)
-            try:
-                with open(src, "rb") as f:
-                    data = f.read()
-            except OSError as e:
-                raise BundleError(f"cni_plugin_bundle {bundle!r}: {rel}: {e.strerror}") from None
-            entry = manifest["files"].get(rel)
-            mode = 0o644
-            if entry is not None:
-                if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
-                    raise BundleError(f"cni_plugin_bundle {bundle!r}: {rel} differs from "
-                                      "its MANIFEST.json sha256 (damaged build?)")
-                mode = int(entry.get("mode", "644"), 8) & 0o755
-            fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                os.fchmod(f.fileno(), mode)
-                os.fsync(f.fileno())
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return bundle_id, True
-
-
-def _read(path: str) -> bytes | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
 
 
 @dataclasses.dataclass
@@ -279,7 +116,7 @@ class Installer:
             keep = {bundle_id, *self._referenced_bundles()}
         text = self.wanted_launcher()
         written = False
-        if not (_read(self.binary_path) == text and os.access(self.binary_path, os.X_OK)):
+        if not (read_file(self.binary_path) == text and os.access(self.binary_path, os.X_OK)):
             write_atomic(self.binary_path, text, 0o755)
             written = True
         if self.plugin_bundle:
@@ -290,7 +127,7 @@ class Installer:
 
     def _referenced_bundles(self) -> set[str]:
         """Bundle ids the installed launcher points at (none for a dev launcher)."""
-        text = (_read(self.binary_path) or b"").decode("utf-8", "replace")
+        text = (read_file(self.binary_path) or b"").decode("utf-8", "replace")
         marker = f"/{BUNDLE_DIR}/"
         out = set()
         for part in text.split(marker)[1:]:
@@ -330,7 +167,7 @@ class Installer:
         primary = conflist.find_primary(self.conf_dir, self.conf_name)
         if primary is None:
             raise NoPrimaryConfig(conflist.explain_no_primary(self.conf_dir, self.conf_name))
-        raw = _read(primary)
+        raw = read_file(primary)
         if raw is None:
             raise NoPrimaryConfig(f"{primary} vanished while installing")
         try:
@@ -367,7 +204,7 @@ class Installer:
             wanted = self.wanted_launcher()
         except BundleError as e:
             return str(e)
-        if _read(self.binary_path) != wanted:
+        if read_file(self.binary_path) != wanted:
             return f"{self.binary_path} is missing or differs"
         if self.plugin_bundle:
             bundle_id = read_bundle(self.plugin_bundle)[0]
@@ -377,7 +214,7 @@ class Installer:
         if primary is None:
             return conflist.explain_no_primary(self.conf_dir, self.conf_name)
         try:
-            config = json.loads(_read(primary) or b"")
+            config = json.loads(read_file(primary) or b"")
         except ValueError:
             return f"{primary} is not JSON"
         problem = conflist.chain_problem(config, self.entry)
@@ -395,7 +232,7 @@ class Installer:
             if not name.endswith(".conflist"):
                 continue
             path = os.path.join(self.conf_dir, name)
-            raw = _read(path)
+            raw = read_file(path)
             try:
                 config = json.loads(raw or b"")
             except ValueError:
@@ -473,17 +310,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                f"{default or 'empty'}]".replace("%", "%%"))
 
 
-def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> Any:
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Any:
     """The :class:`agent.core.config.Config` for install/uninstall: flags of
     :data:`CLI_SETTINGS`, then their env variables, then the config file. Environment
     variables of other settings are ignored (this command does not use them). Raises
     :class:`agent.core.config.ConfigError` naming the setting and the bad value."""
     from agent.core import config as agent_config
 
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     wanted = {agent_config.SETTINGS_BY_NAME[n].env_name for n in CLI_SETTINGS}
     flags = {name: getattr(args, name, None) for name in CLI_SETTINGS}
-    return agent_config.load(flags, {k: v for k, v in env.items() if k in wanted})
+    return agent_config.load(flags, {k: v for k, v in environ.items() if k in wanted})
 
 
 def main(args: argparse.Namespace) -> int:

@@ -33,7 +33,8 @@ from prometheus_client import Counter, Gauge
 
 from agent.core.lifecycle import AgentContext, Component
 from cni import conflist
-from cni.install import BundleError, Installer, NoPrimaryConfig
+from cni.install import Installer, NoPrimaryConfig
+from cni.install_plugin import BundleError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ import sys
 import pytest
 
 from cni import plugin_request
-from cni.install import PROJECT_ROOT, Installer
+from cni.install import Installer
+from cni.install_plugin import PROJECT_ROOT
 
 PLUGIN_CODE = ("import sys;sys.path.insert(0,%r);from cni.plugin import exit_main;exit_main()"
                % PROJECT_ROOT)

@@ -18,7 +18,8 @@ import subprocess
 
 import pytest
 
-from cni.install import BUNDLE_DIR, BundleError, Installer, read_bundle
+from cni.install import Installer
+from cni.install_plugin import BUNDLE_DIR, BundleError, read_bundle
 from cni.plugin_request import SUPPORTED_VERSIONS
 from tests.cni.conftest import cni_env, net_conf, run_plugin, start_agent
 from tests.cni.standalone import (build_bundle, glibc_busybox_root, missing_build_tools,
