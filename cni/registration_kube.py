@@ -48,7 +48,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from agent.core.annotations import REGISTERED_BY
 from agent.core.backoff import Backoff
 from agent.core.config import Config
-from cni.registration import Registration
+from cni.registration_record import Registration
 from cni.sourceapi import PodSource, PodStore
 
 log = logging.getLogger(__name__)

@@ -10,9 +10,10 @@ import pytest
 
 from ambient.store import ObjectStore
 from cni import registration as reg_mod
+from cni import registration_record as record_mod
 from cni.events import CniPodEvent
-from cni.registration import (LocalBackend, Registration, RegistrationError, RegistrationFile,
-                              identity)
+from cni.registration import LocalBackend
+from cni.registration_record import Registration, RegistrationError, RegistrationFile, identity
 from cni.runtime_labels import PodmanLabels, labels_of_event
 
 CID = "0bb0e6ce117756d1d98c364dbfe2cac7baa987f0fd0fedef0e8db918e94a6c42"
@@ -27,7 +28,7 @@ def event(**kw):
 
 def test_identity_from_podman_event_and_labels():
     name, ns, sa, labels = identity(event(), {
-        "app": "web", reg_mod.NAMESPACE_LABEL: "shop", reg_mod.SERVICE_ACCOUNT_LABEL: "web-sa",
+        "app": "web", record_mod.NAMESPACE_LABEL: "shop", record_mod.SERVICE_ACCOUNT_LABEL: "web-sa",
         "bad key!": "x", "long": "v" * 64}, "default")
     assert (name, ns, sa) == ("web-1", "shop", "web-sa")
     assert labels == {"app": "web"}  # identity keys taken out, invalid labels dropped
@@ -38,8 +39,8 @@ def test_identity_defaults_and_errors():
     assert (name, ns, sa, labels) == (CID[:12], "hosts", "default", {})
     with pytest.raises(RegistrationError, match="K8S_POD_NAME"):
         identity(event(pod_name="___"), {}, "default")
-    with pytest.raises(RegistrationError, match=reg_mod.NAMESPACE_LABEL):
-        identity(event(), {reg_mod.NAMESPACE_LABEL: "--"}, "default")
+    with pytest.raises(RegistrationError, match=record_mod.NAMESPACE_LABEL):
+        identity(event(), {record_mod.NAMESPACE_LABEL: "--"}, "default")
 
 
 def test_registration_pod_is_running_and_ready():

@@ -28,7 +28,7 @@ from agent.core.lifecycle import AgentContext
 from ambient import index as ambient_index
 from ambient import source as ambient_source
 from ambient import workload_pb2 as wl
-from cni import registration
+from cni import registration, registration_record
 from agent.enrollment_zds import ZdsServerChannel
 from cni.enrollment import Enrollment
 from cni.eventserver import CniEventServer
@@ -129,8 +129,8 @@ async def test_podman_container_registered_from_cni_follows_restarts(tmp_path, h
     try:
         cid = await asyncio.to_thread(
             pm.create, name, network, image, "/bin/busybox", "sleep", "3600",
-            labels={"app": "web", "version": "v2", registration.NAMESPACE_LABEL: "shop",
-                    registration.SERVICE_ACCOUNT_LABEL: "web-sa"})
+            labels={"app": "web", "version": "v2", registration_record.NAMESPACE_LABEL: "shop",
+                    registration_record.SERVICE_ACCOUNT_LABEL: "web-sa"})
         containers.append(cid)
         await asyncio.to_thread(pm.start, cid)  # CNI ADD
         _netns, ip = await asyncio.to_thread(pm.netns_and_ip, cid, network)
@@ -158,7 +158,7 @@ async def test_podman_container_registered_from_cni_follows_restarts(tmp_path, h
     finally:
         await agent.stop()
 
-    saved = json.loads((tmp_path / "state" / registration.STATE_FILE).read_text())
+    saved = json.loads((tmp_path / "state" / registration_record.STATE_FILE).read_text())
     assert [r["ips"] for r in saved["registrations"]] == [[ip2]]
     # a restarted agent serves the workload again from its state file
     agent = await Agent(tmp_path, host_netns, conf).start()
@@ -169,7 +169,7 @@ async def test_podman_container_registered_from_cni_follows_restarts(tmp_path, h
         containers.remove(cid)
         await eventually(lambda: agent.source.store.pod_by_uid(cid) is None,
                          what="workload gone after the DEL")
-        assert json.loads((tmp_path / "state" / registration.STATE_FILE).read_text()) == {
+        assert json.loads((tmp_path / "state" / registration_record.STATE_FILE).read_text()) == {
             "registrations": []}
     finally:
         await agent.stop()
