@@ -10,6 +10,7 @@ ztunnel does is shown by the root tests in ``tests/netns``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import itertools
 import os
@@ -200,6 +201,7 @@ class FakeSource(Component):
         self.store = self
         self.synced = synced
         self.pods: dict[str, dict] = {}
+        self.listeners: list[Callable] = []
 
     def ready(self) -> tuple[bool, str]:
         return (self.synced, "")
@@ -218,7 +220,28 @@ class FakeSource(Component):
         return list(self.pods.values()) if kind == "Pod" else []
 
     def subscribe(self, listener: Callable) -> Callable[[], None]:
-        return lambda: None
+        self.listeners.append(listener)
+        return lambda: self.listeners.remove(listener)
+
+    def update(self, pod: dict) -> None:
+        """Store ``pod`` and tell the listeners, as one store transaction would."""
+        old = self.pods.get(pod["metadata"]["uid"])
+        self.pods[pod["metadata"]["uid"]] = pod
+        event = StoreEvent("Pod", pod["metadata"].get("namespace", ""), pod["metadata"]["name"],
+                           old, pod)
+        for listener in list(self.listeners):
+            listener([event])
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreEvent:
+    """The fields of ``ambient.store.StoreEvent`` the watch reads."""
+
+    kind: str
+    namespace: str
+    name: str
+    old: dict | None
+    new: dict | None
 
 
 __all__ = ["FakeNetns", "FakeProbeSet", "FakeSource", "FakeZds", "RulesError"]

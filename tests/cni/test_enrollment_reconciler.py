@@ -424,3 +424,28 @@ async def test_no_zds_channel_is_a_retryable_failure(state_dir):
     finally:
         e.retries.kill()
         ctx.executor.shutdown(wait=False)
+
+
+async def test_label_removal_through_the_store_watch_unenrolls(state_dir):
+    """The watch (``cni/enrollment/watch.py``) over a store: an enrolled pod whose Pod object
+    loses its ambient label is un-enrolled as a live pod (rules removed, netns kept)."""
+    source = FakeSource()
+    r = Rig(state_dir, source=source)
+    try:
+        r.netns.create(NETNS)
+        pod = _pod(UID, "web")
+        pod["status"]["podIPs"] = [{"ip": IP}]
+        source.pods[UID] = pod
+        await r.enrollment.start()
+        await r.enrollment.enroll(event())
+        assert r.enrollment.pods()[UID].status is PodState.ENABLED
+        source.update({**pod, "metadata": {**pod["metadata"],
+                                           "labels": {"istio.io/dataplane-mode": "none"}}})
+        await until(lambda: UID not in r.enrollment.pods())
+        await until(lambda: not r.enrollment.live.busy())
+        assert r.netns.deleted == [NETNS] and r.netns.rules_at(NETNS) is None
+        assert UID in r.zds.deletes and r.probes.entries == {}
+        assert r.enrollment.live.stats["removed_live"] == 1
+        await r.enrollment.stop(1.0)
+    finally:
+        r.close()
