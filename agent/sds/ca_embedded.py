@@ -44,6 +44,7 @@ DEFAULT_TTL = 24 * 3600
 MAX_TTL = 90 * 24 * 3600
 BACKDATE = dt.timedelta(minutes=2)
 ROOT_TTL = dt.timedelta(days=3650)
+CAKey = rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey  # what the CA signs leaves with
 
 
 class CAError(Exception):
@@ -58,7 +59,8 @@ class CAError(Exception):
         self.code = code
 
 
-def create_root(trust_domain: str, now: dt.datetime | None = None):
+def create_root(trust_domain: str, now: dt.datetime | None = None
+                ) -> tuple[x509.Certificate, rsa.RSAPrivateKey]:
     """A self-signed RSA 2048 root: ``(cert, key)``. Blocking."""
     now = now or dt.datetime.now(dt.timezone.utc)
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
@@ -87,14 +89,15 @@ class EmbeddedCA:
     ``clock`` (epoch seconds) dates what it signs; the agent sets its own (injectable) clock.
     """
 
-    def __init__(self, cert: x509.Certificate, key, root_bundle: bytes,
+    def __init__(self, cert: x509.Certificate, key: CAKey, root_bundle: bytes,
                  clock: Callable[[], float] = time.time):
         self.clock = clock
         self.cert = cert
         self.key = key
         self.root_pem = root_bundle
         self._root_str = root_bundle.decode()  # decoded once, not per signature
-        self._aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(cert.public_key())
+        # the key's public half is the certificate's (checked when loaded)
+        self._aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(key.public_key())
 
     @classmethod
     def load_or_create(cls, directory: str | os.PathLike, trust_domain: str,
@@ -136,6 +139,9 @@ class EmbeddedCA:
             # Never include the file's bytes: it holds a private key.
             raise CAError("INTERNAL", f"CA key {key_path}: unreadable or not a PEM private key "
                           f"({type(e).__name__})") from None
+        if not isinstance(key, (rsa.RSAPrivateKey, ec.EllipticCurvePrivateKey)):
+            raise CAError("INTERNAL", f"CA key {key_path}: an RSA or ECDSA key is required, "
+                          f"not {type(key).__name__}")
         if not keys.same_public_key(key, cert):
             raise CAError("INTERNAL", f"CA key {key_path} does not match certificate {cert_path}")
         return cls(cert, key, bundle)

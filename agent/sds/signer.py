@@ -41,7 +41,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 from agent.core.backoff import Backoff
 from agent.sds.ca_istio import CAClientError
@@ -235,7 +235,8 @@ class SignerProcess:
             entry[1].set_result(message)
 
     @staticmethod
-    async def _read(proc) -> dict:
+    async def _read(proc: asyncio.subprocess.Process) -> dict:
+        assert proc.stdout is not None  # started with stdout=PIPE
         head = await proc.stdout.readexactly(_LEN.size)
         (n,) = _LEN.unpack(head)
         if n > MAX_FRAME:
@@ -276,7 +277,7 @@ def _validity(a: dict) -> Validity:
             dt.datetime.fromtimestamp(a["not_after"], utc), int(a["serial"]))
 
 
-async def _kill(proc) -> int | None:
+async def _kill(proc: asyncio.subprocess.Process) -> int | None:
     if proc.returncode is None:
         try:
             proc.kill()
@@ -289,7 +290,7 @@ async def _kill(proc) -> int | None:
 
 
 # --- the child ---------------------------------------------------------------------------
-def _serve(cert_path: str, key_path: str, inp, out) -> int:
+def _serve(cert_path: str, key_path: str, inp: BinaryIO, out: BinaryIO) -> int:
     """The child's loop: load the CA, answer requests until stdin closes. Returns the
     exit code."""
     from agent.sds import keys

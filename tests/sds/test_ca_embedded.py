@@ -103,3 +103,24 @@ def test_user_root_and_bad_root_files(tmp_path):
         EmbeddedCA.load_or_create(tmp_path, "cluster.local", str(tmp_path / "c.pem"),
                                   str(tmp_path / "kbad.pem"))
     assert "secret" not in str(e.value)
+
+
+def test_root_key_of_another_kind_is_refused_naming_the_file(tmp_path):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.ORGANIZATION_NAME, "td")])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(1).not_valid_before(now)
+            .not_valid_after(now + dt.timedelta(days=1)).sign(key, None))
+    cert_path, key_path = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    with pytest.raises(CAError) as e:
+        EmbeddedCA.load_or_create(tmp_path, "td", str(cert_path), str(key_path))
+    assert e.value.code == "INTERNAL" and str(key_path) in str(e.value)
+    assert "RSA or ECDSA" in str(e.value)
