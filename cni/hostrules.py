@@ -230,7 +230,7 @@ class HostProbeRules:
         return [False, True] if self.ipv6 else [False]
 
     def _sets(self) -> list[tuple[str, int]]:
-        sets = [(self.set_v4, socket.AF_INET)]
+        sets: list[tuple[str, int]] = [(self.set_v4, socket.AF_INET)]
         if self.ipv6:
             sets.append((self.set_v6, socket.AF_INET6))
         return sets
@@ -277,8 +277,8 @@ class HostProbeRules:
         # unmapped first (upstream's Unmap() in ipset.AddIP): "::ffff:10.0.0.19" is an
         # IPv4 entry, and the kernel's IPv4 set only takes the dotted form
         normalized = [normalize_ip(ip) for ip in ips]
-        pairs = [(ip, self._family_set(ip)) for ip in normalized]
-        pairs = [(ip, fs) for ip, fs in pairs if fs]
+        pairs = [(ip, fs) for ip, fs in ((ip, self._family_set(ip)) for ip in normalized)
+                 if fs is not None]
         if not pairs:
             return
         with self._in_netns():

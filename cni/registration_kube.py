@@ -246,10 +246,10 @@ class WorkloadEntryBackend:
             return
         for item in items:
             meta = item.get("metadata") or {}
+            namespace, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
             if ((meta.get("annotations") or {}).get(CONTROLLER) == self.node
-                    and (meta.get("namespace"), meta.get("name")) not in wanted):
-                await self._delete_entry(meta.get("namespace"), meta.get("name"),
-                                         "no longer on this node")
+                    and (namespace, name) not in wanted):
+                await self._delete_entry(namespace, name, "no longer on this node")
 
     async def _delete_entry(self, namespace: str, name: str, why: str) -> None:
         try:
@@ -269,11 +269,13 @@ class WorkloadEntryBackend:
         while True:
             try:
                 now = _now()
-                body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                        "metadata": {"name": name, "namespace": self.lease_namespace},
-                        "spec": {"holderIdentity": self.node,
-                                 "leaseDurationSeconds": max(1, int(round(self.grace))),
-                                 "renewTime": _rfc3339(now)}}
+                # a plain dict body (the client sends it as is; its stubs only name V1Lease)
+                body: Any = {
+                    "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                    "metadata": {"name": name, "namespace": self.lease_namespace},
+                    "spec": {"holderIdentity": self.node,
+                             "leaseDurationSeconds": max(1, int(round(self.grace))),
+                             "renewTime": _rfc3339(now)}}
                 try:
                     current = await leases.read_namespaced_lease(name, self.lease_namespace)
                     body["metadata"]["resourceVersion"] = current.metadata.resource_version
