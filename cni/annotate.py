@@ -20,6 +20,7 @@ failure with the pod's name. A failed write never raises out of the retry loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import dataclasses
 import logging
 from typing import Callable, Mapping, Protocol, runtime_checkable
@@ -115,8 +116,11 @@ class RedirectionStatus:
         task = asyncio.get_running_loop().create_task(self._retry(ref, value, first=True),
                                                       name=f"annotate-{ref.uid}")
         self._retries[ref.uid] = task
-        task.add_done_callback(lambda t, u=ref.uid: self._retries.pop(u, None)
-                               if self._retries.get(u) is t else None)
+        task.add_done_callback(functools.partial(self._retry_done, ref.uid))
+
+    def _retry_done(self, uid: str, task: asyncio.Task) -> None:
+        if self._retries.get(uid) is task:
+            self._retries.pop(uid, None)
 
     def cancel(self, uid: str) -> None:
         task = self._retries.pop(uid, None)

@@ -30,12 +30,13 @@ import dataclasses
 import logging
 import shutil
 import subprocess
+from typing import Any
 
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.nftables.main import NFTables
 
 from cni import rules_common as rc
-from cni.rules_common import RulesError
+from cni.rules_common import RuleOptions, RulesError
 from cni.rules_iptables import IptablesBackend
 from cni.rules_nftables import MANGLE, NAT, RAW, NftablesBackend
 
@@ -45,6 +46,7 @@ IPTABLES_NFT, IPTABLES_LEGACY, NFTABLES = "iptables-nft", "iptables-legacy", "nf
 STACKS = (IPTABLES_NFT, IPTABLES_LEGACY, NFTABLES)  # the order ties are broken in
 _NFPROTO_INET, _NFPROTO_IPV4, _NFPROTO_IPV6 = 1, 2, 10
 TOOL_TIMEOUT = 60.0
+Backend = IptablesBackend | NftablesBackend  # a rules backend object
 
 
 def stack_of(backend) -> str:
@@ -55,7 +57,7 @@ def stack_of(backend) -> str:
     return IPTABLES_LEGACY if getattr(backend, "flavor", "nft") == "legacy" else IPTABLES_NFT
 
 
-def backend_for(stack: str):
+def backend_for(stack: str) -> Backend:
     """A backend object writing to ``stack``. Raises ValueError for an unknown name."""
     if stack == NFTABLES:
         return NftablesBackend()
@@ -91,7 +93,7 @@ def _jumps_to_ours(rule) -> bool:
     exprs = rule.get_attr("NFTA_RULE_EXPRESSIONS") or []
     if not exprs or exprs[-1].get_attr("NFTA_EXPR_NAME") != "immediate":
         return False
-    data = (exprs[-1].get_attr("NFTA_EXPR_DATA") or {})
+    data: Any = (exprs[-1].get_attr("NFTA_EXPR_DATA") or {})
     try:
         verdict = (data.get_attr("NFTA_IMMEDIATE_DATA").get_attr("NFTA_DATA_VERDICT"))
         code, chain = verdict.get_attr("NFTA_VERDICT_CODE"), verdict.get_attr("NFTA_VERDICT_CHAIN")
@@ -201,7 +203,7 @@ def held_stacks(ipv6: bool) -> set[str]:
     return look(ipv6).stacks
 
 
-def pick(default, ipv6: bool) -> tuple[object, list]:
+def pick(default: Backend, ipv6: bool) -> tuple[Backend, list[Backend]]:
     """``(backend to apply with, backends holding extra copies to delete)`` for the
     calling thread's netns, ``default`` being the agent's backend. A pod already holding
     our rules keeps them in that stack (reconciled there, never copied into another);
@@ -216,7 +218,8 @@ def pick(default, ipv6: bool) -> tuple[object, list]:
     return chosen, [backend_for(s) for s in STACKS if s in held and s != keep]
 
 
-def apply(default, opts, known: bool = True) -> tuple[str, object, list]:
+def apply(default: Backend, opts: RuleOptions, known: bool = True
+          ) -> tuple[str, Backend, list[Backend]]:
     """Apply the in-pod ruleset in the calling thread's netns where :func:`pick` says:
     ``(outcome, backend used, stray backends whose copies were removed)``. Raises
     RulesError (and whatever the backend raises).

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Protocol
 
 if TYPE_CHECKING:
     from cni.rules_common import RuleOptions
+    from cni.rules_detect import Backend as RulesBackend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +109,7 @@ class NetnsOps(Protocol):
 
     def exists(self, path: str) -> bool: ...
 
-    def apply_rules(self, fd: int, backend: object, opts: RuleOptions, label: str,
+    def apply_rules(self, fd: int, backend: RulesBackend, opts: RuleOptions, label: str,
                     known: bool) -> str:
         """Blocking. In the netns ``fd``: check ``lo`` is up, then apply the in-pod rules
         (:func:`cni.rules_detect.apply`). Returns the outcome word for the log. Raises
@@ -116,7 +117,7 @@ class NetnsOps(Protocol):
         OSError."""
         ...
 
-    def delete_rules(self, target: int | str, backend: object, ipv6: bool,
+    def delete_rules(self, target: int | str, backend: RulesBackend, ipv6: bool,
                      during: Callable[[], None] | None = None) -> None:
         """Blocking. In the netns ``target`` (fd or path): our rules out of every stack,
         then the routing; ``during`` runs while the kernel commits the deletion. Raises

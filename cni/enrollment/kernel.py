@@ -22,6 +22,7 @@ from cni import podnetns
 from cni import rules_detect
 from cni.enrollment.api import NetnsGone
 from cni.rules_common import RuleOptions
+from cni.rules_detect import Backend as RulesBackend
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class KernelNetns:
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
 
-    def apply_rules(self, fd: int, backend: object, opts: RuleOptions, label: str,
+    def apply_rules(self, fd: int, backend: RulesBackend, opts: RuleOptions, label: str,
                     known: bool) -> str:
         """In the pod netns (worker thread): check ``lo`` is up, then apply the ruleset in
         the stack the netns already holds our rules in, if any (:func:`rules_detect.apply`:
@@ -83,7 +84,7 @@ class KernelNetns:
                             rules_detect.stack_of(stray))
             return outcome
 
-    def delete_rules(self, target: int | str, backend: object, ipv6: bool,
+    def delete_rules(self, target: int | str, backend: RulesBackend, ipv6: bool,
                      during: Callable[[], None] | None = None) -> None:
         """In the pod netns: our rules out of every stack holding them, then the routing
         (``during``: see :func:`rules_detect.delete_everywhere`)."""
