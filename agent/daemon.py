@@ -106,7 +106,8 @@ def build(ctx: AgentContext) -> Components:
     authn = made("authn", lambda: tls_authn.build(ctx))
     sds = made("sds", lambda: sds_server.build(ctx, source.store, authn.authenticator))
     zds = made("zds", lambda: zds_server.build(ctx))
-    enrollment = made("enrollment", lambda: enrollment_zds.build(ctx, zds))
+    enrollment = made("enrollment",
+                      lambda: enrollment_zds.build(ctx, zds, source, registrar))
     components = Components(
         source=source, registration=registrar, index=index, authn=authn, sds=sds, zds=zds,
         enrollment=enrollment,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from agent.core.lifecycle import AgentContext
 from cni.enrollment import Enrollment
-from cni.enrollment.api import ZdsPod, ZdsRejected, ZtunnelUnavailable
+from cni.enrollment.api import RegisteredPods, ZdsPod, ZdsRejected, ZtunnelUnavailable
+from cni.sourceapi import PodSource
 from zds.api import NoZtunnel, PodInfo, ZdsError
 from zds.server import ZdsServer
 
@@ -48,8 +49,11 @@ class ZdsServerChannel:
         return self.server.latest() is not None
 
 
-def build(ctx: AgentContext, zds: ZdsServer | None) -> Enrollment:
+def build(ctx: AgentContext, zds: ZdsServer | None, source: PodSource,
+          registrar: RegisteredPods | None) -> Enrollment:
     """The ``enrollment`` component with ``zds`` as its ZDS channel (None: no ZDS server
-    in this agent, every ADD fails retryably); ``agent.daemon.build`` builds it after
-    ``zds`` and before ``cni-events``."""
-    return Enrollment(ctx, zds=ZdsServerChannel(zds) if zds is not None else None)
+    in this agent, every ADD fails retryably), the config ``source``'s pods and the
+    ``registrar``'s registered ones; ``agent.daemon.build`` builds it after ``zds`` and
+    before ``cni-events``."""
+    return Enrollment(ctx, zds=ZdsServerChannel(zds) if zds is not None else None,
+                      source=source, registrar=registrar)

@@ -90,12 +90,6 @@ class AgentContext:
         self.components[component.name] = component
         return component
 
-    def get(self, name: str) -> Component | None:
-        """The component called ``name``, or None. Only enrollment still finds its
-        config source and registration this way, until its constructor takes them; new
-        code takes what it uses as ``build`` parameters."""
-        return self.components.get(name)
-
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking call (netns entry, iptables-restore, RSA keygen) off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)

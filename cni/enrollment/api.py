@@ -52,6 +52,14 @@ class ZdsRejected(Exception):
         self.kind = kind
 
 
+class RegisteredPods(Protocol):
+    """What enrollment reads of workload registration (``cni.registration.WorkloadRegistrar``
+    has it): the Pod object of a pod registered from a CNI ADD, under the name its
+    workload is served with, or None."""
+
+    def served_pod(self, key: str) -> dict | None: ...
+
+
 class ZdsChannel(Protocol):
     """The ZDS server as enrollment uses it (upstream's ``ZtunnelServer``)."""
 

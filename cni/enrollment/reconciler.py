@@ -27,7 +27,7 @@ from agent.core import netns as netns_mod
 from agent.core.lifecycle import AgentContext, Component
 from cni import annotate
 from cni.enrollment import recovery as recovery_mod
-from cni.enrollment.api import NetnsOps, ProbeSet, ZdsChannel
+from cni.enrollment.api import NetnsOps, ProbeSet, RegisteredPods, ZdsChannel
 from cni.enrollment.dataplane import ADD, RETRY, Dataplane, rollback_outcome
 from cni.enrollment.kernel import KernelNetns, ipset_exists
 from cni.enrollment.records import PodRecord, PodState, PodStateStore, Step
@@ -38,6 +38,7 @@ from cni.hostrules import HostProbeRules
 from cni.rules_common import RuleOptions, RulesError
 from cni.rules_iptables import IptablesBackend, detect_flavor
 from cni.rules_nftables import NftablesBackend
+from cni.sourceapi import PodSource
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,11 @@ class Enrollment(Component):
 
     def __init__(self, ctx: AgentContext, backend: Any = None,
                  host_rules: ProbeSet | None = None, *, zds: ZdsChannel | None = None,
-                 netns: NetnsOps | None = None):
+                 netns: NetnsOps | None = None, source: PodSource | None = None,
+                 registrar: RegisteredPods | None = None):
         self.ctx = ctx
+        self.source = source  # the config source: Pod objects, annotation writes
+        self.registrar = registrar  # pods registered from CNI ADDs (cni.registration)
         cfg = ctx.config
         self.base_options = RuleOptions(probe_snat_ipv4=cfg.host_probe_snat_ip,
                                         probe_snat_ipv6=cfg.host_probe_snat_ipv6,
@@ -244,8 +248,7 @@ class Enrollment(Component):
 
     def store(self) -> Any:
         """The config source's object store, or None."""
-        source = self.ctx.get("config-source")
-        return getattr(source, "store", None) if source is not None else None
+        return self.source.store if self.source is not None else None
 
     def _pod_object(self, uid: str, namespace: str, name: str) -> dict | None:
         store = self.store()
@@ -260,8 +263,7 @@ class Enrollment(Component):
             # registered from CNI into a shared API server (WorkloadEntry): the registrar
             # holds the pod's identity (cni.registration)
             # under the name its workload is served with (ztunnel matches ZDS's name)
-            served_pod = getattr(self.ctx.get("registration"), "served_pod", None)
-            reg_pod = served_pod(uid) if callable(served_pod) else None
+            reg_pod = self.registrar.served_pod(uid) if self.registrar is not None else None
             if reg_pod is not None:
                 return reg_pod
         return pod
@@ -488,7 +490,8 @@ class Enrollment(Component):
     # --- what the status server reads ---------------------------------------------------
 
     def _annotator(self) -> annotate.PodAnnotator | None:
-        source = self.ctx.get("config-source")
+        # a source without annotation writes (tests' in-memory stores) leaves pods unannotated
+        source = self.source
         return source if isinstance(source, annotate.PodAnnotator) else None
 
     def _stored_status(self, ref: annotate.PodRef) -> str | None:

@@ -145,8 +145,8 @@ class Recovery:
     def _pod_objects_known(self) -> bool:
         """Whether the config source has its full set of Pod objects (first load / LIST
         done), so a missing Pod object means the pod is gone. No source: unknown."""
-        source = self.e.ctx.get("config-source")
-        if source is None or getattr(source, "store", None) is None:
+        source = self.e.source
+        if source is None:
             return False
         try:
             return bool(source.ready()[0])

@@ -19,7 +19,7 @@ AMBIENT = {"istio.io/dataplane-mode": "ambient"}
 
 
 class ConfigSource(Component):
-    """The ``config-source`` component enrollment reads its pods from (only the store)."""
+    """The config source enrollment reads its pods from (only the store)."""
 
     name = "config-source"
 
@@ -95,12 +95,12 @@ async def test_event_server_decides_podman_pod_by_container_id(cni_agent):
 def test_enrollment_record_takes_pod_name_namespace_and_sa_from_the_pod_object(tmp_path):
     ctx = AgentContext(make_config(tmp_path / "state"))
     try:
-        ctx.add(ConfigSource(store_with(pod("client", "demo", CID, "client-sa"))))
-        rec = Enrollment(ctx)._record_from_event(podman_event())
+        source = ConfigSource(store_with(pod("client", "demo", CID, "client-sa")))
+        rec = Enrollment(ctx, source=source)._record_from_event(podman_event())
         assert (rec.uid, rec.namespace, rec.name, rec.service_account) == \
             (CID, "demo", "client", "client-sa")
         # no Pod object: named by container (ID and name), default service account
-        rec = Enrollment(ctx)._record_from_event(podman_event("d" * 64))
+        rec = Enrollment(ctx, source=source)._record_from_event(podman_event("d" * 64))
         assert (rec.uid, rec.namespace, rec.name, rec.service_account) == \
             ("d" * 64, "", "client-1a2b", "default")
     finally:

@@ -41,7 +41,7 @@ class Rig:
         self.netns, self.probes = FakeNetns(), FakeProbeSet()
         self.zds = zds if zds is not None else FakeZds()
         self.enrollment = Enrollment(self.ctx, backend=object(), host_rules=self.probes,
-                                     zds=self.zds, netns=self.netns)
+                                     zds=self.zds, netns=self.netns, source=source)
         self.enrollment.retries.initial = 0.01  # the doubling is what is tested
 
     def close(self) -> None:

@@ -107,7 +107,8 @@ class KubeAgent:
         self.ctx = AgentContext(self.config)
         self.source = self.ctx.add(ambient_source.build(self.ctx))
         self.zds = self.ctx.add(ZdsServer(self.config.ztunnel_uds_address, ztunnel_wait=2.0))
-        self.enrollment = self.ctx.add(Enrollment(self.ctx, zds=ZdsServerChannel(self.zds)))
+        self.enrollment = self.ctx.add(Enrollment(self.ctx, zds=ZdsServerChannel(self.zds),
+                                                  source=self.source))
         await self.source.start()
         assert self.source.ready() == (True, ""), self.source.debug_state()
         await self.zds.start()

@@ -38,7 +38,8 @@ async def start(h: Harness, backend=None, source=None) -> Harness:
     if source is not None:
         h.ctx.add(source)
     h.zds = h.ctx.add(ZdsServer(h.config.ztunnel_uds_address, ztunnel_wait=ZTUNNEL_WAIT))
-    h.enrollment = h.ctx.add(Enrollment(h.ctx, backend=backend, zds=ZdsServerChannel(h.zds)))
+    h.enrollment = h.ctx.add(Enrollment(h.ctx, backend=backend, zds=ZdsServerChannel(h.zds),
+                                        source=source))
     h.events = h.ctx.add(CniEventServer(h.ctx, h.config.cni_event_socket,
                                         store=source.store if source is not None else None,
                                         enrollment=h.enrollment))

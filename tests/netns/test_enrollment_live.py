@@ -93,7 +93,8 @@ class Agent:
         self.source = self.ctx.add(ambient_source.build(self.ctx))
         self.index = self.ctx.add(ambient_index.build(self.ctx, self.source.store))
         self.zds = self.ctx.add(ZdsServer(self.config.ztunnel_uds_address, ztunnel_wait=2.0))
-        self.enrollment = self.ctx.add(Enrollment(self.ctx, zds=ZdsServerChannel(self.zds)))
+        self.enrollment = self.ctx.add(Enrollment(self.ctx, zds=ZdsServerChannel(self.zds),
+                                                  source=self.source))
         for c in (self.source, self.index, self.zds):
             await c.start()
         return self

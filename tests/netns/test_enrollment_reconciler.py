@@ -69,7 +69,8 @@ class Harness:
         if source is not None:
             self.ctx.add(source)
         self.zds = self.ctx.add(ZdsServer(self.config.ztunnel_uds_address, ztunnel_wait=2.0))
-        self.enrollment = self.ctx.add(Enrollment(self.ctx, zds=ZdsServerChannel(self.zds)))
+        self.enrollment = self.ctx.add(Enrollment(self.ctx, zds=ZdsServerChannel(self.zds),
+                                                  source=source))
         await self.zds.start()
         await self.enrollment.start()
         return self

@@ -67,7 +67,8 @@ class Agent:
         self.ctx = AgentContext(self.config)
         self.source = self.ctx.add(ambient_source.build(self.ctx))
         self.zds = self.ctx.add(ZdsServer(self.config.ztunnel_uds_address, ztunnel_wait=2.0))
-        self.enrollment = self.ctx.add(Enrollment(self.ctx, zds=ZdsServerChannel(self.zds)))
+        self.enrollment = self.ctx.add(Enrollment(self.ctx, zds=ZdsServerChannel(self.zds),
+                                                  source=self.source))
         self.events = self.ctx.add(CniEventServer(self.ctx, self.config.cni_event_socket,
                                                   store=self.source.store,
                                                   enrollment=self.enrollment))

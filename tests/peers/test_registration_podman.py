@@ -58,7 +58,8 @@ class Agent:
         self.index = self.ctx.add(ambient_index.build(self.ctx, self.source.store))
         self.components = [self.source, self.registrar, self.index]
         self.zds = self.ctx.add(ZdsServer(self.config.ztunnel_uds_address, ztunnel_wait=2.0))
-        self.enrollment = self.ctx.add(Enrollment(self.ctx, zds=ZdsServerChannel(self.zds)))
+        self.enrollment = self.ctx.add(Enrollment(self.ctx, zds=ZdsServerChannel(self.zds),
+                                                  source=self.source, registrar=self.registrar))
         self.events = self.ctx.add(CniEventServer(
             self.ctx, self.config.cni_event_socket, store=self.source.store,
             enrollment=self.enrollment, registrar=self.registrar))
