@@ -101,7 +101,7 @@ class XdsServer(Component):
 
     name = "xds"
 
-    def __init__(self, index: AmbientIndex | Callable[[], AmbientIndex | None], *,
+    def __init__(self, index: AmbientIndex, *,
                  address: str = "127.0.0.1", port: int = 15010,
                  tls_address: str = "0.0.0.0", tls_port: int | None = None,
                  tls_provider: TlsProvider | None = None, token_file: str = "",
@@ -113,7 +113,7 @@ class XdsServer(Component):
                  backend_path: str = "", clock: Callable[[], float] = time.time,
                  trust_domain: str = "cluster.local",
                  max_connections: int = 0, stall_timeout: float = STALL_TIMEOUT):
-        self._index_source = index
+        self._index = index
         self.max_connections = max_connections  # 0: no cap (gRPC core enforces it)
         self.stall_timeout = stall_timeout
         self.index: AmbientIndex | None = None
@@ -150,11 +150,7 @@ class XdsServer(Component):
             raise
 
     async def _start(self) -> None:
-        source = self._index_source
-        index = source() if callable(source) else source
-        if index is None:
-            raise RuntimeError("xds: no ambient index (component 'ambient-index' missing)")
-        self.index = index
+        index = self.index = self._index
         self.generators = default_generators(index)
         self._unsubscribe = index.subscribe(self.on_index_change)
         server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE),
