@@ -7,7 +7,10 @@ longer do.
 
 Signals: the first SIGTERM/SIGINT starts a graceful stop (each component gets
 ``shutdown_grace`` seconds to finish in-flight work, sockets are closed and
-unlinked, exit 0); a second one exits at once with 128+signal.
+unlinked, exit 0); a second one (at any time until the process ends) removes the
+socket files and the state dir lock and exits at once with 128+signal. SIGHUP and
+SIGUSR1 are ignored with one log line: the configuration is read once, at start
+(``docs/operating.md``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
-from agent.core import config as agent_config, fdbudget, sdnotify
+from agent.core import config as agent_config, fdbudget, sdnotify, unixsocket
 from agent.core.config import Config, ConfigError, prepare_state_dir
 from agent.core.errors import ComponentStartError
 from agent.core.lifecycle import AgentContext, Component, Supervisor
@@ -262,8 +265,25 @@ class Agent:
         await self.ctx.shutdown.wait()
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+IGNORED_SIGNALS = (signal.SIGHUP, signal.SIGUSR1)
+
+
+def exit_now(signum: int, agent: "Agent | None" = None) -> None:
+    """The second stop signal: remove what the agent leaves on disk (its socket files,
+    the state dir lock), then end the process with 128+``signum`` without waiting for
+    anything. Never returns."""
+    try:
+        unixsocket.remove_published()
+        if agent is not None and agent._lock is not None:
+            agent._lock.release()
+    finally:
+        os._exit(128 + signum)
+
+
 async def run(config: Config) -> int:
-    """Run the agent until SIGTERM/SIGINT or a quit request. Returns the exit code."""
+    """Run the agent until SIGTERM/SIGINT or a quit request. Returns the exit code (0
+    after a graceful stop; a second stop signal ends the process with 128+signal)."""
     loop = asyncio.get_running_loop()
     agent = Agent(config)
     signals_seen: list[int] = []
@@ -271,20 +291,35 @@ async def run(config: Config) -> int:
     def on_signal(signum: int) -> None:
         if signals_seen:
             log.warning("second signal %s: exiting now", signal.Signals(signum).name)
-            os._exit(128 + signum)
+            exit_now(signum, agent)
         signals_seen.append(signum)
         agent.ctx.request_shutdown(signal.Signals(signum).name)
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    def ignored(signum: int) -> None:
+        log.warning("%s ignored: the configuration is read once, at start (restart the agent "
+                    "to apply a change)", signal.Signals(signum).name)
+
+    for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, on_signal, signum)
+    for signum in IGNORED_SIGNALS:
+        loop.add_signal_handler(signum, ignored, signum)
     try:
         await agent.start()
         sdnotify.notify("READY=1")
         await agent.wait()
     finally:
         sdnotify.notify("STOPPING=1")
-        await agent.stop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
+        try:
+            await agent.stop()
+        finally:
+            # Until the process ends (executor threads are joined after this), a stop
+            # signal still exits 128+signal and the ignored ones stay ignored: never the
+            # default action, which would kill the process by the signal.
+            for signum in STOP_SIGNALS + IGNORED_SIGNALS:
+                loop.remove_signal_handler(signum)
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, lambda n, _frame: exit_now(n))
+            for signum in IGNORED_SIGNALS:
+                signal.signal(signum, signal.SIG_IGN)
     log.info("agent stopped")
     return 0

@@ -14,6 +14,43 @@ import errno
 import os
 import secrets
 import socket
+import threading
+
+# Every socket file this process published: path -> (st_ino, st_dev) of the file it put
+# there. :func:`remove_published` unlinks the ones still there on an exit that skips the
+# components' own stop (a second SIGTERM); a file replaced since (another agent's) is kept.
+_published: dict[str, tuple[int, int]] = {}
+_published_lock = threading.Lock()
+
+
+def note_published(path: str) -> None:
+    """Remember the socket file at ``path`` (bound by someone else, e.g. gRPC's own
+    bind) for :func:`remove_published`."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return
+    with _published_lock:
+        _published[os.path.abspath(path)] = (st.st_ino, st.st_dev)
+
+
+def remove_published() -> list[str]:
+    """Unlink every socket file this process published that is still the one it put
+    there (same inode and device); returns the paths removed. Never raises. Safe to call
+    after the components removed their own (those are simply gone)."""
+    with _published_lock:
+        items = list(_published.items())
+        _published.clear()
+    removed = []
+    for path, ident in items:
+        try:
+            st = os.lstat(path)
+            if (st.st_ino, st.st_dev) == ident:
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            pass
+    return removed
 
 
 def bind_unix(path: str, mode: int, kind: int = socket.SOCK_STREAM) -> socket.socket:
@@ -37,6 +74,7 @@ def bind_unix(path: str, mode: int, kind: int = socket.SOCK_STREAM) -> socket.so
                     raise
         os.chmod(tmp, mode)
         os.rename(tmp, path)
+        note_published(path)
         return sock
     except BaseException:
         sock.close()
@@ -59,6 +97,7 @@ def publish(path: str, bind, mode: int) -> None:
         bind(tmp)
         os.chmod(tmp, mode)
         os.rename(tmp, path)
+        note_published(path)
     except BaseException:
         try:
             os.unlink(tmp)

@@ -33,6 +33,7 @@ from typing import Awaitable, Callable, Iterable
 import grpc
 from grpc_reflection.v1alpha import reflection
 
+from agent.core import unixsocket
 from agent.core.annotations import REGISTERED_BY
 from agent.core.spiffe import Identity
 from agent.tlsport.authn import AuthenticationError, Authenticator, Caller
@@ -195,6 +196,7 @@ class CaPort:
         self.service.add_to_server(server)
         reflection.enable_server_reflection((CA_SERVICE, reflection.SERVICE_NAME), server)
         server.add_insecure_port("unix:" + self.backend_path)
+        unixsocket.note_published(self.backend_path)
         await server.start()
         door = TlsFrontDoor("ca_port", self.address, self.port, self.backend_path,
                             self.certificate)

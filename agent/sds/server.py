@@ -231,6 +231,7 @@ class SdsServer(Component):
         else:  # in the private 0700 directory: nobody else can reach it
             server.add_insecure_port("unix:" + bind)
             os.chmod(bind, 0o600)
+            unixsocket.note_published(bind)
         await server.start()
         self._grpc = server
         if self._backend_path:

@@ -41,6 +41,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.tlsport import frontdoor
 from agent.tlsport.authn import AuthenticationError, Authenticator
+from agent.core import unixsocket
 from agent.core.config import ConfigError, ensure_tcp_port_free
 from agent.core.fdbudget import listener_caps
 from agent.core.grpc_options import KEEPALIVE_SERVER_OPTIONS
@@ -181,6 +182,7 @@ class XdsServer(Component):
 
                 self.backend_path = f"{tempfile.mkdtemp(prefix='ambient-xds-')}/xds.sock"
             server.add_insecure_port("unix:" + self.backend_path)
+            unixsocket.note_published(self.backend_path)
         elif self.tls_port is not None:
             self._tls_note = "no certificate provider (sds component absent)"
             log.warning("xds: TLS listener on port %s skipped: %s", self.tls_port, self._tls_note)

@@ -1,5 +1,6 @@
 """`ambient-agent run` as a real process: starts on defaults, SIGTERM exits 0 and leaves
-no socket files behind."""
+no socket files behind; SIGHUP/SIGUSR1 are ignored; a second SIGTERM exits 128+15 and
+leaves nothing behind either (``docs/operating.md`` "Signals")."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ import pytest
 from agent.demo.envoy import free_port
 from tests.netns.toolkit import is_root
 
-EXPECTED_SOCKETS = {"pluginevent.sock", "workload-spiffe-uds/socket", "ztunnel/ztunnel.sock"}
+# admin.sock is bound by the status component, which starts last: once it is there, every
+# socket the agent makes is (a snapshot taken earlier races the start)
+EXPECTED_SOCKETS = {"pluginevent.sock", "workload-spiffe-uds/socket", "ztunnel/ztunnel.sock",
+                    "admin.sock"}
 
 
 @pytest.fixture
@@ -141,3 +145,68 @@ def test_second_agent_on_same_state_dir_is_refused_and_harmless(tmp_path, node_n
         if first.poll() is None:
             first.kill()
             first.wait()
+
+
+def stop_stalled(state) -> socket.socket:
+    """A CNI ADD whose body never arrives, held open on the agent's event socket: the
+    graceful stop waits for it (aiohttp's shutdown timeout, 5 s), so a second signal
+    sent meanwhile is certain to find the agent still stopping."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(str(state / "pluginevent.sock"))
+    conn.sendall(b"POST /cmdadd HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{")
+    return conn
+
+
+@ROOT_ONLY
+def test_sighup_and_sigusr1_are_ignored(tmp_path, node_netns):
+    state = tmp_path / "state"
+    argv, env = agent_argv(state, node_netns)
+    proc = start_agent(argv, env, state)
+    try:
+        before = sockets_under(str(state))
+        for signum in (signal.SIGHUP, signal.SIGUSR1, signal.SIGHUP):
+            proc.send_signal(signum)
+        # the agent answers on its event socket after the signals: it is alive, serving
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.settimeout(10)
+            c.connect(str(state / "pluginevent.sock"))
+            c.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert c.recv(100).startswith(b"HTTP/1.1 200"), "agent not serving after SIGHUP"
+        assert proc.poll() is None
+        assert sockets_under(str(state)) == before
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+        # (two pending SIGHUPs may be delivered as one: the kernel does not queue them)
+        assert "SIGHUP ignored: the configuration is read once" in out, out
+        assert "SIGUSR1 ignored: the configuration is read once" in out, out
+        assert sockets_under(str(state)) == set(), out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@ROOT_ONLY
+def test_second_sigterm_exits_143_and_leaves_nothing(tmp_path, node_netns):
+    state = tmp_path / "state"
+    argv, env = agent_argv(state, node_netns)
+    proc = start_agent(argv, env, state)
+    stalled = stop_stalled(state)
+    try:
+        time.sleep(0.3)  # the stalled request's headers are read (its handler waits on the body)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert proc.poll() is None, "the graceful stop did not wait for the stalled request"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, out)
+        assert "second signal SIGTERM: exiting now" in out
+        assert sockets_under(str(state)) == set(), out
+        assert not (state / "agent.lock").exists()
+    finally:
+        stalled.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
