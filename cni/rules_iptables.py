@@ -46,14 +46,23 @@ def detect_flavor(state_dir: str | None = None) -> str:
     """``"nft"`` or ``"legacy"``: recorded value from ``<state_dir>/iptables-flavor`` if
     present, else from ``iptables --version`` in the current (host) netns, then recorded.
 
-    Raises :class:`RulesError` when no iptables is installed.
+    A recorded value that is not one of those two (any bytes: a damaged file) is
+    ignored with a warning naming the file and showing at most 32 bytes of it, and the
+    flavor is detected and recorded again. Raises :class:`RulesError` when no iptables is
+    installed, or naming the file when it can't be read (a directory, no permission).
     """
     path = Path(state_dir, FLAVOR_FILE) if state_dir else None
     if path and path.exists():
-        flavor = path.read_text().strip()
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise RulesError(f"cannot read the recorded iptables flavor {path}: "
+                             f"{e.strerror or e}") from None
+        flavor = raw.strip().decode("ascii", errors="replace")
         if flavor in ("nft", "legacy") and shutil.which(f"iptables-{flavor}-restore"):
             return flavor
-        log.warning("ignoring recorded iptables flavor %r in %s", flavor, path)
+        log.warning("ignoring recorded iptables flavor %r in %s (expected nft or legacy); "
+                    "detecting it again", raw[:32], path)
     try:
         out = subprocess.run(["iptables", "--version"], capture_output=True, text=True,
                              timeout=TOOL_TIMEOUT).stdout
