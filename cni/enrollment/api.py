@@ -13,6 +13,7 @@ and ``NetnsWithFd`` in ``netns.go``).
 from __future__ import annotations
 
 import dataclasses
+import errno
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Protocol
 
 if TYPE_CHECKING:
@@ -93,6 +94,20 @@ class NetnsGone(OSError):
     """The pod netns vanished before it could be entered (nothing left to clean)."""
 
 
+class HostNetnsRefused(OSError):
+    """The netns path names the node's own network namespace (the agent's, or pid 1's),
+    whatever the path: redirection rules are never installed there. ``path`` is the
+    path as given."""
+
+    def __init__(self, path: str):
+        super().__init__(errno.EPERM, f"netns {path} is the node's own network namespace "
+                                      "(the agent's or pid 1's), not a pod's: refused")
+        self.path = path
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 class NetnsOps(Protocol):
     """Pod netns operations. Methods marked blocking run in a worker thread."""
 
@@ -102,7 +117,8 @@ class NetnsOps(Protocol):
         ...
 
     def open(self, path: str) -> int:
-        """An fd of the netns at ``path``; raises OSError (with ``errno``)."""
+        """An fd of the netns at ``path``; raises OSError (with ``errno``), and
+        :class:`HostNetnsRefused` when it is the node's own netns."""
         ...
 
     def close(self, fd: int) -> None: ...

@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 from agent.core import netns as netns_mod
 from cni import podnetns
 from cni import rules_detect
-from cni.enrollment.api import NetnsGone
+from cni.enrollment.api import HostNetnsRefused, NetnsGone
 from cni.rules_common import RuleOptions
 from cni.rules_detect import Backend as RulesBackend
 
@@ -47,7 +47,28 @@ class KernelNetns:
         return self._host_netns
 
     def open(self, path: str) -> int:
-        return netns_mod.open_netns(path)
+        """The netns at ``path``, refused (:class:`HostNetnsRefused`, fd closed) when it is
+        the agent's own netns (taken at construction) or pid 1's, compared by
+        ``(st_ino, st_dev)``: a bind mount, ``/proc/<pid>/ns/net`` of any host process
+        or a symlink all name the same namespace."""
+        fd = netns_mod.open_netns(path)
+        try:
+            st = os.fstat(fd)
+            if (st.st_ino, st.st_dev) in self._node_netns():
+                raise HostNetnsRefused(path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _node_netns(self) -> set[tuple[int, int]]:
+        ids = {self._host_netns}
+        try:  # pid 1's: the host's when the agent runs in a container without hostNetwork
+            st = os.stat("/proc/1/ns/net")
+            ids.add((st.st_ino, st.st_dev))
+        except OSError:
+            pass
+        return ids
 
     def close(self, fd: int) -> None:
         os.close(fd)

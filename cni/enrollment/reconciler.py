@@ -27,7 +27,8 @@ from agent.core import netns as netns_mod
 from agent.core.lifecycle import AgentContext, Component
 from cni import annotate
 from cni.enrollment import recovery as recovery_mod
-from cni.enrollment.api import NetnsOps, ProbeSet, RegisteredPods, ZdsChannel
+from cni.enrollment.api import (HostNetnsRefused, NetnsOps, ProbeSet, RegisteredPods,
+                                ZdsChannel)
 from cni.enrollment.dataplane import ADD, RETRY, Dataplane, rollback_outcome
 from cni.enrollment.kernel import KernelNetns, ipset_exists
 from cni.enrollment.records import PodRecord, PodState, PodStateStore, Step
@@ -355,6 +356,10 @@ class Enrollment(Component):
             self.records[rec.uid] = rec
             try:
                 fd = self.netns.open(rec.netns)
+            except HostNetnsRefused as e:
+                rec.fail(Step.NETNS, str(e))
+                raise EnrollmentError(f"{rec.label()}: field 'netns': {e}; no rules "
+                                      "applied") from None
             except OSError as e:
                 rec.fail(Step.NETNS, str(e))
                 mounts = self.ctx.config.host_mounts_path
