@@ -19,7 +19,8 @@ class ZdsServerChannel:
     """:class:`cni.enrollment.api.ZdsChannel` over a :class:`ZdsServer`: pods become
     :class:`zds.PodInfo`; :class:`zds.NoZtunnel` becomes ``ZtunnelUnavailable`` and any
     other :class:`zds.ZdsError` ``ZdsRejected`` (its class name kept as ``kind``);
-    ValueError (a bad field) passes through."""
+    ValueError (a bad field, or :class:`zds.api.MessageTooLarge`: a pod too large for
+    ztunnel's receive buffer) passes through; enrollment fails that pod's ADD with it."""
 
     def __init__(self, server: ZdsServer):
         self.server = server

@@ -8,6 +8,7 @@ Field names on the wire are the JSON keys listed in :meth:`CniPodEvent.from_json
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from cni.podips import normalize_ips
@@ -104,4 +105,48 @@ class CniPodEvent:
             raise EventError(f"field 'command' must be ADD or DEL, got {event.command!r}")
         if not event.container_id:
             raise EventError("field 'container_id' must not be empty")
+        _check_names(event)
         return event
+
+
+# Kubernetes' own name rules (apimachinery validation): a Pod name is a DNS-1123
+# subdomain (<= 253: lower-case alphanumerics, '-', '.'), a namespace a DNS-1123 label
+# (<= 63: lower-case alphanumerics, '-'). The CNI spec's container ID: alphanumerics,
+# '_', '.', '-', starting alphanumeric. Without a namespace (podman: K8S_POD_NAME is the
+# container name) the name is podman's: the container-ID alphabet, <= 253. A pod UID is
+# the API server's UUID; kept to <= 128 of the container-ID alphabet (with ':').
+_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS1123_LABEL = re.compile(_LABEL)
+_DNS1123_SUBDOMAIN = re.compile(rf"{_LABEL}(\.{_LABEL})*")
+_CNI_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:\-]*")
+
+
+def _shown(value: str) -> str:
+    return repr(value if len(value) <= 80 else value[:80] + "...") + (
+        f" ({len(value)} characters)" if len(value) > 80 else "")
+
+
+def _check_names(event: "CniPodEvent") -> None:
+    """Raise :class:`EventError` naming the first field that breaks its rule above (the
+    value shown cut at 80 characters)."""
+    if not _CNI_ID.fullmatch(event.container_id):
+        raise EventError(f"field 'container_id' {_shown(event.container_id)} must be "
+                         "alphanumerics, '_', '.' and '-', starting alphanumeric (CNI spec)")
+    if event.pod_namespace and (len(event.pod_namespace) > 63
+                                or not _DNS1123_LABEL.fullmatch(event.pod_namespace)):
+        raise EventError(f"field 'pod_namespace' {_shown(event.pod_namespace)} must be a "
+                         "DNS-1123 label: at most 63 lower-case alphanumerics or '-'")
+    name = event.pod_name
+    if name:
+        if len(name) > 253:
+            raise EventError(f"field 'pod_name' {_shown(name)} is longer than 253 characters")
+        if event.pod_namespace and not _DNS1123_SUBDOMAIN.fullmatch(name):
+            raise EventError(f"field 'pod_name' {_shown(name)} must be a DNS-1123 subdomain: "
+                             "lower-case alphanumerics, '-' and '.'")
+        if not event.pod_namespace and not _CNI_ID.fullmatch(name):
+            raise EventError(f"field 'pod_name' {_shown(name)} must be alphanumerics, '_', "
+                             "'.' and '-', starting alphanumeric")
+    if event.pod_uid and (len(event.pod_uid) > 128 or not _UID.fullmatch(event.pod_uid)):
+        raise EventError(f"field 'pod_uid' {_shown(event.pod_uid)} must be at most 128 "
+                         "alphanumerics, '_', '.', ':' and '-' (a Kubernetes UID)")

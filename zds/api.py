@@ -35,6 +35,15 @@ class NoZtunnel(ZdsError):
         self.socket, self.waited = socket, waited
 
 
+class MessageTooLarge(ValueError):
+    """A pod whose ZDS request would exceed ztunnel's receive buffer (1024 bytes): the
+    text names the pod and the length of each field; ``size`` is the encoded bytes."""
+
+    def __init__(self, text: str, size: int):
+        super().__init__(text)
+        self.size = size
+
+
 @dataclasses.dataclass(frozen=True)
 class PodInfo:
     """A pod as ZDS announces it.

@@ -22,7 +22,7 @@ import threading
 from typing import Literal
 
 from zds import wire
-from zds.api import PodInfo
+from zds.api import MessageTooLarge, PodInfo
 
 MessageKind = Literal["add", "keep", "del", "snapshot_sent"]
 
@@ -66,7 +66,11 @@ class PodRecord(Message):
     """A recorded pod: ``info`` (the :class:`PodInfo` as given), ``fd`` (the server's
     dup of its netns fd, None without a netns or once closed).
 
-    Raises ValueError naming ``PodInfo.netns_fd`` when that is not an open fd.
+    Raises ValueError naming ``PodInfo.netns_fd`` when that is not an open fd, and
+    :class:`~zds.api.MessageTooLarge` (a ValueError) when the pod's request would not fit
+    ztunnel's receive buffer (:data:`zds.wire.MAX_MESSAGE` bytes: ztunnel reads into a
+    1024-byte buffer, fails a longer message as truncated and drops the connection,
+    which would hit every pod on the node).
     """
 
     __slots__ = ("info", "fd", "sendable")
@@ -78,17 +82,19 @@ class PodRecord(Message):
         # fd is closed (= deleted or replaced). A plain attribute: read per snapshot message.
         self.sendable = True
         if info.netns_fd is None:
-            super().__init__("keep", info.uid, wire.encode_keep(info.uid))
+            data = wire.encode_keep(info.uid)
+            _check_size("KeepWorkload", info, data)
+            super().__init__("keep", info.uid, data)
             return
+        data = wire.encode_add(info.uid, info.name, info.namespace, info.service_account)
+        _check_size("AddWorkload", info, data)
         try:
             fd = os.dup(info.netns_fd)  # non-inheritable, as Python makes dups
         except OSError as e:
             raise ValueError(f"PodInfo.netns_fd={info.netns_fd!r} of pod {info.uid!r} "
                              f"is not an open fd: {e.strerror}") from None
         self.fd = fd
-        super().__init__("add", info.uid,
-                         wire.encode_add(info.uid, info.name, info.namespace,
-                                         info.service_account),
+        super().__init__("add", info.uid, data,
                          [(_SOL_SOCKET, _SCM_RIGHTS, struct.pack("i", fd))])
 
     def close(self) -> None:
@@ -99,6 +105,16 @@ class PodRecord(Message):
                 os.close(self.fd)
                 self.fd = None
                 self.rights = []
+
+
+def _check_size(what: str, info: PodInfo, data: bytes) -> None:
+    if len(data) > wire.MAX_MESSAGE:
+        raise MessageTooLarge(
+            f"{what} of pod {info.uid[:64]!r}{'...' if len(info.uid) > 64 else ''} would be "
+            f"{len(data)} bytes, over ztunnel's {wire.MAX_MESSAGE}-byte receive buffer "
+            f"(PodInfo.uid {len(info.uid)} characters, name {len(info.name)}, namespace "
+            f"{len(info.namespace)}, service_account {len(info.service_account)}): not "
+            "recorded, not sent", len(data))
 
 
 class PodTable:

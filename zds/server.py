@@ -316,7 +316,10 @@ class ZdsServer(Component):
         what is left of the plugin's timeout) or :class:`ZdsError` (connection lost after sending,
         or the pod was deleted/replaced before its message went out). The pod stays
         recorded in every case, so the next snapshot carries it; call :meth:`delete` to
-        forget it. ``ValueError`` names a bad PodInfo field.
+        forget it. ``ValueError`` names a bad PodInfo field; its subclass
+        :class:`~zds.api.MessageTooLarge` says the pod's request would exceed ztunnel's
+        1024-byte receive buffer (the pod is then neither recorded nor sent: one such
+        message would make ztunnel fail and reconnect, for every pod on the node).
         """
         if not isinstance(pod, PodInfo):
             raise ValueError(f"pod must be a zds.PodInfo, got {type(pod).__name__}")

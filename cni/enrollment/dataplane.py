@@ -195,6 +195,10 @@ class Dataplane:
                 await self.set_status(rec, "pending")
                 raise EnrollmentError(f"{rec.label()}: ztunnel did not accept the pod "
                                       f"({e.kind}: {e}); will retry", True) from None
+            except ValueError as e:  # a pod ZDS can't describe (e.g. too large for ztunnel)
+                rec.fail(Step.ZDS, str(e))
+                raise EnrollmentError(f"{rec.label()}: cannot be handed to ztunnel: {e}"
+                                      ) from None
         rec.steps[Step.ZDS] = True
         try:
             if self.host_rules is None:

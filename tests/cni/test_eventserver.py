@@ -187,3 +187,33 @@ async def test_malformed_http_is_one_debug_line_not_an_error(cni_agent, caplog):
     assert len(lines) >= 2 and all(r.levelno == logging.DEBUG and r.exc_info is None
                                    and "\n" not in r.getMessage() for r in lines)
     assert (await post(cni_agent, "/cmdadd", body=event(ambient_default=True)))[0] == 200
+
+
+async def test_names_are_validated_as_kubernetes_does(cni_agent):
+    """Issue 28: a podman-style ADD with a 200-character container ID and a 900-character
+    K8S_POD_NAME must fail alone, clearly, before anything is done for it (its ZDS
+    request would not fit ztunnel's 1,024-byte receive buffer)."""
+    cases = [
+        (dict(container_id="c" * 200, pod_uid="", pod_namespace="", pod_name="p" * 900),
+         "field 'pod_name'", "900 characters"),
+        (dict(pod_name="Web_0"), "field 'pod_name'", "DNS-1123 subdomain"),
+        (dict(pod_name="w" * 254), "field 'pod_name'", "longer than 253"),
+        (dict(pod_namespace="n" * 64), "field 'pod_namespace'", "DNS-1123 label"),
+        (dict(pod_namespace="Demo"), "field 'pod_namespace'", "DNS-1123 label"),
+        (dict(pod_uid="u" * 129), "field 'pod_uid'", "at most 128"),
+        (dict(pod_uid="uid 1"), "field 'pod_uid'", "Kubernetes UID"),
+        (dict(container_id="-bad/id"), "field 'container_id'", "CNI spec"),
+    ]
+    for fields, field, why in cases:
+        status, text = await post(cni_agent, "/cmdadd", body=event(**fields))
+        assert status == 400 and field in text and why in text, (fields, status, text)
+        assert len(text) < 400  # a long value is cut, never echoed whole
+    assert cni_agent.enroller.enrolled == []
+    # what real runtimes send still passes: a 200-character container ID, podman's
+    # container-name alphabet without a namespace, a 253-character subdomain, a UUID
+    for fields in (dict(container_id="c" * 200, pod_uid=""),
+                   dict(pod_namespace="", pod_name="My_Container.1", pod_uid=""),
+                   dict(pod_name=".".join(["a" * 63] * 4)[:253].rstrip(".")),
+                   dict(pod_uid="0b3f6a4e-2c1d-4e5f-9a8b-7c6d5e4f3a2b")):
+        status, text = await post(cni_agent, "/cmdadd", body=event(ambient_default=True, **fields))
+        assert status == 200, (fields, text)
