@@ -209,13 +209,23 @@ class Dataplane:
             raise EnrollmentError(f"{rec.label()}: host probe set: {e}; will retry",
                                   True) from None
         rec.steps[Step.HOSTSET] = True
+        # persisted before the status says "enabled": a pod whose record can't be written
+        # (the state dir's filesystem full, read-only) is never reported enrolled, to the
+        # runtime or in its annotation, while a restart could not recover it
+        try:
+            self.state.save(rec)
+        except OSError as e:
+            why = (f"cannot record the pod in the state dir {self.state.dir}: "
+                   f"{e.strerror or e} (errno {e.errno})")
+            rec.fail(Step.STATE, why, status=PodState.PENDING)
+            raise EnrollmentError(f"{rec.label()}: {why}; will retry", True) from None
+        rec.steps[Step.STATE] = True
         if not await self.set_status(rec, "enabled"):
             rec.fail(Step.STATUS, "status annotation patch failed", status=PodState.PENDING)
             raise EnrollmentError(f"{rec.label()}: could not write status annotation; "
                                   "will retry", True)
         rec.steps[Step.STATUS] = True
         rec.enabled()
-        self.state.save(rec)
 
     async def set_status(self, rec: PodRecord, value: str | None) -> bool:
         """Write ``ambient.istio.io/redirection`` (None removes it) through the config

@@ -479,7 +479,11 @@ class Enrollment(Component):
                 rec.ips = list(ips)
                 log.info("%s: pod IPs now known (%s)", rec.label(), ", ".join(ips))
                 if rec.status == PodState.ENABLED:
-                    self.state.save(rec)
+                    try:
+                        self.state.save(rec)
+                    except OSError as e:  # kept in memory; the next save writes them
+                        log.warning("%s: cannot record its IPs in the state dir %s: %s",
+                                    rec.label(), self.state.dir, e.strerror or e)
             try:
                 await self.dataplane.blocking(host_rules.add_pod, uid, ips)
             except (RulesError, OSError, ValueError) as e:

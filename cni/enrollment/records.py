@@ -32,7 +32,8 @@ class PodState(enum.StrEnum):
     """Where one pod's enrollment stands.
 
     ``PENDING``: started, or a retryable step failed (rules kept: fail closed; retried).
-    ``ENABLED``: every :class:`Step` succeeded (only then is the record persisted).
+    ``ENABLED``: every :class:`Step` succeeded (the record is persisted before the
+    status step).
     ``FAILED``: a permanent failure for this ADD (netns unusable, rules refused).
     ``NETNS_MISSING``: recovered at restart but its netns was not found (retried).
     """
@@ -50,6 +51,7 @@ class Step(enum.StrEnum):
     RULES = "rules"
     ZDS = "zds"
     HOSTSET = "hostset"
+    STATE = "state"  # the record written under <state_dir>/pods/
     STATUS = "status"
 
 

@@ -75,7 +75,8 @@ async def test_add_success_runs_every_step_and_persists(rig, state_dir):
     await rig.enrollment.enroll(event())
     rec = rig.enrollment.pods()[UID]
     assert rec.status is PodState.ENABLED and rec.error == ""
-    assert rec.steps == {Step.RULES: True, Step.ZDS: True, Step.HOSTSET: True, Step.STATUS: True}
+    assert rec.steps == {Step.RULES: True, Step.ZDS: True, Step.HOSTSET: True, Step.STATE: True,
+                         Step.STATUS: True}
     assert rig.netns.rules_at(NETNS) is not None
     pod, wait_ack = rig.zds.adds[-1]
     assert (pod.uid, pod.name, pod.namespace, wait_ack) == (UID, "web", "shop", True)
