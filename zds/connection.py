@@ -6,16 +6,21 @@ log lines and the API's answers.
 - Snapshot: sent by a thread of its own with blocking socket calls, the kernel's
   ``SO_SNDTIMEO``/``SO_RCVTIMEO`` bounding each write and ack wait. 1,000 pods are
   1,001 round trips; on the event loop each would also pay an epoll wake-up and a loop
-  iteration. The thread holds :data:`zds.pods.FD_LOCK` from looking a pod up to
-  ``sendmsg`` having taken its fd (sent with ``MSG_DONTWAIT``; a full buffer is waited
-  out without the lock), so the loop can't close that fd under the send. The loop stays
-  free; live updates queue in the session. Metrics of the snapshot are added on the
-  loop once it is done. Stopping shuts the socket down, which ends the thread's
-  blocking read.
+  iteration. The thread owns the session from its start until its result is back on
+  the loop (:mod:`zds.session`, "Ownership"): live updates submitted meanwhile wait in
+  the connection and go to the session after the hand-back; a stop sets a flag and
+  shuts the socket down, which ends the thread's blocking read, and the thread closes
+  the session itself. The thread holds :data:`zds.pods.FD_LOCK` from looking a pod up
+  to ``sendmsg`` having taken its fd (sent with ``MSG_DONTWAIT``; a full buffer is
+  waited out without the lock), so the loop can't close that fd under the send. The
+  loop stays free. Metrics of the snapshot are added on the loop once it is done.
 - Live: one reader stays registered for the connection's life (EOF is seen at once,
   no ``epoll_ctl`` per message); an update is written in the same loop step it is
   submitted when nothing is in flight; one timer follows the session's deadline,
   re-armed only when it fires.
+
+One send path (:func:`_try_send`) and one mapping of I/O failures to session inputs
+(:meth:`ZdsConnection._io_failed`) serve both the thread and the loop.
 """
 
 from __future__ import annotations
@@ -62,6 +67,16 @@ def _poll_writable(sock: socket.socket, seconds: float) -> bool:
     return bool(poller.poll(seconds * 1000))
 
 
+def _try_send(sock: socket.socket, message: Message, flags: int = 0) -> bool:
+    """Write ``message`` (its packet and netns fd) now: True when written, False when the
+    socket buffer is full. Raises OSError (EPIPE, ...)."""
+    try:
+        sock.sendmsg([message.data], message.rights, flags)
+        return True
+    except (BlockingIOError, InterruptedError):
+        return False
+
+
 def _shutdown(sock: socket.socket) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)
@@ -95,6 +110,11 @@ class ZdsConnection:
         self._blocked_timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._stopping: Closed | None = None  # the Closed of a stop during the snapshot
+        # True while the snapshot thread owns the session: submits wait in _held, a stop
+        # sets _stop_asked (read by the thread) instead of touching the session
+        self._thread_owns = False
+        self._held: list[Update] = []
+        self._stop_asked = False
         self._finished = False
         self._m_sent = {k: metrics.messages.labels(k, "sent")
                         for k in ("add", "keep", "del", "snapshot_sent")}
@@ -132,7 +152,8 @@ class ZdsConnection:
 
     def debug_state(self) -> dict:
         return {"id": self.id, "peer_pid": self.peer_pid, "version": self.version,
-                "connected_at": self.connected_at, "snapshot_sent": self.snapshot_sent, "queued": self.session.queued,
+                "connected_at": self.connected_at, "snapshot_sent": self.snapshot_sent,
+                "queued": len(self._held) if self._thread_owns else self.session.queued,
                 "last_keepalive": self.last_keepalive,
                 "holds": dict(sorted(dict(self.held).items()))}
 
@@ -155,6 +176,9 @@ class ZdsConnection:
         fut.add_done_callback(gave_up)
         if self._finished:
             raise NotSent(f"connection {self.id} is closed")
+        if self._thread_owns:  # the snapshot thread has the session: handed over after
+            self._held.append(update)
+            return fut
         self.session.submit(update)
         if self._reading:
             self._pump()
@@ -195,12 +219,10 @@ class ZdsConnection:
                     if closed is not None or session.state is State.CLOSED:
                         return closed
                 continue
-            except wire.WireError as e:
-                return session.receive_failed(str(e))
-            except OSError as e:
-                return session.receive_failed(str(e), reset=e.errno in _RESET)
+            except (wire.WireError, OSError) as e:
+                return self._io_failed(e)
             if packet is None:
-                return session.receive_eof()
+                return self._io_failed(None)
             event = session.receive(packet.data, clock())
             if isinstance(event, HelloReceived):
                 self.metrics.messages.labels("hello", "received").inc()
@@ -233,22 +255,24 @@ class ZdsConnection:
         self.sock.setblocking(True)
         _set_io_timeouts(self.sock, self.session.ack_timeout)
         thread = threading.Thread(target=worker, name=f"zds-snapshot-{self.id}", daemon=True)
+        self._thread_owns = True  # the hand-over: from here the thread alone drives it
         thread.start()
         try:
             outcome = await asyncio.shield(done)
         except asyncio.CancelledError:
-            stopping = self.session.close("server stopping")
+            self._stop_asked = True  # the thread closes the session ("server stopping")
             _shutdown(self.sock)
             outcome = await done
-            self._stopping = stopping or (outcome if isinstance(outcome, Closed) else None)
+            self._take_back()
+            self._stopping = outcome if isinstance(outcome, Closed) else None
             raise
-        finally:
-            if self.session.state is not State.CLOSED:
-                try:
-                    _set_io_timeouts(self.sock, 0)
-                    self.sock.setblocking(False)
-                except OSError:
-                    pass
+        self._take_back()
+        if self.session.state is not State.CLOSED:
+            try:
+                _set_io_timeouts(self.sock, 0)
+                self.sock.setblocking(False)
+            except OSError:
+                pass
         if isinstance(outcome, BaseException):
             raise outcome
         if isinstance(outcome, SnapshotDone):
@@ -258,30 +282,42 @@ class ZdsConnection:
             return outcome
         return self.session.close("snapshot ended")
 
+    def _take_back(self) -> None:
+        """The thread is done (its result is on the loop): the loop owns the session
+        again and gives it the updates submitted meanwhile, in order."""
+        self._thread_owns = False
+        held, self._held = self._held, []
+        for update in held:
+            try:
+                self.session.submit(update)
+            except NotSent as e:  # closed during the snapshot: the caller goes elsewhere
+                self._fail(update, NotSent(f"connection {self.id} closed: {e}"))
+
     def _snapshot_blocking(self) -> Event | None:
         """The snapshot thread: send, read the ack, feed the session, until it says
         :class:`SnapshotDone` or :class:`Closed` (None: closed from the loop)."""
         session, sock, lock, clock = self.session, self.sock, FD_LOCK, time.perf_counter
-        sendmsg, recvmsg = sock.sendmsg, sock.recvmsg
+        recvmsg = sock.recvmsg
         dontwait, cloexec = socket.MSG_DONTWAIT, wire.MSG_CMSG_CLOEXEC
         size, cmsg_size = wire.MAX_MESSAGE, wire.FD_CMSG_SPACE
         timeout = session.ack_timeout
         t0 = clock()
         while True:
+            if self._stop_asked:
+                return session.close("server stopping")
             while True:
                 with lock:  # the fd stays open (and ours) until sendmsg has taken it
                     message = session.next_request()
-                    if not isinstance(message, Message):
-                        return None  # closed from the loop (no Withdrawn in a snapshot)
+                    if not isinstance(message, Message):  # never in SNAPSHOT: a bug
+                        return session.close("snapshot ended")
                     try:
-                        sendmsg([message.data], message.rights, dontwait)
-                        break
-                    except BlockingIOError:
-                        pass  # buffer full: wait for room below, not holding the lock
+                        if _try_send(sock, message, dontwait):
+                            break
                     except OSError as e:
-                        return session.send_failed(message, e.strerror or str(e))
+                        return self._io_failed(e, message)
+                # buffer full: wait for room, not holding the lock
                 if not _poll_writable(sock, t0 + timeout - clock()):
-                    return session.not_writable(message)
+                    return self._io_failed(None, message)
             session.sent(message, t0)
             while True:
                 try:
@@ -292,14 +328,14 @@ class ZdsConnection:
                         return closed
                     continue
                 except OSError as e:
-                    return session.receive_failed(str(e))
+                    return self._io_failed(e)
                 break
             if anc or flags or not data:
                 try:
                     if wire.check_received(data, anc, flags, max_fds=0) is None:
-                        return session.receive_eof()
+                        return self._io_failed(None)  # EOF
                 except wire.WireError as e:
-                    return session.receive_failed(str(e))
+                    return self._io_failed(e)
             t0 = clock()  # the ack's time, and the next send's
             event = session.receive(data, t0)
             if event is None:
@@ -364,10 +400,10 @@ class ZdsConnection:
             except (BlockingIOError, InterruptedError):
                 break
             except (wire.WireError, OSError) as e:
-                self._handle(session.receive_failed(str(e)))
+                self._handle(self._io_failed(e))
                 return
             if packet is None:
-                self._handle(session.receive_eof())
+                self._handle(self._io_failed(None))
                 return
             event = session.receive(packet.data, clock())
             if isinstance(event, Closed) and event.unexpected:
@@ -387,12 +423,11 @@ class ZdsConnection:
                 self._fail(item.update, ZdsError(item.reason))
                 continue
             try:
-                self.sock.sendmsg([item.data], item.rights)
-            except (BlockingIOError, InterruptedError):
-                self._wait_writable(item)
-                return
+                if not _try_send(self.sock, item):
+                    self._wait_writable(item)
+                    return
             except OSError as e:
-                self._handle(session.send_failed(item, e.strerror or str(e)))
+                self._handle(self._io_failed(e, item))
                 return
             session.sent(item, time.perf_counter())
             self._m_sent[item.kind].inc()
@@ -423,7 +458,27 @@ class ZdsConnection:
         message = self._blocked
         self._unblock()
         if message is not None:
-            self._handle(self.session.not_writable(message))
+            self._handle(self._io_failed(None, message))
+
+    def _io_failed(self, error: OSError | wire.WireError | None,
+                   message: Message | None = None) -> Closed | None:
+        """The one mapping of an I/O outcome to the session's input, for the thread and
+        the loop alike: with ``message``, writing it failed (``error``) or the socket
+        stayed full (``error`` None); without, reading failed (a framing
+        :class:`~zds.wire.WireError`, or a socket error; ECONNRESET/EPIPE is a reset) or
+        hit EOF (``error`` None). After a stop was asked, any of them is that stop."""
+        session = self.session
+        if self._stop_asked:
+            return session.close("server stopping")
+        if message is not None and error is None:
+            return session.not_writable(message)
+        if error is None:
+            return session.receive_eof()
+        if isinstance(error, wire.WireError):
+            return session.receive_failed(str(error))
+        if message is not None:
+            return session.send_failed(message, error.strerror or str(error))
+        return session.receive_failed(str(error), reset=error.errno in _RESET)
 
     def _handle(self, event: Event | None) -> bool:
         """Apply a live event; False once the connection is closed."""

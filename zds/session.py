@@ -33,11 +33,21 @@ and the next snapshot carries the pod.
 Inputs take ``now``, seconds on the driver's monotonic clock (``time.perf_counter``).
 :meth:`ZdsSession.deadline` says when to feed :meth:`ZdsSession.timeout` next.
 
-Threads: the driver may run the SNAPSHOT exchange (:meth:`~ZdsSession.next_request`,
-:meth:`~ZdsSession.sent`, :meth:`~ZdsSession.receive` and the failure inputs) on a
-thread of its own while its event loop calls :meth:`~ZdsSession.submit` and
-:meth:`~ZdsSession.close`. Those two and every state change take the session's lock;
-the per-message path takes none.
+Ownership: a session has exactly one owner at a time, the only caller of its inputs
+(:meth:`~ZdsSession.receive`, :meth:`~ZdsSession.next_request`, :meth:`~ZdsSession.sent`,
+the failure inputs, :meth:`~ZdsSession.timeout`, :meth:`~ZdsSession.submit`,
+:meth:`~ZdsSession.close`), and it takes no lock. The driver owns it on its event loop,
+hands it to its snapshot thread for SNAPSHOT (the thread starting is the hand-over) and
+takes it back when the thread's result arrives on the loop; what the loop is asked
+meanwhile (a submit, a stop) it keeps and applies after taking the session back. Others
+may read ``state``, ``version`` and ``held`` (each a single reference, replaced whole).
+
+Every input is defined in every state, in any order the owner calls them: after CLOSED
+each is a no-op returning None (:meth:`~ZdsSession.submit` raises :class:`NotSent`), so
+``next_request`` → ``close`` → ``sent`` is harmless. :meth:`~ZdsSession.sent` must name
+what :meth:`~ZdsSession.next_request` returned last (ValueError otherwise: a driver bug).
+Every submitted update ends exactly once: in an :class:`Acked`, a :class:`Withdrawn`, or
+the :class:`Closed` (``in_flight`` or ``queued``), or skipped when abandoned.
 """
 
 from __future__ import annotations
@@ -46,7 +56,6 @@ import collections
 import dataclasses
 import enum
 import logging
-import threading
 from typing import Generic, Literal, TypeVar
 
 from zds import wire
@@ -182,7 +191,7 @@ class ZdsSession:
         # thread never iterates a dict that is growing.
         self.held: dict[str, str] = {}
         self.last_keepalive: float | None = None
-        self._lock = threading.Lock()
+        self._offered: Message | None = None  # what next_request returned last
         self._hello_deadline = now + hello_timeout
         self._idle_since = now
         self._flight: Message | None = None
@@ -231,15 +240,20 @@ class ZdsSession:
         request (looked up again: a snapshot pod deleted meanwhile is skipped)."""
         if self._flight is not None:
             return None
+        self._offered = None
         state = self.state
         if state is _SNAPSHOT:
             uids, get = self._snap_uids, self.pods.get
             while self._snap_next < len(uids):
                 record = get(uids[self._snap_next])
                 if record is not None and record.sendable:
+                    self._offered = record
                     return record
                 self._snap_next += 1  # deleted since the snapshot started: never announce it
-            return SNAPSHOT_SENT if self._snap_next == len(uids) else None
+            if self._snap_next == len(uids):
+                self._offered = SNAPSHOT_SENT
+                return SNAPSHOT_SENT
+            return None
         if state is not State.LIVE:
             return None
         queue = self._queue
@@ -250,6 +264,7 @@ class ZdsSession:
                 continue
             record = update.record
             if record is None:
+                self._offered = update.message
                 return update.message
             if not self.pods.current(record):
                 queue.popleft()
@@ -259,14 +274,23 @@ class ZdsSession:
                 queue.popleft()
                 return Withdrawn(update, f"pod {update.uid} has no netns: ztunnel takes "
                                          "KeepWorkload only in a snapshot")
+            self._offered = record
             return record
         return None
 
     def sent(self, message: Message, now: float) -> None:
-        """``message`` (what :meth:`next_request` returned) was written at ``now``; it is
-        in flight until :meth:`receive` gets its ack."""
+        """``message`` (what :meth:`next_request` returned last) was written at ``now``;
+        it is in flight until :meth:`receive` gets its ack. A no-op when CLOSED (the
+        session ended between asking and writing). Raises ValueError for any other
+        message, or one already sent."""
+        state = self.state
+        if state is State.CLOSED:
+            return
+        if message is not self._offered or self._flight is not None:
+            raise ValueError(f"sent({message!r}): not the request next_request returned")
+        self._offered = None
         self._flight, self._flight_at = message, now
-        if self.state is _SNAPSHOT:
+        if state is _SNAPSHOT:
             self._snap_sent[message.kind] += 1
             self._snap_next += 1
         else:
@@ -281,7 +305,7 @@ class ZdsSession:
         hello, bad ack, unexpected packet), or None (a snapshot pod acked)."""
         message = self._flight
         if message is None:
-            return self._unasked(data, now)
+            return self._unasked(data, now)  # CLOSED included: nothing is in flight
         if data == _ACK_OK:
             error = ""
         else:
@@ -315,12 +339,9 @@ class ZdsSession:
                 hello = wire.decode_hello(data)
             except wire.WireError as e:
                 return self._close(str(e), pre_hello=True)
-            with self._lock:
-                if self.state is not State.HELLO:
-                    return None  # closed meanwhile
-                self.version = int(hello.version)
-                self._snap_uids = self.pods.uids()
-                self.state = State.SNAPSHOT
+            self.version = int(hello.version)
+            self._snap_uids = self.pods.uids()
+            self.state = State.SNAPSHOT
             self._idle_since = now
             return HelloReceived(self.version)
         if self.state is State.CLOSED:
@@ -354,21 +375,24 @@ class ZdsSession:
         return self._close(f"keepalive: {error}", said_hello=True)
 
     def send_failed(self, message: Message, error: str) -> Closed | None:
-        """``sendmsg`` of ``message`` failed with ``error`` (EPIPE, ...). Its update is
-        reported as ``in_flight`` (its caller gets the error, as upstream's)."""
-        return self._write_failed(message, self._close(
+        """``sendmsg`` of ``message`` failed with ``error`` (EPIPE, ...). In LIVE its
+        update is reported as ``in_flight`` (its caller gets the error, as upstream's)."""
+        live = self.state is State.LIVE
+        return self._write_failed(message, live, self._close(
             f"{message.what()}: sendmsg: {error}", said_hello=True))
 
     def not_writable(self, message: Message) -> Closed | None:
         """The socket stayed full for ``ack_timeout`` seconds while ``message`` waited
-        (a write timeout: its update is reported as ``in_flight``)."""
-        return self._write_failed(message, self._close(
+        (a write timeout: in LIVE its update is reported as ``in_flight``)."""
+        live = self.state is State.LIVE
+        return self._write_failed(message, live, self._close(
             f"{message.what()}: socket not writable within {self.ack_timeout:g}s",
             timeout=True, said_hello=True))
 
     @staticmethod
-    def _write_failed(message: Message, closed: Closed | None) -> Closed | None:
-        if closed is not None and closed.queued and closed.queued[0].message is message:
+    def _write_failed(message: Message, live: bool, closed: Closed | None) -> Closed | None:
+        if (live and closed is not None and closed.queued
+                and closed.queued[0].message is message):
             closed.in_flight = closed.queued.pop(0)
         return closed
 
@@ -397,10 +421,9 @@ class ZdsSession:
     def submit(self, update: Update) -> None:
         """Queue a live add/del (sent once LIVE, in order). Raises :class:`NotSent` when
         CLOSED."""
-        with self._lock:
-            if self.state is State.CLOSED:
-                raise NotSent("connection is closed")
-            self._queue.append(update)
+        if self.state is State.CLOSED:
+            raise NotSent("connection is closed")
+        self._queue.append(update)
 
     def close(self, reason: str, level: int = logging.INFO) -> Closed | None:
         """End the session from our side (server stopping). None if already CLOSED."""
@@ -409,11 +432,8 @@ class ZdsSession:
     # ------------------------------------------------------------------ internals
 
     def _snapshot_done(self) -> SnapshotDone | Closed | None:
-        with self._lock:
-            if self.state is not State.SNAPSHOT:
-                return None  # closed meanwhile
-            self.held = self._snap_held
-            self.state = State.LIVE
+        self.held = self._snap_held
+        self.state = State.LIVE
         sent, self._snap_sent = self._snap_sent, {}
         latencies, self._snap_latencies = self._snap_latencies, []
         self._snap_uids, self._snap_held = [], {}
@@ -422,14 +442,13 @@ class ZdsSession:
     def _close(self, reason: str, *, level: int = logging.WARNING, timeout: bool = False,
                pre_hello: bool = False, unexpected: bool = False,
                said_hello: bool = False) -> Closed | None:
-        with self._lock:
-            if self.state is State.CLOSED:
-                return None
-            self.state = State.CLOSED
-            queued = list(self._queue)
-            self._queue.clear()
+        if self.state is State.CLOSED:
+            return None
+        self.state = State.CLOSED
+        queued = list(self._queue)
+        self._queue.clear()
         in_flight, self._flight_update = self._flight_update, None
-        self._flight = None
+        self._flight = self._offered = None
         return Closed(reason, level, timeout, pre_hello, unexpected, said_hello, in_flight,
                       queued)
 

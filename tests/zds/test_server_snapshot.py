@@ -10,6 +10,7 @@ alone is unit-tested in ``test_session.py``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import threading
@@ -179,3 +180,52 @@ async def test_live_add_without_netns_is_refused_and_never_sent_as_keep(nsfd):
         async with running_client(server.path) as client:
             await client.wait_snapshot(timeout=3)
             assert client.snapshot_set == {"k", "a"}
+
+
+async def test_the_snapshot_thread_alone_drives_the_session(nsfd, caplog):
+    """Issue 28: the loop never touches a session its snapshot thread owns. A live add
+    submitted while the thread waits for an ack waits in the connection (the session's
+    own queue stays empty) and goes out after SnapshotSent; a stop while the thread waits
+    is carried out by the thread ("server stopping"), and the add's caller is told."""
+    caplog.set_level(logging.INFO, logger="zds")
+    async with running_server(ztunnel_wait=3) as server:
+        await server.add(pod("p0", nsfd), wait_ack=False)
+        peer = RawPeer(server.path)
+        try:
+            await peer.hello()
+            kind, uid, fds = await peer.recv()  # in flight: the thread waits for its ack
+            for fd in fds:
+                os.close(fd)
+            assert (kind, uid) == ("add", "p0")
+            [conn] = server.connections
+            adding = asyncio.create_task(server.add(pod("live", nsfd)))
+            await eventually(lambda: conn.debug_state()["queued"] == 1)
+            assert conn.session.queued == 0  # held by the connection, not the session
+            await peer.send(wire.ACK_OK)
+            assert await peer.read_snapshot() == [("snapshot_sent", "")]
+            assert await peer.recv_and_ack() == ("add", "live")  # handed over, then sent
+            await asyncio.wait_for(adding, 3)
+        finally:
+            peer.close()
+
+        await server.add(pod("p1", nsfd), wait_ack=False)
+        peer = RawPeer(server.path)
+        try:
+            await peer.hello()
+            await eventually(lambda: len(server.connections) == 1)
+            got = await peer.recv()  # the thread waits for this ack
+            assert got is not None
+            for fd in got[2]:
+                os.close(fd)
+            [conn] = server.connections
+            adding = asyncio.create_task(server.add(pod("late", nsfd), ztunnel_wait=0.5))
+            await eventually(lambda: conn.debug_state()["queued"] == 1)
+            conn.task.cancel()  # what stop does to each connection
+            await asyncio.gather(conn.task, return_exceptions=True)
+            with pytest.raises(ZdsError):
+                await asyncio.wait_for(adding, 3)  # told, never left waiting
+        finally:
+            peer.close()
+    assert not [r for r in caplog.records if "internal error" in r.getMessage()
+                or r.exc_info]
+    assert any("closed: server stopping" in r.getMessage() for r in caplog.records)
