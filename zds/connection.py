@@ -294,8 +294,9 @@ class ZdsConnection:
                 self._fail(update, NotSent(f"connection {self.id} closed: {e}"))
 
     def _snapshot_blocking(self) -> Event | None:
-        """The snapshot thread: send, read the ack, feed the session, until it says
-        :class:`SnapshotDone` or :class:`Closed` (None: closed from the loop)."""
+        """The snapshot thread, owner of the session until it returns: send, read the
+        ack, feed the session, until it says :class:`SnapshotDone` or :class:`Closed`
+        (a stop asked by the loop is a Closed "server stopping" made here)."""
         session, sock, lock, clock = self.session, self.sock, FD_LOCK, time.perf_counter
         recvmsg = sock.recvmsg
         dontwait, cloexec = socket.MSG_DONTWAIT, wire.MSG_CMSG_CLOEXEC
