@@ -71,19 +71,35 @@ def agent_argv(state, node_netns: str, **ports: str) -> tuple[list[str], dict]:
     return argv, env
 
 
+PORT_FLAGS = ("--status-port", "--health-port", "--xds-port")
+
+
 def start_agent(argv: list[str], env: dict, state) -> subprocess.Popen:
-    """Start the agent and wait until its sockets exist; the caller kills it if needed."""
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        if EXPECTED_SOCKETS <= sockets_under(str(state)):
-            return proc
-        time.sleep(0.2)
-    out = proc.stdout.read() if proc.poll() is not None else ""
-    proc.kill()
-    proc.wait()
-    raise AssertionError(f"agent did not come up: {sockets_under(str(state))} {out}")
+    """Start the agent and wait until its sockets exist; the caller kills it if needed.
+
+    A free port chosen by :func:`agent_argv` may be taken by another process of this
+    shared machine before the agent binds it: the agent then refuses to start ("Address
+    already in use", nothing touched), and it is started again on fresh ports, written
+    into ``argv`` in place (read ports from ``argv`` after this returns)."""
+    for attempt in range(3):
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            if EXPECTED_SOCKETS <= sockets_under(str(state)):
+                return proc
+            time.sleep(0.2)
+        out = proc.stdout.read() if proc.poll() is not None else ""
+        proc.kill()
+        proc.wait()
+        if "Address already in use" in out and attempt < 2:
+            for flag in PORT_FLAGS:
+                i = argv.index(flag) + 1
+                if argv[i] != "0":
+                    argv[i] = str(free_port())
+            continue
+        raise AssertionError(f"agent did not come up: {sockets_under(str(state))} {out}")
+    raise AssertionError("unreachable")
 
 
 @ROOT_ONLY

@@ -107,8 +107,8 @@ def test_running_agent_has_no_created_series_unless_asked(tmp_path, node_netns, 
     argv, env = agent_argv(state, node_netns)
     if asked:
         env["AMBIENT_AGENT_METRICS_CREATED_SERIES"] = "true"
-    port = argv[argv.index("--status-port") + 1]
     proc = start_agent(argv, env, state)
+    port = argv[argv.index("--status-port") + 1]  # after: a retry may have changed it
     try:
         body = _scrape(port)
         assert "istio_agent_scrapes_total" in body and "istio_cni_plugin_requests" in body
