@@ -24,7 +24,9 @@ ready, else 503 ``Service Unavailable: <reason>`` (not latched).
 ``admin_socket`` (``<state dir>/admin.sock``, mode 0600, so root only; the peer's
 ``SO_PEERCRED`` uid must also be root or the agent's own): ``POST /quitquitquit``,
 ``POST /drain`` (POST only, 405), ``/debug/...`` JSON (:mod:`agent.status.debug`),
-``/healthz/ready``. ``ambient-agent status`` reads it.
+``/healthz/ready``, ``POST /logging[?level=SPEC][&reset]`` (ztunnel's admin ``/logging``:
+list, change or reset the log levels without a restart; :func:`agent.core.logsetup.change_levels`).
+``ambient-agent status`` and ``ambient-agent log-level`` read it.
 
 Every listener is bounded (:mod:`agent.core.listeners`): ``status_idle_timeout`` for idle
 connections and unfinished headers; the TCP ports hold at most ``status_max_connections`` /
@@ -46,7 +48,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import Gauge
 
-from agent.core import fdbudget, listeners, unixsocket
+from agent.core import fdbudget, listeners, logsetup, unixsocket
 from agent.core.config import ConfigError
 from agent.core.lifecycle import AgentContext, Component
 from agent.core.appprobes import AppProbe, ProberConfigError, parse_probers
@@ -350,8 +352,28 @@ class StatusServer(Component):
         app.router.add_route("*", "/quitquitquit", self._quit)
         app.router.add_route("*", "/drain", self._drain)
         app.router.add_route("*", "/healthz/ready", self._ready)
+        app.router.add_route("*", "/logging", self._logging)
         debug.add_routes(app, self.ctx, self.mesh)
         return app
+
+    async def _logging(self, request: web.Request) -> web.Response:
+        """ztunnel's ``/logging``: POST lists the levels; ``?level=SPEC`` changes the named
+        scopes (``zds=debug,sds:warn``; a bare level is the default); ``?reset`` returns to
+        the start-up levels first. Answers ``current log level is SPEC``; a bad spec → 400
+        naming the clause, nothing changed; not POST → 405."""
+        if request.method != "POST":
+            raise web.HTTPMethodNotAllowed(request.method, ["POST"])
+        spec = request.query.get("level", "")
+        reset = "reset" in request.query
+        if spec or reset:
+            try:
+                levels = logsetup.change_levels(spec, reset=reset)
+            except ValueError as e:
+                return web.Response(status=400, text=f"invalid level {spec!r}: {e}\n")
+            log.info("log levels now %s (admin socket)", logsetup.format_levels(levels))
+        else:
+            levels = logsetup.current_levels()
+        return web.Response(text=f"current log level is {logsetup.format_levels(levels)}\n")
 
     # --- node agent health port (istio-cni healthServer.go) --------------------------
 
