@@ -18,6 +18,9 @@ Three aiohttp listeners (``docs/status.md``):
   reconfigure or expose the agent.
 - anything else → 404.
 
+``monitoring_port`` (15014; 0: off), on ``status_address``: istio-cni's ``/metrics``, its
+node-agent families under upstream's names only (:mod:`agent.status.monitoring`).
+
 ``health_port`` (8000): ``/healthz`` always 200; ``/readyz`` 200 when every component is
 ready, else 503 ``Service Unavailable: <reason>`` (not latched).
 
@@ -54,7 +57,7 @@ from agent.core.lifecycle import AgentContext, Component
 from agent.core.appprobes import AppProbe, ProberConfigError, parse_probers
 from agent.core.peercred import peer_cred
 from agent.core.scrapetargets import AnnotationsError, ScrapeTarget, parse_annotations
-from agent.status import debug, metrics_merge, probes
+from agent.status import debug, metrics_merge, monitoring, probes
 from agent.status.access import is_loopback
 from agent.status.compression import compress_large
 from agent.status.readiness import EnvoyReadiness
@@ -110,6 +113,7 @@ class StatusServer(Component):
         self.sites: dict[str, listeners.BoundedTCPSite] = {}
         listeners.ListenerMetrics.of(ctx.registry)  # registered at build, like every metric
         self.admin_socket = ""
+        self.monitoring_port = 0  # bound port of istio-cni's /metrics (0: off)
         self._session: aiohttp.ClientSession | None = None
 
     # --- configuration ---------------------------------------------------------------
@@ -149,6 +153,12 @@ class StatusServer(Component):
             health_runner = await self._serve(self._health_app(), host, cfg.health_port,
                                               "health", caps["health_max_connections"])
             self.health_port = _bound_port(health_runner)
+            if cfg.monitoring_port:
+                setting = "monitoring_port"
+                monitoring_runner = await self._serve(
+                    monitoring.app(self.ctx.registry), host, cfg.monitoring_port,
+                    "monitoring", caps["health_max_connections"])
+                self.monitoring_port = _bound_port(monitoring_runner)
             setting = "admin_socket"
             await self._serve_admin(cfg.admin_socket)
         except OSError as e:
@@ -209,7 +219,7 @@ class StatusServer(Component):
                 pass
             self.admin_socket = ""
         self.sites = {}
-        self.port = 0
+        self.port = self.monitoring_port = 0
 
     def ready(self) -> tuple[bool, str]:
         return (True, "") if self.port else (False, "not listening")
@@ -217,6 +227,7 @@ class StatusServer(Component):
     def debug_state(self) -> Any:
         return {
             "port": self.port, "health_port": self.health_port,
+            "monitoring_port": self.monitoring_port,
             "admin_socket": self.admin_socket,
             "connections": {name: {"open": site.open_connections,
                                    "cap": site.max_connections, "refused": site.refused}

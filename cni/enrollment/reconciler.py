@@ -26,6 +26,7 @@ from typing import Any
 from agent.core import netns as netns_mod
 from agent.core.lifecycle import AgentContext, Component
 from cni import annotate
+from cni.enrollment import metrics as metrics_mod
 from cni.enrollment import recovery as recovery_mod
 from cni.enrollment.api import NetnsOps, ProbeSet, RegisteredPods, ZdsChannel
 from cni.enrollment.dataplane import ADD, RETRY, Dataplane, rollback_outcome
@@ -85,6 +86,7 @@ class Enrollment(Component):
                                   name="enroll-retry")
         self.recovery = recovery_mod.Recovery(self)
         self._started = False
+        self.metrics = metrics_mod.of(ctx.registry)
         self.live: LivePods | None = None  # running pods following their labels
         self._enrolling: dict[str, asyncio.Task] = {}  # uid -> task inside enroll()
         # sandboxes of running pods the CNI ADD found not ambient: key -> (netns, ips);

@@ -90,7 +90,7 @@ def test_demo_with_real_ztunnel(tmp_path, readiness_port):
 
 def _demo_args(workdir) -> argparse.Namespace:
     return argparse.Namespace(once=True, runtime="netns", image="", workdir=str(workdir),
-                              status_port=free_port(), health_port=free_port(),
+                              status_port=free_port(), health_port=free_port(), monitoring_port=0,
                               xds_port=free_port(), log_level="warning", ztunnel=ZTUNNEL)
 
 
