@@ -33,6 +33,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     # the operator's kit (issue 27)
     "log-level": ("agent.status.loglevel", "show or change a running agent's log levels "
                   "(SCOPE=LEVEL ...), no restart"),
+    "ztunnel-config": ("agent.status.ztunnelconfig", "ztunnel's workloads, services, policies, "
+                       "certificates or connections (its config_dump) joined with this agent's view"),
 }
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import socket
@@ -105,6 +106,34 @@ async def _eventually(predicate, timeout: float, what: str):
         await asyncio.sleep(0.1)
 
 
+async def _ztunnel_config_joins(demo, zt, pods) -> None:
+    """``ambient-agent ztunnel-config`` against the real ztunnel's admin port and the
+    agent's admin socket: each ambient pod is enrolled here, served by our xDS and acked
+    over ZDS; certificates and connections views read the real dump too."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from agent import cli as agent_cli
+
+    def run(*argv):
+        out, err = io.StringIO(), io.StringIO()
+        with redirect_stdout(out), redirect_stderr(err):
+            code = agent_cli.main(["ztunnel-config", *argv, "--ztunnel-admin",
+                                   f"127.0.0.1:{zt.settings.admin_port}",
+                                   "--socket", demo.config.admin_socket])
+        return code, out.getvalue(), err.getvalue()
+
+    code, out, err = await asyncio.to_thread(run, "workloads", "-o", "json", "-n", "demo")
+    assert code == 0, err
+    by_name = {w["name"]: w for w in json.loads(out)}
+    for pod in pods:
+        assert by_name[pod.name]["agent"] == {"enrolled": "enabled", "xds": True,
+                                              "zds_acked": True}, by_name.get(pod.name)
+    for view in ("services", "policies", "certificates", "connections"):
+        code, out, err = await asyncio.to_thread(run, view)
+        assert code == 0 and out, (view, err)
+
+
 def _open_pod_connection(demo, src, dst_ip: str, port: int) -> socket.socket:
     """A TCP connection made inside ``src``'s netns (so ztunnel captures it); the socket
     stays usable from any thread once connected."""
@@ -151,6 +180,9 @@ async def test_restarts_keep_the_mesh(tmp_path, readiness_port):
         chains = [c for c in dump.get("certificates") or []
                   if c.get("identity", "").endswith(f"/sa/{client.service_account}")]
         _assert_chain_from_root(chains[0], root_pem)
+
+        # ambient-agent ztunnel-config: this ztunnel's view joined with the agent's
+        await _ztunnel_config_joins(demo, zt, [client, server])
 
         # more ambient pods, so a snapshot sent before recovery completes would miss some
         from agent.demo.model import DemoPod
