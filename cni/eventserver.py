@@ -183,7 +183,7 @@ class CniEventServer(Component):
         try:
             body = await listeners.read_body(request)
         except web.HTTPRequestTimeout as e:
-            return e  # type: ignore[return-value]
+            return e
         if len(body) > LOG_BODY_MAX:
             return web.Response(status=413, text=f"plugin log body over {LOG_BODY_MAX} bytes\n")
         try:

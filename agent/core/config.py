@@ -305,7 +305,8 @@ SETTINGS: list[Setting] = [
     Setting("xds_debounce", 0.1, parse_duration, "xDS push debounce: quiet period after an "
             "index change", component="xds"),
     Setting("xds_debounce_max", 1.0, parse_duration, "xDS push debounce: longest delay after "
-            "the first change of a burst", component="xds"),    # --- the operator's kit (issue 27): istio-cni's monitoring port and repair settings ---
+            "the first change of a burst", component="xds"),
+    # --- the operator's kit (issue 27): istio-cni's monitoring port and repair settings ---
     Setting("monitoring_port", 15014, parse_port, "istio-cni's node-agent metrics, upstream's "
             "names, on /metrics of this port (0: off); the status port keeps the merged view",
             env="MONITORING_PORT", component="status"),

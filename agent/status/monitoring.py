@@ -55,7 +55,7 @@ def app(registry: CollectorRegistry) -> web.Application:
 
     async def metrics(request: web.Request) -> web.Response:
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-        body = encoder(view)  # type: ignore[arg-type]
+        body = encoder(view)
         response = web.Response(body=body)
         response.headers["Content-Type"] = content_type
         return response

@@ -147,7 +147,7 @@ class AgentView:
     def __init__(self, doc: dict | None):
         self.present = doc is not None
         doc = doc or {}
-        mesh = doc.get("mesh") if isinstance(doc.get("mesh"), dict) else {}
+        mesh: dict = doc["mesh"] if isinstance(doc.get("mesh"), dict) else {}
         self.workloads = {w.get("uid"): w for w in mesh.get("workloads") or [] if w.get("uid")}
         self.services = {f"{s.get('namespace')}/{s.get('hostname')}"
                          for s in mesh.get("services") or []}
@@ -202,7 +202,7 @@ def _ztunnel_client(xds: Any) -> dict | None:
         return None
     client = max(ztunnels, key=lambda c: c.get("connected_at") or 0)
     types = client.get("types") or {}
-    address = next((t for url, t in types.items() if url.endswith("/istio.workload.Address")),
+    address: dict = next((t for url, t in types.items() if url.endswith("/istio.workload.Address")),
                    next(iter(types.values()), {}))
     return {"stream": client.get("stream"), "peer": client.get("peer"),
             "node_id": client.get("node_id"), "acks": address.get("acks"),

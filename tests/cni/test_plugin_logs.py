@@ -63,7 +63,7 @@ def test_no_agent_costs_no_more_than_the_send_timeout(tmp_path):
     try:
         p = plugin.Plugin({"CNI_COMMAND": "ADD"}, b"", open("/dev/null", "w"))
         p.socket = path
-        for i in range(plugin.LOG_LINES_MAX + 5):
+        for _ in range(plugin.LOG_LINES_MAX + 5):
             p._keep("info", "x" * 5000)
         assert len(p.forward) == plugin.LOG_LINES_MAX and p.dropped == 5
         assert all(len(json.loads(line)["msg"]) == plugin.LOG_LINE_MAX for line in p.forward)
