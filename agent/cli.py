@@ -35,6 +35,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                   "(SCOPE=LEVEL ...), no restart"),
     "ztunnel-config": ("agent.status.ztunnelconfig", "ztunnel's workloads, services, policies, "
                        "certificates or connections (its config_dump) joined with this agent's view"),
+    "cleanup": ("cni.cleanup", "decommission this node (agent stopped): in-pod and host rules, "
+                "sets, the conflist entry, the plugin, state; --dry-run"),
 }
 
 
