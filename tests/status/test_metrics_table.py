@@ -114,6 +114,12 @@ def test_running_agent_has_no_created_series_unless_asked(tmp_path, node_netns, 
         assert "istio_agent_scrapes_total" in body and "istio_cni_plugin_requests" in body
         created = [ln for ln in body.splitlines() if re.match(r"^[a-z_]+_created[{ ]", ln)]
         assert bool(created) == asked, created[:3]
+        # istio-cni's monitoring port of the real daemon: its families, never _created
+        monitoring = argv[argv.index("--monitoring-port") + 1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{monitoring}/metrics", timeout=10) as r:
+            own = r.read().decode()
+        assert "ztunnel_connected" in own and "istio_agent_scrapes_total" not in own
+        assert not [ln for ln in own.splitlines() if re.match(r"^[a-z_]+_created[{ ]", ln)]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
