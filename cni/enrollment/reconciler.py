@@ -217,7 +217,6 @@ class Enrollment(Component):
             "pods": {uid: r.debug() for uid, r in self.records.items()},
             "live": dict(self.live.stats) if self.live is not None else None,
             "annotation_retries": self.status.pending_retries(),
-            "kube_events": self.events.debug_state(),
         }
 
     def pods(self) -> dict[str, PodRecord]:
