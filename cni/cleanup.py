@@ -16,8 +16,8 @@ Removes what the agent put on the node, in this order, each step idempotent:
    root file and the config directory are kept: they are the operator's, not the node's.
 
 It refuses, changing nothing (one line, exit 1): when not root; while an agent runs on
-the state dir (its ``agent.lock`` is held, which names the pid, or its admin socket
-answers); when the plugin in ``cni_bin_dir`` or an ``istio-cni`` conflist entry is not
+the state dir (its ``agent.lock`` is held, which names the pid, or its admin, CNI event
+or ZDS socket answers); when the plugin in ``cni_bin_dir`` or an ``istio-cni`` conflist entry is not
 this agent's (another istio-cni, e.g. upstream's: a binary without our launcher's mark,
 an entry whose ``cni_agent_run_dir`` is not this agent's) unless ``--force``.
 ``--dry-run`` prints what would be removed and changes nothing. Exit 0 when everything
@@ -114,8 +114,9 @@ def _answers(path: str) -> bool:
 
 
 def check_no_agent(config: Any) -> None:
-    """Raises Refused when the admin or CNI event socket answers."""
-    for setting in ("admin_socket", "cni_event_socket"):
+    """Raises Refused when the admin, CNI event or ZDS socket answers (an agent, or
+    another node agent serving ztunnel there)."""
+    for setting in ("admin_socket", "cni_event_socket", "ztunnel_uds_address"):
         path = getattr(config, setting)
         if _answers(path):
             raise Refused(f"an agent answers on {path} ({setting}): stop it first")

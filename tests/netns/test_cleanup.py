@@ -130,6 +130,12 @@ def test_running_agent_and_foreign_plugin_refused(decommissioned, node):
         assert len(err.splitlines()) == 1
     finally:
         os.close(lock)
+    import socket
+    with socket.socket(socket.AF_UNIX) as live:  # an agent without its lock file
+        live.bind(str(state / "admin.sock"))
+        live.listen(1)
+        code, out, err = cleanup(*argv)
+        assert code == 1 and out == "" and "an agent answers on" in err and "admin_socket" in err
     (bindir / "istio-cni").write_bytes(b"\x7fELF upstream binary")
     code, out, err = cleanup(*argv)
     assert code == 1 and out == "" and "was not installed by this agent" in err
