@@ -30,6 +30,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                  "check; exit 1 if any fails)"),
     "cni": ("cni.install", "install or uninstall the istio-cni plugin and its conflist entry"),
     "xds": ("ambient.xds.cli", "dump what a workload xDS server serves (as a ztunnel-like client)"),
+    # the operator's kit (issue 27)
+    "log-level": ("agent.status.loglevel", "show or change a running agent's log levels "
+                  "(SCOPE=LEVEL ...), no restart"),
+    "ztunnel-config": ("agent.status.ztunnelconfig", "ztunnel's workloads, services, policies, "
+                       "certificates or connections (its config_dump) joined with this agent's view"),
+    "cleanup": ("cni.cleanup", "decommission this node (agent stopped): in-pod and host rules, "
+                "sets, the conflist entry, the plugin, state; --dry-run"),
 }
 
 

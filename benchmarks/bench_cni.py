@@ -202,6 +202,7 @@ class RealNode:
                 "cni_plugin_bundle": plugin_bundle(),
                 "ztunnel_uds_address": f"{r}/state/ztunnel.sock",
                 "status_port": str(free_port()), "health_port": str(free_port()),
+                "monitoring_port": "0",
                 "xds_port": str(free_port()), "xds_tls_port": "0",
                 "exclude_namespaces": "kube-system", "log_level": "warn",
                 "shutdown_grace": "3s", "ambient_disable_safe_upgrade": "true",

@@ -215,7 +215,7 @@ def _status_server(conn, envoy_admin_port: int) -> None:
         open(os.path.join(tmp, "no.yaml"), "w").close()
         cfg = agent_config.load({}, {"AMBIENT_AGENT_STATE_DIR": tmp,
                                      "AMBIENT_AGENT_CONFIG_FILE": os.path.join(tmp, "no.yaml")})
-        cfg = cfg.replace(status_port=0, health_port=0, status_address="127.0.0.1",
+        cfg = cfg.replace(status_port=0, health_port=0, monitoring_port=0, status_address="127.0.0.1",
                           envoy_admin_port=envoy_admin_port)
         ctx = AgentContext(cfg)
         for name in ("zds", "sds", "enrollment", "xds"):

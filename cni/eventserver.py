@@ -17,6 +17,13 @@ Routes (the body is a :class:`cni.events.CniPodEvent` JSON):
   the sandbox is being destroyed, so its in-pod rules go with its netns, as upstream's
   ``RemovePodFromMesh(pod, isDelete=true)``). 200 or 500.
 - ``GET /healthz``: 200 while serving, 503 while draining (the plugin's STATUS).
+- ``POST /log``: the plugin's own log lines (upstream's plugin tees its log to the node
+  agent's log socket, ``cni/pkg/log/uds.go``): a JSON array of JSON-encoded objects
+  ``{"level", "time", "msg", ...}``, logged under the scope ``cni.plugin`` at their level
+  with the other fields (``command``, ``container_id``, ``pod``) and the plugin's time
+  appended. At most :data:`LOG_BODY_MAX` bytes (413) and :data:`LOG_LINES_MAX` lines
+  (the rest counted in one line); a line that does not parse is skipped (DEBUG); a body
+  that is not such an array is 400. Always answered at once: the plugin does not wait.
 
 Bounded like every listener (:mod:`agent.core.listeners`): a request body not received in full
 within ``BODY_TIMEOUT`` (10 s) is answered 408 and the connection closed; a connection idle
@@ -57,6 +64,12 @@ log = logging.getLogger(__name__)
 POD_LOOKUP_RETRIES = 10  # Istio: a just-created pod may be missing from a stale cache
 POD_LOOKUP_INTERVAL = 0.01
 IDLE_TIMEOUT = 30.0  # seconds a connection may stay open without a request in progress
+LOG_BODY_MAX = 128 * 1024  # bytes of one /log request
+LOG_LINES_MAX = 64  # lines of one /log request logged; more are counted
+LOG_MSG_MAX = 4096  # characters of one logged plugin message
+PLUGIN_LOG = logging.getLogger("cni.plugin")  # the plugin's own scope, as upstream's "plugin"
+_PLUGIN_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING,
+                  "warning": logging.WARNING, "error": logging.ERROR}
 
 
 class PodEnroller(Protocol):
@@ -109,6 +122,7 @@ class CniEventServer(Component):
         app.router.add_post("/cmdadd", self._handle_add)
         app.router.add_post("/cmddel", self._handle_del)
         app.router.add_get("/healthz", self._handle_healthz)
+        app.router.add_post("/log", self._handle_log)
         parent = os.path.dirname(self.socket_path)
         if not os.path.isdir(parent):
             os.makedirs(parent, mode=0o700, exist_ok=True)
@@ -161,6 +175,30 @@ class CniEventServer(Component):
                 text=f"invalid CNI pod event: field 'command' is {event.command!r} "
                      f"on {request.path}; expected {command!r}")
         return event
+
+    async def _handle_log(self, request: web.Request) -> web.Response:
+        """The plugin's log lines (see the module docstring)."""
+        if request.content_length is not None and request.content_length > LOG_BODY_MAX:
+            return web.Response(status=413, text=f"plugin log body over {LOG_BODY_MAX} bytes\n")
+        try:
+            body = await listeners.read_body(request)
+        except web.HTTPRequestTimeout as e:
+            return e
+        if len(body) > LOG_BODY_MAX:
+            return web.Response(status=413, text=f"plugin log body over {LOG_BODY_MAX} bytes\n")
+        try:
+            lines = json.loads(body)
+        except ValueError as e:
+            return web.Response(status=400, text=f"malformed JSON in plugin log: {e}\n")
+        if not isinstance(lines, list):
+            return web.Response(status=400, text="plugin log: expected a JSON array of log "
+                                                 f"lines, got {type(lines).__name__}\n")
+        for line in lines[:LOG_LINES_MAX]:
+            _log_plugin_line(line)
+        if len(lines) > LOG_LINES_MAX:
+            PLUGIN_LOG.warning("%d more plugin log lines in one request not logged",
+                               len(lines) - LOG_LINES_MAX)
+        return web.Response(text="OK\n")
 
     def _respond(self, command: str, status: int, body: dict | str) -> web.Response:
         self.requests.labels(command, str(status)).inc()
@@ -336,6 +374,26 @@ class CniEventServer(Component):
         if self.ctx.draining:
             return self._respond("STATUS", 503, "draining")
         return self._respond("STATUS", 200, "ok")
+
+
+def _log_plugin_line(line: Any) -> None:
+    """Log one plugin line (a JSON text of ``{"level", "time", "msg", ...}``) under
+    ``cni.plugin``; anything else is one DEBUG line."""
+    try:
+        entry = json.loads(line) if isinstance(line, str) else None
+    except ValueError:
+        entry = None
+    if not isinstance(entry, dict) or not isinstance(entry.get("msg"), str) \
+            or entry.get("level") not in _PLUGIN_LEVELS:
+        log.debug("plugin log line skipped: not {level, time, msg}: %.200r", line)
+        return
+    extra = " ".join(f"{k}={v}" for k, v in entry.items()
+                     if k not in ("level", "time", "msg") and isinstance(v, (str, int, float))
+                     and v != "")
+    when = entry.get("time") if isinstance(entry.get("time"), str) else ""
+    msg = entry["msg"].strip()[:LOG_MSG_MAX]
+    PLUGIN_LOG.log(_PLUGIN_LEVELS[entry["level"]], "%s%s%s", msg,
+                   f" ({extra})" if extra else "", f" [plugin time {when}]" if when else "")
 
 
 def _pod_name(event: CniPodEvent, registration=None) -> str:

@@ -47,7 +47,7 @@ from agent.core import netns as netns_mod
 from cni.podips import normalize_ip
 from cni.rules_common import RulesError
 from cni.rules_iptables_text import Rule, render_restore
-from cni.rules_nftables import run_nft
+from cni.rules_nftables import list_tables, run_nft
 
 log = logging.getLogger(__name__)
 TOOL_TIMEOUT = 60.0
@@ -225,6 +225,33 @@ class HostProbeRules:
                         ips.destroy(name)
                     except NetlinkError:
                         pass  # absent
+
+    def present(self) -> list[str]:
+        """What of ours exists now in the node netns, one line each (``ambient-agent
+        cleanup --dry-run``): the nftables table, else the iptables chain, its jumps and
+        the ipsets. Empty when nothing is there. Raises RulesError."""
+        found: list[str] = []
+        with self._in_netns():
+            if self.backend == "nftables":
+                if self.nft_table in list_tables():
+                    found.append(f"nftables table inet {self.nft_table}")
+                return found
+            for v6 in self._v6s():
+                try:
+                    jumps, has_chain = self._existing_iptables_rules(v6)
+                except (OSError, subprocess.TimeoutExpired):
+                    continue  # that flavor's tools are not installed: nothing of it
+                if has_chain or jumps:
+                    found.append(f"{self._tool(v6, 'save').rsplit('-', 1)[0]} nat chain "
+                                 f"{self.chain} ({len(jumps)} POSTROUTING jump(s))")
+            with self._ipset() as ips:
+                for name, _ in self._sets():
+                    try:
+                        list(ips.list(name))
+                        found.append(f"ipset {name}")
+                    except NetlinkError:
+                        pass
+        return found
 
     def _v6s(self) -> list[bool]:
         return [False, True] if self.ipv6 else [False]

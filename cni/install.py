@@ -220,9 +220,10 @@ class Installer:
         problem = conflist.chain_problem(config, self.entry)
         return f"{primary}: {problem}" if problem else None
 
-    def uninstall(self) -> list[str]:
+    def uninstall(self, dry_run: bool = False) -> list[str]:
         """Remove our entry from every config in ``conf_dir`` (restoring a converted
-        ``.conf``) and the launcher. Returns what was done, one line each."""
+        ``.conf``) and the launcher. Returns what was done, one line each; ``dry_run``:
+        what would be done, nothing changed."""
         done: list[str] = []
         try:
             names = sorted(os.listdir(self.conf_dir))
@@ -243,7 +244,10 @@ class Installer:
                 continue
             restored, as_conf = conflist.remove(config)
             mode = os.stat(path).st_mode & 0o777
-            if as_conf:
+            if dry_run:
+                done.append(f"restore {path[:-len('.conflist')]}.conf (remove istio-cni from "
+                            f"{path})" if as_conf else f"remove istio-cni from {path}")
+            elif as_conf:
                 conf_path = path[:-len(".conflist")] + ".conf"
                 write_atomic(conf_path, conflist.dumps(restored), mode)
                 os.unlink(path)
@@ -252,11 +256,13 @@ class Installer:
                 write_atomic(path, conflist.dumps(restored), mode)
                 done.append(f"removed istio-cni from {path}")
         if os.path.exists(self.binary_path):
-            os.unlink(self.binary_path)
-            done.append(f"removed {self.binary_path}")
+            if not dry_run:
+                os.unlink(self.binary_path)
+            done.append(f"{'remove' if dry_run else 'removed'} {self.binary_path}")
         if os.path.isdir(self.bundle_root):
-            shutil.rmtree(self.bundle_root)
-            done.append(f"removed {self.bundle_root}")
+            if not dry_run:
+                shutil.rmtree(self.bundle_root)
+            done.append(f"{'remove' if dry_run else 'removed'} {self.bundle_root}")
         return done
 
 

@@ -37,6 +37,15 @@ Contract (CNI spec 1.1.0, "Plugin execution" and "Error codes"; Istio behavior f
   retryable enrollment error), 50 STATUS with the agent unavailable, 999 the agent
   refused the pod (its reason is the message).
 
+Log lines: written to stderr (the runtime's log) and, at or above ``plugin_log_level``,
+forwarded to the agent once the command's result is decided, as upstream's plugin tees
+its log to the node agent: one ``POST /log`` on the same ``pluginevent.sock``, the body a
+JSON array of JSON-encoded lines ``{"level", "time", "msg", "command", "container_id",
+"pod"}``. A failed command's error is one of those lines, so the agent's log has the
+reason. Bounded: at most :data:`LOG_LINES_MAX` lines of :data:`LOG_LINE_MAX` characters;
+sent without waiting for an answer, within :data:`LOG_SEND_TIMEOUT` seconds; a failure
+to send is ignored (the line is still on stderr).
+
 Plugin config keys (Istio's): ``plugin_log_level``, ``cni_agent_run_dir``,
 ``ambient_enabled``, ``exclude_namespaces``, ``pod_namespace``, plus ours:
 ``ambient_default`` (bool, decides for pods the agent has no object for) and
@@ -50,11 +59,15 @@ from cni.plugin_request import (ERR_AGENT_REFUSED, ERR_NOT_AVAILABLE, ERR_TRY_AG
                                 LEVELS, SNAPSHOT_NAME, SUPPORTED_VERSIONS, CniError, check_version,
                                 convert_result, fallback_decision, load_snapshot, parse_cni_args,
                                 parse_config, plugin_settings, pod_ips, prev_result, read_env)
-from cni.plugin_wire import http_request, json_dumps
+from cni.plugin_wire import http_request, json_dumps, post_nowait
 
 SOCKET_NAME = "pluginevent.sock"
 DEL_TIMEOUT = 2.0  # DEL is best effort: never hold a sandbox teardown for long
 DRAINING_TEXT = "node agent is shutting down"  # the agent's 503 body while it stops
+LOG_PATH = "/log"  # upstream's UDSLogPath, here on the event socket
+LOG_LINES_MAX = 32  # lines forwarded per invocation; more are counted in one last line
+LOG_LINE_MAX = 2048  # characters of one forwarded message
+LOG_SEND_TIMEOUT = 0.25  # seconds: connect + write of the forwarded lines, never waited on
 
 
 class Plugin:
@@ -64,20 +77,63 @@ class Plugin:
         self.env, self.stdin, self.log_stream = env, stdin, log
         self.level = LEVELS["info"]
         self.version = LATEST_VERSION
+        self.forward = []  # log lines for the agent (JSON texts), at most LOG_LINES_MAX
+        self.dropped = 0
+        self.socket = ""  # the agent's event socket, once the config named it
 
     def log(self, level, msg):
         if LEVELS[level] >= self.level:
             self.log_stream.write("istio-cni %s: %s\n" % (level, msg))
+            self._keep(level, msg)
+
+    def _keep(self, level, msg):
+        if len(self.forward) >= LOG_LINES_MAX:
+            self.dropped += 1
+            return
+        import time
+        now = time.time()
+        line = {"level": "warn" if level == "warning" else level,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now))
+                + ".%03dZ" % (int(now * 1000) % 1000),
+                "msg": msg[:LOG_LINE_MAX], "command": self.env.get("CNI_COMMAND", ""),
+                "container_id": self.env.get("CNI_CONTAINERID", "")}
+        try:
+            args = parse_cni_args(self.env.get("CNI_ARGS", ""))
+        except CniError:  # the command's own error says so
+            args = {}
+        if args.get("K8S_POD_NAME"):
+            line["pod"] = "%s/%s" % (args.get("K8S_POD_NAMESPACE", ""), args["K8S_POD_NAME"])
+        self.forward.append(json_dumps(line))
 
     def run(self):
-        """Returns ``(exit code, stdout text)``; never raises for bad input."""
+        """Returns ``(exit code, stdout text)``; never raises for bad input. The log
+        lines kept for the agent are sent before returning (:meth:`send_logs`)."""
         try:
-            return 0, self._dispatch()
+            result = 0, self._dispatch()
         except CniError as e:
             error = {"cniVersion": self.version, "code": e.code, "msg": e.msg}
             if e.details:
                 error["details"] = e.details
-            return 1, json_dumps(error)
+            if self.env.get("CNI_COMMAND") != "VERSION":
+                self.log("error", "%s failed (code %d): %s"
+                         % (self.env.get("CNI_COMMAND", "command"), e.code, e.msg))
+            result = 1, json_dumps(error)
+        self.send_logs()
+        return result
+
+    def send_logs(self):
+        """Forward the kept lines to the agent: one ``POST /log``, not waited on. Never
+        raises; without a socket (VERSION, unreadable config) or lines, sends nothing."""
+        if not self.forward or not self.socket:
+            return
+        lines, self.forward = self.forward, []
+        if self.dropped:
+            lines.append(json_dumps({"level": "warn", "time": "", "msg": "%d more plugin log "
+                                     "lines not forwarded" % self.dropped}))
+        try:
+            post_nowait(self.socket, LOG_PATH, json_dumps(lines).encode(), LOG_SEND_TIMEOUT)
+        except (OSError, ValueError):
+            pass  # the lines are on stderr; the agent may be down
 
     def _dispatch(self):
         command = read_env(self.env)
@@ -91,6 +147,7 @@ class Plugin:
         self.version = check_version(conf, command)
         settings = plugin_settings(conf)
         self.level = LEVELS[settings["log_level"].lower()]
+        self.socket = self._socket_path(settings)
         args = parse_cni_args(self.env.get("CNI_ARGS", ""))
         return getattr(self, "_" + command.lower())(conf, settings, args)
 

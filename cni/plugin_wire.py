@@ -144,3 +144,23 @@ def _dechunk(data):
             return None
         out.append(data[start:start + size])
         pos = start + size + 2
+
+
+def post_nowait(socket_path, path, body, timeout):
+    """Send one ``POST`` and close without reading the answer (the plugin's log lines to
+    the agent, upstream's tee to its log socket): connecting and writing are bounded by
+    ``timeout`` seconds together. Raises ``OSError`` or ``TimeoutError``; the caller
+    ignores them (forwarding logs must never fail or hold up a CNI command)."""
+    import time
+    deadline = time.monotonic() + timeout
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(socket_path)
+        head = ("POST %s HTTP/1.1\r\nHost: localhost\r\nUser-Agent: istio-cni\r\n"
+                "Content-Type: application/json\r\nContent-Length: %d\r\n"
+                "Connection: close\r\n\r\n" % (path, len(body)))
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        sock.sendall(head.encode("ascii") + body)
+    finally:
+        sock.close()

@@ -306,6 +306,24 @@ SETTINGS: list[Setting] = [
             "index change", component="xds"),
     Setting("xds_debounce_max", 1.0, parse_duration, "xDS push debounce: longest delay after "
             "the first change of a burst", component="xds"),
+    # --- the operator's kit (issue 27): istio-cni's monitoring port and repair settings ---
+    Setting("monitoring_port", 15014, parse_port, "istio-cni's node-agent metrics, upstream's "
+            "names, on /metrics of this port (0: off); the status port keeps the merged view",
+            env="MONITORING_PORT", component="status"),
+    Setting("repair_enabled", False, parse_bool, "repair pods that run without their rules "
+            "(ambient enabled, enrollment failed for good): label or delete them, as "
+            "istio-cni's repair controller (off by default)", env="REPAIR_ENABLED",
+            component="enrollment"),
+    Setting("repair_label_pods", False, parse_bool, "repair by labelling the pod with "
+            "repair_broken_pod_label_key=repair_broken_pod_label_value",
+            env="REPAIR_LABEL_PODS", component="enrollment"),
+    Setting("repair_delete_pods", False, parse_bool, "repair by deleting the pod (its "
+            "controller recreates it; preconditions: same UID and resourceVersion)",
+            env="REPAIR_DELETE_PODS", component="enrollment"),
+    Setting("repair_broken_pod_label_key", "cni.istio.io/uninitialized", parse_str,
+            "label key repair sets", env="REPAIR_BROKEN_POD_LABEL_KEY", component="enrollment"),
+    Setting("repair_broken_pod_label_value", "true", parse_str, "label value repair sets",
+            env="REPAIR_BROKEN_POD_LABEL_VALUE", component="enrollment"),
 ]
 
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
@@ -453,7 +471,7 @@ def prepare_state_dir(config: Config) -> Path:
 # address names the address setting rather than the port.
 _ADDRESS_OF_PORT = {"xds_port": "xds_address", "xds_tls_port": "xds_tls_address",
                     "ca_port": "ca_listen_address", "status_port": "status_address",
-                    "health_port": "status_address"}
+                    "health_port": "status_address", "monitoring_port": "status_address"}
 
 
 def tcp_listeners(config: "Config") -> list[tuple[str, str, int]]:
@@ -462,6 +480,7 @@ def tcp_listeners(config: "Config") -> list[tuple[str, str, int]]:
     separate CA port."""
     listeners = [("status_port", config.status_address or "0.0.0.0", config.status_port),
                  ("health_port", config.status_address or "0.0.0.0", config.health_port),
+                 ("monitoring_port", config.status_address or "0.0.0.0", config.monitoring_port),
                  ("xds_port", config.xds_address, config.xds_port),
                  ("xds_tls_port", config.xds_tls_address, config.xds_tls_port),
                  ("ca_port", config.ca_listen_address, config.ca_port)]

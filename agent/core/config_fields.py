@@ -211,3 +211,19 @@ class Settings:
     xds_debounce: float
     #: xDS push debounce: longest delay after the first change of a burst
     xds_debounce_max: float
+    #: istio-cni's node-agent metrics, upstream's names, on /metrics of this port (0: off);
+    #: the status port keeps the merged view
+    monitoring_port: int
+    #: repair pods that run without their rules (ambient enabled, enrollment failed for
+    #: good): label or delete them, as istio-cni's repair controller (off by default)
+    repair_enabled: bool
+    #: repair by labelling the pod with
+    #: repair_broken_pod_label_key=repair_broken_pod_label_value
+    repair_label_pods: bool
+    #: repair by deleting the pod (its controller recreates it; preconditions: same UID and
+    #: resourceVersion)
+    repair_delete_pods: bool
+    #: label key repair sets
+    repair_broken_pod_label_key: str
+    #: label value repair sets
+    repair_broken_pod_label_value: str

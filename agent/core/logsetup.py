@@ -11,6 +11,12 @@ is the form the README documents. Third-party libraries (:data:`THIRD_PARTY`) st
 WARNING or above unless a scope names them (``debug,pyroute2:debug``), so ``--log-level
 debug`` shows the agent's own records, not pyroute2's netlink traffic.
 
+Levels change at run time without a restart (:func:`change_levels`, served as ``POST
+/logging`` on the admin socket in the form of ztunnel's admin ``/logging``, and by
+``ambient-agent log-level``). A library may reset its own loggers' levels (pyroute2 sets
+its root logger to 0 on import), so the handler also carries a :class:`ScopeFilter`
+that drops third-party records below their scope's level whatever the logger says.
+
 A redaction filter runs on every record: PEM private keys and bearer tokens are
 replaced by ``[REDACTED]`` so they never reach a log line, whatever a caller passes.
 A repeat filter (:class:`agent.core.ratelimit.RepeatFilter`) lets an identical WARNING-or-worse
@@ -103,13 +109,14 @@ def logger_name(scope: str) -> str:
     raise ValueError(f"unknown log scope {scope!r} (use one of {known}, or a module path below one)")
 
 
-def parse_levels(spec: str) -> tuple[int, dict[str, int]]:
+def parse_levels(spec: str, default: int = logging.INFO) -> tuple[int, dict[str, int]]:
     """``"info,sds:debug"`` -> ``(INFO, {"agent.sds": DEBUG})``: the default level and the
-    level per logger name (aliases resolved). Raises ValueError naming the bad part."""
-    default = logging.INFO
+    level per logger name (aliases resolved). A clause is ``LEVEL`` (the default) or
+    ``SCOPE:LEVEL``; ``SCOPE=LEVEL`` (ztunnel's form) is the same. ``default`` is the
+    level when the spec names none. Raises ValueError naming the bad part."""
     per: dict[str, int] = {}
     for part in (p.strip() for p in spec.split(",") if p.strip()):
-        name, _, level = part.rpartition(":")
+        name, _, level = part.replace("=", ":").rpartition(":")
         if level.lower() not in LEVELS:
             raise ValueError(f"unknown level {level!r} in {part!r} (use debug, info, warn, error, none)")
         if name:
@@ -120,7 +127,8 @@ def parse_levels(spec: str) -> tuple[int, dict[str, int]]:
 
 
 def setup(level_spec: str = "info", fmt: str = "text", stream=None) -> None:
-    """Configure the root logger once (idempotent: replaces our previous handler)."""
+    """Configure the root logger once (idempotent: replaces our previous handler). The
+    levels given here are the start-up levels that ``change_levels(reset=True)`` returns to."""
     default, per = parse_levels(level_spec)
     root = logging.getLogger()
     for handler in list(root.handlers):
@@ -129,10 +137,18 @@ def setup(level_spec: str = "info", fmt: str = "text", stream=None) -> None:
     handler = logging.StreamHandler(stream or sys.stderr)
     handler._ambient_agent = True  # type: ignore[attr-defined]
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.addFilter(ScopeFilter())
     handler.addFilter(RedactingFilter())
     handler.addFilter(RepeatFilter())
     root.addHandler(handler)
-    root.setLevel(default)
+    _STARTUP.clear()
+    _STARTUP.update({"": default, **per})
+    _apply(default, per)
+
+
+def _apply(default: int, per: dict[str, int]) -> None:
+    """Set the root level, the named loggers' levels and the third-party floors."""
+    logging.getLogger().setLevel(default)
     # A second setup() (tests, the demo) must not keep the first one's per-scope levels.
     for name in _SCOPED:
         if name not in per:
@@ -145,6 +161,72 @@ def setup(level_spec: str = "info", fmt: str = "text", stream=None) -> None:
     for noisy in THIRD_PARTY:
         if noisy not in per:
             logging.getLogger(noisy).setLevel(max(default, logging.WARNING))
+    _THIRD_PARTY_LEVELS.clear()
+    _THIRD_PARTY_LEVELS.update({name: level for name, level in per.items()
+                                if name.split(".", 1)[0] in _THIRD_PARTY_TOPS})
+    _THIRD_PARTY_LEVELS[""] = max(default, logging.WARNING)
 
 
 _SCOPED: set[str] = set()
+_STARTUP: dict[str, int] = {}  # "" -> the default level; logger name -> level, from setup()
+_THIRD_PARTY_TOPS = {name.split(".", 1)[0] for name in THIRD_PARTY}
+# What ScopeFilter lets through from libraries: "" -> the floor, else a named scope's level.
+_THIRD_PARTY_LEVELS: dict[str, int] = {"": logging.WARNING}
+
+
+class ScopeFilter(logging.Filter):
+    """Drops a third-party record below its scope's level: the most specific named scope
+    (``pyroute2.netlink`` over ``pyroute2``), else WARNING or the default if higher. Our
+    own records pass (their loggers' levels already decided)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        name = record.name
+        if name.split(".", 1)[0] not in _THIRD_PARTY_TOPS:
+            return True
+        levels = _THIRD_PARTY_LEVELS
+        while name:
+            if name in levels:
+                return record.levelno >= levels[name]
+            name = name.rpartition(".")[0]
+        return record.levelno >= levels[""]
+
+
+def level_name(level: int) -> str:
+    """``logging.DEBUG`` -> ``"debug"``; above CRITICAL -> ``"none"``."""
+    if level > logging.CRITICAL:
+        return "none"
+    return {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warn",
+            logging.ERROR: "error", logging.CRITICAL: "error"}.get(level, str(level))
+
+
+def current_levels() -> dict[str, str]:
+    """The levels in force: ``{"": "info", "agent.sds": "debug", ...}`` (``""`` is the
+    default; only scopes set by name are listed, third-party floors are implied)."""
+    out = {"": level_name(logging.getLogger().level or logging.WARNING)}
+    for name in sorted(_SCOPED):
+        out[name] = level_name(logging.getLogger(name).level)
+    return out
+
+
+def format_levels(levels: dict[str, str]) -> str:
+    """``{"": "info", "zds": "debug"}`` -> ``"zds=debug,info"`` (ztunnel's order: the
+    scopes, then the default)."""
+    scoped = [f"{name}={level}" for name, level in levels.items() if name]
+    return ",".join([*scoped, levels.get("", "info")])
+
+
+def change_levels(spec: str, reset: bool = False) -> dict[str, str]:
+    """Change levels at run time, as ztunnel's ``POST /logging?level=``: ``spec`` is the
+    ``--log-level`` form (``"debug"``, ``"zds=debug,sds:warn"``); named scopes change,
+    others keep their level; a bare level changes the default. ``reset`` first returns to
+    the start-up levels. Returns :func:`current_levels`. Raises ValueError naming the bad
+    clause, changing nothing."""
+    if reset:
+        base_default = _STARTUP.get("", logging.INFO)
+        base = {n: v for n, v in _STARTUP.items() if n}
+    else:
+        base_default = logging.getLogger().level or logging.INFO
+        base = {name: logging.getLogger(name).level for name in _SCOPED}
+    default, per = parse_levels(spec, default=base_default)  # raises before any change
+    _apply(default, {**base, **per})
+    return current_levels()

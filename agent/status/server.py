@@ -18,13 +18,18 @@ Three aiohttp listeners (``docs/status.md``):
   reconfigure or expose the agent.
 - anything else → 404.
 
+``monitoring_port`` (15014; 0: off), on ``status_address``: istio-cni's ``/metrics``, its
+node-agent families under upstream's names only (:mod:`agent.status.monitoring`).
+
 ``health_port`` (8000): ``/healthz`` always 200; ``/readyz`` 200 when every component is
 ready, else 503 ``Service Unavailable: <reason>`` (not latched).
 
 ``admin_socket`` (``<state dir>/admin.sock``, mode 0600, so root only; the peer's
 ``SO_PEERCRED`` uid must also be root or the agent's own): ``POST /quitquitquit``,
 ``POST /drain`` (POST only, 405), ``/debug/...`` JSON (:mod:`agent.status.debug`),
-``/healthz/ready``. ``ambient-agent status`` reads it.
+``/healthz/ready``, ``POST /logging[?level=SPEC][&reset]`` (ztunnel's admin ``/logging``:
+list, change or reset the log levels without a restart; :func:`agent.core.logsetup.change_levels`).
+``ambient-agent status`` and ``ambient-agent log-level`` read it.
 
 Every listener is bounded (:mod:`agent.core.listeners`): ``status_idle_timeout`` for idle
 connections and unfinished headers; the TCP ports hold at most ``status_max_connections`` /
@@ -46,13 +51,13 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import Gauge
 
-from agent.core import fdbudget, listeners, unixsocket
+from agent.core import fdbudget, listeners, logsetup, unixsocket
 from agent.core.config import ConfigError
 from agent.core.lifecycle import AgentContext, Component
 from agent.core.appprobes import AppProbe, ProberConfigError, parse_probers
 from agent.core.peercred import peer_cred
 from agent.core.scrapetargets import AnnotationsError, ScrapeTarget, parse_annotations
-from agent.status import debug, metrics_merge, probes
+from agent.status import debug, metrics_merge, monitoring, probes
 from agent.status.access import is_loopback
 from agent.status.compression import compress_large
 from agent.status.readiness import EnvoyReadiness
@@ -108,6 +113,7 @@ class StatusServer(Component):
         self.sites: dict[str, listeners.BoundedTCPSite] = {}
         listeners.ListenerMetrics.of(ctx.registry)  # registered at build, like every metric
         self.admin_socket = ""
+        self.monitoring_port = 0  # bound port of istio-cni's /metrics (0: off)
         self._session: aiohttp.ClientSession | None = None
 
     # --- configuration ---------------------------------------------------------------
@@ -147,6 +153,12 @@ class StatusServer(Component):
             health_runner = await self._serve(self._health_app(), host, cfg.health_port,
                                               "health", caps["health_max_connections"])
             self.health_port = _bound_port(health_runner)
+            if cfg.monitoring_port:
+                setting = "monitoring_port"
+                monitoring_runner = await self._serve(
+                    monitoring.app(self.ctx.registry), host, cfg.monitoring_port,
+                    "monitoring", caps["health_max_connections"])
+                self.monitoring_port = _bound_port(monitoring_runner)
             setting = "admin_socket"
             await self._serve_admin(cfg.admin_socket)
         except OSError as e:
@@ -207,7 +219,7 @@ class StatusServer(Component):
                 pass
             self.admin_socket = ""
         self.sites = {}
-        self.port = 0
+        self.port = self.monitoring_port = 0
 
     def ready(self) -> tuple[bool, str]:
         return (True, "") if self.port else (False, "not listening")
@@ -215,6 +227,7 @@ class StatusServer(Component):
     def debug_state(self) -> Any:
         return {
             "port": self.port, "health_port": self.health_port,
+            "monitoring_port": self.monitoring_port,
             "admin_socket": self.admin_socket,
             "connections": {name: {"open": site.open_connections,
                                    "cap": site.max_connections, "refused": site.refused}
@@ -350,8 +363,28 @@ class StatusServer(Component):
         app.router.add_route("*", "/quitquitquit", self._quit)
         app.router.add_route("*", "/drain", self._drain)
         app.router.add_route("*", "/healthz/ready", self._ready)
+        app.router.add_route("*", "/logging", self._logging)
         debug.add_routes(app, self.ctx, self.mesh)
         return app
+
+    async def _logging(self, request: web.Request) -> web.Response:
+        """ztunnel's ``/logging``: POST lists the levels; ``?level=SPEC`` changes the named
+        scopes (``zds=debug,sds:warn``; a bare level is the default); ``?reset`` returns to
+        the start-up levels first. Answers ``current log level is SPEC``; a bad spec → 400
+        naming the clause, nothing changed; not POST → 405."""
+        if request.method != "POST":
+            raise web.HTTPMethodNotAllowed(request.method, ["POST"])
+        spec = request.query.get("level", "")
+        reset = "reset" in request.query
+        if spec or reset:
+            try:
+                levels = logsetup.change_levels(spec, reset=reset)
+            except ValueError as e:
+                return web.Response(status=400, text=f"invalid level {spec!r}: {e}\n")
+            log.info("log levels now %s (admin socket)", logsetup.format_levels(levels))
+        else:
+            levels = logsetup.current_levels()
+        return web.Response(text=f"current log level is {logsetup.format_levels(levels)}\n")
 
     # --- node agent health port (istio-cni healthServer.go) --------------------------
 

@@ -26,6 +26,7 @@ from typing import Any
 from agent.core import netns as netns_mod
 from agent.core.lifecycle import AgentContext, Component
 from cni import annotate
+from cni.enrollment import metrics as metrics_mod
 from cni.enrollment import recovery as recovery_mod
 from cni.enrollment.api import (HostNetnsRefused, NetnsOps, ProbeSet, RegisteredPods,
                                 ZdsChannel)
@@ -35,6 +36,7 @@ from cni.enrollment.records import PodRecord, PodState, PodStateStore, Step
 from cni.enrollment.retryqueue import RetryQueue
 from cni.enrollment.watch import LivePods
 from cni.events import CniPodEvent, EnrollmentError
+from cni.kubeevents import REASON_EXHAUSTED, REASON_FAILED, PodEvents
 from cni.hostrules import HostProbeRules
 from cni.rules_common import RuleOptions, RulesError
 from cni.rules_iptables import IptablesBackend, detect_flavor
@@ -45,6 +47,9 @@ log = logging.getLogger(__name__)
 
 STATUS_ANNOTATION = annotate.REDIRECTION_ANNOTATION
 BACKOFF_INITIAL, BACKOFF_MAX = 0.2, 30.0
+# Failed background retries after which a pod is reported (Kubernetes Event) and, with
+# repair_enabled, repaired: 0.2 s doubling reaches the 30 s cap at the 8th (~50 s in).
+RETRY_REPORT_AFTER = 8
 SANDBOXES_MAX = 4096  # not-ambient pods remembered for live enrollment (a node's worth)
 # A CNI ADD is answered this long before the plugin would give up (its event's
 # ``timeout``): time for the answer to travel and for the work before the ZDS wait.
@@ -86,6 +91,8 @@ class Enrollment(Component):
                                   name="enroll-retry")
         self.recovery = recovery_mod.Recovery(self)
         self._started = False
+        self.metrics = metrics_mod.of(ctx.registry)
+        self.events = PodEvents(ctx, source)  # Kubernetes Events and repair (cni.kubeevents)
         self.live: LivePods | None = None  # running pods following their labels
         self._enrolling: dict[str, asyncio.Task] = {}  # uid -> task inside enroll()
         # sandboxes of running pods the CNI ADD found not ambient: key -> (netns, ips);
@@ -133,6 +140,7 @@ class Enrollment(Component):
                 log.warning("host probe rules: %s (retrying)", e)
                 await asyncio.sleep(2.0)
         self._started = True
+        self.events.start()
         await self.recover()
         store = self.store()
         if store is not None:
@@ -175,6 +183,7 @@ class Enrollment(Component):
         if tasks:
             await asyncio.wait(tasks, timeout=grace)
         await self.status.close(grace)
+        await self.events.stop(grace)
         host_rules = self.dataplane.host_rules
         if host_rules is None:
             return
@@ -324,6 +333,9 @@ class Enrollment(Component):
             problems, rec.rollback_problems = rec.rollback_problems, []
             raise EnrollmentError(f"{rec.label()}: pod deleted during enrollment (CNI DEL); "
                                   + rollback_outcome(problems)) from None
+        except EnrollmentError as e:
+            self.events.record(rec.namespace, rec.name, rec.uid, REASON_FAILED, str(e))
+            raise
         finally:
             rec.answer_by = None  # background retries wait the full ztunnel_wait
             self._aborted.discard(task)
@@ -390,6 +402,12 @@ class Enrollment(Component):
                 if uid in self.records:
                     log.info("%s: enrolled after %d retries", rec.label(), rec.attempts)
                 return True
+            if rec.attempts == RETRY_REPORT_AFTER and uid in self.records:
+                why = (f"{rec.attempts} retries failed, the last at {rec.error or rec.status}; "
+                       f"still retrying every {BACKOFF_MAX:g}s")
+                log.warning("%s: %s", rec.label(), why)
+                self.events.record(rec.namespace, rec.name, rec.uid, REASON_EXHAUSTED, why)
+                self.events.repair(rec.namespace, rec.name, rec.uid, why)
             return False
 
     async def _retry_once(self, rec: PodRecord) -> bool:

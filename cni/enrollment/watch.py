@@ -117,6 +117,8 @@ class LivePods:
         delete is left to the CNI DEL; a Namespace counts only when its labels changed
         (or it appeared or went away)."""
         for ev in events:
+            if ev.kind in ("Pod", "Namespace"):
+                self.enrollment.metrics.event(ev.old, ev.new)
             if ev.kind == "Pod":
                 uid = _uid(ev.new) if ev.new is not None else ""
                 if uid:

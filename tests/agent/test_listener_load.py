@@ -104,7 +104,7 @@ def start(state: Path, node_netns: str, nofile: int, log) -> tuple[subprocess.Po
             "--xds-tls-port", "0", "--host-rules-netns", node_netns, "--log-level", "info",
             "--node-name", "load-node", "--status-port", str(ports["status"]),
             "--health-port", str(ports["health"]), "--xds-port", str(ports["xds"]),
-            "--ztunnel-wait", "1", "--ecc-signature-algorithm", "ECDSA"]
+            "--monitoring-port", "0", "--ztunnel-wait", "1", "--ecc-signature-algorithm", "ECDSA"]
     env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=str(state / "ztunnel" / "ztunnel.sock"),
                SERVICE_ACCOUNT="web", POD_NAMESPACE="demo")
 

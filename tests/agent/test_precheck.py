@@ -21,7 +21,7 @@ def config(tmp_path, **extra):
     return load({"state_dir": str(tmp_path / "state"), "config_file": os.devnull,
                  "cni_conf_dir": str(conf), "cni_bin_dir": str(tmp_path / "bin"),
                  "ztunnel_uds_address": str(tmp_path / "zt" / "zds.sock"),
-                 "status_port": "0", "health_port": "0", "xds_port": "0",
+                 "status_port": "0", "health_port": "0", "monitoring_port": "0", "xds_port": "0",
                  "xds_tls_port": "0", **extra}, env={})
 
 

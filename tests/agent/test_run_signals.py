@@ -61,7 +61,7 @@ def agent_argv(state, node_netns: str, **ports: str) -> tuple[list[str], dict]:
     """``ambient-agent run`` on free ports (or the given ``--x-port`` values), host probe
     rules in ``node_netns``, ZDS socket under ``state``. Returns (argv, env)."""
     chosen = {"--status-port": str(free_port()), "--health-port": str(free_port()),
-              "--xds-port": str(free_port())}
+              "--xds-port": str(free_port()), "--monitoring-port": "0"}
     chosen.update({"--" + k.replace("_", "-"): v for k, v in ports.items()})
     argv = [sys.executable, "-m", "agent.cli", "run", "--state-dir", str(state),
             "--xds-tls-port", "0", "--host-rules-netns", node_netns, "--log-level", "warn"]

@@ -64,6 +64,9 @@ def test_cluster_role_grants_exactly_what_the_agent_uses():
     wanted.add(("", "pods/status", "patch"))
     # agent/tlsport/authn.py: ztunnel's token on the TLS port is checked with a TokenReview
     wanted.add(("authentication.k8s.io", "tokenreviews", "create"))
+    # cni/kubeevents.py: Events on pods (created, repeats patched); repair's delete mode
+    # needs pods delete, granted only by the operator who turns it on
+    wanted |= {("", "events", "create"), ("", "events", "patch")}
     assert granted == wanted
 
 

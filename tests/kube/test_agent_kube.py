@@ -57,6 +57,7 @@ async def test_agent_process_serves_kubernetes_pods_over_xds_as_its_service_acco
             "--config-source", "kubernetes", "--kubeconfig", agent_kubeconfig,
             "--node-name", node, "--xds-port", str(xds_port), "--xds-tls-port", "0",
             "--status-port", str(free_port()), "--health-port", str(health_port),
+            "--monitoring-port", "0",
             "--host-rules-netns", node_netns, "--log-level", "info"]
     env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=str(state / "ztunnel" / "ztunnel.sock"))
     env.pop("KUBECONFIG", None)

@@ -72,6 +72,7 @@ class AgentProcess:
                 "--ambient-ipv6", "false", "--log-level", "warn",
                 "--ztunnel-uds-address", self.zds_path,
                 "--status-port", str(free_port()), "--health-port", str(free_port()),
+                "--monitoring-port", "0",
                 "--xds-port", str(free_port())]
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -88,6 +88,7 @@ class Node:
                 "cni_bin_dir": f"{r}/bin", "cni_manage_config": "true",
                 "ztunnel_uds_address": f"{r}/state/ztunnel.sock", "ambient_ipv6": "false",
                 "status_port": str(free_port()), "health_port": str(free_port()),
+                "monitoring_port": "0",
                 "xds_port": str(free_port()), "xds_tls_port": "0", "log_level": "warn",
                 "shutdown_grace": "2s", "host_rules_netns": f"/var/run/netns/{self.host_netns}"}
 

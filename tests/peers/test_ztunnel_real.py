@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import socket
@@ -90,7 +91,7 @@ def test_demo_with_real_ztunnel(tmp_path, readiness_port):
 
 def _demo_args(workdir) -> argparse.Namespace:
     return argparse.Namespace(once=True, runtime="netns", image="", workdir=str(workdir),
-                              status_port=free_port(), health_port=free_port(),
+                              status_port=free_port(), health_port=free_port(), monitoring_port=0,
                               xds_port=free_port(), log_level="warning", ztunnel=ZTUNNEL)
 
 
@@ -103,6 +104,34 @@ async def _eventually(predicate, timeout: float, what: str):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s: {what}")
         await asyncio.sleep(0.1)
+
+
+async def _ztunnel_config_joins(demo, zt, pods) -> None:
+    """``ambient-agent ztunnel-config`` against the real ztunnel's admin port and the
+    agent's admin socket: each ambient pod is enrolled here, served by our xDS and acked
+    over ZDS; certificates and connections views read the real dump too."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from agent import cli as agent_cli
+
+    def run(*argv):
+        out, err = io.StringIO(), io.StringIO()
+        with redirect_stdout(out), redirect_stderr(err):
+            code = agent_cli.main(["ztunnel-config", *argv, "--ztunnel-admin",
+                                   f"127.0.0.1:{zt.settings.admin_port}",
+                                   "--socket", demo.config.admin_socket])
+        return code, out.getvalue(), err.getvalue()
+
+    code, out, err = await asyncio.to_thread(run, "workloads", "-o", "json", "-n", "demo")
+    assert code == 0, err
+    by_name = {w["name"]: w for w in json.loads(out)}
+    for pod in pods:
+        assert by_name[pod.name]["agent"] == {"enrolled": "enabled", "xds": True,
+                                              "zds_acked": True}, by_name.get(pod.name)
+    for view in ("services", "policies", "certificates", "connections"):
+        code, out, err = await asyncio.to_thread(run, view)
+        assert code == 0 and out, (view, err)
 
 
 def _open_pod_connection(demo, src, dst_ip: str, port: int) -> socket.socket:
@@ -151,6 +180,9 @@ async def test_restarts_keep_the_mesh(tmp_path, readiness_port):
         chains = [c for c in dump.get("certificates") or []
                   if c.get("identity", "").endswith(f"/sa/{client.service_account}")]
         _assert_chain_from_root(chains[0], root_pem)
+
+        # ambient-agent ztunnel-config: this ztunnel's view joined with the agent's
+        await _ztunnel_config_joins(demo, zt, [client, server])
 
         # more ambient pods, so a snapshot sent before recovery completes would miss some
         from agent.demo.model import DemoPod

@@ -33,7 +33,7 @@ def make_config(tmp_path, env: dict[str, str] | None = None, **overrides):
     """A Config resolved the real way (env strings parsed), with ephemeral ports."""
     base = {"AMBIENT_AGENT_STATE_DIR": str(tmp_path / "state"),
             "AMBIENT_AGENT_CONFIG_FILE": str(tmp_path / "none.yaml"),
-            "STATUS_PORT": "0", "AMBIENT_AGENT_HEALTH_PORT": "0",
+            "STATUS_PORT": "0", "AMBIENT_AGENT_HEALTH_PORT": "0", "MONITORING_PORT": "0",
             "AMBIENT_AGENT_STATUS_ADDRESS": "127.0.0.1",
             "AMBIENT_AGENT_SHUTDOWN_GRACE": "2"}
     base.update(env or {})

@@ -16,6 +16,7 @@ import pytest
 from agent.core import config as agent_config
 from agent import daemon
 from agent.core.lifecycle import AgentContext
+from tests.status.conftest import free_port
 from tests.agent.test_run_signals import ROOT_ONLY, agent_argv, node_netns, start_agent  # noqa: F401
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "status.md"
@@ -104,7 +105,7 @@ def _scrape(port: str) -> str:
 @pytest.mark.parametrize("asked", [False, True])
 def test_running_agent_has_no_created_series_unless_asked(tmp_path, node_netns, asked):  # noqa: F811
     state = tmp_path / "state"
-    argv, env = agent_argv(state, node_netns)
+    argv, env = agent_argv(state, node_netns, monitoring_port=str(free_port()))
     if asked:
         env["AMBIENT_AGENT_METRICS_CREATED_SERIES"] = "true"
     proc = start_agent(argv, env, state)
@@ -114,6 +115,12 @@ def test_running_agent_has_no_created_series_unless_asked(tmp_path, node_netns, 
         assert "istio_agent_scrapes_total" in body and "istio_cni_plugin_requests" in body
         created = [ln for ln in body.splitlines() if re.match(r"^[a-z_]+_created[{ ]", ln)]
         assert bool(created) == asked, created[:3]
+        # istio-cni's monitoring port of the real daemon: its families, never _created
+        monitoring = argv[argv.index("--monitoring-port") + 1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{monitoring}/metrics", timeout=10) as r:
+            own = r.read().decode()
+        assert "ztunnel_connected" in own and "istio_agent_scrapes_total" not in own
+        assert not [ln for ln in own.splitlines() if re.match(r"^[a-z_]+_created[{ ]", ln)]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

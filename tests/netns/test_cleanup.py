@@ -1,0 +1,154 @@
+"""``ambient-agent cleanup``: a node decommissioned with real rules (needs root).
+
+The "node" is a scratch netns (``host_rules_netns``), never the real host: the host probe
+rules and sets of both backends are created there with their default names, as a
+stopped agent leaves them; a "pod" netns on a bridge holds real in-pod rules and the
+state dir its record; the CNI dirs hold the plugin and conflist entry ``cni install``
+writes. ``--dry-run`` lists everything and changes nothing; cleanup removes it all and a
+second run has nothing to do; a running agent (its lock held) or a foreign plugin is
+refused with one line, nothing changed."""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import json
+import os
+import subprocess
+from contextlib import redirect_stderr, redirect_stdout
+
+import pytest
+from pyroute2 import netns as pr_netns
+
+from agent import cli as agent_cli
+from cni.enrollment.records import PodRecord, PodStateStore
+from cni.hostrules import HostProbeRules
+from cni.install import Installer
+from cni.rules_common import RuleOptions
+from cni.rules_iptables import IptablesBackend
+from tests.netns.test_enrollment_rules import _strip_counters, snapshot as _snapshot
+from tests.netns.toolkit import unique
+
+PRIMARY = {"cniVersion": "1.0.0", "name": "podman",
+           "plugins": [{"type": "bridge", "bridge": "cni0"}]}
+
+
+@pytest.fixture
+def node():
+    name = unique("tcl")
+    pr_netns.create(name)
+    try:
+        yield f"/var/run/netns/{name}"
+    finally:
+        pr_netns.remove(name)
+
+
+def snapshot(pod) -> str:
+    """The pod's rules and routes, packet counters left out (traffic may move them)."""
+    return _strip_counters(_snapshot(pod))
+
+
+def node_rules(node: str) -> str:
+    out = []
+    for argv in (["nft", "list", "ruleset"], ["ipset", "list", "-n"]):
+        p = subprocess.run(["nsenter", f"--net={node}", *argv], capture_output=True, text=True)
+        out.append(p.stdout)
+    return _strip_counters("\n".join(out))
+
+
+def cleanup(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = agent_cli.main(["cleanup", *argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def decommissioned(tmp_path, bridge, node):
+    """What a stopped agent leaves: returns (argv, pod, state dir, conf dir, bin dir)."""
+    state, conf, bindir = tmp_path / "state", tmp_path / "net.d", tmp_path / "bin"
+    state.mkdir(mode=0o700)
+    conf.mkdir()
+    (conf / "10-podman.conflist").write_text(json.dumps(PRIMARY))
+    Installer(conf_dir=str(conf), bin_dir=str(bindir), run_dir=str(state)).install()
+    pod = bridge.add_pod("tq")
+    pod.run(IptablesBackend("nft").apply, RuleOptions(ipv6=False))
+    PodStateStore(str(state)).save(PodRecord(pod.uid, "web", "shop", netns=pod.netns_path,
+                                             ips=[pod.ip], status="enabled"))
+    (state / "iptables-flavor").write_text("nft\n")
+    (state / "enablement.json").write_text("{}")
+    (tmp_path / "none.yaml").write_text("")
+    for backend in ("iptables", "nftables"):
+        HostProbeRules(backend=backend, ipv6=False, netns=node, kubelet_uid=0).setup()
+    argv = ("--state-dir", str(state), "--config-file", str(tmp_path / "none.yaml"),
+            "--cni-conf-dir", str(conf), "--cni-bin-dir", str(bindir),
+            "--host-rules-netns", node, "--ambient-ipv6", "false")
+    yield argv, pod, state, conf, bindir
+    for backend in ("iptables", "nftables"):  # whatever a failed test left in the node
+        HostProbeRules(backend=backend, ipv6=False, netns=node).teardown()
+
+
+def test_dry_run_then_cleanup_then_nothing(decommissioned, node):
+    argv, pod, state, conf, bindir = decommissioned
+    pod_before, node_before = snapshot(pod), node_rules(node)
+    files_before = sorted(p.name for p in [*state.iterdir(), *conf.iterdir(), *bindir.iterdir()])
+    assert "ISTIO" in pod_before and "istio-ambient-nat" in node_before
+
+    code, out, err = cleanup(*argv, "--dry-run")
+    assert code == 0, err
+    assert f"would remove in-pod rules of shop/web (uid {pod.uid}) in {pod.netns_path}" in out
+    assert "would remove host nftables table inet istio-ambient-nat" in out
+    assert "ISTIO_POSTRT" in out and "ipset istio-inpod-probes-v4" in out
+    assert f"would remove istio-cni from {conf / '10-podman.conflist'}" in out
+    assert f"would remove {bindir / 'istio-cni'}" in out
+    assert f"would remove state {state / 'pods'}" in out
+    assert snapshot(pod) == pod_before and node_rules(node) == node_before
+    assert sorted(p.name for p in [*state.iterdir(), *conf.iterdir(),
+                                   *bindir.iterdir()]) == files_before
+
+    code, out, err = cleanup(*argv)
+    assert code == 0, (out, err)
+    assert "ISTIO" not in snapshot(pod)
+    assert "istio-ambient-nat" not in node_rules(node) and "istio-inpod" not in node_rules(node)
+    primary = json.loads((conf / "10-podman.conflist").read_text())
+    assert [p["type"] for p in primary["plugins"]] == ["bridge"]
+    assert not (bindir / "istio-cni").exists() and not (state / "pods").exists()
+
+    code, out, err = cleanup(*argv)
+    assert (code, out, err) == (0, "nothing to clean up\n", "")
+
+
+def test_running_agent_and_foreign_plugin_refused(decommissioned, node):
+    argv, pod, state, conf, bindir = decommissioned
+    pod_before, node_before = snapshot(pod), node_rules(node)
+    lock = os.open(state / "agent.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        os.write(lock, b"4242\n")
+        code, out, err = cleanup(*argv)
+        assert code == 1 and out == "" and "(pid 4242) is running" in err
+        assert len(err.splitlines()) == 1
+    finally:
+        os.close(lock)
+    import socket
+    with socket.socket(socket.AF_UNIX) as live:  # an agent without its lock file
+        live.bind(str(state / "admin.sock"))
+        live.listen(1)
+        code, out, err = cleanup(*argv)
+        assert code == 1 and out == "" and "an agent answers on" in err and "admin_socket" in err
+    (bindir / "istio-cni").write_bytes(b"\x7fELF upstream binary")
+    code, out, err = cleanup(*argv)
+    assert code == 1 and out == "" and "was not installed by this agent" in err
+    assert len(err.splitlines()) == 1
+    assert snapshot(pod) == pod_before and node_rules(node) == node_before
+    assert (bindir / "istio-cni").read_bytes() == b"\x7fELF upstream binary"
+    code, out, err = cleanup(*argv, "--force")
+    assert code == 0, err
+    assert not (bindir / "istio-cni").exists() and "ISTIO" not in snapshot(pod)
+
+
+def test_bad_flags_are_one_line(tmp_path):
+    (tmp_path / "none.yaml").write_text("")
+    code, out, err = cleanup("--state-dir", str(tmp_path), "--ambient-ipv6", "perhaps",
+                             "--config-file", str(tmp_path / "none.yaml"))
+    assert code == 2 and out == "" and "ambient_ipv6" in err and len(err.splitlines()) == 1
