@@ -145,7 +145,11 @@ def workload_entry(we: dict, mesh: Mesh) -> tuple[wl.Workload, dict[str, str], d
                     name=name, namespace=ns, cluster_id=mesh.cluster_id,
                     trust_domain=mesh.sent_trust_domain, workload_type=wl.POD,
                     status=wl.HEALTHY)
-    _address(w, field(we, "spec.address", str, ""), "spec.address")
+    address = field(we, "spec.address", str, "")
+    if address:
+        _address(w, address, "spec.address")
+    # else: no address at all, as istiod keeps it (an entry on another network reached
+    # through that network's gateway, or only through its waypoint); the index logs it
     w.network = field(we, "spec.network", str, "") or mesh.network
     w.service_account = field(we, "spec.serviceAccount", str, "")
     weight = field(we, "spec.weight", int, 0)
@@ -188,7 +192,7 @@ def se_endpoint(se: dict, ep: object, index: int, mesh: Mesh
     _locality_text(w, str(ep.get("locality") or ""))
     se_labels = labels(se)
     ep_labels = {str(k): str(v) for k, v in (ep.get("labels") or {}).items()}
-    w.workload_name = se_labels.get("service.istio.io/workload-name") or name
+    w.workload_name = name  # istiod: the ServiceEntry's name, whatever its labels
     w.canonical_name, w.canonical_revision = canonical(se_labels, w.workload_name)
     tunnel(se_labels, annotations_of(se), w)
     return w, ep_labels, _named_ports(ep.get("ports") or {}, f"{path}.ports")
@@ -202,13 +206,22 @@ def dns_host_workload(se: dict, host: str, mesh: Mesh) -> wl.Workload:
                     name=name, namespace=ns, hostname=host, network=mesh.network,
                     cluster_id=mesh.cluster_id, trust_domain=mesh.sent_trust_domain,
                     workload_type=wl.POD, status=wl.HEALTHY)
-    w.workload_name = labels(se).get("service.istio.io/workload-name") or name
+    # istiod names every ServiceEntry workload after the ServiceEntry itself
+    w.workload_name = name
     w.canonical_name, w.canonical_revision = canonical(labels(se), w.workload_name)
+    tunnel(labels(se), annotations_of(se), w)
     return w
 
 
 def slice_endpoint(slice_obj: dict, ep: dict, index: int, mesh: Mesh) -> wl.Workload:
-    """An EndpointSlice endpoint without a Pod targetRef -> HOST_NETWORK Workload."""
+    """An EndpointSlice endpoint without a Pod targetRef -> HOST_NETWORK Workload, as
+    istiod's ``endpointSlicesBuilder``: nothing is known of what answers there, so the
+    workload carries no workload name, canonical name or revision, and the proto's
+    default workload type (``DEPLOYMENT``, where pods say ``POD``), no service account,
+    locality, waypoint or policies.
+
+    Raises TranslateError naming ``endpoints[index].addresses[j]`` when an address is
+    not an IP (istiod skips that endpoint; so does the index) or the list is empty."""
     addrs = ep.get("addresses") or []
     if not isinstance(addrs, list) or not addrs:
         raise TranslateError(f"field 'endpoints[{index}].addresses' must be a non-empty list, "
@@ -217,14 +230,11 @@ def slice_endpoint(slice_obj: dict, ep: dict, index: int, mesh: Mesh) -> wl.Work
     ns, name = m["namespace"], m["name"]
     w = wl.Workload(uid=f"{mesh.cluster_id}/discovery.k8s.io/EndpointSlice/{ns}/{name}/{addrs[0]}",
                     name=name, namespace=ns, network=mesh.network, cluster_id=mesh.cluster_id,
-                    trust_domain=mesh.sent_trust_domain, workload_type=wl.POD,
-                    network_mode=wl.HOST_NETWORK)
+                    trust_domain=mesh.sent_trust_domain, network_mode=wl.HOST_NETWORK)
     for j, a in enumerate(addrs):
         w.addresses.append(ip_bytes(a, f"endpoints[{index}].addresses[{j}]"))
     ready = (ep.get("conditions") or {}).get("ready")
     w.status = wl.UNHEALTHY if ready is False else wl.HEALTHY
-    w.workload_name = name
-    w.canonical_name, w.canonical_revision = name, "latest"
     return w
 
 
