@@ -53,6 +53,22 @@ SERVICE_KEYS = ("name", "namespace", "hostname", "vips", "cidrVips", "ports", "e
                 "ipFamilies", "canonical", "visibility")
 
 
+def _no_tag(value: Any, path: str) -> None:
+    """ztunnel's ``LocalWorkload`` flattens ``Workload`` in, so serde buffers every workload
+    field before reading it, and that buffer refuses a YAML tag anywhere inside (only
+    ``services``, a field of ``LocalWorkload`` itself, is read directly)."""
+    if isinstance(value, Tagged):
+        raise TranslateError(f"field {path!r}: a YAML tag (!{value.tag}) is refused here by "
+                             f"ztunnel (a workload's fields take plain values: "
+                             f"'protocol: HBONE')")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _no_tag(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _no_tag(v, f"{path}[{i}]")
+
+
 def _only(entry: dict, allowed: tuple[str, ...], path: str) -> None:
     """ztunnel's ``deny_unknown_fields``: a key it does not know fails the document."""
     for key in entry:
@@ -169,6 +185,9 @@ def workload(entry: Any, path: str = "workload") -> wl.Workload:
     if not isinstance(entry, dict) or isinstance(entry, Tagged):
         raise TranslateError(f"field {path!r} must be a mapping, got {entry!r}")
     _only(entry, WORKLOAD_KEYS, path)
+    for key, value in entry.items():
+        if key != "services":
+            _no_tag(value, f"{path}.{key}")
     w = wl.Workload(uid=_opt(entry, "uid", str, path, ""), name=_opt(entry, "name", str, path, ""),
                     namespace=_req(entry, "namespace", str, path),
                     service_account=_opt(entry, "serviceAccount", str, path, ""),

@@ -5,7 +5,10 @@ ztunnel reads ``LOCAL_XDS_PATH`` with serde_yaml 0.9 into its ``LocalConfig`` (s
 flattened in from ``Workload``, src/state/workload.rs; ``Service``, src/state/service.rs;
 ``Authorization``/``RbacMatch``/``StringMatch``, src/rbac.rs). The cases below are written
 from those definitions and serde_yaml's enum rules (an enum is read only from a YAML tag,
-or a unit variant from a plain scalar naming it; a one-key mapping is refused).
+or a unit variant from a plain scalar naming it; a one-key mapping is refused). A
+workload's own fields are read through serde's ``flatten`` buffer, which refuses a tag
+anywhere in them (``protocol: !HBONE``), while a policy's ``action: !Allow`` is read
+directly and accepted.
 
 With ``AMBIENT_TEST_ZTUNNEL`` naming a real ztunnel binary, the same files are given to it
 (``LOCAL_XDS_PATH``, in a private network namespace) and it must accept exactly what we
@@ -77,6 +80,10 @@ CASES = [
     ("workload-ok", WORKLOAD.format(extra=""), True, ""),
     ("workload-unknown-key", WORKLOAD.format(extra="  colour: blue\n"), False,
      "workloads[0].colour"),
+    ("workload-enum-plain", WORKLOAD.format(extra="  protocol: HBONE\n  status: Unhealthy\n"),
+     True, ""),
+    ("workload-enum-as-tag", WORKLOAD.format(extra="  protocol: !HBONE\n"), False,
+     "workloads[0].protocol"),
     ("workload-type-any-string", WORKLOAD.format(extra="  workloadType: statefulset\n"), True,
      ""),
     ("workload-type-capitalised", WORKLOAD.format(extra="  workloadType: Pod\n"), True, ""),
