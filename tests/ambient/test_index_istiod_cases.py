@@ -212,3 +212,52 @@ def test_deliberate_no_labels_gets_no_selector_policy():
     h.apply(policy("all", selector={"matchLabels": {}}, action="DENY",
                    rules=[{"from": [{"source": {"principals": ["x"]}}]}]))
     assert "ns/all" in h.workload("cluster0//Pod/ns/bare").authorization_policies
+
+
+# -------------------------------------------------------------- upstream inputs, replayed
+
+
+def _we(name: str, labels: dict, address: str = "") -> dict:
+    spec = {"serviceAccount": "sa1", "labels": labels}
+    if address:
+        spec["address"] = address
+    return {"apiVersion": "networking.istio.io/v1", "kind": "WorkloadEntry",
+            "metadata": {"name": name, "namespace": "ns1", "labels": labels}, "spec": spec}
+
+
+def test_upstream_empty_address_workload_entries():
+    """istiod's TestAmbientIndex_EmptyAddrWorkloadEntries: both kept, found by uid, not
+    by an empty address."""
+    h = Harness(_we("emptyaddr1", {"app": "a"}))
+    change = h.apply(_we("emptyaddr2", {"app": "a"}))
+    base = "cluster0/networking.istio.io/WorkloadEntry/ns1/"
+    assert base + "emptyaddr2" in change.addresses_changed
+    assert {n for n in h.index.address_names("workload")} == {base + "emptyaddr1",
+                                                              base + "emptyaddr2"}
+    assert h.index.lookup(base + "emptyaddr1") == [base + "emptyaddr1"]
+    assert h.index.lookup("testnetwork/") == []
+    # an update of the entry is an event
+    updated = _we("emptyaddr1", {"app": "a"})
+    updated["spec"]["serviceAccount"] = "sa2"
+    assert base + "emptyaddr1" in h.apply(updated).addresses_changed
+
+
+def test_upstream_inlined_workload_entries():
+    """istiod's TestAmbientIndex_InlinedWorkloadEntries: a ServiceEntry labelled app=a with
+    two inline endpoints; a selector policy added, then deleted, then the ServiceEntry."""
+    se = {"apiVersion": "networking.istio.io/v1", "kind": "ServiceEntry",
+          "metadata": {"name": "se1", "namespace": "ns1", "labels": {"app": "a"}},
+          "spec": {"hosts": ["se.istio.io"], "addresses": ["240.240.23.45"],
+                   "resolution": "STATIC", "ports": [{"number": 80, "name": "http"}],
+                   "endpoints": [{"address": "127.0.0.1"}, {"address": "127.0.0.2"}]}}
+    h = Harness(se)
+    uids = [f"cluster0/networking.istio.io/ServiceEntry/ns1/se1/127.0.0.{i}" for i in (1, 2)]
+    change = h.apply(policy("selector", "ns1", selector={"matchLabels": {"app": "a"}},
+                            action="ALLOW", rules=[{}]))
+    assert set(uids) <= change.addresses_changed
+    assert [list(h.workload(u).authorization_policies) for u in uids] == [["ns1/selector"]] * 2
+    change = h.delete("AuthorizationPolicy", "ns1", "selector")
+    assert set(uids) <= change.addresses_changed
+    assert [list(h.workload(u).authorization_policies) for u in uids] == [[], []]
+    h.delete("ServiceEntry", "ns1", "se1")
+    assert h.index.address_names("workload") == []
