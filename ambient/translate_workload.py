@@ -175,15 +175,17 @@ def se_endpoint(se: dict, ep: object, index: int, mesh: Mesh
         raise TranslateError(f"field {path!r} must be a mapping, got {ep!r}")
     m = meta(se)
     ns, name = m["namespace"], m["name"]
-    address = ep.get("address")
-    if not isinstance(address, str) or not address:
-        raise TranslateError(f"field '{path}.address' must be a non-empty string, "
-                             f"got {address!r}")
+    address = ep.get("address") or ""
+    if not isinstance(address, str):
+        raise TranslateError(f"field '{path}.address' must be a string, got {address!r}")
+    # an endpoint without an address (on another network, reached through its gateway)
+    # is kept, as istiod keeps it; its uid then ends in "/", as istiod's does
     w = wl.Workload(uid=f"{mesh.cluster_id}/networking.istio.io/ServiceEntry/{ns}/{name}/"
                         f"{address}", name=name, namespace=ns, cluster_id=mesh.cluster_id,
                     trust_domain=mesh.sent_trust_domain, workload_type=wl.POD,
                     status=wl.HEALTHY)
-    _address(w, address, f"{path}.address")
+    if address:
+        _address(w, address, f"{path}.address")
     w.network = str(ep.get("network") or mesh.network)
     w.service_account = str(ep.get("serviceAccount") or "")
     weight = ep.get("weight")

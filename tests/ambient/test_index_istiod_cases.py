@@ -261,3 +261,15 @@ def test_upstream_inlined_workload_entries():
     assert [list(h.workload(u).authorization_policies) for u in uids] == [[], []]
     h.delete("ServiceEntry", "ns1", "se1")
     assert h.index.address_names("workload") == []
+
+
+def test_service_entry_endpoint_without_address_is_kept():
+    """istiod keeps an inline endpoint without an address (another network's, reached
+    through its network gateway): its uid ends in "/"; the other endpoints stay."""
+    se = _se("STATIC", labels={"app": "se"},
+             endpoints=[{"network": "remote-network", "serviceAccount": "sa"},
+                        {"address": "2.3.4.5"}])
+    h = Harness(se)
+    w = h.workload(SE_UID)
+    assert (list(w.addresses), w.hostname, w.network) == ([], "", "remote-network")
+    assert h.workload(SE_UID + "2.3.4.5").network == "testnetwork"
