@@ -169,7 +169,8 @@ def _ztunnel_verdict(path: str, timeout: float = 20.0) -> tuple[bool, str]:
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LOCAL_XDS_PATH": path,
            "FAKE_CA": "true", "PROXY_MODE": "dedicated", "RUST_LOG": "info",
            "XDS_ADDRESS": "", "NODE_NAME": "local", "POD_NAMESPACE": "default",
-           "POD_NAME": "local", "INSTANCE_IP": "127.0.0.1", "ISTIO_META_DNS_CAPTURE": "false"}
+           "POD_NAME": "local", "SERVICE_ACCOUNT": "local", "INSTANCE_IP": "127.0.0.1",
+           "ISTIO_META_DNS_CAPTURE": "false"}
     proc = subprocess.Popen(["unshare", "--net", "sh", "-c", f"ip link set lo up && exec {ZTUNNEL}"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out: list[str] = []
