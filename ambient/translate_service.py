@@ -170,8 +170,7 @@ def k8s_service(svc: dict, mesh: Mesh, namespace_obj: dict | None) -> ServiceInf
     for i, p in enumerate(field(svc, "spec.ports", list, [])):
         if not isinstance(p, dict):
             raise TranslateError(f"field 'spec.ports[{i}]' must be a mapping, got {p!r}")
-        if (p.get("protocol") or "TCP") != "TCP":
-            continue  # ztunnel carries TCP only
+        # every port is sent, UDP and SCTP too, as istiod's constructService does
         port = _port_number(p.get("port"), f"spec.ports[{i}].port")
         pname = p.get("name") or ""
         target = p.get("targetPort", port)  # the API server defaults targetPort to port

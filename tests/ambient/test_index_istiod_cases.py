@@ -273,3 +273,16 @@ def test_service_entry_endpoint_without_address_is_kept():
     w = h.workload(SE_UID)
     assert (list(w.addresses), w.hostname, w.network) == ([], "", "remote-network")
     assert h.workload(SE_UID + "2.3.4.5").network == "testnetwork"
+
+
+def test_udp_service_ports_are_sent_as_istiod_sends_them():
+    """Oracle case service-app-protocol-and-udp: istiod's constructService keeps every
+    port of a Service (a UDP port too), and a selected pod lists it."""
+    svc = service("mixed", selector={"app": "m"},
+                  ports=[{"name": "grpc-x", "port": 81, "targetPort": 8081,
+                          "appProtocol": "kubernetes.io/h2c"},
+                         {"name": "dns", "port": 53, "targetPort": 53, "protocol": "UDP"}])
+    h = Harness(svc, pod("m", labels={"app": "m"}))
+    key = "ns/mixed.ns.svc.domain.suffix"
+    assert [(p.service_port, p.target_port) for p in h.service(key).ports] == [(81, 8081), (53, 53)]
+    assert h.ports(h.workload("cluster0//Pod/ns/m"), key) == [(81, 8081), (53, 53)]
