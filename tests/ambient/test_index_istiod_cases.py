@@ -12,6 +12,7 @@ import copy
 import ipaddress
 import logging
 
+from ambient import authorization_pb2 as az
 from ambient import workload_pb2 as wl
 from tests.ambient.builders import Harness, pod, policy, service, waypoint
 
@@ -286,3 +287,21 @@ def test_udp_service_ports_are_sent_as_istiod_sends_them():
     key = "ns/mixed.ns.svc.domain.suffix"
     assert [(p.service_port, p.target_port) for p in h.service(key).ports] == [(81, 8081), (53, 53)]
     assert h.ports(h.workload("cluster0//Pod/ns/m"), key) == [(81, 8081), (53, 53)]
+
+
+def test_deliberate_port_level_disable_under_inherited_strict_is_honoured():
+    """istiod's convertedSelectorPeerAuthentications, for a workload PeerAuthentication
+    without its own mode under a STRICT namespace, looks only for PERMISSIVE port
+    exceptions: one with only ``portLevelMtls: {9090: DISABLE}`` is ignored and the
+    workload lists the static STRICT policy (9090 stays mTLS-only), while the same
+    exception under a workload-level STRICT mode is honoured. The index honours it in
+    both (docs/xds.md, "Deliberate differences from istiod"): the workload lists the
+    converted policy, which is STRICT on every other port."""
+    ns_strict = _strict_pa()
+    wl_pa = policy("db", kind="PeerAuthentication", selector={"matchLabels": {"app": "p"}},
+                   portLevelMtls={"9090": {"mode": "DISABLE"}}, created="2024-01-02T00:00:00Z")
+    h = Harness(ns_strict, wl_pa, pod("p", labels={"app": "p"}))
+    keys = list(h.workload("cluster0//Pod/ns/p").authorization_policies)
+    assert keys == ["ns/converted_peer_authentication_db"]
+    converted = h.index.authorization("ns/converted_peer_authentication_db")
+    assert converted is not None and converted.action == az.DENY
