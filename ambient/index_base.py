@@ -91,10 +91,16 @@ class IndexBase:
         log.warning("skipping %s %s/%s: %s", kind, ns, name, error)
 
     def mark_selected(self, ns: str | None, selector: dict[str, str] | None,
-                      allow_empty: bool = False) -> None:
-        """Mark pods and WorkloadEntries ``selector`` matches (``ns`` None = all namespaces)."""
+                      allow_empty: bool = False, service_entries: bool = False) -> None:
+        """Mark pods and WorkloadEntries ``selector`` matches (``ns`` None = all namespaces);
+        with ``service_entries`` also the ServiceEntries whose own labels it matches (a
+        policy reaches a ServiceEntry's workloads through the ServiceEntry's labels)."""
         if selector is None or (not selector and not allow_empty):
             return
+        if service_entries:
+            for obj in self.store.list("ServiceEntry", ns):
+                if subset(selector, labels(obj)):
+                    self.dirty.ses.add((meta(obj)["namespace"], meta(obj)["name"]))
         for kind, target in (("Pod", self.dirty.pods), ("WorkloadEntry", self.dirty.wes)):
             for obj in self.store.list(kind, ns):
                 lbls = labels(obj)

@@ -43,7 +43,8 @@ class Policies:
         for o in (ev.old, ev.new):
             if o is not None:
                 scope_ns = None if ns == base.base_mesh.root_namespace else ns
-                base.mark_selected(scope_ns, policy_selector(o), allow_empty=True)
+                base.mark_selected(scope_ns, policy_selector(o), allow_empty=True,
+                                   service_entries=True)
 
     def mark_peer_authentication(self, ev: StoreEvent) -> None:
         """PeerAuthentications are recomputed together; the workloads one covers are
@@ -61,7 +62,7 @@ class Policies:
                 else:
                     base.mark_namespace_workloads(ns)
             elif ns != root:
-                base.mark_selected(ns, sel, allow_empty=True)
+                base.mark_selected(ns, sel, allow_empty=True, service_entries=True)
 
     def mark_all(self) -> None:
         """Every AuthorizationPolicy, every held non-PeerAuthentication key (a removed

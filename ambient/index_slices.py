@@ -11,6 +11,7 @@ carrying the slice's ports joined to the Service's by port name.
 
 from __future__ import annotations
 
+import logging
 from typing import Mapping
 
 from ambient import translate_service as ts
@@ -19,6 +20,8 @@ from ambient import workload_pb2 as wl
 from ambient.index_base import BAD_OBJECT, IndexBase, PodKey, Produced
 from ambient.objects import TranslateError, field, labels
 from ambient.store import StoreEvent
+
+log = logging.getLogger(__name__)
 
 
 class Slices:
@@ -61,6 +64,7 @@ class Slices:
             try:
                 ports = self._ports(info, obj)
                 targets: set[PodKey] = set()
+                seen: set[str] = set()
                 self.targets[(ns, name)] = targets
                 for i, ep in enumerate(field(obj, "endpoints", list, [])):
                     if not isinstance(ep, dict):
@@ -75,7 +79,18 @@ class Slices:
                             (info.key, str(ref.get("uid") or "")))
                         self._rebuild_refs(pod)
                         continue
-                    w = tw.slice_endpoint(obj, ep, i, base.mesh)
+                    try:
+                        w = tw.slice_endpoint(obj, ep, i, base.mesh)
+                    except TranslateError as e:  # istiod skips the endpoint, not the slice
+                        base.rejected.labels("EndpointSlice").inc()
+                        log.warning("EndpointSlice %s/%s: skipping endpoint: %s", ns, name, e)
+                        continue
+                    if w.uid in seen:
+                        log.warning("EndpointSlice %s/%s: field 'endpoints[%d].addresses[0]' "
+                                    "repeats %s; skipping that endpoint", ns, name, i,
+                                    w.uid.rsplit("/", 1)[1])
+                        continue
+                    seen.add(w.uid)
                     w.services[info.key].CopyFrom(ports)
                     produced.append((w, ()))
             except BAD_OBJECT as e:

@@ -6,6 +6,8 @@ tunnel, the network gateway, and the ordered policy keys."""
 
 from __future__ import annotations
 
+import logging
+
 from ambient import localconfig
 from ambient import translate_service as ts
 from ambient import translate_workload as tw
@@ -19,6 +21,8 @@ from ambient.index_slices import Slices
 from ambient.objects import field, labels, meta, spec
 from ambient.store import StoreEvent
 
+log = logging.getLogger(__name__)
+
 DNS_RESOLUTIONS = ("DNS", "DNS_ROUND_ROBIN", "DYNAMIC_DNS")
 
 
@@ -30,6 +34,8 @@ class Workloads:
         self.services = services
         self.slices = slices
         self.policies = policies
+        # WorkloadEntries without spec.address already logged (one line per entry)
+        self._addressless: set[tuple[str, str]] = set()
 
     # ------------------------------------------------------------------ marks
 
@@ -54,10 +60,30 @@ class Workloads:
 
     # ------------------------------------------------------------------ joins
 
-    def _finish(self, w: wl.Workload, ns: str, lbls: dict[str, str]) -> tuple[str, ...]:
-        """Waypoint/app tunnel, network gateway, policies. Returns waypoint keys."""
-        waypoints = self.gateways.waypoints
+    def _finish(self, w: wl.Workload, ns: str, lbls: dict[str, str],
+                policy_labels: dict[str, str] | None = None,
+                waypoint: bool = True) -> tuple[str, ...]:
+        """Waypoint/app tunnel (by ``lbls``; none without ``waypoint``), network gateway,
+        policies (selected by ``policy_labels``, default ``lbls``). Returns waypoint keys.
+
+        A ServiceEntry's workloads, as istiod's ``serviceEntryWorkloadBuilder``: the
+        policies are picked by the ServiceEntry's labels, an inline endpoint's waypoint by
+        the endpoint's labels, and a DNS host without endpoints has no waypoint."""
         ns_obj = self.base.store.get("Namespace", "", ns)
+        keys: tuple[str, ...] = ()
+        if waypoint:
+            keys = self._waypoint(w, ns, lbls, ns_obj)
+        gw = self.gateways.netgws.get(w.network)
+        if gw is not None:
+            w.network_gateway.ParseFromString(gw)
+        w.authorization_policies.extend(self.policies.policy_keys(
+            ns, lbls if policy_labels is None else policy_labels))
+        return keys
+
+    def _waypoint(self, w: wl.Workload, ns: str, lbls: dict[str, str],
+                  ns_obj: dict | None) -> tuple[str, ...]:
+        """A waypoint instance's application tunnel, or the waypoint ``lbls`` bind to."""
+        waypoints = self.gateways.waypoints
         keys: tuple[str, ...] = ()
         instance = wpmod.instance_of(lbls, ns, waypoints)
         if instance is not None:
@@ -72,10 +98,6 @@ class Workloads:
             if wp is not None:
                 w.waypoint.CopyFrom(wp.gateway_address())
                 keys = (wp.key,)
-        gw = self.gateways.netgws.get(w.network)
-        if gw is not None:
-            w.network_gateway.ParseFromString(gw)
-        w.authorization_policies.extend(self.policies.policy_keys(ns, lbls))
         return keys
 
     # ------------------------------------------------------------------ updates
@@ -117,10 +139,16 @@ class Workloads:
         uid = f"{base.mesh.cluster_id}/networking.istio.io/WorkloadEntry/{ns}/{name}"
         we = base.store.get("WorkloadEntry", ns, name)
         if we is None:
+            self._addressless.discard((ns, name))
             base.outputs.set_workload(None, uid)
             return
         try:
             w, lbls, named = tw.workload_entry(we, base.mesh)
+            if not w.addresses and not w.hostname and (ns, name) not in self._addressless:
+                self._addressless.add((ns, name))
+                log.info("WorkloadEntry %s/%s has no spec.address: sent without an address "
+                         "(reachable only through the gateway of network %r or its "
+                         "waypoint), as istiod does", ns, name, w.network)
             for info in self.services.services_for(ns, lbls):
                 w.services[info.key].CopyFrom(ts.workload_ports(info, named,
                                                                 override_by_name=True))
@@ -148,14 +176,14 @@ class Workloads:
                     for info in won:
                         w.services[info.key].CopyFrom(ts.workload_ports(info, named,
                                                                         override_by_name=True))
-                    produced.append((w, self._finish(w, ns, lbls)))
+                    produced.append((w, self._finish(w, ns, lbls, policy_labels=labels(se))))
                 s = spec(se)
                 if (not endpoints and not s.get("workloadSelector")
                         and s.get("resolution") in DNS_RESOLUTIONS):
                     for info in won:
                         w = tw.dns_host_workload(se, info.hostname, base.mesh)
                         w.services[info.key].CopyFrom(ts.workload_ports(info, {}))
-                        produced.append((w, ()))
+                        produced.append((w, self._finish(w, ns, labels(se), waypoint=False)))
             except BAD_OBJECT as e:
                 base.reject("ServiceEntry", ns, name, e)
                 produced = []

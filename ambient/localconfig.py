@@ -11,6 +11,7 @@ its local-config file whole or not at all) and every bad entry is named in the l
 from __future__ import annotations
 
 import ipaddress
+import logging
 from typing import Any, Mapping, TypeVar
 
 from google.protobuf import empty_pb2, wrappers_pb2
@@ -19,7 +20,61 @@ from ambient import authorization_pb2 as az
 from ambient import workload_pb2 as wl
 from ambient.objects import TranslateError
 
+log = logging.getLogger(__name__)
+
 LOCAL_KEYS = frozenset({"workloads", "services", "policies"})
+
+
+class Tagged(dict):
+    """A YAML node written with a local tag (``!Exact a``, ``!Presence []``, ``!Allow``):
+    ``{"tag": "Exact", "value": "a", "node": "scalar"|"sequence"|"mapping", "plain_empty":
+    bool}``. ztunnel's YAML reader (serde_yaml 0.9) reads an enum *only* from a tag or,
+    for a unit variant, a plain scalar naming it; a one-key mapping such as ``{Exact: a}``
+    is refused. A dict subclass so that it copies and compares like the rest of a spec;
+    only the YAML loader makes one, so no mapping written in a file can pose as one."""
+
+    @property
+    def tag(self) -> str:
+        return str(self["tag"])
+
+    @property
+    def value(self) -> Any:
+        return self["value"]
+
+
+WORKLOAD_KEYS = ("workloadIps", "waypoint", "networkGateway", "protocol", "networkMode", "uid",
+                 "name", "namespace", "trustDomain", "serviceAccount", "network",
+                 "workloadName", "workloadType", "canonicalName", "canonicalRevision",
+                 "hostname", "node", "nativeTunnel", "applicationTunnel",
+                 "authorizationPolicies", "status", "clusterId", "locality", "services",
+                 "capacity")
+SERVICE_KEYS = ("name", "namespace", "hostname", "vips", "cidrVips", "ports", "endpoints",
+                "subjectAltNames", "waypoint", "weightedWaypoints", "loadBalancer",
+                "ipFamilies", "canonical", "visibility")
+
+
+def _no_tag(value: Any, path: str) -> None:
+    """ztunnel's ``LocalWorkload`` flattens ``Workload`` in, so serde buffers every workload
+    field before reading it, and that buffer refuses a YAML tag anywhere inside (only
+    ``services``, a field of ``LocalWorkload`` itself, is read directly)."""
+    if isinstance(value, Tagged):
+        raise TranslateError(f"field {path!r}: a YAML tag (!{value.tag}) is refused here by "
+                             f"ztunnel (a workload's fields take plain values: "
+                             f"'protocol: HBONE')")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _no_tag(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _no_tag(v, f"{path}[{i}]")
+
+
+def _only(entry: dict, allowed: tuple[str, ...], path: str) -> None:
+    """ztunnel's ``deny_unknown_fields``: a key it does not know fails the document."""
+    for key in entry:
+        if key not in allowed:
+            raise TranslateError(f"unknown field '{path}.{key}' (ztunnel refuses it; known: "
+                                 f"{', '.join(allowed)})")
 _SCOPES = {"Region": wl.LoadBalancing.REGION, "Zone": wl.LoadBalancing.ZONE,
            "Subzone": wl.LoadBalancing.SUBZONE, "Node": wl.LoadBalancing.NODE,
            "Cluster": wl.LoadBalancing.CLUSTER, "Network": wl.LoadBalancing.NETWORK}
@@ -53,25 +108,48 @@ _E = TypeVar("_E")
 
 
 def _enum(value: Any, table: Mapping[Any, _E], path: str) -> _E:
-    if value not in table:
+    """A unit enum variant as serde_yaml reads one: a plain scalar naming it, or its tag
+    with nothing after it (``!Allow``)."""
+    if isinstance(value, Tagged):
+        if value.tag in table and value["plain_empty"]:
+            return table[value.tag]
+        raise TranslateError(f"field {path!r} must be one of {', '.join(table)}, got the tag "
+                             f"!{value.tag} with {value.value!r}")
+    if not isinstance(value, str) or value not in table:
         raise TranslateError(f"field {path!r} must be one of {', '.join(table)}, got {value!r}")
     return table[value]
 
 
-def network_address(text: str, path: str) -> wl.NetworkAddress:
-    network, _, ip = str(text).rpartition("/")
+def _u16(value: Any, path: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 65535:
+        return value
+    raise TranslateError(f"field {path!r} must be a port 0-65535, got {value!r}")
+
+
+def network_address(text: Any, path: str) -> wl.NetworkAddress:
+    """``network/IP`` split at the first ``/`` as ztunnel's ``NetworkAddress`` (an empty
+    network is ``/IP``; a bare IP is refused)."""
+    network, sep, ip = text.partition("/") if isinstance(text, str) else ("", "", "")
     try:
+        if not sep:
+            raise ValueError
         return wl.NetworkAddress(network=network, address=ipaddress.ip_address(ip).packed)
     except ValueError:
-        raise TranslateError(f"field {path!r} must be 'network/IP', got {text!r}") from None
+        raise TranslateError(f"field {path!r} must be 'network/IP' (an empty network is "
+                             f"'/IP'), got {text!r}") from None
 
 
 def gateway_address(entry: Any, path: str) -> wl.GatewayAddress:
-    if not isinstance(entry, dict):
+    """``{destination: network/IP | namespace/hostname, hboneMtlsPort}``, nothing else."""
+    if not isinstance(entry, dict) or isinstance(entry, Tagged):
         raise TranslateError(f"field {path!r} must be a mapping, got {entry!r}")
+    _only(entry, ("destination", "hboneMtlsPort"), path)
     dest = _req(entry, "destination", str, path)
-    port = _req(entry, "hboneMtlsPort", int, path)
-    first, _, rest = dest.partition("/")
+    port = _u16(entry.get("hboneMtlsPort"), f"{path}.hboneMtlsPort")
+    first, sep, rest = dest.partition("/")
+    if not sep:
+        raise TranslateError(f"field '{path}.destination' must be 'network/IP' or "
+                             f"'namespace/hostname', got {dest!r}")
     try:
         ip = ipaddress.ip_address(rest).packed
         return wl.GatewayAddress(address=wl.NetworkAddress(network=first, address=ip),
@@ -82,21 +160,34 @@ def gateway_address(entry: Any, path: str) -> wl.GatewayAddress:
 
 
 def _port_map(value: Any, path: str) -> list[wl.Port]:
-    if not isinstance(value, dict):
+    """ztunnel's ``HashMap<u16, u16>``: integer keys and values (a quoted ``"80"`` is a
+    string to serde_yaml, not a port); null is an empty map."""
+    if value is None:
+        return []
+    if not isinstance(value, dict) or isinstance(value, Tagged):
         raise TranslateError(f"field {path!r} must map servicePort to targetPort, got {value!r}")
-    out = []
-    for k, v in value.items():
-        try:
-            out.append(wl.Port(service_port=int(k), target_port=int(v)))
-        except (TypeError, ValueError):
-            raise TranslateError(f"field '{path}.{k}' must be a port, got {v!r}") from None
-    return out
+    return [wl.Port(service_port=_u16(k, f"{path} key {k!r}"),
+                    target_port=_u16(v, f"{path}.{k}")) for k, v in value.items()]
+
+
+def _locality(value: Any, path: str) -> wl.Locality:
+    """ztunnel's ``Locality``: ``region``, ``zone`` and ``subzone`` all required (other
+    keys are ignored, as its struct allows)."""
+    if not isinstance(value, dict) or isinstance(value, Tagged):
+        raise TranslateError(f"field {path!r} must be a mapping, got {value!r}")
+    return wl.Locality(region=_req(value, "region", str, path),
+                       zone=_req(value, "zone", str, path),
+                       subzone=_req(value, "subzone", str, path))
 
 
 def workload(entry: Any, path: str = "workload") -> wl.Workload:
     """A LocalWorkload entry -> Workload. Raises TranslateError naming the field."""
-    if not isinstance(entry, dict):
+    if not isinstance(entry, dict) or isinstance(entry, Tagged):
         raise TranslateError(f"field {path!r} must be a mapping, got {entry!r}")
+    _only(entry, WORKLOAD_KEYS, path)
+    for key, value in entry.items():
+        if key != "services":
+            _no_tag(value, f"{path}.{key}")
     w = wl.Workload(uid=_opt(entry, "uid", str, path, ""), name=_opt(entry, "name", str, path, ""),
                     namespace=_req(entry, "namespace", str, path),
                     service_account=_opt(entry, "serviceAccount", str, path, ""),
@@ -123,74 +214,142 @@ def workload(entry: Any, path: str = "workload") -> wl.Workload:
                            f"{path}.networkMode")
     w.status = _enum(entry.get("status", "Healthy"),
                      {"Healthy": wl.HEALTHY, "Unhealthy": wl.UNHEALTHY}, f"{path}.status")
-    w.workload_type = _enum(str(entry.get("workloadType", "deployment")).lower(), _WTYPES,
-                            f"{path}.workloadType")
-    if "capacity" in entry:
-        w.capacity.CopyFrom(wrappers_pb2.UInt32Value(value=_req(entry, "capacity", int, path)))
-    if entry.get("applicationTunnel"):
-        at = entry["applicationTunnel"]
-        w.application_tunnel.protocol = _enum(at.get("protocol", "NONE"), {
+    # ztunnel keeps workloadType as any string; the workload API has four values
+    wtype = _opt(entry, "workloadType", str, path, "")
+    w.workload_type = _WTYPES.get(wtype.lower(), wl.DEPLOYMENT)
+    if wtype and wtype.lower() not in _WTYPES:
+        log.warning("field '%s.workloadType' %r has no workload-API value (%s); sent as "
+                    "deployment", path, wtype, ", ".join(_WTYPES))
+    if entry.get("capacity") is not None:
+        capacity = entry["capacity"]
+        if isinstance(capacity, bool) or not isinstance(capacity, int) \
+                or not 0 <= capacity < 2 ** 32:
+            raise TranslateError(f"field '{path}.capacity' must be an unsigned 32-bit number, "
+                                 f"got {capacity!r}")
+        w.capacity.CopyFrom(wrappers_pb2.UInt32Value(value=capacity))
+    at = entry.get("applicationTunnel")
+    if at is not None:
+        at_path = f"{path}.applicationTunnel"
+        if not isinstance(at, dict) or isinstance(at, Tagged):
+            raise TranslateError(f"field {at_path!r} must be a mapping, got {at!r}")
+        _only(at, ("protocol", "port"), at_path)
+        w.application_tunnel.protocol = _enum(at.get("protocol"), {
             "NONE": wl.ApplicationTunnel.NONE, "PROXY": wl.ApplicationTunnel.PROXY},
-            f"{path}.applicationTunnel.protocol")
-        w.application_tunnel.port = int(at.get("port") or 0)
+            f"{at_path}.protocol")
+        if at.get("port") is not None:
+            w.application_tunnel.port = _u16(at["port"], f"{at_path}.port")
     for key, target in (("waypoint", w.waypoint), ("networkGateway", w.network_gateway)):
-        if entry.get(key):
+        if entry.get(key) is not None:
             target.CopyFrom(gateway_address(entry[key], f"{path}.{key}"))
-    if entry.get("locality"):
-        loc = entry["locality"]
-        w.locality.CopyFrom(wl.Locality(region=str(loc.get("region", "")),
-                                        zone=str(loc.get("zone", "")),
-                                        subzone=str(loc.get("subzone", ""))))
-    w.authorization_policies.extend(str(p) for p in
-                                    _opt(entry, "authorizationPolicies", list, path, []))
+    if entry.get("locality") is not None:
+        w.locality.CopyFrom(_locality(entry["locality"], f"{path}.locality"))
+    for i, p in enumerate(_opt(entry, "authorizationPolicies", list, path, [])):
+        if not isinstance(p, str):
+            raise TranslateError(f"field '{path}.authorizationPolicies[{i}]' must be a "
+                                 f"string, got {p!r}")
+        w.authorization_policies.append(p)
     services = _req(entry, "services", dict, path)
     for key, ports in services.items():
-        if "/" not in str(key):
+        if not isinstance(key, str) or "/" not in key:
             raise TranslateError(f"field '{path}.services' key must be namespace/hostname, "
                                  f"got {key!r}")
-        w.services[str(key)].ports.extend(_port_map(ports or {}, f"{path}.services.{key}"))
+        w.services[key].ports.extend(_port_map(ports, f"{path}.services.{key}"))
     return w
 
 
+def _ip_net(value: Any, path: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    """An ``ipnet::IpNet``: ``address/length`` (host bits allowed; a bare IP is refused)."""
+    try:
+        if not isinstance(value, str) or "/" not in value:
+            raise ValueError
+        return ipaddress.ip_network(value, strict=False)
+    except ValueError:
+        raise TranslateError(f"field {path!r} must be an IP network 'address/length', "
+                             f"got {value!r}") from None
+
+
+def _endpoints(value: Any, path: str) -> int:
+    """Validate ztunnel's ``endpoints`` map (uid -> ``{workloadUid, port, status}``);
+    returns how many. The workload API carries endpoints through the workloads'
+    ``services``, so they are checked, not sent."""
+    if value is None:
+        return 0
+    if not isinstance(value, dict) or isinstance(value, Tagged):
+        raise TranslateError(f"field {path!r} must map workload uids to endpoints, "
+                             f"got {value!r}")
+    for uid, ep in value.items():
+        sub = f"{path}.{uid}"
+        if not isinstance(ep, dict) or isinstance(ep, Tagged):
+            raise TranslateError(f"field {sub!r} must be a mapping, got {ep!r}")
+        _only(ep, ("workloadUid", "port", "status"), sub)
+        _req(ep, "workloadUid", str, sub)
+        if "port" not in ep:
+            raise TranslateError(f"field '{sub}.port' is required")
+        _port_map(ep["port"], f"{sub}.port")
+        _enum(ep.get("status"), {"Healthy": 0, "Unhealthy": 1}, f"{sub}.status")
+    return len(value)
+
+
 def service(entry: Any, path: str = "service") -> wl.Service:
-    """A LocalService entry -> Service. Raises TranslateError naming the field."""
-    if not isinstance(entry, dict):
+    """A LocalService entry -> Service, as ztunnel's ``Service`` reads it
+    (``deny_unknown_fields``; ``name``, ``namespace``, ``hostname``, ``vips`` and ``ports``
+    required). Raises TranslateError naming the field."""
+    if not isinstance(entry, dict) or isinstance(entry, Tagged):
         raise TranslateError(f"field {path!r} must be a mapping, got {entry!r}")
+    _only(entry, SERVICE_KEYS, path)
     s = wl.Service(name=_req(entry, "name", str, path), namespace=_req(entry, "namespace", str, path),
                    hostname=_req(entry, "hostname", str, path),
                    canonical=_opt(entry, "canonical", bool, path, False))
     for i, vip in enumerate(_req(entry, "vips", list, path)):
         s.addresses.append(network_address(vip, f"{path}.vips[{i}]"))
     for i, c in enumerate(_opt(entry, "cidrVips", list, path, [])):
-        try:
-            net = ipaddress.ip_network(str(c.get("cidr")), strict=False)
-        except (ValueError, AttributeError):
-            raise TranslateError(f"field '{path}.cidrVips[{i}].cidr' is not a CIDR: {c!r}") \
-                from None
-        s.addresses.append(wl.NetworkAddress(network=str(c.get("network") or ""),
-                                             address=net.network_address.packed,
+        sub = f"{path}.cidrVips[{i}]"
+        if not isinstance(c, dict) or isinstance(c, Tagged):
+            raise TranslateError(f"field {sub!r} must be {{network, cidr}}, got {c!r}")
+        network = _req(c, "network", str, sub)
+        net = _ip_net(c.get("cidr"), f"{sub}.cidr")
+        s.addresses.append(wl.NetworkAddress(network=network, address=net.network_address.packed,
                                              length=net.prefixlen))
-    s.ports.extend(_port_map(_req(entry, "ports", dict, path), f"{path}.ports"))
-    s.subject_alt_names.extend(str(x) for x in _opt(entry, "subjectAltNames", list, path, []))
-    if entry.get("waypoint"):
+    if "ports" not in entry:
+        raise TranslateError(f"field '{path}.ports' is required")
+    s.ports.extend(_port_map(entry["ports"], f"{path}.ports"))
+    if _endpoints(entry.get("endpoints"), f"{path}.endpoints"):
+        log.warning("field '%s.endpoints' is not sent: the workload API takes a service's "
+                    "endpoints from the workloads that list it (their 'services')", path)
+    for i, san in enumerate(_opt(entry, "subjectAltNames", list, path, [])):
+        if not isinstance(san, str):
+            raise TranslateError(f"field '{path}.subjectAltNames[{i}]' must be a string, "
+                                 f"got {san!r}")
+        s.subject_alt_names.append(san)
+    if entry.get("waypoint") is not None:
         s.waypoint.CopyFrom(gateway_address(entry["waypoint"], f"{path}.waypoint"))
     for i, ww in enumerate(_opt(entry, "weightedWaypoints", list, path, [])):
+        sub = f"{path}.weightedWaypoints[{i}]"
+        if not isinstance(ww, dict) or isinstance(ww, Tagged):
+            raise TranslateError(f"field {sub!r} must be {{destination, weight}}, got {ww!r}")
+        _only(ww, ("destination", "weight"), sub)
+        weight = ww.get("weight")
+        if isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight < 2 ** 32:
+            raise TranslateError(f"field '{sub}.weight' must be an unsigned 32-bit number, "
+                                 f"got {weight!r}")
         s.weighted_waypoints.append(wl.WeightedWaypoint(
-            destination=gateway_address((ww or {}).get("destination"),
-                                        f"{path}.weightedWaypoints[{i}].destination"),
-            weight=int((ww or {}).get("weight") or 0)))
+            destination=gateway_address(ww.get("destination"), f"{sub}.destination"),
+            weight=weight))
     lb = entry.get("loadBalancer")
-    if lb:
+    if lb is not None:
+        sub = f"{path}.loadBalancer"
+        if not isinstance(lb, dict) or isinstance(lb, Tagged):
+            raise TranslateError(f"field {sub!r} must be a mapping, got {lb!r}")
+        _only(lb, ("routingPreferences", "mode", "healthPolicy"), sub)
         s.load_balancing.routing_preference.extend(
-            _enum(x, _SCOPES, f"{path}.loadBalancer.routingPreferences")
-            for x in lb.get("routingPreferences") or [])
-        s.load_balancing.mode = _enum(lb.get("mode", "Standard"), _MODES,
-                                      f"{path}.loadBalancer.mode")
+            _enum(x, _SCOPES, f"{sub}.routingPreferences[{i}]")
+            for i, x in enumerate(_req(lb, "routingPreferences", list, sub)))
+        s.load_balancing.mode = _enum(lb.get("mode"), _MODES, f"{sub}.mode")
         s.load_balancing.health_policy = _enum(
-            lb.get("healthPolicy", "OnlyHealthy"),
+            lb.get("healthPolicy"),
             {"OnlyHealthy": wl.LoadBalancing.ONLY_HEALTHY, "AllowAll": wl.LoadBalancing.ALLOW_ALL},
-            f"{path}.loadBalancer.healthPolicy")
-    if entry.get("ipFamilies"):
+            f"{sub}.healthPolicy")
+    if entry.get("ipFamilies") is not None:
         s.ip_families = _enum(entry["ipFamilies"], {"Dual": wl.DUAL, "IPv4": wl.IPV4_ONLY,
                                                     "IPv6": wl.IPV6_ONLY}, f"{path}.ipFamilies")
     s.visibility = _enum(entry.get("visibility", "Public"), {
@@ -199,22 +358,28 @@ def service(entry: Any, path: str = "service") -> wl.Service:
 
 
 def _string_match(value: Any, path: str) -> az.StringMatch:
+    """ztunnel's ``StringMatch`` as serde_yaml reads it: a YAML tag, ``!Exact a``,
+    ``!Prefix a``, ``!Suffix a`` (a scalar) or ``!Presence []`` / ``!Presence`` (nothing).
+    The one-key mapping ``{Exact: a}`` is refused, as ztunnel refuses it."""
+    if isinstance(value, Tagged):
+        tag, inner = value.tag, value.value
+        if tag in ("Exact", "Prefix", "Suffix") and value["node"] == "scalar":
+            return az.StringMatch(**{tag.lower(): str(inner)})
+        if tag == "Presence" and (value["plain_empty"] or inner == []):
+            return az.StringMatch(presence=empty_pb2.Empty())
+        raise TranslateError(f"field {path!r}: the tag !{tag} with {inner!r} is not a "
+                             f"StringMatch (!Exact|!Prefix|!Suffix <string>, !Presence [])")
     if isinstance(value, dict) and len(value) == 1:
         (k, v), = value.items()
-        if k in ("Exact", "Prefix", "Suffix") and isinstance(v, str):
-            return az.StringMatch(**{k.lower(): v})
-        if k == "Presence":
-            return az.StringMatch(presence=empty_pb2.Empty())
-    raise TranslateError(f"field {path!r} must be {{Exact|Prefix|Suffix: string}} or "
-                         f"{{Presence: []}}, got {value!r}")
+        raise TranslateError(f"field {path!r} must be a YAML tag, '!{k} {v}', not the mapping "
+                             f"{{{k}: {v}}} (ztunnel reads StringMatch only as a tag)")
+    raise TranslateError(f"field {path!r} must be !Exact|!Prefix|!Suffix <string> or "
+                         f"!Presence [], got {value!r}")
 
 
 def _cidr(value: Any, path: str) -> az.Address:
-    try:
-        net = ipaddress.ip_network(str(value), strict=False)
-    except ValueError:
-        # ztunnel's serde fails the whole file on an IpNet it can't parse
-        raise TranslateError(f"field {path!r} must be an IP or CIDR, got {value!r}") from None
+    # ztunnel's serde fails the whole file on an IpNet it can't parse
+    net = _ip_net(value, path)
     return az.Address(address=net.network_address.packed, length=net.prefixlen)
 
 
@@ -225,12 +390,6 @@ def _sa_match(value: Any, path: str) -> az.ServiceAccountMatch:
                                       serviceAccount=value["serviceAccount"])
     raise TranslateError(f"field {path!r} must be {{namespace: string, serviceAccount: "
                          f"string}}, got {value!r}")
-
-
-def _u16(value: Any, path: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 65535:
-        return value
-    raise TranslateError(f"field {path!r} must be a port 0-65535, got {value!r}")
 
 
 MATCH_KEYS = ("namespaces", "notNamespaces", "serviceAccounts", "notServiceAccounts",
@@ -247,7 +406,7 @@ def _match(entry: Any, path: str) -> az.Match:
     as ``sourceIp`` would change who is allowed. We refuse the key instead, which makes the
     whole document fail to load (see :func:`to_objects`), as any other error does in ztunnel.
     """
-    if not isinstance(entry, dict):
+    if not isinstance(entry, dict) or isinstance(entry, Tagged):
         raise TranslateError(f"field {path!r} must be a mapping, got {entry!r}")
     m = az.Match()
     convert = {"namespaces": (m.namespaces, _string_match),
@@ -276,7 +435,7 @@ def policy(entry: Any, path: str = "policy") -> az.Authorization:
     """A LocalPolicy entry -> Authorization. All six keys are required and no other is
     allowed, as ztunnel's ``Authorization`` (``deny_unknown_fields``); ``rules`` is a list
     of rules, each a list of clauses, each a list of matches. Raises TranslateError."""
-    if not isinstance(entry, dict):
+    if not isinstance(entry, dict) or isinstance(entry, Tagged):
         raise TranslateError(f"field {path!r} must be a mapping, got {entry!r}")
     extra = [k for k in entry if k not in POLICY_KEYS]
     if extra:

@@ -52,6 +52,30 @@ SUFFIXES = (".yaml", ".yml", ".json")
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
+class _TagLoader(_YAML_LOADER):  # type: ignore[misc,valid-type]
+    """The safe loader, plus local tags (``!Exact a``) read as
+    :class:`ambient.localconfig.Tagged`: ztunnel's local-config format writes enums with
+    them. ``tags_seen`` counts them so a Kubernetes document carrying one is refused."""
+
+    tags_seen = 0
+
+
+def _construct_tagged(loader: _TagLoader, suffix: str, node: yaml.Node) -> localconfig.Tagged:
+    loader.tags_seen += 1
+    value: Any
+    if isinstance(node, yaml.ScalarNode):
+        kind, value = "scalar", loader.construct_scalar(node)
+        plain_empty = value == "" and not node.style  # plain: None (or "" from libyaml)
+    elif isinstance(node, yaml.SequenceNode):
+        kind, value, plain_empty = "sequence", loader.construct_sequence(node, deep=True), False
+    else:
+        kind, value, plain_empty = "mapping", loader.construct_mapping(node, deep=True), False
+    return localconfig.Tagged(tag=suffix, value=value, node=kind, plain_empty=plain_empty)
+
+
+_TagLoader.add_multi_constructor("!", _construct_tagged)
+
+
 @dataclasses.dataclass
 class ParsedFile:
     """One file's content: ``objects`` as ``(object, where)``, ``errors`` as
@@ -85,13 +109,21 @@ def _docs(path: str, text: str) -> tuple[list[Any], str]:
         except json.JSONDecodeError as e:
             return [], f"malformed JSON at line {e.lineno}: {e.msg}"
     docs: list[Any] = []
+    loader = _TagLoader(text)
     try:
-        for doc in yaml.load_all(text, Loader=_YAML_LOADER):
+        while loader.check_data():
+            loader.tags_seen = 0
+            doc = loader.get_data()
+            if loader.tags_seen and not localconfig.is_local_config(doc):
+                return docs, (f"document #{len(docs)}: a YAML tag such as '!Exact' is "
+                              f"allowed only in ztunnel's local-config format")
             docs.append(doc)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         return docs, f"malformed YAML{where}: {getattr(e, 'problem', None) or e}"
+    finally:
+        loader.dispose()
     return docs, ""
 
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import logging
 from typing import Any
 
 from ambient import workload_pb2 as wl
 from ambient.objects import (Mesh, TranslateError, annotations_of, field, labels, meta, spec,
                              str_map)
+
+log = logging.getLogger(__name__)
 
 TRAFFIC_DISTRIBUTION = "networking.istio.io/traffic-distribution"
 LB = wl.LoadBalancing
@@ -167,8 +170,7 @@ def k8s_service(svc: dict, mesh: Mesh, namespace_obj: dict | None) -> ServiceInf
     for i, p in enumerate(field(svc, "spec.ports", list, [])):
         if not isinstance(p, dict):
             raise TranslateError(f"field 'spec.ports[{i}]' must be a mapping, got {p!r}")
-        if (p.get("protocol") or "TCP") != "TCP":
-            continue  # ztunnel carries TCP only
+        # every port is sent, UDP and SCTP too, as istiod's constructService does
         port = _port_number(p.get("port"), f"spec.ports[{i}].port")
         pname = p.get("name") or ""
         target = p.get("targetPort", port)  # the API server defaults targetPort to port
@@ -232,9 +234,14 @@ def service_entry_services(se: dict, mesh: Mesh, namespace_obj: dict | None) -> 
     selector = str_map(field(se, "spec.workloadSelector.labels", dict), "spec.workloadSelector")
     sans = [str(x) for x in field(se, "spec.subjectAltNames", list, [])]
     public = (s.get("exportTo") or ["*"]) != ["."]
+    auto = auto_allocated(se, mesh.network) if should_auto_allocate(se) else {}
     out = []
     for host in hosts:
-        proto = wl.Service(name=name, namespace=ns, hostname=host, addresses=addresses,
+        host_addresses = addresses
+        if (not host_addresses and s.get("resolution") != "NONE"
+                and (not host.startswith("*") or s.get("resolution") == "DYNAMIC_DNS")):
+            host_addresses = auto.get(host, [])
+        proto = wl.Service(name=name, namespace=ns, hostname=host, addresses=host_addresses,
                            ports=proto_ports, subject_alt_names=sans)
         if lb is not None:
             proto.load_balancing.CopyFrom(lb)
@@ -243,6 +250,47 @@ def service_entry_services(se: dict, mesh: Mesh, namespace_obj: dict | None) -> 
         out.append(ServiceInfo(f"{ns}/{host}", ns, name, host, "ServiceEntry",
                                m.get("creationTimestamp") or "", proto, selector or None, ports,
                                dict(labels(se)), dict(annotations_of(se)), public))
+    return out
+
+
+AUTOALLOCATE_LABEL = "networking.istio.io/enable-autoallocate-ip"
+
+
+def should_auto_allocate(se: dict) -> bool:
+    """Whether a ServiceEntry takes the addresses allocated to it, as istiod's
+    ``ShouldV2AutoAllocateIP``: not ``resolution: NONE``, no ``spec.addresses`` of its
+    own, and not opted out with the label ``networking.istio.io/enable-autoallocate-ip:
+    "false"`` (any case). (istiod's switch ``PILOT_ENABLE_IP_AUTOALLOCATE`` is on by
+    default; the agent has no such switch and reads whatever allocation was written.)"""
+    s = spec(se)
+    if s.get("resolution") == "NONE" or s.get("addresses"):
+        return False
+    return str(labels(se).get(AUTOALLOCATE_LABEL, "")).lower() != "false"
+
+
+def auto_allocated(se: dict, network: str) -> dict[str, list[wl.NetworkAddress]]:
+    """Hostname -> the addresses allocated to it, read from the ServiceEntry's
+    ``status.addresses`` (entries ``{value: IP, host: hostname}``; istiod's IP allocator
+    writes them from 240.240.0.0/16 and 2001:2::/48 by default). An entry whose value is
+    not an IP is skipped, as istiod does, and named in a warning."""
+    raw = (se.get("status") or {}).get("addresses") or []
+    out: dict[str, list[wl.NetworkAddress]] = {}
+    if not isinstance(raw, list):
+        log.warning("ServiceEntry %s/%s: field 'status.addresses' must be a list, got %r; "
+                    "no allocated address used", meta(se).get("namespace"),
+                    meta(se).get("name"), raw)
+        return out
+    for i, entry in enumerate(raw):
+        value = entry.get("value") if isinstance(entry, dict) else None
+        try:
+            ip = ipaddress.ip_address(str(value))
+        except ValueError:
+            log.warning("ServiceEntry %s/%s: field 'status.addresses[%d].value' is not an IP "
+                        "address: %r; skipped", meta(se).get("namespace"),
+                        meta(se).get("name"), i, value)
+            continue
+        host = str(entry.get("host") or "")
+        out.setdefault(host, []).append(wl.NetworkAddress(network=network, address=ip.packed))
     return out
 
 

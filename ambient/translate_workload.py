@@ -145,7 +145,11 @@ def workload_entry(we: dict, mesh: Mesh) -> tuple[wl.Workload, dict[str, str], d
                     name=name, namespace=ns, cluster_id=mesh.cluster_id,
                     trust_domain=mesh.sent_trust_domain, workload_type=wl.POD,
                     status=wl.HEALTHY)
-    _address(w, field(we, "spec.address", str, ""), "spec.address")
+    address = field(we, "spec.address", str, "")
+    if address:
+        _address(w, address, "spec.address")
+    # else: no address at all, as istiod keeps it (an entry on another network reached
+    # through that network's gateway, or only through its waypoint); the index logs it
     w.network = field(we, "spec.network", str, "") or mesh.network
     w.service_account = field(we, "spec.serviceAccount", str, "")
     weight = field(we, "spec.weight", int, 0)
@@ -171,15 +175,17 @@ def se_endpoint(se: dict, ep: object, index: int, mesh: Mesh
         raise TranslateError(f"field {path!r} must be a mapping, got {ep!r}")
     m = meta(se)
     ns, name = m["namespace"], m["name"]
-    address = ep.get("address")
-    if not isinstance(address, str) or not address:
-        raise TranslateError(f"field '{path}.address' must be a non-empty string, "
-                             f"got {address!r}")
+    address = ep.get("address") or ""
+    if not isinstance(address, str):
+        raise TranslateError(f"field '{path}.address' must be a string, got {address!r}")
+    # an endpoint without an address (on another network, reached through its gateway)
+    # is kept, as istiod keeps it; its uid then ends in "/", as istiod's does
     w = wl.Workload(uid=f"{mesh.cluster_id}/networking.istio.io/ServiceEntry/{ns}/{name}/"
                         f"{address}", name=name, namespace=ns, cluster_id=mesh.cluster_id,
                     trust_domain=mesh.sent_trust_domain, workload_type=wl.POD,
                     status=wl.HEALTHY)
-    _address(w, address, f"{path}.address")
+    if address:
+        _address(w, address, f"{path}.address")
     w.network = str(ep.get("network") or mesh.network)
     w.service_account = str(ep.get("serviceAccount") or "")
     weight = ep.get("weight")
@@ -188,7 +194,7 @@ def se_endpoint(se: dict, ep: object, index: int, mesh: Mesh
     _locality_text(w, str(ep.get("locality") or ""))
     se_labels = labels(se)
     ep_labels = {str(k): str(v) for k, v in (ep.get("labels") or {}).items()}
-    w.workload_name = se_labels.get("service.istio.io/workload-name") or name
+    w.workload_name = name  # istiod: the ServiceEntry's name, whatever its labels
     w.canonical_name, w.canonical_revision = canonical(se_labels, w.workload_name)
     tunnel(se_labels, annotations_of(se), w)
     return w, ep_labels, _named_ports(ep.get("ports") or {}, f"{path}.ports")
@@ -202,13 +208,22 @@ def dns_host_workload(se: dict, host: str, mesh: Mesh) -> wl.Workload:
                     name=name, namespace=ns, hostname=host, network=mesh.network,
                     cluster_id=mesh.cluster_id, trust_domain=mesh.sent_trust_domain,
                     workload_type=wl.POD, status=wl.HEALTHY)
-    w.workload_name = labels(se).get("service.istio.io/workload-name") or name
+    # istiod names every ServiceEntry workload after the ServiceEntry itself
+    w.workload_name = name
     w.canonical_name, w.canonical_revision = canonical(labels(se), w.workload_name)
+    tunnel(labels(se), annotations_of(se), w)
     return w
 
 
 def slice_endpoint(slice_obj: dict, ep: dict, index: int, mesh: Mesh) -> wl.Workload:
-    """An EndpointSlice endpoint without a Pod targetRef -> HOST_NETWORK Workload."""
+    """An EndpointSlice endpoint without a Pod targetRef -> HOST_NETWORK Workload, as
+    istiod's ``endpointSlicesBuilder``: nothing is known of what answers there, so the
+    workload carries no workload name, canonical name or revision, and the proto's
+    default workload type (``DEPLOYMENT``, where pods say ``POD``), no service account,
+    locality, waypoint or policies.
+
+    Raises TranslateError naming ``endpoints[index].addresses[j]`` when an address is
+    not an IP (istiod skips that endpoint; so does the index) or the list is empty."""
     addrs = ep.get("addresses") or []
     if not isinstance(addrs, list) or not addrs:
         raise TranslateError(f"field 'endpoints[{index}].addresses' must be a non-empty list, "
@@ -217,14 +232,11 @@ def slice_endpoint(slice_obj: dict, ep: dict, index: int, mesh: Mesh) -> wl.Work
     ns, name = m["namespace"], m["name"]
     w = wl.Workload(uid=f"{mesh.cluster_id}/discovery.k8s.io/EndpointSlice/{ns}/{name}/{addrs[0]}",
                     name=name, namespace=ns, network=mesh.network, cluster_id=mesh.cluster_id,
-                    trust_domain=mesh.sent_trust_domain, workload_type=wl.POD,
-                    network_mode=wl.HOST_NETWORK)
+                    trust_domain=mesh.sent_trust_domain, network_mode=wl.HOST_NETWORK)
     for j, a in enumerate(addrs):
         w.addresses.append(ip_bytes(a, f"endpoints[{index}].addresses[{j}]"))
     ready = (ep.get("conditions") or {}).get("ready")
     w.status = wl.UNHEALTHY if ready is False else wl.HEALTHY
-    w.workload_name = name
-    w.canonical_name, w.canonical_revision = name, "latest"
     return w
 
 

@@ -95,6 +95,7 @@ class Connection:
         self.pending_since = 0.0
         self.counted: set[str] = set()
         self.error = ""
+        self.error_code = ""  # a grpc.StatusCode name; "" is INVALID_ARGUMENT
         self.connected_at = 0.0  # monotonic time of the first valid request
 
     def notify(self, change: IndexChange, since: float) -> None:

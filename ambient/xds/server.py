@@ -113,8 +113,11 @@ class XdsServer(Component):
                  tls_services: TlsServices | None = None,
                  backend_path: str = "", clock: Callable[[], float] = time.time,
                  trust_domain: str = "cluster.local",
-                 max_connections: int = 0, stall_timeout: float = STALL_TIMEOUT):
+                 max_connections: int = 0, stall_timeout: float = STALL_TIMEOUT,
+                 on_demand_refusal: str = ""):
         self._index = index
+        #: why an on-demand Address subscription is refused ("" = served), see build()
+        self.on_demand_refusal = on_demand_refusal
         self.max_connections = max_connections  # 0: no cap (gRPC core enforces it)
         self.stall_timeout = stall_timeout
         self.index: AmbientIndex | None = None
@@ -313,7 +316,9 @@ class XdsServer(Component):
                     since = None
                     answered = self._handle_request(state, conn, item)
                     if answered is None:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, conn.error)
+                        code = (grpc.StatusCode[conn.error_code] if conn.error_code
+                                else grpc.StatusCode.INVALID_ARGUMENT)
+                        await context.abort(code, conn.error)
                         return
                     responses = answered
                 for resp in responses:
@@ -351,6 +356,14 @@ class XdsServer(Component):
                 return None
         node = state.node
         assert node is not None  # handle_request parsed it or raised RequestError
+        ts = state.types.get(req.type_url)
+        gen = self.generators.get(req.type_url)
+        if (self.on_demand_refusal and gen is not None and gen.on_demand and ts is not None
+                and not ts.wildcard):
+            conn.error, conn.error_code = self.on_demand_refusal, "FAILED_PRECONDITION"
+            log.error("xds: refused on-demand %s stream %d of node %s: %s", req.type_url,
+                      state.id, node.id or "-", self.on_demand_refusal)
+            return None
         key = f"{node.proxy_type}|{req.type_url}"
         if not conn.counted:  # the stream's first valid request: the client is known now
             conn.connected_at = time.monotonic()
@@ -457,6 +470,14 @@ def build(ctx: AgentContext, index: AmbientIndex, sds: WorkloadCertificates,
     cfg = ctx.config
     tls_port = cfg.xds_tls_port or None
     provider = sds_tls_provider(sds) if tls_port else None
+    # ztunnel refuses to run its DNS proxy with XDS_ON_DEMAND ("DNS proxy does not
+    # currently support on-demand mode"), so an on-demand ztunnel has no listener on
+    # 15053; with the agent's DNS capture on, every pod's DNS would go there and fail.
+    refusal = ("on-demand xDS (ztunnel XDS_ON_DEMAND=true) needs ztunnel's DNS proxy off, "
+               "but this agent redirects pods' DNS to ztunnel's port 15053 "
+               "(ambient_dns_capture / AMBIENT_DNS_CAPTURE=true), where nothing would "
+               "answer: set AMBIENT_DNS_CAPTURE=false on the agent, or XDS_ON_DEMAND=false "
+               "on ztunnel" if cfg.ambient_dns_capture else "")
     backend = frontdoor.private_socket_path(cfg.state_dir, "xds") if provider else ""
     return XdsServer(index, address=cfg.xds_address, port=cfg.xds_port,
                      tls_address=cfg.xds_tls_address, tls_port=tls_port,
@@ -465,4 +486,5 @@ def build(ctx: AgentContext, index: AmbientIndex, sds: WorkloadCertificates,
                      registry=ctx.registry, run_blocking=ctx.run_blocking,
                      authenticator=authenticator, tls_services=tls_services,
                      backend_path=backend, clock=ctx.clock, trust_domain=cfg.trust_domain,
-                     max_connections=listener_caps(cfg)["xds_max_connections"])
+                     max_connections=listener_caps(cfg)["xds_max_connections"],
+                     on_demand_refusal=refusal)

@@ -43,7 +43,7 @@ DOC = textwrap.dedent("""\
       action: Allow
       dryRun: false
       rules:
-      - - - namespaces: [{Exact: ns-a}]
+      - - - namespaces: [!Exact ns-a]
     """)
 
 FROM_A = Connection(("10.0.0.1", 5000), ("127.0.0.1", 80), Identity("cluster.local", "ns-a", "s"))
@@ -60,7 +60,7 @@ def decisions(index: AmbientIndex) -> tuple[bool, bool]:
 
 
 @pytest.mark.parametrize("bad, field", [
-    ({"namespaces": [{"Exact": "ns-a"}], "sourceIp": ["10.0.0.0/8"]}, "sourceIp"),
+    ({"namespaces": [], "sourceIp": ["10.0.0.0/8"]}, "sourceIp"),
     ({"sourceIps": ["ten.zero.zero.zero/8"]}, "sourceIps[0]"),
     ({"destinationPorts": [70000]}, "destinationPorts[0]"),
     ({"serviceAccounts": ["default/sa"]}, "serviceAccounts[0]"),
@@ -88,7 +88,9 @@ def test_policy_shape_errors_are_named():
     with pytest.raises(TranslateError, match=r"rules\[0\]\[0\]' must be a list of matches"):
         localconfig.policy({**base, "rules": [[{"namespaces": []}]]})
     ok = localconfig.policy({**base, "rules": [[[{"notDestinationPorts": [9999],
-                                                  "principals": [{"Presence": []}]}]]]})
+                                                  "principals": [localconfig.Tagged(
+                                                      tag="Presence", value=[], node="sequence",
+                                                      plain_empty=False)]}]]]})
     assert list(ok.groups[0].rules[0].matches[0].not_destination_ports) == [9999]
 
 
@@ -107,8 +109,8 @@ async def test_unknown_match_key_never_allows_what_the_file_denied(tmp_path, cap
         assert decisions(index) == (True, False)
         caplog.set_level(logging.WARNING)
         # a typo'd key next to the real one: dropping the policy allowed ns-b
-        f.write_text(DOC.replace("- - - namespaces: [{Exact: ns-a}]",
-                                 "- - - namespaces: [{Exact: ns-a}]\n        sourceIp: [x]"))
+        f.write_text(DOC.replace("- - - namespaces: [!Exact ns-a]",
+                                 "- - - namespaces: [!Exact ns-a]\n        sourceIp: [x]"))
         await eventually(lambda: registry.get_sample_value(
             "ambient_agent_config_file_errors_total", {"reason": "local-config"}) == 1)
         assert decisions(index) == (True, False)  # the last good policy is still there

@@ -154,7 +154,8 @@ async def test_oddly_shaped_entries_are_skipped_and_the_source_still_starts(tmp_
     assert objects == []  # the document loads whole or not at all
     assert [w for w, _ in errors] == [f"{tmp_path}/local.yaml#0 workloads[0]",
                                       f"{tmp_path}/local.yaml#0 workloads[1]"]
-    assert all("malformed entry" in e for _, e in errors)
+    assert "workloads[0].applicationTunnel" in errors[0][1]
+    assert "workloads[1].protocol" in errors[1][1]
     registry = CollectorRegistry()
     store = ObjectStore(registry)
     src = DirectorySource(store, str(tmp_path), run_blocking, registry=registry)

@@ -109,7 +109,8 @@ async def test_server_certificate_names_for_a_cluster_and_extra_names(make_agent
 
 
 async def test_on_demand_lookup_wakes_ztunnels_waiter(make_agent):
-    agent = await make_agent()
+    # an on-demand ztunnel runs without its DNS proxy: the agent's DNS capture is off
+    agent = await make_agent(ambient_dns_capture="false")
     client = await ZtunnelXdsClient(env_for(agent, on_demand=True)).start()
     try:
         await client.wait_ready()  # Authorization only: Address starts subscribed to nothing
@@ -118,6 +119,31 @@ async def test_on_demand_lookup_wakes_ztunnels_waiter(make_agent):
         await client.demand("/10.1.0.7")  # ztunnel demands "<network>/<IP>" keys
         assert "Kubernetes//Pod/bank/ledger-0" in client.resources[ADDRESS_TYPE]
         assert not client.nacks
+    finally:
+        await client.close()
+
+
+async def test_on_demand_with_dns_capture_on_is_refused_naming_both_settings(make_agent):
+    """ztunnel refuses XDS_ON_DEMAND with its DNS proxy on (config.rs validate_config:
+    "DNS proxy does not currently support on-demand mode"), so an on-demand ztunnel has
+    nothing on 15053. With the agent still redirecting pods' DNS there, every lookup
+    would time out; the agent refuses the on-demand stream instead, naming the fix."""
+    agent = await make_agent()
+    assert agent.ctx.config.ambient_dns_capture is True
+    client = await ZtunnelXdsClient(env_for(agent, on_demand=True)).start()
+    try:
+        with pytest.raises(ConnectionError) as e:
+            await client.wait_ready()
+        text = str(e.value)
+        assert "FAILED_PRECONDITION" in text and "AMBIENT_DNS_CAPTURE=false" in text
+        assert "XDS_ON_DEMAND" in text
+    finally:
+        await client.close()
+    # a wildcard ztunnel (DNS proxy on) is served by the same agent
+    client = await ZtunnelXdsClient(env_for(agent)).start()
+    try:
+        await client.wait_ready()
+        assert "Kubernetes//Pod/bank/ledger-0" in client.resources[ADDRESS_TYPE]
     finally:
         await client.close()
 
