@@ -247,7 +247,8 @@ ENV
     # objects); the ambient
     # status writer off (it would only add conditions); short debounce.
     # shellcheck disable=SC2086  # ISTIOD_TEST_ENV is a K=V list
-    env -i PATH="$PATH" HOME="${HOME:-/root}" \
+    # (cwd DIR: istiod looks for optional files, e.g. injection templates, under ./var)
+    (cd "$d" && exec env -i PATH="$PATH" HOME="${HOME:-/root}" \
       POD_NAMESPACE=istio-system POD_NAME=istiod-test REVISION=default \
       CLUSTER_ID=Kubernetes \
       PILOT_ENABLE_AMBIENT=true \
@@ -267,7 +268,7 @@ ENV
         --monitoringAddr "127.0.0.1:$mon" \
         --ctrlz_address 127.0.0.1 --ctrlz_port "$ctrlz" \
         --log_output_level default:info \
-        </dev/null >>"$d/istiod.log" 2>&1 &
+        </dev/null >>"$d/istiod.log" 2>&1) &
     echo $! > "$d/istiod.pid"
     echo "ISTIOD_PID=$(cat "$d/istiod.pid")" >> "$d/env"
     if wait_ready "$d" "$http"; then

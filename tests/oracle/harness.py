@@ -111,8 +111,9 @@ class OracleClient(zx.ZtunnelXdsClient):
 
 
 def ztunnel_env(address: str) -> zx.ZtunnelEnv:
-    """What a ztunnel pod on ``NODE`` sends (no token: the plaintext port needs none)."""
-    return zx.ZtunnelEnv(xds_address=address, xds_root_ca=b"", token=None,
+    """What a ztunnel pod on ``NODE`` sends (no token: the plaintext port needs none).
+    ``xds_address`` keeps ztunnel's https form; :class:`OracleClient` dials plaintext."""
+    return zx.ZtunnelEnv(xds_address=f"https://{address}", xds_root_ca=b"", token=None,
                          cluster_id="Kubernetes", instance_ip="10.250.0.2",
                          pod_name="ztunnel-oracle", pod_namespace="istio-system",
                          node_name=NODE, proxy_metadata={"CLUSTER_ID": "Kubernetes"})
@@ -385,7 +386,8 @@ class Oracle:
             quiet = min(c.quiet_for() for c in self.clients.values())
             if quiet >= SETTLE:
                 break
-            if quiet >= QUIET and self.snapshot("istiod") == self.snapshot("agent"):
+            snaps = [self.snapshot(side) for side in self.clients]
+            if quiet >= QUIET and all(x == snaps[0] for x in snaps):
                 break
             await asyncio.sleep(0.1)
         return time.monotonic() - t0

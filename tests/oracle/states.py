@@ -144,6 +144,7 @@ def waypoint(name: str, namespace: str, ip: str | None = None, labels: dict | No
             else ("IPAddress", ip))
     ops.append(("gwstatus", namespace, name, [addr]))
     if ip:
+        ops.append(sa(namespace, name))
         ops.append(pod(f"{name}-0", namespace, [ip],
                        labels={"gateway.networking.k8s.io/gateway-name": name},
                        service_account=name))
