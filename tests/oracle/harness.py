@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
 import os
 import shutil
 import signal
@@ -164,12 +165,21 @@ def normalise(msg) -> dict:
       istiod emits is that of its krt collection, not a meaning;
     - ``Service.addresses`` and ``Workload.addresses`` keep their order (a pod's primary IP
       is first in both), no rule;
-    - nothing else is touched: repeated rules, clauses and matches keep the upstream order.
+    - ``Authorization.groups`` and each group's ``rules`` are sorted: ztunnel (``rbac.rs``
+      ``Authorization::matches``) takes a policy as matching when ANY group matches and a
+      group as matching when ALL its rules match, so neither order can change a decision
+      (istiod emits a port-level PeerAuthentication's rules in map order);
+    - nothing else is touched: the matches inside a rule keep the upstream order.
     """
     d = _walk_bytes(msg)
     wl = d.get("workload")
     if wl and "authorization_policies" in wl:
         wl["authorization_policies"] = sorted(wl["authorization_policies"])
+    if "groups" in d:
+        for g in d["groups"]:
+            if "rules" in g:
+                g["rules"] = sorted(g["rules"], key=lambda r: json.dumps(r, sort_keys=True))
+        d["groups"] = sorted(d["groups"], key=lambda g: json.dumps(g, sort_keys=True))
     return d
 
 

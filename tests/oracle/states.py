@@ -44,6 +44,7 @@ class Case:
     extra_scope: tuple[str, ...] = ()      # more namespaces whose resources are compared
     xfail: str | None = None
     deliberate: tuple[str, ...] = ()
+    empty: bool = False                    # both must serve nothing for it (asserted)
 
     @property
     def scope(self) -> tuple[str, ...]:
@@ -165,7 +166,7 @@ def _cases() -> list[Case]:
     cases: list[Case] = []
 
     def case(cid: str, build, extra_scope: tuple[str, ...] = (), xfail: str | None = None,
-             deliberate: tuple[str, ...] = (), second_ns: bool = False,
+             deliberate: tuple[str, ...] = (), second_ns: bool = False, empty: bool = False,
              labels: dict | None = None, labels_b: dict | None = None) -> None:
         i = len(cases) + 1
         a, b = f"c{i:02d}", f"c{i:02d}b"
@@ -175,7 +176,7 @@ def _cases() -> list[Case]:
         steps = build(a, b, lambda n: _net(i, n))
         steps[0] = head + steps[0]
         cases.append(Case(cid, steps, (a, b) if second_ns else (a,), extra_scope, xfail,
-                          deliberate))
+                          deliberate, empty))
 
     # ---- pods
     case("pod-no-labels", lambda a, b, ip: [[pod("p", a, [ip(1)])]])
@@ -201,7 +202,8 @@ def _cases() -> list[Case]:
     case("pod-dual-stack", lambda a, b, ip: [[pod("p", a, [ip(1), "fd00:10:244::5"])]])
     case("pod-not-ready", lambda a, b, ip: [[pod("p", a, [ip(1)], ready=False)]])
     case("pod-pending-without-ip", lambda a, b, ip: [[pod("p", a, [], ready=False,
-                                                          phase="Pending")]])
+                                                          phase="Pending")]],
+         empty=True)
     case("pod-host-network", lambda a, b, ip: [[pod("p", a, ["10.250.0.2"],
                                                     hostNetwork=True)]])
     case("pod-service-account", lambda a, b, ip: [[sa(a, "ledger"), pod(
@@ -248,7 +250,8 @@ def _cases() -> list[Case]:
                                     "targetRef": {"kind": "Pod", "name": "p",
                                                   "namespace": a}}])]])
     case("service-external-name", lambda a, b, ip: [[
-        svc("alias", a, None, type="ExternalName", externalName="example.invalid")]])
+        svc("alias", a, None, type="ExternalName", externalName="example.invalid")]],
+         empty=True)
     case("service-load-balancer", lambda a, b, ip: [[
         svc("lb", a, {"app": "lb"}, type="LoadBalancer"),
         pod("l1", a, [ip(1)], labels={"app": "lb"})],
@@ -265,7 +268,9 @@ def _cases() -> list[Case]:
         svc("mixed", a, {"app": "m"}, ports=[
             {"name": "h2", "port": 81, "appProtocol": "http2", "targetPort": 8081},
             {"name": "dns", "port": 53, "protocol": "UDP"}]),
-        pod("m1", a, [ip(1)], labels={"app": "m"})]])
+        pod("m1", a, [ip(1)], labels={"app": "m"})]],
+         xfail="oracle finding O1 (/work/lanes/oracle-diffs.md): a Service's UDP port is "
+               "dropped; istiod keeps it in Service.ports and the workload's services")
     case("service-ports-changed-then-deleted", lambda a, b, ip: [
         [svc("web", a, {"app": "web"}), pod("w1", a, [ip(1)], labels={"app": "web"})],
         [svc("web", a, {"app": "web"}, ports=[{"name": "http", "port": 8000,
@@ -300,9 +305,11 @@ def _cases() -> list[Case]:
         we("s2", a, {"address": ip(2), "labels": {"app": "sel"}}, labels={"app": "sel"})]])
     case("serviceentry-dns", lambda a, b, ip: [[se(
         "dns", a, se_spec("DNS", endpoints=[{"address": "a.example.invalid"},
-                                            {"address": "b.example.invalid"}]))]])
+                                            {"address": "b.example.invalid"}]))]],
+         xfail="issue 26 item 2: ServiceEntry auto-allocated addresses are missing")
     case("serviceentry-dns-round-robin", lambda a, b, ip: [[se(
-        "rr", a, se_spec("DNS_ROUND_ROBIN"))]])
+        "rr", a, se_spec("DNS_ROUND_ROBIN"))]],
+         xfail="issue 26 item 2: ServiceEntry auto-allocated addresses are missing")
     case("serviceentry-none", lambda a, b, ip: [[se(
         "none", a, se_spec("NONE", addresses=["240.0.0.12"]))]])
     case("serviceentry-auto-allocated-address", lambda a, b, ip: [[se(
@@ -405,7 +412,9 @@ def _cases() -> list[Case]:
     case("authz-http-only-deny", lambda a, b, ip: [[
         pod("p", a, [ip(1)]),
         ap("deny-get", a, {"action": "DENY", "rules": [{"to": [{"operation": {
-            "methods": ["GET"]}}]}]})]])
+            "methods": ["GET"]}}]}]})]],
+         xfail="oracle finding O2: a DENY rule with only HTTP attributes; istiod sends one "
+               "rule with an empty match, the agent a group with no rules")
     case("authz-targetref-waypoint-gateway", lambda a, b, ip: [
         waypoint("waypoint", a, ip=ip(50)) + [
             ap("on-waypoint", a, {"targetRefs": [{"kind": "Gateway", "group":
@@ -454,8 +463,7 @@ def _cases() -> list[Case]:
     case("authz-selector-policy-pod-without-labels", lambda a, b, ip: [[
         pod("bare", a, [ip(1)]), pod("labelled", a, [ip(2)], labels={"app": "api"}),
         ap("sel", a, {"selector": {"matchLabels": {"app": "api"}}, "action": "DENY",
-                      "rules": [{"to": [{"operation": {"ports": ["9999"]}}]}]})]],
-        deliberate=("no-labels-no-selector-policies",))
+                      "rules": [{"to": [{"operation": {"ports": ["9999"]}}]}]})]])
     case("authz-dry-run-annotation", lambda a, b, ip: [[
         pod("p", a, [ip(1)]),
         ap("dry", a, {"action": "DENY", "rules": [{}]},
@@ -476,7 +484,10 @@ def _cases() -> list[Case]:
         pod("p", a, [ip(1)], labels={"app": "db"}),
         pa("default", a, {"mtls": {"mode": "STRICT"}}),
         pa("db", a, {"selector": {"matchLabels": {"app": "db"}},
-                     "portLevelMtls": {"9090": {"mode": "DISABLE"}}})]])
+                     "portLevelMtls": {"9090": {"mode": "DISABLE"}}})]],
+         xfail="oracle finding O3: namespace STRICT + a workload PeerAuthentication with only "
+               "a port-level DISABLE; istiod binds the workload to "
+               "istio-system/istio_converted_static_strict, the agent to the converted policy")
     case("peerauthn-disable-and-unset", lambda a, b, ip: [[
         pod("p", a, [ip(1)], labels={"app": "x"}), pod("q", a, [ip(2)], labels={"app": "y"}),
         pa("off", a, {"selector": {"matchLabels": {"app": "x"}}, "mtls": {"mode": "DISABLE"}}),
