@@ -463,7 +463,8 @@ def _cases() -> list[Case]:
     case("authz-selector-policy-pod-without-labels", lambda a, b, ip: [[
         pod("bare", a, [ip(1)]), pod("labelled", a, [ip(2)], labels={"app": "api"}),
         ap("sel", a, {"selector": {"matchLabels": {"app": "api"}}, "action": "DENY",
-                      "rules": [{"to": [{"operation": {"ports": ["9999"]}}]}]})]])
+                      "rules": [{"to": [{"operation": {"ports": ["9999"]}}]}]})]],
+         deliberate=("no-labels-no-selector-policies",))
     case("authz-dry-run-annotation", lambda a, b, ip: [[
         pod("p", a, [ip(1)]),
         ap("dry", a, {"action": "DENY", "rules": [{}]},
