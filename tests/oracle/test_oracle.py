@@ -32,7 +32,7 @@ DOCS = os.path.join(h.ROOT, "docs", "xds.md")
 
 def _no_labels_no_selector_policies(d: tuple) -> bool:
     """istiod may give a pod with no labels at all a selector policy of its namespace (seen
-    in one of two identical runs: order-dependent); the agent gives it only the policies
+    in two of three identical runs: order-dependent); the agent gives it only the policies
     whose selector its labels satisfy, i.e. none. Allowed only in that direction: istiod
     has policies, the agent none, on a pod of the case that has no labels."""
     typ, name, path, istiod, agent = d
