@@ -404,6 +404,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
   disable_apparmor = true
+  # never below containerd's own (this host refuses lowering it: no CAP_SYS_RESOURCE)
+  restrict_oom_score_adj = true
   [{cri}.containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
@@ -411,7 +413,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
       runtime_type = "io.containerd.runc.v2"
       [{cri}.containerd.runtimes.runc.options]
         SystemdCgroup = false
-        BinaryName = "{shutil.which('runc')}"
+        BinaryName = "{os.environ.get('KN_RUNC') or shutil.which('runc')}"
         Root = "{r}/runc"
     [{cri}.containerd.runtimes.{BARE_HANDLER}]
       runtime_type = "io.containerd.runc.v2"
@@ -419,7 +421,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
       cni_max_conf_num = 1
       [{cri}.containerd.runtimes.{BARE_HANDLER}.options]
         SystemdCgroup = false
-        BinaryName = "{shutil.which('runc')}"
+        BinaryName = "{os.environ.get('KN_RUNC') or shutil.which('runc')}"
         Root = "{r}/runc"
   [{cri}.cni]
     bin_dir = "{self.cni_bin_dir}"
