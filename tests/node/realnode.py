@@ -350,7 +350,11 @@ class RealNode:
             self.host_path(path).mkdir(parents=True, exist_ok=True)
             binds.append(f"mount --bind {self.host_path(path)} {target.resolve()}")
         ready = self.root / "mntns.ready"
-        script = " && ".join(["mount --make-rprivate /proc", *binds, f"touch {ready}",
+        # "/" shared within the node (as on a systemd host; containerd checks it for the
+        # DaemonSet's HostToContainer mount of /var/run/netns, a path through the /var/run
+        # symlink): new peer groups only here, since the host's "/" is private
+        script = " && ".join(["mount --make-rshared /", "mount --make-rprivate /proc", *binds,
+                              f"touch {ready}",
                               "exec sleep infinity"])
         log = open(self.root / "mntns.log", "ab")  # noqa: SIM115
         self.mntns_holder = subprocess.Popen(
