@@ -432,6 +432,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
     conf_dir = "{self.cni_conf_dir}"
     max_conf_num = 1
 """
+        # KN_RUNC: another runc binary (e.g. a wrapper adding --debug, to read nsexec's errors)
         (r / "containerd.toml").write_text(config)
         self.later(self._reap_shims)
         self._spawn("containerd", ["containerd", "--config", str(r / "containerd.toml")],
