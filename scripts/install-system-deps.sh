@@ -5,7 +5,8 @@ export DEBIAN_FRONTEND=noninteractive
 pkgs=(iptables nftables iproute2 containernetworking-plugins podman runc busybox-static
       python3.11-minimal libpython3.11-stdlib python3.11-venv patchelf util-linux  # istio-cni build, image
       tcpdump wrk procps psmisc
-      curl openssl)  # curl + openssl: scripts/kube-test-apiserver.sh (certificates, /readyz)
+      curl openssl  # curl + openssl: scripts/kube-test-apiserver.sh (certificates, /readyz)
+      containerd)  # the real node's runtime (tests/node/, scripts/kube-test-node.sh)
 missing() {
   for p in "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || echo "$p"

@@ -1,0 +1,177 @@
+"""The real node (tests/node/realnode.py: kubelet + containerd + runc, controller manager,
+scheduler, a kube-apiserver of its own) with the shipped DaemonSet running the agent.
+
+Figure: a pod created through the API -> its app container started on the node
+(containerd's ``/tasks/start`` event for the pod's container, read from ``ctr events``:
+the moment the runtime ran it, free of the kubelet's 1 s status relist), for a pod in an
+ambient namespace on the node's default runtime handler, whose CNI chain the agent
+extended with istio-cni (so the ADD waits for the in-pod rules and ztunnel's ack; the
+rules are checked in the pod's netns after each one). Floor: the same pod in a plain
+namespace on the ``bare`` runtime handler (RuntimeClass), whose CNI config is the same
+bridge network without istio-cni. The two alternate pod by pod (20 pairs), so the
+machine's load hits both alike; the judged row is the median of the paired differences.
+The ztunnel is the fake one (``agent.demo.fake_ztunnel``) with its in-pod listeners.
+
+Skipped (a row saying why) without root, Go, containerd, or the agent's image
+(``scripts/build-image.sh``). Takes ~2-4 minutes (the node's start is most of it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+from benchmarks.common import Result, median
+
+PAIRS = 20
+FIGURE = "real node: ms added per pod by istio-cni + enrollment (API create -> container started)"
+
+
+class TaskStarts:
+    """``ctr events`` of the node's containerd, on a thread: container id -> start time
+    (epoch seconds) of every ``/tasks/start``."""
+
+    def __init__(self, node):
+        self.starts: dict[str, float] = {}
+        self.proc = subprocess.Popen(["ctr", "--address", str(node.sock), "events"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            # "2026-12-01 20:23:17.781518007 +0000 UTC k8s.io /tasks/start {...}"
+            parts = line.split(" ", 6)
+            if len(parts) < 7 or parts[5] != "/tasks/start":
+                continue
+            try:
+                body = json.loads(parts[6])
+                clock = parts[1] if "." in parts[1] else parts[1] + ".0"  # Go trims zeros
+                stamp = f"{parts[0]} {clock[:15]} {parts[2]}"
+                ts = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f %z").timestamp()
+            except ValueError:
+                continue
+            self.starts[body["container_id"]] = ts
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def _app_container(node, pod_uid: str) -> str:
+    out = node.ctr("containers", "list", "-q",
+                   f'labels."io.kubernetes.pod.uid"=={pod_uid},'
+                   'labels."io.kubernetes.container.name"==app', check=False).stdout.split()
+    return out[0] if out else ""
+
+
+async def _one(api, node, sc, events: TaskStarts, pod: dict, check_rules: bool) -> float:
+    """Create ``pod``; ms from the POST to its app container's start."""
+    t0 = time.time()
+    created = await sc.create_pod(api, pod)
+    uid = created["metadata"]["uid"]
+
+    async def started():
+        cid = await asyncio.to_thread(_app_container, node, uid)
+        return cid if cid and cid in events.starts else None
+    cid = await sc.until(f"{pod['metadata']['name']} started", started, node, timeout=120,
+                         interval=0.05)
+    ms = (events.starts[cid] - t0) * 1000
+    if check_rules:
+        text = await asyncio.to_thread(sc.rules_in, sc.pod_netns(node, uid))
+        if not sc.has_inpod_rules(text):
+            raise AssertionError(f"{pod['metadata']['name']} started without in-pod rules")
+    return ms
+
+
+async def _measure(bin_dir: Path) -> list[Result]:
+    from agent.demo.fake_ztunnel import FakeZtunnel
+    from tests.kube import cluster as kc
+    from tests.node import realnode
+    from tests.node import scenario as sc
+
+    node = realnode.RealNode(bin_dir)
+    zt = zt_task = events = api = None
+    try:
+        ds = sc.agent_daemonset(node)
+        sc.import_agent_image_prepare_check()
+        with tempfile.TemporaryDirectory(prefix="bench-node-") as tmp:
+            await sc.start(node, Path(tmp) / "cluster")
+            await asyncio.to_thread(sc.import_agent_image, node)
+            api = await node.cluster.admin_client()
+            zds = sc.agent_settings()["ztunnel_uds_address"]
+            zt = FakeZtunnel(str(node.host_path(zds)), open_listeners=True)
+            zt_task = asyncio.create_task(zt.run())
+            await sc.deploy_agent(api, node, ds)
+
+            async def agent_ready():
+                pods = await sc.agent_pods(api, ds)
+                return len(pods) == 1 and sc.ready(pods[0])
+            await sc.until("the agent Ready", agent_ready, node, timeout=180, interval=0.5)
+            conflist = node.cni_conf_dir / "10-kn.conflist"
+            await sc.until("istio-cni chained", lambda: asyncio.to_thread(sc.chained, conflist),
+                           node, timeout=60)
+            await zt.wait_snapshot(timeout=60)
+            await kc.apply(api, {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+                                 "metadata": {"name": realnode.BARE_HANDLER},
+                                 "handler": realnode.BARE_HANDLER})
+            await sc.namespace(api, "mesh", ambient=True)
+            await sc.namespace(api, "plain", ambient=False)
+            events = TaskStarts(node)
+            samples: list[dict[str, float]] = []
+            # one of each first, not timed (first-use costs: plugin exec caches, image)
+            for i in range(-1, PAIRS):
+                pair = {}
+                for kind in ("bare", "mesh") if i % 2 else ("mesh", "bare"):
+                    if kind == "bare":
+                        pod = sc.app_pod(f"bare-{i + 1}", "plain", probe=False)
+                        pod["spec"]["runtimeClassName"] = realnode.BARE_HANDLER
+                    else:
+                        pod = sc.app_pod(f"mesh-{i + 1}", "mesh", probe=False)
+                    pair[kind] = await _one(api, node, sc, events, pod, kind == "mesh")
+                if i >= 0:
+                    samples.append(pair)
+            bare = [p["bare"] for p in samples]
+            mesh = [p["mesh"] for p in samples]
+            added = median([p["mesh"] - p["bare"] for p in samples])
+            held = sum(1 for p in zt.pods.values() if p.namespace == "mesh")
+            note = (f"{PAIRS} pairs alternated; {held} ambient pods held by the fake ztunnel; "
+                    "containerd 1.6 + runc, kubelet/scheduler/controller-manager 1.37")
+            return [
+                Result("real node: API create -> container started, bare handler (no istio-cni)",
+                       median(bare), "ms", None, "report", None, "the floor of the row below"),
+                Result("real node: API create -> container started, ambient, istio-cni chained",
+                       median(mesh), "ms", median(bare), "report", None, note),
+                Result(FIGURE, added, "ms", median(bare), "added <= 30 ms", added <= 30,
+                       "median of paired differences; " + note),
+            ]
+    finally:
+        if events is not None:
+            events.close()
+        if api is not None:
+            node.remember_netns()
+            await sc.delete_everything(api, node, ["mesh", "plain", ds["metadata"]["namespace"]])
+            await api.close()
+        if zt is not None:
+            zt.stop()
+            await asyncio.wait_for(asyncio.gather(zt_task, return_exceptions=True), 10)
+        node.close()
+
+
+def run() -> list[Result]:
+    import os
+
+    from tests.node import realnode
+    reason = realnode.why_not()
+    if reason is None and os.system("podman image exists localhost/ambient-node-agent:0.1.0"):
+        reason = "needs the agent's image: bash scripts/build-image.sh"
+    if reason:
+        return [Result(FIGURE, float("nan"), "ms", note=f"skipped: {reason}")]
+    return asyncio.run(_measure(realnode.build()))
