@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                  "check; exit 1 if any fails)"),
     "cni": ("cni.install", "install or uninstall the istio-cni plugin and its conflist entry"),
     "xds": ("ambient.xds.cli", "dump what a workload xDS server serves (as a ztunnel-like client)"),
+    "waypoint": ("ambient.waypoint.cli", "print the Envoy bootstrap of a waypoint this agent serves"),
 }
 
 
