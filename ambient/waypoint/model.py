@@ -215,13 +215,14 @@ def targeted_policies(store: ObjectStore, model: WaypointModel, root_namespace: 
     ``istio-waypoint`` GatewayClass (policy in the root namespace), to a bound Service
     (group ``""``/``core``) or ServiceEntry (group ``networking.istio.io``) in the
     policy's namespace. Unknown kinds are a problem (named) and bind nothing."""
-    by_object = {(s.kind, s.namespace, s.name): s for s in model.services}
+    by_object: dict[tuple[str, str, str], BoundService] = {
+        (s.kind, s.namespace, s.name): s for s in model.services}
     out = []
     for pol in sorted(store.list("AuthorizationPolicy"),
                       key=lambda p: (meta(p).get("namespace", ""), meta(p).get("name", ""))):
         ns, pname = meta(pol).get("namespace", ""), meta(pol).get("name", "")
         for i, ref in enumerate(_targets(pol)):
-            kind, group, name = ref.get("kind"), ref.get("group") or "", ref.get("name")
+            kind, group, name = ref.get("kind"), ref.get("group") or "", str(ref.get("name") or "")
             ref_ns = ref.get("namespace") or ns
             if kind == "Gateway" and group == GATEWAY_GROUP:
                 if ref_ns == model.namespace and name == model.name and ns == model.namespace:

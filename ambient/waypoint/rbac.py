@@ -194,13 +194,14 @@ class RuleBuilder:
                 if not isinstance(cond, dict) or not isinstance(cond.get("key"), str):
                     raise ValueError(f"field {cpath!r} must have a string key")
                 try:
-                    kind, vals = None, []
+                    kind: str = ""
+                    vals: list[dict] = []
                     pos = cond.get("values")
                     neg = cond.get("notValues")
                     if pos is not None:
                         kind, vals = _condition(cond["key"], _strings(pos, cpath + ".values"),
                                                 self.http)
-                        (extra_p if kind == "principal" else extra_perm).append(_or(vals, kind or ""))
+                        (extra_p if kind == "principal" else extra_perm).append(_or(vals, kind))
                     if neg is not None:
                         kind, vals = _condition(cond["key"], _strings(neg, cpath + ".notValues"),
                                                 self.http)
@@ -230,7 +231,7 @@ class RuleBuilder:
 
     def _side(self, entries: Any, path: str, key: str, deny: bool) -> list[dict]:
         kind = "principal" if key == "source" else "permission"
-        any_ = {"any": True}
+        any_: dict[str, Any] = {"any": True}
         if entries is None:
             return [any_]
         if not isinstance(entries, list):
@@ -300,8 +301,8 @@ def rbac_filters(policies: list[dict], *, http: bool) -> tuple[list[dict], list[
     for action in ("DENY", "ALLOW"):
         if action not in by_action:
             continue
-        rules = {"action": action, "policies": by_action[action]}
-        config: dict[str, Any] = {"@type": type_url, "rules": rules}
+        config: dict[str, Any] = {"@type": type_url, "rules": {
+            "action": action, "policies": by_action[action]}}
         if not http:
             config["stat_prefix"] = "tcp."
         filters.append({"name": name, "typed_config": config})

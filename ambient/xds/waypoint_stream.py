@@ -105,8 +105,7 @@ class WaypointStream:
         assert isinstance(req, discovery_pb2.DiscoveryRequest)
         return self._sotw_request(ts, req, first)
 
-    def _ack_or_nack(self, ts: TypeState, nonce: str, detail: discovery_pb2.DiscoveryRequest
-                     ) -> bool:
+    def _ack_or_nack(self, ts: TypeState, nonce: str, detail: Request) -> bool:
         """Apply a response nonce; False when stale (ignore the request)."""
         if nonce != ts.last_nonce:
             ts.stale += 1
@@ -154,7 +153,7 @@ class WaypointStream:
     def _delta_request(self, ts: TypeState, req: discovery_pb2.DeltaDiscoveryRequest,
                        first: bool) -> list[Response]:
         if req.response_nonce and not first:
-            if not self._ack_or_nack(ts, req.response_nonce, req):  # type: ignore[arg-type]
+            if not self._ack_or_nack(ts, req.response_nonce, req):
                 return []
         subscribe, unsubscribe = set(req.resource_names_subscribe), set(req.resource_names_unsubscribe)
         if first:

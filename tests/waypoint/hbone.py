@@ -99,6 +99,8 @@ async def hbone_request(waypoint: tuple[str, int], authority: str, request: byte
                     elif isinstance(ev, h2.events.DataReceived):
                         body += ev.data
                         conn.acknowledge_received_data(ev.flow_controlled_length, sid)
+                        if _complete(body):
+                            return status, body, peer_uri(writer)
                     elif isinstance(ev, (h2.events.StreamEnded, h2.events.StreamReset,
                                          h2.events.ConnectionTerminated)):
                         return status, body, peer_uri(writer)
@@ -107,6 +109,19 @@ async def hbone_request(waypoint: tuple[str, int], authority: str, request: byte
         writer.close()
         with contextlib.suppress(Exception):
             await writer.wait_closed()
+
+
+def _complete(raw: bytes) -> bool:
+    """Whether ``raw`` holds a whole HTTP/1.1 response with a ``content-length`` body
+    (so the client need not wait for the tunnel to close)."""
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length" and value.strip().isdigit():
+            return len(body) >= int(value.strip())
+    return False
 
 
 class HboneTerminator:

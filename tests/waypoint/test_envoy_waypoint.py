@@ -24,6 +24,8 @@ from prometheus_client import CollectorRegistry
 
 from agent.demo.envoy import EnvoyProcess, free_port
 from agent.sds.ca_embedded import EmbeddedCA
+from agent.tlsport.authn import Authenticator, TokensFile
+from agent.tlsport.servercert import TlsMaterial
 from ambient.index import AmbientIndex
 from ambient.objects import Mesh
 from ambient.store import ObjectStore
@@ -133,9 +135,21 @@ async def mesh(tmp_path):
     token = tmp_path / "xds-token"
     token.write_text("s3cret\n")
     token.chmod(0o600)
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("wp-token: demo/wp\n")
+    tokens.chmod(0o600)
+
+    async def provider() -> TlsMaterial:
+        chain, key = await asyncio.to_thread(ca.ca.issue, ["istiod.istio-system.svc"],
+                                             "ECDSA", 3600)
+        return TlsMaterial(chain, key, ca.root_pem())
+
     registry = CollectorRegistry()
     server = XdsServer(index, address="127.0.0.1", port=0, debounce=0.02, debounce_max=0.1,
                        registry=registry, token_file=str(token),
+                       tls_address="127.0.0.1", tls_port=0, tls_provider=provider,
+                       authenticator=Authenticator("cluster.local",
+                                                   tokens=TokensFile(str(tokens), "cluster.local")),
                        waypoints=WaypointConfigs(store, index, issuer=ca))
     await server.start()
 
@@ -153,9 +167,12 @@ async def mesh(tmp_path):
                                  root=ca.root_pem()).start()
     envoys: list[EnvoyProcess] = []
 
-    def start_envoy(delta: bool = True) -> EnvoyProcess:
-        boot = bootstrap(BootstrapOptions(namespace="demo", gateway="wp", xds_port=server.port,
-                                          token="s3cret", admin_port=free_port(),
+    def start_envoy(delta: bool = True, tls: bool = False) -> EnvoyProcess:
+        boot = bootstrap(BootstrapOptions(namespace="demo", gateway="wp",
+                                          xds_port=server.tls_port if tls else server.port,
+                                          ca_pem=ca.root_pem().decode() if tls else "",
+                                          token="wp-token" if tls else "s3cret",
+                                          admin_port=free_port(),
                                           node_ip=f"{net}.1", hbone_bind=f"{net}.1",
                                           delta=delta))
         envoy = EnvoyProcess(boot, tmp_path / f"envoy{len(envoys)}")
@@ -225,11 +242,14 @@ async def ready(env, envoy: EnvoyProcess) -> None:
     await until(lambda: _ok(env), 20, "the waypoint to forward /allowed")
 
 
-@pytest.mark.parametrize("delta", [True, False], ids=["delta", "sotw"])
-async def test_allow_deny_and_identity_through_a_real_envoy_waypoint(mesh, delta):
+@pytest.mark.parametrize("delta,tls", [(True, False), (False, False), (True, True)],
+                         ids=["delta-plaintext", "sotw-plaintext", "delta-tls-token"])
+async def test_allow_deny_and_identity_through_a_real_envoy_waypoint(mesh, delta, tls):
+    """Plaintext port with its bearer token (identity from the node), and the TLS port
+    (mesh root, token from the tokens file: the identity the certificate is issued for)."""
     env = mesh
     env["store"].apply([(deny_policy("/denied"), "test")])
-    envoy = env["start_envoy"](delta)
+    envoy = env["start_envoy"](delta, tls)
     await ready(env, envoy)
 
     status, raw, waypoint_san = await env["get"]("/allowed")
@@ -256,7 +276,7 @@ async def test_allow_deny_and_identity_through_a_real_envoy_waypoint(mesh, delta
         b = status_of((await env["get"]("/other"))[1])
         return a == 200 and b == 403
     await until(flipped, 5, "the new DENY path")
-    assert time.monotonic() - t0 < 1.0 + 0.5  # the poll above adds two round trips
+    assert time.monotonic() - t0 < 1.0
     assert len(env["term"].tunnels) >= tunnels and env["term"].refused == []
 
     # nothing NACKed: Envoy's own view and the agent's counter
