@@ -42,8 +42,12 @@ OPERATION_FIELDS = ("ports", "notPorts", *HTTP_OPERATION)
 
 
 class _Unsupported(Exception):
-    def __init__(self, what: str):
-        self.what = what
+    def __init__(self, what: str, path: str = ""):
+        self.what, self.path = what, path
+
+
+class _Invalid(ValueError):
+    """A value that does not convert; the message names the field and the value."""
 
 
 def string_match(value: str, *, ignore_case: bool = False, prefix: str = "") -> dict:
@@ -149,7 +153,7 @@ def _condition(key: str, values: list[str], http: bool) -> tuple[str, list[dict]
 
 def _strings(value: Any, path: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, (str, int)) for v in value):
-        raise ValueError(f"field {path!r} must be a list of strings, got {value!r}")
+        raise _Invalid(f"field {path!r} must be a list of strings, got {value!r}")
     return [str(v) for v in value]
 
 
@@ -199,12 +203,12 @@ class RuleBuilder:
                     pos = cond.get("values")
                     neg = cond.get("notValues")
                     if pos is not None:
-                        kind, vals = _condition(cond["key"], _strings(pos, cpath + ".values"),
-                                                self.http)
+                        kind, vals = _checked(lambda: _condition(
+                            cond["key"], _strings(pos, cpath + ".values"), self.http), cpath)
                         (extra_p if kind == "principal" else extra_perm).append(_or(vals, kind))
                     if neg is not None:
-                        kind, vals = _condition(cond["key"], _strings(neg, cpath + ".notValues"),
-                                                self.http)
+                        kind, vals = _checked(lambda: _condition(
+                            cond["key"], _strings(neg, cpath + ".notValues"), self.http), cpath)
                         target = extra_p if kind == "principal" else extra_perm
                         target.append(_not(_or(vals, kind), kind))
                 except _Unsupported as u:
@@ -214,12 +218,12 @@ class RuleBuilder:
                                          f"here: the condition is taken as matching (this "
                                          f"DENY denies more)")
         except _Unsupported as u:
-            self.problems.append(f"{self._where(path)} uses {u.what}, not enforced here: "
-                                 f"the rule is dropped (this ALLOW allows less)")
+            self.problems.append(f"{self._where(u.path or path)} ({u.what}) is not supported "
+                                 f"here: the rule is dropped (this ALLOW allows less)")
             return None
         except ValueError as e:
-            self.problems.append(f"{self._where(path)}: {e}: the rule "
-                                 f"{'is dropped' if not deny else 'matches everything'}")
+            self.problems.append(f"AuthorizationPolicy {self.ns}/{self.name}: {e}: rule "
+                                 f"{path} {'is dropped' if not deny else 'matches everything'}")
             if not deny:
                 return None
             return {"permissions": [{"any": True}], "principals": [{"any": True}]}
@@ -247,12 +251,14 @@ class RuleBuilder:
                 try:
                     if key == "source":
                         if fname in UNSUPPORTED_SOURCE or fname not in SOURCE_FIELDS:
-                            raise _Unsupported(fname)
-                        ids = _principal_values(fname, _strings(value, fpath))
+                            raise _Unsupported(fname, fpath)
+                        ids = _checked(lambda: _principal_values(fname, _strings(value, fpath)),
+                                       fpath)
                     else:
                         if fname not in OPERATION_FIELDS:
-                            raise _Unsupported(fname)
-                        ids = _permission_values(fname, _strings(value, fpath), self.http)
+                            raise _Unsupported(fname, fpath)
+                        ids = _checked(lambda: _permission_values(
+                            fname, _strings(value, fpath), self.http), fpath)
                 except _Unsupported as u:
                     if not deny:
                         raise
@@ -271,6 +277,19 @@ class RuleBuilder:
                 out.append({"and_ids": {"ids": ands}} if kind == "principal"
                            else {"and_rules": {"rules": ands}})
         return out or [any_]
+
+
+def _checked(fn: Any, path: str) -> Any:
+    """``fn()``, with errors re-raised naming ``path``: unsupported -> :class:`_Unsupported`
+    carrying it, a value that does not convert -> :class:`_Invalid` naming it and the value."""
+    try:
+        return fn()
+    except _Unsupported as u:
+        raise _Unsupported(u.what, u.path or path) from None
+    except _Invalid:
+        raise
+    except ValueError as e:
+        raise _Invalid(f"field {path!r} value {str(e)!r} is not valid") from None
 
 
 def rbac_filters(policies: list[dict], *, http: bool) -> tuple[list[dict], list[str]]:

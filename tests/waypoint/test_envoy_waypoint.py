@@ -109,7 +109,11 @@ def allow_policy() -> dict:
                                                                              "/denied*",
                                                                              "/other*"]}}],
                          "when": [{"key": "request.headers[x-team]", "notValues": ["blocked"]}],
-                     }]}}
+                     }, {  # unsupported here: dropped with a warning, never a NACK
+                         "from": [{"source": {"requestPrincipals": ["*"]}}]}, {
+                         "to": [{"operation": {"ports": ["http"]}}]}, {
+                         "when": [{"key": "request.auth.claims[group]", "values": ["x"]}]},
+                     ]}}
 
 
 async def until(predicate, timeout: float, what: str):
@@ -290,7 +294,9 @@ async def test_allow_deny_and_identity_through_a_real_envoy_waypoint(mesh, delta
     assert clients and all(t["nacks"] == 0 for c in clients for t in c["types"].values())
 
 
-async def test_allow_rules_principals_methods_headers(mesh):
+async def test_allow_rules_principals_methods_headers(mesh, caplog):
+    """ALLOW by peer principal, method, path and a header condition; the unsupported
+    rules of the same policy are dropped with one warning each and Envoy NACKs nothing."""
     env = mesh
     env["store"].apply([(allow_policy(), "test")])
     envoy = env["start_envoy"](True)
@@ -300,6 +306,13 @@ async def test_allow_rules_principals_methods_headers(mesh):
     assert status_of((await env["get"]("/allowed", "x-team: blocked\r\n"))[1]) == 403
     assert status_of((await env["get"]("/allowed", "x-team: a\r\n"))[1]) == 200
     assert nacks(env["registry"]) == 0
+    assert dump_errors(await config_dump(envoy)) == []
+    for fieldname in ("spec.rules[1].from[0].source.requestPrincipals",
+                      "spec.rules[2].to[0].operation.ports' value 'http'",
+                      "spec.rules[3].when[0]' (when.key request.auth.claims[group])"):
+        hits = [r for r in caplog.records if fieldname in r.getMessage()]
+        assert hits and all(r.levelname == "WARNING" for r in hits), fieldname
+        assert len({r.getMessage() for r in hits}) == 1, fieldname
 
 
 async def test_missing_gateway_gets_an_empty_valid_config(mesh, caplog):
