@@ -203,12 +203,12 @@ class RuleBuilder:
                     pos = cond.get("values")
                     neg = cond.get("notValues")
                     if pos is not None:
-                        kind, vals = _checked(lambda: _condition(
-                            cond["key"], _strings(pos, cpath + ".values"), self.http), cpath)
+                        kind, vals = _checked(cpath, self._cond, cond["key"], pos,
+                                              cpath + ".values")
                         (extra_p if kind == "principal" else extra_perm).append(_or(vals, kind))
                     if neg is not None:
-                        kind, vals = _checked(lambda: _condition(
-                            cond["key"], _strings(neg, cpath + ".notValues"), self.http), cpath)
+                        kind, vals = _checked(cpath, self._cond, cond["key"], neg,
+                                              cpath + ".notValues")
                         target = extra_p if kind == "principal" else extra_perm
                         target.append(_not(_or(vals, kind), kind))
                 except _Unsupported as u:
@@ -233,6 +233,9 @@ class RuleBuilder:
             permissions = [{"and_rules": {"rules": [p, *extra_perm]}} for p in permissions]
         return {"permissions": permissions, "principals": principals}
 
+    def _cond(self, key: str, values: Any, path: str) -> tuple[str, list[dict]]:
+        return _condition(key, _strings(values, path), self.http)
+
     def _side(self, entries: Any, path: str, key: str, deny: bool) -> list[dict]:
         kind = "principal" if key == "source" else "permission"
         any_: dict[str, Any] = {"any": True}
@@ -252,13 +255,12 @@ class RuleBuilder:
                     if key == "source":
                         if fname in UNSUPPORTED_SOURCE or fname not in SOURCE_FIELDS:
                             raise _Unsupported(fname, fpath)
-                        ids = _checked(lambda: _principal_values(fname, _strings(value, fpath)),
-                                       fpath)
+                        ids = _checked(fpath, _principal_values, fname, _strings(value, fpath))
                     else:
                         if fname not in OPERATION_FIELDS:
                             raise _Unsupported(fname, fpath)
-                        ids = _checked(lambda: _permission_values(
-                            fname, _strings(value, fpath), self.http), fpath)
+                        ids = _checked(fpath, _permission_values, fname,
+                                       _strings(value, fpath), self.http)
                 except _Unsupported as u:
                     if not deny:
                         raise
@@ -279,11 +281,11 @@ class RuleBuilder:
         return out or [any_]
 
 
-def _checked(fn: Any, path: str) -> Any:
-    """``fn()``, with errors re-raised naming ``path``: unsupported -> :class:`_Unsupported`
+def _checked(path: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, with errors re-raised naming ``path``: unsupported -> :class:`_Unsupported`
     carrying it, a value that does not convert -> :class:`_Invalid` naming it and the value."""
     try:
-        return fn()
+        return fn(*args)
     except _Unsupported as u:
         raise _Unsupported(u.what, u.path or path) from None
     except _Invalid:
