@@ -22,6 +22,7 @@ from typing import Iterable
 from ambient import workload_pb2 as wl
 from ambient.api import AmbientIndex, ObjectStore
 from ambient.objects import meta, spec
+from ambient.waypoint.httproute import Attached, attached_routes
 
 HTTP_PROTOCOLS = frozenset({"HTTP", "HTTP2", "GRPC", "GRPC-WEB"})
 HTTP2_PROTOCOLS = frozenset({"HTTP2", "GRPC"})
@@ -124,10 +125,23 @@ class WaypointModel:
     policies: list[TargetedPolicy] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
     annotations: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: service key -> HTTPRoutes attached to it (parentRefs kind Service)
+    routes: dict[str, list[Attached]] = dataclasses.field(default_factory=dict)
+    #: service key -> a Service some attached route sends to (bound or not)
+    backends: dict[str, BoundService] = dataclasses.field(default_factory=dict)
+    domain: str = "cluster.local"
 
     @property
     def key(self) -> str:
         return f"{self.namespace}/{self.name}"
+
+    def backend_cluster(self, namespace: str, name: str, port: int) -> str | None:
+        """The ``inbound-vip|<port>|http|<host>`` cluster of a route backend, or None when
+        that Service (or port) is unknown."""
+        svc = self.backends.get(f"{namespace}/{name}.{namespace}.svc.{self.domain}")
+        if svc is None or not any(p.port == port for p in svc.ports):
+            return None
+        return f"inbound-vip|{port}|http|{svc.hostname}"
 
 
 def _ip(raw: bytes) -> str | None:
@@ -246,12 +260,42 @@ def targeted_policies(store: ObjectStore, model: WaypointModel, root_namespace: 
     return out
 
 
+def _service(store: ObjectStore, index: AmbientIndex, key: str) -> BoundService | None:
+    address = index.address(key)
+    if address is None or address.WhichOneof("type") != "service":
+        return None
+    svc = address.service
+    src_kind, obj = _source_object(store, svc)
+    vips = tuple(ip for ip in (_ip(a.address) for a in svc.addresses) if ip)
+    return BoundService(svc.namespace, svc.name, svc.hostname, src_kind, vips,
+                        _ports(src_kind, obj, svc), _endpoints(index, svc))
+
+
+def _route_backends(store: ObjectStore, index: AmbientIndex, model: WaypointModel) -> None:
+    bound = {s.key: s for s in model.services}
+    for atts in model.routes.values():
+        for att in atts:
+            rns = meta(att.route).get("namespace", "")
+            for rule in spec(att.route).get("rules") or []:
+                for ref in (rule.get("backendRefs") or []) if isinstance(rule, dict) else []:
+                    if not isinstance(ref, dict) or (ref.get("kind") or "Service") != "Service":
+                        continue
+                    bns = str(ref.get("namespace") or rns)
+                    key = f"{bns}/{ref.get('name')}.{bns}.svc.{model.domain}"
+                    if key in model.backends:
+                        continue
+                    svc = bound.get(key) or _service(store, index, key)
+                    if svc is not None:
+                        model.backends[key] = svc
+
+
 def build_model(store: ObjectStore, index: AmbientIndex, namespace: str, name: str, *,
                 trust_domain: str = "cluster.local",
-                root_namespace: str = "istio-system") -> WaypointModel:
+                root_namespace: str = "istio-system",
+                domain: str = "cluster.local") -> WaypointModel:
     """The :class:`WaypointModel` of Gateway ``namespace/name`` (never raises for bad
     objects: they become ``problems``)."""
-    model = WaypointModel(namespace, name, trust_domain)
+    model = WaypointModel(namespace, name, trust_domain, domain=domain)
     gw = store.get("Gateway", namespace, name)
     if gw is None:
         model.problems.append(f"Gateway {namespace}/{name} does not exist: serving an empty "
@@ -266,17 +310,18 @@ def build_model(store: ObjectStore, index: AmbientIndex, namespace: str, name: s
             continue
         kind = address.WhichOneof("type")
         if kind == "service":
-            svc = address.service
-            src_kind, obj = _source_object(store, svc)
-            vips = tuple(ip for ip in (_ip(a.address) for a in svc.addresses) if ip)
-            model.services.append(BoundService(
-                svc.namespace, svc.name, svc.hostname, src_kind, vips,
-                _ports(src_kind, obj, svc), _endpoints(index, svc)))
+            bound_svc = _service(store, index, res)
+            if bound_svc is not None:
+                model.services.append(bound_svc)
         elif kind == "workload":
             model.workload_ips.extend(ip for ip in (_ip(a) for a in address.workload.addresses)
                                       if ip)
     model.services.sort(key=lambda s: s.key)
     model.policies = targeted_policies(store, model, root_namespace)
+    model.routes = attached_routes(
+        store, {(s.namespace, s.name): s.key for s in model.services if s.kind == "Service"},
+        model.problems)
+    _route_backends(store, index, model)
     return model
 
 

@@ -70,6 +70,7 @@ from google.protobuf import json_format, wrappers_pb2  # noqa: F401
 from google.protobuf.message import Message
 from xds.type.matcher.v3 import ip_pb2, matcher_pb2  # noqa: F401
 
+from ambient.waypoint.httproute import RouteBuilder
 from ambient.waypoint.model import BoundService, ServicePort, WaypointModel
 from ambient.waypoint.rbac import rbac_filters
 
@@ -433,7 +434,18 @@ def _endpoints(name: str, eps: Iterable) -> dict:
     return {"cluster_name": name, "endpoints": [{"lb_endpoints": lb}] if lb else []}
 
 
-def _route_config(name: str, cluster: str, port: int) -> dict:
+def _route_config(name: str, cluster: str, port: int, model: WaypointModel | None = None,
+                  svc: BoundService | None = None, problems: list[str] | None = None) -> dict:
+    attached = model.routes.get(svc.key) if model is not None and svc is not None else None
+    if attached and any(not a.port or a.port == port for a in attached):
+        assert model is not None
+        routes = RouteBuilder(attached, port, model.backend_cluster,
+                              problems if problems is not None else []).routes()
+        # no rule matched: 404 (Gateway API), as istiod's route for an attached route
+        routes.append({"name": "no-route", "match": {"prefix": "/"},
+                       "direct_response": {"status": 404}})
+        return {"name": name, "validate_clusters": False, "virtual_hosts": [{
+            "name": f"inbound|http|{port}", "domains": ["*"], "routes": routes}]}
     return {"name": name, "validate_clusters": False, "virtual_hosts": [{
         "name": f"inbound|http|{port}", "domains": ["*"], "routes": [{
             "name": "default", "match": {"prefix": "/"},
@@ -473,7 +485,15 @@ def build(model: WaypointModel, opts: Options | None = None
                 clusters.append(_vip_cluster(name, port, subset))
                 endpoints.append(_endpoints(name, svc.endpoints.get(port.port, ())))
                 if subset == "http":
-                    routes.append(_route_config(name, name, port.port))
+                    routes.append(_route_config(name, name, port.port, model, svc, problems))
+    have = {c["name"] for c in clusters}
+    for backend in model.backends.values():
+        for port in backend.ports:
+            name = cluster_name("http", port.port, backend.hostname)
+            if name not in have:
+                have.add(name)
+                clusters.append(_vip_cluster(name, port, "http"))
+                endpoints.append(_endpoints(name, backend.endpoints.get(port.port, ())))
     out: dict[str, dict[str, Message]] = {t: {} for t in ENVOY_TYPES}
     for type_url, items, key in ((LISTENER_TYPE, listeners, "name"),
                                  (CLUSTER_TYPE, clusters, "name"),

@@ -31,7 +31,8 @@ from ambient.waypoint.model import build_model
 
 log = logging.getLogger(__name__)
 
-WATCHED_KINDS = frozenset({"AuthorizationPolicy", "Gateway", "Service", "ServiceEntry"})
+WATCHED_KINDS = frozenset({"AuthorizationPolicy", "Gateway", "Service", "ServiceEntry",
+                           "HTTPRoute"})
 
 
 class CertificateIssuer(Protocol):
