@@ -486,7 +486,7 @@ class XdsServer(Component):
             "pushes": self.pushes,
             "cached_resources": {t: g.cached() for t, g in self.generators.items()},
             "clients": [c.state.debug() for c in self.connections.values()],
-            "waypoints": self.waypoints.debug_state() if self.waypoints else None,
+            **({"waypoints": self.waypoints.debug_state()} if self.waypoints else {}),
         }
 
 
