@@ -42,11 +42,12 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import threading
 from typing import Any, Iterable
 
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
-from envoy.config.listener.v3 import listener_pb2
+from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2  # noqa: F401
 from envoy.extensions.filters.http.rbac.v3 import rbac_pb2  # noqa: F401
@@ -291,38 +292,77 @@ def _cidr(ip: str) -> dict:
     return {"address_prefix": ip, "prefix_len": 128 if ":" in ip else 32}
 
 
-def main_internal(model: WaypointModel, opts: Options, problems: list[str]) -> dict:
+@dataclasses.dataclass
+class _Parts:
+    """What one bound service contributes, parsed: its ``main_internal`` chains and IP
+    range entry, its clusters, endpoints and routes, and the problems found building them."""
+
+    chains: list[Message]
+    range: dict | None
+    sniffed: bool
+    fixed_ports: set[int]
+    resources: list[tuple[str, str, Message]]  # (type URL, name, message)
+    problems: list[str]
+
+
+def _service_parts(model: WaypointModel, opts: Options, svc: BoundService,
+                   cache: "ParseCache") -> _Parts:
+    problems: list[str] = []
     chains: list[dict] = []
-    ranges: list[dict] = []
-    sniffed = False
-    fixed_ports: set[int] = set()
-    for svc in model.services:
-        port_map: dict[str, dict] = {}
-        for port in svc.ports:
-            http_name = cluster_name("http", port.port, svc.hostname)
-            tcp_name = cluster_name("tcp", port.port, svc.hostname)
-            if port.protocol == "UNSUPPORTED":
-                chains.append(_http_chain(model, opts, svc, port, http_name, problems))
-                chains.append(_tcp_chain(model, svc, tcp_name, tcp_name, problems))
-                port_map[str(port.port)] = _app_protocol_matcher(http_name, tcp_name)
-                sniffed = True
-            elif port.http:
-                chains.append(_http_chain(model, opts, svc, port, http_name, problems))
-                port_map[str(port.port)] = _chain_action(http_name)
-                fixed_ports.add(port.port)
-            else:
-                chains.append(_tcp_chain(model, svc, tcp_name, tcp_name, problems))
-                port_map[str(port.port)] = _chain_action(tcp_name)
-                fixed_ports.add(port.port)
-        if port_map and svc.vips:
-            ranges.append({"ranges": [_cidr(v) for v in svc.vips], "on_match": {"matcher": {
-                "matcher_tree": {
-                    "input": {"name": "port", "typed_config": _any(
-                        "envoy.extensions.matching.common_inputs.network.v3."
-                        "DestinationPortInput")},
-                    "exact_match_map": {"map": port_map}}}}})
-    chains.append(_tcp_chain(model, None, ENCAP, "direct-tcp", problems))
-    chains.append(_http_chain(model, opts, None, None, "direct-http", problems))
+    port_map: dict[str, dict] = {}
+    sniffed, fixed_ports = False, set()
+    res: list[tuple[str, str, Message]] = []
+    for port in svc.ports:
+        http_name = cluster_name("http", port.port, svc.hostname)
+        tcp_name = cluster_name("tcp", port.port, svc.hostname)
+        if port.protocol == "UNSUPPORTED":
+            chains.append(_http_chain(model, opts, svc, port, http_name, problems))
+            chains.append(_tcp_chain(model, svc, tcp_name, tcp_name, problems))
+            port_map[str(port.port)] = _app_protocol_matcher(http_name, tcp_name)
+            sniffed = True
+        elif port.http:
+            chains.append(_http_chain(model, opts, svc, port, http_name, problems))
+            port_map[str(port.port)] = _chain_action(http_name)
+            fixed_ports.add(port.port)
+        else:
+            chains.append(_tcp_chain(model, svc, tcp_name, tcp_name, problems))
+            port_map[str(port.port)] = _chain_action(tcp_name)
+            fixed_ports.add(port.port)
+        for subset in ("http", "tcp"):
+            if (subset == "http" and not port.http) or (subset == "tcp" and not port.tcp):
+                continue
+            name = cluster_name(subset, port.port, svc.hostname)
+            res.append((CLUSTER_TYPE, name, cache.parse(
+                cluster_pb2.Cluster, _vip_cluster(name, port, subset))))
+            res.append((ENDPOINT_TYPE, name, cache.parse(
+                endpoint_pb2.ClusterLoadAssignment,
+                _endpoints(name, svc.endpoints.get(port.port, ())))))
+            if subset == "http":
+                res.append((ROUTE_TYPE, name, cache.parse(
+                    route_pb2.RouteConfiguration,
+                    _route_config(name, name, port.port, model, svc, problems))))
+    entry = None
+    if port_map and svc.vips:
+        entry = {"ranges": [_cidr(v) for v in svc.vips], "on_match": {"matcher": {
+            "matcher_tree": {
+                "input": {"name": "port", "typed_config": _any(
+                    "envoy.extensions.matching.common_inputs.network.v3."
+                    "DestinationPortInput")},
+                "exact_match_map": {"map": port_map}}}}}
+    parsed = [cache.parse(listener_components_pb2.FilterChain, c) for c in chains]
+    return _Parts(parsed, entry, sniffed, fixed_ports, res, problems)
+
+
+def main_internal(model: WaypointModel, opts: Options, parts: list[_Parts],
+                  cache: "ParseCache", problems: list[str]) -> Message:
+    chains: list[Message] = [c for p in parts for c in p.chains]
+    ranges: list[dict] = [p.range for p in parts if p.range is not None]
+    sniffed = any(p.sniffed for p in parts)
+    fixed_ports: set[int] = set().union(*(p.fixed_ports for p in parts))
+    chains.append(cache.parse(listener_components_pb2.FilterChain,
+                              _tcp_chain(model, None, ENCAP, "direct-tcp", problems)))
+    chains.append(cache.parse(listener_components_pb2.FilterChain,
+                              _http_chain(model, opts, None, None, "direct-http", problems)))
     if model.workload_ips:
         ranges.append({"ranges": [_cidr(ip) for ip in sorted(set(model.workload_ips))],
                        "on_match": _app_protocol_matcher("direct-http", "direct-tcp")})
@@ -343,8 +383,7 @@ def main_internal(model: WaypointModel, opts: Options, problems: list[str]) -> d
         listener_filters.append(inspector)
     out: dict[str, Any] = {
         "name": MAIN_INTERNAL, "internal_listener": {},
-        "listener_filters": listener_filters, "traffic_direction": "INBOUND",
-        "filter_chains": chains}
+        "listener_filters": listener_filters, "traffic_direction": "INBOUND"}
     if ranges:
         out["filter_chain_matcher"] = {"matcher_tree": {
             "input": {"name": "ip", "typed_config": _any(
@@ -357,7 +396,10 @@ def main_internal(model: WaypointModel, opts: Options, problems: list[str]) -> d
             "input": {"name": "port", "typed_config": _any(
                 "envoy.extensions.matching.common_inputs.network.v3.DestinationPortInput")},
             "exact_match_map": {"map": {"0": _chain_action("direct-tcp")}}}}
-    return out
+    listener = listener_pb2.Listener()
+    listener.CopyFrom(cache.parse(listener_pb2.Listener, out))
+    listener.filter_chains.extend(chains)
+    return listener
 
 
 def connect_originate_listener() -> dict:
@@ -465,42 +507,91 @@ def to_message(type_url: str, value: dict) -> Message:
     return json_format.ParseDict(value, _PARSE[type_url]())
 
 
-def build(model: WaypointModel, opts: Options | None = None
+class ParseCache:
+    """Parsed messages by the text of the dict they came from, and each service's parsed
+    parts by the inputs they came from (both bounded, least recently used out), so a
+    rebuild after one change re-parses only what changed: ``json_format`` parsing costs
+    ~100x serializing, and all but one service are usually unchanged. Cached messages
+    are shared: never mutate one (copy it)."""
+
+    def __init__(self, limit: int = 50_000):
+        self.limit = limit
+        self._items: dict[tuple[type, str], Message] = {}
+        self._parts: dict[tuple, _Parts] = {}
+        self.hits = self.misses = 0
+        self.lock = threading.Lock()  # one build at a time (builds run on a worker thread)
+
+    def parse(self, cls: type, value: dict) -> Message:
+        # the dicts are built by this module in a fixed order: repr is a faithful key
+        key = (cls, repr(value))
+        msg = self._items.pop(key, None)
+        if msg is None:
+            self.misses += 1
+            msg = json_format.ParseDict(value, cls())
+            if len(self._items) >= self.limit:
+                self._items.pop(next(iter(self._items)))
+        else:
+            self.hits += 1
+        self._items[key] = msg
+        return msg
+
+    def service_parts(self, model: WaypointModel, opts: Options, svc: BoundService,
+                      policies_text: str) -> _Parts:
+        routes = model.routes.get(svc.key)
+        key = (repr(svc), policies_text, opts.bind, opts.xfcc, model.trust_domain,
+               model.namespace, repr([a.route for a in routes]) if routes else "",
+               repr(sorted((k, b.ports) for k, b in model.backends.items())) if routes else "")
+        parts = self._parts.pop(key, None)
+        if parts is None:
+            parts = _service_parts(model, opts, svc, self)
+            if len(self._parts) >= self.limit // 10:
+                self._parts.pop(next(iter(self._parts)))
+        self._parts[key] = parts
+        return parts
+
+
+def build(model: WaypointModel, opts: Options | None = None, cache: ParseCache | None = None
           ) -> tuple[dict[str, dict[str, Message]], list[str]]:
     """``({type URL: {name: message}}, problems)`` for LDS, CDS, EDS and RDS (secrets are
-    the server's: they need the CA). Never raises for bad objects: they are problems."""
+    the server's: they need the CA). Never raises for bad objects: they are problems.
+    ``cache`` (kept across builds) makes a rebuild cost what changed."""
     opts = opts or Options()
+    cache = cache or ParseCache()
+    with cache.lock:
+        return _build(model, opts, cache)
+
+
+def _build(model: WaypointModel, opts: Options, cache: ParseCache
+           ) -> tuple[dict[str, dict[str, Message]], list[str]]:
     problems = list(model.problems)
-    listeners = [connect_terminate(model, opts), main_internal(model, opts, problems),
-                 connect_originate_listener()]
-    clusters = [_static_internal(MAIN_INTERNAL, MAIN_INTERNAL),
-                _static_internal(ENCAP, CONNECT_ORIGINATE), connect_originate_cluster(model)]
-    endpoints, routes = [], []
+    out: dict[str, dict[str, Message]] = {t: {} for t in ENVOY_TYPES}
+    waypoint_wide = repr([p.policy for p in model.policies if p.scope is None])
+    parts = []
     for svc in model.services:
-        for port in svc.ports:
-            for subset in ("http", "tcp"):
-                if (subset == "http" and not port.http) or (subset == "tcp" and not port.tcp):
-                    continue
-                name = cluster_name(subset, port.port, svc.hostname)
-                clusters.append(_vip_cluster(name, port, subset))
-                endpoints.append(_endpoints(name, svc.endpoints.get(port.port, ())))
-                if subset == "http":
-                    routes.append(_route_config(name, name, port.port, model, svc, problems))
-    have = {c["name"] for c in clusters}
+        scoped = repr([p.policy for p in model.policies if p.scope == svc.key])
+        part = cache.service_parts(model, opts, svc, waypoint_wide + scoped)
+        problems.extend(part.problems)
+        parts.append(part)
+    listeners = [cache.parse(listener_pb2.Listener, connect_terminate(model, opts)),
+                 main_internal(model, opts, parts, cache, problems),
+                 cache.parse(listener_pb2.Listener, connect_originate_listener())]
+    for lst in listeners:
+        out[LISTENER_TYPE][lst.name] = lst
+    for item in (_static_internal(MAIN_INTERNAL, MAIN_INTERNAL),
+                 _static_internal(ENCAP, CONNECT_ORIGINATE), connect_originate_cluster(model)):
+        out[CLUSTER_TYPE][item["name"]] = cache.parse(cluster_pb2.Cluster, item)
+    for part in parts:
+        for type_url, name, msg in part.resources:
+            out[type_url][name] = msg
     for backend in model.backends.values():
         for port in backend.ports:
             name = cluster_name("http", port.port, backend.hostname)
-            if name not in have:
-                have.add(name)
-                clusters.append(_vip_cluster(name, port, "http"))
-                endpoints.append(_endpoints(name, backend.endpoints.get(port.port, ())))
-    out: dict[str, dict[str, Message]] = {t: {} for t in ENVOY_TYPES}
-    for type_url, items, key in ((LISTENER_TYPE, listeners, "name"),
-                                 (CLUSTER_TYPE, clusters, "name"),
-                                 (ENDPOINT_TYPE, endpoints, "cluster_name"),
-                                 (ROUTE_TYPE, routes, "name")):
-        for item in items:
-            out[type_url][item[key]] = to_message(type_url, item)
+            if name not in out[CLUSTER_TYPE]:
+                out[CLUSTER_TYPE][name] = cache.parse(cluster_pb2.Cluster,
+                                                      _vip_cluster(name, port, "http"))
+                out[ENDPOINT_TYPE][name] = cache.parse(
+                    endpoint_pb2.ClusterLoadAssignment,
+                    _endpoints(name, backend.endpoints.get(port.port, ())))
     return out, list(dict.fromkeys(problems))
 
 

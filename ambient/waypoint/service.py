@@ -16,6 +16,7 @@ and the store, cached until the next change, and the waypoints' own certificates
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import hashlib
 import logging
@@ -89,6 +90,10 @@ class WaypointConfigs:
         self._listeners: list[Callable[[], None]] = []
         self._unsubscribe: Callable[[], None] | None = None
         self.builds = 0
+        self.parse_cache = resources.ParseCache()
+        # builds run here, one at a time (the ParseCache is not thread-safe), so a large
+        # first build does not hold the event loop (json_format parsing is pure Python)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------ change feed
     def start(self) -> None:
@@ -102,6 +107,9 @@ class WaypointConfigs:
             self._unsubscribe = None
         for task in self._issuing.values():
             task.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def on_change(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` after a store change the index does not announce."""
@@ -122,18 +130,44 @@ class WaypointConfigs:
 
     # ------------------------------------------------------------ resources
     def config(self, namespace: str, name: str, opts: resources.Options) -> Config:
+        """The configuration of Gateway ``namespace/name`` (built here when
+        :meth:`prepare_config` did not already)."""
         key = (namespace, name, opts.bind, opts.xfcc)
         cached = self._cache.get(key)
         if cached is not None:
             return cached
+        model, opts = self._model(namespace, name, opts)
+        return self._store(key, model, *resources.build(model, opts, self.parse_cache))
+
+    async def prepare_config(self, namespace: str, name: str, opts: resources.Options) -> None:
+        """Build the configuration off the event loop unless it is cached (the model is
+        read on the loop: the store and index change there)."""
+        key = (namespace, name, opts.bind, opts.xfcc)
+        loop = asyncio.get_running_loop()
+        while key not in self._cache:
+            generation = self.generation
+            model, model_opts = self._model(namespace, name, opts)
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="waypoint-config")
+            built, problems = await loop.run_in_executor(
+                self._pool, resources.build, model, model_opts, self.parse_cache)
+            if generation == self.generation:  # else: changed meanwhile, build again
+                self._store(key, model, built, problems)
+
+    def _model(self, namespace: str, name: str, opts: resources.Options
+               ) -> tuple[Any, resources.Options]:
         self.builds += 1
         model = build_model(self.store, self.index, namespace, name,
                             trust_domain=self.trust_domain, root_namespace=self.root_namespace)
         if model.annotations.get(resources.XFCC_ANNOTATION, "").lower() == "true":
             opts = dataclasses.replace(opts, xfcc=True)
-        built, problems = resources.build(model, opts)
+        return model, opts
+
+    def _store(self, key: tuple[str, str, str, bool], model: Any,
+               built: dict[str, dict[str, Message]], problems: list[str]) -> Config:
         for problem in problems:
-            self.warn(f"waypoint {namespace}/{name}: {problem}")
+            self.warn(f"waypoint {model.namespace}/{model.name}: {problem}")
         out = {t: {n: (version_of(m), m) for n, m in items.items()}
                for t, items in built.items()}
         config = Config(out, self.generation, model.found)
@@ -199,6 +233,8 @@ class WaypointConfigs:
 
     def debug_state(self) -> dict:
         return {"generation": self.generation, "builds": self.builds,
+                "parse_cache": {"hits": self.parse_cache.hits,
+                                "misses": self.parse_cache.misses},
                 "cached": sorted("/".join(k[:2]) for k in self._cache),
                 "certificates": {k: v.renew_at for k, v in self._issued.items()}}
 

@@ -81,8 +81,10 @@ class WaypointStream:
         return cfg.resources.get(type_url, {})
 
     async def prepare(self) -> bool:
-        """Issue or renew this stream's certificate (before requests and pushes are
-        handled). True when the secrets changed."""
+        """Before a request or push is handled: build this waypoint's configuration off
+        the event loop if it is not cached, and issue or renew its certificate. True when
+        the secrets changed."""
+        await self.configs.prepare_config(*self.gateway, self.options)
         if self.secret_identity is None:
             return False
         return await self.configs.ensure_secrets(self.secret_identity)
