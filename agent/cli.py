@@ -37,6 +37,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                        "certificates or connections (its config_dump) joined with this agent's view"),
     "cleanup": ("cni.cleanup", "decommission this node (agent stopped): in-pod and host rules, "
                 "sets, the conflist entry, the plugin, state; --dry-run"),
+    "waypoint": ("ambient.waypoint.cli", "print the Envoy bootstrap of a waypoint this agent serves"),
 }
 
 

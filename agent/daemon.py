@@ -119,7 +119,8 @@ def build(ctx: AgentContext) -> Components:
         events=made("cni-events",
                     lambda: eventserver.build(ctx, source, enrollment, registrar)),
         xds=made("xds", lambda: xds_server.build(ctx, index.index, sds, authn.authenticator,
-                                                 tls_services=mount_ca(sds))),
+                                                 tls_services=mount_ca(sds),
+                                                 store=source.store)),
         status=made("status", lambda: status_server.build(ctx, enrollment, index.index, zds)))
     for component in components.in_start_order():
         ctx.add(component)

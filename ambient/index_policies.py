@@ -31,6 +31,8 @@ class Policies:
         self._pa_converted: dict[PodKey, str] = {}
         # (mesh-wide mode, namespace -> mode) of selector-less PeerAuthentications
         self._pa_modes: tuple[str, dict[str, str]] = ("UNSET", {})
+        # keys of selector policies that have a variant for waypoint-bound workloads
+        self._variants: set[str] = set()
 
     # ------------------------------------------------------------------ marks
 
@@ -72,7 +74,7 @@ class Policies:
         for k in self.base.outputs.authz_bytes:
             if not self.is_pa_key(k):
                 ns, _, name = k.partition("/")
-                d.policies.add((ns, name))
+                d.policies.add((ns, name.removesuffix(tz.WAYPOINT_VARIANT)))
         d.local.update(("LocalPolicy", ns, name) for ns, name in self.base.keys_of("LocalPolicy"))
         d.pa = True
 
@@ -86,11 +88,12 @@ class Policies:
         key = f"{ns}/{name}"
         self._ap_selectors.get(ns, {}).pop(key, None)
         obj = base.store.get("AuthorizationPolicy", ns, name)
-        result = None
+        result = variant = None
         if obj is not None:
             try:
                 translated = tz.authorization_policy(obj, base.base_mesh.root_namespace)
                 result = translated.policy
+                variant = translated.waypoint_variant
                 if translated.problems:
                     # counted as rejected parts: the policy itself is still enforced,
                     # closed on the side that is safe for its action
@@ -106,6 +109,11 @@ class Policies:
             self._ap_selectors.setdefault(ns, {})[key] = dict(
                 (spec(obj).get("selector") or {}).get("matchLabels") or {})
         base.outputs.set_authz(key, result)
+        base.outputs.set_authz(key + tz.WAYPOINT_VARIANT, variant if result is not None else None)
+        if variant is not None and result is not None:
+            self._variants.add(key)
+        else:
+            self._variants.discard(key)
 
     def update_local(self, ns: str, name: str) -> None:
         """Recompute the LocalPolicy ``ns/name`` (:func:`ambient.localconfig.policy`)."""
@@ -171,12 +179,17 @@ class Policies:
 
     # ------------------------------------------------------------------ reads
 
-    def policy_keys(self, ns: str, lbls: dict[str, str]) -> list[str]:
-        """Sorted selector AuthorizationPolicies, then PeerAuthentication keys."""
+    def policy_keys(self, ns: str, lbls: dict[str, str], waypoint_bound: bool = False
+                    ) -> list[str]:
+        """Sorted selector AuthorizationPolicies, then PeerAuthentication keys. A workload
+        bound to a waypoint lists a widened policy's waypoint variant instead
+        (:data:`ambient.translate_authz.WAYPOINT_VARIANT`)."""
         root = self.base.base_mesh.root_namespace
         keys = [k for scope in {ns, root}
                 for k, sel in self._ap_selectors.get(scope, {}).items() if subset(sel, lbls)]
         keys.sort()
+        if waypoint_bound:
+            keys = [k + tz.WAYPOINT_VARIANT if k in self._variants else k for k in keys]
         mesh_mode, ns_modes = self._pa_modes
         effective = ns_modes.get(ns, "UNSET")
         effective = effective if effective != "UNSET" else mesh_mode

@@ -76,8 +76,11 @@ class Workloads:
         gw = self.gateways.netgws.get(w.network)
         if gw is not None:
             w.network_gateway.ParseFromString(gw)
+        # bound to a waypoint: its own use-waypoint, or a service's (published before us)
+        meta_ = self.base.outputs.addr_meta
+        bound = bool(keys) or any(meta_[k].waypoints for k in w.services if k in meta_)
         w.authorization_policies.extend(self.policies.policy_keys(
-            ns, lbls if policy_labels is None else policy_labels))
+            ns, lbls if policy_labels is None else policy_labels, bound))
         return keys
 
     def _waypoint(self, w: wl.Workload, ns: str, lbls: dict[str, str],

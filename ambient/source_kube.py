@@ -66,6 +66,9 @@ RESOURCES: dict[str, tuple[str, str, str, str]] = {
     "Gateway": ("gateway.networking.k8s.io/v1", "gateway.networking.k8s.io", "v1", "gateways"),
     "GatewayClass": ("gateway.networking.k8s.io/v1", "gateway.networking.k8s.io", "v1",
                      "gatewayclasses"),
+    # read by the waypoints' Envoy config (docs/waypoint.md)
+    "HTTPRoute": ("gateway.networking.k8s.io/v1", "gateway.networking.k8s.io", "v1",
+                  "httproutes"),
 }
 BACKOFF_START, BACKOFF_MAX = 0.5, 30.0
 MISSING_RETRY = 30.0        # s between asks for a kind that is not served (404)

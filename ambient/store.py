@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 # format (``docs/ambient.md``), see ambient.localconfig.
 NAMESPACED_KINDS = frozenset({
     "Pod", "Service", "EndpointSlice", "ServiceEntry", "WorkloadEntry", "AuthorizationPolicy",
-    "PeerAuthentication", "Gateway", "LocalWorkload", "LocalService", "LocalPolicy"})
+    "PeerAuthentication", "Gateway", "LocalWorkload", "LocalService", "LocalPolicy",
+    "HTTPRoute"})
 CLUSTER_KINDS = frozenset({"Namespace", "Node", "GatewayClass"})
 KINDS = NAMESPACED_KINDS | CLUSTER_KINDS
 

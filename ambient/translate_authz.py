@@ -42,6 +42,8 @@ from ambient.objects import TranslateError, annotations_of, field, meta, spec, s
 log = logging.getLogger(__name__)
 
 STATIC_STRICT = "istio_converted_static_strict"
+#: name suffix of the variant of a selector policy that workloads bound to a waypoint list
+WAYPOINT_VARIANT = "~waypoint-bound"
 CONVERTED_PREFIX = "converted_peer_authentication_"
 
 L7_OPERATION = ("hosts", "notHosts", "methods", "notMethods", "paths", "notPaths")
@@ -300,6 +302,11 @@ class PolicyTranslation:
     policy: az.Authorization | None
     note: str = ""
     problems: list[str] = dataclasses.field(default_factory=list)
+    #: for a WORKLOAD_SELECTOR DENY policy with rules widened to every connection: the
+    #: same policy without them, named ``<name>~waypoint-bound``, for the workloads bound
+    #: to a waypoint (their HTTP rules belong to the waypoint; upstream's translation
+    #: never fires such rules at ztunnel)
+    waypoint_variant: az.Authorization | None = None
 
     def __iter__(self) -> Iterator[az.Authorization | str | None]:
         return iter((self.policy, self.note))
@@ -337,6 +344,7 @@ def authorization_policy(policy: dict, root_ns: str) -> PolicyTranslation:
     http: set[str] = set()
     problems: list[str] = []
     widened = False  # some DENY rule lost every condition and now matches everything
+    widened_groups: list[int] = []
     for i, rule in enumerate(field(policy, "spec.rules", list, [])):
         clauses = _Reader(ns, f"spec.rules[{i}]").rule(rule)
         unchecked = [u for c in clauses for e in c for u in e.unchecked]
@@ -344,7 +352,9 @@ def authorization_policy(policy: dict, root_ns: str) -> PolicyTranslation:
         group = _group(clauses, action)
         if group is not None:
             out.groups.append(group)
-            widened |= action == "DENY" and not group.rules and bool(unchecked)
+            if action == "DENY" and not group.rules and bool(unchecked):
+                widened = True
+                widened_groups.append(len(out.groups) - 1)
         bad = [("unknown field " + name) if kind == UNKNOWN else name
                for kind, name in unchecked if kind in (UNKNOWN, MALFORMED)]
         if bad:
@@ -363,8 +373,17 @@ def authorization_policy(policy: dict, root_ns: str) -> PolicyTranslation:
                      "This will be more restrictive than requested.")
             if widened:
                 note += (" A rule with only HTTP attributes denies every connection to the "
-                         "workloads the policy selects.")
-    return PolicyTranslation(out, note, problems)
+                         "workloads the policy selects" + (
+                             " that no waypoint serves." if scope == az.WORKLOAD_SELECTOR
+                             else "."))
+    variant = None
+    if widened_groups and scope == az.WORKLOAD_SELECTOR:
+        variant = az.Authorization()
+        variant.CopyFrom(out)
+        variant.name = name + WAYPOINT_VARIANT
+        del variant.groups[:]
+        variant.groups.extend(g for i, g in enumerate(out.groups) if i not in widened_groups)
+    return PolicyTranslation(out, note, problems, variant)
 
 
 # --- PeerAuthentication ---

@@ -15,6 +15,7 @@ from typing import Any
 
 from ambient.api import IndexChange
 from ambient.xds.stream import XdsStream
+from ambient.xds.waypoint_stream import WaypointStream
 
 MAX_QUEUED_REQUESTS = 64  # per stream: requests read from the client, not yet handled
 MAX_QUEUED_BYTES = 4 << 20  # per stream: their serialized size (one larger request still fits)
@@ -88,8 +89,8 @@ class Connection:
     EOF = object()
     PUSH = object()
 
-    def __init__(self, state: XdsStream):
-        self.state = state
+    def __init__(self, state: XdsStream | WaypointStream):
+        self.state: XdsStream | WaypointStream = state
         self.inbox = StreamInbox()
         self.pending: IndexChange | None = None
         self.pending_since = 0.0

@@ -48,14 +48,16 @@ from agent.core.grpc_options import KEEPALIVE_SERVER_OPTIONS
 from agent.core.lifecycle import AgentContext, Component
 from agent.core.listeners import grpc_server_bounds
 from agent.tlsport.servercert import ServerCertificate
-from ambient.api import AmbientIndex, IndexChange
+from ambient.api import AmbientIndex, IndexChange, ObjectStore
 from ambient.xds.generators import Generator, default_generators
 from ambient.xds.auth import AuthError, PlaintextAuth, spiffe_namespace
 from ambient.xds.connection import Connection, merge_changes
 from ambient.xds.metrics import XdsMetrics
-from ambient.xds.node import RequestError
+from ambient.xds.node import RequestError, parse_node
 from ambient.xds.stream import PreparedResponse, Request, Response, XdsStream
 from ambient.xds.tls import TlsProvider, WorkloadCertificates, sds_tls_provider
+from ambient.xds.waypoint_stream import WaypointStream, is_waypoint_request
+from ambient.waypoint.service import WaypointConfigs
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +116,15 @@ class XdsServer(Component):
                  backend_path: str = "", clock: Callable[[], float] = time.time,
                  trust_domain: str = "cluster.local",
                  max_connections: int = 0, stall_timeout: float = STALL_TIMEOUT,
-                 on_demand_refusal: str = ""):
+                 on_demand_refusal: str = "",
+                 waypoints: WaypointConfigs | None = None):
         self._index = index
         #: why an on-demand Address subscription is refused ("" = served), see build()
         self.on_demand_refusal = on_demand_refusal
+        self.waypoints = waypoints  # Envoy config for waypoint proxies (docs/waypoint.md)
+        self._waypoints_dirty = False
+        self._renewal: asyncio.Task | None = None
+        self.trust_domain = trust_domain
         self.max_connections = max_connections  # 0: no cap (gRPC core enforces it)
         self.stall_timeout = stall_timeout
         self.index: AmbientIndex | None = None
@@ -157,6 +164,10 @@ class XdsServer(Component):
         index = self.index = self._index
         self.generators = default_generators(index)
         self._unsubscribe = index.subscribe(self.on_index_change)
+        if self.waypoints is not None:
+            self.waypoints.start()
+            self.waypoints.on_change(self.on_waypoint_change)
+            self._renewal = asyncio.create_task(self._renew_waypoint_certificates())
         server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE),
                                           ("grpc.max_receive_message_length", MAX_MESSAGE),
                                           ("grpc.so_reuseport", 0),
@@ -216,6 +227,11 @@ class XdsServer(Component):
             self._unsubscribe = None
         if self._timer:
             self._timer.cancel()
+        if self._renewal:
+            self._renewal.cancel()
+            self._renewal = None
+        if self.waypoints is not None:
+            self.waypoints.stop()
         if self.front_door:
             self.authenticator.remove_front_door(self.front_door)
             await self.front_door.stop()
@@ -260,11 +276,25 @@ class XdsServer(Component):
             return
         for gen in self.generators.values():
             gen.invalidate(change)
+        if self.waypoints is not None:
+            self.waypoints.invalidate()
         now = time.monotonic()
         if self._pending is None:
             self._pending, self._first_change = change, now
         else:
             self._pending = merge_changes(self._pending, change)
+        self._schedule(now)
+
+    def on_waypoint_change(self) -> None:
+        """A change only waypoints see (a targetRef policy, a certificate renewal): the
+        same debounced fan-out, to waypoint streams only."""
+        now = time.monotonic()
+        if self._pending is None and not self._waypoints_dirty:
+            self._first_change = now
+        self._waypoints_dirty = True
+        self._schedule(now)
+
+    def _schedule(self, now: float) -> None:
         if self._timer:
             self._timer.cancel()
         delay = max(0.0, min(self.debounce, self._first_change + self.debounce_max - now))
@@ -272,12 +302,25 @@ class XdsServer(Component):
 
     def _flush(self) -> None:
         change, since = self._pending, self._first_change
+        waypoints, self._waypoints_dirty = self._waypoints_dirty, False
         self._pending, self._timer = None, None
-        if change is None:
+        if change is None and not waypoints:
             return
         self.pushes += 1
         for conn in self.connections.values():
-            conn.notify(change, since)
+            if isinstance(conn.state, WaypointStream):
+                conn.notify(change or IndexChange(), since)
+            elif change is not None:
+                conn.notify(change, since)
+
+    async def _renew_waypoint_certificates(self) -> None:
+        """Wake waypoint streams when a certificate they hold is due (half its life)."""
+        assert self.waypoints is not None
+        while True:
+            await asyncio.sleep(30.0)
+            due = self.waypoints.next_renewal()
+            if due is not None and self.clock() >= due:
+                self.on_waypoint_change()
 
     # ---------------------------------------------------------------- streams
     async def serve_stream(self, request_iterator: AsyncIterator[Request],
@@ -294,8 +337,8 @@ class XdsServer(Component):
             await context.abort(e.code, str(e))
             return
         assert self.index is not None  # set by start(), before the server accepts a call
-        state = XdsStream(self.generators, self.index, peer=context.peer(),
-                          identity=identity, delta=delta)
+        state: XdsStream | WaypointStream = XdsStream(
+            self.generators, self.index, peer=context.peer(), identity=identity, delta=delta)
         conn = Connection(state)
         self.connections[state.id] = conn
         reader = asyncio.create_task(self._read(request_iterator, conn))
@@ -307,14 +350,25 @@ class XdsServer(Component):
                 if isinstance(item, BaseException):
                     log.debug("xds: stream %d ended: %r", state.id, item)
                     return
+                if isinstance(conn.state, WaypointStream):
+                    await conn.state.prepare()  # its certificate, before anything is answered
                 if item is Connection.PUSH:
                     change, since = conn.take()
                     if change is None:
                         continue
-                    responses = state.handle_push(change)
+                    responses = conn.state.handle_push(change)
                 else:
                     since = None
-                    answered = self._handle_request(state, conn, item)
+                    if (self.waypoints is not None and isinstance(conn.state, XdsStream)
+                            and conn.state.node is None and is_waypoint_request(item)):
+                        # an Envoy waypoint: its own stream, its certificate issued first
+                        try:
+                            state = conn.state = self._waypoint_stream(conn.state, item)
+                        except RequestError as e:
+                            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                            return
+                        await state.prepare()
+                    answered = self._handle_request(conn.state, conn, item)
                     if answered is None:
                         code = (grpc.StatusCode[conn.error_code] if conn.error_code
                                 else grpc.StatusCode.INVALID_ARGUMENT)
@@ -335,8 +389,8 @@ class XdsServer(Component):
             for key in conn.counted:
                 self.metrics.clients.labels(*key.split("|", 1)).dec()
 
-    def _handle_request(self, state: XdsStream, conn: Connection, req: Request
-                        ) -> list[Response] | None:
+    def _handle_request(self, state: XdsStream | WaypointStream, conn: Connection,
+                        req: Request) -> list[Response] | None:
         nacks = sum(t.nack_count for t in state.types.values())
         try:
             responses = state.handle_request(req)
@@ -374,6 +428,21 @@ class XdsServer(Component):
             conn.counted.add(key)
             self.metrics.clients.labels(node.proxy_type, req.type_url).inc()
         return responses
+
+    def _waypoint_stream(self, state: XdsStream, req: Request) -> WaypointStream:
+        """The waypoint stream taking over ``state`` (raises RequestError for a bad node).
+        Its certificate is for the caller's SPIFFE ID (TLS port); on the plaintext port
+        only when a bearer token is required there (``xds_token_file``), for
+        ``spiffe://<td>/ns/<node namespace>/sa/<SERVICE_ACCOUNT metadata, else the
+        Gateway name>`` (istio's waypoint Deployments run as a service account named
+        after the Gateway)."""
+        assert self.waypoints is not None
+        node = parse_node(req.node)
+        identity = state.identity
+        if identity is None and self.plaintext_auth.token_file and node.namespace:
+            sa = str(node.metadata.get("SERVICE_ACCOUNT") or node.waypoint_name())
+            identity = f"spiffe://{self.trust_domain}/ns/{node.namespace}/sa/{sa}"
+        return WaypointStream(self.waypoints, state, node, secret_identity=identity)
 
     async def _write(self, context: grpc.aio.ServicerContext, conn: Connection,
                      resp: Response) -> bool:
@@ -432,6 +501,7 @@ class XdsServer(Component):
             "pushes": self.pushes,
             "cached_resources": {t: g.cached() for t, g in self.generators.items()},
             "clients": [c.state.debug() for c in self.connections.values()],
+            **({"waypoints": self.waypoints.debug_state()} if self.waypoints else {}),
         }
 
 
@@ -461,12 +531,14 @@ def _host(address: str) -> str:
 
 def build(ctx: AgentContext, index: AmbientIndex, sds: WorkloadCertificates,
           authenticator: Authenticator,
-          tls_services: TlsServices | None = None) -> XdsServer:
+          tls_services: TlsServices | None = None,
+          store: ObjectStore | None = None) -> XdsServer:
     """Component ``xds`` serving ``index``: settings ``xds_address``, ``xds_port``,
     ``xds_tls_address``, ``xds_tls_port`` (0: off), ``xds_token_file``, ``xds_debounce``,
     ``xds_debounce_max``; the TLS port's certificate from ``sds``, its callers checked by
     ``authenticator``, ``tls_services`` mounted on it (the application passes the
-    embedded CA's)."""
+    embedded CA's). With the config ``store``, waypoint Envoys get their configuration
+    and certificates (from ``sds``) too (``docs/waypoint.md``)."""
     cfg = ctx.config
     tls_port = cfg.xds_tls_port or None
     provider = sds_tls_provider(sds) if tls_port else None
@@ -487,4 +559,9 @@ def build(ctx: AgentContext, index: AmbientIndex, sds: WorkloadCertificates,
                      authenticator=authenticator, tls_services=tls_services,
                      backend_path=backend, clock=ctx.clock, trust_domain=cfg.trust_domain,
                      max_connections=listener_caps(cfg)["xds_max_connections"],
-                     on_demand_refusal=refusal)
+                     on_demand_refusal=refusal,
+                     waypoints=WaypointConfigs(store, index, issuer=sds,
+                                               trust_domain=cfg.trust_domain,
+                                               root_namespace=cfg.system_namespace,
+                                               clock=ctx.clock)
+                     if store is not None else None)

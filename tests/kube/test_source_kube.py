@@ -108,6 +108,10 @@ def one_of_every_kind(ns: str, node: str, suffix: str) -> list[dict]:
          "metadata": {"name": f"gw-{suffix}", "namespace": ns},
          "spec": {"gatewayClassName": f"gc-{suffix}",
                   "listeners": [{"name": "mesh", "port": 15008, "protocol": "HBONE"}]}},
+        {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+         "metadata": {"name": f"rt-{suffix}", "namespace": ns},
+         "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": f"svc-{suffix}"}],
+                  "rules": [{"backendRefs": [{"name": f"svc-{suffix}", "port": 80}]}]}},
     ]
 
 

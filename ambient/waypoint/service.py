@@ -1,0 +1,243 @@
+"""The waypoint configurations the xDS server hands out: built per Gateway from the index
+and the store, cached until the next change, and the waypoints' own certificates.
+
+- :meth:`WaypointConfigs.config` returns a :class:`Config` (resources by type URL and name,
+  each with its content-hash version) for one Gateway and :class:`~.resources.Options`;
+  the cache is dropped by :meth:`WaypointConfigs.invalidate` (the server calls it on
+  every index change) and by store events of the kinds the configuration reads that the
+  index does not announce (AuthorizationPolicies with ``targetRefs``, Gateway annotations).
+- Problems (unsupported fields, a Gateway that does not exist) are logged at WARNING once
+  per distinct text, never raised: the configuration is always one Envoy accepts.
+- :meth:`WaypointConfigs.secrets` issues the SDS secrets ``default``/``ROOTCA`` for one
+  SPIFFE ID from the CA (:class:`CertificateIssuer`, the ``sds`` component in the agent),
+  cached and reissued at half their lifetime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import hashlib
+import logging
+import time
+from typing import Any, Callable, Protocol
+
+from cryptography import x509
+from google.protobuf.message import Message
+
+from ambient.api import AmbientIndex, ObjectStore
+from ambient.waypoint import resources
+from ambient.waypoint.model import build_model
+
+log = logging.getLogger(__name__)
+
+WATCHED_KINDS = frozenset({"AuthorizationPolicy", "Gateway", "Service", "ServiceEntry",
+                           "HTTPRoute"})
+
+
+class CertificateIssuer(Protocol):
+    """What the waypoints' SDS uses of the CA (``agent.sds.server.SdsServer`` has it)."""
+
+    def root_pem(self) -> bytes:
+        """The mesh root bundle (PEM)."""
+
+    async def certificate_for(self, sans: list[str], algorithm: str = "ECDSA",
+                              ttl: float | None = None) -> Any:
+        """A fresh bundle with ``chain``, ``key`` and ``root`` PEM for ``sans``."""
+
+
+class StoreFeed(Protocol):
+    def subscribe(self, listener: Callable[[list[Any]], object]) -> Callable[[], None]: ...
+
+
+def version_of(msg: Message) -> str:
+    """Hex BLAKE2b-64 of the deterministic serialization (the workload types' rule)."""
+    return hashlib.blake2b(msg.SerializeToString(deterministic=True), digest_size=8).hexdigest()
+
+
+@dataclasses.dataclass
+class Config:
+    """One waypoint's resources: ``resources[type_url][name] = (version, message)``."""
+
+    resources: dict[str, dict[str, tuple[str, Message]]]
+    generation: int
+    found: bool
+
+
+@dataclasses.dataclass
+class _Issued:
+    resources: dict[str, tuple[str, Message]]
+    renew_at: float
+
+
+class WaypointConfigs:
+    """Shared by all waypoint streams of one xDS server. ``store`` is the config store
+    (read, and subscribed to when it has ``subscribe``); ``issuer`` the CA, or None (no
+    secrets are served then, with a warning)."""
+
+    def __init__(self, store: ObjectStore, index: AmbientIndex, *,
+                 issuer: CertificateIssuer | None = None, trust_domain: str = "cluster.local",
+                 root_namespace: str = "istio-system", clock: Callable[[], float] = time.time):
+        self.store, self.index, self.issuer = store, index, issuer
+        self.trust_domain, self.root_namespace = trust_domain, root_namespace
+        self.clock = clock
+        self.generation = 0
+        self._cache: dict[tuple[str, str, str, bool], Config] = {}
+        self._warned: dict[str, None] = {}
+        self._issued: dict[str, _Issued] = {}
+        self._issuing: dict[str, asyncio.Task] = {}
+        self._listeners: list[Callable[[], None]] = []
+        self._unsubscribe: Callable[[], None] | None = None
+        self.builds = 0
+        self.parse_cache = resources.ParseCache()
+        # builds run here, one at a time (the ParseCache is not thread-safe), so a large
+        # first build does not hold the event loop (json_format parsing is pure Python)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------ change feed
+    def start(self) -> None:
+        subscribe = getattr(self.store, "subscribe", None)
+        if subscribe is not None and self._unsubscribe is None:
+            self._unsubscribe = subscribe(self._on_store_events)
+
+    def stop(self) -> None:
+        if self._unsubscribe:
+            self._unsubscribe()
+            self._unsubscribe = None
+        for task in self._issuing.values():
+            task.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` after a store change the index does not announce."""
+        self._listeners.append(listener)
+
+    def _on_store_events(self, events: list[Any]) -> None:
+        if any(getattr(ev, "kind", "") in WATCHED_KINDS for ev in events):
+            self.invalidate()
+            for listener in list(self._listeners):
+                try:
+                    listener()
+                except Exception:
+                    log.exception("waypoint change listener failed")
+
+    def invalidate(self) -> None:
+        self.generation += 1
+        self._cache.clear()
+
+    # ------------------------------------------------------------ resources
+    def config(self, namespace: str, name: str, opts: resources.Options) -> Config:
+        """The configuration of Gateway ``namespace/name`` (built here when
+        :meth:`prepare_config` did not already)."""
+        key = (namespace, name, opts.bind, opts.xfcc)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        model, opts = self._model(namespace, name, opts)
+        return self._store(key, model, *resources.build(model, opts, self.parse_cache))
+
+    async def prepare_config(self, namespace: str, name: str, opts: resources.Options) -> None:
+        """Build the configuration off the event loop unless it is cached (the model is
+        read on the loop: the store and index change there)."""
+        key = (namespace, name, opts.bind, opts.xfcc)
+        loop = asyncio.get_running_loop()
+        while key not in self._cache:
+            generation = self.generation
+            model, model_opts = self._model(namespace, name, opts)
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="waypoint-config")
+            built, problems = await loop.run_in_executor(
+                self._pool, resources.build, model, model_opts, self.parse_cache)
+            if generation == self.generation:  # else: changed meanwhile, build again
+                self._store(key, model, built, problems)
+
+    def _model(self, namespace: str, name: str, opts: resources.Options
+               ) -> tuple[Any, resources.Options]:
+        self.builds += 1
+        model = build_model(self.store, self.index, namespace, name,
+                            trust_domain=self.trust_domain, root_namespace=self.root_namespace)
+        if model.annotations.get(resources.XFCC_ANNOTATION, "").lower() == "true":
+            opts = dataclasses.replace(opts, xfcc=True)
+        return model, opts
+
+    def _store(self, key: tuple[str, str, str, bool], model: Any,
+               built: dict[str, dict[str, Message]], problems: list[str]) -> Config:
+        for problem in problems:
+            self.warn(f"waypoint {model.namespace}/{model.name}: {problem}")
+        out = {t: {n: (version_of(m), m) for n, m in items.items()}
+               for t, items in built.items()}
+        config = Config(out, self.generation, model.found)
+        self._cache[key] = config
+        return config
+
+    def warn(self, text: str) -> None:
+        """Log ``text`` at WARNING the first time (bounded memory: 1000 texts)."""
+        if text in self._warned:
+            return
+        if len(self._warned) >= 1000:
+            self._warned.pop(next(iter(self._warned)))
+        self._warned[text] = None
+        log.warning("%s", text)
+
+    # ------------------------------------------------------------ secrets
+    def secrets(self, spiffe_id: str) -> dict[str, tuple[str, Message]]:
+        """The issued secrets for ``spiffe_id`` ({} until :meth:`ensure_secrets` got them)."""
+        issued = self._issued.get(spiffe_id)
+        return issued.resources if issued else {}
+
+    def secrets_due(self, spiffe_id: str) -> bool:
+        issued = self._issued.get(spiffe_id)
+        return issued is None or self.clock() >= issued.renew_at
+
+    async def ensure_secrets(self, spiffe_id: str) -> bool:
+        """Issue (or reissue, at half the lifetime) ``spiffe_id``'s certificate. True when
+        new secrets were issued. CA failures are logged and leave the old secrets."""
+        if self.issuer is None:
+            self.warn("waypoint: no CA is configured here: waypoints get no certificates "
+                      "(SDS default/ROOTCA stay unanswered)")
+            return False
+        if not self.secrets_due(spiffe_id):
+            return False
+        task = self._issuing.get(spiffe_id)
+        if task is None:
+            task = asyncio.ensure_future(self._issue(spiffe_id))
+            self._issuing[spiffe_id] = task
+            task.add_done_callback(lambda _t: self._issuing.pop(spiffe_id, None))
+        try:
+            return await asyncio.shield(task)
+        except Exception as e:  # the CA is down or refused: keep serving the old secrets
+            self.warn(f"waypoint: cannot issue a certificate for {spiffe_id}: {e}")
+            return False
+
+    async def _issue(self, spiffe_id: str) -> bool:
+        assert self.issuer is not None
+        bundle = await self.issuer.certificate_for([spiffe_id], "ECDSA")
+        chain, key = _b(bundle.chain), _b(bundle.key)
+        root = self.issuer.root_pem() or _b(bundle.root)
+        cert = x509.load_pem_x509_certificate(chain)
+        start = cert.not_valid_before_utc.timestamp()
+        end = cert.not_valid_after_utc.timestamp()
+        made = resources.secrets(chain, key, root)
+        self._issued[spiffe_id] = _Issued({n: (version_of(m), m) for n, m in made.items()},
+                                          start + (end - start) / 2)
+        log.info("waypoint: issued a certificate for %s (valid until %s)", spiffe_id,
+                 cert.not_valid_after_utc.isoformat())
+        return True
+
+    def next_renewal(self) -> float | None:
+        return min((i.renew_at for i in self._issued.values()), default=None)
+
+    def debug_state(self) -> dict:
+        return {"generation": self.generation, "builds": self.builds,
+                "parse_cache": {"hits": self.parse_cache.hits,
+                                "misses": self.parse_cache.misses},
+                "cached": sorted("/".join(k[:2]) for k in self._cache),
+                "certificates": {k: v.renew_at for k, v in self._issued.items()}}
+
+
+def _b(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
