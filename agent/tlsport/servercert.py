@@ -184,9 +184,18 @@ class ServerCertificate:
                    self._installed_at + self.min_interval)
 
     async def start(self) -> None:
-        """Fetch the first certificate (errors propagate: a TLS port without a
-        certificate must not start) and start the renewal task."""
-        await self._install(await self.provide())
+        """Fetch the first certificate and start the renewal task. When the first
+        issuance fails (a CA that is not ready, e.g. a Kubernetes CA Secret that is
+        missing or refused), the port starts without a certificate: handshakes are refused
+        (:meth:`current` raises ``ssl.SSLError`` naming why) while the task retries with
+        backoff, so one bad CA Secret never stops the agent."""
+        try:
+            await self._install(await self.provide())
+        except Exception as e:  # noqa: BLE001 - retried by the renewal task
+            self.last_error = str(e) or type(e).__name__
+            self._next_try = self.clock() + self._backoff.next()
+            log.warning("%s: no server certificate yet (handshakes refused until there is "
+                        "one; retrying): %s", self.name, self.last_error)
         self._task = asyncio.get_running_loop().create_task(self._run(),
                                                             name=f"renew-{self.name}")
 
@@ -201,7 +210,9 @@ class ServerCertificate:
         failed renewal logs and returns the current one)."""
         if self.clock() >= self.renew_at:
             await self.renew()
-        assert self.context is not None, "ServerCertificate.start() was not called"
+        if self.context is None:
+            raise ssl.SSLError(f"{self.name}: no server certificate yet: "
+                               f"{self.last_error or 'not started'}")
         return self.context
 
     async def renew(self) -> bool:
@@ -215,7 +226,7 @@ class ServerCertificate:
             except Exception as e:  # noqa: BLE001 - keep serving the current certificate
                 self.last_error = str(e) or type(e).__name__
                 self._next_try = now + self._backoff.next()
-                left = (self.material.not_after - now) if self.material else 0.0
+                left = max(self.material.not_after - now, 0.0) if self.material else 0.0
                 log.warning("%s: renewing the server certificate failed (current one expires "
                             "in %.0fs; retry in %.0fs): %s", self.name, left,
                             self._next_try - now, self.last_error)
