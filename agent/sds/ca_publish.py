@@ -159,8 +159,8 @@ class RootPublisher:
         except ApiException as e:
             if e.status != 404:
                 raise
-            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                    "metadata": {"name": LEASE_NAME, "namespace": self.namespace},
+            body: Any = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                         "metadata": {"name": LEASE_NAME, "namespace": self.namespace},
                     "spec": {"holderIdentity": self.identity,
                              "leaseDurationSeconds": self.lease_seconds,
                              "acquireTime": _micro(now), "renewTime": _micro(now),
@@ -207,10 +207,10 @@ class RootPublisher:
                                                       _request_timeout=REQUEST_TIMEOUT)
             if lease.spec.holder_identity != self.identity:
                 return
-            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                    "metadata": {"name": LEASE_NAME, "namespace": self.namespace,
-                                 "resourceVersion": lease.metadata.resource_version},
-                    "spec": {"holderIdentity": "", "leaseDurationSeconds": 1,
+            body: Any = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                         "metadata": {"name": LEASE_NAME, "namespace": self.namespace,
+                                      "resourceVersion": lease.metadata.resource_version},
+                         "spec": {"holderIdentity": "", "leaseDurationSeconds": 1,
                              "leaseTransitions": lease.spec.lease_transitions or 0}}
             await coord.replace_namespaced_lease(LEASE_NAME, self.namespace, body,
                                                  _request_timeout=REQUEST_TIMEOUT)
@@ -308,7 +308,7 @@ class RootPublisher:
         except ApiException as e:
             if e.status != 404:
                 raise
-            body = {"apiVersion": "v1", "kind": "ConfigMap",
+            body: Any = {"apiVersion": "v1", "kind": "ConfigMap",
                     "metadata": {"name": CONFIGMAP, "namespace": namespace,
                                  "labels": dict(LABELS)},
                     "data": {DATA_KEY: text}}
@@ -340,6 +340,8 @@ class RootPublisher:
         while True:
             try:
                 core = kclient.CoreV1Api(self._client())
+                lister: Any
+                kw: dict[str, Any]
                 if kind == "namespaces":
                     lister, kw = core.list_namespace, {}
                 else:

@@ -9,7 +9,8 @@ chain to), builds the :class:`ssl.SSLContext` new handshakes use, and renews:
   ztunnel renew theirs — the lifetime that is left when it arrives (from the time it was
   installed to NotAfter), not from its NotBefore, which the CA backdates 2 minutes for
   clock skew: from NotBefore, a certificate of 2 minutes or less would be due at once and
-  renew in a loop (issue 26). Never sooner than ``min_interval`` (5 s) after the last one; the renewal task re-reads the clock at least every
+  renew in a loop (issue 26). Never sooner than ``min_interval`` (5 s) after the last
+  one. The renewal task re-reads the clock at least every
   ``check_interval`` seconds, so a host that slept (or a test clock that jumps) renews
   on the next check rather than after a stale timer;
 - on demand: :meth:`ServerCertificate.current` (called before each handshake) renews at

@@ -337,9 +337,9 @@ async def test_root_configmap_published_by_one_agent_recreated_and_istiod_respec
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": "istio-namespace-controller-election",
                      "annotations": {"control-plane.alpha.kubernetes.io/leader": record}}})
-    await eventually(lambda: not a.publisher.leading and not b.publisher.leading, timeout=20,
+    await eventually(lambda: not a.publisher.leading and not b.publisher.leading
+                     and a.publisher.istiod_active and b.publisher.istiod_active, timeout=20,
                      what="both agents stepped aside for istiod")
-    assert a.publisher.istiod_active and b.publisher.istiod_active
     await kc.request(kube_admin, "DELETE", path)
     await asyncio.sleep(3)
     assert await published() is None  # nobody fights istiod

@@ -30,7 +30,11 @@ def intermediate(root, root_key, *, ca=True, start=None, days=365, name="interme
          .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, name)]))
          .issuer_name(root.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
          .not_valid_before(start).not_valid_after(start + dt.timedelta(days=days))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+         .add_extension(x509.KeyUsage(digital_signature=not ca, content_commitment=False,
+                                      key_encipherment=False, data_encipherment=False,
+                                      key_agreement=False, key_cert_sign=ca, crl_sign=ca,
+                                      encipher_only=False, decipher_only=False), critical=True))
     return b.sign(root_key, hashes.SHA256()), key
 
 
