@@ -259,8 +259,14 @@ async def test_root_rotation_overlap_then_switch(agents, system_ns, kube_admin, 
     await eventually(lambda: a.root_pem() == both and b.root_pem() == both, timeout=20,
                      what="old + new roots in both agents' bundles")
     overlap_bundle = a.root_pem()
-    with open(a.config.mesh_root_file, "rb") as f:
-        assert f.read().strip() == overlap_bundle.strip()
+
+    def published_file() -> bytes:
+        with open(a.config.mesh_root_file, "rb") as f:
+            return f.read().strip()
+
+    # written by a task the change starts: wait for it, do not race it
+    await eventually(lambda: published_file() == overlap_bundle.strip(), timeout=10,
+                     what="old + new roots in mesh_root_file")
     during = await a.certificate_for([ident])
     issuer = x509.load_pem_x509_certificates(during.chain)[0].issuer
     assert issuer == x509.load_pem_x509_certificate(old_root).subject  # still the old key
