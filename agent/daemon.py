@@ -107,7 +107,8 @@ def build(ctx: AgentContext) -> Components:
     registrar = made("registration", lambda: registration.build(ctx, source))
     index = made("ambient-index", lambda: ambient_index.build(ctx, source.store))
     authn = made("authn", lambda: tls_authn.build(ctx))
-    sds = made("sds", lambda: sds_server.build(ctx, source.store, authn.authenticator))
+    sds = made("sds", lambda: sds_server.build(ctx, source.store, authn.authenticator,
+                                               kube_api=source.kube_api))
     zds = made("zds", lambda: zds_server.build(ctx))
     enrollment = made("enrollment",
                       lambda: enrollment_zds.build(ctx, zds, source, registrar))

@@ -88,6 +88,7 @@ def test_durations(text, seconds):
                                         ({"ecc_signature_algorithm": "DSA"},
                                          "ecc_signature_algorithm"),
                                         ({"secret_ttl": "0s"}, "secret_ttl"),
+                                        ({"secret_ttl": "2m"}, "secret_ttl"),
                                         ({"cni_conf_name": "../x.conflist"}, "cni_conf_name"),
                                         ({"sds_socket": "/tmp/" + "s" * 110}, "sds_socket"),
                                         ({"kube_app_probers": '{"/x": {"httpGet": {"port": 80}}}'},

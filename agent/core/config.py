@@ -41,7 +41,7 @@ from agent.core.config_values import (
     choice, ip_of, parse_account_list, parse_app_probers, parse_bind_address, parse_bool,
     parse_count, parse_dir_path, parse_duration, parse_existing_file, parse_file_mode,
     parse_file_name, parse_host_port, parse_json, parse_list, parse_log_level, parse_name,
-    parse_namespace, parse_namespace_list, parse_path, parse_port, parse_ratio,
+    parse_cert_ttl, parse_namespace, parse_namespace_list, parse_path, parse_port, parse_ratio,
     parse_service_account, parse_signature_algorithm, parse_str, parse_trust_domain, positive,
 )
 
@@ -189,7 +189,8 @@ SETTINGS: list[Setting] = [
     # --- SDS / CA ---
     Setting("sds_socket", _under_state("workload-spiffe-uds", "socket"), parse_path,
             "SDS Unix socket", env="WORKLOAD_SPIFFE_UDS", component="sds"),
-    Setting("secret_ttl", 24 * 3600.0, positive(parse_duration), "workload certificate lifetime",
+    Setting("secret_ttl", 24 * 3600.0, parse_cert_ttl, "workload certificate lifetime (at "
+            "least 10m)",
             env="SECRET_TTL", component="sds"),
     Setting("secret_grace_ratio", 0.5, parse_ratio, "rotate when this fraction of lifetime is left",
             env="SECRET_GRACE_PERIOD_RATIO", component="sds"),
@@ -245,6 +246,19 @@ SETTINGS: list[Setting] = [
             "(ImpersonatedIdentity)", env="CA_TRUSTED_NODE_ACCOUNTS", component="sds"),
     Setting("workload_certs_dir", "/etc/certs", parse_dir_path, "file-mounted cert-chain.pem, "
             "key.pem, root-cert.pem served as default/ROOTCA when present (fixed identity only)",
+            component="sds"),
+    # --- CA trust root in Kubernetes (issue 24; agent/sds/ca_kube.py, docs/trust.md) ---
+    Setting("ca_kubernetes_secret", True, parse_bool, "config_source kubernetes, embedded CA: "
+            "sign with the cluster's CA Secret in system_namespace (cacerts, else "
+            "istio-ca-secret, bootstrapped when neither exists) instead of a per-node root",
+            component="sds"),
+    Setting("ca_root_overlap", 24 * 3600.0, positive(parse_duration), "root rotation: how long "
+            "the trust bundle carries the old and new roots before signing switches to the new "
+            "key (at least the longest time a peer keeps a certificate before renewing it)",
+            component="sds"),
+    Setting("ca_root_publish", True, parse_bool, "config_source kubernetes: publish the root "
+            "as ConfigMap istio-ca-root-cert in every namespace (one agent at a time, by "
+            "Lease; steps aside while istiod's namespace controller holds its election)",
             component="sds"),
     Setting("sds_socket_mode", "0600", parse_file_mode, "octal mode of the SDS socket (upstream "
             "uses 0666 so Envoy as uid 1337 can connect)", component="sds"),

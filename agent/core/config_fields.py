@@ -101,7 +101,7 @@ class Settings:
     ztunnel_wait: float
     #: SDS Unix socket
     sds_socket: str
-    #: workload certificate lifetime
+    #: workload certificate lifetime (at least 10m)
     secret_ttl: float
     #: rotate when this fraction of lifetime is left
     secret_grace_ratio: float
@@ -155,6 +155,18 @@ class Settings:
     #: file-mounted cert-chain.pem, key.pem, root-cert.pem served as default/ROOTCA when
     #: present (fixed identity only)
     workload_certs_dir: str
+    #: config_source kubernetes, embedded CA: sign with the cluster's CA Secret in
+    #: system_namespace (cacerts, else istio-ca-secret, bootstrapped when neither exists)
+    #: instead of a per-node root
+    ca_kubernetes_secret: bool
+    #: root rotation: how long the trust bundle carries the old and new roots before
+    #: signing switches to the new key (at least the longest time a peer keeps a
+    #: certificate before renewing it)
+    ca_root_overlap: float
+    #: config_source kubernetes: publish the root as ConfigMap istio-ca-root-cert in every
+    #: namespace (one agent at a time, by Lease; steps aside while istiod's namespace
+    #: controller holds its election)
+    ca_root_publish: bool
     #: octal mode of the SDS socket (upstream uses 0666 so Envoy as uid 1337 can connect)
     sds_socket_mode: str
     #: status server port

@@ -264,6 +264,20 @@ def positive(parse: Callable[[Any], float]) -> Callable[[Any], float]:
     return parse_positive
 
 
+MIN_CERT_TTL = 600.0  # seconds; agent.sds.ca_embedded.MIN_TTL is the same floor
+
+
+def parse_cert_ttl(value: Any) -> float:
+    """A workload certificate lifetime (a duration) of at least :data:`MIN_CERT_TTL`
+    (10 min). Shorter lifetimes are refused: with NotBefore backdated 2 minutes for clock
+    skew, a client that renews at half the certificate's span would renew immediately."""
+    number = parse_duration(value)
+    if number < MIN_CERT_TTL:
+        raise ValueError(f"must be at least {MIN_CERT_TTL:g}s (10m): shorter certificates "
+                         "would be renewed in a loop (NotBefore is backdated 2 minutes)")
+    return number
+
+
 def parse_file_name(value: Any) -> str:
     """A bare file name inside a configured directory (no '/'), or empty."""
     text = parse_str(value).strip()

@@ -12,12 +12,22 @@ servers"; upstream ``security/pkg/pki/ca/ca.go``, ``pki/util/generate_cert.go``)
   KeyUsage digitalSignature|keyEncipherment (critical), ExtKeyUsage serverAuth +
   clientAuth, BasicConstraints CA:FALSE (critical), critical SAN, AKI from the root's
   SKI, SHA-256.
-- Response: ``[leaf + "\\n", root_bundle]`` (no intermediates for a self-signed root).
+- Response: ``[leaf + "\\n", root_bundle]``, or ``[leaf, intermediates, root_bundle]``
+  for a plug-in CA whose signing certificate is an intermediate (istiod's
+  ``CreateCertificate``: leaf, ``cert-chain.pem``, root).
 
 The root is RSA 2048, 10 years, O = trust domain, CA:TRUE, KeyUsage certSign (step 9). It is
 created once at ``<ca_dir>/{root-cert.pem,root-key.pem}`` (setting ``ca_dir``, default
 ``<state_dir>/ca``) (key 0600,
 dir 0700), or loaded from the files the user gives (``ca_cert_file``/``ca_key_file``).
+A key kept in ``ca_dir`` whose certificate is missing (or the other way round) is never
+replaced by a new root: the agent refuses to start naming the missing file. A root that is
+not valid yet (beyond :data:`BACKDATE` of clock skew) or already expired is refused too
+(:func:`check_signing_material`).
+
+In Kubernetes mode the material comes from a Secret instead (:mod:`agent.sds.ca_kube`) and
+can change while running (:meth:`EmbeddedCA.install`: a new root bundle during a rotation's
+overlap, then a new signing key).
 """
 
 from __future__ import annotations
@@ -26,11 +36,13 @@ import datetime as dt
 import logging
 import os
 import secrets
+import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -42,6 +54,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TTL = 24 * 3600
 MAX_TTL = 90 * 24 * 3600
+MIN_TTL = 600  # what the CA port gives a shorter request (agent.sds.ca_server)
 BACKDATE = dt.timedelta(minutes=2)
 ROOT_TTL = dt.timedelta(days=3650)
 CAKey = rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey  # what the CA signs leaves with
@@ -82,6 +95,98 @@ def create_root(trust_domain: str, now: dt.datetime | None = None
     return cert, key
 
 
+class MaterialError(ValueError):
+    """CA material that must not sign: ``part`` names the piece at fault (a Secret key
+    such as ``ca-key.pem``, or a file path), ``str()`` says why."""
+
+    def __init__(self, part: str, reason: str):
+        super().__init__(f"{part}: {reason}")
+        self.part = part
+        self.reason = reason
+
+
+def check_signing_material(cert: x509.Certificate, key: CAKey, intermediates: list[x509.Certificate],
+                           roots: list[x509.Certificate], now: dt.datetime,
+                           names: tuple[str, str, str, str] = ("ca-cert.pem", "ca-key.pem",
+                                                               "cert-chain.pem", "root-cert.pem")
+                           ) -> None:
+    """Refuse material istiod's ``Verify`` (``security/pkg/pki/util/keycertbundle.go``) would
+    refuse, and a little more: the key must match the certificate, the certificate must be
+    a CA (BasicConstraints CA:TRUE, keyCertSign when KeyUsage is present), valid now (not
+    before its NotBefore minus :data:`BACKDATE`, not after its NotAfter), and chain through
+    ``intermediates`` to one of ``roots`` (each link's signature checked, each link valid
+    now). ``names`` are how the certificate, key, chain and roots are named in errors.
+    Raises :class:`MaterialError`."""
+    cert_name, key_name, chain_name, root_name = names
+    if not keys.same_public_key(key, cert):
+        raise MaterialError(key_name, f"the private key does not match the certificate in "
+                                      f"{cert_name}")
+    try:
+        bc = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+        is_ca = bc.ca
+    except x509.ExtensionNotFound:
+        is_ca = False
+    if not is_ca:
+        raise MaterialError(cert_name, "the certificate is not a CA (no BasicConstraints CA:TRUE)")
+    try:
+        ku = cert.extensions.get_extension_for_class(x509.KeyUsage).value
+        if not ku.key_cert_sign:
+            raise MaterialError(cert_name, "the certificate's KeyUsage lacks keyCertSign")
+    except x509.ExtensionNotFound:
+        pass
+
+    def valid_now(c: x509.Certificate, where: str) -> None:
+        if c.not_valid_before_utc - BACKDATE > now:
+            raise MaterialError(where, f"certificate not valid before "
+                                       f"{c.not_valid_before_utc.isoformat()} (not yet valid)")
+        if c.not_valid_after_utc <= now:
+            raise MaterialError(where, f"certificate expired at "
+                                       f"{c.not_valid_after_utc.isoformat()}")
+
+    valid_now(cert, cert_name)
+    if not roots:
+        raise MaterialError(root_name, "no root certificate")
+    root_der = {r.public_bytes(serialization.Encoding.DER) for r in roots}
+    current, seen = cert, 0
+    pool = [c for c in intermediates
+            if c.public_bytes(serialization.Encoding.DER) != cert.public_bytes(serialization.Encoding.DER)]
+    while True:
+        if current.public_bytes(serialization.Encoding.DER) in root_der:
+            return  # reached a trusted root (the CA is itself a root)
+        issuer = next((r for r in roots if _issued_by(current, r)), None)
+        if issuer is not None:
+            valid_now(issuer, root_name)
+            return
+        nxt = next((c for c in pool if _issued_by(current, c)), None)
+        if nxt is None or seen > 8:
+            raise MaterialError(chain_name if intermediates else root_name,
+                                f"the certificate in {cert_name} does not chain to a root in "
+                                f"{root_name}")
+        valid_now(nxt, chain_name)
+        pool.remove(nxt)
+        current, seen = nxt, seen + 1
+
+
+def _issued_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
+    if cert.issuer != issuer.subject:
+        return False
+    try:
+        cert.verify_directly_issued_by(issuer)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
+
+
+class _Signing(NamedTuple):
+    """What one signature uses, swapped as a whole (:meth:`EmbeddedCA.install`)."""
+
+    cert: x509.Certificate
+    key: CAKey
+    aki: x509.AuthorityKeyIdentifier
+    chain: str  # intermediates between the leaf and the root bundle ("" for a root signer)
+    roots: str  # the root bundle sent last in every response
+
+
 class EmbeddedCA:
     """A local signing CA. Build with :meth:`load_or_create` (blocking).
 
@@ -90,14 +195,72 @@ class EmbeddedCA:
     """
 
     def __init__(self, cert: x509.Certificate, key: CAKey, root_bundle: bytes,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, chain: bytes = b""):
         self.clock = clock
-        self.cert = cert
-        self.key = key
-        self.root_pem = root_bundle
-        self._root_str = root_bundle.decode()  # decoded once, not per signature
+        self._lock = threading.Lock()
+        self._signing: _Signing | None = (self._state(cert, key, chain, root_bundle)
+                                          if cert is not None else None)
+        self.refusal = ""  # set while the CA must not sign (why); "" when it may
+        self.max_not_after: dict[bytes, float] = {}  # signer SKI -> latest leaf NotAfter
+
+    @classmethod
+    def pending(cls, reason: str, clock: Callable[[], float] = time.time) -> "EmbeddedCA":
+        """A CA with no signing material yet (Kubernetes mode before its Secret loaded):
+        every signature raises :class:`CAError` INTERNAL "CA is not ready: <reason>"."""
+        ca = cls(None, None, b"", clock)  # type: ignore[arg-type]
+        ca.refusal = reason
+        return ca
+
+    def _current(self) -> _Signing:
+        signing = self._signing
+        if signing is None or self.refusal:
+            raise CAError("INTERNAL", f"CA is not ready: {self.refusal or 'no signing material'}")
+        return signing
+
+    @staticmethod
+    def _state(cert: x509.Certificate, key: CAKey, chain: bytes, roots: bytes) -> _Signing:
+        chain_str = chain.decode()
+        if chain_str and not chain_str.endswith("\n"):
+            chain_str += "\n"
         # the key's public half is the certificate's (checked when loaded)
-        self._aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(key.public_key())
+        return _Signing(cert, key, x509.AuthorityKeyIdentifier.from_issuer_public_key(
+            key.public_key()), chain_str, roots.decode())
+
+    @property
+    def cert(self) -> x509.Certificate:
+        return self._current().cert
+
+    @property
+    def key(self) -> CAKey:
+        return self._current().key
+
+    @property
+    def root_pem(self) -> bytes:
+        """The root bundle (PEM bytes) clients trust and every response ends with (b""
+        before any material is installed)."""
+        signing = self._signing
+        return signing.roots.encode() if signing is not None else b""
+
+    @property
+    def chain_pem(self) -> bytes:
+        """Intermediates sent between the leaf and the root bundle (b"" for a root signer)."""
+        signing = self._signing
+        return signing.chain.encode() if signing is not None else b""
+
+    def install(self, cert: x509.Certificate, key: CAKey, root_bundle: bytes,
+                chain: bytes = b"") -> None:
+        """Sign with ``cert``/``key`` from now on, sending ``chain`` and ``root_bundle``
+        (checked by the caller). Signatures in flight finish with the previous material."""
+        with self._lock:
+            self._signing = self._state(cert, key, chain, root_bundle)
+            self.refusal = ""
+
+    def set_roots(self, root_bundle: bytes) -> None:
+        """Keep the signing key, send (and publish) ``root_bundle`` from now on (a
+        rotation's overlap: old and new roots)."""
+        with self._lock:
+            s = self._current()
+            self._signing = s._replace(roots=root_bundle.decode())
 
     @classmethod
     def load_or_create(cls, directory: str | os.PathLike, trust_domain: str,
@@ -118,6 +281,14 @@ class EmbeddedCA:
         cert_path, key_path = d / "root-cert.pem", d / "root-key.pem"
         if cert_path.exists() and key_path.exists():
             return cls._load(cert_path, key_path)
+        if key_path.exists() or cert_path.exists():
+            present, missing = ((key_path, cert_path) if key_path.exists()
+                                else (cert_path, key_path))
+            # Never mint a new mesh root over a kept key (every workload and peer trusts
+            # the old one): the operator restores the file or removes the other on purpose.
+            raise CAError("INTERNAL", f"{missing} is missing but {present} is kept: refusing "
+                          f"to create a new mesh root over it (restore {missing.name}, or "
+                          f"remove {present.name} to start a new mesh root on purpose)")
         cert, key = create_root(trust_domain)
         # 0600 from creation, via temp file + rename: never world-readable, even briefly.
         write_atomic(str(key_path), keys.key_pem(key), 0o600)
@@ -144,6 +315,11 @@ class EmbeddedCA:
                           f"not {type(key).__name__}")
         if not keys.same_public_key(key, cert):
             raise CAError("INTERNAL", f"CA key {key_path} does not match certificate {cert_path}")
+        now = dt.datetime.now(dt.timezone.utc)
+        if cert.not_valid_before_utc - BACKDATE > now:
+            raise CAError("INTERNAL", f"CA root certificate {cert_path}: not valid before "
+                          f"{cert.not_valid_before_utc.isoformat()} (not yet valid; check the "
+                          "clock or the certificate)")
         return cls(cert, key, bundle)
 
     def sign(self, csr_pem: str | bytes, sans: list[str], ttl_seconds: int = 0,
@@ -180,13 +356,14 @@ class EmbeddedCA:
             raise CAError("INVALID_ARGUMENT", f"requested TTL {ttl_seconds}s is greater than the "
                           f"max allowed TTL {MAX_TTL}s")
         lifetime = dt.timedelta(seconds=ttl_seconds if ttl_seconds > 0 else DEFAULT_TTL)
-        signer_end = self.cert.not_valid_after_utc
+        signing = self._current()  # one consistent view, whatever install() does meanwhile
+        signer_end = signing.cert.not_valid_after_utc
         if signer_end <= now:
             raise CAError("INTERNAL", f"CA root expired at {signer_end.isoformat()}; refusing to sign")
         not_after = min(now + lifetime, signer_end)
         leaf = (x509.CertificateBuilder()
                 .subject_name(x509.Name([]))
-                .issuer_name(self.cert.subject)
+                .issuer_name(signing.cert.subject)
                 .public_key(public_key)
                 .serial_number(int.from_bytes(secrets.token_bytes(16), "big") >> 1 or 1)
                 .not_valid_before(now - BACKDATE)
@@ -200,12 +377,19 @@ class EmbeddedCA:
                                                       ExtendedKeyUsageOID.CLIENT_AUTH]),
                                critical=False)
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .add_extension(self._aki, critical=False)
+                .add_extension(signing.aki, critical=False)
                 .add_extension(x509.SubjectAlternativeName(keys._general_names(sans)),
                                critical=True)
-                .sign(self.key, hashes.SHA256()))
+                .sign(signing.key, hashes.SHA256()))
         leaf_pem = leaf.public_bytes(serialization.Encoding.PEM).decode()
-        chain = [leaf_pem if leaf_pem.endswith("\n") else leaf_pem + "\n", self._root_str]
+        chain = [leaf_pem if leaf_pem.endswith("\n") else leaf_pem + "\n"]
+        if signing.chain:
+            chain.append(signing.chain)
+        chain.append(signing.roots)
+        ski = signing.aki.key_identifier or b""
+        end = not_after.timestamp()
+        if end > self.max_not_after.get(ski, 0.0):
+            self.max_not_after[ski] = end
         return chain, leaf
 
     def issue(self, sans: list[str], algorithm: str = "ECDSA",

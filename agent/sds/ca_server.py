@@ -21,6 +21,9 @@ agent. Spec ``docs/sds.md``; upstream ``security/pkg/server/ca/server.go``.
   Kubernetes token naming its pod must itself run on this node (istiod checks the
   caller pod's node the same way). Otherwise UNAUTHENTICATED "request impersonation
   authentication failure" (the reason is only logged).
+- ``validity_duration`` below :data:`agent.sds.ca_embedded.MIN_TTL` (10 min) is raised to it
+  (0 keeps meaning the default): a caller renewing at half of a certificate's span
+  (NotBefore backdated 2 minutes) would otherwise renew in a loop (issue 26).
 - The CSR's SANs and subject are ignored; errors map to gRPC codes as istiod's do
   (:class:`agent.sds.ca_embedded.SigningError`).
 """
@@ -41,7 +44,7 @@ from agent.tlsport.frontdoor import TlsFrontDoor, remove_private_socket
 from agent.tlsport.servercert import ServerCertificate
 from agent.sds import ca_pb2, ca_pb2_grpc
 from agent.sds.attest import PodStore, identity_of_pod
-from agent.sds.ca_embedded import CAError, EmbeddedCA
+from agent.sds.ca_embedded import MIN_TTL, CAError, EmbeddedCA
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +153,10 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
                                     "request impersonation authentication failure")
             sans = [target]
         try:
-            chain = await self._run(self.ca.sign, request.csr, sans, int(request.validity_duration))
+            ttl = int(request.validity_duration)
+            if 0 < ttl < MIN_TTL:
+                ttl = MIN_TTL
+            chain = await self._run(self.ca.sign, request.csr, sans, ttl)
         except CAError as e:
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))
         self.issued += 1

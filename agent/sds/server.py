@@ -49,6 +49,8 @@ from agent.sds import attest, ca_server, files, keys
 from agent.sds.attest import PodStore
 from agent.sds.ca_embedded import CAError, EmbeddedCA
 from agent.sds.ca_istio import CAClient, CAClientError, EmbeddedCAClient, IstioCAClient
+from agent.sds.ca_kube import KubeCASecret
+from agent.sds.ca_publish import RootPublisher
 from agent.sds.metrics import SdsCollector
 from agent.sds.cache import DEFAULT, ROOTCA, SecretCache
 from agent.sds.resolve import MOUNTED_ROOT, MOUNTED_WORKLOAD, SecretResolver, is_workload_name
@@ -84,8 +86,12 @@ class SdsServer(Component):
                  store_getter: Callable[[], PodStore | None] = lambda: None,
                  identify: Callable[[grpc.aio.ServicerContext], Identity] | None = None,
                  authenticator: Callable[[], Authenticator | None] = lambda: None,
-                 clock: Callable[[], float] | None = None):
+                 clock: Callable[[], float] | None = None,
+                 kube_api: Callable[[], Any] = lambda: None):
         self.config = config
+        self._kube_api = kube_api  # the config source's ApiClient (Kubernetes mode)
+        self.kube_ca: KubeCASecret | None = None
+        self.publisher: RootPublisher | None = None
         self._authenticator = authenticator
         self.clock = clock
         self._run = run_blocking
@@ -168,6 +174,10 @@ class SdsServer(Component):
         await self._start_sds()
         if self.embedded:
             await self._publish_root()
+        if self.kube_ca is not None and cfg.ca_root_publish:
+            self.publisher = RootPublisher(self._kube_api, cfg.system_namespace, cfg.node_name,
+                                           self.root_pem, clock=self.clock or time.time)
+            await self.publisher.start()
         if cfg.ca_port and self.embedded:
             await self._start_ca_port()
         if self.fixed:
@@ -182,11 +192,28 @@ class SdsServer(Component):
         when ``ca_addr`` is set, else the embedded CA (loaded or created)."""
         cfg = self.config
         if cfg.ca_addr:
-            own = self.fixed.spiffe_id if self.fixed else ""
+            # Attested mode: the agent authenticates as itself and asks for each pod's
+            # identity with ImpersonatedIdentity, as ztunnel does (the remote CA must list
+            # <system_namespace>/ambient-agent in its trusted node accounts).
+            own = (self.fixed.spiffe_id if self.fixed else
+                   f"spiffe://{cfg.trust_domain}/ns/{cfg.system_namespace}/sa/ambient-agent")
             remote = self.ca_client = IstioCAClient(cfg.ca_addr, cfg.ca_root_cert,
                                                     cfg.ca_token_file, cfg.cluster_id,
                                                     own_identity=own)
             return remote
+        if self.kube_mode:
+            if cfg.ca_signer_process:
+                raise RuntimeError("setting ca_signer_process: not available with the "
+                                   "cluster's CA Secret (ca_kubernetes_secret); set one of "
+                                   "them false")
+            embedded = self.embedded = EmbeddedCA.pending("CA Secret not read yet",
+                                                          clock=self.clock or time.time)
+            self.kube_ca = KubeCASecret(self._kube_api, cfg.system_namespace, cfg.trust_domain,
+                                        embedded, self._run, self._on_ca_roots_changed,
+                                        cfg.ca_root_overlap, clock=self.clock or time.time)
+            await self.kube_ca.start()
+            kube = self.ca_client = EmbeddedCAClient(embedded, self._run)
+            return kube
         try:
             embedded = self.embedded = await self._run(
                 EmbeddedCA.load_or_create, cfg.ca_dir, cfg.trust_domain,
@@ -207,6 +234,27 @@ class SdsServer(Component):
             return child
         local = self.ca_client = EmbeddedCAClient(embedded, self._run)
         return local
+
+    @property
+    def kube_mode(self) -> bool:
+        """The embedded CA signs with the cluster's CA Secret (:mod:`agent.sds.ca_kube`):
+        ``config_source: kubernetes``, ``ca_kubernetes_secret``, no ``ca_addr`` and no
+        ``ca_cert_file``."""
+        cfg = self.config
+        return bool(cfg.config_source == "kubernetes" and cfg.ca_kubernetes_secret
+                    and not cfg.ca_addr and not cfg.ca_cert_file)
+
+    def _on_ca_roots_changed(self) -> None:
+        """The Kubernetes CA's root bundle changed (first load, rotation): publish it and
+        renew the watched certificates, so ROOTCA and every chain carry it."""
+        if not self._started:
+            return
+        loop = asyncio.get_running_loop()
+        self._track(loop.create_task(self._publish_root(), name="sds publish root"))
+        if self.cache is not None:
+            self.cache.renew_all()
+        if self.publisher is not None:
+            self.publisher.root_changed()
 
     async def _start_sds(self) -> None:
         path = self.config.sds_socket
@@ -321,6 +369,10 @@ class SdsServer(Component):
 
     async def stop(self, grace: float) -> None:
         self._started = False
+        if self.publisher is not None:
+            await self.publisher.stop()
+        if self.kube_ca is not None:
+            await self.kube_ca.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -343,7 +395,13 @@ class SdsServer(Component):
             await self.ca_client.close()
 
     def ready(self) -> tuple[bool, str]:
-        return (True, "") if self._started else (False, "SDS server not started")
+        if not self._started:
+            return False, "SDS server not started"
+        if self.kube_ca is not None:
+            ok, why = self.kube_ca.ready()
+            if not ok:
+                return False, f"embedded CA not ready: {why}"
+        return True, ""
 
     # --- identity and generation ------------------------------------------------------
     def _track(self, task: asyncio.Task) -> None:
@@ -469,6 +527,8 @@ class SdsServer(Component):
             "ca_port_tls": self._ca_port.debug_state() if self._ca_port else None,
             "mesh_root_file": self.config.mesh_root_file or None,
             "ca_issued": self._ca_service.issued if self._ca_service else 0,
+            "ca_secret": self.kube_ca.debug_state() if self.kube_ca else None,
+            "root_publisher": self.publisher.debug_state() if self.publisher else None,
             "streams": self.service.debug_state() if self.service else [],
             "nacks": self.service.nacks if self.service else 0,
             **(self.cache.debug_state() if self.cache else {}),
@@ -491,11 +551,14 @@ def embedded_ca_files(cfg: Config) -> tuple[str, str]:
 
 
 def build(ctx: AgentContext, store: PodStore | None,
-          authenticator: Authenticator | None) -> SdsServer:
+          authenticator: Authenticator | None,
+          kube_api: Callable[[], Any] = lambda: None) -> SdsServer:
     """The ``sds`` component for the daemon (always on): callers attested against the
     config source's ``store`` (None: only a fixed identity is served), callers of the CA
-    checked by ``authenticator`` (None: a separate ``ca_port`` refuses to start)."""
+    checked by ``authenticator`` (None: a separate ``ca_port`` refuses to start);
+    ``kube_api`` returns the config source's Kubernetes ``ApiClient`` (Kubernetes mode: the
+    CA Secret and the root ConfigMaps)."""
     server = SdsServer(ctx.config, ctx.run_blocking, lambda: store,
-                       authenticator=lambda: authenticator, clock=ctx.clock)
+                       authenticator=lambda: authenticator, clock=ctx.clock, kube_api=kube_api)
     ctx.registry.register(SdsCollector(server))
     return server

@@ -6,7 +6,11 @@ certificate (:class:`TlsMaterial`: chain, key, the mesh root client certificates
 chain to), builds the :class:`ssl.SSLContext` new handshakes use, and renews:
 
 - at ``renew_ratio`` (default 0.5) of the certificate's lifetime, as istio-agent and
-  ztunnel renew theirs; the renewal task re-reads the clock at least every
+  ztunnel renew theirs — the lifetime that is left when it arrives (from the time it was
+  installed to NotAfter), not from its NotBefore, which the CA backdates 2 minutes for
+  clock skew: from NotBefore, a certificate of 2 minutes or less would be due at once and
+  renew in a loop (issue 26). Never sooner than ``min_interval`` (5 s) after the last
+  one. The renewal task re-reads the clock at least every
   ``check_interval`` seconds, so a host that slept (or a test clock that jumps) renews
   on the next check rather than after a stale timer;
 - on demand: :meth:`ServerCertificate.current` (called before each handshake) renews at
@@ -151,7 +155,7 @@ class ServerCertificate:
 
     def __init__(self, name: str, provide: Provider, *, clock: Callable[[], float] = time.time,
                  renew_ratio: float = 0.5, check_interval: float = 60.0,
-                 retry_initial: float = 5.0, retry_max: float = 60.0):
+                 retry_initial: float = 5.0, retry_max: float = 60.0, min_interval: float = 5.0):
         if not 0.0 < renew_ratio < 1.0:
             raise ValueError(f"renew_ratio={renew_ratio!r}: must be between 0 and 1")
         self.name = name
@@ -160,7 +164,9 @@ class ServerCertificate:
         self.renew_ratio = renew_ratio
         self.check_interval = check_interval
         self.retry_initial, self.retry_max = retry_initial, retry_max
+        self.min_interval = min_interval
         self.material: TlsMaterial | None = None
+        self._installed_at = 0.0
         self.context: ssl.SSLContext | None = None
         self.renewals = 0
         self.last_error = ""
@@ -174,12 +180,23 @@ class ServerCertificate:
         m = self.material
         if m is None:
             return 0.0
-        return m.not_before + self.renew_ratio * (m.not_after - m.not_before)
+        start = max(m.not_before, self._installed_at)  # the validity really left to use
+        return max(start + self.renew_ratio * (m.not_after - start),
+                   self._installed_at + self.min_interval)
 
     async def start(self) -> None:
-        """Fetch the first certificate (errors propagate: a TLS port without a
-        certificate must not start) and start the renewal task."""
-        await self._install(await self.provide())
+        """Fetch the first certificate and start the renewal task. When the first
+        issuance fails (a CA that is not ready, e.g. a Kubernetes CA Secret that is
+        missing or refused), the port starts without a certificate: handshakes are refused
+        (:meth:`current` raises ``ssl.SSLError`` naming why) while the task retries with
+        backoff, so one bad CA Secret never stops the agent."""
+        try:
+            await self._install(await self.provide())
+        except Exception as e:  # noqa: BLE001 - retried by the renewal task
+            self.last_error = str(e) or type(e).__name__
+            self._next_try = self.clock() + self._backoff.next()
+            log.warning("%s: no server certificate yet (handshakes refused until there is "
+                        "one; retrying): %s", self.name, self.last_error)
         self._task = asyncio.get_running_loop().create_task(self._run(),
                                                             name=f"renew-{self.name}")
 
@@ -194,7 +211,9 @@ class ServerCertificate:
         failed renewal logs and returns the current one)."""
         if self.clock() >= self.renew_at:
             await self.renew()
-        assert self.context is not None, "ServerCertificate.start() was not called"
+        if self.context is None:
+            raise ssl.SSLError(f"{self.name}: no server certificate yet: "
+                               f"{self.last_error or 'not started'}")
         return self.context
 
     async def renew(self) -> bool:
@@ -208,7 +227,7 @@ class ServerCertificate:
             except Exception as e:  # noqa: BLE001 - keep serving the current certificate
                 self.last_error = str(e) or type(e).__name__
                 self._next_try = now + self._backoff.next()
-                left = (self.material.not_after - now) if self.material else 0.0
+                left = max(self.material.not_after - now, 0.0) if self.material else 0.0
                 log.warning("%s: renewing the server certificate failed (current one expires "
                             "in %.0fs; retry in %.0fs): %s", self.name, left,
                             self._next_try - now, self.last_error)
@@ -228,6 +247,7 @@ class ServerCertificate:
         check_server_leaf(material.cert_chain_pem)
         self.context = server_context(material)
         self.material = material
+        self._installed_at = self.clock()
         return material
 
     async def _run(self) -> None:

@@ -216,3 +216,35 @@ async def test_front_door_refusals_at_the_limit_are_logged_once_a_minute(tmp_pat
     finally:
         await door.stop()
         await cert.stop()
+
+
+@pytest.mark.parametrize("ttl", [60, 120, 300])
+async def test_short_certificates_renew_from_their_real_validity_not_in_a_loop(ca, ttl):
+    """Issue 26: a certificate of 2 minutes or less, NotBefore backdated 2 minutes, was due
+    for renewal at once (half of [NotBefore, NotAfter] is already past), so the TLS port
+    renewed thousands of times a second. Renewal is computed from when the certificate
+    arrived; the counter shows no storm over 10 simulated minutes."""
+    ca, clock = ca
+    calls = []
+
+    async def provide():
+        calls.append(1)
+        chain, key = ca.issue(["localhost"], "ECDSA", ttl)
+        return TlsMaterial(chain, key, ca.root_pem)
+
+    cert = ServerCertificate("test_port", provide, clock=clock, check_interval=0.005)
+    await cert.start()
+    try:
+        m = cert.material
+        assert m.not_after - m.not_before == ttl + 120  # backdated: the span is longer
+        assert cert.renew_at == pytest.approx(clock() + ttl / 2, abs=1)
+        start = clock.now
+        while clock.now < start + 600:  # 10 minutes, in 1 s steps
+            clock.now += 1
+            await asyncio.sleep(0.002)
+            await cert.current()
+        # one renewal per half-lifetime (±1), never a loop
+        assert len(calls) - 1 <= 600 / (ttl / 2) + 1, len(calls)
+        assert len(calls) - 1 >= 600 / (ttl / 2) - 2, len(calls)
+    finally:
+        await cert.stop()

@@ -124,3 +124,38 @@ def test_root_key_of_another_kind_is_refused_naming_the_file(tmp_path):
         EmbeddedCA.load_or_create(tmp_path, "td", str(cert_path), str(key_path))
     assert e.value.code == "INTERNAL" and str(key_path) in str(e.value)
     assert "RSA or ECDSA" in str(e.value)
+
+
+def test_kept_key_without_its_root_is_never_replaced(tmp_path):
+    """Issue 28: ``ca/root-cert.pem`` missing at start used to mint a new mesh root over the
+    kept key (one INFO line). Now the start is refused naming the missing file, and both
+    the key and (the other way round) the certificate stay as they were."""
+    d = tmp_path / "ca"
+    EmbeddedCA.load_or_create(d, "cluster.local")
+    key_before = (d / "root-key.pem").read_bytes()
+    cert_before = (d / "root-cert.pem").read_bytes()
+    (d / "root-cert.pem").unlink()
+    with pytest.raises(CAError) as e:
+        EmbeddedCA.load_or_create(d, "cluster.local")
+    assert str(d / "root-cert.pem") in str(e.value) and "refusing" in str(e.value)
+    assert (d / "root-key.pem").read_bytes() == key_before
+    assert not (d / "root-cert.pem").exists()
+    (d / "root-cert.pem").write_bytes(cert_before)
+    (d / "root-key.pem").unlink()
+    with pytest.raises(CAError) as e:
+        EmbeddedCA.load_or_create(d, "cluster.local")
+    assert str(d / "root-key.pem") in str(e.value)
+    assert (d / "root-cert.pem").read_bytes() == cert_before
+
+
+def test_root_not_yet_valid_is_refused_naming_the_file(tmp_path):
+    from cryptography.hazmat.primitives import serialization
+    future = dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=2)
+    cert, key = create_root("cluster.local", now=future)
+    cert_path, key_path = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(keys.key_pem(key))
+    with pytest.raises(CAError) as e:
+        EmbeddedCA.load_or_create(tmp_path / "unused", "cluster.local", str(cert_path),
+                                  str(key_path))
+    assert str(cert_path) in str(e.value) and "not yet valid" in str(e.value)

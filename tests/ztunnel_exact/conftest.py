@@ -73,7 +73,8 @@ class AgentStack:
         source = ctx.add(ambient_source.build(ctx))
         index = ctx.add(ambient_index.build(ctx, source.store))
         authn = ctx.add(tls_authn.build(ctx))
-        self.sds = ctx.add(sds_server.build(ctx, source.store, authn.authenticator))
+        self.sds = ctx.add(sds_server.build(ctx, source.store, authn.authenticator,
+                                            kube_api=source.kube_api))
         self.xds = ctx.add(xds_server.build(ctx, index.index, self.sds, authn.authenticator,
                                             tls_services=mount_ca(self.sds)))
         await self.supervisor.start()

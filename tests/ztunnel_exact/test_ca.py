@@ -106,3 +106,31 @@ async def test_ca_calls_succeed_after_the_agent_ran_25_hours(make_agent):
     assert served.renewals >= 2 and served.material.not_after > clock()
     with pytest.raises(VerifyError, match="(?i)expired|not valid|validity"):
         verify_server(first_der, agent.root_pem, "localhost", None, clock())
+
+
+async def test_short_ttl_requests_get_the_floor_and_no_renewal_storm(make_agent):
+    """Issue 26: a ztunnel asking 60 s certificates got ~23,000 in 30 s (its refresh, at half
+    of [NotBefore, NotAfter], was due at once: NotBefore is backdated 2 minutes). The CA
+    raises such requests to 10 minutes; a client renewing as ztunnel does (at the midpoint
+    of the certificate it holds) asks once per ~4 simulated minutes, counted here."""
+    clock = FakeClock()
+    agent = await make_agent(clock=clock)
+    client = ZtunnelCaClient(f"https://localhost:{agent.xds.tls_port}", agent.root_pem,
+                             token=ZTUNNEL_TOKEN, secret_ttl=60, now=clock)
+    await client.start()
+    try:
+        fetched = 0
+        end = clock.now + 3600
+        cert = None
+        while clock.now < end:
+            if cert is None or clock.now >= (cert.leaf.not_valid_before_utc.timestamp() + (
+                    cert.leaf.not_valid_after_utc - cert.leaf.not_valid_before_utc
+            ).total_seconds() / 2):
+                cert = await client.fetch_certificate(LEDGER_ID)
+                fetched += 1
+                span = (cert.leaf.not_valid_after_utc - cert.leaf.not_valid_before_utc)
+                assert span.total_seconds() == 600 + 120
+            clock.advance(10)
+        assert fetched <= 3600 / 240 + 1, fetched
+    finally:
+        await client.close()

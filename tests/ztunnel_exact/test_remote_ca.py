@@ -1,0 +1,57 @@
+"""The mode with no CA key on the node (``ca_addr``): a second agent plays the remote Istio
+CA (its embedded CA on its TLS port, as istiod serves the CA on 15012). The node's agent
+holds no key, its SDS certificates are signed remotely, its trust bundle is the remote
+root; ztunnel's CA client (reproduced from ztunnel's source) is pointed at the remote CA
+directly, as upstream deployments point ``CA_ADDRESS`` at istiod, and its certificates verify
+against the node agent's bundle."""
+
+from __future__ import annotations
+
+import os
+
+from cryptography import x509
+
+from tests.ztunnel_exact.ca import ZtunnelCaClient
+from tests.ztunnel_exact.conftest import LEDGER_ID, ZTUNNEL_TOKEN
+
+NODE_AGENT_TOKEN = "tok-node-agent-77c2"
+
+
+async def test_no_key_on_the_node_certificates_from_the_remote_ca(make_agent, agent_dir):
+    tokens = agent_dir / "remote-tokens.yaml"
+    tokens.write_text(f"{ZTUNNEL_TOKEN}: istio-system/ztunnel\n"
+                      f"{NODE_AGENT_TOKEN}: istio-system/ambient-agent\n")
+    remote = await make_agent(tokens_file=str(tokens), ca_trusted_node_accounts=(
+        "istio-system/ztunnel,istio-system/ambient-agent"))
+    remote_root = remote.root_pem
+    token_file = agent_dir / "node-agent.token"
+    token_file.write_text(NODE_AGENT_TOKEN)
+    os.chmod(token_file, 0o600)
+    node = await make_agent(ca_addr=f"localhost:{remote.xds.tls_port}",
+                            ca_root_cert=remote.ctx.config.mesh_root_file,
+                            ca_token_file=str(token_file))
+    # no CA key anywhere under the node agent's state, no CA service on its TLS port
+    assert node.sds.embedded is None and node.sds.ca_servicer() is None
+    assert not any(name.endswith("key.pem") for _, _, files in os.walk(node.ctx.config.state_dir)
+                   for name in files)
+    bundle = await node.sds.certificate_for(["spiffe://cluster.local/ns/istio-system/sa/"
+                                             "ambient-agent"])
+    leaf = x509.load_pem_x509_certificates(bundle.chain)[0]
+    leaf.verify_directly_issued_by(x509.load_pem_x509_certificate(remote_root))
+    # SDS ROOTCA for a workload (minted remotely first), then the node's trust bundle
+    rootca = await node.sds.cache.root_bundle("spiffe://cluster.local/ns/bank/sa/ledger")
+    assert rootca.strip() == remote_root.strip()
+    item = await node.sds.cache.workload("spiffe://cluster.local/ns/bank/sa/ledger")
+    got = x509.load_pem_x509_certificates(item.chain)[0]
+    from agent.sds import keys
+    assert keys.uri_sans(got) == [LEDGER_ID]  # the pod's identity, asked by impersonation
+    assert node.sds.root_pem().strip() == remote_root.strip()
+    # ztunnel asks the remote CA itself (CA_ADDRESS = the remote CA)
+    client = await ZtunnelCaClient(f"https://localhost:{remote.xds.tls_port}", remote_root,
+                                   token=ZTUNNEL_TOKEN).start()
+    try:
+        cert = await client.fetch_certificate(LEDGER_ID)
+    finally:
+        await client.close()
+    assert cert.identity == LEDGER_ID
+    cert.leaf.verify_directly_issued_by(x509.load_pem_x509_certificates(node.sds.root_pem())[0])
