@@ -19,7 +19,9 @@ Three aiohttp listeners (``docs/status.md``):
 - anything else → 404.
 
 ``health_port`` (8000): ``/healthz`` always 200; ``/readyz`` 200 when every component is
-ready, else 503 ``Service Unavailable: <reason>`` (not latched).
+ready, else 503 ``Service Unavailable: <reason>`` (not latched). It listens from the start
+of the process (:meth:`StatusServer.start_health`, before any component starts), so
+liveness holds through a slow start while readiness stays false.
 
 ``admin_socket`` (``<state dir>/admin.sock``, mode 0600, so root only; the peer's
 ``SO_PEERCRED`` uid must also be root or the agent's own): ``POST /quitquitquit``,
@@ -129,9 +131,30 @@ class StatusServer(Component):
 
     # --- lifecycle -------------------------------------------------------------------
 
+    async def start_health(self) -> None:
+        """Open the health port now, before any component starts (``agent.daemon`` calls it
+        first): ``/healthz`` answers 200 from the start of the process, so kubelet's
+        liveness probe passes while a slow start (an unreachable API server) keeps
+        ``/readyz`` at 503 naming the component not ready yet. Idempotent; :meth:`start`
+        opens it when nobody did. Raises :class:`ConfigError` naming ``health_port`` when
+        it cannot listen."""
+        if self.health_port:
+            return
+        cfg = self.ctx.config
+        try:
+            runner = await self._serve(self._health_app(), cfg.status_address or None,
+                                       cfg.health_port, "health",
+                                       fdbudget.listener_caps(cfg)["health_max_connections"])
+            self.health_port = _bound_port(runner)
+        except OSError as e:
+            await self.stop(1.0)
+            raise ConfigError("health_port", cfg.health_port,
+                              f"cannot listen: {e.strerror or e}") from None
+
     async def start(self) -> None:
         self._parse_config()
         cfg = self.ctx.config
+        await self.start_health()
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(use_dns_cache=False, force_close=True))
         self.merger.app_targets = self.app_targets
@@ -143,10 +166,6 @@ class StatusServer(Component):
             status_runner = await self._serve(self._status_app(), host, cfg.status_port,
                                               "status", caps["status_max_connections"])
             self.port = _bound_port(status_runner)
-            setting = "health_port"
-            health_runner = await self._serve(self._health_app(), host, cfg.health_port,
-                                              "health", caps["health_max_connections"])
-            self.health_port = _bound_port(health_runner)
             setting = "admin_socket"
             await self._serve_admin(cfg.admin_socket)
         except OSError as e:
@@ -208,6 +227,7 @@ class StatusServer(Component):
             self.admin_socket = ""
         self.sites = {}
         self.port = 0
+        self.health_port = 0
 
     def ready(self) -> tuple[bool, str]:
         return (True, "") if self.port else (False, "not listening")
