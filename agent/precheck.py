@@ -330,7 +330,8 @@ def check_istio_crds(config: Config, timeout: float = 5.0) -> Check:
                   if v.get("served")]
         if version not in served:
             wrong.append(f"{kind} serves {', '.join(served) or 'nothing'}, not {version}")
-    parts = [f"{owner}'s: {', '.join(sorted(kinds))}" for owner, kinds in sorted(by_owner.items())]
+    parts = [f"{owner}'s: {', '.join(sorted(kinds))}"
+             for owner, kinds in sorted(by_owner.items())]
     if missing:
         parts.append(f"missing: {', '.join(missing)} (treated as empty; Istio's base chart "
                      "or deploy/crds/ installs them)")
