@@ -19,7 +19,8 @@ Checked without a ztunnel binary (:mod:`tests.deploy.ztunnel_env_check`, the cli
 written from ztunnel's source, run in the pod's netns): with the rendered env, the xDS
 address at the node IP answers ztunnel's delta xDS stream (server verified against the
 mounted root under ``ALT_XDS_HOSTNAME``, the mounted token accepted), and the CA address
-signs ztunnel's own identity with a chain to that root. With ``AMBIENT_TEST_ZTUNNEL`` (a
+signs the identity of a pod on this node for ztunnel (``ImpersonatedIdentity``, as in
+shared proxy mode) with a chain to that root. With ``AMBIENT_TEST_ZTUNNEL`` (a
 ztunnel binary; it is run in the agent's image, which has the C libraries it links, with
 the pod spec of ztunnel.yaml otherwise as written: env, mounts, user, capabilities):
 ztunnel's readiness ``:15021/healthz/ready`` answers 200 in its pod netns and the agent
@@ -146,12 +147,18 @@ async def _run(node: Node, ds: dict, cm: dict, spec: dict, pr_netns) -> None:
     cluster = Path(state_dir) / "cluster-zt"
     cluster.mkdir(mode=0o700, exist_ok=True)
     node.later(shutil.rmtree, str(cluster), True)
+    # one ambient pod on this node: the identity ztunnel asks the CA for on its behalf
+    from agent.demo.examples import pod_manifest
+    hostname = socket.gethostname()
+    shutil.copy(ROOT / "examples" / "cluster" / "namespaces.yaml", cluster / "namespaces.yaml")
+    (cluster / "pod.yaml").write_text(yaml.safe_dump(pod_manifest(
+        f"app-{node.suffix}", "demo", f"uid-{node.suffix}", "10.99.0.9", hostname, "app")))
+    pod_identity = "spiffe://cluster.local/ns/demo/sa/app"
     conf = root / "containers.conf"
     podman.write_containers_conf(conf, [root / "opt/cni/bin", "/usr/lib/cni"],
                                  root / "etc/cni/net.d")
     pm = podman.Podman(conf)
     agent = f"ds-agent-{node.suffix}"
-    hostname = socket.gethostname()
     argv = podman_run_args(ds, agent, hostname, f"ns:{node_ns}", host_path, root,
                            fields={"status.hostIP": host_ip, "status.podIP": host_ip})
     node.later(pm.run, "rm", "-f", "-t", "5", "--ignore", agent, check=False)
@@ -202,12 +209,13 @@ async def _run(node: Node, ds: dict, cm: dict, spec: dict, pr_netns) -> None:
         r = await asyncio.to_thread(
             subprocess.run, ["ip", "netns", "exec", pod_netns, sys.executable, "-m",
                              "tests.deploy.ztunnel_env_check"],
-            input=json.dumps({"env": env, "mounts": mounts}), capture_output=True,
+            input=json.dumps({"env": env, "mounts": mounts, "identity": pod_identity}),
+            capture_output=True,
             text=True, timeout=120, cwd=str(ROOT))
         assert r.returncode == 0, (r.stdout, r.stderr[-3000:],
                                    pm.run("logs", agent, check=False)[-4000:])
         out = json.loads(r.stdout)
-        assert out["ca_identity"] == "spiffe://cluster.local/ns/istio-system/sa/ztunnel", out
+        assert out["ca_identity"] == pod_identity, out
         assert any(t.endswith("istio.workload.Address") for t in out["xds_types"]), out
         return
 

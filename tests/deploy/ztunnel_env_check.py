@@ -8,8 +8,8 @@ env as kubelet resolves it: ``$(HOST_IP)`` expanded, fieldRefs filled in) and ``
 (container path -> the host directory standing in for that volume). It reads
 ``XDS_ROOT_CA``/``CA_ROOT_CA``/``AUTH_TOKEN`` through the mounts, opens ztunnel's xDS
 stream to ``XDS_ADDRESS`` (verifying the server as ``ALT_XDS_HOSTNAME``) until ztunnel
-would be ready, and asks ``CA_ADDRESS`` for ztunnel's own certificate (``PROXY_MODE``
-shared: with ``ImpersonatedIdentity``). Prints one JSON object: ``xds_types``
+would be ready, and asks ``CA_ADDRESS`` for the certificate of ``identity`` (a pod on
+the node; ``PROXY_MODE`` shared: with ``ImpersonatedIdentity``). Prints one JSON object: ``xds_types``
 (resource types received), ``xds_resources``, ``ca_identity``, ``ca_issuer``; exits 1
 printing ``{"error": ...}`` on any failure.
 """
@@ -30,7 +30,7 @@ def host_path(path: str, mounts: dict[str, str]) -> str:
     return mounts[best] + path[len(best):]
 
 
-async def check(env: dict[str, str], mounts: dict[str, str]) -> dict:
+async def check(env: dict[str, str], mounts: dict[str, str], identity: str) -> dict:
     from cryptography import x509
 
     from tests.ztunnel_exact.ca import ZtunnelCaClient
@@ -58,8 +58,6 @@ async def check(env: dict[str, str], mounts: dict[str, str]) -> dict:
                          cluster_id=cluster, alt_hostname=env.get("ALT_CA_HOSTNAME"))
     await ca.start()
     try:
-        identity = (f"spiffe://{env.get('TRUST_DOMAIN', 'cluster.local')}/ns/"
-                    f"{env['POD_NAMESPACE']}/sa/{env['SERVICE_ACCOUNT']}")
         cert = await ca.fetch_certificate(identity, timeout=20)
     finally:
         await ca.close()
@@ -78,7 +76,7 @@ async def check(env: dict[str, str], mounts: dict[str, str]) -> dict:
 def main() -> int:
     req = json.load(sys.stdin)
     try:
-        out = asyncio.run(check(req["env"], req["mounts"]))
+        out = asyncio.run(check(req["env"], req["mounts"], req["identity"]))
     except Exception as e:  # noqa: BLE001 - the caller shows the reason
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
         return 1
