@@ -38,12 +38,10 @@ def test_manifest_is_schema_valid(name, doc):
 
 def test_all_expected_objects_present():
     kinds = sorted(d["kind"] for _, d in documents())
-    # the agent's identity and roles (ambient-agent; ambient-agent-ca: the cluster-wide
-    # CA's Secrets, root ConfigMaps and Lease), its settings and the DaemonSet; no CRD
-    assert kinds == ["ClusterRole"] * 2 + ["ClusterRoleBinding"] * 2 + ["ConfigMap",
-                                                                        "DaemonSet", "Role",
-                                                                        "RoleBinding",
-                                                                        "ServiceAccount"]
+    # the agent's identity and roles (ambient-agent; the Role ambient-agent-ca: the
+    # cluster-wide CA's Secrets and publisher Lease), its settings and the DaemonSet; no CRD
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet", "Role",
+                     "RoleBinding", "ServiceAccount"]
     assert sorted(d["kind"] for _, d in documents("crds")) == ["CustomResourceDefinition"] * 6
     assert sorted(d["kind"] for _, d in documents("registration")) == ["ClusterRole",
                                                                        "ClusterRoleBinding"]
@@ -80,6 +78,8 @@ def test_cluster_role_grants_exactly_what_the_agent_uses():
     wanted.add(("authentication.k8s.io", "tokenreviews", "create"))
     # agent/precheck.py check_istio_crds: get, by name, the CRD of each custom kind
     wanted.add(("apiextensions.k8s.io", "customresourcedefinitions", "get"))
+    # the istio-ca-root-cert publisher (ca.mode cluster; test_ca_roles_... has the names)
+    wanted |= {("", "configmaps", v) for v in ("get", "list", "watch", "patch", "create")}
     assert granted == wanted
     [crd_rule] = [r for r in role["rules"] if r["apiGroups"] == ["apiextensions.k8s.io"]]
     assert set(crd_rule["resourceNames"]) == {
@@ -144,26 +144,30 @@ def test_daemonset_mounts_the_host_paths_the_agent_needs():
 
 
 def test_ca_roles_read_only_the_named_secrets():
-    """The cluster-wide CA (Role in the system namespace): get/watch on the Secrets
+    """The cluster-wide CA (Role in the system namespace): get/list/watch on the Secrets
     cacerts and istio-ca-secret only, create (bootstrap; create cannot be limited by
-    name), the Lease; the root ConfigMap in every namespace (ClusterRole)."""
+    name), the publisher's Lease by name (+ create) and istiod's election ConfigMap; in
+    the ClusterRole, the root ConfigMap istio-ca-root-cert by name (+ create)."""
     docs = {(d["kind"], d["metadata"]["name"]): d for _, d in documents()}
     role = docs[("Role", "ambient-agent-ca")]
     assert role["metadata"]["namespace"] == "istio-system"
     granted = {(g, r, v, tuple(rule.get("resourceNames", ()))) for rule in role["rules"]
                for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
-    assert granted == {("", "secrets", "get", ("cacerts", "istio-ca-secret")),
-                       ("", "secrets", "watch", ("cacerts", "istio-ca-secret")),
-                       ("", "secrets", "create", ())} | {
-        ("coordination.k8s.io", "leases", v, ()) for v in ("get", "create", "update")}
-    cluster = docs[("ClusterRole", "ambient-agent-ca")]
-    granted = {(g, r, v) for rule in cluster["rules"] for g in rule["apiGroups"]
-               for r in rule["resources"] for v in rule["verbs"]}
-    assert granted == {("", "namespaces", v) for v in ("get", "list", "watch")} | {
-        ("", "configmaps", v) for v in ("get", "list", "watch", "create", "update")}
-    for kind in ("RoleBinding", "ClusterRoleBinding"):
-        assert docs[(kind, "ambient-agent-ca")]["subjects"] == [
-            {"kind": "ServiceAccount", "name": "ambient-agent", "namespace": "istio-system"}]
+    secrets = ("cacerts", "istio-ca-secret")
+    lease = ("ambient-agent-ca-root-publisher",)
+    assert granted == {("", "secrets", v, secrets) for v in ("get", "list", "watch")} | {
+        ("", "secrets", "create", ()),
+        ("coordination.k8s.io", "leases", "get", lease),
+        ("coordination.k8s.io", "leases", "update", lease),
+        ("coordination.k8s.io", "leases", "create", ()),
+        ("", "configmaps", "get", ("istio-namespace-controller-election",))}
+    assert docs[("RoleBinding", "ambient-agent-ca")]["subjects"] == [
+        {"kind": "ServiceAccount", "name": "ambient-agent", "namespace": "istio-system"}]
+    cluster = docs[("ClusterRole", "ambient-agent")]
+    granted = {(v, tuple(rule.get("resourceNames", ()))) for rule in cluster["rules"]
+               if rule["resources"] == ["configmaps"] for v in rule["verbs"]}
+    assert granted == {(v, ("istio-ca-root-cert",)) for v in ("get", "list", "watch", "patch")
+                       } | {("create", ())}
 
 
 def test_ztunnel_daemonset_points_at_the_node_local_agent():

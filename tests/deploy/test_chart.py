@@ -38,7 +38,7 @@ def test_plain_manifests_are_the_chart_rendered(helm):
     (("ports.helth=8001",), "helth"),                   # a typo inside an object
     (("ztunnel.enable=true",), "enable"),
     (("ports.health=high",), "health"),                 # a mistyped value
-    (("ca.mode=istiod",), "mode"),                      # not one of the modes
+    (("ca.mode=embedded",), "mode"),                      # not one of the modes
     (("tolerations[0].operater=Exists",), "operater"),
 ])
 def test_unknown_or_mistyped_values_fail_naming_them(helm, sets, named):
@@ -82,10 +82,23 @@ def test_values_reach_the_objects(helm):
     assert (settings["health_port"], settings["xds_tls_port"]) == (8101, 15112)
     assert settings["system_namespace"] == "mesh-system"
     assert settings["ca_addr"] == "istiod.mesh-system.svc:15012"
-    # remote CA: no CA Secret/ConfigMap permissions on nodes
-    assert ("Role", "ambient-agent-ca") not in by and ("ClusterRole", "ambient-agent-ca") not in by
+    # remote CA: no CA Secret, Lease or ConfigMap permissions on nodes
+    assert ("Role", "ambient-agent-ca") not in by
+    assert not any("configmaps" in r["resources"]
+                   for r in by[("ClusterRole", "ambient-agent")]["rules"])
     z = by[("DaemonSet", "ztunnel")]["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in z["env"]}
     assert env["XDS_ADDRESS"] == "https://$(HOST_IP):15112"
     assert env["CA_ADDRESS"] == "https://istiod.mesh-system.svc:15012"
     assert env["ALT_XDS_HOSTNAME"] == "istiod.mesh-system.svc"
+
+
+def test_node_mode_has_no_secret_access_and_ztunnel_mounts_the_host_root(helm):
+    out = docs(gen_deploy.template(helm, ("ca.mode=node", "ztunnel.enabled=true")))
+    by = {(d["kind"], d["metadata"]["name"]): d for d in out}
+    assert ("Role", "ambient-agent-ca") not in by
+    settings = yaml.safe_load(by[("ConfigMap", "ambient-agent")]["data"]["config.yaml"])
+    assert settings["ca_kubernetes_secret"] is False
+    vols = {v["name"]: v for v in by[("DaemonSet", "ztunnel")]["spec"]["template"]["spec"]
+            ["volumes"]}
+    assert vols["istiod-ca-cert"]["hostPath"]["path"] == "/var/run/ambient-agent/mesh-root"
