@@ -30,7 +30,7 @@ from tests.kube import cluster as kc
 
 pytestmark = pytest.mark.timeout(240)
 
-DOWN_SECONDS = 20.0
+DOWN_SECONDS = 20.0  # s after /healthz first answers
 
 
 @pytest.fixture
@@ -80,12 +80,15 @@ async def test_liveness_from_start_and_one_warning_per_backoff_step_while_apiser
         async with aiohttp.ClientSession() as http:
             while (await _get(http, f"{base}/healthz"))[0] != 200:
                 assert proc.poll() is None, log_path.read_text()
-                assert time.monotonic() - started < 15, \
-                    f"/healthz not answering 15 s after start:\n{log_path.read_text()}"
+                # kubelet restarts after 6 x 10 s of failed probes; the process start
+                # itself (imports) takes seconds on a loaded machine
+                assert time.monotonic() - started < 45, \
+                    f"/healthz not answering 45 s after start:\n{log_path.read_text()}"
                 await asyncio.sleep(0.1)
             live_after = time.monotonic() - started
-            # down for the rest of the window: alive, never ready, reason named
-            while time.monotonic() - started < DOWN_SECONDS:
+            # down for the window: alive, never ready, reason named
+            live = time.monotonic()
+            while time.monotonic() - live < DOWN_SECONDS:
                 assert (await _get(http, f"{base}/healthz"))[0] == 200
                 status, text = await _get(http, f"{base}/readyz")
                 assert status == 503, (status, text)

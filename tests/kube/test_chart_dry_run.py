@@ -62,11 +62,13 @@ def test_rendering_applies_server_side_dry_run(kube_cluster, name):
 
 def test_plain_directory_applies_and_creates_no_crd(kube_cluster):
     objects = dry_run(kube_cluster, str(ROOT / "deploy" / "kubernetes"))
-    assert sorted(o.split("/")[0] for o in objects) == sorted(
-        ["clusterrole.rbac.authorization.k8s.io"] * 2
-        + ["clusterrolebinding.rbac.authorization.k8s.io"] * 2
-        + ["configmap", "daemonset.apps", "role.rbac.authorization.k8s.io",
-           "rolebinding.rbac.authorization.k8s.io", "serviceaccount"]), objects
+    assert sorted(objects) == [
+        "clusterrole.rbac.authorization.k8s.io/ambient-agent",
+        "clusterrolebinding.rbac.authorization.k8s.io/ambient-agent",
+        "configmap/ambient-agent", "daemonset.apps/ambient-agent",
+        "role.rbac.authorization.k8s.io/ambient-agent-ca",
+        "rolebinding.rbac.authorization.k8s.io/ambient-agent-ca",
+        "serviceaccount/ambient-agent"], objects
     for extra in ("ztunnel", "registration"):
         objects = dry_run(kube_cluster, str(ROOT / "deploy" / extra))
         assert objects and not any(o.startswith("customresourcedefinition") for o in objects)

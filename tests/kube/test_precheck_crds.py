@@ -35,7 +35,7 @@ async def test_precheck_names_whose_crds_are_present(kube_admin, agent_kubeconfi
                      content_type="application/merge-patch+json")
     try:
         c = await asyncio.to_thread(precheck.check_istio_crds, cfg)
-        ours, istio = c.detail.split("; ")
+        istio, ours = c.detail.split("; ")  # Istio's first (sorted by owner)
         assert istio == "Istio's: PeerAuthentication", c
         assert ours.startswith("ambient-agent's: ") and "PeerAuthentication" not in ours, c
     finally:
