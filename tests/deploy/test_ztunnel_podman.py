@@ -215,6 +215,7 @@ async def _run(node: Node, ds: dict, cm: dict, spec: dict, pr_netns) -> None:
         assert r.returncode == 0, (r.stdout, r.stderr[-3000:],
                                    pm.run("logs", agent, check=False)[-4000:])
         out = json.loads(r.stdout)
+        print(f"ztunnel env check: {out}")
         assert out["ca_identity"] == pod_identity, out
         assert any(t.endswith("istio.workload.Address") for t in out["xds_types"]), out
         return
