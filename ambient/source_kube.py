@@ -133,7 +133,8 @@ class RetryLog:
     delay announced in the last line has passed (+ ``gather``: the retries of that step,
     jittered, all fail by then), then logged as one line with every kind that failed
     meanwhile. So an outage writes one line per backoff step, however many kinds retry.
-    :meth:`recovered` logs one INFO when the last failing kind succeeds again.
+    :meth:`recovered` writes a held line at once (every failure is logged, also one the
+    next attempt already cured), and one INFO when the last failing kind succeeds again.
     ``clock`` is monotonic seconds (default: the running loop's).
     """
 
@@ -163,8 +164,7 @@ class RetryLog:
 
     def _flush(self, reason: str) -> None:
         self._scheduled.discard(reason)
-        pending = {k: v for k, v in self._pending.pop(reason, {}).items()
-                   if self.failing.get(k) == reason}
+        pending = self._pending.pop(reason, {})
         if not pending:
             return
         delays = [d for _, d in pending.values()]
@@ -178,7 +178,12 @@ class RetryLog:
         self._quiet_until[reason] = self.clock() + max(delays)
 
     def recovered(self, kind: str) -> None:
-        if self.failing.pop(kind, None) is None or self.failing:
+        reason = self.failing.pop(kind, None)
+        if reason is None:
+            return
+        if kind in self._pending.get(reason, {}):
+            self._flush(reason)  # a failure not logged yet is logged before the recovery
+        if self.failing:
             return
         took = self.clock() - self.since if self.since is not None else 0.0
         self.log.info("kubernetes API answers again: every kind listed (failures for %.1fs)",

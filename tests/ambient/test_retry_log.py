@@ -35,15 +35,19 @@ async def test_one_line_per_step_for_every_kind(caplog):
     assert len(infos) == 1 and "answers again" in infos[0], infos
 
 
-async def test_other_reasons_get_their_own_lines_and_recovered_kinds_are_not_named(caplog):
+async def test_other_reasons_get_their_own_lines_and_a_cured_failure_is_still_logged(caplog):
     caplog.set_level(logging.INFO, "t.retry2")
     rl = RetryLog(logging.getLogger("t.retry2"), gather=0.05)
     rl.failed("Pod", "watch", "403 Forbidden: pods", 0.05)
+    rl.failed("Service", "watch", "MalformedStream: not JSON", 0.05)
+    rl.recovered("Service")  # the next watch worked before the line was due: logged now
     rl.failed("Node", "list", REASON, 0.05)
-    rl.failed("Service", "list", REASON, 0.05)
-    rl.recovered("Service")  # succeeded before the line was written: not named
     await asyncio.sleep(0.3)
-    lines = sorted(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
-    assert len(lines) == 2, lines
+    records = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert records[0] == (logging.WARNING, "kubernetes API: watch of 1 kind failed (Service): "
+                                           "MalformedStream: not JSON; retrying in 0.1s"), records
+    lines = sorted(m for level, m in records[1:] if level == logging.WARNING)
+    assert len(lines) == 2, records
     assert "list of 1 kind failed (Node)" in lines[0], lines
     assert "watch of 1 kind failed (Pod): 403 Forbidden: pods" in lines[1], lines
+    assert not [m for level, m in records if level == logging.INFO]  # Pod, Node still failing
