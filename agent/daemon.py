@@ -244,10 +244,18 @@ class Agent:
             agent_config.ensure_ports_free(self.config)
             set_created_series(self.config.metrics_created_series)
             self._components = build(self.ctx)
+            # liveness from the start: /healthz answers while components start (a slow
+            # API server), /readyz says which one is not ready yet
+            if self._components is not None:  # (tests replace build with their own)
+                await self._components.status.start_health()
             await self.supervisor.start()
         except BaseException:
-            # Started components were stopped by the supervisor; free the state dir too,
-            # so a caller that does not call stop() can start another agent on it.
+            # Started components were stopped by the supervisor (the early health port
+            # too); free the state dir, so a caller that does not call stop() can start
+            # another agent on it.
+            if self._components is not None and \
+                    self._components.status not in self.supervisor.started:
+                await self._components.status.stop(0.5)
             self._lock.release()
             raise
         log.info("agent ready: %s", ", ".join(self.ctx.components) or "no components")

@@ -23,6 +23,16 @@ settings they read (flags, env and config file as for ``run``):
   no live server answers on the socket (another agent).
 - ``ztunnel``: a ztunnel answers its readiness port (``http://127.0.0.1:15021/healthz/ready``);
   a warning when none does (ztunnel usually starts after the agent).
+- ``Istio CRDs`` (``config_source: kubernetes``; credentials as ``run``: ``kubeconfig``,
+  else in-cluster): for each custom kind the index reads (Istio's ServiceEntry,
+  WorkloadEntry, AuthorizationPolicy, PeerAuthentication; the Gateway API's Gateway,
+  GatewayClass) whether its CRD is on the cluster and whose it is, told by the labels
+  and annotations its installer sets (:func:`crd_owner`): Istio's base chart or
+  ``crd-all.gen.yaml``, the Gateway API's release, this project's ``deploy/crds/``, or
+  unknown; and whether it serves the version the agent reads. A warning for a missing
+  CRD (its kind is treated as empty) or one not serving that version; the API server
+  unreachable is a warning (``run`` retries it). Needs ``get`` on those CRDs by name
+  (the DaemonSet's ClusterRole has it).
 
 Nothing is changed on the node (the probe ipset is created under a unique name and
 removed).
@@ -246,13 +256,97 @@ def check_ztunnel(url: str = ZTUNNEL_READY_URL, timeout: float = 2.0) -> Check:
                      f"({getattr(e, 'reason', e)}); ambient pod ADDs wait for one")
 
 
+def crd_owner(crd: dict) -> str:
+    """Who installed a CustomResourceDefinition, from its metadata: ``"Istio"`` (Istio's
+    base chart labels it ``app.kubernetes.io/part-of: istio`` and ``helm.sh/chart:
+    base-<version>``; its plain ``crd-all.gen.yaml`` and istioctl keep ``app: istio-pilot``,
+    ``chart: istio``), ``"Gateway API"`` (its releases annotate
+    ``gateway.networking.k8s.io/bundle-version``), ``"ambient-agent"`` (deploy/crds/:
+    ``app.kubernetes.io/name: ambient-agent``), else ``"unknown"``."""
+    meta = crd.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    annotations = meta.get("annotations") or {}
+    if labels.get("app.kubernetes.io/name") == "ambient-agent":
+        return "ambient-agent"
+    if (labels.get("app.kubernetes.io/part-of") == "istio"
+            or str(labels.get("helm.sh/chart", "")).startswith("base-")
+            or labels.get("chart") == "istio" or labels.get("app") == "istio-pilot"):
+        return "Istio"
+    if "gateway.networking.k8s.io/bundle-version" in annotations:
+        return "Gateway API"
+    return "unknown"
+
+
+async def _get_crds(config: Config, names: list[str], timeout: float
+                    ) -> dict[str, dict | None]:
+    from kubernetes_asyncio import client as kclient, config as kconfig
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    cfg = kclient.Configuration()
+    if config.kubeconfig:
+        await kconfig.load_kube_config(config_file=config.kubeconfig, client_configuration=cfg)
+    else:
+        kconfig.load_incluster_config(client_configuration=cfg)
+    out: dict[str, dict | None] = {}
+    async with kclient.ApiClient(cfg) as api:
+        ext = kclient.ApiextensionsV1Api(api)
+        for name in names:
+            try:
+                crd = await ext.read_custom_resource_definition(name, _request_timeout=timeout)
+                out[name] = api.sanitize_for_serialization(crd)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+                out[name] = None
+    return out
+
+
+def check_istio_crds(config: Config, timeout: float = 5.0) -> Check:
+    import asyncio
+
+    from ambient.source_kube import RESOURCES
+
+    if config.config_source != "kubernetes":
+        return Check("Istio CRDs", OK, f"not asked (config_source {config.config_source})")
+    wanted = {f"{plural}.{group}": (kind, version) for kind, (_, group, version, plural)
+              in RESOURCES.items() if group not in ("", "discovery.k8s.io")}
+    try:
+        found = asyncio.run(asyncio.wait_for(_get_crds(config, sorted(wanted), timeout),
+                                             timeout * (len(wanted) + 1)))
+    except Exception as e:  # noqa: BLE001 - unreachable, forbidden, bad kubeconfig
+        reason = getattr(e, "reason", None) or str(e) or type(e).__name__
+        status = getattr(e, "status", None)
+        return Check("Istio CRDs", WARN, "cannot read the CRDs from the API server ("
+                     + (f"{status} " if status else "") + f"{reason})")
+    by_owner: dict[str, list[str]] = {}
+    missing, wrong = [], []
+    for name, (kind, version) in sorted(wanted.items()):
+        crd = found.get(name)
+        if crd is None:
+            missing.append(kind)
+            continue
+        by_owner.setdefault(crd_owner(crd), []).append(kind)
+        served = [v.get("name") for v in (crd.get("spec") or {}).get("versions") or []
+                  if v.get("served")]
+        if version not in served:
+            wrong.append(f"{kind} serves {', '.join(served) or 'nothing'}, not {version}")
+    parts = [f"{owner}'s: {', '.join(sorted(kinds))}"
+             for owner, kinds in sorted(by_owner.items())]
+    if missing:
+        parts.append(f"missing: {', '.join(missing)} (treated as empty; Istio's base chart "
+                     "or deploy/crds/ installs them)")
+    parts += wrong
+    return Check("Istio CRDs", WARN if missing or wrong else OK, "; ".join(parts))
+
+
 def run_checks(config: Config) -> list[Check]:
     """Every check, in order; a check that raises is a FAIL naming the error."""
     checks = [lambda: check_modules(config), lambda: check_iptables(config), check_ipset,
               lambda: check_cni_config(config), lambda: check_istio_cni(config),
-              lambda: check_ports(config), lambda: check_zds(config), check_ztunnel]
+              lambda: check_ports(config), lambda: check_zds(config), check_ztunnel,
+              lambda: check_istio_crds(config)]
     names = ["kernel modules", "iptables", "ipset", "CNI config", "istio-cni", "ports",
-             "ZDS socket", "ztunnel"]
+             "ZDS socket", "ztunnel", "Istio CRDs"]
     out = []
     for name, fn in zip(names, checks):
         try:

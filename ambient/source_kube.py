@@ -9,7 +9,10 @@ than what the API server or etcd still holds: a compaction, an API server restar
 fresh LIST whose result *replaces* what the store held for that kind, so changes and deletes
 missed while away are neither lost nor repeated (unchanged objects produce no store event).
 Other errors back off exponentially (0.5 s doubling to 30 s, never less than a 429's
-``Retry-After``). A kind whose API is not served (404: Istio or Gateway API CRDs not
+``Retry-After``). Every kind fails alike while the API server is unreachable, so the
+failures are logged per reason, not per kind (:class:`RetryLog`): one WARNING per backoff
+step naming the kinds, the reason and the next delay, and one INFO when every kind is
+listed again. A kind whose API is not served (404: Istio or Gateway API CRDs not
 installed) counts as empty and synced, is logged once at WARNING, and is asked for again
 every ``MISSING_RETRY`` seconds; when its CRD appears, its objects are listed.
 
@@ -123,6 +126,75 @@ def _retry_after(err: ApiException) -> float:
         return 0.0
 
 
+class RetryLog:
+    """Summarises the reflectors' failures: one WARNING per reason per backoff step.
+
+    :meth:`failed` records that ``kind``'s ``verb`` (list/watch) failed with ``reason``
+    and retries in ``delay`` seconds. The first failure of a reason is logged after
+    ``gather`` seconds (the other kinds' failures of the same outage arrive meanwhile and
+    are named in the same line); later ones of that reason are held until the longest
+    delay announced in the last line has passed (+ ``gather``: the retries of that step,
+    jittered, all fail by then), then logged as one line with every kind that failed
+    meanwhile. So an outage writes one line per backoff step, however many kinds retry.
+    :meth:`recovered` writes a held line at once (every failure is logged, also one the
+    next attempt already cured), and one INFO when the last failing kind succeeds again.
+    ``clock`` is monotonic seconds (default: the running loop's).
+    """
+
+    def __init__(self, logger: logging.Logger, gather: float = 0.25,
+                 clock: Any = None) -> None:
+        self.log = logger
+        self.gather = gather
+        self.clock = clock or (lambda: asyncio.get_running_loop().time())
+        self.failing: dict[str, str] = {}          # kind -> reason of its last failure
+        self._pending: dict[str, dict[str, tuple[str, float]]] = {}  # reason -> kind -> (verb, delay)
+        self._quiet_until: dict[str, float] = {}   # reason -> no new line before this
+        self._scheduled: set[str] = set()
+        self.lines = 0                             # WARNING lines written (for tests)
+        self.since: float | None = None            # when the current outage began
+
+    def failed(self, kind: str, verb: str, reason: str, delay: float) -> None:
+        now = self.clock()
+        if self.since is None:
+            self.since = now
+        self.failing[kind] = reason
+        self._pending.setdefault(reason, {})[kind] = (verb, delay)
+        if reason in self._scheduled:
+            return
+        wait = max(self._quiet_until.get(reason, now) - now, 0.0) + self.gather
+        self._scheduled.add(reason)
+        asyncio.get_running_loop().call_later(wait, self._flush, reason)
+
+    def _flush(self, reason: str) -> None:
+        self._scheduled.discard(reason)
+        pending = self._pending.pop(reason, {})
+        if not pending:
+            return
+        delays = [d for _, d in pending.values()]
+        verbs = sorted({v for v, _ in pending.values()})
+        self.log.warning("kubernetes API: %s of %d kind%s failed (%s): %s; retrying in %s",
+                         "/".join(verbs), len(pending), "" if len(pending) == 1 else "s",
+                         ", ".join(sorted(pending)), reason,
+                         f"{min(delays):.1f}s" if max(delays) - min(delays) < 0.05
+                         else f"{min(delays):.1f}-{max(delays):.1f}s")
+        self.lines += 1
+        self._quiet_until[reason] = self.clock() + max(delays)
+
+    def recovered(self, kind: str) -> None:
+        reason = self.failing.pop(kind, None)
+        if reason is None:
+            return
+        if kind in self._pending.get(reason, {}):
+            self._flush(reason)  # a failure not logged yet is logged before the recovery
+        if self.failing:
+            return
+        took = self.clock() - self.since if self.since is not None else 0.0
+        self.log.info("kubernetes API answers again: every kind listed (failures for %.1fs)",
+                      took)
+        self.since = None
+        self._quiet_until.clear()
+
+
 class KubernetesSource:
     """Fills an :class:`ObjectStore` from the Kubernetes API.
 
@@ -148,6 +220,7 @@ class KubernetesSource:
         self.errors: dict[str, str] = {}
         self.missing: set[str] = set()  # kinds whose API answered 404 at the last ask
         self.stats: dict[str, KindStats] = {k: KindStats() for k in self.kinds}
+        self.retry_log = RetryLog(log)
         self._tasks: list[asyncio.Task] = []
 
     # --- lifecycle ---
@@ -168,9 +241,13 @@ class KubernetesSource:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self.synced.values())),
                                    timeout=self.sync_timeout)
         except asyncio.TimeoutError:
-            missing = [k for k, e in self.synced.items() if not e.is_set()]
-            log.warning("kubernetes source not synced after %.0fs: %s", self.sync_timeout,
-                        ", ".join(f"{k} ({self.errors.get(k, 'no answer')})" for k in missing))
+            by_reason: dict[str, list[str]] = {}
+            for k, e in self.synced.items():
+                if not e.is_set():
+                    by_reason.setdefault(self.errors.get(k, "no answer"), []).append(k)
+            log.warning("kubernetes source not synced after %.0fs (still retrying): %s",
+                        self.sync_timeout, "; ".join(f"{', '.join(kinds)}: {reason}"
+                                                     for reason, kinds in by_reason.items()))
 
     def is_synced(self) -> bool:
         return all(e.is_set() for e in self.synced.values())
@@ -256,6 +333,7 @@ class KubernetesSource:
                         log.info("%s is served now: listed %d", kind, len(items))
                 self.resource_versions[kind] = rv
                 self.errors.pop(kind, None)
+                self.retry_log.recovered(kind)
                 began = asyncio.get_running_loop().time()
                 rv = await self._watch_once(kind, origin, rv)
                 if asyncio.get_running_loop().time() - began < MIN_WATCH_SECONDS:
@@ -289,14 +367,14 @@ class KubernetesSource:
                 delay = backoff.next()
                 if e.status == 429:  # the server's Retry-After is a floor, jittered alike
                     delay = max(delay, _retry_after(e) * backoff.rand(*backoff.jitter))
-                log.warning("%s %s failed: %s %s; retrying in %.1fs", "watch" if rv else "list",
-                            kind, e.status, e.reason, delay)
+                self.retry_log.failed(kind, "watch" if rv else "list",
+                                      f"{e.status} {e.reason}", delay)
                 await asyncio.sleep(delay)
             except Exception as e:  # connection refused/reset, timeout, malformed stream...
                 self.errors[kind] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 delay = backoff.next()
-                log.warning("%s %s failed: %s; retrying in %.1fs", "watch" if rv else "list",
-                            kind, self.errors[kind], delay)
+                self.retry_log.failed(kind, "watch" if rv else "list", self.errors[kind],
+                                      delay)
                 await asyncio.sleep(delay)
 
     async def _watch_once(self, kind: str, origin: str, rv: str) -> str:

@@ -22,7 +22,9 @@ Three aiohttp listeners (``docs/status.md``):
 node-agent families under upstream's names only (:mod:`agent.status.monitoring`).
 
 ``health_port`` (8000): ``/healthz`` always 200; ``/readyz`` 200 when every component is
-ready, else 503 ``Service Unavailable: <reason>`` (not latched).
+ready, else 503 ``Service Unavailable: <reason>`` (not latched). It listens from the start
+of the process (:meth:`StatusServer.start_health`, before any component starts), so
+liveness holds through a slow start while readiness stays false.
 
 ``admin_socket`` (``<state dir>/admin.sock``, mode 0600, so root only; the peer's
 ``SO_PEERCRED`` uid must also be root or the agent's own): ``POST /quitquitquit``,
@@ -135,9 +137,30 @@ class StatusServer(Component):
 
     # --- lifecycle -------------------------------------------------------------------
 
+    async def start_health(self) -> None:
+        """Open the health port now, before any component starts (``agent.daemon`` calls it
+        first): ``/healthz`` answers 200 from the start of the process, so kubelet's
+        liveness probe passes while a slow start (an unreachable API server) keeps
+        ``/readyz`` at 503 naming the component not ready yet. Idempotent; :meth:`start`
+        opens it when nobody did. Raises :class:`ConfigError` naming ``health_port`` when
+        it cannot listen."""
+        if self.health_port:
+            return
+        cfg = self.ctx.config
+        try:
+            runner = await self._serve(self._health_app(), cfg.status_address or None,
+                                       cfg.health_port, "health",
+                                       fdbudget.listener_caps(cfg)["health_max_connections"])
+            self.health_port = _bound_port(runner)
+        except OSError as e:
+            await self.stop(1.0)
+            raise ConfigError("health_port", cfg.health_port,
+                              f"cannot listen: {e.strerror or e}") from None
+
     async def start(self) -> None:
         self._parse_config()
         cfg = self.ctx.config
+        await self.start_health()
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(use_dns_cache=False, force_close=True))
         self.merger.app_targets = self.app_targets
@@ -149,10 +172,6 @@ class StatusServer(Component):
             status_runner = await self._serve(self._status_app(), host, cfg.status_port,
                                               "status", caps["status_max_connections"])
             self.port = _bound_port(status_runner)
-            setting = "health_port"
-            health_runner = await self._serve(self._health_app(), host, cfg.health_port,
-                                              "health", caps["health_max_connections"])
-            self.health_port = _bound_port(health_runner)
             if cfg.monitoring_port:
                 setting = "monitoring_port"
                 monitoring_runner = await self._serve(
@@ -220,6 +239,7 @@ class StatusServer(Component):
             self.admin_socket = ""
         self.sites = {}
         self.port = self.monitoring_port = 0
+        self.health_port = 0
 
     def ready(self) -> tuple[bool, str]:
         return (True, "") if self.port else (False, "not listening")

@@ -106,3 +106,40 @@ def test_command_lines_and_exit_code(tmp_path):
     text = out.getvalue()
     assert "ok    CNI config" in text
     assert code == (1 if "\nFAIL" in "\n" + text else 0)  # exit code follows the lines
+
+
+def test_crd_owner_from_installer_metadata():
+    """The labels/annotations each installer sets (Istio's base chart templated, its plain
+    crd-all.gen.yaml, the Gateway API's release, deploy/crds/)."""
+    def crd(labels=None, annotations=None):
+        return {"metadata": {"labels": labels or {}, "annotations": annotations or {}}}
+    assert precheck.crd_owner(crd({"app.kubernetes.io/part-of": "istio",
+                                   "helm.sh/chart": "base-1.28.0"})) == "Istio"
+    assert precheck.crd_owner(crd({"app": "istio-pilot", "chart": "istio",
+                                   "heritage": "Tiller", "release": "istio"})) == "Istio"
+    assert precheck.crd_owner(crd(annotations={
+        "gateway.networking.k8s.io/bundle-version": "v1.3.0"})) == "Gateway API"
+    assert precheck.crd_owner(crd({"app.kubernetes.io/name": "ambient-agent"})) == \
+        "ambient-agent"
+    assert precheck.crd_owner(crd()) == "unknown"
+
+
+def test_istio_crds_not_asked_without_kubernetes(tmp_path):
+    c = precheck.check_istio_crds(config(tmp_path))
+    assert c.state == precheck.OK and "not asked" in c.detail
+
+
+def test_istio_crds_unreachable_api_server_is_a_warning(tmp_path):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n"
+        f"    server: https://127.0.0.1:{port}\n    insecure-skip-tls-verify: true\n"
+        "users:\n- name: u\n  user:\n    token: x\ncontexts:\n- name: c\n  context:\n"
+        "    cluster: c\n    user: u\ncurrent-context: c\n")
+    c = precheck.check_istio_crds(config(tmp_path, config_source="kubernetes",
+                                         kubeconfig=str(kubeconfig)), timeout=2)
+    assert c.state == precheck.WARN and "cannot read the CRDs" in c.detail, c

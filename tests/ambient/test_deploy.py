@@ -1,5 +1,9 @@
-"""deploy/kubernetes/ manifests: schema-valid (kubernetes-validate, offline schemas), RBAC
-matching exactly what the kubernetes source uses, ConfigMap keys being real settings."""
+"""deploy/ manifests: schema-valid (kubernetes-validate, offline schemas), RBAC matching
+exactly what the kubernetes source uses, ConfigMap keys being real settings; no CRD in
+deploy/kubernetes/ (``kubectl apply -f deploy/kubernetes/`` must never create or replace
+one: they live in deploy/crds/, applied only on purpose), the registration role apart in
+deploy/registration/, and ztunnel's DaemonSet (deploy/ztunnel/) pointed at the node-local
+agent. (That these files are the Helm chart's rendering: tests/deploy/test_chart.py.)"""
 
 from __future__ import annotations
 
@@ -15,38 +19,46 @@ from ambient.source_kube import RESOURCES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEPLOY = os.path.join(ROOT, "deploy", "kubernetes")
+DIRS = ("kubernetes", "crds", "registration", "ztunnel")
 
 
-def documents() -> list[tuple[str, dict]]:
+def documents(directory: str = "kubernetes") -> list[tuple[str, dict]]:
     out = []
-    for path in sorted(glob.glob(os.path.join(DEPLOY, "*.yaml"))):
+    for path in sorted(glob.glob(os.path.join(ROOT, "deploy", directory, "*.yaml"))):
         with open(path, encoding="utf-8") as f:
             out += [(os.path.basename(path), d) for d in yaml.safe_load_all(f) if d]
     return out
 
 
-@pytest.mark.parametrize("name,doc", documents(), ids=lambda v: v if isinstance(v, str) else
-                         f"{v.get('kind')}")
+@pytest.mark.parametrize("name,doc", [(f"{d}/{n}", doc) for d in DIRS for n, doc in documents(d)],
+                         ids=lambda v: v if isinstance(v, str) else f"{v.get('kind')}")
 def test_manifest_is_schema_valid(name, doc):
     kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
 
 
 def test_all_expected_objects_present():
     kinds = sorted(d["kind"] for _, d in documents())
-    # rbac-registration.yaml adds a ClusterRole + binding (hosts without Kubernetes)
-    assert kinds == ["ClusterRole"] * 2 + ["ClusterRoleBinding"] * 2 + ["ConfigMap"] + \
-        ["CustomResourceDefinition"] * 7 + ["DaemonSet", "ServiceAccount"]
+    # the agent's identity and roles (ambient-agent; the Role ambient-agent-ca: the
+    # cluster-wide CA's Secrets and publisher Lease), its settings and the DaemonSet; no CRD
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet", "Role",
+                     "RoleBinding", "ServiceAccount"]
+    assert sorted(d["kind"] for _, d in documents("crds")) == ["CustomResourceDefinition"] * 7
+    assert sorted(d["kind"] for _, d in documents("registration")) == ["ClusterRole",
+                                                                       "ClusterRoleBinding"]
+    assert sorted(d["kind"] for _, d in documents("ztunnel")) == ["DaemonSet", "ServiceAccount"]
 
 
 def test_crds_cover_exactly_the_custom_kinds_the_source_reads():
     crds = {(d["spec"]["group"], d["spec"]["names"]["plural"], d["spec"]["names"]["kind"],
-             v["name"]) for _, d in documents() if d["kind"] == "CustomResourceDefinition"
+             v["name"]) for _, d in documents("crds") if d["kind"] == "CustomResourceDefinition"
             for v in d["spec"]["versions"] if v["storage"]}
     wanted = {(group, plural, kind, version)
               for kind, (_, group, version, plural) in RESOURCES.items()
               if group not in ("", "discovery.k8s.io")}
     assert crds == wanted
-    for _, d in documents():
+    for _, d in documents("crds"):
+        # what precheck tells from Istio's own (agent/precheck.py crd_owner)
+        assert d["metadata"]["labels"]["app.kubernetes.io/name"] == "ambient-agent"
         if d["kind"] == "CustomResourceDefinition":
             for v in d["spec"]["versions"]:
                 props = v["schema"]["openAPIV3Schema"]["properties"]
@@ -64,23 +76,30 @@ def test_cluster_role_grants_exactly_what_the_agent_uses():
     wanted.add(("", "pods/status", "patch"))
     # agent/tlsport/authn.py: ztunnel's token on the TLS port is checked with a TokenReview
     wanted.add(("authentication.k8s.io", "tokenreviews", "create"))
-    # cni/kubeevents.py: Events on pods (created, repeats patched); repair's delete mode
-    # needs pods delete, granted only by the operator who turns it on
-    wanted |= {("", "events", "create"), ("", "events", "patch")}
+    # agent/precheck.py check_istio_crds: get, by name, the CRD of each custom kind
+    wanted.add(("apiextensions.k8s.io", "customresourcedefinitions", "get"))
+    # the istio-ca-root-cert publisher (ca.mode cluster; test_ca_roles_... has the names)
+    wanted |= {("", "configmaps", v) for v in ("get", "list", "watch", "patch", "create")}
     assert granted == wanted
+    [crd_rule] = [r for r in role["rules"] if r["apiGroups"] == ["apiextensions.k8s.io"]]
+    assert set(crd_rule["resourceNames"]) == {
+        f"{plural}.{group}" for _, group, _, plural in RESOURCES.values()
+        if group not in ("", "discovery.k8s.io")}
 
 
 def test_registration_role_grants_exactly_what_the_registration_uses():
     """cni/registration_kube.py: WorkloadEntry create/get/replace/delete, Lease
     read/create/replace; bound to the agent's ServiceAccount."""
-    role = next(d for _, d in documents() if d["kind"] == "ClusterRole"
+    assert not any(d["metadata"]["name"] == "ambient-agent-registration"
+                   for _, d in documents()), "opt-in: not in deploy/kubernetes/"
+    role = next(d for _, d in documents("registration") if d["kind"] == "ClusterRole"
                 and d["metadata"]["name"] == "ambient-agent-registration")
     granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
                for r in rule["resources"] for v in rule["verbs"]}
     assert granted == {("networking.istio.io", "workloadentries", v)
                        for v in ("get", "create", "update", "delete")} | {
         ("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")}
-    binding = next(d for _, d in documents() if d["kind"] == "ClusterRoleBinding"
+    binding = next(d for _, d in documents("registration") if d["kind"] == "ClusterRoleBinding"
                    and d["roleRef"]["name"] == "ambient-agent-registration")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "ambient-agent",
                                     "namespace": "istio-system"}]
@@ -120,3 +139,60 @@ def test_daemonset_mounts_the_host_paths_the_agent_needs():
                      "/var/run/ambient-agent/mesh-root"}
     caps = pod["containers"][0]["securityContext"]["capabilities"]["add"]
     assert {"NET_ADMIN", "SYS_ADMIN"} <= set(caps)
+    # as upstream's istio-cni: AppArmor profiles would block in-pod redirection
+    assert c["securityContext"]["appArmorProfile"] == {"type": "Unconfined"}
+
+
+def test_ca_roles_read_only_the_named_secrets():
+    """The cluster-wide CA (Role in the system namespace): get/list/watch on the Secrets
+    cacerts and istio-ca-secret only, create (bootstrap; create cannot be limited by
+    name), the publisher's Lease by name (+ create) and istiod's election ConfigMap; in
+    the ClusterRole, the root ConfigMap istio-ca-root-cert by name (+ create)."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in documents()}
+    role = docs[("Role", "ambient-agent-ca")]
+    assert role["metadata"]["namespace"] == "istio-system"
+    granted = {(g, r, v, tuple(rule.get("resourceNames", ()))) for rule in role["rules"]
+               for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    secrets = ("cacerts", "istio-ca-secret")
+    lease = ("ambient-agent-ca-root-publisher",)
+    assert granted == {("", "secrets", v, secrets) for v in ("get", "list", "watch")} | {
+        ("", "secrets", "create", ()),
+        ("coordination.k8s.io", "leases", "get", lease),
+        ("coordination.k8s.io", "leases", "update", lease),
+        ("coordination.k8s.io", "leases", "create", ()),
+        ("", "configmaps", "get", ("istio-namespace-controller-election",))}
+    assert docs[("RoleBinding", "ambient-agent-ca")]["subjects"] == [
+        {"kind": "ServiceAccount", "name": "ambient-agent", "namespace": "istio-system"}]
+    cluster = docs[("ClusterRole", "ambient-agent")]
+    granted = {(v, tuple(rule.get("resourceNames", ()))) for rule in cluster["rules"]
+               if rule["resources"] == ["configmaps"] for v in rule["verbs"]}
+    assert granted == {(v, ("istio-ca-root-cert",)) for v in ("get", "list", "watch", "patch")
+                       } | {("create", ())}
+
+
+def test_ztunnel_daemonset_points_at_the_node_local_agent():
+    """deploy/ztunnel/: xDS and CA at https://$(HOST_IP):<xds_tls_port> with HOST_IP from
+    status.hostIP defined before them (Kubernetes expands $(VAR) only from earlier
+    entries), the root from the istio-ca-root-cert ConfigMap and a projected token for
+    audience istio-ca where Istio's chart mounts them, the ZDS socket dir shared."""
+    ds = next(d for _, d in documents("ztunnel") if d["kind"] == "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    env = [e["name"] for e in c["env"]]
+    values = {e["name"]: e.get("value") for e in c["env"]}
+    refs = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]
+            if "valueFrom" in e}
+    assert refs["HOST_IP"] == "status.hostIP"
+    assert values["XDS_ADDRESS"] == values["CA_ADDRESS"] == "https://$(HOST_IP):15012"
+    assert env.index("HOST_IP") < env.index("XDS_ADDRESS")
+    assert values["ALT_XDS_HOSTNAME"] == "istiod.istio-system.svc"
+    vols = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: vols[m["name"]] for m in c["volumeMounts"]}
+    assert mounts["/var/run/secrets/istio"]["configMap"]["name"] == "istio-ca-root-cert"
+    assert values["XDS_ROOT_CA"] == values["CA_ROOT_CA"] == "/var/run/secrets/istio/root-cert.pem"
+    [src] = mounts["/var/run/secrets/tokens"]["projected"]["sources"]
+    assert src["serviceAccountToken"]["audience"] == "istio-ca"
+    assert values["AUTH_TOKEN"] == "/var/run/secrets/tokens/" + src["serviceAccountToken"]["path"]
+    assert mounts["/var/run/ztunnel"]["hostPath"]["path"] == "/var/run/ztunnel"
+    # the account the agent trusts to ask for other identities (ca_trusted_node_accounts)
+    assert (ds["metadata"]["namespace"], pod["serviceAccountName"]) == ("istio-system", "ztunnel")

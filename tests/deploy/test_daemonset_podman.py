@@ -67,19 +67,57 @@ def manifests() -> tuple[dict, dict]:
     return docs["DaemonSet"], docs["ConfigMap"]
 
 
-def field_ref(path: str, ds: dict, node: str) -> str:
+def field_ref(path: str, ds: dict, node: str, fields: dict[str, str] | None = None) -> str:
+    """A downward-API ``fieldRef`` as kubelet resolves it for this pod; ``fields`` adds
+    the ones only the caller knows (``status.hostIP``, ``status.podIP``)."""
     values = {"spec.nodeName": node, "metadata.namespace": ds["metadata"]["namespace"],
-              "metadata.name": ds["metadata"]["name"] + "-test"}
+              "metadata.name": ds["metadata"]["name"] + "-test",
+              "spec.serviceAccountName": ds["spec"]["template"]["spec"].get(
+                  "serviceAccountName", "default"), **(fields or {})}
     if path not in values:
-        raise AssertionError(f"daemonset.yaml uses fieldRef {path!r}: teach the test")
+        raise AssertionError(f"the DaemonSet uses fieldRef {path!r}: teach the test")
     return values[path]
 
 
+def expand(value: str, defined: dict[str, str]) -> str:
+    """Kubernetes' env ``$(VAR)`` expansion: a reference to a variable defined EARLIER in
+    the container's env is replaced, ``$$`` is a literal ``$``, anything else is kept as
+    written (k8s.io/kubernetes third_party/forked/golang/expansion)."""
+    out, i = [], 0
+    while i < len(value):
+        if value.startswith("$$", i):
+            out.append("$")
+            i += 2
+        elif value.startswith("$(", i) and ")" in value[i:]:
+            end = value.index(")", i)
+            name = value[i + 2:end]
+            out.append(defined.get(name, value[i:end + 1]))
+            i = end + 1
+        else:
+            out.append(value[i])
+            i += 1
+    return "".join(out)
+
+
+def container_env(ds: dict, node: str, fields: dict[str, str] | None = None) -> dict[str, str]:
+    """The first container's env as kubelet hands it to the process (in order)."""
+    env: dict[str, str] = {}
+    for e in ds["spec"]["template"]["spec"]["containers"][0].get("env") or []:
+        if "value" in e:
+            env[e["name"]] = expand(str(e["value"]), env)
+        else:
+            env[e["name"]] = field_ref(e["valueFrom"]["fieldRef"]["fieldPath"], ds, node,
+                                       fields)
+    return env
+
+
 def podman_run_args(ds: dict, name: str, node: str, network: str,
-                    host_path: dict[str, str], volume_dir: Path) -> list[str]:
+                    host_path: dict[str, str], volume_dir: Path,
+                    fields: dict[str, str] | None = None) -> list[str]:
     """``podman run`` arguments for the DaemonSet's first container, as a kubelet (via a
     CRI runtime) would set it up. ``host_path`` maps a hostPath to the directory used
-    here; ``volume_dir`` holds configMap and emptyDir volumes (prepared by the caller)."""
+    here; ``volume_dir`` holds configMap, projected and emptyDir volumes (prepared by the
+    caller, one directory per volume name); ``fields``: extra downward-API values."""
     pod = ds["spec"]["template"]["spec"]
     c = pod["containers"][0]
     args = ["run", "-d", "--name", name, "--network", network]
@@ -101,11 +139,12 @@ def podman_run_args(ds: dict, name: str, node: str, network: str,
         args += ["--cap-add", cap.lower()]
     if (sc.get("seccompProfile") or {}).get("type") == "Unconfined":
         args += ["--security-opt", "seccomp=unconfined"]
-    for e in c.get("env") or []:
-        value = e.get("value")
-        if value is None:
-            value = field_ref(e["valueFrom"]["fieldRef"]["fieldPath"], ds, node)
-        args += ["--env", f"{e['name']}={value}"]
+    annotations = ds["spec"]["template"]["metadata"].get("annotations") or {}
+    if (sc.get("appArmorProfile") or {}).get("type") == "Unconfined" or annotations.get(
+            f"container.apparmor.security.beta.kubernetes.io/{c['name']}") == "unconfined":
+        args += ["--security-opt", "apparmor=unconfined"]
+    for key, value in container_env(ds, node, fields).items():
+        args += ["--env", f"{key}={value}"]
     res = c.get("resources") or {}
     memory = (res.get("limits") or {}).get("memory")
     if memory:  # kubelet puts limits.memory on the container's cgroup

@@ -47,6 +47,8 @@ from kubernetes_asyncio.client.exceptions import ApiException
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "kube-test-apiserver.sh")
 DEPLOY = os.path.join(ROOT, "deploy", "kubernetes")
+CRDS = os.path.join(ROOT, "deploy", "crds", "crds.yaml")
+REGISTRATION_RBAC = os.path.join(ROOT, "deploy", "registration", "rbac-registration.yaml")
 AGENT_NAMESPACE, AGENT_SERVICE_ACCOUNT = "istio-system", "ambient-agent"
 FIELD_MANAGER = "ambient-tests"
 
@@ -239,14 +241,14 @@ async def wait_crds_established(api: kclient.ApiClient, names: list[str],
 
 
 async def apply_crds(api: kclient.ApiClient) -> None:
-    """Apply deploy/kubernetes/crds.yaml and wait until the kinds are served."""
-    docs = await apply_manifest(api, "crds.yaml")
+    """Apply deploy/crds/crds.yaml and wait until the kinds are served."""
+    docs = await apply_manifest(api, CRDS)
     await wait_crds_established(api, [d["metadata"]["name"] for d in docs])
 
 
 async def delete_crds(api: kclient.ApiClient, timeout: float = 60.0) -> None:
-    """Delete the CRDs of deploy/kubernetes/crds.yaml and wait until they are gone."""
-    names = [d["metadata"]["name"] for d in manifest("crds.yaml")]
+    """Delete the CRDs of deploy/crds/crds.yaml and wait until they are gone."""
+    names = [d["metadata"]["name"] for d in manifest(CRDS)]
     base = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
     for name in names:
         try:

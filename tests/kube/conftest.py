@@ -1,7 +1,7 @@
 """Fixtures for tests against a real kube-apiserver (tests/kube/cluster.py has the helpers).
 
 ``kube_cluster`` (session): one kube-apiserver + etcd for the whole test run, started by
-scripts/kube-test-apiserver.sh in a fresh directory, with deploy/kubernetes/crds.yaml and
+scripts/kube-test-apiserver.sh in a fresh directory, with deploy/crds/crds.yaml and
 deploy/kubernetes/rbac.yaml (as shipped; plus the istio-system namespace it lives in)
 applied; stopped at the end of the run, also when tests fail (and, through the script's
 owner watchdog, when pytest itself is killed). Tests that use it live under tests/kube/.

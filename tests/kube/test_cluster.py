@@ -1,6 +1,6 @@
 """The test cluster itself (scripts/kube-test-apiserver.sh + tests/kube/cluster.py) against
 the real kube-apiserver: RBAC is enforced for the DaemonSet's service account, TokenRequest
-and TokenReview work, deploy/kubernetes/crds.yaml serves every version with unknown fields
+and TokenReview work, deploy/crds/crds.yaml serves every version with unknown fields
 kept, and the kubelet-playing helpers produce what the kubelet would."""
 
 from __future__ import annotations

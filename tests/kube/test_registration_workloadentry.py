@@ -1,7 +1,7 @@
 """Two hosts without Kubernetes sharing workloads through a real kube-apiserver used as a
 store only (no kubelets): each host's agent (kubernetes config source + ambient index +
 ``registration`` in ``workloadentry`` mode, authenticated as the agent's ServiceAccount
-with deploy/kubernetes/rbac.yaml + rbac-registration.yaml) registers the pods its CNI
+with deploy/kubernetes/rbac.yaml + deploy/registration/rbac-registration.yaml) registers the pods its CNI
 ADDs create as WorkloadEntries, and both indexes serve both hosts' workloads. A DEL
 removes the entry at once; a container restart (new IP) updates it in place; an agent
 restart keeps its entries; a host that is gone (its Lease not renewed) has its entries
@@ -71,7 +71,7 @@ def ip4(w: wl.Workload) -> list[str]:
 
 async def test_two_hosts_share_workload_entries(kube_cluster, kube_admin, kube_namespace,
                                                 tmp_path):
-    await kc.apply_manifest(kube_admin, "rbac-registration.yaml")
+    await kc.apply_manifest(kube_admin, kc.REGISTRATION_RBAC)
     kubeconfig = await kc.agent_kubeconfig(kube_cluster, kube_admin,
                                            str(tmp_path / "agent.kubeconfig"))
     a_node, b_node = kc.unique("host-a"), kc.unique("host-b")

@@ -14,7 +14,7 @@ the test fails):
   maps ``kubernetes`` (a SAN of the server's certificate) to the root-side address;
 - in each host, ``ambient-agent run`` (a subprocess under ``ip netns exec``) with
   ``config_source: kubernetes``, ``workload_registration: workloadentry`` and the
-  DaemonSet's ServiceAccount token under the shipped rbac.yaml + rbac-registration.yaml,
+  DaemonSet's ServiceAccount token under the shipped rbac.yaml + deploy/registration/rbac-registration.yaml,
   its own state dir, CNI conf/bin dirs (``cni_manage_config`` chains istio-cni into the
   host's bridge + host-local conflist), one shared mesh root (``ca_cert_file``) so the
   hosts' workload certificates verify each other;
@@ -319,7 +319,7 @@ async def test_two_hosts_serve_each_others_pods(kube_cluster, kube_admin, kube_n
     from agent.sds.ca_embedded import create_root
     from cryptography.hazmat.primitives import serialization
 
-    await kc.apply_manifest(kube_admin, "rbac-registration.yaml")
+    await kc.apply_manifest(kube_admin, kc.REGISTRATION_RBAC)
     suffix = secrets.token_hex(2)
     block = await asyncio.to_thread(free_block)
     work = Path(f"/run/th-{suffix}")  # short: Unix socket paths live under it
