@@ -6,50 +6,27 @@ TLS port: :class:`tests.ztunnel_exact.conftest.AgentStack`), each with its own t
 DaemonSet's ServiceAccount and its own node. On each node a ztunnel-exact CA client
 (:mod:`tests.ztunnel_exact.ca`, reproduced from ztunnel's source) fetches the certificate of
 a pod of that node by impersonation. Each certificate verifies against the *other* node's
-trust bundle (its published ``mesh_root_file``), and the two complete an HBONE-style mTLS
-exchange: TLS 1.3 only, ALPN ``h2``, both sides requiring and verifying the peer's
-certificate against their own node's bundle and checking the peer's SPIFFE SAN, then bytes
-both ways. (HBONE's HTTP/2 CONNECT layer is not spoken: no HTTP/2 library is installed
-here; the trust question — does node B accept node A's identities — is the TLS layer.)"""
+trust bundle (its published ``mesh_root_file``), and the two complete an HBONE exchange:
+node A's pod certificate dials node B's HBONE port as a source ztunnel does (TLS 1.3 only,
+ALPN ``h2``, one HTTP/2 ``CONNECT`` to the destination ``IP:port``), node B's side is the
+HBONE terminator written from ztunnel's ``src/proxy/inbound.rs``
+(:class:`tests.waypoint.hbone.HboneTerminator`) holding node B's pod certificate; each side
+verifies the other against its *own* node's bundle, the caller sees B's SPIFFE ID, the
+terminator records A's, and an HTTP request and its answer cross the tunnel."""
 
 from __future__ import annotations
 
 import asyncio
-import ssl
-from pathlib import Path
 
-from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from agent.core import config as agent_config
 from agent.demo.envoy import free_port
-from agent.sds import keys
 from tests.kube import cluster as kc
 from tests.kube.test_ca_secret import _ca_role_documents, verify_leaf
+from tests.waypoint.hbone import HboneTerminator, hbone_request
 from tests.ztunnel_exact.ca import ZtunnelCaClient
 from tests.ztunnel_exact.conftest import ZTUNNEL_TOKEN, AgentStack
-
-
-async def _context(cert, bundle: bytes, tmp: Path, name: str, server: bool) -> ssl.SSLContext:
-    chain = tmp / f"{name}-chain.pem"
-    chain.write_bytes(b"".join(c.public_bytes(serialization.Encoding.PEM)
-                               for c in [cert.leaf, *cert.chain]))
-    key = tmp / f"{name}-key.pem"
-    key.write_bytes(cert.key_pem)
-    key.chmod(0o600)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    ctx.load_cert_chain(str(chain), str(key))
-    ctx.load_verify_locations(cadata=bundle.decode())
-    ctx.check_hostname = False  # SPIFFE: the URI SAN is checked below, not a host name
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    ctx.set_alpn_protocols(["h2"])
-    return ctx
-
-
-def _peer_spiffe(writer: asyncio.StreamWriter) -> str:
-    der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
-    return keys.uri_sans(x509.load_der_x509_certificate(der))[0]
 
 
 async def test_two_nodes_one_root_cross_node_mtls(kube_cluster, kube_admin, kube_namespace,
@@ -111,33 +88,34 @@ async def test_two_nodes_one_root_cross_node_mtls(kube_cluster, kube_admin, kube
 
         assert verify_leaf(chain_pem(alpha), b.root_pem) == ida  # A's leaf, B's bundle
         assert verify_leaf(chain_pem(beta), a.root_pem) == idb
-        # the mTLS exchange: alpha (node A) dials beta (node B)
-        server_ctx = await _context(beta, b.root_pem, tmp_path, "beta", server=True)
-        client_ctx = await _context(alpha, a.root_pem, tmp_path, "alpha", server=False)
-        seen: dict[str, str] = {}
+        # HBONE: alpha (node A) dials beta's node (B) as a source ztunnel does
+        answer = b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nfrom-beta"
 
-        async def serve(reader, writer):
-            seen["server_peer"] = _peer_spiffe(writer)
-            seen["server_version"] = writer.get_extra_info("ssl_object").version()
-            data = await reader.readexactly(5)
-            writer.write(b"pong:" + data)
+        async def app(reader, writer):  # the destination pod's server on node B
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(answer)
             await writer.drain()
             writer.close()
 
-        server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=server_ctx)
-        port = server.sockets[0].getsockname()[1]
+        server = await asyncio.start_server(app, "127.0.0.1", 0)
+        app_port = server.sockets[0].getsockname()[1]
+        terminator = await HboneTerminator(
+            "127.0.0.1", chain=chain_pem(beta), key=beta.key_pem, root=b.root_pem,
+            port=free_port()).start()
         try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client_ctx)
-            assert writer.get_extra_info("ssl_object").selected_alpn_protocol() == "h2"
-            assert _peer_spiffe(writer) == idb
-            writer.write(b"ping!")
-            await writer.drain()
-            assert await asyncio.wait_for(reader.read(), 10) == b"pong:ping!"
-            writer.close()
+            authority = f"127.0.0.1:{app_port}"
+            status, body, peer = await hbone_request(
+                ("127.0.0.1", terminator.port), authority,
+                b"GET / HTTP/1.1\r\nhost: beta\r\n\r\n",
+                chain=chain_pem(alpha), key=alpha.key_pem, root=a.root_pem)
         finally:
+            await terminator.stop()
             server.close()
             await server.wait_closed()
-        assert seen == {"server_peer": ida, "server_version": "TLSv1.3"}
+        assert status == 200, (status, terminator.refused)
+        assert peer == idb  # the caller verified node B's pod identity
+        assert terminator.tunnels == [(ida, authority)]  # node B saw node A's pod identity
+        assert body == answer
     finally:
         for c in clients:
             await c.close()
