@@ -74,6 +74,8 @@ def test_cluster_role_grants_exactly_what_the_agent_uses():
     wanted = {(group, plural, verb) for _, group, _, plural in RESOURCES.values()
               for verb in ("list", "watch")}
     wanted.add(("", "pods/status", "patch"))
+    # cni/kubeevents.py: an Event on the pod per enrollment failure (its count patched)
+    wanted |= {("", "events", "create"), ("", "events", "patch")}
     # agent/tlsport/authn.py: ztunnel's token on the TLS port is checked with a TokenReview
     wanted.add(("authentication.k8s.io", "tokenreviews", "create"))
     # agent/precheck.py check_istio_crds: get, by name, the CRD of each custom kind

@@ -27,7 +27,7 @@ async def test_precheck_names_whose_crds_are_present(kube_admin, agent_kubeconfi
     c = await asyncio.to_thread(precheck.check_istio_crds, cfg)
     assert c.state == precheck.OK, c
     assert c.detail.startswith("ambient-agent's: AuthorizationPolicy, Gateway, GatewayClass, "
-                               "PeerAuthentication, ServiceEntry, WorkloadEntry"), c
+                               "HTTPRoute, PeerAuthentication, ServiceEntry, WorkloadEntry"), c
     # as Istio's base chart labels the CRDs it templates
     istio = {"app.kubernetes.io/name": None, "app.kubernetes.io/part-of": "istio",
              "helm.sh/chart": "base-1.28.0"}

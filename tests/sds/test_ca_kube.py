@@ -16,7 +16,10 @@ from agent.sds import keys
 from agent.sds.ca_embedded import create_root
 from agent.sds.ca_kube import CASecretError, material_from_secret, self_signed_secret, _decoded
 
-NOW = dt.datetime.now(dt.timezone.utc)
+def now() -> dt.datetime:
+    """The time of each check: a module-level constant went stale while the suite ran
+    (certificates made minutes later were "not yet valid" at it)."""
+    return dt.datetime.now(dt.timezone.utc)
 
 
 def pem(cert: x509.Certificate) -> bytes:
@@ -25,7 +28,7 @@ def pem(cert: x509.Certificate) -> bytes:
 
 def intermediate(root, root_key, *, ca=True, start=None, days=365, name="intermediate"):
     key = keys.generate_key("ECDSA")
-    start = start or NOW - dt.timedelta(hours=1)
+    start = start or now() - dt.timedelta(hours=1)
     b = (x509.CertificateBuilder()
          .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, name)]))
          .issuer_name(root.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
@@ -54,7 +57,7 @@ def plugin(inter, inter_key, root, chain=None):
 
 def test_plugin_cacerts_with_an_intermediate(pki):
     root, _, inter, inter_key, _, _ = pki
-    m = material_from_secret("istio-system", "cacerts", plugin(inter, inter_key, root), NOW)
+    m = material_from_secret("istio-system", "cacerts", plugin(inter, inter_key, root), now())
     assert m.secret == "istio-system/cacerts" and m.cert == inter
     assert keys.load_certs(m.roots) == [root]
     assert keys.load_certs(m.chain)[0] == inter  # sent after the leaf, as istiod does
@@ -65,26 +68,26 @@ def test_istio_ca_secret_as_istiod_writes_it():
     assert body["type"] == "istio.io/ca-root"
     assert set(body["data"]) == {"ca-cert.pem", "ca-key.pem", "root-cert.pem", "cert-chain.pem",
                                  "key.pem"}
-    m = material_from_secret("istio-system", "istio-ca-secret", _decoded(body["data"]), NOW)
+    m = material_from_secret("istio-system", "istio-ca-secret", _decoded(body["data"]), now())
     assert keys.load_certs(m.roots) == [m.cert] and m.chain == b""
     # istiod before root-cert.pem existed: the CA certificate is the root
     data = _decoded(body["data"])
     del data["root-cert.pem"]
-    assert material_from_secret("ns", "istio-ca-secret", data, NOW).roots == m.roots
+    assert material_from_secret("ns", "istio-ca-secret", data, now()).roots == m.roots
 
 
 def test_kubernetes_tls_form_of_cacerts(pki):
     root, _, inter, inter_key, _, _ = pki
     m = material_from_secret("ns", "cacerts", {"tls.crt": pem(inter), "tls.key": keys.key_pem(inter_key),
-                                               "ca.crt": pem(root)}, NOW)
+                                               "ca.crt": pem(root)}, now())
     assert m.cert == inter and keys.load_certs(m.roots) == [root]
 
 
 def _bad_cases(pki):
     root, root_key, inter, inter_key, other, other_key = pki
     leafish, leafish_key = intermediate(root, root_key, ca=False, name="not-a-ca")
-    expired, expired_key = intermediate(root, root_key, start=NOW - dt.timedelta(days=30), days=1)
-    future, future_key = intermediate(root, root_key, start=NOW + dt.timedelta(days=1))
+    expired, expired_key = intermediate(root, root_key, start=now() - dt.timedelta(days=30), days=1)
+    future, future_key = intermediate(root, root_key, start=now() + dt.timedelta(days=1))
     return {
         "key does not match": (plugin(inter, other_key, root), "ca-key.pem", "does not match"),
         "cert not a CA": (plugin(leafish, leafish_key, root), "ca-cert.pem", "not a CA"),
@@ -108,7 +111,7 @@ def _bad_cases(pki):
 def test_bad_secret_is_refused_naming_the_secret_and_key(pki, case):
     data, key, why = _bad_cases(pki)[case]
     with pytest.raises(CASecretError) as e:
-        material_from_secret("istio-system", "cacerts", data, NOW)
+        material_from_secret("istio-system", "cacerts", data, now())
     assert e.value.secret == "istio-system/cacerts" and e.value.key == key, str(e.value)
     assert str(e.value).startswith(f"Secret istio-system/cacerts key {key}: ") and why in str(e.value)
     assert "c2VjcmV0" not in str(e.value)  # never a key's bytes
