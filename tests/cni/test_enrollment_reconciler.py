@@ -368,6 +368,35 @@ async def test_restart_recovery_decisions(state_dir):
         r.close()
 
 
+async def test_recovery_drops_a_record_naming_the_host_netns(state_dir, caplog):
+    """A record of a hostNetwork pod (its netns is the node's): recovery never enters it,
+    neither to reconcile nor to un-enroll (the host's ``ISTIO_*`` chains would go); the
+    record is dropped with one WARN naming the pod."""
+    source = FakeSource(synced=True)
+    r = Rig(state_dir, source=source)
+    try:
+        for uid in ("uid-hostnet", "uid-hostkeep"):
+            _write_record(state_dir, uid, "/proc/1/ns/net", "10.0.0.1")
+        r.netns.create("/proc/1/ns/net")
+        r.netns.host_paths.add("/proc/1/ns/net")
+        source.pods = {"uid-hostnet": _pod("uid-hostnet", "hostnet",
+                                           labels={"istio.io/dataplane-mode": "none"}),
+                       "uid-hostkeep": _pod("uid-hostkeep", "hostkeep")}
+        with caplog.at_level("WARNING", logger="cni.enrollment.recovery"):
+            outcomes = await r.enrollment.recover()
+        assert outcomes == {"uid-hostnet": "dropped", "uid-hostkeep": "dropped"}
+        assert r.netns.deleted == [] and r.netns.applied == []
+        assert r.zds.adds == [] and r.zds.deletes == []
+        assert r.enrollment.pods() == {} and "uid-hostkeep" not in r.enrollment.retries
+        assert not (state_dir / "pods" / "uid-hostnet.json").exists()
+        assert not (state_dir / "pods" / "uid-hostkeep.json").exists()
+        warns = [m.getMessage() for m in caplog.records if m.levelname == "WARNING"]
+        assert len(warns) == 2
+        assert any("shop/hostnet" in w for w in warns) and any("shop/hostkeep" in w for w in warns)
+    finally:
+        r.close()
+
+
 async def test_recovery_without_synced_source_drops_nothing(state_dir):
     r = Rig(state_dir, source=FakeSource(synced=False))
     try:
