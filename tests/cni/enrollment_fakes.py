@@ -236,6 +236,14 @@ class FakeSource(Component):
         for listener in list(self.listeners):
             listener([event])
 
+    def delete(self, uid: str) -> None:
+        """Remove the Pod object ``uid`` and tell the listeners (``new`` None)."""
+        old = self.pods.pop(uid)
+        event = StoreEvent("Pod", old["metadata"].get("namespace", ""), old["metadata"]["name"],
+                           old, None)
+        for listener in list(self.listeners):
+            listener([event])
+
 
 @dataclasses.dataclass(frozen=True)
 class StoreEvent:

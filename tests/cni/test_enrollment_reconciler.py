@@ -487,6 +487,35 @@ async def test_label_removal_through_the_store_watch_unenrolls(state_dir):
         r.close()
 
 
+async def test_pod_delete_through_the_store_watch_removes_it_from_ztunnel(state_dir):
+    """A Pod object deleted while its CNI DEL is lost (upstream's informer: a Pod delete
+    is ``RemovePodFromMesh(pod, isDelete=true)``): the pod leaves ztunnel (ZDS delete),
+    its probe entries and record go; its rules are left to the netns, as on a CNI DEL.
+    A delete of a Pod the agent never enrolled changes nothing."""
+    source = FakeSource()
+    r = Rig(state_dir, source=source)
+    try:
+        r.netns.create(NETNS)
+        pod = _pod(UID, "web")
+        pod["status"]["podIPs"] = [{"ip": IP}]
+        source.pods[UID] = pod
+        source.pods["uid-other"] = _pod("uid-other", "other", node="node-2")
+        await r.enrollment.start()
+        await r.enrollment.enroll(event())
+        assert r.enrollment.pods()[UID].status is PodState.ENABLED
+        source.delete("uid-other")
+        source.delete(UID)
+        await until(lambda: UID not in r.enrollment.pods())
+        await until(lambda: not r.enrollment.live.busy())
+        assert r.zds.deletes == [UID] and r.probes.entries == {}
+        assert r.netns.deleted == [] and r.netns.rules_at(NETNS) is not None
+        assert not (state_dir / "pods" / f"{UID}.json").exists()
+        assert r.enrollment.live.stats["removed_deleted"] == 1
+        await r.enrollment.stop(1.0)
+    finally:
+        r.close()
+
+
 async def test_pod_zds_cannot_describe_fails_once_and_is_not_retried(rig):
     """The ZDS channel refusing the pod itself (ValueError: e.g. its AddWorkload would
     exceed ztunnel's 1,024-byte receive buffer) fails that ADD, named, without a retry."""
