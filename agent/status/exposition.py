@@ -73,6 +73,25 @@ def parse_text(body: bytes) -> list[Metric]:
     return list(_text_parse(text))
 
 
+def merge_groups(families: list[Metric]) -> list[Metric]:
+    """``families`` with every later family of an earlier one's name and type merged into
+    it (samples appended in order, at the first one's place): Envoy may emit one family in
+    two separate groups, which a parser reads as two families. A repeat of another type
+    is left as it is (the first still wins at :meth:`Claims.admit`). New objects; the
+    input is not changed."""
+    first: dict[tuple[str, str], Metric] = {}
+    out: list[Metric] = []
+    for fam in families:
+        held = first.get((fam.name, fam.type))
+        if held is not None:
+            held.samples.extend(fam.samples)
+            continue
+        fam = _metric(fam.name, fam.documentation, fam.type, fam.samples, fam.unit)
+        first[(fam.name, fam.type)] = fam
+        out.append(fam)
+    return out
+
+
 def parse_openmetrics(body: bytes) -> list[Metric]:
     """An OpenMetrics body (with its ``# EOF``) as families, by prometheus-client's strict
     parser. Raises ValueError naming the first problem."""
@@ -272,7 +291,7 @@ class Claims:
         ``# HELP`` names of one chunk. Returns those another source holds (their
         families must be cut; each counted once); the rest are claimed for ``source``.
         Repeats within ``source`` are not clashes here: a family's HELP and TYPE lines
-        may fall into two chunks (the stream itself cuts a family declared twice)."""
+        may fall into two chunks (the stream itself handles a family declared twice)."""
         mine = self._streamed.setdefault(source, set())
         clash = (names & self._held_b) | ((names & self._streamed_all) - mine)
         if clash:

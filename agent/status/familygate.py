@@ -3,8 +3,10 @@
 The merged scrape (:mod:`agent.status.metrics_merge`) streams Envoy's multi-megabyte
 ``/stats/prometheus`` body straight to the client; what it must still do is cut the
 families that may not appear: a metric name an earlier source of the response already
-holds (the agent's own registry; :class:`agent.status.exposition.Claims`), or a family
-Envoy's body declares twice (the first block wins). :class:`FamilyGate` decides that
+holds (the agent's own registry; :class:`agent.status.exposition.Claims`). A family
+Envoy's body declares twice (two separate groups) keeps every sample: the second
+group's ``# HELP``/``# TYPE`` lines are cut, its samples stay (a text parser files
+them under the family by name). :class:`FamilyGate` decides that
 from the ``# HELP``/``# TYPE`` lines alone; :class:`LineAligned` feeds it a body that
 arrives in arbitrary chunks as line-aligned pieces, copying only the line that
 straddles two chunks.
@@ -68,8 +70,8 @@ def _new_block(key: bytes, last: bytes) -> bool:
 class FamilyGate:
     """Cuts, from a text body streamed in line-aligned chunks, whole families that may not
     appear: a name an earlier source of the response holds
-    (:class:`agent.status.exposition.Claims`), or a family this body declares a second
-    time (first block wins).
+    (:class:`agent.status.exposition.Claims`); of a family this body declares a second
+    time only the repeated metadata lines are cut (its samples are kept).
 
     Only metadata lines are looked at: a block runs from a ``# HELP``/``# TYPE`` line to
     the next metadata line of another name (Envoy declares every family; its samples
@@ -84,6 +86,8 @@ class FamilyGate:
         self._help_seen: set[bytes] = set()  # names of its HELP lines / blocks so far
         self._last = b""  # the last metadata key (b"TYPE name") seen
         self._cutting = False  # its block is being cut (it may go on in the next chunk)
+        self._merging = False  # its block repeats a kept family: metadata lines cut only
+        self._dropped: set[bytes] = set()  # names of blocks cut as another source's
 
     def filter(self, data: bytes, end: int | None = None, start: int = 0
                ) -> bytes | memoryview:
@@ -116,15 +120,26 @@ class FamilyGate:
         keep_from = None if self._cutting else begin
         for start, key in _metadata_lines(data, end, begin):
             new, self._last = _new_block(key, self._last), key
-            if not new:
+            if new:
+                name = key[5:]
+                if name in self._seen or name in self._help_seen:
+                    drop = name in self._dropped
+                    self._merging = not drop  # a second group of a kept family
+                else:
+                    drop = bool(self.claims.admit_text_names({name}, self.source))
+                    self._merging = False
+                    if drop:
+                        self._dropped.add(name)
+                self._seen.add(name)
+                self._help_seen.add(name)
+            elif not self._merging:
                 continue  # the same block goes on (its HELP, then its TYPE)
-            name = key[5:]
-            repeat = name in self._seen or name in self._help_seen
-            if repeat:
-                self.claims.dropped[self.source] = self.claims.dropped.get(self.source, 0) + 1
-            drop = repeat or bool(self.claims.admit_text_names({name}, self.source))
-            self._seen.add(name)
-            self._help_seen.add(name)
+            if self._merging:  # only its metadata line goes: the samples join the family
+                if keep_from is not None:
+                    out.append(data[keep_from:start])
+                line_end = data.find(b"\n", start, end)
+                keep_from = end if line_end < 0 else line_end + 1
+                continue
             if drop and keep_from is not None:
                 out.append(data[keep_from:start])
                 keep_from = None

@@ -151,8 +151,10 @@ def _own_body(registry: CollectorRegistry, claims: ex.Claims) -> bytes:
 
 
 def _envoy_openmetrics(body: bytes, claims: ex.Claims) -> bytes:
-    """Envoy's text as OpenMetrics (see :mod:`agent.status.exposition`). Raises ValueError."""
-    return ex.render(claims.admit(ex.for_openmetrics(ex.parse_text(body)), "envoy"), True)
+    """Envoy's text as OpenMetrics (see :mod:`agent.status.exposition`), a family it
+    emits in two groups merged into one (:func:`ex.merge_groups`). Raises ValueError."""
+    fams = ex.merge_groups(ex.parse_text(body))
+    return ex.render(claims.admit(ex.for_openmetrics(fams), "envoy"), True)
 
 
 def _app_part(app: _AppBody, claims: ex.Claims) -> bytes:

@@ -21,7 +21,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from cni import annotate, enablement
-from cni.enrollment.api import ZdsPod, ZdsRejected, ZtunnelUnavailable
+from cni.enrollment.api import HostNetnsRefused, ZdsPod, ZdsRejected, ZtunnelUnavailable
 from cni.enrollment.dataplane import RECOVER
 from cni.enrollment.records import PodRecord, PodState, Step
 from cni.events import CniPodEvent, EnrollmentError
@@ -46,8 +46,9 @@ class Recovery:
     async def run(self) -> dict[str, str]:
         """Re-adopt pods enrolled before a restart. Returns ``{uid: outcome}``:
         ``enabled``, ``netns-missing``, ``failed``/``pending`` (a step failed; retried),
-        ``dropped`` (netns and Pod object both gone: forgotten, never announced, so
-        ztunnel drains its proxy) or ``unenrolled`` (no longer qualifies).
+        ``dropped`` (netns and Pod object both gone, or the recorded netns is the node's
+        own, a hostNetwork pod's: forgotten, never announced, so ztunnel drains its
+        proxy; no rules touched) or ``unenrolled`` (no longer qualifies).
 
         1. Candidates: persisted records and (Kubernetes mode) pods of this node annotated
            ``enabled``; each netns is looked up (recorded path if it still holds the pod
@@ -59,9 +60,10 @@ class Recovery:
            qualify are un-enrolled; the probe set is reconciled against the kept pods.
         """
         e = self.e
+        refused: dict[str, str] = {}
         try:
             candidates = self.candidates()
-            fds = await self._open_netns(candidates) if candidates else {}
+            fds = await self._open_netns(candidates, refused) if candidates else {}
             try:
                 verdicts = {uid: self.verdict(rec, uid in fds)
                             for uid, rec in candidates.items()}
@@ -76,8 +78,8 @@ class Recovery:
                 e.zds.open_accept()
         if not candidates:
             await self._reconcile_probe_set({})  # entries of pods gone while we were not
-            return {}
-        outcomes: dict[str, str] = {}
+            return refused
+        outcomes: dict[str, str] = dict(refused)
         try:
             kept_results = await asyncio.gather(*(self._recover_kept(rec, fds.pop(rec.uid, None))
                                                   for rec in kept))
@@ -200,15 +202,25 @@ class Recovery:
             return gone, decision.reason
         return KEEP, decision.reason
 
-    async def _open_netns(self, wanted: dict[str, PodRecord]) -> dict[str, int]:
+    async def _open_netns(self, wanted: dict[str, PodRecord], refused: dict[str, str]
+                          ) -> dict[str, int]:
         """``{uid: open netns fd}`` for the pods whose netns was found (caller closes);
-        ``rec.netns`` is updated to where it was found."""
+        ``rec.netns`` is updated to where it was found. A pod whose netns is the node's
+        own (:class:`HostNetnsRefused`: a hostNetwork pod's record) is taken out of
+        ``wanted``, its record removed, ``refused[uid] = "dropped"``: neither
+        reconciling nor un-enrolling may touch the host's rules."""
         found = await self.find_netns(wanted)
         fds: dict[str, int] = {}
         for uid, path in found.items():
             try:
                 fds[uid] = self.e.netns.open(path)
                 wanted[uid].netns = path
+            except HostNetnsRefused as err:
+                rec = wanted.pop(uid)
+                log.warning("%s: field 'netns': %s; record dropped, no rules touched",
+                            rec.label(), err)
+                self.e.state.remove(uid)
+                refused[uid] = "dropped"
             except OSError as err:
                 log.warning("%s: netns %s: %s", wanted[uid].label(), path, err)
         return fds

@@ -16,9 +16,13 @@ that came up while no agent could enroll it, is enrolled as soon as the agent ru
 An enrolled pod whose phase becomes Succeeded or Failed is removed from ztunnel at once
 with ``is_delete=True`` (upstream: "job pod that we captured and just terminated").
 
+An enrolled pod whose Pod object is deleted is removed the same way (upstream's
+informer: a Pod delete is ``RemovePodFromMesh(pod, isDelete=true)``), so a pod whose
+CNI DEL never came does not stay ``enabled`` with a proxy in ztunnel.
+
 What is not done here, as upstream: a pod whose process can't be found (not running
 yet, or not on this node) is left to its CNI ADD, which enrolls it when its sandbox is
-created; a deleted Pod object is left to the CNI DEL; terminal pods (phase Succeeded or
+created; terminal pods (phase Succeeded or
 Failed), host-network pods and ztunnel's own pods are never enrolled here.
 
 Our addition: a pod whose CNI ADD the agent answered "not ambient" is remembered with
@@ -71,11 +75,13 @@ class LivePods:
         self.proc_dir = proc_dir
         self.files_source = files_source
         self._dirty: set[str] = set()
+        self._deleted: set[str] = set()  # uids whose Pod object the store deleted
         self._task: asyncio.Task | None = None
         self._unsubscribe = None
         self._leaving: dict[str, asyncio.Task] = {}
         self._joining: dict[str, asyncio.Task] = {}
         self.stats = {"enrolled_live": 0, "removed_live": 0, "removed_terminal": 0,
+                      "removed_deleted": 0,
                       "not_found": 0, "scans": 0}
 
     # --- lifecycle ---
@@ -114,8 +120,8 @@ class LivePods:
 
     def on_events(self, events: list) -> None:
         """Store listener: note the pods a Pod or Namespace change touches. A Pod
-        delete is left to the CNI DEL; a Namespace counts only when its labels changed
-        (or it appeared or went away)."""
+        delete of an enrolled pod removes it from ztunnel; a Namespace counts only when
+        its labels changed (or it appeared or went away)."""
         for ev in events:
             if ev.kind in ("Pod", "Namespace"):
                 self.enrollment.metrics.event(ev.old, ev.new)
@@ -123,6 +129,10 @@ class LivePods:
                 uid = _uid(ev.new) if ev.new is not None else ""
                 if uid:
                     self._dirty.add(uid)
+                    self._deleted.discard(uid)
+                elif _uid(ev.old) in self.enrollment.records:
+                    self._deleted.add(_uid(ev.old))
+                    self._dirty.add(_uid(ev.old))
             elif ev.kind == "Namespace" and _labels(ev.old) != _labels(ev.new):
                 try:
                     pods = self.store.list("Pod", ev.name)
@@ -189,8 +199,13 @@ class LivePods:
         records = self.enrollment.records
         pod = self.store.pod_by_uid(uid)
         if pod is None:
-            # an enrolled pod without a Pod object: only its namespace can say no
             rec = records.get(uid)
+            if rec is not None and uid in self._deleted:
+                self._deleted.discard(uid)
+                self._leave(uid, "Pod object deleted", terminal=True, stat="removed_deleted")
+                return
+            self._deleted.discard(uid)
+            # an enrolled pod without a Pod object: only its namespace can say no
             if rec is not None and rec.namespace in self.exclude:
                 self._leave(uid, f"namespace {rec.namespace} is excluded")
             return
@@ -216,10 +231,11 @@ class LivePods:
             return
         join[uid] = pod
 
-    def _leave(self, uid: str, why: str, terminal: bool = False) -> None:
+    def _leave(self, uid: str, why: str, terminal: bool = False,
+               stat: str = "removed_terminal") -> None:
         if uid in self._leaving:
             return
-        work = self._terminated(uid, why) if terminal else self._leave_mesh(uid, why)
+        work = self._terminated(uid, why, stat) if terminal else self._leave_mesh(uid, why)
         task = asyncio.get_running_loop().create_task(work, name=f"unenroll-{uid}")
         self._leaving[uid] = task
         task.add_done_callback(functools.partial(_forget, self._leaving, uid))
@@ -241,13 +257,14 @@ class LivePods:
         except EnrollmentError as e:
             log.warning("un-enrolling %s: %s", rec.label(), e)
 
-    async def _terminated(self, uid: str, why: str) -> None:
-        """An enrolled pod whose phase became Succeeded or Failed (a Job's pod): its
-        processes are gone but the sandbox (and the CNI DEL) may come much later, so, as
-        upstream's informer (``RemovePodFromMesh(oldPod, isDelete=true)``), it leaves
-        ztunnel at once: probe entries (by owner, so also when the terminal status
-        dropped its IPs), ZDS delete, annotation, record. In-pod rules stay with the
-        netns, as on a CNI DEL."""
+    async def _terminated(self, uid: str, why: str, stat: str = "removed_terminal") -> None:
+        """An enrolled pod whose phase became Succeeded or Failed (a Job's pod), or whose
+        Pod object was deleted: its processes are gone or going but the sandbox (and the
+        CNI DEL) may come much later or never, so, as upstream's informer
+        (``RemovePodFromMesh(oldPod, isDelete=true)``), it leaves ztunnel at once: probe
+        entries (by owner, so also when the terminal status dropped its IPs), ZDS delete,
+        annotation, record. In-pod rules stay with the netns, as on a CNI DEL.
+        ``stat`` is the :attr:`stats` key counted."""
         rec = self.enrollment.records.get(uid)
         if rec is None:
             return
@@ -257,7 +274,7 @@ class LivePods:
                             ips=list(rec.ips))
         try:
             await self.enrollment.unenroll(event, is_delete=True)
-            self.stats["removed_terminal"] += 1
+            self.stats[stat] += 1
         except EnrollmentError as e:
             log.warning("removing terminated %s: %s", rec.label(), e)
 

@@ -17,7 +17,7 @@ import os
 from typing import Callable, Iterable, Mapping
 
 from agent.core.lifecycle import Component
-from cni.enrollment.api import NetnsGone, ZdsPod, ZdsRejected, ZtunnelUnavailable
+from cni.enrollment.api import HostNetnsRefused, NetnsGone, ZdsPod, ZdsRejected, ZtunnelUnavailable
 from cni.enrollment.kernel import LoopbackDown
 from cni.rules_common import RuleOptions, RulesError
 
@@ -25,7 +25,8 @@ from cni.rules_common import RuleOptions, RulesError
 class FakeNetns:
     """Netns paths -> inodes; rules held per inode. ``apply_error``/``delete_error``: an
     exception the next apply/delete raises; ``moved``: ``uid -> path`` the ``/proc``
-    scan finds (a pod whose recorded path is gone)."""
+    scan finds (a pod whose recorded path is gone); ``host_paths``: paths naming the
+    node's own netns (``open`` refuses them as :class:`KernelNetns` does)."""
 
     host_netns = (1, 1)
 
@@ -40,6 +41,7 @@ class FakeNetns:
         self.moved: dict[str, str] = {}
         self.applied: list[tuple[str, bool]] = []  # (label, known)
         self.deleted: list[int | str] = []
+        self.host_paths: set[str] = set()
 
     def create(self, path: str) -> int:
         self.paths[path] = inode = next(self._inodes)
@@ -55,6 +57,8 @@ class FakeNetns:
     def open(self, path: str) -> int:
         if path not in self.paths:
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+        if path in self.host_paths:
+            raise HostNetnsRefused(path)
         fd = next(self._fds)
         self.open_fds[fd] = self.paths[path]
         return fd
@@ -229,6 +233,14 @@ class FakeSource(Component):
         self.pods[pod["metadata"]["uid"]] = pod
         event = StoreEvent("Pod", pod["metadata"].get("namespace", ""), pod["metadata"]["name"],
                            old, pod)
+        for listener in list(self.listeners):
+            listener([event])
+
+    def delete(self, uid: str) -> None:
+        """Remove the Pod object ``uid`` and tell the listeners (``new`` None)."""
+        old = self.pods.pop(uid)
+        event = StoreEvent("Pod", old["metadata"].get("namespace", ""), old["metadata"]["name"],
+                           old, None)
         for listener in list(self.listeners):
             listener([event])
 

@@ -368,6 +368,35 @@ async def test_restart_recovery_decisions(state_dir):
         r.close()
 
 
+async def test_recovery_drops_a_record_naming_the_host_netns(state_dir, caplog):
+    """A record of a hostNetwork pod (its netns is the node's): recovery never enters it,
+    neither to reconcile nor to un-enroll (the host's ``ISTIO_*`` chains would go); the
+    record is dropped with one WARN naming the pod."""
+    source = FakeSource(synced=True)
+    r = Rig(state_dir, source=source)
+    try:
+        for uid in ("uid-hostnet", "uid-hostkeep"):
+            _write_record(state_dir, uid, "/proc/1/ns/net", "10.0.0.1")
+        r.netns.create("/proc/1/ns/net")
+        r.netns.host_paths.add("/proc/1/ns/net")
+        source.pods = {"uid-hostnet": _pod("uid-hostnet", "hostnet",
+                                           labels={"istio.io/dataplane-mode": "none"}),
+                       "uid-hostkeep": _pod("uid-hostkeep", "hostkeep")}
+        with caplog.at_level("WARNING", logger="cni.enrollment.recovery"):
+            outcomes = await r.enrollment.recover()
+        assert outcomes == {"uid-hostnet": "dropped", "uid-hostkeep": "dropped"}
+        assert r.netns.deleted == [] and r.netns.applied == []
+        assert r.zds.adds == [] and r.zds.deletes == []
+        assert r.enrollment.pods() == {} and "uid-hostkeep" not in r.enrollment.retries
+        assert not (state_dir / "pods" / "uid-hostnet.json").exists()
+        assert not (state_dir / "pods" / "uid-hostkeep.json").exists()
+        warns = [m.getMessage() for m in caplog.records if m.levelname == "WARNING"]
+        assert len(warns) == 2
+        assert any("shop/hostnet" in w for w in warns) and any("shop/hostkeep" in w for w in warns)
+    finally:
+        r.close()
+
+
 async def test_recovery_without_synced_source_drops_nothing(state_dir):
     r = Rig(state_dir, source=FakeSource(synced=False))
     try:
@@ -453,6 +482,35 @@ async def test_label_removal_through_the_store_watch_unenrolls(state_dir):
         assert r.netns.deleted == [NETNS] and r.netns.rules_at(NETNS) is None
         assert UID in r.zds.deletes and r.probes.entries == {}
         assert r.enrollment.live.stats["removed_live"] == 1
+        await r.enrollment.stop(1.0)
+    finally:
+        r.close()
+
+
+async def test_pod_delete_through_the_store_watch_removes_it_from_ztunnel(state_dir):
+    """A Pod object deleted while its CNI DEL is lost (upstream's informer: a Pod delete
+    is ``RemovePodFromMesh(pod, isDelete=true)``): the pod leaves ztunnel (ZDS delete),
+    its probe entries and record go; its rules are left to the netns, as on a CNI DEL.
+    A delete of a Pod the agent never enrolled changes nothing."""
+    source = FakeSource()
+    r = Rig(state_dir, source=source)
+    try:
+        r.netns.create(NETNS)
+        pod = _pod(UID, "web")
+        pod["status"]["podIPs"] = [{"ip": IP}]
+        source.pods[UID] = pod
+        source.pods["uid-other"] = _pod("uid-other", "other", node="node-2")
+        await r.enrollment.start()
+        await r.enrollment.enroll(event())
+        assert r.enrollment.pods()[UID].status is PodState.ENABLED
+        source.delete("uid-other")
+        source.delete(UID)
+        await until(lambda: UID not in r.enrollment.pods())
+        await until(lambda: not r.enrollment.live.busy())
+        assert r.zds.deletes == [UID] and r.probes.entries == {}
+        assert r.netns.deleted == [] and r.netns.rules_at(NETNS) is not None
+        assert not (state_dir / "pods" / f"{UID}.json").exists()
+        assert r.enrollment.live.stats["removed_deleted"] == 1
         await r.enrollment.stop(1.0)
     finally:
         r.close()

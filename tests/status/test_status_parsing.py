@@ -134,7 +134,8 @@ def test_gate_cuts_whole_families_an_earlier_source_holds():
 
 def test_gate_fast_path_passes_chunk_through_and_catches_repeats():
     """The common case (nothing cut) hands back the very same buffer, no copy; a family
-    this body declares again, within one chunk or across chunks, is cut whole."""
+    this body declares again, within one chunk or across chunks, keeps its samples,
+    only the repeated metadata lines cut."""
     from agent.status.exposition import Claims
     g = familygate.FamilyGate(Claims(om=False), "envoy")
     chunk = b"# TYPE envoy_a counter\nenvoy_a 1\n# HELP envoy_b B\n# TYPE envoy_b gauge\nenvoy_"
@@ -145,14 +146,14 @@ def test_gate_fast_path_passes_chunk_through_and_catches_repeats():
     assert g.filter(b"a 1 # TYPE not_metadata x\n# HELPER x\n") == \
         b"a 1 # TYPE not_metadata x\n# HELPER x\n"  # only "# HELP "/"# TYPE " at line start
     assert g.filter(b"# TYPE envoy_a counter\nenvoy_a{y=\"1\"} 2\n# TYPE envoy_d gauge\nenvoy_d 1\n") \
-        == b"# TYPE envoy_d gauge\nenvoy_d 1\n"
+        == b'envoy_a{y="1"} 2\n# TYPE envoy_d gauge\nenvoy_d 1\n'
     assert g.filter(b"# TYPE envoy_e gauge\nenvoy_e 1\n# TYPE envoy_e gauge\nenvoy_e 2\n") == \
-        b"# TYPE envoy_e gauge\nenvoy_e 1\n"
-    assert g.filter(b'envoy_e{z="3"} 3\n') == b""  # the cut family goes on in this chunk
+        b"# TYPE envoy_e gauge\nenvoy_e 1\nenvoy_e 2\n"
+    assert g.filter(b'envoy_e{z="3"} 3\n') == b'envoy_e{z="3"} 3\n'  # its group goes on
     kept = b"# TYPE envoy_f gauge\nenvoy_f 1\n"
     assert g.filter(kept) == kept
     assert g.filter(b"envoy_f 2\n") == b"envoy_f 2\n"  # no metadata at all: not cut
-    assert g.claims.dropped == {"envoy": 2}
+    assert g.claims.dropped == {}
 
 
 @pytest.mark.parametrize("body", [
@@ -209,11 +210,40 @@ def test_text_to_openmetrics_keeps_sample_names_and_parses_strictly():
     assert b'le="1.0"' in out and b"# TYPE envoy_rq " not in out and claims.dropped == {}
 
 
+def test_envoy_family_in_two_groups_keeps_every_sample():
+    """Envoy may emit one family in two separate groups (its ``# TYPE`` name twice, not
+    adjacent, in one scrape): both groups' samples survive, under one family. OpenMetrics
+    (parsed): merged into the first group's place; text (streamed): the repeated
+    HELP/TYPE lines cut, the samples kept; nothing counted as dropped."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om
+    from prometheus_client.parser import text_string_to_metric_families as text
+
+    from agent.status import exposition as ex
+    from agent.status.metrics_merge import _envoy_openmetrics
+
+    body = (b'# HELP envoy_rq requests\n# TYPE envoy_rq gauge\nenvoy_rq{code="200"} 3\n'
+            b'# TYPE envoy_other gauge\nenvoy_other 1\n'
+            b'# HELP envoy_rq requests\n# TYPE envoy_rq gauge\nenvoy_rq{code="503"} 2\n')
+    claims = ex.Claims(om=True)
+    out = _envoy_openmetrics(body, claims)
+    fams = list(om(out.decode() + "# EOF\n"))
+    assert [f.name for f in fams] == ["envoy_rq", "envoy_other"] and claims.dropped == {}
+    assert [(s.labels["code"], s.value) for s in fams[0].samples] == [("200", 3), ("503", 2)]
+
+    claims = ex.Claims(om=False)
+    gated = bytes(familygate.FamilyGate(claims, "envoy").filter(body))
+    assert gated.count(b"# TYPE envoy_rq ") == 1 and claims.dropped == {}
+    samples = [(s.name, s.labels, s.value) for f in text(gated.decode()) for s in f.samples]
+    assert ("envoy_rq", {"code": "200"}, 3) in samples
+    assert ("envoy_rq", {"code": "503"}, 2) in samples and len(samples) == 3
+
+
 def test_line_aligned_stream_gives_the_same_body_for_any_chunking():
     """The Envoy stream (:class:`familygate.LineAligned`) copies only the line that
     straddles two chunks; whatever the chunk boundaries, the gated body is the one the
-    gate gives for the whole body at once (a held family and a family declared twice
-    cut, the rest kept byte for byte, a missing final newline added)."""
+    gate gives for the whole body at once (a held family cut, a family declared twice
+    kept with its second TYPE line cut, the rest kept byte for byte, a missing final
+    newline added)."""
     import random
 
     from agent.status import exposition as ex
@@ -231,7 +261,7 @@ def test_line_aligned_stream_gives_the_same_body_for_any_chunking():
 
     want = gated([body])
     assert want == (b"# TYPE keep_a counter\nkeep_a 1\n# HELP keep_b B\n# TYPE keep_b gauge\n"
-                    b"keep_b 3\n# TYPE keep_c gauge\nkeep_c 4\n")
+                    b"keep_b 3\nkeep_a 9\n# TYPE keep_c gauge\nkeep_c 4\n")
     rnd = random.Random(7)
     for _ in range(300):
         cuts = sorted(rnd.sample(range(1, len(body)), rnd.randint(1, 12)))
