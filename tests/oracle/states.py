@@ -19,9 +19,9 @@ Operations:
 - ``("delete", apiVersion, kind, ns, name)`` delete one object (pods: user + kubelet);
 - ``("terminate", ns, name)`` a pod's graceful delete only (it stays, terminating).
 
-``xfail`` names the issue item a case is known to differ by (non-strict: once the index
-lane's fix lands the case passes and the marker can go); ``deliberate`` names entries of
-docs/xds.md "Deliberate differences from istiod" that the case may show.
+``xfail`` names the issue item a case is known to differ by while its fix is pending
+(non-strict; none today); ``deliberate`` names entries of docs/xds.md "Deliberate
+differences from istiod" that the case may show.
 """
 
 from __future__ import annotations
@@ -241,9 +241,7 @@ def _cases() -> list[Case]:
         pod("d1", a, [ip(1)], labels={"app": "db"})]])
     case("service-without-selector-with-slice", lambda a, b, ip: [[
         svc("ext", a, None),
-        slice_("ext-1", a, "ext", [{"addresses": [ip(9)], "conditions": {"ready": True}}])]],
-        xfail="issue 26 item 2: EndpointSlice-only endpoints carry name, canonical "
-              "name/revision and POD type that upstream leaves empty")
+        slice_("ext-1", a, "ext", [{"addresses": [ip(9)], "conditions": {"ready": True}}])]])
     case("service-slice-pointing-at-pod", lambda a, b, ip: [[
         svc("ext", a, None), pod("p", a, [ip(1)], labels={"app": "p"}),
         slice_("ext-1", a, "ext", [{"addresses": [ip(1)], "conditions": {"ready": True},
@@ -268,9 +266,7 @@ def _cases() -> list[Case]:
         svc("mixed", a, {"app": "m"}, ports=[
             {"name": "h2", "port": 81, "appProtocol": "http2", "targetPort": 8081},
             {"name": "dns", "port": 53, "protocol": "UDP"}]),
-        pod("m1", a, [ip(1)], labels={"app": "m"})]],
-         xfail="oracle finding O1 (/work/lanes/oracle-diffs.md): a Service's UDP port is "
-               "dropped; istiod keeps it in Service.ports and the workload's services")
+        pod("m1", a, [ip(1)], labels={"app": "m"})]])
     case("service-ports-changed-then-deleted", lambda a, b, ip: [
         [svc("web", a, {"app": "web"}), pod("w1", a, [ip(1)], labels={"app": "web"})],
         [svc("web", a, {"app": "web"}, ports=[{"name": "http", "port": 8000,
@@ -305,18 +301,15 @@ def _cases() -> list[Case]:
         we("s2", a, {"address": ip(2), "labels": {"app": "sel"}}, labels={"app": "sel"})]])
     case("serviceentry-dns", lambda a, b, ip: [[se(
         "dns", a, se_spec("DNS", endpoints=[{"address": "a.example.invalid"},
-                                            {"address": "b.example.invalid"}]))]],
-         xfail="issue 26 item 2: ServiceEntry auto-allocated addresses are missing")
+                                            {"address": "b.example.invalid"}]))]])
     case("serviceentry-dns-round-robin", lambda a, b, ip: [[se(
-        "rr", a, se_spec("DNS_ROUND_ROBIN"))]],
-         xfail="issue 26 item 2: ServiceEntry auto-allocated addresses are missing")
+        "rr", a, se_spec("DNS_ROUND_ROBIN"))]])
     case("serviceentry-none", lambda a, b, ip: [[se(
         "none", a, se_spec("NONE", addresses=["240.0.0.12"]))]])
     case("serviceentry-auto-allocated-address", lambda a, b, ip: [[se(
         "auto", a, {"hosts": ["auto.example.invalid"],
                     "ports": [{"number": 80, "name": "http", "protocol": "HTTP"}],
-                    "resolution": "DNS"})]],
-        xfail="issue 26 item 2: ServiceEntry auto-allocated addresses are missing")
+                    "resolution": "DNS"})]])
     case("serviceentry-mesh-internal-multi-host", lambda a, b, ip: [[se(
         "multi", a, {"hosts": ["m1.internal", "m2.internal"], "addresses": ["240.0.0.13"],
                      "ports": [{"number": 8080, "name": "http", "protocol": "HTTP"}],
@@ -324,9 +317,7 @@ def _cases() -> list[Case]:
                      "endpoints": [{"address": ip(1), "serviceAccount": "m"}]})]])
     case("serviceentry-dns-with-strict-peerauthentication", lambda a, b, ip: [[
         pa("strict", a, {"mtls": {"mode": "STRICT"}}),
-        se("dns", a, se_spec("DNS", endpoints=[{"address": "a.example.invalid"}]))]],
-        xfail="issue 26 item 2: a DNS-resolution ServiceEntry's workloads get no "
-              "policies at all (not even the namespace's STRICT PeerAuthentication)")
+        se("dns", a, se_spec("DNS", endpoints=[{"address": "a.example.invalid"}]))]])
     case("serviceentry-inline-endpoints-selector-policy", lambda a, b, ip: [[
         se("static", a, se_spec("STATIC", addresses=["240.0.0.14"],
                                 endpoints=[{"address": ip(1), "labels": {"app": "ep"}}]),
@@ -336,17 +327,13 @@ def _cases() -> list[Case]:
                                   "ports": ["9999"]}}]}]}),
         ap("by-ep-label", a, {"selector": {"matchLabels": {"app": "ep"}},
                               "action": "DENY", "rules": [{"to": [{"operation": {
-                                  "ports": ["9998"]}}]}]})]],
-        xfail="issue 26 item 2: ServiceEntry inline endpoints: policies are picked by the "
-              "ServiceEntry's labels upstream (by the endpoint's here)")
+                                  "ports": ["9998"]}}]}]})]])
     case("serviceentry-policy-added-after", lambda a, b, ip: [
         [se("static", a, se_spec("STATIC", addresses=["240.0.0.15"],
                                  endpoints=[{"address": ip(1)}]), labels={"app": "se"})],
         [ap("late", a, {"selector": {"matchLabels": {"app": "se"}}, "action": "DENY",
                         "rules": [{"to": [{"operation": {"ports": ["9999"]}}]}]})],
-        [delete(SEC, "AuthorizationPolicy", a, "late")]],
-        xfail="issue 26 item 2: a selector policy added or removed after the ServiceEntry "
-              "never reaches its inline endpoints")
+        [delete(SEC, "AuthorizationPolicy", a, "late")]])
     case("serviceentry-changed-then-deleted", lambda a, b, ip: [
         [se("s", a, se_spec("STATIC", addresses=["240.0.0.16"],
                             endpoints=[{"address": ip(1)}]))],
@@ -359,9 +346,7 @@ def _cases() -> list[Case]:
         "vm", a, {"address": ip(1), "labels": {"app": "vm"}, "serviceAccount": "vm-sa",
                   "locality": "region-a/zone-b/sub-c"}, labels={"app": "vm"})]])
     case("workloadentry-without-address", lambda a, b, ip: [[we(
-        "remote", a, {"network": "net-2", "labels": {"app": "r"}}, labels={"app": "r"})]],
-        xfail="issue 26 item 2: a WorkloadEntry without spec.address is dropped; upstream "
-              "keeps it")
+        "remote", a, {"network": "net-2", "labels": {"app": "r"}}, labels={"app": "r"})]])
     case("workloadentry-selected-by-service", lambda a, b, ip: [[
         svc("vmsvc", a, {"app": "vm"}),
         we("vm", a, {"address": ip(1), "labels": {"app": "vm"},
@@ -413,8 +398,7 @@ def _cases() -> list[Case]:
         pod("p", a, [ip(1)]),
         ap("deny-get", a, {"action": "DENY", "rules": [{"to": [{"operation": {
             "methods": ["GET"]}}]}]})]],
-         xfail="oracle finding O2: a DENY rule with only HTTP attributes; istiod sends one "
-               "rule with an empty match, the agent a group with no rules")
+         deliberate=("deny-http-only-denies-all",))
     case("authz-targetref-waypoint-gateway", lambda a, b, ip: [
         waypoint("waypoint", a, ip=ip(50)) + [
             ap("on-waypoint", a, {"targetRefs": [{"kind": "Gateway", "group":
@@ -486,9 +470,7 @@ def _cases() -> list[Case]:
         pa("default", a, {"mtls": {"mode": "STRICT"}}),
         pa("db", a, {"selector": {"matchLabels": {"app": "db"}},
                      "portLevelMtls": {"9090": {"mode": "DISABLE"}}})]],
-         xfail="oracle finding O3: namespace STRICT + a workload PeerAuthentication with only "
-               "a port-level DISABLE; istiod binds the workload to "
-               "istio-system/istio_converted_static_strict, the agent to the converted policy")
+         deliberate=("port-level-disable-under-inherited-strict",))
     case("peerauthn-disable-and-unset", lambda a, b, ip: [[
         pod("p", a, [ip(1)], labels={"app": "x"}), pod("q", a, [ip(2)], labels={"app": "y"}),
         pa("off", a, {"selector": {"matchLabels": {"app": "x"}}, "mtls": {"mode": "DISABLE"}}),

@@ -40,9 +40,31 @@ def _no_labels_no_selector_policies(d: tuple) -> bool:
             and path == "workload.authorization_policies" and bool(istiod) and not agent)
 
 
+def _deny_http_only_denies_all(d: tuple) -> bool:
+    """A DENY policy whose only rule has HTTP conditions: istiod sends the rule as one empty
+    match (ztunnel skips it: the DENY never fires), the agent no rule (the group matches:
+    it denies). Allowed only for that shape: istiod ``[{"matches": [{}]}]``, agent none."""
+    typ, name, path, istiod, agent = d
+    return (typ == "Authorization" and path.endswith(".rules")
+            and istiod == [{"matches": [{}]}] and not agent)
+
+
+def _port_level_disable_under_inherited_strict(d: tuple) -> bool:
+    """A workload PeerAuthentication with only a port-level DISABLE under a STRICT
+    namespace: istiod lists its static STRICT policy, the agent the converted policy of that
+    PeerAuthentication. Allowed only for exactly that pair of names."""
+    typ, name, path, istiod, agent = d
+    return (typ == "Address" and path.startswith("workload.authorization_policies")
+            and istiod == "istio-system/istio_converted_static_strict"
+            and isinstance(agent, str) and "/converted_peer_authentication_" in agent)
+
+
 # id -> predicate over one difference (type, name, path, istiod value, agent value); an id
 # must be an entry of docs/xds.md "Deliberate differences from istiod".
-DELIBERATE = {"no-labels-no-selector-policies": _no_labels_no_selector_policies}
+DELIBERATE = {"no-labels-no-selector-policies": _no_labels_no_selector_policies,
+              "deny-http-only-denies-all": _deny_http_only_denies_all,
+              "port-level-disable-under-inherited-strict":
+                  _port_level_disable_under_inherited_strict}
 
 
 def _documented_ids() -> set[str]:
