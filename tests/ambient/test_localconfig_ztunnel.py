@@ -167,29 +167,43 @@ def test_a_tag_outside_local_config_is_refused(tmp_path):
 def _ztunnel_verdict(path: str, timeout: float = 20.0) -> tuple[bool, str]:
     """Run ztunnel on ``path`` in a private netns; True when it loaded the file."""
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LOCAL_XDS_PATH": path,
-           "FAKE_CA": "true", "PROXY_MODE": "dedicated", "RUST_LOG": "info",
+           "CA_ADDRESS": "https://127.0.0.1:1", "PROXY_MODE": "dedicated", "RUST_LOG": "info",
+           "PROXY_WORKLOAD_INFO": "default/local/local",
            "XDS_ADDRESS": "", "NODE_NAME": "local", "POD_NAMESPACE": "default",
            "POD_NAME": "local", "SERVICE_ACCOUNT": "local", "INSTANCE_IP": "127.0.0.1",
            "ISTIO_META_DNS_CAPTURE": "false"}
     proc = subprocess.Popen(["unshare", "--net", "sh", "-c", f"ip link set lo up && exec {ZTUNNEL}"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out: list[str] = []
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = bytearray()
     deadline = time.monotonic() + timeout
+
+    def drain(fd: int) -> None:
+        # a non-blocking pipe: read what is there (a text-mode read of an empty
+        # non-blocking pipe fails inside the decoder instead of returning nothing)
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                return
+            if not chunk:
+                return
+            out.extend(chunk)
+
     try:
         assert proc.stdout is not None
-        os.set_blocking(proc.stdout.fileno(), False)
+        fd = proc.stdout.fileno()
+        os.set_blocking(fd, False)
         while time.monotonic() < deadline:
-            chunk = proc.stdout.read() or ""
-            out.append(chunk)
-            text = "".join(out)
+            drain(fd)
+            text = out.decode(errors="replace")
             if "local config initialized" in text:
                 return True, text
             if proc.poll() is not None:
-                out.append(proc.stdout.read() or "")
-                return False, "".join(out)
+                drain(fd)
+                return False, out.decode(errors="replace")
             time.sleep(0.1)
         raise AssertionError("ztunnel neither loaded nor refused the file in "
-                             f"{timeout}s:\n{''.join(out)[-2000:]}")
+                             f"{timeout}s:\n{out.decode(errors='replace')[-2000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
