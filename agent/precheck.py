@@ -52,6 +52,8 @@ import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING
 
+from agent.core import unixsocket
+
 if TYPE_CHECKING:
     from agent.core.config import Config
 
@@ -188,7 +190,7 @@ def check_istio_cni(config: Config) -> Check:
         found.append(f"{binary} was not installed by this agent"
                      + (" (an ELF binary: upstream istio-cni?)" if head.startswith(b"\x7fELF")
                         else ""))
-    if _live_unix(UPSTREAM_EVENT_SOCKET, socket.SOCK_STREAM) and \
+    if unixsocket.answers(UPSTREAM_EVENT_SOCKET, socket.SOCK_STREAM) and \
             os.path.realpath(UPSTREAM_EVENT_SOCKET) != os.path.realpath(config.cni_event_socket):
         found.append(f"an istio-cni node agent answers on {UPSTREAM_EVENT_SOCKET}")
     if found:
@@ -215,18 +217,6 @@ def check_ports(config: Config) -> Check:
     return Check("ports", OK, f"free: {', '.join(free)}")
 
 
-def _live_unix(path: str, kind: int) -> bool:
-    s = socket.socket(socket.AF_UNIX, kind | socket.SOCK_CLOEXEC)
-    try:
-        s.settimeout(1.0)
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
 def check_zds(config: Config) -> Check:
     path = config.ztunnel_uds_address
     parent = os.path.dirname(path) or "."
@@ -238,7 +228,7 @@ def check_zds(config: Config) -> Check:
         probe_dir = up
     if not os.access(probe_dir, os.W_OK | os.X_OK):
         return Check("ZDS socket", FAIL, f"{probe_dir} is not writable (for {path})")
-    if os.path.exists(path) and _live_unix(path, socket.SOCK_SEQPACKET):
+    if os.path.exists(path) and unixsocket.answers(path, socket.SOCK_SEQPACKET):
         return Check("ZDS socket", FAIL, f"a live server already answers on {path} (another "
                      "agent?)")
     where = parent if os.path.isdir(parent) else f"{probe_dir} (creates {parent})"

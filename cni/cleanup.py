@@ -37,6 +37,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from agent.core import unixsocket
+
 LOCK_NAME = "agent.lock"  # agent/daemon.py StateDirLock's file in the state dir
 LAUNCHER_MARK = b"ambient-agent cni install"  # in every launcher cni.install writes
 # state_dir entries the agent creates and cleanup removes (files or directories)
@@ -98,27 +100,14 @@ def hold_lock(state_dir: str, create: bool) -> int | None:
     return fd
 
 
-def _answers(path: str) -> bool:
-    """Whether a process accepts connections on the Unix socket ``path``."""
-    if not path or not os.path.exists(path):
-        return False
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(1.0)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
 def check_no_agent(config: Any) -> None:
     """Raises Refused when the admin, CNI event or ZDS socket answers (an agent, or
     another node agent serving ztunnel there)."""
-    for setting in ("admin_socket", "cni_event_socket", "ztunnel_uds_address"):
+    for setting, kind in (("admin_socket", socket.SOCK_STREAM),
+                          ("cni_event_socket", socket.SOCK_STREAM),
+                          ("ztunnel_uds_address", socket.SOCK_SEQPACKET)):  # ZDS: SEQPACKET
         path = getattr(config, setting)
-        if _answers(path):
+        if unixsocket.answers(path, kind):
             raise Refused(f"an agent answers on {path} ({setting}): stop it first")
 
 

@@ -104,3 +104,20 @@ def publish(path: str, bind, mode: int) -> None:
         except OSError:
             pass
         raise
+
+
+def answers(path: str, kind: int = socket.SOCK_STREAM, timeout: float = 1.0) -> bool:
+    """Whether a process accepts connections of socket type ``kind`` (``SOCK_STREAM``,
+    or ``SOCK_SEQPACKET`` for ZDS) on the Unix socket ``path``; False when it is missing,
+    refuses, is of another type, or does not answer within ``timeout`` seconds."""
+    if not path or not os.path.exists(path):
+        return False
+    s = socket.socket(socket.AF_UNIX, kind | socket.SOCK_CLOEXEC)
+    try:
+        s.settimeout(timeout)
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
