@@ -11,14 +11,13 @@ answering, or no permission on the socket → one line on stderr, exit 1.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
 from typing import Any, Mapping
 
-import aiohttp
 
+from agent.status import adminclient
 from agent.status.report import render
 
 DEFAULT_STATE_DIR = "/var/run/ambient-agent"
@@ -60,34 +59,11 @@ def socket_path(args: argparse.Namespace, env: dict[str, str] | None = None) -> 
     return os.path.join(state, "admin.sock")
 
 
-async def _get(path: str, timeout: float) -> tuple[int, bytes]:
-    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path),
-                                     timeout=aiohttp.ClientTimeout(total=timeout)) as s:
-        async with s.get("http://localhost/debug/all") as resp:
-            return resp.status, await resp.read()
-
-
 def fetch(path: str, timeout: float) -> dict[str, Any]:
     """``GET /debug/all`` on the admin socket ``path`` → dict. Raises RuntimeError with a
-    one-line message."""
-    try:
-        status, body = asyncio.run(_get(path, timeout))
-    except PermissionError:
-        raise RuntimeError(f"no permission to connect to {path} (the admin socket is for "
-                           "root only)") from None
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-        reason = getattr(e, "os_error", None) or e or "timed out"
-        if isinstance(getattr(e, "os_error", None), PermissionError):
-            raise RuntimeError(f"no permission to connect to {path} (the admin socket is "
-                               "for root only)") from None
-        raise RuntimeError(f"no agent answering at {path}: {reason}") from None
-    if status != 200:
-        raise RuntimeError(f"agent at {path} answered HTTP {status} for /debug/all: "
-                           f"{body.decode('utf-8', 'replace').strip()[:200]}")
-    try:
-        return json.loads(body.decode("utf-8"))
-    except ValueError as e:
-        raise RuntimeError(f"agent at {path} sent invalid JSON: {e}") from None
+    one-line message (:func:`agent.status.adminclient.get_json`)."""
+    doc: dict[str, Any] = adminclient.get_json(path, "/debug/all", timeout)
+    return doc
 
 
 def main(args: argparse.Namespace) -> int:
