@@ -1,6 +1,6 @@
 """Parse ``ISTIO_KUBE_APP_PROBERS``: the kubelet probes the injector rewrote to the status port.
 
-A setting value parser of the kernel (``agent.core.config`` checks the value with it before
+A setting value parser of the core layer (``agent.core.config`` checks the value with it before
 anything starts); the status server (``agent.status.probes``) runs the parsed probes. The
 rules and messages follow upstream's ``pkg/istio-agent/health`` (docs/status.md).
 """

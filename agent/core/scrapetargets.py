@@ -1,6 +1,6 @@
 """Parse ``ISTIO_PROMETHEUS_ANNOTATIONS``: the application metrics endpoints the status server merges.
 
-A setting value parser of the kernel (``agent.core.config`` checks the value with it before
+A setting value parser of the core layer (``agent.core.config`` checks the value with it before
 anything starts); the merge itself is ``agent.status.metrics_merge`` (docs/status.md).
 """
 

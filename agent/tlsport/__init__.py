@@ -13,6 +13,6 @@ imports the other for it:
 - :mod:`agent.tlsport.authn` — component ``authn``: who is calling (client
   certificate, tokens file, Kubernetes TokenReview).
 
-Layer: above the kernel (``agent.core``), below the components; it imports no
+Layer: above the core layer (``agent.core``), below the components; it imports no
 component (an import-linter contract in ``pyproject.toml``).
 """
