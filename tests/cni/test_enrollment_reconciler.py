@@ -356,7 +356,10 @@ async def test_restart_recovery_decisions(state_dir):
         assert "uid-gone" not in r.zds.pods  # never announced: ztunnel drains it
         for uid in ("uid-elsewhere", "uid-optout"):  # their rules go, their netns stays
             assert f"/run/netns/{uid}" in r.netns.deleted and uid in r.zds.deletes
-        assert set(r.probes.entries) == {"uid-keep", "uid-missing", "uid-moved"}
+        # the missing pod's IP leaves the probe set (issue 26), counted once
+        assert set(r.probes.entries) == {"uid-keep", "uid-moved"}
+        assert r.ctx.registry.get_sample_value(
+            "ambient_agent_recovery_netns_missing_total") == 1.0
         assert "uid-missing" in r.enrollment.retries
         assert sorted(p.name for p in (state_dir / "pods").iterdir()) == [
             "uid-keep.json", "uid-missing.json", "uid-moved.json"]
@@ -364,6 +367,36 @@ async def test_restart_recovery_decisions(state_dir):
         del source.pods["uid-missing"]
         await until(lambda: "uid-missing" not in r.enrollment.pods())
         assert "uid-missing" in r.zds.deletes and "uid-missing" not in r.enrollment.retries
+    finally:
+        r.close()
+
+
+async def test_recovery_netns_missing_reports_and_reenrolls_when_found(state_dir, caplog):
+    """Issue 26: a recorded pod whose netns is not found at restart (a reboot) leaves the
+    probe set (an entry an earlier run gave it goes), is counted, logged once naming its
+    netns, its annotation is asked to be removed, and it stays announced to ZDS without
+    a netns; when its netns appears, the retry enrolls it: entries back, ``enabled``."""
+    source = FakeSource(synced=True)
+    r = Rig(state_dir, source=source)
+    try:
+        _write_record(state_dir, "uid-lost", "/run/netns/lost", "10.1.0.7")
+        source.pods = {"uid-lost": _pod("uid-lost", "lost")}
+        r.probes.entries["uid-lost"] = {"10.1.0.7"}  # what the previous run left
+        with caplog.at_level("WARNING"):
+            assert await r.enrollment.recover() == {"uid-lost": "netns-missing"}
+        assert r.probes.entries.get("uid-lost", set()) == set()
+        assert r.ctx.registry.get_sample_value(
+            "ambient_agent_recovery_netns_missing_total") == 1.0
+        warns = [m.getMessage() for m in caplog.records if "not found at restart" in
+                 m.getMessage()]
+        assert len(warns) == 1 and "shop/lost" in warns[0] and "/run/netns/lost" in warns[0]
+        assert [(p.uid, p.netns_fd) for p, _ in r.zds.adds] == [("uid-lost", None)]
+        # its sandbox turns up (a late /proc): the retry enrolls it
+        r.netns.create("/proc/88/ns/net")
+        r.netns.moved["uid-lost"] = "/proc/88/ns/net"
+        await until(lambda: r.enrollment.pods()["uid-lost"].status is PodState.ENABLED)
+        assert r.probes.entries["uid-lost"] == {"10.1.0.7"}
+        assert r.enrollment.pods()["uid-lost"].steps[Step.STATUS] is True
     finally:
         r.close()
 
