@@ -25,6 +25,7 @@ from cni.enrollment.records import PodStateStore
 from cni.events import CniPodEvent
 from cni.rules_common import RulesError
 from tests.cni.enrollment_fakes import FakeNetns, FakeProbeSet, FakeSource, FakeZds
+from tests.helpers import ManualClock
 
 UID, NETNS, IP = "uid-a", "/run/netns/pod-a", "10.1.0.5"
 
@@ -128,6 +129,8 @@ async def test_add_of_missing_netns_fails_naming_the_path(rig):
 
 async def test_zds_unavailable_keeps_rules_and_retries_with_backoff(state_dir):
     r = Rig(state_dir, zds=FakeZds(ztunnel=False))
+    clock = ManualClock()
+    r.enrollment.retries.clock, r.enrollment.retries.sleep = clock.time, clock.sleep
     try:
         r.netns.create(NETNS)
         with pytest.raises(EnrollmentError) as err:
@@ -137,25 +140,24 @@ async def test_zds_unavailable_keeps_rules_and_retries_with_backoff(state_dir):
         assert rec.status is PodState.PENDING and rec.error.startswith("zds: ")
         assert r.netns.rules_at(NETNS) is not None  # fail closed: the rules stay
         assert UID in r.enrollment.retries
-        # retried with doubling delays (0.01, 0.02, 0.04, ...): each attempt one add. The
-        # delays are the queue's own (what it schedules), never measured gaps between
-        # wake-ups, which a loaded machine stretches at random; a measured gap is only
-        # checked to be no shorter than its delay (the queue never retries early).
-        loop = asyncio.get_running_loop()
+        # retried with doubling delays (0.01, 0.02, 0.04, ...): each attempt one add, at
+        # exactly its due time on the queue's clock. The clock is a manual one: the
+        # delays are checked exactly and a loaded machine can't stretch or shrink them.
         times: list[float] = []
-        delays: list[float] = []
         original = r.zds.add
 
         async def timed_add(pod, wait_ack=True, ztunnel_wait=None):
-            times.append(loop.time())
-            delays.append(r.enrollment.retries.backoff(UID))  # what this failure will wait
+            times.append(clock.now)
             await original(pod, wait_ack, ztunnel_wait)
         r.zds.add = timed_add  # type: ignore[method-assign]
-        await until(lambda: len(times) >= 4)
-        assert delays[1] == delays[0] * 2 and delays[2] == delays[1] * 2, delays
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        assert all(gap >= delay - 0.002 for gap, delay in zip(gaps, delays)), (gaps, delays)
+        for n in range(1, 5):
+            await until(lambda: clock.sleepers)  # the queue waits for the next due key
+            assert r.enrollment.retries.pending()[UID] == pytest.approx(0.01 * 2 ** (n - 1))
+            await clock.advance_to_next_sleeper()
+            await until(lambda: len(times) >= n)
+        assert times == pytest.approx([0.01, 0.03, 0.07, 0.15]), times
         r.zds.ztunnel = True  # a ztunnel connects: the next retry enrolls the pod
+        assert await clock.advance_to_next_sleeper() == pytest.approx(0.31)
         await until(lambda: r.enrollment.pods()[UID].status == PodState.ENABLED)
         assert r.enrollment.pods()[UID].attempts >= 4
         await until(lambda: UID not in r.enrollment.retries)
