@@ -94,7 +94,8 @@ class Recovery:
         # a pod whose netns is missing with its IPs known has no entries
         # (:meth:`_netns_missing`); one with IPs unknown keeps what it had
         await self._reconcile_probe_set({r.uid: r for r in kept
-                                         if r.status != PodState.NETNS_MISSING or not r.ips})
+                                         if r.status != PodState.NETNS_MISSING
+                                         or not self._recorded_gone(r)})
         counts: dict[str, int] = {}
         for s in outcomes.values():
             counts[s] = counts.get(s, 0) + 1
@@ -251,11 +252,11 @@ class Recovery:
         async with e.lock(rec.uid):
             e.records[rec.uid] = rec
             if fd is None:
-                if rec.ips:
+                if self._recorded_gone(rec):
                     await self._netns_missing(rec)
-                else:  # IPs unknown (kubelet restarted): the scan could not match it
-                    rec.fail(Step.NETNS, "netns not found (no recorded path, pod IPs not "
-                             "known yet)", status=PodState.NETNS_MISSING)
+                else:  # no record of ours, or IPs unknown: the scan's "no" is weak
+                    rec.fail(Step.NETNS, "netns not found (recorded path gone and no "
+                             "process of this pod in /proc)", status=PodState.NETNS_MISSING)
                 e.retries.add(rec.uid)
                 return rec.status
             try:
@@ -266,9 +267,17 @@ class Recovery:
                 e.netns.close(fd)
             return rec.status
 
+    @staticmethod
+    def _recorded_gone(rec: PodRecord) -> bool:
+        """The pod was recorded by us with a netns path and its IPs, and neither that path
+        nor the ``/proc`` scan (by IP) finds it: its sandbox is gone (a reboot). A pod
+        known only from an ``enabled`` annotation, or with no IPs yet, is not judged."""
+        return bool(rec.netns and rec.ips)
+
     async def _netns_missing(self, rec: PodRecord) -> None:
-        """A kept pod with known IPs whose netns was not found at restart (after a
-        reboot its sandbox is gone; the runtime's next CNI ADD for it brings a new one). Make what is
+        """A kept pod recorded with its netns and IPs whose netns was not found at
+        restart (:meth:`_recorded_gone`; after a reboot its sandbox is gone; the
+        runtime's next CNI ADD for it brings a new one). Make what is
         published match what is true: its IPs leave the probe set (nothing of it runs
         behind them, and an IP may be handed to another pod), its status annotation is
         removed (no rules redirect it), one Warning Event on the pod (Kubernetes mode)
@@ -280,7 +289,7 @@ class Recovery:
         (upstream forgets the pod at its delete). Never raises: each step logs its own
         failure."""
         e = self.e
-        why = (f"netns {rec.netns or '(none recorded)'} not found at restart (recorded path "
+        why = (f"netns {rec.netns} not found at restart (recorded path "
                "gone and no process of this pod in /proc): removed from the node's probe "
                "set, status annotation removed; retried, and enrolled again when its "
                "sandbox appears")

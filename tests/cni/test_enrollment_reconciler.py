@@ -154,7 +154,7 @@ async def test_zds_unavailable_keeps_rules_and_retries_with_backoff(state_dir):
             await until(lambda: clock.sleepers)  # the queue waits for the next due key
             assert r.enrollment.retries.pending()[UID] == pytest.approx(0.01 * 2 ** (n - 1))
             await clock.advance_to_next_sleeper()
-            await until(lambda: len(times) >= n)
+            await until(lambda n=n: len(times) >= n)
         assert times == pytest.approx([0.01, 0.03, 0.07, 0.15]), times
         r.zds.ztunnel = True  # a ztunnel connects: the next retry enrolls the pod
         assert await clock.advance_to_next_sleeper() == pytest.approx(0.31)
