@@ -164,10 +164,16 @@ class Enrollment(Component):
 
     def _host_flavors(self) -> set[str]:
         """The iptables flavors (``"nft"``, ``"legacy"``) whose tables in the node netns
-        (``host_rules_netns``, else ours) hold an ``ISTIO_*`` chain. Raises RulesError."""
+        (``host_rules_netns``, else ours) hold an ``ISTIO_*`` chain. A node that can't be
+        read is logged and counts as holding none (the ``iptables`` alternative decides,
+        as before this look existed)."""
         netns = self.ctx.config.host_rules_netns or None
-        with netns_mod.entered(netns) if netns else contextlib.nullcontext():
-            stacks = rules_detect.held_stacks(self.ctx.config.ambient_ipv6)
+        try:
+            with netns_mod.entered(netns) if netns else contextlib.nullcontext():
+                stacks = rules_detect.held_stacks(self.ctx.config.ambient_ipv6)
+        except (RulesError, OSError) as e:
+            log.warning("cannot tell which iptables flavor holds our host rules: %s", e)
+            return set()
         return {s.split("-", 1)[1] for s in stacks if s.startswith("iptables-")}
 
     def _default_host_rules(self) -> HostProbeRules:
