@@ -34,6 +34,8 @@ import errno
 import ipaddress
 import json
 import logging
+import re
+import shutil
 import socket
 import subprocess
 import threading
@@ -201,6 +203,43 @@ class HostProbeRules:
                     self._restore(v6, self._replace_iptables(v6, jumps), "replace host rules")
                 else:
                     self._restore(v6, self.render_iptables(v6), "create host rules")
+            # after ours are written: the probe SNAT is never absent
+            self.remove_stale_flavor()
+
+    def other_flavor(self) -> str:
+        """The iptables flavor this object does not write to (``"legacy"`` for ``"nft"``)."""
+        return "legacy" if self.flavor == "nft" else "nft"
+
+    def remove_stale_flavor(self) -> list[str]:
+        """Remove our chain and its POSTROUTING jumps from the *other* iptables flavor's
+        nat table (iptables backend; a no-op for nftables or when that flavor's tools are
+        not installed). Such a copy is what an agent that wrote to the other flavor left
+        (its flavor record lost, the host's ``iptables`` alternative switched): its SNAT
+        rule may carry an old address and would go on rewriting probes next to ours.
+        Logs one warning per family naming the flavor, the chain and the SNAT sources
+        removed. Returns the tool names of the families cleaned. Raises RulesError."""
+        if self.backend != "iptables":
+            return []
+        other = self.other_flavor()
+        cleaned = []
+        with self._in_netns():
+            for v6 in self._v6s():
+                save_tool = self._tool(v6, "save", other)
+                if not shutil.which(save_tool) or not shutil.which(
+                        self._tool(v6, "restore", other)):
+                    continue
+                jumps, has_chain, save = self._iptables_nat(v6, other)
+                if not jumps and not has_chain:
+                    continue
+                snat = sorted(set(re.findall(rf"-A {re.escape(self.chain)} .*--to-source (\S+)",
+                                             save)))
+                self._delete_flavor_rules(v6, other, jumps, has_chain)
+                log.warning("host probe rules: removed a stale copy of nat chain %s from %s "
+                            "(%d POSTROUTING jump(s), SNAT to %s); the rules are kept in %s",
+                            self.chain, save_tool.rsplit("-", 1)[0], len(jumps),
+                            ", ".join(snat) or "nothing", self._tool(v6, "save").rsplit("-", 1)[0])
+                cleaned.append(save_tool.rsplit("-", 1)[0])
+        return cleaned
 
     def _replace_iptables(self, v6: bool, jumps: list[str]) -> str:
         """One ``iptables-restore --noflush`` transaction that flushes our chain
@@ -219,6 +258,7 @@ class HostProbeRules:
                         "delete host rules")
                 return
             self._delete_iptables_rules()
+            self.remove_stale_flavor()
             with self._ipset() as ips:
                 for name, _ in self._sets():
                     try:
@@ -262,33 +302,43 @@ class HostProbeRules:
             sets.append((self.set_v6, socket.AF_INET6))
         return sets
 
-    def _tool(self, v6: bool, what: str) -> str:
-        return f"{'ip6tables' if v6 else 'iptables'}-{self.flavor}-{what}"
+    def _tool(self, v6: bool, what: str, flavor: str | None = None) -> str:
+        return f"{'ip6tables' if v6 else 'iptables'}-{flavor or self.flavor}-{what}"
 
-    def _restore(self, v6: bool, text: str, what: str) -> None:
-        p = subprocess.run([self._tool(v6, "restore"), "--noflush", "--wait=30"], input=text,
+    def _restore(self, v6: bool, text: str, what: str, flavor: str | None = None) -> None:
+        tool = self._tool(v6, "restore", flavor)
+        p = subprocess.run([tool, "--noflush", "--wait=30"], input=text,
                            capture_output=True, text=True, timeout=TOOL_TIMEOUT)
         if p.returncode != 0:
-            raise RulesError(f"{self._tool(v6, 'restore')} ({what}) failed: {p.stderr.strip()}")
+            raise RulesError(f"{tool} ({what}) failed: {p.stderr.strip()}")
 
     def _existing_iptables_rules(self, v6: bool) -> tuple[list[str], bool]:
         """``(POSTROUTING rules jumping to our chain, whether our chain exists)``."""
-        p = subprocess.run([self._tool(v6, "save"), "-t", "nat"], capture_output=True,
+        jumps, has_chain, _ = self._iptables_nat(v6, None)
+        return jumps, has_chain
+
+    def _iptables_nat(self, v6: bool, flavor: str | None) -> tuple[list[str], bool, str]:
+        """``(POSTROUTING rules jumping to our chain, whether our chain exists, the nat
+        table's save text)`` in ``flavor`` (None: ours)."""
+        p = subprocess.run([self._tool(v6, "save", flavor), "-t", "nat"], capture_output=True,
                            text=True, timeout=TOOL_TIMEOUT)
         save = p.stdout if p.returncode == 0 else ""
         jumps = [ln for ln in save.splitlines()
                  if ln.startswith("-A POSTROUTING") and ln.endswith(f"-j {self.chain}")]
-        return jumps, f":{self.chain} " in save
+        return jumps, f":{self.chain} " in save, save
+
+    def _delete_flavor_rules(self, v6: bool, flavor: str | None, jumps: list[str],
+                             has_chain: bool) -> None:
+        lines = ["*nat"] + ["-D" + j[2:] for j in jumps]
+        if has_chain:
+            lines += [f"-F {self.chain}", f"-X {self.chain}"]
+        self._restore(v6, "\n".join(lines + ["COMMIT"]) + "\n", "delete host rules", flavor)
 
     def _delete_iptables_rules(self) -> None:
         for v6 in self._v6s():
             jumps, has_chain = self._existing_iptables_rules(v6)
-            if not jumps and not has_chain:
-                continue
-            lines = ["*nat"] + ["-D" + j[2:] for j in jumps]
-            if has_chain:
-                lines += [f"-F {self.chain}", f"-X {self.chain}"]
-            self._restore(v6, "\n".join(lines + ["COMMIT"]) + "\n", "delete host rules")
+            if jumps or has_chain:
+                self._delete_flavor_rules(v6, None, jumps, has_chain)
 
     # --- per-pod entries --------------------------------------------------------------
 

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 REASON_FAILED = "AmbientEnrollmentFailed"
 REASON_EXHAUSTED = "AmbientEnrollmentRetriesExhausted"
+REASON_NETNS_MISSING = "AmbientPodNetnsMissing"  # a recorded pod's netns gone at restart
 REASON_DELETE = "DeleteBrokenPod"  # upstream's repair reasons
 REASON_LABEL = "LabelBrokenPod"
 COMPONENT = "ambient-agent"

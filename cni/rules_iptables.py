@@ -24,6 +24,7 @@ import logging
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 from agent.core.files import write_atomic
 from cni import rules_common as rc
@@ -42,14 +43,27 @@ TOOL_TIMEOUT = 60.0
 FLAVOR_FILE = "iptables-flavor"
 
 
-def detect_flavor(state_dir: str | None = None) -> str:
-    """``"nft"`` or ``"legacy"``: recorded value from ``<state_dir>/iptables-flavor`` if
-    present, else from ``iptables --version`` in the current (host) netns, then recorded.
+def detect_flavor(state_dir: str | None = None,
+                  holding: Callable[[], set[str]] | None = None) -> str:
+    """``"nft"`` or ``"legacy"``: the recorded value from ``<state_dir>/iptables-flavor``
+    if present; else the flavor whose tables already hold our ``ISTIO_*`` chains on the
+    host (``holding()`` returns those flavors, looked at in the host netns by the
+    caller); else the host's ``iptables --version``. The result is recorded.
+
+    A lost record must not move the host's rules to another flavor: the host's
+    ``iptables`` alternative may point at legacy while the previous agent wrote to
+    iptables-nft, and writing there again would leave the nft copy (with whatever SNAT
+    address it had) in place. Upstream picks the flavor by where rules are defined in the
+    netns (legacy when legacy holds rules, else nft: ``DetectIptablesVersion``); we look
+    for our own chains first, so other software's rules do not decide. When both flavors
+    hold ours, the ``iptables`` alternative's flavor is kept (the other copy is removed
+    by :meth:`cni.hostrules.HostProbeRules.setup`).
 
     A recorded value that is not one of those two (any bytes: a damaged file) is
     ignored with a warning naming the file and showing at most 32 bytes of it, and the
     flavor is detected and recorded again. Raises :class:`RulesError` when no iptables is
-    installed, or naming the file when it can't be read (a directory, no permission).
+    installed, naming the file when it can't be read (a directory, no permission), and
+    whatever ``holding`` raises (RulesError when the host can't be read).
     """
     path = Path(state_dir, FLAVOR_FILE) if state_dir else None
     if path and path.exists():
@@ -69,6 +83,14 @@ def detect_flavor(state_dir: str | None = None) -> str:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise RulesError(f"cannot run iptables --version: {e}") from None
     flavor = "legacy" if "legacy" in out else "nft"
+    held = {f for f in (holding() if holding is not None else set())
+            if shutil.which(f"iptables-{f}-restore")}
+    if held and flavor not in held:
+        (other,) = held
+        log.warning("host iptables is %s, but our host rules are in iptables-%s: keeping "
+                    "iptables-%s%s", flavor, other, other,
+                    f" (no flavor record in {path})" if path else "")
+        flavor = other
     if not shutil.which(f"iptables-{flavor}-restore"):
         raise RulesError(f"iptables flavor {flavor!r} detected but iptables-{flavor}-restore "
                          "is not installed")

@@ -4,7 +4,10 @@
 Pod and Namespace changes the node agent handled, ``type`` ``add``, ``update`` or
 ``delete``. ``istio_cni_repair_pods_repaired_total{type,result}`` (upstream
 ``cni/pkg/repair/monitoring.go``): pods the repair handled, ``type`` ``label`` or
-``delete``, ``result`` ``success``, ``skip`` or ``fail``. Registered once per registry
+``delete``, ``result`` ``success``, ``skip`` or ``fail``.
+``ambient_agent_recovery_netns_missing_total`` (ours): recorded pods whose netns was
+not found at start (:meth:`cni.enrollment.recovery.Recovery._netns_missing`). Registered
+once per registry
 (:func:`of`), so building a second reconciler on the same context reuses them.
 """
 
@@ -23,6 +26,10 @@ class EnrollmentMetrics:
         self.repaired = Counter(
             "istio_cni_repair_pods_repaired", "Total number of pods repaired by repair "
             "controller", ["type", "result"], registry=registry)
+        # ours (no upstream counterpart): recovery/_netns_missing
+        self.netns_missing = Counter(
+            "ambient_agent_recovery_netns_missing", "Pods recorded as enrolled whose network "
+            "namespace was not found at agent start", registry=registry)
 
     def event(self, old: object, new: object) -> None:
         """Count one store change: no old object → add, no new one → delete."""

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 from typing import Any
 
 from agent.core import netns as netns_mod
 from agent.core.lifecycle import AgentContext, Component
-from cni import annotate
+from cni import annotate, rules_detect
 from cni.enrollment import metrics as metrics_mod
 from cni.enrollment import recovery as recovery_mod
 from cni.enrollment.api import (HostNetnsRefused, NetnsOps, ProbeSet, RegisteredPods,
@@ -159,7 +160,21 @@ class Enrollment(Component):
         if cfg.native_nftables and not ipset_exists("istio-inpod-probes-v4",
                                                     cfg.host_rules_netns or None):
             return NftablesBackend()
-        return IptablesBackend(detect_flavor(cfg.state_dir))
+        return IptablesBackend(detect_flavor(cfg.state_dir, holding=self._host_flavors))
+
+    def _host_flavors(self) -> set[str]:
+        """The iptables flavors (``"nft"``, ``"legacy"``) whose tables in the node netns
+        (``host_rules_netns``, else ours) hold an ``ISTIO_*`` chain. A node that can't be
+        read is logged and counts as holding none (the ``iptables`` alternative decides,
+        as before this look existed)."""
+        netns = self.ctx.config.host_rules_netns or None
+        try:
+            with netns_mod.entered(netns) if netns else contextlib.nullcontext():
+                stacks = rules_detect.held_stacks(self.ctx.config.ambient_ipv6)
+        except (RulesError, OSError) as e:
+            log.warning("cannot tell which iptables flavor holds our host rules: %s", e)
+            return set()
+        return {s.split("-", 1)[1] for s in stacks if s.startswith("iptables-")}
 
     def _default_host_rules(self) -> HostProbeRules:
         cfg = self.ctx.config

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING
 
 from cni import annotate, enablement
 from cni.enrollment.api import HostNetnsRefused, ZdsPod, ZdsRejected, ZtunnelUnavailable
-from cni.enrollment.dataplane import RECOVER
+from cni.enrollment.dataplane import RECOVER, pod_ref
 from cni.enrollment.records import PodRecord, PodState, Step
 from cni.events import CniPodEvent, EnrollmentError
+from cni.kubeevents import REASON_NETNS_MISSING
 from cni.podips import pod_status_ips
 from cni.rules_common import RulesError
 
@@ -90,7 +91,11 @@ class Recovery:
         for uid, (verdict, why) in verdicts.items():
             if verdict != KEEP:
                 outcomes[uid] = await self.leave(candidates[uid], verdict, why)
-        await self._reconcile_probe_set({r.uid: r for r in kept})
+        # a pod whose netns is missing with its IPs known has no entries
+        # (:meth:`_netns_missing`); one with IPs unknown keeps what it had
+        await self._reconcile_probe_set({r.uid: r for r in kept
+                                         if r.status != PodState.NETNS_MISSING
+                                         or not self._recorded_gone(r)})
         counts: dict[str, int] = {}
         for s in outcomes.values():
             counts[s] = counts.get(s, 0) + 1
@@ -247,8 +252,11 @@ class Recovery:
         async with e.lock(rec.uid):
             e.records[rec.uid] = rec
             if fd is None:
-                rec.fail(Step.NETNS, "netns not found (recorded path gone and no process "
-                         "of this pod in /proc)", status=PodState.NETNS_MISSING)
+                if self._recorded_gone(rec):
+                    await self._netns_missing(rec)
+                else:  # no record of ours, or IPs unknown: the scan's "no" is weak
+                    rec.fail(Step.NETNS, "netns not found (recorded path gone and no "
+                             "process of this pod in /proc)", status=PodState.NETNS_MISSING)
                 e.retries.add(rec.uid)
                 return rec.status
             try:
@@ -258,6 +266,44 @@ class Recovery:
             finally:
                 e.netns.close(fd)
             return rec.status
+
+    @staticmethod
+    def _recorded_gone(rec: PodRecord) -> bool:
+        """The pod was recorded by us with a netns path and its IPs, and neither that path
+        nor the ``/proc`` scan (by IP) finds it: its sandbox is gone (a reboot). A pod
+        known only from an ``enabled`` annotation, or with no IPs yet, is not judged."""
+        return bool(rec.netns and rec.ips)
+
+    async def _netns_missing(self, rec: PodRecord) -> None:
+        """A kept pod recorded with its netns and IPs whose netns was not found at
+        restart (:meth:`_recorded_gone`; after a reboot its sandbox is gone; the
+        runtime's next CNI ADD for it brings a new one). Make what is
+        published match what is true: its IPs leave the probe set (nothing of it runs
+        behind them, and an IP may be handed to another pod), its status annotation is
+        removed (no rules redirect it), one Warning Event on the pod (Kubernetes mode)
+        and one WARN line name it and the recorded netns, and
+        ``ambient_agent_recovery_netns_missing_total`` counts it. It stays announced to
+        ZDS without a netns (upstream keeps such a pod's UID in its snapshot, so ztunnel
+        keeps any proxy it still runs) and is retried: found later, it is enrolled
+        (rules, probe set, annotation written back); its Pod object gone, it is dropped
+        (upstream forgets the pod at its delete). Never raises: each step logs its own
+        failure."""
+        e = self.e
+        why = (f"netns {rec.netns} not found at restart (recorded path "
+               "gone and no process of this pod in /proc): removed from the node's probe "
+               "set, status annotation removed; retried, and enrolled again when its "
+               "sandbox appears")
+        rec.fail(Step.NETNS, why, status=PodState.NETNS_MISSING)  # the one WARN line
+        e.metrics.netns_missing.inc()
+        e.events.record(rec.namespace, rec.name, rec.uid, REASON_NETNS_MISSING, why)
+        if e.host_rules is not None:
+            try:
+                await e.ctx.run_blocking(e.host_rules.remove_pod, rec.uid, rec.ips)
+            except (RulesError, OSError, ValueError) as err:
+                log.warning("%s: probe set entries: %s", rec.label(), err)
+        rec.steps[Step.HOSTSET] = False
+        rec.steps[Step.STATUS] = False
+        e.status.ensure(pod_ref(rec), None)
 
     async def leave(self, rec: PodRecord, verdict: str, why: str) -> str:
         """Forget a dropped pod (probe set entries, record; never announced to ZDS) or

@@ -21,17 +21,25 @@ import heapq
 import logging
 from typing import Awaitable, Callable
 
+from agent.core.backoff import Clock, Sleep
+
 log = logging.getLogger(__name__)
 
 
 class RetryQueue:
     """``process(key) -> bool`` runs on the event loop; one worker task sleeps until the
-    next key is due. Delays are in seconds of the loop's clock."""
+    next key is due. Delays are in seconds of ``clock`` (default: the running loop's
+    ``time()``); the worker waits with ``sleep(seconds)`` (default: a timed wait on the
+    loop). Tests replace both (the attributes ``clock`` and ``sleep``) with a manual
+    clock, so backoff timings are checked exactly, never against a loaded machine's
+    wall clock."""
 
     def __init__(self, process: Callable[[str], Awaitable[bool]], *, initial: float,
-                 maximum: float, name: str = "retry"):
+                 maximum: float, name: str = "retry", clock: Clock | None = None,
+                 sleep: Sleep | None = None):
         self._process = process
         self.initial, self.maximum, self.name = initial, maximum, name
+        self.clock, self.sleep = clock, sleep
         self._due: dict[str, float] = {}  # key -> loop time it is due
         self._heap: list[tuple[float, str]] = []  # (due, key); stale entries skipped
         self._failures: dict[str, int] = {}
@@ -44,7 +52,7 @@ class RetryQueue:
 
     def pending(self) -> dict[str, float]:
         """``{key: seconds until due}`` (0 for keys being processed now)."""
-        now = asyncio.get_running_loop().time()
+        now = self._now()
         out = {k: max(0.0, t - now) for k, t in self._due.items()}
         out.update({k: 0.0 for k in self._running})
         return out
@@ -59,9 +67,28 @@ class RetryQueue:
             return
         self._schedule(key)
 
+    def _now(self) -> float:
+        return self.clock() if self.clock is not None else asyncio.get_running_loop().time()
+
+    async def _nap(self, delay: float) -> None:
+        """Wait ``delay`` seconds or until :meth:`_schedule` wakes the worker."""
+        if self.sleep is None:
+            try:
+                await asyncio.wait_for(self._wake.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+            return
+        waiters = {asyncio.ensure_future(self._wake.wait()),
+                   asyncio.ensure_future(self.sleep(delay))}
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+
     def _schedule(self, key: str) -> None:
         loop = asyncio.get_running_loop()
-        due = loop.time() + self.backoff(key)
+        due = self._now() + self.backoff(key)
         self._failures[key] = self._failures.get(key, 0) + 1
         self._due[key] = due
         heapq.heappush(self._heap, (due, key))
@@ -82,7 +109,7 @@ class RetryQueue:
         loop = asyncio.get_running_loop()
         while self._due:
             self._wake.clear()
-            now = loop.time()
+            now = self._now()
             while self._heap and self._heap[0][0] <= now:
                 due, key = heapq.heappop(self._heap)
                 if self._due.get(key) != due:
@@ -92,10 +119,7 @@ class RetryQueue:
                                                       name=f"{self.name}-{key}")
             if not self._heap:
                 break
-            try:
-                await asyncio.wait_for(self._wake.wait(), self._heap[0][0] - now)
-            except asyncio.TimeoutError:
-                pass
+            await self._nap(self._heap[0][0] - now)
         self._heap.clear()
 
     async def _attempt(self, key: str) -> None:

@@ -25,6 +25,7 @@ from cni.enrollment.records import PodStateStore
 from cni.events import CniPodEvent
 from cni.rules_common import RulesError
 from tests.cni.enrollment_fakes import FakeNetns, FakeProbeSet, FakeSource, FakeZds
+from tests.helpers import ManualClock
 
 UID, NETNS, IP = "uid-a", "/run/netns/pod-a", "10.1.0.5"
 
@@ -128,6 +129,8 @@ async def test_add_of_missing_netns_fails_naming_the_path(rig):
 
 async def test_zds_unavailable_keeps_rules_and_retries_with_backoff(state_dir):
     r = Rig(state_dir, zds=FakeZds(ztunnel=False))
+    clock = ManualClock()
+    r.enrollment.retries.clock, r.enrollment.retries.sleep = clock.time, clock.sleep
     try:
         r.netns.create(NETNS)
         with pytest.raises(EnrollmentError) as err:
@@ -137,25 +140,24 @@ async def test_zds_unavailable_keeps_rules_and_retries_with_backoff(state_dir):
         assert rec.status is PodState.PENDING and rec.error.startswith("zds: ")
         assert r.netns.rules_at(NETNS) is not None  # fail closed: the rules stay
         assert UID in r.enrollment.retries
-        # retried with doubling delays (0.01, 0.02, 0.04, ...): each attempt one add. The
-        # delays are the queue's own (what it schedules), never measured gaps between
-        # wake-ups, which a loaded machine stretches at random; a measured gap is only
-        # checked to be no shorter than its delay (the queue never retries early).
-        loop = asyncio.get_running_loop()
+        # retried with doubling delays (0.01, 0.02, 0.04, ...): each attempt one add, at
+        # exactly its due time on the queue's clock. The clock is a manual one: the
+        # delays are checked exactly and a loaded machine can't stretch or shrink them.
         times: list[float] = []
-        delays: list[float] = []
         original = r.zds.add
 
         async def timed_add(pod, wait_ack=True, ztunnel_wait=None):
-            times.append(loop.time())
-            delays.append(r.enrollment.retries.backoff(UID))  # what this failure will wait
+            times.append(clock.now)
             await original(pod, wait_ack, ztunnel_wait)
         r.zds.add = timed_add  # type: ignore[method-assign]
-        await until(lambda: len(times) >= 4)
-        assert delays[1] == delays[0] * 2 and delays[2] == delays[1] * 2, delays
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        assert all(gap >= delay - 0.002 for gap, delay in zip(gaps, delays)), (gaps, delays)
+        for n in range(1, 5):
+            await until(lambda: clock.sleepers)  # the queue waits for the next due key
+            assert r.enrollment.retries.pending()[UID] == pytest.approx(0.01 * 2 ** (n - 1))
+            await clock.advance_to_next_sleeper()
+            await until(lambda n=n: len(times) >= n)
+        assert times == pytest.approx([0.01, 0.03, 0.07, 0.15]), times
         r.zds.ztunnel = True  # a ztunnel connects: the next retry enrolls the pod
+        assert await clock.advance_to_next_sleeper() == pytest.approx(0.31)
         await until(lambda: r.enrollment.pods()[UID].status == PodState.ENABLED)
         assert r.enrollment.pods()[UID].attempts >= 4
         await until(lambda: UID not in r.enrollment.retries)
@@ -356,7 +358,10 @@ async def test_restart_recovery_decisions(state_dir):
         assert "uid-gone" not in r.zds.pods  # never announced: ztunnel drains it
         for uid in ("uid-elsewhere", "uid-optout"):  # their rules go, their netns stays
             assert f"/run/netns/{uid}" in r.netns.deleted and uid in r.zds.deletes
-        assert set(r.probes.entries) == {"uid-keep", "uid-missing", "uid-moved"}
+        # the missing pod's IP leaves the probe set (issue 26), counted once
+        assert set(r.probes.entries) == {"uid-keep", "uid-moved"}
+        assert r.ctx.registry.get_sample_value(
+            "ambient_agent_recovery_netns_missing_total") == 1.0
         assert "uid-missing" in r.enrollment.retries
         assert sorted(p.name for p in (state_dir / "pods").iterdir()) == [
             "uid-keep.json", "uid-missing.json", "uid-moved.json"]
@@ -364,6 +369,36 @@ async def test_restart_recovery_decisions(state_dir):
         del source.pods["uid-missing"]
         await until(lambda: "uid-missing" not in r.enrollment.pods())
         assert "uid-missing" in r.zds.deletes and "uid-missing" not in r.enrollment.retries
+    finally:
+        r.close()
+
+
+async def test_recovery_netns_missing_reports_and_reenrolls_when_found(state_dir, caplog):
+    """Issue 26: a recorded pod whose netns is not found at restart (a reboot) leaves the
+    probe set (an entry an earlier run gave it goes), is counted, logged once naming its
+    netns, its annotation is asked to be removed, and it stays announced to ZDS without
+    a netns; when its netns appears, the retry enrolls it: entries back, ``enabled``."""
+    source = FakeSource(synced=True)
+    r = Rig(state_dir, source=source)
+    try:
+        _write_record(state_dir, "uid-lost", "/run/netns/lost", "10.1.0.7")
+        source.pods = {"uid-lost": _pod("uid-lost", "lost")}
+        r.probes.entries["uid-lost"] = {"10.1.0.7"}  # what the previous run left
+        with caplog.at_level("WARNING"):
+            assert await r.enrollment.recover() == {"uid-lost": "netns-missing"}
+        assert r.probes.entries.get("uid-lost", set()) == set()
+        assert r.ctx.registry.get_sample_value(
+            "ambient_agent_recovery_netns_missing_total") == 1.0
+        warns = [m.getMessage() for m in caplog.records if "not found at restart" in
+                 m.getMessage()]
+        assert len(warns) == 1 and "shop/lost" in warns[0] and "/run/netns/lost" in warns[0]
+        assert [(p.uid, p.netns_fd) for p, _ in r.zds.adds] == [("uid-lost", None)]
+        # its sandbox turns up (a late /proc): the retry enrolls it
+        r.netns.create("/proc/88/ns/net")
+        r.netns.moved["uid-lost"] = "/proc/88/ns/net"
+        await until(lambda: r.enrollment.pods()["uid-lost"].status is PodState.ENABLED)
+        assert r.probes.entries["uid-lost"] == {"10.1.0.7"}
+        assert r.enrollment.pods()["uid-lost"].steps[Step.STATUS] is True
     finally:
         r.close()
 

@@ -180,3 +180,56 @@ async def test_retries_exhausted_event_and_repair(kube_admin, kube_namespace, ag
             for kind in ("clusterrolebindings", "clusterroles"):
                 await kc.request(kube_admin, "DELETE",
                                  f"/apis/rbac.authorization.k8s.io/v1/{kind}/{role}")
+
+
+async def test_recorded_pod_without_netns_after_reboot(kube_admin, kube_namespace,
+                                                       agent_kubeconfig, state_dir, node_netns,
+                                                       logs):
+    """Issue 26: a pod recorded and annotated ``enabled`` by the previous run whose netns
+    is gone after a reboot (recorded path absent, no process of it in /proc). At start:
+    its annotation is removed, one ``AmbientPodNetnsMissing`` Warning Event names the
+    netns, the counter counts it, and the probe set entry the previous run gave it (in
+    the scratch node netns) is gone. Upstream's node agent logs such a pod once and
+    keeps it; the annotation it leaves says ``enabled`` for a pod no rule redirects."""
+    from cni.enrollment.records import PodRecord, PodStateStore
+    from cni.hostrules import HostProbeRules
+
+    node = kc.unique("node")
+    await label_namespace(kube_admin, kube_namespace, AMBIENT)
+    ip = "10.250.0.23"
+    created = await kc.run_pod(kube_admin, "rebooted", kube_namespace, node, [ip],
+                               annotations={"ambient.istio.io/redirection": "enabled"})
+    uid = created["metadata"]["uid"]
+    gone = f"/var/run/netns/gone-{uid[:8]}"
+    PodStateStore(str(state_dir)).save(PodRecord(
+        uid=uid, name="rebooted", namespace=kube_namespace, service_account="default",
+        netns=gone, ips=[ip], annotations={"ambient.istio.io/redirection": "enabled"}))
+    previous = HostProbeRules(ipv6=False, netns=node_netns)  # what the last run left
+    await asyncio.to_thread(previous.setup)
+    await asyncio.to_thread(previous.add_pod, uid, [ip])
+    previous.close()
+    agent = await Agent(state_dir, agent_kubeconfig, node, node_netns).start()
+    try:
+        got = await _until_events(kube_admin, kube_namespace, uid,
+                                  {kubeevents.REASON_NETNS_MISSING})
+        ev = got[kubeevents.REASON_NETNS_MISSING]
+        assert ev["type"] == "Warning" and gone in ev["message"]
+
+        async def annotation():
+            pod = await kc.request(kube_admin, "GET",
+                                   f"/api/v1/namespaces/{kube_namespace}/pods/rebooted")
+            return (pod["metadata"].get("annotations") or {}).get(
+                "ambient.istio.io/redirection")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while await annotation() is not None:
+            assert loop.time() < deadline, "status annotation still there"
+            await asyncio.sleep(0.2)
+        assert agent.ctx.registry.get_sample_value(
+            "ambient_agent_recovery_netns_missing_total") == 1.0
+        entries = await asyncio.to_thread(agent.enrollment.host_rules.entries)
+        assert ip not in entries
+        assert agent.enrollment.pods()[uid].status == "netns-missing"
+        assert not forbidden(logs), forbidden(logs)
+    finally:
+        await agent.stop()

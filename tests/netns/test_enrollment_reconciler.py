@@ -268,7 +268,12 @@ async def test_restart_reports_pod_whose_netns_is_gone(bridge, state_dir, node_n
         status = h2.enrollment.debug_state()["pods"]
         assert status[kept.uid]["status"] == "enabled"
         assert status[lost.uid]["status"] == "netns-missing"
-        assert "netns not found" in status[lost.uid]["error"]
+        assert "not found at restart" in status[lost.uid]["error"]
+        # issue 26: the lost pod's IP leaves the node's probe set, the kept one's stays
+        entries = await asyncio.to_thread(h2.enrollment.host_rules.entries)
+        assert entries.get(kept.ip) == kept.uid and lost.ip not in entries
+        assert h2.ctx.registry.get_sample_value(
+            "ambient_agent_recovery_netns_missing_total") == 1.0
         zt = await h2.ztunnel()
         assert await asyncio.to_thread(zt.wait, lambda: zt.snapshot_uids is not None)
         assert zt.snapshot_uids == {kept.uid, lost.uid}  # Keep for the lost one

@@ -302,6 +302,7 @@ class Oracle:
                 "--node-name", NODE, "--xds-port", str(self.agent_xds), "--xds-tls-port", "0",
                 "--xds-debounce", "0.05",
                 "--status-port", str(free_port()), "--health-port", str(self.agent_health),
+                "--monitoring-port", str(free_port()),  # 15014 may be another agent's
                 "--host-rules-netns", f"/var/run/netns/{self.netns}", "--log-level", "info"]
         env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=os.path.join(state, "ztunnel", "zt.sock"))
         env.pop("KUBECONFIG", None)
