@@ -87,6 +87,10 @@ class Backend(Protocol):
 
     async def delete(self, reg: Registration) -> None: ...
 
+    def moved(self, old: Registration) -> None:
+        """Before :meth:`start`: ``old`` (a kept registration of another node name) is
+        held by the store under that name and moves to this node."""
+
     def debug_state(self) -> Any: ...
 
 
@@ -105,6 +109,9 @@ class LocalBackend:
     async def stop(self) -> None:
         # Pod objects go with the process; the file keeps them for the next start
         return None
+
+    def moved(self, old: Registration) -> None:
+        return None  # the store is this process's: nothing was written under the old name
 
     def _object(self, reg: Registration) -> dict:
         pod = reg.pod()
@@ -170,16 +177,36 @@ class WorkloadRegistrar(Component):
                 self.stats["dropped_at_start"] += 1
                 continue
             kept.append(reg)
+        kept, moved = self._rebind_node(kept)
         self.registrations = {r.uid: r for r in kept}
         self.stats["restored"] = len(kept)
         await self.backend.start(kept)
-        if len(kept) != len(self.file.load()):
+        if moved or len(kept) != len(self.file.load()):
             self._save()
         if self.label_source is not None:
             await self.label_source.start()
         self._started = True
         log.info("workload registration (%s) started with %d kept registrations",
                  self.ctx.config.workload_registration, len(kept))
+
+    def _rebind_node(self, kept: list[Registration]) -> tuple[list[Registration], int]:
+        """Kept registrations made under another ``node_name`` (the setting changed
+        between runs) move to this node: they are this host's containers. The backend is
+        told what it holds under the old name (:meth:`Backend.moved`), so the old entries
+        are deleted instead of re-written. Returns the rebound list and how many moved."""
+        node = self.ctx.config.node_name
+        out, olds, count = [], set(), 0
+        for reg in kept:
+            if reg.node != node:
+                olds.add(reg.node)
+                count += 1
+                self.backend.moved(reg)
+                reg = dataclasses.replace(reg, node=node)
+            out.append(reg)
+        if olds:
+            log.warning("node_name is now %s, was %s: %d kept registrations move to %s",
+                        node, ", ".join(sorted(olds)), count, node)
+        return out, count
 
     async def stop(self, grace: float) -> None:
         for task in list(self._tasks):
