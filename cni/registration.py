@@ -55,7 +55,7 @@ from cni.events import CniPodEvent
 from cni.sourceapi import PodSource
 from agent.core.netns import host_path
 
-from cni.registration_record import DATAPLANE_MODE_LABEL, Registration, \
+from cni.registration_record import DATAPLANE_MODE_LABEL, Registration, RegistrationError, \
     RegistrationFile, identity
 
 log = logging.getLogger(__name__)
@@ -241,6 +241,15 @@ class WorkloadRegistrar(Component):
             except Exception as e:  # noqa: BLE001 - the runtime being odd never fails an ADD
                 log.warning("container %s: labels from the runtime unavailable: %s",
                             event.container_id[:12], e)
+        broken = getattr(self.label_source, "broken", "")
+        if labels is None and broken and event.key not in self.registrations:
+            # Fail closed: without its labels an ambient container would start unmeshed
+            # as default/default. The ADD fails with the reason; podman reports it.
+            self.stats["failed"] += 1
+            log.error("container %s: refused, its labels cannot be read from the runtime: "
+                      "%s", event.container_id[:12], broken)
+            raise RegistrationError(f"labels of container {event.container_id[:12]} cannot "
+                                    f"be read from the runtime ({broken})")
         if labels is None:
             previous = self.registrations.get(event.key)
             labels = dict(previous.labels) if previous is not None else {}

@@ -67,6 +67,10 @@ class PodmanLabels:
         self._proc: asyncio.subprocess.Process | None = None
         self.started = asyncio.Event()
         self.stats = {"events": 0, "restarts": 0, "inspects": 0}
+        # Why podman cannot tell labels now ("" = it can): its event stream failed (e.g.
+        # "opening database ...: read-only file system" under a too strict sandbox) and
+        # has not delivered a line since. The registration refuses unlabelled ADDs then.
+        self.broken = ""
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -160,6 +164,7 @@ class PodmanLabels:
             except OSError as e:
                 log.error("cannot run %s events: %s; container labels come from inspect only",
                           self.command, e)
+                self.broken = f"cannot run {self.command} events: {e}"
                 self.started.set()
                 return
             self.started.set()
@@ -169,6 +174,7 @@ class PodmanLabels:
                     line = await self._proc.stdout.readline()
                     if not line:
                         break
+                    self.broken = ""
                     try:
                         parsed = labels_of_event(json.loads(line))
                     except ValueError:
@@ -188,10 +194,12 @@ class PodmanLabels:
                     pass
             rc = await self._proc.wait()
             self.stats["restarts"] += 1
+            text = " ".join(err.decode(errors="replace").split())[:300]
+            self.broken = f"{self.command} events exited ({rc}): {text or 'no message'}"
             delay = backoff.next()
             log.warning("%s events exited (%s): %s; restarting in %.1fs", self.command, rc,
                         err.decode(errors="replace").strip(), delay)
             await asyncio.sleep(delay)
 
     def debug_state(self) -> Any:
-        return {"containers": len(self._labels), **self.stats}
+        return {"containers": len(self._labels), "broken": self.broken, **self.stats}
