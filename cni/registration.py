@@ -377,7 +377,8 @@ def build(ctx: AgentContext, source: PodSource) -> WorkloadRegistrar | None:
     labels: LabelSource | None = None
     if ctx.config.registration_runtime == "podman":
         from cni.runtime_labels import PodmanLabels
-        labels = PodmanLabels(ctx.config.podman_containers_conf or None)
+        labels = PodmanLabels(ctx.config.podman_containers_conf or None,
+                              owner=ctx.config.state_dir)
     if mode == "local":
         backend: Backend = LocalBackend(source.store)
     else:
