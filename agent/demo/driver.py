@@ -137,11 +137,16 @@ class Demo(DemoPods, DemoChecks):
         if self.root.exists():
             raise DemoError(f"--workdir {self.root} already exists; give a path that does "
                             "not exist yet (the demo creates it and removes it at the end)")
+        from agent.demo.envoy import free_port
+
         busy = []
         for flag, setting, address in (("--status-port", "status_port", "0.0.0.0"),
                                        ("--health-port", "health_port", "0.0.0.0"),
                                        ("--xds-port", "xds_port", "127.0.0.1")):
             port = getattr(self.args, flag[2:].replace("-", "_"))
+            if not port:  # not asked for: a free one, never the host's well-known port
+                setattr(self.args, flag[2:].replace("-", "_"), free_port())
+                continue
             try:
                 agent_config.ensure_tcp_port_free(setting, address, port)
             except agent_config.ConfigError:
@@ -234,7 +239,7 @@ class Demo(DemoPods, DemoChecks):
             "cni_conf_dir": str(self.conf_dir), "cni_bin_dir": str(self.bin_dir),
             "cni_manage_config": "true", "ztunnel_uds_address": str(self.state_dir / "ztunnel.sock"),
             "status_port": str(a.status_port), "health_port": str(a.health_port),
-            "xds_port": str(a.xds_port),
+            "xds_port": str(a.xds_port), "monitoring_port": "0",
             "exclude_namespaces": "kube-system",
             # Envoy runs outside any pod cgroup, so SDS serves one fixed identity here.
             "service_account": "server", "pod_namespace": "demo",
