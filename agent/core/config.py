@@ -338,6 +338,10 @@ SETTINGS: list[Setting] = [
             "label key repair sets", env="REPAIR_BROKEN_POD_LABEL_KEY", component="enrollment"),
     Setting("repair_broken_pod_label_value", "true", parse_str, "label value repair sets",
             env="REPAIR_BROKEN_POD_LABEL_VALUE", component="enrollment"),
+    # --- issue 27, what failed as written: replacing another istio-cni only when asked ---
+    Setting("cni_force_install", False, parse_bool, "cni_manage_config: replace an istio-cni "
+            "plugin or conflist entry that is not this agent's (upstream's, another agent's; "
+            "without it the agent refuses to start, naming them)", component="cni"),
 ]
 
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}

@@ -96,9 +96,6 @@ def _operator_checks(values: Mapping[str, Any],
                                  "agent creates only the last component of config_dir)")
     if values["host_rules_netns"] and not os.path.exists(values["host_rules_netns"]):
         yield "host_rules_netns", "no such network namespace file"
-    if values["cni_manage_config"] and not os.path.isdir(values["cni_bin_dir"]):
-        yield "cni_bin_dir", ("no such directory (cni_manage_config installs istio-cni there "
-                              "next to the runtime's CNI plugins: install those first)")
     if values["config_source"] == "kubernetes" and values["kubeconfig"] and os.path.isfile(
             values["kubeconfig"]):
         why = _kubeconfig_problem(values["kubeconfig"])

@@ -78,12 +78,6 @@ def test_one_port_on_two_distinct_addresses_is_fine(tmp_path):
     assert c.xds_port == c.ca_port == 15999
 
 
-def test_missing_cni_bin_dir_named(tmp_path):
-    with pytest.raises(cfg.ConfigError, match="no such directory") as e:
-        _load(tmp_path, {"cni_manage_config": "true", "cni_bin_dir": str(tmp_path / "nobin")})
-    assert e.value.setting == "cni_bin_dir"
-
-
 @pytest.mark.parametrize("text, reason", [
     ("apiVersion: v1\nclusters: [\n  - name: x\n", "malformed YAML at line"),
     ("- just\n- a list\n", "top level must be a mapping"),
