@@ -66,9 +66,15 @@ class Demo(DemoPods, DemoChecks):
               f"interfaces named ambdemo*{self.suffix})")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        def on_signal() -> None:
+            if stop.is_set():  # a second Ctrl-C: the teardown runs to its end regardless
+                print("\nstill cleaning up, please wait", file=sys.stderr, flush=True)
+            stop.set()
+
         for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
+            loop.add_signal_handler(signum, on_signal)
         failed = True
+        incomplete = False
         try:
             await self.bring_up()
             await self.verify()
@@ -91,16 +97,17 @@ class Demo(DemoPods, DemoChecks):
             await self.teardown()
             left = await asyncio.to_thread(self.leftovers)
             if left:
-                failed = True
+                incomplete = True
                 print("left behind: " + "; ".join(left), file=sys.stderr)
             else:
                 print("clean: no netns, containers, interfaces, rules, conflist entries, "
                       "processes or sockets left")
-        if failed:
-            if self.checks:
-                print("some checks FAILED", file=sys.stderr)
-            return 1
-        return 0
+        if failed and self.checks:
+            print("some checks FAILED", file=sys.stderr)
+        if incomplete:
+            print("the teardown was incomplete (what is left is listed above)",
+                  file=sys.stderr)
+        return 1 if failed or incomplete else 0
 
     async def bring_up(self) -> None:
         p = self.progress
