@@ -538,8 +538,8 @@ def ensure_ports_free(config: "Config") -> None:
         except ConfigError as e:
             busy.append(e)
     distinct: dict[tuple[str, str], ConfigError] = {}
-    for e in busy:  # one address refused for three ports: said once
-        distinct.setdefault((e.setting, str(e.value)), e)
+    for refused in busy:  # one address refused for three ports: said once
+        distinct.setdefault((refused.setting, str(refused.value)), refused)
     busy = list(distinct.values())
     if len(busy) == 1:
         raise busy[0]
