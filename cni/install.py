@@ -56,6 +56,10 @@ class NoPrimaryConfig(RuntimeError):
     """The CNI conf dir holds no valid network config to chain into (yet)."""
 
 
+class ForeignInstall(conflist.ConflistError):
+    """Another istio-cni (not this agent's) is installed; the message names it."""
+
+
 @dataclasses.dataclass
 class Installer:
     """Installs into ``conf_dir``/``bin_dir`` for an agent whose event socket lives in
@@ -74,6 +78,7 @@ class Installer:
     python: str = sys.executable
     project_root: str = PROJECT_ROOT
     plugin_bundle: str = ""  # a build of scripts/build-cni-plugin.py; empty: dev launcher
+    force: bool = False  # replace another istio-cni (see :meth:`foreign`)
 
     @property
     def entry(self) -> dict:
@@ -191,9 +196,25 @@ class Installer:
         log.info("chained istio-cni into %s", target)
         return target, True
 
+    def foreign(self) -> list[str]:
+        """Why the ``istio-cni`` plugin or a conflist entry present is not this agent's
+        (upstream's binary, another agent's entry), one line each; [] when none is."""
+        from cni.cleanup import foreign
+
+        try:
+            return foreign(self)
+        except OSError:  # unreadable (a directory in its place): install reports it
+            return []
+
     def install(self) -> str:
         """Binary + config; returns the conflist path. The conf dir is checked first, so
-        an install that raises (like :meth:`install_config`) has written nothing."""
+        an install that raises (like :meth:`install_config`) has written nothing. Another
+        istio-cni found there raises :class:`ForeignInstall` unless ``force``."""
+        if not self.force:
+            found = self.foreign()
+            if found:
+                raise ForeignInstall("; ".join(found) + ": refusing to replace another "
+                                     "istio-cni (--force, or cni_force_install, replaces it)")
         plan = self._plan_config()
         self.install_binary()
         return self._write_config(plan)[0]
@@ -272,7 +293,8 @@ def installer_from_config(config: Config) -> Installer:
                      run_dir=os.path.dirname(config.cni_event_socket),
                      conf_name=config.cni_conf_name,
                      exclude_namespaces=list(config.exclude_namespaces),
-                     plugin_bundle=config.cni_plugin_bundle)
+                     plugin_bundle=config.cni_plugin_bundle,
+                     force=config.cni_force_install)
 
 
 # --- `ambient-agent cni install|uninstall` ---
@@ -305,6 +327,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          ("uninstall", "remove the plugin and its conflist entry (the "
                                        "config keeps the same JSON content, reformatted)")):
         p = sub.add_parser(action, help=text, description=text)
+        if action == "install":
+            p.add_argument("--force", action="store_true",
+                           help="replace an istio-cni plugin or conflist entry that is not "
+                           "this agent's (refused otherwise, naming it)")
         group = p.add_argument_group("settings (flag > env > config file > default)")
         for name, flag in CLI_SETTINGS.items():
             s = SETTINGS_BY_NAME[name]
@@ -331,6 +357,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
 
 def main(args: argparse.Namespace) -> int:
     installer = installer_from_config(config_from_args(args))
+    installer.force = installer.force or bool(getattr(args, "force", False))
     try:
         if args.cni_command == "install":
             path = installer.install()

@@ -64,7 +64,24 @@ class CniInstallerComponent(Component):
                                 "by the Istio CNI installer", ["result"], registry=ctx.registry)
 
     async def start(self) -> None:
-        await self.ctx.run_blocking(self._make_dirs)
+        """Creates the CNI dirs and installs. Raises :class:`agent.core.config.ConfigError`
+        naming ``cni_conf_dir``/``cni_bin_dir`` when a dir can't be created, and
+        ``cni_force_install`` when another istio-cni is there (nothing is changed)."""
+        from agent.core.config import ConfigError
+
+        for setting, path in (("cni_conf_dir", self.installer.conf_dir),
+                              ("cni_bin_dir", self.installer.bin_dir)):
+            try:
+                await self.ctx.run_blocking(os.makedirs, path, 0o755, True)
+            except OSError as e:
+                raise ConfigError(setting, path, f"cannot create it: {e.strerror or e}",
+                                  self.ctx.config.origins.get(setting, "")) from None
+        if not self.installer.force:
+            found = await self.ctx.run_blocking(self.installer.foreign)
+            if found:
+                raise ConfigError("cni_force_install", False, "; ".join(found) + ": refusing "
+                                  "to replace another istio-cni (set cni_force_install=true "
+                                  "to replace it, or remove it first)")
         await self._reconcile("start")
         self._task = asyncio.get_running_loop().create_task(self._watch())
 

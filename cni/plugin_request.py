@@ -263,6 +263,11 @@ def fallback_decision(snap, namespace, key, ambient_default, exclude_namespaces=
     pods = snap.get("pods") or {}
     if key in pods:
         return pods[key], "the agent's last decision for this pod"
+    if not namespace and snap.get("registration"):
+        # a container the agent registers itself (podman): only it can read its labels
+        return True, ("container not known; the agent registers this runtime's "
+                      "containers from their labels (%s), which it must read first"
+                      % snap.get("registration"))
     namespaces = snap.get("namespaces") or {}
     if namespace and namespace in namespaces:
         return namespaces[namespace], "pod not known yet; namespace %s is %s" % (

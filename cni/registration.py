@@ -55,7 +55,7 @@ from cni.events import CniPodEvent
 from cni.sourceapi import PodSource
 from agent.core.netns import host_path
 
-from cni.registration_record import DATAPLANE_MODE_LABEL, Registration, \
+from cni.registration_record import DATAPLANE_MODE_LABEL, Registration, RegistrationError, \
     RegistrationFile, identity
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,10 @@ class Backend(Protocol):
 
     async def delete(self, reg: Registration) -> None: ...
 
+    def moved(self, old: Registration) -> None:
+        """Before :meth:`start`: ``old`` (a kept registration of another node name) is
+        held by the store under that name and moves to this node."""
+
     def debug_state(self) -> Any: ...
 
 
@@ -105,6 +109,9 @@ class LocalBackend:
     async def stop(self) -> None:
         # Pod objects go with the process; the file keeps them for the next start
         return None
+
+    def moved(self, old: Registration) -> None:
+        return None  # the store is this process's: nothing was written under the old name
 
     def _object(self, reg: Registration) -> dict:
         pod = reg.pod()
@@ -170,16 +177,36 @@ class WorkloadRegistrar(Component):
                 self.stats["dropped_at_start"] += 1
                 continue
             kept.append(reg)
+        kept, moved = self._rebind_node(kept)
         self.registrations = {r.uid: r for r in kept}
         self.stats["restored"] = len(kept)
         await self.backend.start(kept)
-        if len(kept) != len(self.file.load()):
+        if moved or len(kept) != len(self.file.load()):
             self._save()
         if self.label_source is not None:
             await self.label_source.start()
         self._started = True
         log.info("workload registration (%s) started with %d kept registrations",
                  self.ctx.config.workload_registration, len(kept))
+
+    def _rebind_node(self, kept: list[Registration]) -> tuple[list[Registration], int]:
+        """Kept registrations made under another ``node_name`` (the setting changed
+        between runs) move to this node: they are this host's containers. The backend is
+        told what it holds under the old name (:meth:`Backend.moved`), so the old entries
+        are deleted instead of re-written. Returns the rebound list and how many moved."""
+        node = self.ctx.config.node_name
+        out, olds, count = [], set(), 0
+        for reg in kept:
+            if reg.node != node:
+                olds.add(reg.node)
+                count += 1
+                self.backend.moved(reg)
+                reg = dataclasses.replace(reg, node=node)
+            out.append(reg)
+        if olds:
+            log.warning("node_name is now %s, was %s: %d kept registrations move to %s",
+                        node, ", ".join(sorted(olds)), count, node)
+        return out, count
 
     async def stop(self, grace: float) -> None:
         for task in list(self._tasks):
@@ -214,6 +241,15 @@ class WorkloadRegistrar(Component):
             except Exception as e:  # noqa: BLE001 - the runtime being odd never fails an ADD
                 log.warning("container %s: labels from the runtime unavailable: %s",
                             event.container_id[:12], e)
+        broken = getattr(self.label_source, "broken", "")
+        if labels is None and broken and event.key not in self.registrations:
+            # Fail closed: without its labels an ambient container would start unmeshed
+            # as default/default. The ADD fails with the reason; podman reports it.
+            self.stats["failed"] += 1
+            log.error("container %s: refused, its labels cannot be read from the runtime: "
+                      "%s", event.container_id[:12], broken)
+            raise RegistrationError(f"labels of container {event.container_id[:12]} cannot "
+                                    f"be read from the runtime ({broken})")
         if labels is None:
             previous = self.registrations.get(event.key)
             labels = dict(previous.labels) if previous is not None else {}
@@ -341,7 +377,8 @@ def build(ctx: AgentContext, source: PodSource) -> WorkloadRegistrar | None:
     labels: LabelSource | None = None
     if ctx.config.registration_runtime == "podman":
         from cni.runtime_labels import PodmanLabels
-        labels = PodmanLabels(ctx.config.podman_containers_conf or None)
+        labels = PodmanLabels(ctx.config.podman_containers_conf or None,
+                              owner=ctx.config.state_dir)
     if mode == "local":
         backend: Backend = LocalBackend(source.store)
     else:

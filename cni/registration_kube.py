@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import logging
 import re
 from typing import Any
@@ -89,6 +90,25 @@ def workload_entry(reg: Registration, network: str, connected_at: str) -> dict[s
             "metadata": {"name": entry_name(reg), "namespace": reg.namespace,
                          "labels": dict(reg.labels), "annotations": annotations},
             "spec": spec}
+
+
+def api_error_line(e: Exception, namespace: str) -> str:
+    """One line for a failed API call: an ``ApiException``'s status and the API server's
+    ``message`` (never its multi-line headers-and-body ``str()``); a missing namespace says
+    which one and that it must be created (the shared API server has no controller making
+    Namespaces)."""
+    if not isinstance(e, ApiException):
+        return " ".join(str(e).split()) or type(e).__name__
+    message = ""
+    try:
+        message = str(json.loads(e.body or "{}").get("message") or "")
+    except (ValueError, AttributeError):
+        pass
+    line = f"HTTP {e.status} {message or e.reason or ''}".strip()
+    if e.status == 404 and "namespaces" in message:
+        line += (f" (namespace {namespace} does not exist in the API server: create it, "
+                 f"kubectl create namespace {namespace})")
+    return " ".join(line.split())
 
 
 class WorkloadEntryBackend:
@@ -150,6 +170,11 @@ class WorkloadEntryBackend:
                 pass
         self._tasks = []
 
+    def moved(self, old: Registration) -> None:
+        """The API server holds ``old`` under its node's entry name: the put of its
+        rebound copy then queues that entry's deletion (:meth:`_queue`)."""
+        self._written[old.uid] = old
+
     async def put(self, reg: Registration) -> None:
         self._queue("put", reg)
 
@@ -193,7 +218,8 @@ class WorkloadEntryBackend:
                         await self._delete(reg)
                 except Exception as e:  # noqa: BLE001 - retried; the API server may be away
                     self.stats["errors"] += 1
-                    self.last_error = f"{op} {reg.namespace}/{entry_name(reg)}: {e}"
+                    self.last_error = (f"{op} {reg.namespace}/{entry_name(reg)}: "
+                                       f"{api_error_line(e, reg.namespace)}")
                     delay = backoff.next()
                     log.warning("WorkloadEntry %s; retrying in %.1fs", self.last_error, delay)
                     await asyncio.sleep(delay)

@@ -14,6 +14,11 @@ For a container created before the agent started (no event seen) :meth:`PodmanLa
 asks ``podman container inspect`` once the ADD is answered (its lock released).
 
 The watcher restarts ``podman events`` with a backoff when it exits; its stderr is logged.
+The ``podman events`` child dies with the agent (``PR_SET_PDEATHSIG`` SIGKILL, set
+between fork and exec) and carries ``AMBIENT_AGENT_EVENTS_OWNER=<owner>`` in its
+environment; at start, one left by an earlier agent of the same owner (state dir), from
+before that was set or a kernel that lost it, is killed, so a SIGKILLed agent never leaves
+a second event stream running.
 ``CONTAINERS_CONF`` is set to ``containers_conf`` when given, so it reads the same event
 log the runtime writes (``events_logger`` and its path come from that file).
 """
@@ -31,6 +36,8 @@ from agent.core.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
+OWNER_ENV = "AMBIENT_AGENT_EVENTS_OWNER"
+PR_SET_PDEATHSIG = 1
 MAX_CONTAINERS = 4096  # labels kept for this many containers (oldest dropped first)
 INSPECT_TIMEOUT = 10.0
 _IGNORED = frozenset({"io.buildah.version"})
@@ -58,15 +65,21 @@ class PodmanLabels:
     default. ``command``: the podman binary.
     """
 
-    def __init__(self, containers_conf: str | None, command: str = "podman"):
+    def __init__(self, containers_conf: str | None, command: str = "podman",
+                 owner: str = ""):
         self.containers_conf = containers_conf
         self.command = command
+        self.owner = owner  # marks our podman events child (module docstring)
         self._labels: collections.OrderedDict[str, dict[str, str]] = collections.OrderedDict()
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self.started = asyncio.Event()
         self.stats = {"events": 0, "restarts": 0, "inspects": 0}
+        # Why podman cannot tell labels now ("" = it can): its event stream failed (e.g.
+        # "opening database ...: read-only file system" under a too strict sandbox) and
+        # has not delivered a line since. The registration refuses unlabelled ADDs then.
+        self.broken = ""
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -75,10 +88,14 @@ class PodmanLabels:
         return env
 
     async def start(self) -> None:
+        if self.owner:
+            await asyncio.get_running_loop().run_in_executor(None, kill_stale_followers,
+                                                             self.owner)
         self._task = asyncio.get_running_loop().create_task(self._follow(),
                                                             name="podman-events")
 
     async def stop(self) -> None:
+        proc = self._proc
         if self._task is not None:
             self._task.cancel()
             try:
@@ -87,6 +104,11 @@ class PodmanLabels:
                 pass
             self._task = None
         self._kill()
+        if proc is not None:  # reaped here, not by a closed loop's transport later
+            try:
+                await asyncio.wait_for(proc.wait(), 5.0)
+            except (asyncio.TimeoutError, ProcessLookupError):
+                pass
 
     def _kill(self) -> None:
         proc, self._proc = self._proc, None
@@ -153,13 +175,17 @@ class PodmanLabels:
         backoff = Backoff(0.5, 30.0)
         while True:
             try:
+                env = self._env()
+                if self.owner:
+                    env[OWNER_ENV] = self.owner
                 self._proc = await asyncio.create_subprocess_exec(
                     self.command, "events", "--format", "json", "--filter", "type=container",
-                    env=self._env(), stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE, limit=1 << 20)
+                    env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                    limit=1 << 20, preexec_fn=_die_with_parent(os.getpid()))
             except OSError as e:
                 log.error("cannot run %s events: %s; container labels come from inspect only",
                           self.command, e)
+                self.broken = f"cannot run {self.command} events: {e}"
                 self.started.set()
                 return
             self.started.set()
@@ -169,6 +195,7 @@ class PodmanLabels:
                     line = await self._proc.stdout.readline()
                     if not line:
                         break
+                    self.broken = ""
                     try:
                         parsed = labels_of_event(json.loads(line))
                     except ValueError:
@@ -188,10 +215,48 @@ class PodmanLabels:
                     pass
             rc = await self._proc.wait()
             self.stats["restarts"] += 1
+            text = " ".join(err.decode(errors="replace").split())[:300]
+            self.broken = f"{self.command} events exited ({rc}): {text or 'no message'}"
             delay = backoff.next()
             log.warning("%s events exited (%s): %s; restarting in %.1fs", self.command, rc,
                         err.decode(errors="replace").strip(), delay)
             await asyncio.sleep(delay)
 
     def debug_state(self) -> Any:
-        return {"containers": len(self._labels), **self.stats}
+        return {"containers": len(self._labels), "broken": self.broken, **self.stats}
+
+
+def _die_with_parent(parent: int):
+    """A ``preexec_fn``: the child gets SIGKILL when the agent's thread that forked it
+    dies (``prctl(PR_SET_PDEATHSIG)``), and exits at once if the agent is already gone."""
+    def preexec() -> None:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+    return preexec
+
+
+def kill_stale_followers(owner: str) -> int:
+    """Kill ``podman events`` processes marked with ``owner`` that are not this process's
+    children (left by an earlier agent of the same state dir); returns how many. Blocking
+    (reads /proc)."""
+    import psutil
+
+    killed = 0
+    me = os.getpid()
+    for proc in psutil.process_iter(["name", "ppid"]):
+        try:
+            if proc.info["ppid"] == me or "podman" not in (proc.info["name"] or ""):
+                continue
+            if proc.environ().get(OWNER_ENV) != owner:
+                continue
+            log.warning("killing podman events pid %d left by an earlier agent", proc.pid)
+            proc.kill()
+            killed += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return killed

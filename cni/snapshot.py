@@ -27,6 +27,10 @@ too). Shape (version 1)::
   carries no ``istio.io/dataplane-mode`` label of its own (a pod the snapshot does not
   know yet: created while the agent was down). Excluded namespaces are ``false``.
 - ``excluded_namespaces``: ``exclude_namespaces`` of the agent.
+- ``registration`` (only when ``workload_registration`` is not ``none``): the mode. A
+  container of such a runtime that the snapshot does not know is held by the plugin
+  (code 11) while the agent is down: its labels, which decide whether it is ambient,
+  only the agent reads, so letting it through could start an ambient container unmeshed.
 """
 
 from __future__ import annotations
@@ -122,8 +126,14 @@ class SnapshotWriter(Component):
 
     def _content(self) -> dict:
         cfg = self.ctx.config
-        return build_snapshot(self._store(), node_name=cfg.node_name, source=cfg.config_source,
-                              exclude_namespaces=list(cfg.exclude_namespaces))
+        content = build_snapshot(self._store(), node_name=cfg.node_name,
+                                 source=cfg.config_source,
+                                 exclude_namespaces=list(cfg.exclude_namespaces))
+        if cfg.workload_registration != "none":
+            # the plugin holds containers it does not know (issue 27: their labels, which
+            # decide ambient, are the agent's to read; see fallback_decision)
+            content["registration"] = cfg.workload_registration
+        return content
 
     def _source_ready(self) -> bool:
         """Whether the config source holds its first full load (a Kubernetes source that

@@ -129,7 +129,7 @@ SETTINGS: list[Setting] = [
             component="cni"),
     Setting("registration_runtime", "podman", choice("podman", "none"),
             "where container labels of registered pods come from", component="cni"),
-    Setting("podman_containers_conf", "", parse_path,
+    Setting("podman_containers_conf", "", parse_existing_file,
             "containers.conf podman runs with (CONTAINERS_CONF; empty: podman's default)",
             component="cni"),
     Setting("registration_grace", 10.0, positive(parse_duration),
@@ -338,6 +338,10 @@ SETTINGS: list[Setting] = [
             "label key repair sets", env="REPAIR_BROKEN_POD_LABEL_KEY", component="enrollment"),
     Setting("repair_broken_pod_label_value", "true", parse_str, "label value repair sets",
             env="REPAIR_BROKEN_POD_LABEL_VALUE", component="enrollment"),
+    # --- issue 27, what failed as written: replacing another istio-cni only when asked ---
+    Setting("cni_force_install", False, parse_bool, "cni_manage_config: replace an istio-cni "
+            "plugin or conflist entry that is not this agent's (upstream's, another agent's; "
+            "without it the agent refuses to start, naming them)", component="cni"),
 ]
 
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
@@ -456,12 +460,34 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         except (ValueError, TypeError) as e:
             raise ConfigError(s.name, value, str(e) or type(e).__name__, origin) from None
         origins[s.name], given[s.name] = origin, value
+    _check_overridden(raw, env, file_values, file_origin)
     for name, reason in config_checks.problems(values, origins):
         origin = origins.get(name, "")
         raise ConfigError(name, given.get(name, values[name]), reason,
                           "" if origin == "default" else origin)
     return Config(**values, origins=types.MappingProxyType(origins))
 
+
+def _check_overridden(raw: Mapping[str, tuple[Any, str]], env: Mapping[str, str],
+                      file_values: Mapping[str, Any], file_origin: str) -> None:
+    """A value a higher source overrides must still parse: a bad environment variable or
+    config-file key hidden by a flag is an operator's mistake waiting for the day the flag
+    goes. Raises :class:`ConfigError` naming the setting, the value and its source."""
+    for s in SETTINGS:
+        if s.name not in raw:
+            continue
+        origin = raw[s.name][1]
+        lower = []
+        if origin.startswith("flag ") and s.env_name in env:
+            lower.append((env[s.env_name], "env " + s.env_name))
+        if s.name in file_values:
+            lower.append((file_values[s.name], file_origin))
+        for value, where in lower:
+            try:
+                s.parse(value)
+            except (ValueError, TypeError) as e:
+                raise ConfigError(s.name, value, f"{str(e) or type(e).__name__} (overridden "
+                                  f"by {origin}, but fix or remove it)", where) from None
 
 
 def prepare_state_dir(config: Config) -> Path:
@@ -511,10 +537,15 @@ def ensure_ports_free(config: "Config") -> None:
             ensure_tcp_port_free(setting, host, port)
         except ConfigError as e:
             busy.append(e)
+    distinct: dict[tuple[str, str], ConfigError] = {}
+    for refused in busy:  # one address refused for three ports: said once
+        distinct.setdefault((refused.setting, str(refused.value)), refused)
+    busy = list(distinct.values())
     if len(busy) == 1:
         raise busy[0]
     if busy:
-        raise ConfigError(busy[0].setting, busy[0].value, "; ".join(str(e) for e in busy))
+        raise ConfigError(busy[0].setting, busy[0].value, "; ".join(
+            [busy[0].reason] + [str(e) for e in busy[1:]]))
 
 
 def ensure_tcp_port_free(setting: str, host: str, port: int) -> None:

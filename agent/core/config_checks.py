@@ -59,3 +59,87 @@ def problems(values: Mapping[str, Any], origins: Mapping[str, str]) -> Iterator[
             parse_existing_file(values["kubeconfig"])
         except ValueError as e:
             yield "kubeconfig", str(e)
+    yield from _operator_checks(values, origins)
+
+
+# --- issue 27 "what failed as written": checks an operator met late or as a raw error ---
+# (port setting, its bind-address setting; "" = status_address, which means every address)
+_PORTS = (("status_port", "status_address"), ("health_port", "status_address"),
+          ("monitoring_port", "status_address"), ("xds_port", "xds_address"),
+          ("xds_tls_port", "xds_tls_address"), ("ca_port", "ca_listen_address"))
+_ANY_ADDRESS = ("", "0.0.0.0", "::", "[::]")
+
+
+def _operator_checks(values: Mapping[str, Any],
+                     origins: Mapping[str, str]) -> Iterator[tuple[str, str]]:
+    """Rules whose breach used to surface only at start-up (a port bound twice after
+    seconds of start-up, a kubeconfig's YAML parser dump, errno from a missing netns or
+    directory, a non-PEM trust anchors file) or not at all (a typo'd ``config_dir`` was
+    created empty)."""
+    seen: dict[int, tuple[str, str]] = {}
+    for port_setting, address_setting in _PORTS:
+        port, address = values[port_setting], values[address_setting]
+        if not port or (port_setting == "ca_port" and port == values["xds_tls_port"]):
+            continue  # off; ca_port == xds_tls_port is reported above
+        if port in seen:
+            other, other_address = seen[port]
+            if (address in _ANY_ADDRESS or other_address in _ANY_ADDRESS
+                    or address == other_address):
+                yield port_setting, (f"port {port} is also {other}'s: two listeners cannot "
+                                     "share a port (choose another, or 0 where it may be off)")
+                continue
+        seen[port] = (port_setting, address)
+    if values["config_source"] == "files" and origins["config_dir"] != "default":
+        parent = os.path.dirname(values["config_dir"].rstrip("/")) or "/"
+        if not os.path.isdir(parent):
+            yield "config_dir", (f"its parent directory {parent} does not exist (a typo? the "
+                                 "agent creates only the last component of config_dir)")
+    if values["host_rules_netns"] and not os.path.exists(values["host_rules_netns"]):
+        yield "host_rules_netns", "no such network namespace file"
+    if values["config_source"] == "kubernetes" and values["kubeconfig"] and os.path.isfile(
+            values["kubeconfig"]):
+        why = _kubeconfig_problem(values["kubeconfig"])
+        if why:
+            yield "kubeconfig", why
+    if values["trust_anchors_file"]:
+        why = _pem_certificates_problem(values["trust_anchors_file"])
+        if why:
+            yield "trust_anchors_file", why
+
+
+def _kubeconfig_problem(path: str) -> str:
+    """Why ``path`` is no kubeconfig ("" when it looks like one): one line, never the
+    parser's multi-line dump (which may quote a token)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        return "malformed YAML" + (f" at line {mark.line + 1}" if mark else "")
+    except (OSError, UnicodeDecodeError) as e:
+        return f"cannot read it: {getattr(e, 'strerror', None) or e}"
+    if not isinstance(data, dict):
+        return "not a kubeconfig: the top level must be a mapping (clusters, users, contexts)"
+    if not data.get("clusters") or not isinstance(data.get("clusters"), list):
+        return "not a kubeconfig: no clusters list"
+    return ""
+
+
+def _pem_certificates_problem(path: str) -> str:
+    """Why ``path`` holds no PEM certificates ("" when it holds at least one and all parse)."""
+    from cryptography import x509
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        return f"cannot read it: {e.strerror or e}"
+    if b"-----BEGIN CERTIFICATE-----" not in data:
+        return "no PEM certificate in it (expected -----BEGIN CERTIFICATE----- blocks)"
+    try:
+        x509.load_pem_x509_certificates(data)
+    except ValueError as e:
+        return f"a PEM certificate in it does not parse ({str(e).splitlines()[0][:120]})"
+    return ""

@@ -239,3 +239,7 @@ class Settings:
     repair_broken_pod_label_key: str
     #: label value repair sets
     repair_broken_pod_label_value: str
+    #: cni_manage_config: replace an istio-cni plugin or conflist entry that is not this
+    #: agent's (upstream's, another agent's; without it the agent refuses to start, naming
+    #: them)
+    cni_force_install: bool

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import os
 import re
 from typing import Any, Callable
@@ -46,6 +47,8 @@ def parse_duration(value: Any) -> float:
                 pos = m.end()
             if pos != len(text) or not text:
                 raise ValueError("expected a duration such as 30s, 5m, 24h") from None
+    if not math.isfinite(seconds):
+        raise ValueError("expected a finite duration such as 30s, 5m, 24h")
     if seconds < 0:
         raise ValueError("duration must not be negative")
     return seconds
@@ -265,6 +268,7 @@ def positive(parse: Callable[[Any], float]) -> Callable[[Any], float]:
 
 
 MIN_CERT_TTL = 600.0  # seconds; agent.sds.ca_embedded.MIN_TTL is the same floor
+MAX_CERT_TTL = 90 * 86400.0  # seconds; istiod's DefaultMaxWorkloadCertTTL (MAX_WORKLOAD_CERT_TTL)
 
 
 def parse_cert_ttl(value: Any) -> float:
@@ -275,6 +279,10 @@ def parse_cert_ttl(value: Any) -> float:
     if number < MIN_CERT_TTL:
         raise ValueError(f"must be at least {MIN_CERT_TTL:g}s (10m): shorter certificates "
                          "would be renewed in a loop (NotBefore is backdated 2 minutes)")
+    if number > MAX_CERT_TTL:
+        raise ValueError("must be at most 90d (2160h), istiod's MAX_WORKLOAD_CERT_TTL "
+                         "default: a workload certificate outliving that is not renewed "
+                         "often enough to follow a root rotation")
     return number
 
 

@@ -31,9 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default="",
                         help="directory for every file the demo creates (default: a new "
                         "/run/ambient-demo-<random>)")
-    parser.add_argument("--status-port", type=int, default=15020)
-    parser.add_argument("--health-port", type=int, default=8000)
-    parser.add_argument("--xds-port", type=int, default=15010)
+    parser.add_argument("--status-port", type=int, default=0, metavar="PORT",
+                        help="the demo agent's status port (default 0: a free port, so an "
+                        "agent already on 15020 is not in the way)")
+    parser.add_argument("--health-port", type=int, default=0, metavar="PORT",
+                        help="the demo agent's /healthz port (default 0: a free port)")
+    parser.add_argument("--xds-port", type=int, default=0, metavar="PORT",
+                        help="the demo agent's plaintext xDS port on 127.0.0.1 (default 0: a "
+                        "free port)")
     parser.add_argument("--log-level", default="warn", help="agent log level while the demo runs")
 
 

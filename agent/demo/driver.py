@@ -66,9 +66,15 @@ class Demo(DemoPods, DemoChecks):
               f"interfaces named ambdemo*{self.suffix})")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        def on_signal() -> None:
+            if stop.is_set():  # a second Ctrl-C: the teardown runs to its end regardless
+                print("\nstill cleaning up, please wait", file=sys.stderr, flush=True)
+            stop.set()
+
         for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
+            loop.add_signal_handler(signum, on_signal)
         failed = True
+        incomplete = False
         try:
             await self.bring_up()
             await self.verify()
@@ -91,16 +97,17 @@ class Demo(DemoPods, DemoChecks):
             await self.teardown()
             left = await asyncio.to_thread(self.leftovers)
             if left:
-                failed = True
+                incomplete = True
                 print("left behind: " + "; ".join(left), file=sys.stderr)
             else:
                 print("clean: no netns, containers, interfaces, rules, conflist entries, "
                       "processes or sockets left")
-        if failed:
-            if self.checks:
-                print("some checks FAILED", file=sys.stderr)
-            return 1
-        return 0
+        if failed and self.checks:
+            print("some checks FAILED", file=sys.stderr)
+        if incomplete:
+            print("the teardown was incomplete (what is left is listed above)",
+                  file=sys.stderr)
+        return 1 if failed or incomplete else 0
 
     async def bring_up(self) -> None:
         p = self.progress
@@ -137,11 +144,16 @@ class Demo(DemoPods, DemoChecks):
         if self.root.exists():
             raise DemoError(f"--workdir {self.root} already exists; give a path that does "
                             "not exist yet (the demo creates it and removes it at the end)")
+        from agent.demo.envoy import free_port
+
         busy = []
         for flag, setting, address in (("--status-port", "status_port", "0.0.0.0"),
                                        ("--health-port", "health_port", "0.0.0.0"),
                                        ("--xds-port", "xds_port", "127.0.0.1")):
             port = getattr(self.args, flag[2:].replace("-", "_"))
+            if not port:  # not asked for: a free one, never the host's well-known port
+                setattr(self.args, flag[2:].replace("-", "_"), free_port())
+                continue
             try:
                 agent_config.ensure_tcp_port_free(setting, address, port)
             except agent_config.ConfigError:
@@ -234,7 +246,7 @@ class Demo(DemoPods, DemoChecks):
             "cni_conf_dir": str(self.conf_dir), "cni_bin_dir": str(self.bin_dir),
             "cni_manage_config": "true", "ztunnel_uds_address": str(self.state_dir / "ztunnel.sock"),
             "status_port": str(a.status_port), "health_port": str(a.health_port),
-            "xds_port": str(a.xds_port),
+            "xds_port": str(a.xds_port), "monitoring_port": "0",
             "exclude_namespaces": "kube-system",
             # Envoy runs outside any pod cgroup, so SDS serves one fixed identity here.
             "service_account": "server", "pod_namespace": "demo",

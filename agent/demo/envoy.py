@@ -157,7 +157,8 @@ class EnvoyProcess:
         self.proc = subprocess.Popen(
             [envoy_path(), "-c", str(config), "--disable-hot-restart", "--concurrency", "1",
              "-l", self.log_level, "--log-path", str(self.log_path)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            start_new_session=True)  # stopped by the teardown, not by the terminal's Ctrl-C
         return self
 
     def admin(self, path: str, timeout: float = 2.0) -> tuple[int, str]:

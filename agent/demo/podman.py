@@ -103,8 +103,10 @@ class Podman:
         stderr when it exits non-zero (unless ``check`` is false) or times out."""
         cmd = ["podman", *args]
         try:
+            # a session of its own: a Ctrl-C at the terminal (SIGINT to the whole
+            # foreground group) must not kill the podman rm of the demo's teardown
             r = subprocess.run(cmd, input=input, env=self.env, capture_output=True,
-                               timeout=timeout)
+                               timeout=timeout, start_new_session=True)
         except subprocess.TimeoutExpired:
             raise PodmanError(f"{' '.join(cmd)}: timed out after {timeout:.0f}s") from None
         if check and r.returncode != 0:
@@ -119,7 +121,7 @@ class Podman:
     def image_exists(self, image: str) -> bool:
         """``podman image exists`` (exit 0 yes, 1 no)."""
         r = subprocess.run(["podman", "image", "exists", image], env=self.env,
-                           capture_output=True, timeout=DEFAULT_TIMEOUT)
+                           capture_output=True, timeout=DEFAULT_TIMEOUT, start_new_session=True)
         return r.returncode == 0
 
     def create(self, name: str, network: str, image: str, *cmd: str,

@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", default=None,
                         help="the agent's state dir (default: $AMBIENT_AGENT_STATE_DIR, else "
                              f"{DEFAULT_STATE_DIR})")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
+    parser.add_argument("--timeout", type=float, default=5.0,
+                        help="seconds to wait for the agent (default %(default)s)")
     parser.add_argument("-o", "--output", choices=["table", "json"], default="table",
                         help="table (default) or the raw JSON document")
     mesh = parser.add_argument_group(

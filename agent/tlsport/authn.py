@@ -153,7 +153,13 @@ class TokensFile:
             raise ValueError("top level must be a mapping of token: namespace/serviceaccount")
         out = {}
         for n, (token, who) in enumerate(data.items(), 1):
-            who = str(who)
+            # YAML reads 12345 or yes as a number or a bool: say so instead of str()-ing it.
+            if not isinstance(token, str) or not token:
+                raise ValueError(f"entry {n}: the token is a {type(token).__name__}, not a "
+                                 "string (quote it)")
+            if not isinstance(who, str):
+                raise ValueError(f"entry {n}: the identity is a {type(who).__name__}, not a "
+                                 "string namespace/serviceaccount or SPIFFE ID")
             if who.startswith("spiffe://"):
                 try:
                     out[str(token)] = Identity.parse(who)
@@ -396,6 +402,18 @@ class AuthnComponent(Component):
         self.api: ApiClient | None = None
 
     async def start(self) -> None:
+        """Reads the tokens file once (a malformed one stops start-up with
+        :class:`agent.core.config.ConfigError` naming ``tokens_file``; later edits are
+        re-read per call), then creates the TokenReview API client when needed."""
+        tokens = self.authenticator.tokens
+        if tokens is not None:
+            try:
+                tokens._load()
+            except (OSError, ValueError) as e:
+                from agent.core.config import ConfigError
+
+                raise ConfigError("tokens_file", tokens.path,
+                                  getattr(e, "strerror", None) or str(e)) from None
         if self.kubeconfig is None or self.authenticator.token_review is None:
             return
         from kubernetes_asyncio import client as kclient

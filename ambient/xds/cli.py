@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     dump.add_argument("--key", help="client private key PEM (mTLS)")
     dump.add_argument("--server-name", help="TLS name to verify instead of the address host")
     dump.add_argument("--token-file", help="send 'authorization: Bearer <file content>'")
-    dump.add_argument("--timeout", type=float, default=10.0, help="seconds to wait")
+    dump.add_argument("--timeout", type=float, default=10.0,
+                      help="seconds to wait for the server (default %(default)s)")
 
 
 def _read(path: str | None) -> bytes | None:
@@ -69,6 +70,9 @@ async def dump(args: argparse.Namespace) -> dict:
             for type_url in types:
                 if type_url in (SHORT_NAMES["address"], SHORT_NAMES["workload"]):
                     await client.request(key, type_url, args.timeout)
+        lookups = [t for t in types if t in (SHORT_NAMES["address"], SHORT_NAMES["workload"])]
+        args.missed = [key for key in args.on_demand
+                       if lookups and not any(key in client.resources(t) for t in lookups)]
         return {t: {name: readable(json_format.MessageToDict(msg))
                     for name, msg in sorted(client.resources(t).items())} for t in types}
     finally:
@@ -114,6 +118,11 @@ def main(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"ambient-agent xds: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
+    problem = _pem_problem(args)
+    if problem:
+        print(f"ambient-agent xds: {problem}", file=sys.stderr)
+        return 2
+    args.missed = []
     try:
         out = asyncio.run(dump(args))
     except grpc.RpcError as e:
@@ -128,4 +137,33 @@ def main(args: argparse.Namespace) -> int:
         print(flush=True)
     except BrokenPipeError:  # `| head`: the reader is gone, which is not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
+    for key in args.missed:
+        print(f"ambient-agent xds: --on-demand {key}: {args.addr} has no address or workload "
+              "by that name", file=sys.stderr)
+    return 1 if args.missed else 0
+
+
+def _pem_problem(args: argparse.Namespace) -> str:
+    """Why ``--ca``/``--cert``/``--key`` can't be used ("" when they can): checked before
+    gRPC sees them, whose own refusal is several C-core log lines."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    for flag, path in (("--ca", args.ca), ("--cert", args.cert)):
+        if not path:
+            continue
+        data = _read(path) or b""
+        try:
+            if b"-----BEGIN CERTIFICATE-----" not in data:
+                raise ValueError("no -----BEGIN CERTIFICATE----- block")
+            x509.load_pem_x509_certificates(data)
+        except ValueError as e:
+            return f"{flag} {path}: not a PEM certificate ({str(e).splitlines()[0][:100]})"
+    if args.key:
+        try:
+            serialization.load_pem_private_key(_read(args.key) or b"", password=None)
+        except (ValueError, TypeError) as e:
+            return f"--key {args.key}: not an unencrypted PEM private key ({str(e)[:100]})"
+    if bool(args.cert) != bool(args.key):
+        return "--cert and --key go together"
+    return ""
