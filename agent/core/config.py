@@ -305,6 +305,12 @@ SETTINGS: list[Setting] = [
             "accepts; lowered to fit the open-files limit", component="status"),
     Setting("xds_max_connections", 256, parse_count, "connections each xDS port accepts; "
             "lowered to fit the open-files limit", component="status"),
+    # --- per-source connection caps (hardening) ---
+    Setting("max_connections_per_source", 16, parse_count, "connections one client address "
+            "may hold on each TCP listener (status, health, monitoring, the TLS xDS port); "
+            "past it a newcomer replaces that address's oldest unfinished TLS handshake "
+            "(TLS port) or least recently active connection (health port), else it is "
+            "refused (0: no per-source cap)", component="status"),
     # --- workload xDS ---
     Setting("xds_port", 15010, parse_port, "plaintext workload xDS port", component="xds"),
     Setting("xds_address", "127.0.0.1", parse_bind_address, "address the plaintext xDS port binds",
