@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -222,7 +223,7 @@ class TlsFrontDoor:
             self._tasks.add(task)
             self._handshaking[task] = source
             self._per_source[source] = self._per_source.get(source, 0) + 1
-            task.add_done_callback(lambda t, s=source, k=sock: self._ended(t, s, k))
+            task.add_done_callback(functools.partial(self._ended, source=source, sock=sock))
 
     def _admit(self, source: str, remote: str) -> bool:
         """Make room for a new connection from ``source``: past the per-source cap the
