@@ -39,6 +39,7 @@ import watchfiles
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from agent.core import yamlsafe
 from agent.core.config import ConfigError
 from ambient import localconfig
 from ambient.store import ObjectStore
@@ -46,16 +47,14 @@ from ambient.store import ObjectStore
 log = logging.getLogger(__name__)
 
 SUFFIXES = (".yaml", ".yml", ".json")
-# libyaml's safe loader when PyYAML was built with it (same documents, same errors with
-# line marks, ~5-10x faster than the pure-Python one: a 100-pod file is parsed on every
-# edit, and the initial load of a big directory is all parsing)
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-class _TagLoader(_YAML_LOADER):  # type: ignore[misc,valid-type]
-    """The safe loader, plus local tags (``!Exact a``) read as
-    :class:`ambient.localconfig.Tagged`: ztunnel's local-config format writes enums with
-    them. ``tags_seen`` counts them so a Kubernetes document carrying one is refused."""
+class _TagLoader(yamlsafe.BoundedLoader):
+    """The agent's bounded safe loader (libyaml's when PyYAML has it; aliases may not
+    expand a document past :data:`agent.core.yamlsafe.MAX_ALIAS_NODES` extra nodes),
+    plus local tags (``!Exact a``) read as :class:`ambient.localconfig.Tagged`: ztunnel's
+    local-config format writes enums with them. ``tags_seen`` counts them so a Kubernetes
+    document carrying one is refused."""
 
     tags_seen = 0
 
@@ -109,7 +108,10 @@ def _docs(path: str, text: str) -> tuple[list[Any], str]:
         except json.JSONDecodeError as e:
             return [], f"malformed JSON at line {e.lineno}: {e.msg}"
     docs: list[Any] = []
-    loader = _TagLoader(text)
+    try:
+        loader = _TagLoader(text)
+    except yaml.YAMLError as e:
+        return docs, f"malformed YAML: {e}"
     try:
         while loader.check_data():
             loader.tags_seen = 0
@@ -121,7 +123,8 @@ def _docs(path: str, text: str) -> tuple[list[Any], str]:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        return docs, f"malformed YAML{where}: {getattr(e, 'problem', None) or e}"
+        why = yamlsafe.short_text(str(getattr(e, "problem", None) or e), 300)
+        return docs, f"malformed YAML{where}: {why}"
     finally:
         loader.dispose()
     return docs, ""
@@ -132,10 +135,17 @@ def _label(obj: Any) -> str:
         return type(obj).__name__
     raw = obj.get("metadata")
     meta: dict = raw if isinstance(raw, dict) else {}
-    name = meta.get("name", "?")
-    ns = meta.get("namespace")
-    # str(): a malformed object (``namespace: 5``) is labelled here and rejected by the store
-    return f"{obj.get('kind', '?')} {f'{ns}/' if ns else ''}{name}"
+    name = _shown(meta.get("name", "?"))
+    ns = _shown(meta.get("namespace"))
+    # a malformed object (``namespace: 5``, a list) is labelled here and rejected by the store
+    return f"{_shown(obj.get('kind', '?'))} {f'{ns}/' if ns else ''}{name}"
+
+
+def _shown(value: Any) -> str:
+    """A name for a log line: a string cut short, anything else as a bounded repr."""
+    if isinstance(value, str):
+        return yamlsafe.short_text(value, 253)
+    return "" if value is None else yamlsafe.short_repr(value, 80)
 
 
 def parse_file(path: str) -> ParsedFile:
@@ -145,6 +155,10 @@ def parse_file(path: str) -> ParsedFile:
     Blocking (reads the file): call it off the event loop.
     """
     try:
+        size = os.stat(path).st_size
+        if size > yamlsafe.MAX_BYTES:
+            return ParsedFile([], [], f"too large: {size} bytes, more than the "
+                              f"{yamlsafe.MAX_BYTES} a config file may have", "unreadable")
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         return ParsedFile([], [], f"cannot read: {e}", "unreadable")
@@ -170,7 +184,8 @@ def parse_file(path: str) -> ParsedFile:
         elif isinstance(doc, dict) and doc.get("kind") == "List":
             items = doc.get("items")
             if not isinstance(items, list):
-                errors.append((where, f"kind List: field 'items' must be a list, got {items!r}"))
+                errors.append((where, f"kind List: field 'items' must be a list, got "
+                                      f"{yamlsafe.short_repr(items)}"))
                 continue
             objects.extend((item, f"{where}.items[{j}] {_label(item)}")
                            for j, item in enumerate(items))

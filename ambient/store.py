@@ -22,6 +22,8 @@ from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from agent.core.yamlsafe import short_repr, short_text
+
 log = logging.getLogger(__name__)
 
 # Kinds the index consumes. The Local* kinds carry entries of ztunnel's local-config
@@ -64,22 +66,22 @@ def validate(obj: object) -> Key:
         raise InvalidObject(f"object must be a mapping, got {type(obj).__name__}")
     kind = obj.get("kind")
     if not isinstance(kind, str) or not kind:
-        raise InvalidObject(f"field 'kind' must be a non-empty string, got {kind!r}")
+        raise InvalidObject(f"field 'kind' must be a non-empty string, got {short_repr(kind)}")
     if kind not in KINDS:
-        raise InvalidObject(f"kind {kind!r} is not one the ambient index uses")
+        raise InvalidObject(f"kind {short_repr(kind)} is not one the ambient index uses")
     meta = obj.get("metadata")
     if not isinstance(meta, dict):
-        raise InvalidObject(f"field 'metadata' must be a mapping, got {meta!r}")
+        raise InvalidObject(f"field 'metadata' must be a mapping, got {short_repr(meta)}")
     name = meta.get("name")
     if not isinstance(name, str) or not name:
-        raise InvalidObject(f"field 'metadata.name' must be a non-empty string, got {name!r}")
+        raise InvalidObject(f"field 'metadata.name' must be a non-empty string, got {short_repr(name)}")
     if kind in CLUSTER_KINDS:
         namespace = ""
     else:
         namespace = meta.setdefault("namespace", "default")
         if not isinstance(namespace, str) or not namespace:
             raise InvalidObject(f"field 'metadata.namespace' must be a non-empty string, "
-                                f"got {namespace!r}")
+                                f"got {short_repr(namespace)}")
     for field in ("labels", "annotations"):
         value = meta.get(field)
         if value is None:
@@ -87,14 +89,14 @@ def validate(obj: object) -> Key:
         if not isinstance(value, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
             raise InvalidObject(f"field 'metadata.{field}' must map strings to strings, "
-                                f"got {value!r}")
+                                f"got {short_repr(value)}")
     uid = meta.get("uid")
     if uid is not None and not isinstance(uid, str):
-        raise InvalidObject(f"field 'metadata.uid' must be a string, got {uid!r}")
+        raise InvalidObject(f"field 'metadata.uid' must be a string, got {short_repr(uid)}")
     for field in ("spec", "status"):
         value = obj.get(field)
         if value is not None and not isinstance(value, dict):
-            raise InvalidObject(f"field {field!r} must be a mapping, got {value!r}")
+            raise InvalidObject(f"field {field!r} must be a mapping, got {short_repr(value)}")
     return kind, namespace, name
 
 
@@ -154,7 +156,7 @@ class ObjectStore:
     def reject(self, reason: str, where: str, detail: str) -> None:
         """Log and count one skipped object; ``where`` names its origin (file#doc, watch)."""
         self.rejected.labels(self.source, reason).inc()
-        log.warning("skipping object from %s: %s", where, detail)
+        log.warning("skipping object from %s: %s", short_text(where, 400), short_text(detail))
 
     def apply(self, upserts: Iterable[tuple[dict, str]] = (), deletes: Iterable[Key] = (),
               origin: str = "") -> builtins.list[StoreEvent]:
@@ -229,7 +231,7 @@ class ObjectStore:
         if uid:
             other = self._by_uid.get(uid)
             if other is not None and other != key:
-                self.reject("duplicate-uid", where, f"{label} has uid {uid!r} already used by "
+                self.reject("duplicate-uid", where, f"{label} has uid {short_repr(uid)} already used by "
                             f"{other[0]} {other[1]}/{other[2]}")
                 return None
         old = self._by_kind[kind].get(key)

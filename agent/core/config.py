@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from agent.core import config_checks
+from agent.core import config_checks, yamlsafe
 from agent.core.config_fields import Settings
 from agent.core.config_values import (
     choice, ip_of, parse_account_list, parse_app_probers, parse_bind_address, parse_bool,
@@ -305,6 +305,12 @@ SETTINGS: list[Setting] = [
             "accepts; lowered to fit the open-files limit", component="status"),
     Setting("xds_max_connections", 256, parse_count, "connections each xDS port accepts; "
             "lowered to fit the open-files limit", component="status"),
+    # --- per-source connection caps (hardening) ---
+    Setting("max_connections_per_source", 16, parse_count, "connections one client address "
+            "may hold on each TCP listener (status, health, monitoring, the TLS xDS port); "
+            "past it a newcomer replaces that address's oldest unfinished TLS handshake "
+            "(TLS port) or least recently active connection (health port), else it is "
+            "refused (0: no per-source cap)", component="status"),
     # --- workload xDS ---
     Setting("xds_port", 15010, parse_port, "plaintext workload xDS port", component="xds"),
     Setting("xds_address", "127.0.0.1", parse_bind_address, "address the plaintext xDS port binds",
@@ -389,13 +395,15 @@ class Config(Settings):
 def _read_config_file(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = yamlsafe.load(f.read())
     except FileNotFoundError:
         raise
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError("config_file", path, f"malformed YAML{where}") from None
+        why = (f": {e.problem}" if isinstance(e, yamlsafe.AliasBombError)
+               else f": {e}" if isinstance(e, yamlsafe.TooLargeError) else "")
+        raise ConfigError("config_file", path, f"malformed YAML{where}{why}") from None
     except UnicodeDecodeError as e:
         raise ConfigError("config_file", path, f"not UTF-8 text (byte {e.start})") from None
     except OSError as e:

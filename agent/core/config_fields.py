@@ -207,6 +207,11 @@ class Settings:
     health_max_connections: int
     #: connections each xDS port accepts; lowered to fit the open-files limit
     xds_max_connections: int
+    #: connections one client address may hold on each TCP listener (status, health,
+    #: monitoring, the TLS xDS port); past it a newcomer replaces that address's oldest
+    #: unfinished TLS handshake (TLS port) or least recently active connection (health
+    #: port), else it is refused (0: no per-source cap)
+    max_connections_per_source: int
     #: plaintext workload xDS port
     xds_port: int
     #: address the plaintext xDS port binds

@@ -9,8 +9,10 @@ host-network pod; the status port faces the network):
   finishes its headers (slowloris).
 - **body timeout** (:func:`read_body`): a request whose body does not arrive in full within
   ``BODY_TIMEOUT`` seconds gets 408 and the connection is closed.
-- **connection cap** (:class:`BoundedTCPSite`): past ``max_connections`` open connections
-  a new one is answered ``503`` and closed at once, so it never holds an fd; the refusals
+- **connection cap** (:class:`BoundedTCPSite`): past ``max_connections`` open connections,
+  or ``max_per_source`` from one client address, a new one is answered ``503`` and closed
+  at once, so it never holds an fd (on the health port it instead replaces the least
+  recently active connection, so the liveness probe is never starved); the refusals
   are counted (``ambient_agent_listener_connections_refused_total{listener}``) and logged at most
   once a minute. Open connections: ``ambient_agent_listener_connections{listener}``.
 - **malformed HTTP** (:class:`HttpErrorLog`): aiohttp logs a bad request line or header
@@ -111,79 +113,147 @@ class ListenerMetrics:
 
 
 class _Counted(asyncio.Protocol):
-    """Forwards to aiohttp's protocol and gives the site's slot back when it closes."""
+    """One accepted connection: asks the site for a slot when the connection is made (its
+    peer address is known only then), then forwards to aiohttp's protocol and gives the
+    slot back when it closes. Refused: answered 503 and closed, aiohttp never sees it."""
 
-    __slots__ = ("_inner", "_site")
+    __slots__ = ("_inner", "_site", "source", "active", "transport")
 
-    def __init__(self, inner: asyncio.Protocol, site: "BoundedTCPSite"):
-        self._inner = inner
+    def __init__(self, site: "BoundedTCPSite"):
+        self._inner: asyncio.Protocol | None = None
         self._site = site
+        self.source = ""
+        self.active = 0.0  # monotonic time of the last bytes received (or of the accept)
+        self.transport: asyncio.BaseTransport | None = None
 
     def connection_made(self, transport) -> None:
+        peer = transport.get_extra_info("peername")
+        self.source = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        self.active = time.monotonic()
+        self.transport = transport
+        self._inner = self._site._admit(self)
+        if self._inner is None:
+            transport.write(_REFUSAL)
+            transport.close()
+            return
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        self._inner.data_received(data)
+        self.active = time.monotonic()
+        if self._inner is not None:
+            self._inner.data_received(data)
 
     def eof_received(self):
-        return self._inner.eof_received()
+        return self._inner.eof_received() if self._inner is not None else None
 
     def pause_writing(self) -> None:
-        self._inner.pause_writing()
+        if self._inner is not None:
+            self._inner.pause_writing()
 
     def resume_writing(self) -> None:
-        self._inner.resume_writing()
+        if self._inner is not None:
+            self._inner.resume_writing()
 
     def connection_lost(self, exc) -> None:
-        self._site._release()
-        self._inner.connection_lost(exc)
-
-
-class _Refused(asyncio.Protocol):
-    def connection_made(self, transport) -> None:
-        transport.write(_REFUSAL)
-        transport.close()
+        if self._inner is not None:
+            self._site._release(self)
+            self._inner.connection_lost(exc)
 
 
 class BoundedTCPSite(web.TCPSite):
-    """A TCPSite that holds at most ``max_connections`` open connections (0: no cap).
+    """A TCPSite that holds at most ``max_connections`` open connections (0: no cap) and
+    at most ``max_per_source`` from one client address (0: no per-source cap).
 
     The count covers accepted connections from the moment they are accepted (asyncio
     accepts a batch before any of them is set up, so aiohttp's own connection list would
     let a burst overshoot).
+
+    ``evict_idle`` (the health port, whose client that matters is kubelet's liveness
+    probe: one short request per connection): a connection past a cap is not refused but
+    takes the place of the least recently active connection (no bytes received for the
+    longest) of its own address (per-source cap) or of anyone (global cap), so idle
+    connections held by other peers, or by another process on the prober's own address,
+    never starve the probe. Otherwise the newcomer is answered 503 and closed.
     """
 
     def __init__(self, runner: web.AppRunner, host: str | None, port: int, *,
-                 listener: str, max_connections: int,
+                 listener: str, max_connections: int, max_per_source: int = 0,
+                 evict_idle: bool = False,
                  registry: CollectorRegistry | None = None, **kwargs: Any):
         super().__init__(runner, host, port, **kwargs)
         self.listener = listener
         self.max_connections = max_connections
+        self.max_per_source = max_per_source
+        self.evict_idle = evict_idle
         self.open_connections = 0
         self.refused = 0
+        self.evicted = 0
+        self._open: set[_Counted] = set()
+        self._per_source: dict[str, int] = {}
         metrics = ListenerMetrics.of(registry if registry is not None else CollectorRegistry())
         self._open_gauge = metrics.open.labels(listener)
         self._refused_counter = metrics.refused.labels(listener)
         self._limiter = RepeatLimiter()
 
     def _factory(self) -> asyncio.Protocol:
-        if self.max_connections and self.open_connections >= self.max_connections:
-            self.refused += 1
-            self._refused_counter.inc()
-            allowed, held = self._limiter.check("cap", time.monotonic())
-            if allowed:
-                log.warning("%s: %d connections open, the cap (%d): refusing new ones%s",
-                            self.listener, self.open_connections, self.max_connections,
-                            f" ({held} refused since the last warning)" if held else "")
-            return _Refused()
-        self.open_connections += 1
-        self._open_gauge.set(self.open_connections)
+        return _Counted(self)
+
+    def _admit(self, conn: _Counted) -> asyncio.Protocol | None:
+        """aiohttp's protocol for ``conn`` once it holds a slot, or None (refused)."""
+        source = conn.source
+        if self.max_per_source and self._per_source.get(source, 0) >= self.max_per_source:
+            if not self._evict(source):
+                self._refuse(f"{self._per_source[source]} connections open from "
+                             f"{source}, the per-source cap ({self.max_per_source})")
+                return None
+        if (self.max_connections and self.open_connections >= self.max_connections
+                and not self._evict(None)):
+            self._refuse(f"{self.open_connections} connections open, the cap "
+                         f"({self.max_connections})")
+            return None
         server = self._runner.server
         if server is None:  # runner.setup() creates it before any site starts
             raise RuntimeError(f"{self.listener}: connection accepted before the runner was set up")
-        return _Counted(server(), self)
+        self._open.add(conn)
+        self._per_source[source] = self._per_source.get(source, 0) + 1
+        self.open_connections += 1
+        self._open_gauge.set(self.open_connections)
+        return server()
 
-    def _release(self) -> None:
+    def _refuse(self, why: str) -> None:
+        self.refused += 1
+        self._refused_counter.inc()
+        allowed, held = self._limiter.check("cap", time.monotonic())
+        if allowed:
+            log.warning("%s: %s: refusing new ones%s", self.listener, why,
+                        f" ({held} refused since the last warning)" if held else "")
+
+    def _evict(self, source: str | None) -> bool:
+        """With ``evict_idle``: close the least recently active connection (of ``source``,
+        or of anyone for None) and give its slot back now. False when not evicting."""
+        if not self.evict_idle:
+            return False
+        candidates = [c for c in self._open if source is None or c.source == source]
+        if not candidates:
+            return False
+        victim = min(candidates, key=lambda c: c.active)
+        self._release(victim)
+        if victim.transport is not None:
+            victim.transport.close()
+        self.evicted += 1
+        return True
+
+    def _release(self, conn: _Counted) -> None:
+        """Give ``conn``'s slot back (idempotent: an evicted connection is released when
+        evicted and again when it closes)."""
+        if conn not in self._open:
+            return
+        self._open.discard(conn)
+        left = self._per_source.get(conn.source, 0) - 1
+        if left > 0:
+            self._per_source[conn.source] = left
+        else:
+            self._per_source.pop(conn.source, None)
         self.open_connections -= 1
         self._open_gauge.set(self.open_connections)
 

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 import yaml
 
+from agent.core import yamlsafe
 from agent.core.lifecycle import AgentContext, Component
 from agent.core.spiffe import Identity
 
@@ -143,12 +144,14 @@ class TokensFile:
     def _load(self) -> dict[str, Identity]:
         with open(self.path, encoding="utf-8") as f:
             try:
-                data = yaml.safe_load(f) or {}
+                data = yamlsafe.load(f.read()) or {}
             except yaml.YAMLError as e:
                 # PyYAML's message quotes the offending line, which may hold a token.
                 mark = getattr(e, "problem_mark", None)
                 where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-                raise ValueError(f"malformed YAML{where}") from None
+                why = (f": {e.problem}" if isinstance(e, yamlsafe.AliasBombError)
+                       else f": {e}" if isinstance(e, yamlsafe.TooLargeError) else "")
+                raise ValueError(f"malformed YAML{where}{why}") from None
         if not isinstance(data, dict):
             raise ValueError("top level must be a mapping of token: namespace/serviceaccount")
         out = {}

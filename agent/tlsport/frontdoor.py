@@ -20,15 +20,22 @@ maps back to the :class:`TlsPeer`. The same mechanism as the SDS front door
 (:mod:`agent.sds.attest`). HTTP/2 frames (including keepalive PINGs) pass through
 untouched, so gRPC core's keepalive enforcement sees exactly what the client sent.
 
-Bounds: TLS handshake timeout (``handshake_timeout``), at most ``max_connections``
-concurrent connections (more are closed at accept and counted), TCP keepalive on client
-sockets (ztunnel's values: 300 s idle, 75 s interval, 9 probes) so dead peers go away.
+Bounds: TLS handshake deadline (``handshake_timeout``, 10 s), at most
+``max_connections`` concurrent connections and at most ``max_per_source`` from one client
+address (the host part of the peer), TCP keepalive on client sockets (ztunnel's values:
+300 s idle, 75 s interval, 9 probes) so dead peers go away. A connection that would pass
+either cap takes the place of the oldest connection still in its TLS handshake (the
+same address's for the per-source cap, anyone's for the global one) and is closed at
+accept, counted, only when there is none: sockets that stall before their handshake
+completes can hold a port only until a real client arrives, never lock it for the
+length of a handshake deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -46,6 +53,7 @@ log = logging.getLogger(__name__)
 
 _RATE_LIMIT = 10.0  # seconds between two identical handshake-failure log lines
 _CHUNK = 1024 * 1024  # relay read size and buffer unit
+MAX_PER_SOURCE = 16  # connections one client address may hold (ztunnel opens two or three)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +84,15 @@ def grpc_peer(address: object) -> str:
         if host.startswith("::ffff:") and "." in host:
             host = host[len("::ffff:"):]
         return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
+    return str(address)
+
+
+def _source(address: object) -> str:
+    """The client address a per-source cap counts by: the host part (an IPv4-mapped IPv6
+    address as IPv4)."""
+    if isinstance(address, tuple) and address:
+        host = str(address[0])
+        return host[len("::ffff:"):] if host.startswith("::ffff:") and "." in host else host
     return str(address)
 
 
@@ -113,17 +130,25 @@ class TlsFrontDoor:
     """
 
     def __init__(self, name: str, host: str, port: int, backend_path: str,
-                 certificate: ServerCertificate, *, max_connections: int = 1024,
-                 handshake_timeout: float = 10.0):
+                 certificate: ServerCertificate, *, max_connections: int = 256,
+                 handshake_timeout: float = 10.0, max_per_source: int = MAX_PER_SOURCE):
         self.name = name
         self.host, self.port = host, port
         self.backend_path = backend_path
         self.certificate = certificate
         self.max_connections = max_connections
+        self.max_per_source = max_per_source  # 0: no per-source cap
         self.handshake_timeout = handshake_timeout
         self.peers: dict[str, TlsPeer] = {}
         self.accepted = 0
         self.refused_over_limit = 0
+        self.refused_per_source = 0
+        self.handshakes_displaced = 0
+        # open connections per client address, and the ones still in their handshake
+        # (insertion order: oldest first) with the address each came from
+        self._per_source: dict[str, int] = {}
+        self._handshaking: dict[asyncio.Task, str] = {}
+        self._started: set[asyncio.Task] = set()
         self._refusal_log = RepeatLimiter()
         self.handshake_failures = 0
         self._prefix = f"ambient-tls-{os.getpid()}-{secrets.token_hex(4)}-"
@@ -189,19 +214,67 @@ class TlsFrontDoor:
                 await asyncio.sleep(0.5)
                 continue
             remote = grpc_peer(address)
-            if len(self._tasks) >= self.max_connections:
-                self.refused_over_limit += 1
-                allowed, held = self._refusal_log.check(self.name, time.monotonic())
-                if allowed:  # a flood of connects must not become a flood of log lines
-                    log.warning("%s: %d connections open (the limit): closing the one from "
-                                "%s%s", self.name, len(self._tasks), remote,
-                                f" ({held} more closed since the last warning)" if held
-                                else "")
+            source = _source(address)
+            if not self._admit(source, remote):
                 sock.close()
                 continue
+            self.accepted += 1
             task = loop.create_task(self._handle(sock, remote))
             self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._handshaking[task] = source
+            self._per_source[source] = self._per_source.get(source, 0) + 1
+            task.add_done_callback(functools.partial(self._ended, source=source, sock=sock))
+
+    def _admit(self, source: str, remote: str) -> bool:
+        """Make room for a new connection from ``source``: past the per-source cap the
+        oldest handshake in progress from that address is closed, past the global cap
+        the oldest one from anyone; False (refused, counted, logged at most once a
+        minute) when no handshake is in progress to displace."""
+        if self.max_per_source and self._per_source.get(source, 0) >= self.max_per_source:
+            if not self._displace(source):
+                self.refused_per_source += 1
+                self._warn_refused(f"{self._per_source[source]} connections open from "
+                                   f"{source} (the per-source limit)", remote)
+                return False
+        if len(self._tasks) >= self.max_connections and not self._displace(None):
+            self.refused_over_limit += 1
+            self._warn_refused(f"{len(self._tasks)} connections open (the limit)", remote)
+            return False
+        return True
+
+    def _displace(self, source: str | None) -> bool:
+        for task, src in self._handshaking.items():
+            if source is None or src == source:
+                task.cancel()
+                self._forget(task, src)
+                self.handshakes_displaced += 1
+                return True
+        return False
+
+    def _ended(self, task: asyncio.Task, source: str, sock: socket.socket) -> None:
+        if task not in self._started:  # cancelled before it ran: nobody owns the socket
+            sock.close()
+        self._started.discard(task)
+        self._forget(task, source)
+
+    def _forget(self, task: asyncio.Task, source: str) -> None:
+        """Give the task's slots back (idempotent: a displaced task is forgotten when it
+        is cancelled and again when it ends)."""
+        if task not in self._tasks:
+            return
+        self._tasks.discard(task)
+        self._handshaking.pop(task, None)
+        left = self._per_source.get(source, 0) - 1
+        if left > 0:
+            self._per_source[source] = left
+        else:
+            self._per_source.pop(source, None)
+
+    def _warn_refused(self, why: str, remote: str) -> None:
+        allowed, held = self._refusal_log.check(self.name, time.monotonic())
+        if allowed:  # a flood of connects must not become a flood of log lines
+            log.warning("%s: %s: closing the one from %s%s", self.name, why, remote,
+                        f" ({held} more closed since the last warning)" if held else "")
 
     def lookup(self, peer: str) -> TlsPeer | None:
         """The :class:`TlsPeer` for a gRPC ``context.peer()``, or None when the call did
@@ -239,7 +312,9 @@ class TlsFrontDoor:
         return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
 
     async def _handle(self, sock: socket.socket, remote: str) -> None:
-        self.accepted += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self._started.add(task)
         name = self._prefix + str(next(self._counter))
         writer: asyncio.StreamWriter | None = None
         backend: asyncio.StreamWriter | None = None
@@ -252,6 +327,11 @@ class TlsFrontDoor:
                 self._log_failure(remote, e)
                 sock.close()
                 return
+            except asyncio.CancelledError:  # displaced by a newer connection, or stop()
+                sock.close()
+                raise
+            if task is not None:
+                self._handshaking.pop(task, None)
             sslobj = writer.get_extra_info("ssl_object")
             der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
             self.peers[name] = TlsPeer(remote, der, _uri_sans(der),
@@ -284,7 +364,12 @@ class TlsFrontDoor:
 
     def debug_state(self) -> dict:
         return {"listen": f"{self.host}:{self.port}", "connections": self.connections,
+                "handshaking": len(self._handshaking), "sources": len(self._per_source),
+                "max_connections": self.max_connections,
+                "max_per_source": self.max_per_source,
                 "accepted": self.accepted, "refused_over_limit": self.refused_over_limit,
+                "refused_per_source": self.refused_per_source,
+                "handshakes_displaced": self.handshakes_displaced,
                 "handshake_failures": self.handshake_failures,
                 "certificate": self.certificate.debug_state()}
 

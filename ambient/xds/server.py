@@ -115,7 +115,8 @@ class XdsServer(Component):
                  tls_services: TlsServices | None = None,
                  backend_path: str = "", clock: Callable[[], float] = time.time,
                  trust_domain: str = "cluster.local",
-                 max_connections: int = 0, stall_timeout: float = STALL_TIMEOUT,
+                 max_connections: int = 0, max_per_source: int = frontdoor.MAX_PER_SOURCE,
+                 stall_timeout: float = STALL_TIMEOUT,
                  on_demand_refusal: str = "",
                  waypoints: WaypointConfigs | None = None):
         self._index = index
@@ -126,6 +127,7 @@ class XdsServer(Component):
         self._renewal: asyncio.Task | None = None
         self.trust_domain = trust_domain
         self.max_connections = max_connections  # 0: no cap (gRPC core enforces it)
+        self.max_per_source = max_per_source  # the TLS front door's per-address cap
         self.stall_timeout = stall_timeout
         self.index: AmbientIndex | None = None
         self.address, self.port = address, port
@@ -207,7 +209,8 @@ class XdsServer(Component):
             self.front_door = frontdoor.TlsFrontDoor(
                 "xds_tls_port", self.tls_address, self.tls_port, self.backend_path,
                 self.certificate, **({"max_connections": self.max_connections}
-                                     if self.max_connections else {}))
+                                     if self.max_connections else {}),
+                max_per_source=self.max_per_source)
             try:
                 await self.front_door.start()
             except OSError as e:
@@ -559,6 +562,7 @@ def build(ctx: AgentContext, index: AmbientIndex, sds: WorkloadCertificates,
                      authenticator=authenticator, tls_services=tls_services,
                      backend_path=backend, clock=ctx.clock, trust_domain=cfg.trust_domain,
                      max_connections=listener_caps(cfg)["xds_max_connections"],
+                     max_per_source=cfg.max_connections_per_source,
                      on_demand_refusal=refusal,
                      waypoints=WaypointConfigs(store, index, issuer=sds,
                                                trust_domain=cfg.trust_domain,
