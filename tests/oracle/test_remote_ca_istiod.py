@@ -22,6 +22,11 @@ Shown:
 - a pod on another node is refused (UNAUTHENTICATED) by the agent before istiod is asked;
 - SDS workload certificates (minted by the agent with its own token and
   ``ImpersonatedIdentity``) chain to istiod's root, and so does ROOTCA;
+- with ``AMBIENT_TEST_ZTUNNEL`` naming a ztunnel binary (skipped otherwise): the real
+  ztunnel, ``XDS_ADDRESS``/``CA_ADDRESS`` = the agent, ``XDS_ROOT_CA``/``CA_ROOT_CA`` = the
+  agent's ``mesh_root_file``, its pod-bound token as ``AUTH_TOKEN``, prefetches the
+  certificate of the node's HBONE pod through the agent: Available in its
+  ``/config_dump``, leaf signed by istiod's root;
 - bad input: an agent whose ``ca_root_cert`` is not istiod's root stays not ready, says
   why (naming ``ca_root_cert``), serves ztunnel no certificate and still has no key.
 """
@@ -38,6 +43,7 @@ import time
 
 import grpc
 import pytest
+import urllib.request
 from cryptography import x509
 
 from agent.core import config as agent_config
@@ -139,7 +145,7 @@ class Cluster:
         api = self.api
         await kc.create_namespace(api, kc.AGENT_NAMESPACE)
         await kc.apply_manifest(api, "rbac.yaml")
-        await kc.create_namespace(api, ns)
+        await kc.create_namespace(api, ns, labels={"istio.io/dataplane-mode": "ambient"})
         for node, ip in ((NODE_A, "127.0.0.31"), (NODE_B, "127.0.0.32")):
             await kc.create_node(api, node, ip=ip)
         await kc.create_service_account(api, kc.AGENT_NAMESPACE, "ztunnel")
@@ -152,7 +158,9 @@ class Cluster:
                 ("ledger-0", ns, NODE_A, "ledger", "10.253.0.5"),
                 ("teller-0", ns, NODE_B, "teller", "10.253.1.5")):
             name = kc.unique(name)
-            pod = await kc.run_pod(api, name, pns, node, [ip], service_account=sa)
+            captured = {"ambient.istio.io/redirection": "enabled"} if pns == ns else {}
+            pod = await kc.run_pod(api, name, pns, node, [ip], service_account=sa,
+                                   annotations=captured)
             self.pods[sa] = (pns, name, pod["metadata"]["uid"])
         secret = await kc.request(api, "GET",
                                   "/api/v1/namespaces/istio-system/secrets/istio-ca-secret")
@@ -296,3 +304,72 @@ async def test_wrong_root_not_ready_no_certificate_no_key(cluster, tmp_path):
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
     assert "ca_root_cert" in e.value.details()
     assert key_files(agent.ctx.config.state_dir) == []
+
+
+ZTUNNEL = os.environ.get("AMBIENT_TEST_ZTUNNEL", "")
+
+
+def _readiness_port_free() -> bool:
+    import socket
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("0.0.0.0", 15021))
+            return True
+        except OSError:
+            return False
+
+
+@pytest.mark.skipif(not (ZTUNNEL and os.access(ZTUNNEL, os.X_OK)),
+                    reason="AMBIENT_TEST_ZTUNNEL does not name a ztunnel binary")
+async def test_real_ztunnel_uses_the_agent_as_its_ca(cluster, tmp_path):
+    """The real ztunnel's CA is the agent, whose CA is istiod: the certificate ztunnel
+    prefetches for the node's HBONE pod is signed by istiod's root."""
+    import base64 as b64
+    import json
+
+    from agent.demo.ztunnel import ZtunnelProcess, ZtunnelSettings
+    if not _readiness_port_free():
+        pytest.skip("port 15021 (ztunnel's fixed readiness port) is taken on this host")
+    agent = await cluster.agent(cluster.root_file, "zt")
+    sds = agent.sds
+    await until("the agent ready", lambda: asyncio.sleep(0, sds.ready()[0]), timeout=60,
+                detail=lambda: sds.ready()[1])
+    token = tmp_path / "ztunnel.token"
+    token.write_text(await cluster.pod_token("ztunnel"))
+    os.chmod(token, 0o600)
+    pns, pod_name, _ = cluster.pods["ztunnel"]
+    admin = free_port()
+    settings = ZtunnelSettings(
+        binary=ZTUNNEL, xds_address=f"localhost:{agent.xds.tls_port}",
+        root_cert=agent.ctx.config.mesh_root_file, token_file=str(token),
+        zds_socket=str(tmp_path / "no-zds.sock"), node_name=NODE_A, admin_port=admin,
+        stats_port=free_port(),
+        extra_env={"POD_NAMESPACE": pns, "POD_NAME": pod_name, "INSTANCE_IP": "10.253.0.2"})
+    zt = ZtunnelProcess(settings, tmp_path / "ztunnel.log")
+    zt.start()
+    ledger = f"spiffe://cluster.local/ns/{cluster.ns}/sa/ledger"
+
+    def dump() -> dict:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/config_dump", timeout=5) as r:
+                return json.loads(r.read())
+        except OSError:
+            return {}
+
+    try:
+        async def available():
+            if zt.proc is not None and zt.proc.poll() is not None:
+                raise AssertionError(f"ztunnel exited: {zt.log()[-3000:]}")
+            certs = (await asyncio.to_thread(dump)).get("certificates") or []
+            return next((c for c in certs if c.get("identity") == ledger
+                         and c.get("state") == "Available"), None)
+
+        entry = await until("ztunnel holds the pod's certificate (Available)", available,
+                            timeout=90, detail=lambda: zt.log()[-3000:])
+        leaf = x509.load_pem_x509_certificate(b64.b64decode(entry["certChain"][0]["pem"]))
+        leaf.verify_directly_issued_by(x509.load_pem_x509_certificate(cluster.istiod_root))
+        assert sds.ca_servicer().forwarded >= 1
+        assert key_files(agent.ctx.config.state_dir) == []
+    finally:
+        zt.stop()

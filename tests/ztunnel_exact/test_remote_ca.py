@@ -74,3 +74,42 @@ async def test_no_key_on_the_node_certificates_from_the_remote_ca(make_agent, ag
     assert node.sds.ca_servicer().forwarded == 1
     assert not any(name.endswith("key.pem") for _, _, files in os.walk(node.ctx.config.state_dir)
                    for name in files)
+
+
+async def test_remote_ca_unreachable_not_ready_no_fallback(make_agent, agent_dir):
+    """``ca_addr`` naming a port where nothing listens: the agent stays not ready, says
+    which CA and why, mints nothing from a key of its own (it has none), and ztunnel asking
+    it gets the error, not a certificate."""
+    import asyncio
+
+    import grpc
+    import pytest
+
+    from agent.demo.envoy import free_port
+    from agent.tlsport.servercert import node_local_material
+
+    _, some_root = node_local_material(["some-ca"])
+    root = agent_dir / "some-root.pem"
+    root.write_bytes(some_root)
+    address = f"localhost:{free_port()}"
+    node = await make_agent(ca_addr=address, ca_root_cert=str(root))
+    sds = node.sds
+    for _ in range(300):
+        if sds._remote_checks >= 1 and sds._remote_error:
+            break
+        await asyncio.sleep(0.1)
+    ok, why = sds.ready()
+    assert not ok and f"ca_addr={address}" in why, why
+    assert sds.embedded is None and sds.root_pem() == b""
+    assert not os.path.exists(node.ctx.config.mesh_root_file)  # no root to publish
+    client = await ZtunnelCaClient(f"https://localhost:{node.xds.tls_port}",
+                                   sds._serving_issuer, token=ZTUNNEL_TOKEN).start()
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.fetch_certificate(LEDGER_ID)
+    finally:
+        await client.close()
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"ca_addr={address}" in e.value.details()
+    assert not any("key" in name for _, _, files in os.walk(node.ctx.config.state_dir)
+                   for name in files)
