@@ -200,7 +200,7 @@ class ForwardingCertificateService(CertificateService):
                  authenticator: Authenticator | Callable[[], Authenticator | None],
                  trusted_node_accounts: Iterable[str],
                  store_getter: Callable[[], PodStore | None] = lambda: None, node_name: str = ""):
-        async def never(*_a):  # no embedded CA: _run is never used
+        async def never(*_a: object) -> None:  # no embedded CA: _run is never used
             raise RuntimeError("no CA key on this node")
         super().__init__(None, never, trust_domain, authenticator, trusted_node_accounts,
                          store_getter, node_name)
