@@ -130,12 +130,13 @@ def build(ctx: AgentContext) -> Components:
 
 def mount_ca(sds: SdsServer) -> Callable[[grpc.aio.Server], list[str]]:
     """The xDS TLS port's ``tls_services`` hook (:data:`ambient.xds.server.TlsServices`):
-    mounts the embedded CA's ``IstioCertificateService`` when ``sds`` runs one, as istiod
-    serves xDS and the CA on 15012. Wired here so that ambient imports nothing of SDS."""
+    mounts the ``IstioCertificateService`` of ``sds`` (the embedded CA's, or with a remote
+    Istio CA the one that forwards to it), as istiod serves xDS and the CA on 15012. Wired
+    here so that ambient imports nothing of SDS."""
 
     def mount(server: grpc.aio.Server) -> list[str]:
         servicer = sds.ca_servicer()  # known once sds started (the hook runs at xDS start)
-        if servicer is None:  # a remote Istio CA
+        if servicer is None:  # no CA at all (never in the daemon)
             return []
         return [servicer.add_to_server(server)]  # the CA registers itself, returns its name
 

@@ -166,6 +166,33 @@ class IstioCAClient:
     async def sign(self, csr_pem: bytes, ttl_seconds: int, identity: str = "") -> list[str]:
         """One CreateCertificate with retries. Returns ``cert_chain`` (>= 2 elements)."""
         req, headers = self._request(csr_pem, ttl_seconds, identity)
+        return await self._call(req, headers)
+
+    async def forward(self, request: ca_pb2.IstioCertificateRequest, token: str) -> list[str]:
+        """Pass a caller's ``CreateCertificate`` on to the remote CA unchanged (its CSR,
+        ``validity_duration`` and ``metadata``, e.g. ``ImpersonatedIdentity``), sent with the
+        caller's own bearer ``token`` and ``clusterid``, so the remote CA authenticates the
+        caller and runs its own impersonation checks (istiod: the caller's service account
+        in ``CA_TRUSTED_NODE_ACCOUNTS``, the identity running on the caller pod's node).
+        Same retries and errors as :meth:`sign`; ValueError when ``token`` is empty."""
+        if not token:
+            raise ValueError("forward: the caller's bearer token is required")
+        headers = (("clusterid", self.cluster_id), ("authorization", f"Bearer {token}"))
+        return await self._call(request, headers)
+
+    def _explain(self, code: grpc.StatusCode, details: str) -> str:
+        """The remote CA's error with what to check: ``ca_addr`` and, for a TLS failure
+        (the CA's certificate not verified by ``ca_root_cert``), that root."""
+        text = f"remote CA ca_addr={self.address}: {details or code.name}"
+        low = (details or "").lower()
+        if code == grpc.StatusCode.UNAVAILABLE and any(
+                w in low for w in ("ssl", "handshake", "certificate", "tls")):
+            text += (f" (the CA's certificate did not verify: is ca_root_cert="
+                     f"{self.root_cert!r} the remote CA's root?)")
+        return text
+
+    async def _call(self, req: ca_pb2.IstioCertificateRequest,
+                    headers: tuple[tuple[str, str], ...]) -> list[str]:
         attempt = 0
         # retry_base doubling, ±10 %; at most MAX_RETRIES retries, so the step never caps
         retry = Backoff(self.retry_base, self.retry_base * 2 ** MAX_RETRIES, jitter=(0.9, 1.1))
@@ -186,7 +213,8 @@ class IstioCAClient:
                               attempt, delay)
                     await asyncio.sleep(delay)
                     continue
-                raise CAClientError(e.code().name, e.details() or "") from None
+                raise CAClientError(e.code().name, self._explain(e.code(), e.details() or "")
+                                    ) from None
             except CAClientError:
                 await self._reset()
                 raise

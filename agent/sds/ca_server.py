@@ -39,12 +39,13 @@ from grpc_reflection.v1alpha import reflection
 from agent.core import unixsocket
 from agent.core.annotations import REGISTERED_BY
 from agent.core.spiffe import Identity
-from agent.tlsport.authn import AuthenticationError, Authenticator, Caller
+from agent.tlsport.authn import AuthenticationError, Authenticator, Caller, bearer_token
 from agent.tlsport.frontdoor import TlsFrontDoor, remove_private_socket
 from agent.tlsport.servercert import ServerCertificate
 from agent.sds import ca_pb2, ca_pb2_grpc
 from agent.sds.attest import PodStore, identity_of_pod
 from agent.sds.ca_embedded import MIN_TTL, CAError, EmbeddedCA
+from agent.sds.ca_istio import CAClientError, IstioCAClient
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ CA_SERVICE = ca_pb2.DESCRIPTOR.services_by_name["IstioCertificateService"].full_
 class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
     """CreateCertificate on top of an :class:`EmbeddedCA`."""
 
-    def __init__(self, ca: EmbeddedCA, run_blocking: Callable[..., Awaitable],
+    def __init__(self, ca: EmbeddedCA | None, run_blocking: Callable[..., Awaitable],
                  trust_domain: str,
                  authenticator: Authenticator | Callable[[], Authenticator | None],
                  trusted_node_accounts: Iterable[str],
@@ -140,7 +141,7 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
         meta = dict(request.metadata.fields.items()) if request.HasField("metadata") else {}
         target = meta["ImpersonatedIdentity"].string_value if "ImpersonatedIdentity" in meta else ""
         signer = meta["CertSigner"].string_value if "CertSigner" in meta else ""
-        if signer:
+        if signer and self.ca is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"CertSigner {signer!r}: external signers are not supported by "
                                 "the embedded CA")
@@ -152,16 +153,25 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                     "request impersonation authentication failure")
             sans = [target]
+        chain = await self._issue(request, context, caller, sans)
+        self.issued += 1
+        log.info("CA: issued certificate for %s", ",".join(sans))
+        return ca_pb2.IstioCertificateResponse(cert_chain=chain)
+
+    async def _issue(self, request: ca_pb2.IstioCertificateRequest,
+                     context: grpc.aio.ServicerContext, caller: Caller, sans: list[str]
+                     ) -> list[str]:
+        """Sign for ``sans`` (the caller's identities, or the impersonated one, checked).
+        Aborts the call with the CA error's gRPC code."""
+        assert self.ca is not None
         try:
             ttl = int(request.validity_duration)
             if 0 < ttl < MIN_TTL:
                 ttl = MIN_TTL
-            chain = await self._run(self.ca.sign, request.csr, sans, ttl)
+            return await self._run(self.ca.sign, request.csr, sans, ttl)
         except CAError as e:
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))
-        self.issued += 1
-        log.info("CA: issued certificate for %s", ",".join(sans))
-        return ca_pb2.IstioCertificateResponse(cert_chain=chain)
+            raise  # not reached: abort raises
 
     def add_to_server(self, server: grpc.aio.Server) -> str:
         """Register this service on ``server`` (another component's gRPC server, e.g. the
@@ -169,6 +179,52 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
         name (:data:`CA_SERVICE`) for server reflection."""
         ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(self, server)
         return CA_SERVICE
+
+
+class ForwardingCertificateService(CertificateService):
+    """CreateCertificate for a node with no CA key (remote-CA mode, setting ``ca_addr``):
+    ztunnel's CA calls to the agent are checked here as :class:`CertificateService` checks
+    them (the caller authenticated by the agent's chain; ``ImpersonatedIdentity`` only for
+    ``ca_trusted_node_accounts`` and an identity with a pod on this node) and then passed to
+    the remote Istio CA unchanged, with the caller's own bearer token
+    (:meth:`agent.sds.ca_istio.IstioCAClient.forward`), so the remote CA authenticates the
+    caller itself and runs its own node checks, as it would if ztunnel called it directly.
+
+    A caller authenticated without a bearer token (a client certificate) is asked for by the
+    agent itself: ``remote.sign`` with the agent's token and ``ImpersonatedIdentity`` = the
+    identity checked here (the remote CA must then trust the agent's account as a node
+    account). The remote CA's error comes back with its gRPC code and message; nothing is
+    ever signed here, there is no key to sign with."""
+
+    def __init__(self, remote: IstioCAClient, trust_domain: str,
+                 authenticator: Authenticator | Callable[[], Authenticator | None],
+                 trusted_node_accounts: Iterable[str],
+                 store_getter: Callable[[], PodStore | None] = lambda: None, node_name: str = ""):
+        async def never(*_a: object) -> None:  # no embedded CA: _run is never used
+            raise RuntimeError("no CA key on this node")
+        super().__init__(None, never, trust_domain, authenticator, trusted_node_accounts,
+                         store_getter, node_name)
+        self.remote = remote
+        self.forwarded = 0
+
+    async def _issue(self, request: ca_pb2.IstioCertificateRequest,
+                     context: grpc.aio.ServicerContext, caller: Caller, sans: list[str]
+                     ) -> list[str]:
+        token = bearer_token(context.invocation_metadata())
+        try:
+            if token:
+                chain = await self.remote.forward(request, token)
+            else:
+                ttl = int(request.validity_duration) or 24 * 3600
+                chain = await self.remote.sign(request.csr.encode(), ttl, sans[0])
+        except CAClientError as e:
+            log.warning("CA: the remote CA refused %s for %s: %s", ",".join(sans),
+                        caller.spiffe_id, e)
+            code = getattr(grpc.StatusCode, e.code, grpc.StatusCode.UNAVAILABLE)
+            await context.abort(code, str(e).split(" desc = ", 1)[-1])
+            raise  # not reached: abort raises
+        self.forwarded += 1
+        return chain
 
 
 class CaPort:

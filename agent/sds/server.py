@@ -125,6 +125,10 @@ class SdsServer(Component):
         self.warm_up: asyncio.Task | None = None  # fixed mode: minting before anyone asks
         self._started = False
         self._ca_root_bundle = b""  # canonical ca_root_cert content last acted on
+        self._serving_issuer = b""  # remote CA: issuer of the node-local serving certificate
+        self._remote_error = ""  # remote CA: why the last check failed ("" = it answered)
+        self._remote_ok = False  # remote CA: it signed for us at least once
+        self._remote_checks = 0
         self._reload_failures = 0  # trust_anchors_file / ca_root_cert reloads that failed
 
     @property
@@ -178,8 +182,11 @@ class SdsServer(Component):
             self.publisher = RootPublisher(self._kube_api, cfg.system_namespace, cfg.node_name,
                                            self.root_pem, clock=self.clock or time.time)
             await self.publisher.start()
-        if cfg.ca_port and self.embedded:
+        if cfg.ca_port and self.ca_servicer() is not None:
             await self._start_ca_port()
+        if isinstance(self.ca_client, IstioCAClient):
+            self._track(asyncio.get_running_loop().create_task(self._check_remote(),
+                                                               name="sds remote CA check"))
         if self.fixed:
             self.warm_up = asyncio.get_running_loop().create_task(self._warm_up(self.fixed))
             self._track(self.warm_up)
@@ -195,8 +202,7 @@ class SdsServer(Component):
             # Attested mode: the agent authenticates as itself and asks for each pod's
             # identity with ImpersonatedIdentity, as ztunnel does (the remote CA must list
             # <system_namespace>/ambient-agent in its trusted node accounts).
-            own = (self.fixed.spiffe_id if self.fixed else
-                   f"spiffe://{cfg.trust_domain}/ns/{cfg.system_namespace}/sa/ambient-agent")
+            own = self._own_identity()
             remote = self.ca_client = IstioCAClient(cfg.ca_addr, cfg.ca_root_cert,
                                                     cfg.ca_token_file, cfg.cluster_id,
                                                     own_identity=own)
@@ -288,24 +294,53 @@ class SdsServer(Component):
             await self.front_door.start()
 
     def ca_servicer(self) -> ca_server.CertificateService | None:
-        """The embedded CA's ``IstioCertificateService`` servicer, for a component that
-        serves it on its own gRPC server (the xDS TLS port, as istiod does):
-        ``servicer.add_to_server(server)``. Callers are authenticated by the
-        ``authn`` component's chain. None when a remote Istio CA is configured."""
-        if self.embedded is None:
-            return None
-        if self._ca_service is None:
-            cfg = self.config
+        """The ``IstioCertificateService`` servicer, for a component that serves it on its
+        own gRPC server (the xDS TLS port, as istiod does): ``servicer.add_to_server(server)``.
+        Callers are authenticated by the ``authn`` component's chain. With the embedded CA
+        it signs; with a remote Istio CA (``ca_addr``) it is a
+        :class:`~agent.sds.ca_server.ForwardingCertificateService`, which checks the caller
+        the same way and passes the call on to the remote CA (no key on this node)."""
+        cfg = self.config
+        if self._ca_service is None and self.embedded is not None:
             self._ca_service = ca_server.CertificateService(
                 self.embedded, self._run, cfg.trust_domain, self._authenticator,
                 cfg.ca_trusted_node_accounts, self._store, cfg.node_name)
+        elif self._ca_service is None and isinstance(self.ca_client, IstioCAClient):
+            self._ca_service = ca_server.ForwardingCertificateService(
+                self.ca_client, cfg.trust_domain, self._authenticator,
+                cfg.ca_trusted_node_accounts, self._store, cfg.node_name)
         return self._ca_service
+
+    async def server_material(self) -> servercert.TlsMaterial:
+        """The server certificate of the agent's TLS ports (SANs :meth:`tls_server_sans`),
+        with the root client certificates must chain to.
+
+        Embedded CA: issued by it. Remote CA (``ca_addr``): the remote CA signs SPIFFE
+        identities only, which ztunnel cannot verify by hostname, so the certificate is a
+        node-local one (:func:`agent.tlsport.servercert.node_local_material`: its one-use
+        issuer's key is dropped at once, no CA key stays on the node); that issuer is
+        published with the mesh root in ``mesh_root_file``, the file ztunnel reads as
+        ``XDS_ROOT_CA``/``CA_ROOT_CA``. Raises :class:`CAClientError` (embedded CA not ready)."""
+        sans = self.tls_server_sans()
+        if self.embedded is not None or self.ca_client is None:
+            bundle = await self.certificate_for(sans, "ECDSA")
+            return servercert.TlsMaterial(bundle.chain, bundle.key, self.root_pem() or bundle.root)
+        names = [n for n in sans if not n.startswith("spiffe://")]
+        spiffe = next((n for n in sans if n.startswith("spiffe://")), "")
+        now = self.clock() if self.clock else None
+        material, issuer = await self._run(
+            lambda: servercert.node_local_material(names, spiffe, now=now))
+        self._serving_issuer = issuer
+        await self._publish_root()
+        return dataclasses.replace(material, root_pem=self.root_pem())
 
     def server_certificate(self, name: str, sans: list[str]) -> servercert.ServerCertificate:
         """A renewing :class:`~agent.tlsport.servercert.ServerCertificate` for a TLS listener named
         ``name`` with ``sans``, issued by this component's CA (not started)."""
 
         async def provide() -> servercert.TlsMaterial:
+            if sans == self.tls_server_sans():
+                return await self.server_material()
             bundle = await self.certificate_for(sans, "ECDSA")
             return servercert.TlsMaterial(bundle.chain, bundle.key, self.root_pem() or bundle.root)
 
@@ -325,7 +360,7 @@ class SdsServer(Component):
         if authenticator is None:
             raise RuntimeError("ca_port: no caller authentication (component 'authn' missing)")
         service = self.ca_servicer()
-        assert service is not None, "the CA port is started with the embedded CA only"
+        assert service is not None, "the CA port is started with a CA servicer only"
         self._ca_port = ca_server.CaPort(
             service, cfg.ca_listen_address, cfg.ca_port,
             self.server_certificate("ca_port", self.tls_server_sans()),
@@ -338,7 +373,7 @@ class SdsServer(Component):
         """Write the mesh root to ``mesh_root_file`` when it changed. Errors are logged
         (ztunnel then keeps the previous file), never fatal after start."""
         path = self.config.mesh_root_file
-        root = self.root_pem()
+        root = self.published_trust()
         if not path or not root or root == self._published_root:
             return
         try:
@@ -394,9 +429,40 @@ class SdsServer(Component):
         if self.ca_client:
             await self.ca_client.close()
 
+    def _own_identity(self) -> str:
+        cfg = self.config
+        return (self.fixed.spiffe_id if self.fixed else
+                f"spiffe://{cfg.trust_domain}/ns/{cfg.system_namespace}/sa/ambient-agent")
+
+    async def _check_remote(self) -> None:
+        """Remote-CA mode: ask the remote CA for the agent's own certificate (through the
+        cache, so the mesh root is learnt and published) until it answers once; until then
+        the component is not ready and :meth:`ready` says why (unreachable, refused, a
+        ``ca_root_cert`` that does not verify it). There is never a local key to fall back
+        to. Retried with backoff, 1 s doubling to 30 s."""
+        assert self.cache is not None
+        retry = Backoff(1.0, 30.0, jitter=(0.9, 1.1))
+        own = self._own_identity()
+        while not self._remote_ok:
+            self._remote_checks += 1
+            try:
+                await self.cache.root_bundle(own)
+            except Exception as e:  # noqa: BLE001 - reported by ready(), retried
+                self._remote_error = str(e) or type(e).__name__
+                delay = retry.next()
+                log.warning("remote CA %s not usable (not ready; retry in %.0fs): %s",
+                            self.config.ca_addr, delay, self._remote_error)
+                await asyncio.sleep(delay)
+                continue
+            self._remote_ok, self._remote_error = True, ""
+            log.info("remote CA %s signed the agent's certificate: ready", self.config.ca_addr)
+
     def ready(self) -> tuple[bool, str]:
         if not self._started:
             return False, "SDS server not started"
+        if isinstance(self.ca_client, IstioCAClient) and not self._remote_ok:
+            return False, (f"remote CA ca_addr={self.config.ca_addr} not usable: "
+                           f"{self._remote_error or 'no certificate from it yet'}")
         if self.kube_ca is not None:
             ok, why = self.kube_ca.ready()
             if not ok:
@@ -428,7 +494,7 @@ class SdsServer(Component):
             return
         if name == ROOTCA:
             self.service.push(lambda c: {ROOTCA}, spiffe_id)
-            if self.config.mesh_root_file and self.root_pem() != self._published_root:
+            if self.config.mesh_root_file and self.published_trust() != self._published_root:
                 self._track(asyncio.get_running_loop().create_task(self._publish_root()))
         else:
             self.service.push(lambda c: {n for n in (c.names or ()) if is_workload_name(n)},
@@ -489,6 +555,16 @@ class SdsServer(Component):
                  renewed)
 
     # --- API for other components ------------------------------------------------------
+    def published_trust(self) -> bytes:
+        """What ``mesh_root_file`` holds: the mesh root bundle (:meth:`root_pem`) and, in
+        remote-CA mode, the issuer of the node-local serving certificate (so ztunnel, reading
+        the file as ``XDS_ROOT_CA``/``CA_ROOT_CA``, verifies the agent's TLS ports). b"" until
+        the mesh root is known."""
+        root = self.root_pem()
+        if not root or not self._serving_issuer:
+            return root
+        return root.rstrip(b"\n") + b"\n" + self._serving_issuer
+
     def root_pem(self) -> bytes:
         """The mesh root bundle (PEM): the embedded CA's root, else the last root the
         Istio CA returned merged with extra anchors (b"" before the first certificate)."""
@@ -527,6 +603,10 @@ class SdsServer(Component):
             "ca_port_tls": self._ca_port.debug_state() if self._ca_port else None,
             "mesh_root_file": self.config.mesh_root_file or None,
             "ca_issued": self._ca_service.issued if self._ca_service else 0,
+            "remote_ca": ({"ok": self._remote_ok, "error": self._remote_error or None,
+                           "checks": self._remote_checks,
+                           "node_local_serving_cert": bool(self._serving_issuer)}
+                          if isinstance(self.ca_client, IstioCAClient) else None),
             "ca_secret": self.kube_ca.debug_state() if self.kube_ca else None,
             "root_publisher": self.publisher.debug_state() if self.publisher else None,
             "streams": self.service.debug_state() if self.service else [],

@@ -36,8 +36,13 @@ import ssl
 import time
 from typing import Awaitable, Callable, Iterable
 
+import datetime as dt
+import ipaddress
+
 from cryptography import x509
-from cryptography.x509.oid import ExtendedKeyUsageOID
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from agent.core.backoff import Backoff
 
@@ -140,6 +145,76 @@ def check_server_leaf(chain_pem: bytes) -> None:
         return
     if ExtendedKeyUsageOID.SERVER_AUTH not in eku:
         raise ValueError("server certificate's extendedKeyUsage lacks serverAuth")
+
+
+def node_local_material(names: Iterable[str], spiffe_id: str = "", *, now: float | None = None,
+                        lifetime: float = 365 * 24 * 3600.0) -> tuple[TlsMaterial, bytes]:
+    """A serving certificate for a node that holds no CA key (remote-CA mode, ``ca_addr``).
+
+    A remote Istio CA signs only SPIFFE identities (istiod ignores a CSR's DNS names), so it
+    cannot give the agent a certificate ztunnel verifies by hostname. This makes one here:
+    a throw-away issuer (self-signed, ECDSA P-256, ``CA:TRUE, pathlen 0``) signs one leaf
+    (ECDSA P-256, ``CA:FALSE``, EKU serverAuth, SANs ``names`` as DNS or IP entries plus
+    ``spiffe_id`` as a URI) and the issuer's key is dropped before this returns, so the
+    issuer can never sign anything else: the node keeps a server key, no CA key. Both
+    certificates are valid from 2 minutes before ``now`` (epoch seconds; default the
+    current time) for ``lifetime`` seconds. Nothing is written to disk.
+
+    Returns ``(material, issuer_pem)``: ``material`` carries the leaf and its key (its
+    ``root_pem`` is empty: the caller sets the root client certificates must chain to);
+    ``issuer_pem`` is what a client must trust to verify the leaf (published with the mesh
+    root in ``mesh_root_file`` for ztunnel's ``XDS_ROOT_CA``/``CA_ROOT_CA``).
+    Raises ValueError when ``names`` is empty.
+    """
+    names = [n for n in dict.fromkeys(n.strip() for n in names) if n]
+    if not names:
+        raise ValueError("node_local_material: no server names")
+    start = dt.datetime.fromtimestamp((time.time() if now is None else now) - 120,
+                                      dt.timezone.utc)
+    end = start + dt.timedelta(seconds=lifetime + 120)
+    issuer_key = ec.generate_private_key(ec.SECP256R1())
+    issuer_name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "ambient-agent"),
+                             x509.NameAttribute(NameOID.COMMON_NAME,
+                                                f"node-local serving issuer {names[0]}")])
+    issuer = (x509.CertificateBuilder().subject_name(issuer_name).issuer_name(issuer_name)
+              .public_key(issuer_key.public_key()).serial_number(x509.random_serial_number())
+              .not_valid_before(start).not_valid_after(end)
+              .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+              .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False,
+                                           False), critical=True)
+              .add_extension(x509.SubjectKeyIdentifier.from_public_key(issuer_key.public_key()),
+                             critical=False)
+              .sign(issuer_key, hashes.SHA256()))
+    leaf_key = ec.generate_private_key(ec.SECP256R1())
+    sans: list[x509.GeneralName] = []
+    for n in names:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(n)))
+        except ValueError:
+            sans.append(x509.DNSName(n))
+    if spiffe_id:
+        sans.append(x509.UniformResourceIdentifier(spiffe_id))
+    leaf = (x509.CertificateBuilder().subject_name(x509.Name([]))
+            .issuer_name(issuer_name).public_key(leaf_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(start).not_valid_after(end)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(True, False, False, False, False, False, False, False,
+                                         False), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
+                           critical=False)
+            .add_extension(x509.SubjectAlternativeName(sans), critical=True)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                issuer_key.public_key()), critical=False)
+            .sign(issuer_key, hashes.SHA256()))
+    del issuer_key  # the issuer signs this one leaf only
+    pem = serialization.Encoding.PEM
+    key_pem = leaf_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption())
+    material = TlsMaterial(leaf.public_bytes(pem), key_pem, b"",
+                           not_after=leaf.not_valid_after_utc.timestamp(),
+                           not_before=leaf.not_valid_before_utc.timestamp())
+    return material, issuer.public_bytes(pem)
 
 
 Provider = Callable[[], Awaitable[TlsMaterial]]

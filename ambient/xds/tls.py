@@ -26,6 +26,10 @@ class WorkloadCertificates(Protocol):
     def tls_server_sans(self) -> list[str]:
         """SANs of the agent's TLS listeners."""
 
+    async def server_material(self) -> TlsMaterial:
+        """The TLS listeners' server certificate (SANs :meth:`tls_server_sans`), key and the
+        root client certificates must chain to."""
+
 
 def sds_tls_provider(sds: WorkloadCertificates) -> TlsProvider:
     """A provider of the TLS port's certificate, issued by ``sds``.
@@ -34,15 +38,13 @@ def sds_tls_provider(sds: WorkloadCertificates) -> TlsProvider:
     ``spiffe://<trust_domain>/ns/<system_namespace>/sa/ambient-agent`` and the names of
     :func:`agent.tlsport.servercert.server_names`: the DNS names and IPs ztunnel verifies by
     default on a plain host (``localhost``, ``127.0.0.1``, ``::1``) and in a cluster
-    (``istiod.<ns>.svc``, ...), the node name and ``tls_server_names``.
+    (``istiod.<ns>.svc``, ...), the node name and ``tls_server_names``. With a remote CA
+    the certificate is a node-local one (a remote Istio CA signs SPIFFE identities only;
+    ``agent.sds.server.SdsServer.server_material``).
     """
 
     async def provide() -> TlsMaterial:
-        bundle = await sds.certificate_for(sds.tls_server_sans(), "ECDSA")
-        return TlsMaterial(_b(bundle.chain), _b(bundle.key), _b(sds.root_pem() or bundle.root))
+        return await sds.server_material()
 
     return provide
 
-
-def _b(value: str | bytes) -> bytes:
-    return value.encode() if isinstance(value, str) else bytes(value)

@@ -217,3 +217,42 @@ async def test_short_certificates_renew_from_their_real_validity_not_in_a_loop(c
         assert len(calls) - 1 >= 600 / (ttl / 2) - 2, len(calls)
     finally:
         await cert.stop()
+
+
+def test_node_local_material_names_hosts_and_keeps_no_issuer_key():
+    """Remote-CA mode's serving certificate: DNS and IP SANs a hostname check accepts (the
+    strict RFC 5280 verifier of ``cryptography``, as rustls/webpki), the SPIFFE ID as a URI,
+    a leaf that is no CA, and an issuer whose key is nowhere in what is returned."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.x509 import verification
+
+    from agent.tlsport.servercert import check_server_leaf, node_local_material, server_context
+
+    material, issuer_pem = node_local_material(
+        ["localhost", "127.0.0.1", "istiod.istio-system.svc", "localhost"],
+        "spiffe://cluster.local/ns/istio-system/sa/ambient-agent")
+    leaf = x509.load_pem_x509_certificate(material.cert_chain_pem)
+    issuer = x509.load_pem_x509_certificate(issuer_pem)
+    check_server_leaf(material.cert_chain_pem)
+    server_context(material)  # the key matches the leaf
+    assert leaf.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
+    assert issuer.extensions.get_extension_for_class(x509.BasicConstraints).value.path_length == 0
+    san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["localhost", "istiod.istio-system.svc"]
+    assert [str(i) for i in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == [
+        "spiffe://cluster.local/ns/istio-system/sa/ambient-agent"]
+    now = dt.datetime.now(dt.timezone.utc)
+    for name in ("istiod.istio-system.svc", "localhost"):
+        verifier = (verification.PolicyBuilder().store(verification.Store([issuer])).time(now)
+                    .build_server_verifier(verification.DNSName(name)))
+        verifier.verify(leaf, [])
+    with pytest.raises(verification.VerificationError):
+        (verification.PolicyBuilder().store(verification.Store([issuer])).time(now)
+         .build_server_verifier(verification.DNSName("elsewhere.example"))).verify(leaf, [])
+    assert b"PRIVATE KEY" not in issuer_pem and material.key_pem.count(b"PRIVATE KEY") == 2
+    assert material.not_after - material.not_before >= 365 * 24 * 3600
+    with pytest.raises(ValueError, match="no server names"):
+        node_local_material([" ", ""])

@@ -89,8 +89,12 @@ def test_values_reach_the_objects(helm):
     z = by[("DaemonSet", "ztunnel")]["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in z["env"]}
     assert env["XDS_ADDRESS"] == "https://$(HOST_IP):15112"
-    assert env["CA_ADDRESS"] == "https://istiod.mesh-system.svc:15012"
-    assert env["ALT_XDS_HOSTNAME"] == "istiod.mesh-system.svc"
+    # the agent forwards ztunnel's CA calls; ztunnel trusts the agent's published file
+    assert env["CA_ADDRESS"] == "https://$(HOST_IP):15112"
+    assert env["ALT_XDS_HOSTNAME"] == env["ALT_CA_HOSTNAME"] == "istiod.mesh-system.svc"
+    vols = {v["name"]: v for v in by[("DaemonSet", "ztunnel")]["spec"]["template"]["spec"]
+            ["volumes"]}
+    assert vols["istiod-ca-cert"]["hostPath"]["path"] == "/var/run/ambient-agent/mesh-root"
 
 
 def test_node_mode_has_no_secret_access_and_ztunnel_mounts_the_host_root(helm):

@@ -28,7 +28,8 @@ pod IP; (b) a TCP connection from the pod on host A reaches an echo listener in 
 on host B. With a real ztunnel (``AMBIENT_TEST_ZTUNNEL``) one ztunnel runs per host
 (its fixed ports are per netns), the pods are ambient, and the connection must be HBONE:
 ztunnel's ``istio_tcp_connections_opened_total{connection_security_policy="mutual_tls"}``
-between the two pods' SPIFFE identities grows on both hosts. Without the binary the pods
+between the two pods' SPIFFE identities grows on both hosts, and each ztunnel's access log
+has the connection ("outbound" on A, "inbound" on B) with both identities. Without the binary the pods
 are not ambient (nothing would serve their redirected traffic) and (b) is plain routing;
 the test prints that it checked no HBONE.
 """
@@ -264,6 +265,15 @@ def chained(h: Host) -> dict | None:
     return conflist if any(p.get("type") == "istio-cni" for p in conflist["plugins"]) else None
 
 
+def access_lines(log: str, direction: str, src: str, dst: str) -> list[str]:
+    """ztunnel's access-log lines (target ``access``, "connection complete", its
+    ``src/proxy/metrics.rs``) for one connection ``direction`` ("outbound" at the source
+    ztunnel, "inbound" at the destination's) between SPIFFE IDs ``src`` and ``dst``."""
+    return [line for line in log.splitlines()
+            if "connection complete" in line and f'direction="{direction}"' in line
+            and f'src.identity="{src}"' in line and f'dst.identity="{dst}"' in line]
+
+
 def start_ztunnel(h: Host, token_file: Path) -> None:
     from agent.demo.ztunnel import ZtunnelSettings
 
@@ -418,6 +428,19 @@ async def test_two_hosts_serve_each_others_pods(kube_cluster, kube_admin, kube_n
             await until("ztunnel on both hosts to count an mTLS connection "
                         f"{src} -> {src}", counted, timeout=30,
                         detail=lambda: f"ztunnel a log: {a.log('ztunnel.log')}")
+            # and both log it in their access log with both identities (ztunnel logs the
+            # identities of a connection only when it was mutual TLS)
+            def logged() -> bool:
+                return bool(access_lines(a.log("ztunnel.log"), "outbound", src, src)
+                            and access_lines(b.log("ztunnel.log"), "inbound", src, src))
+            await until("both ztunnels' access logs to show the connection with both "
+                        "identities", logged, timeout=30,
+                        detail=lambda: f"ztunnel a log: {a.log('ztunnel.log')[-3000:]}\n"
+                                       f"ztunnel b log: {b.log('ztunnel.log')[-3000:]}")
+            with capsys.disabled():
+                for h, d in ((a, "outbound"), (b, "inbound")):
+                    print(f"\nztunnel {h.letter} access log: "
+                          f"{access_lines(h.log('ztunnel.log'), d, src, src)[0]}")
         else:
             with capsys.disabled():
                 print(f"\n{__name__}: AMBIENT_TEST_ZTUNNEL not set: checked xDS and plain "

@@ -31,7 +31,8 @@ def _unavailable(reason: str) -> None:
 def pytest_collection_modifyitems(config, items):
     """Build (or find cached) pilot-discovery once, before any test, when one needs it."""
     global _build_error
-    if not any("oracle" in getattr(item, "fixturenames", ()) for item in items):
+    if not any(f in getattr(item, "fixturenames", ()) for item in items
+               for f in ("oracle", "istiod_ca")):
         return
     if h.why_not():
         return

@@ -1,9 +1,12 @@
 """The mode with no CA key on the node (``ca_addr``): a second agent plays the remote Istio
 CA (its embedded CA on its TLS port, as istiod serves the CA on 15012). The node's agent
 holds no key, its SDS certificates are signed remotely, its trust bundle is the remote
-root; ztunnel's CA client (reproduced from ztunnel's source) is pointed at the remote CA
-directly, as upstream deployments point ``CA_ADDRESS`` at istiod, and its certificates verify
-against the node agent's bundle."""
+root; ztunnel's CA client (reproduced from ztunnel's source) gets certificates both from the
+remote CA directly (``CA_ADDRESS`` at istiod, as upstream deployments do) and through the
+node agent's TLS port (``CA_ADDRESS`` at the node agent, which forwards the call with
+ztunnel's token): its server certificate is verified by hostname against the node's
+published ``mesh_root_file``, and the certificates chain to the remote root.
+tests/kube/test_remote_ca_istiod.py runs the same against the real istiod."""
 
 from __future__ import annotations
 
@@ -30,8 +33,10 @@ async def test_no_key_on_the_node_certificates_from_the_remote_ca(make_agent, ag
     node = await make_agent(ca_addr=f"localhost:{remote.xds.tls_port}",
                             ca_root_cert=remote.ctx.config.mesh_root_file,
                             ca_token_file=str(token_file))
-    # no CA key anywhere under the node agent's state, no CA service on its TLS port
-    assert node.sds.embedded is None and node.sds.ca_servicer() is None
+    # no CA key anywhere under the node agent's state; its TLS port's CA service forwards
+    from agent.sds.ca_server import ForwardingCertificateService
+    assert node.sds.embedded is None
+    assert isinstance(node.sds.ca_servicer(), ForwardingCertificateService)
     assert not any(name.endswith("key.pem") for _, _, files in os.walk(node.ctx.config.state_dir)
                    for name in files)
     bundle = await node.sds.certificate_for(["spiffe://cluster.local/ns/istio-system/sa/"
@@ -55,3 +60,56 @@ async def test_no_key_on_the_node_certificates_from_the_remote_ca(make_agent, ag
         await client.close()
     assert cert.identity == LEDGER_ID
     cert.leaf.verify_directly_issued_by(x509.load_pem_x509_certificates(node.sds.root_pem())[0])
+    # ztunnel asks the node agent (CA_ADDRESS = the node agent), which forwards
+    node_trust = open(node.ctx.config.mesh_root_file, "rb").read()
+    assert remote_root.strip() in node_trust  # the mesh root + the serving issuer
+    client = await ZtunnelCaClient(f"https://localhost:{node.xds.tls_port}", node_trust,
+                                   token=ZTUNNEL_TOKEN).start()
+    try:
+        cert = await client.fetch_certificate(LEDGER_ID)
+    finally:
+        await client.close()
+    assert cert.identity == LEDGER_ID
+    cert.leaf.verify_directly_issued_by(x509.load_pem_x509_certificate(remote_root))
+    assert node.sds.ca_servicer().forwarded == 1
+    assert not any(name.endswith("key.pem") for _, _, files in os.walk(node.ctx.config.state_dir)
+                   for name in files)
+
+
+async def test_remote_ca_unreachable_not_ready_no_fallback(make_agent, agent_dir):
+    """``ca_addr`` naming a port where nothing listens: the agent stays not ready, says
+    which CA and why, mints nothing from a key of its own (it has none), and ztunnel asking
+    it gets the error, not a certificate."""
+    import asyncio
+
+    import grpc
+    import pytest
+
+    from agent.demo.envoy import free_port
+    from agent.tlsport.servercert import node_local_material
+
+    _, some_root = node_local_material(["some-ca"])
+    root = agent_dir / "some-root.pem"
+    root.write_bytes(some_root)
+    address = f"localhost:{free_port()}"
+    node = await make_agent(ca_addr=address, ca_root_cert=str(root))
+    sds = node.sds
+    for _ in range(300):
+        if sds._remote_checks >= 1 and sds._remote_error:
+            break
+        await asyncio.sleep(0.1)
+    ok, why = sds.ready()
+    assert not ok and f"ca_addr={address}" in why, why
+    assert sds.embedded is None and sds.root_pem() == b""
+    assert not os.path.exists(node.ctx.config.mesh_root_file)  # no root to publish
+    client = await ZtunnelCaClient(f"https://localhost:{node.xds.tls_port}",
+                                   sds._serving_issuer, token=ZTUNNEL_TOKEN).start()
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.fetch_certificate(LEDGER_ID)
+    finally:
+        await client.close()
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"ca_addr={address}" in e.value.details()
+    assert not any("key" in name for _, _, files in os.walk(node.ctx.config.state_dir)
+                   for name in files)
