@@ -60,11 +60,13 @@ class Components:
     authn: AuthnComponent
     sds: SdsServer
     zds: ZdsServer
+    # xDS before enrollment: it serves from the index alone, so a cold start's first push
+    # never waits behind restart recovery (issue 28)
+    xds: XdsServer
     enrollment: Enrollment
     snapshot: SnapshotWriter
     installer: CniInstallerComponent | None
     events: CniEventServer
-    xds: XdsServer
     status: StatusServer
 
     def in_start_order(self) -> list[Component]:
@@ -78,9 +80,10 @@ def build(ctx: AgentContext) -> Components:
     ``ctx`` in start order.
 
     Start order follows the data flow: the config source (and the registration that
-    writes pods into it) and the index first; caller authentication, SDS and ZDS; then
-    enrollment and the CNI parts that hand it work; xDS; status last, as it reports the
-    others' readiness. A builder that rejects a setting raises :class:`ConfigError`; any
+    writes pods into it) and the index first; caller authentication, SDS and ZDS; xDS
+    (it needs only the index and SDS, so the first push does not wait for restart
+    recovery); then enrollment and the CNI parts that hand it work; status last, as it
+    reports the others' readiness. A builder that rejects a setting raises :class:`ConfigError`; any
     other failure is wrapped in :class:`ComponentStartError` naming the component.
     Imports are here, not at the top, so that ``ambient-agent config`` and ``version``
     stay fast.

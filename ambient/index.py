@@ -39,6 +39,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from agent.core import gcpause
 from agent.core.lifecycle import AgentContext, Component
 from ambient import authorization_pb2 as az
 from ambient import translate_service as ts
@@ -130,7 +131,8 @@ class AmbientIndex:
         if self._unsubscribe_store is None:
             self._unsubscribe_store = self.store.subscribe(self.on_events)
         self._dirty.full = True
-        return self._flush()
+        with gcpause.paused():  # the first build allocates the whole index at once
+            return self._flush()
 
     def stop(self) -> None:
         if self._unsubscribe_store:

@@ -48,6 +48,7 @@ from kubernetes_asyncio import client as kclient
 from kubernetes_asyncio import config as kconfig
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from agent.core import gcpause
 from agent.core.backoff import Backoff
 from ambient.store import CLUSTER_KINDS, ObjectStore
 
@@ -299,7 +300,8 @@ class KubernetesSource:
             data = await resp.read()
         finally:
             resp.release()
-        body = json.loads(data)
+        with gcpause.paused():  # a LIST is millions of objects at once (agent/core/gcpause.py)
+            body = json.loads(data)
         if not isinstance(body, dict):
             raise MalformedStream(f"LIST {kind}: body is not an object")
         api_version = RESOURCES[kind][0]

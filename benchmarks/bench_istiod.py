@@ -1,0 +1,403 @@
+"""The agent side by side with real istiod (issue 28; needs root and Go; minutes).
+
+One kube-apiserver (scripts/kube-test-apiserver.sh), one set of objects
+(:func:`benchmarks.bench_kube_xds.populate`: per namespace 100 running pods, 10 Services,
+5 AuthorizationPolicies, ambient namespaces, 10 nodes), one ztunnel-like client
+(:class:`tests.oracle.harness.OracleClient`, ztunnel's delta xDS client written from its
+source, read on each server's plaintext port, the same node identity for both). The two
+control planes take turns on the same machine (never both running), so neither pays for
+the other's CPU:
+
+- **istiod**: pilot-discovery built by scripts/istiod-test.sh from the pinned istio.io/istio
+  module, started by that script (ambient on), with its shipped debounce
+  (``PILOT_DEBOUNCE_AFTER=100ms``, ``PILOT_DEBOUNCE_MAX=10s``) or with debounce cut
+  (``0s``/``0s``).
+- **agent**: ``python -m agent.cli run --config-source kubernetes`` as the DaemonSet's
+  ServiceAccount, its shipped debounce (``xds_debounce`` 0.1 s, ``xds_debounce_max`` 1 s)
+  or ``--xds-debounce 0``; host rules in a scratch netns; its node (``bench-agent-node``)
+  holds none of the pods, as a node of a large cluster holds few of them.
+
+Figures, each as agent / istiod (target <= 1.0), at every size:
+
+- **cold start**: the server process's start (istiod: its ``/proc/<pid>/stat`` start time,
+  the script's CRD install excluded; agent: ``Popen``) -> the client holds every pod's
+  Address. The client dials as soon as the server's xDS port accepts (polled every 10 ms).
+- **initial push**: a second client connecting to the warm server -> it holds every pod's
+  Address.
+- **change latency** p50 (debounced and debounce cut): a label PATCH of one pod that moves
+  it between two Services -> the client holds the workload in the new Service; 20
+  samples after 3 warm-up ones.
+- **RSS** after the initial push (VmRSS of the server process).
+- **CPU per change burst**: 100 pods' labels PATCHed at once -> the client holds all 100
+  changes; the server process's utime+stime over that window.
+
+Sizes: 1,000 and 5,000 pods; 20,000 when ``AMBIENT_BENCH_ISTIOD_20K=1`` (populating 20k
+pods through the API server takes ~10 minutes on 2 CPUs); ``AMBIENT_BENCH_ISTIOD_SIZES=1000,5000``
+picks them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.bench_kube import _available, _gather_limited
+from benchmarks.bench_kube_xds import NODES, PODS_PER_NS, populate
+from benchmarks.common import Result, percentile, ratio_result
+from tests.kube import cluster as kc
+
+AGENT_NODE = "bench-agent-node"
+SAMPLES, WARMUP, BURST = 20, 3, 100
+POD_NS, POD_NAME = "x00", "pod0"
+POD_UID = f"Kubernetes//Pod/{POD_NS}/{POD_NAME}"
+SHIPPED, CUT = "shipped", "cut"
+
+
+def _sizes() -> list[int]:
+    if os.environ.get("AMBIENT_BENCH_ISTIOD_SIZES"):
+        return [int(x) for x in os.environ["AMBIENT_BENCH_ISTIOD_SIZES"].split(",")]
+    sizes = [1_000, 5_000]
+    if os.environ.get("AMBIENT_BENCH_ISTIOD_20K") == "1":
+        sizes.append(20_000)
+    return sizes
+
+
+def _boot_now() -> float:
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def _proc_start(pid: int) -> float:
+    """A process's start, in CLOCK_BOOTTIME seconds (10 ms resolution)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(pid: int) -> float:
+    """utime + stime of ``pid`` and its reaped children, seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _accepts(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    with contextlib.suppress(OSError), socket.create_connection((host, int(port)), 0.2):
+        return True
+    return False
+
+
+def _pod_count(client) -> int:
+    from tests.ztunnel_exact import xds as zx
+    return sum(1 for n in client.resources[zx.ADDRESS_TYPE] if n.startswith("Kubernetes//Pod/"))
+
+
+def _in_service(client, svc: str) -> bool:
+    from tests.ztunnel_exact import xds as zx
+    res = client.resources[zx.ADDRESS_TYPE].get(POD_UID)
+    return res is not None and any(k.endswith(f"/{svc}.{POD_NS}.svc.cluster.local")
+                                   for k in res.workload.services)
+
+
+async def _wait(client, pred, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"client never held the expected state ({pred})")
+        client._changed.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(client._changed.wait(), 0.5)
+
+
+async def _client(address: str):
+    from tests.oracle.harness import OracleClient, ztunnel_env
+    return await OracleClient(address, ztunnel_env(address)).start()
+
+
+class Istiod:
+    name = "istiod"
+
+    def __init__(self, cluster: kc.KubeCluster, workdir: str):
+        self.cluster, self.workdir, self.n = cluster, workdir, 0
+        self.dir = ""
+        self.proc: subprocess.Popen | None = None
+        self.pid = 0
+        self.address = ""
+
+    async def start(self, debounce: str) -> float:
+        """Start; returns the process's start in CLOCK_BOOTTIME seconds."""
+        from tests.oracle.harness import ISTIOD_SCRIPT, script_env
+        self.n += 1
+        self.dir = os.path.join(self.workdir, f"istiod{self.n}")
+        extra = ("PILOT_DEBOUNCE_AFTER=100ms PILOT_DEBOUNCE_MAX=10s" if debounce == SHIPPED
+                 else "PILOT_DEBOUNCE_AFTER=0s PILOT_DEBOUNCE_MAX=0s")
+        env = script_env(ISTIOD_TEST_OWNER_PID=str(os.getpid()), ISTIOD_TEST_ENV=extra,
+                         ISTIOD_TEST_KUBECONFIG=self.cluster.kubeconfig,
+                         ISTIOD_TEST_READY_TIMEOUT="600")
+        self.proc = subprocess.Popen(["bash", ISTIOD_SCRIPT, "start", self.dir], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 300
+        while True:
+            with contextlib.suppress(OSError, KeyError, ValueError):
+                env_file = kc.read_env(self.dir)
+                self.address = env_file["ISTIOD_XDS_ADDR"]
+                self.pid = int(env_file["ISTIOD_PID"])
+                return _proc_start(self.pid)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"istiod-test.sh start failed: "
+                                   f"{self.proc.stderr.read().decode()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("istiod not started after 300 s")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        from tests.oracle.harness import ISTIOD_SCRIPT
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(600)
+        subprocess.run(["bash", ISTIOD_SCRIPT, "stop", self.dir], capture_output=True,
+                       timeout=60)
+
+
+class Agent:
+    name = "agent"
+
+    def __init__(self, cluster: kc.KubeCluster, api, workdir: str, netns: str):
+        self.cluster, self.api, self.workdir, self.netns = cluster, api, workdir, netns
+        self.proc: subprocess.Popen | None = None
+        self.pid = 0
+        self.address = ""
+        self.n = 0
+        self.state = ""
+
+    async def start(self, debounce: str) -> float:
+        from agent.demo.envoy import free_port
+        self.n += 1
+        base = tempfile.mkdtemp(prefix="bia-")  # short: Unix socket paths
+        kubeconfig = await kc.agent_kubeconfig(self.cluster, self.api,
+                                               os.path.join(base, "agent.kubeconfig"))
+        self.state = os.path.join(base, "state")
+        port = free_port()
+        self.address = f"127.0.0.1:{port}"
+        argv = [sys.executable, "-m", "agent.cli", "run", "--state-dir", self.state,
+                "--config-source", "kubernetes", "--kubeconfig", kubeconfig,
+                "--node-name", AGENT_NODE, "--xds-port", str(port), "--xds-tls-port", "0",
+                "--status-port", str(free_port()), "--health-port", str(free_port()),
+                "--host-rules-netns", f"/var/run/netns/{self.netns}", "--log-level", "warning"]
+        if debounce == CUT:
+            argv += ["--xds-debounce", "0"]
+        env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=os.path.join(self.state, "ztunnel",
+                                                                "zt.sock"))
+        env.pop("KUBECONFIG", None)
+        # as installed (pip compiles a wheel's modules): with bytecode, see _compile()
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        self.log = open(os.path.join(self.workdir, f"agent{self.n}.log"), "w")
+        t0 = _boot_now()
+        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     cwd=kc.ROOT)
+        self.pid = self.proc.pid
+        self.base = base
+        profile = os.environ.get("AMBIENT_BENCH_ISTIOD_PROFILE")  # a py-spy output prefix
+        if profile and shutil.which("py-spy"):
+            subprocess.Popen(["py-spy", "record", "--pid", str(self.pid), "--duration", "25",
+                              "--rate", "200", "--format", "raw", "--nonblocking",
+                              "-o", f"{profile}-{self.n}.txt"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return t0
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+async def cold_start(side, pods: int, debounce: str):
+    """Start ``side``; returns (seconds from process start to a client holding every pod,
+    the client)."""
+    t0 = await side.start(debounce)
+    deadline = time.monotonic() + 600
+    while not _accepts(side.address):
+        if side.proc is not None and side.proc.poll() is not None and side.name == "agent":
+            raise RuntimeError(f"agent exited {side.proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{side.name} never listened on {side.address}")
+        await asyncio.sleep(0.01)
+    client = await _client(side.address)
+    await _wait(client, lambda: _pod_count(client) >= pods, 600)
+    return _boot_now() - t0, client
+
+
+async def initial_push(side, pods: int) -> float:
+    t0 = time.perf_counter()
+    client = await _client(side.address)
+    try:
+        await _wait(client, lambda: _pod_count(client) >= pods, 300)
+        return time.perf_counter() - t0
+    finally:
+        await client.close()
+
+
+async def change_latency(api, client) -> list[float]:
+    out = []
+    for i in range(SAMPLES + WARMUP):
+        app, svc = ("app1", "svc1") if not _in_service(client, "svc1") else ("app0", "svc0")
+        t0 = time.perf_counter()
+        await kc.request(api, "PATCH", f"/api/v1/namespaces/{POD_NS}/pods/{POD_NAME}",
+                         body={"metadata": {"labels": {"app": app}}},
+                         content_type="application/merge-patch+json")
+        await _wait(client, lambda svc=svc: _in_service(client, svc), 60)
+        out.append(time.perf_counter() - t0)
+    return out[WARMUP:]
+
+
+async def burst_cpu(api, client, pid: int, round_: int) -> tuple[float, float]:
+    """(server CPU seconds, wall seconds) for :data:`BURST` pods (x01) relabelled at once."""
+    from tests.ztunnel_exact import xds as zx
+    label = f"burst{round_}"
+    names = [f"Kubernetes//Pod/x01/pod{p}" for p in range(BURST)]
+
+    def done() -> bool:
+        held = client.resources[zx.ADDRESS_TYPE]
+        return all(n in held and held[n].workload.canonical_revision == label for n in names)
+
+    cpu0, t0 = _cpu(pid), time.perf_counter()
+    await _gather_limited(kc.request(
+        api, "PATCH", f"/api/v1/namespaces/x01/pods/pod{p}",
+        body={"metadata": {"labels": {"service.istio.io/canonical-revision": label}}},
+        content_type="application/merge-patch+json") for p in range(BURST))
+    await _wait(client, done, 120)
+    return _cpu(pid) - cpu0, time.perf_counter() - t0
+
+
+async def measure_side(side, api, pods: int, out: dict, round_: int) -> None:
+    for debounce in (SHIPPED, CUT):
+        cold, client = await cold_start(side, pods, debounce)
+        try:
+            if debounce == SHIPPED:
+                out["cold"] = cold
+                await asyncio.sleep(2.0)
+                out["rss"] = _rss_mib(side.pid)
+                out["initial"] = await initial_push(side, pods)
+                out["cpu"], out["burst_wall"] = await burst_cpu(api, client, side.pid, round_)
+            else:
+                out["cold_cut"] = cold
+            out[f"latency_{debounce}"] = await change_latency(api, client)
+        finally:
+            await client.close()
+            await side.stop()
+
+
+async def measure(cluster: kc.KubeCluster, workdir: str) -> list[Result]:
+    from pyroute2 import netns as pnetns
+    api = await cluster.admin_client()
+    ns_name = "bia" + os.urandom(3).hex()
+    pnetns.create(ns_name)
+    results: list[Result] = []
+    try:
+        await kc.apply_crds(api)
+        await kc.create_namespace(api, kc.AGENT_NAMESPACE)
+        await kc.apply_manifest(api, "rbac.yaml")
+        await _gather_limited(kc.create_node(api, f"node-{n}", ip=f"127.2.0.{n + 1}")
+                              for n in range(NODES))
+        await kc.create_node(api, AGENT_NODE, ip="127.2.1.1")
+        istiod = Istiod(cluster, workdir)
+        agent = Agent(cluster, api, workdir, ns_name)
+        made = 0
+        round_ = 0
+        for pods in _sizes():
+            t0 = time.monotonic()
+            await populate(api, range(made // PODS_PER_NS, pods // PODS_PER_NS))
+            made = pods
+            print(f"bench_istiod: {pods} pods populated in {time.monotonic() - t0:.0f} s",
+                  file=sys.stderr, flush=True)
+            figures: dict[str, dict] = {"istiod": {}, "agent": {}}
+            for side in (istiod, agent):
+                round_ += 1
+                await measure_side(side, api, pods, figures[side.name], round_)
+                print(f"bench_istiod: {pods} {side.name} {figures[side.name]['cold']:.2f} s "
+                      f"cold", file=sys.stderr, flush=True)
+            results += rows(pods, figures["agent"], figures["istiod"])
+    finally:
+        await api.close()
+        with contextlib.suppress(Exception):
+            pnetns.remove(ns_name)
+    return results
+
+
+def rows(pods: int, a: dict, i: dict) -> list[Result]:
+    k = f"{pods // 1000}k"
+    note = "agent / istiod, same API server, objects and client"
+    out = [
+        ratio_result(f"vs istiod: cold start -> all {pods} pods held, at {k}", a["cold"],
+                     i["cold"], "s", 1.0, note + "; process start -> client holds every pod"),
+        ratio_result(f"vs istiod: cold start, debounce cut, at {k}", a["cold_cut"],
+                     i["cold_cut"], "s", 1.0, note),
+        ratio_result(f"vs istiod: initial push (warm server), at {k}", a["initial"],
+                     i["initial"], "s", 1.0, note + "; a second client connects"),
+    ]
+    for d in (SHIPPED, CUT):
+        what = ("shipped debounce (agent 100 ms/1 s, istiod 100 ms/10 s)" if d == SHIPPED
+                else "debounce cut (agent 0, istiod 0s/0s)")
+        out.append(ratio_result(f"vs istiod: change latency p50, {d} debounce, at {k}",
+                                percentile(a[f"latency_{d}"], 50) * 1e3,
+                                percentile(i[f"latency_{d}"], 50) * 1e3, "ms", 1.0,
+                                note + f"; label PATCH -> client holds it; {what}"))
+        out.append(Result(f"vs istiod: change latency p99, {d} debounce, at {k}",
+                          percentile(a[f"latency_{d}"], 99) * 1e3, "ms",
+                          percentile(i[f"latency_{d}"], 99) * 1e3, "report", None, note))
+    out.append(ratio_result(f"vs istiod: RSS after initial push, at {k}", a["rss"], i["rss"],
+                            "MiB", 1.0, note))
+    out.append(ratio_result(f"vs istiod: CPU per {BURST}-pod change burst, at {k}",
+                            a["cpu"] * 1e3, i["cpu"] * 1e3, "ms", 1.0,
+                            note + f"; wall agent {a['burst_wall']:.2f} s, istiod "
+                                   f"{i['burst_wall']:.2f} s"))
+    return out
+
+
+def _compile() -> None:
+    """Byte-compile the agent's packages first, as a wheel install does: without it every
+    agent start under ``PYTHONDONTWRITEBYTECODE`` compiles ~200 modules from source (3 s
+    idle, 40 s at load 16 on this box), which no deployment pays."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "agent", "ambient", "cni", "zds"],
+                   cwd=kc.ROOT, check=True, stdout=subprocess.DEVNULL,
+                   env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"})
+
+
+async def run() -> list[Result]:
+    why = _available()
+    if why:
+        return [Result("vs istiod", float("nan"), "s", note=f"skipped: {why}")]
+    subprocess.run(["bash", kc.SCRIPT, "build"], check=True, stdout=subprocess.DEVNULL)
+    _compile()
+    workdir = tempfile.mkdtemp(prefix="bench-istiod-")
+    directory = os.path.join(workdir, "server")
+    env = dict(os.environ, KUBE_TEST_OWNER_PID=str(os.getpid()))
+    subprocess.run(["bash", kc.SCRIPT, "start", directory], check=True, env=env,
+                   stdout=subprocess.DEVNULL)
+    try:
+        return await measure(kc.KubeCluster(directory), workdir)
+    finally:
+        subprocess.run(["bash", kc.SCRIPT, "stop", directory], stdout=subprocess.DEVNULL)
+        shutil.rmtree(workdir, ignore_errors=True)
