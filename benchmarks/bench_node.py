@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import tempfile
 import threading
@@ -142,22 +143,33 @@ def _agent_metrics(node, port: int) -> dict[str, float]:
 
 
 def _agent_cpu_seconds(node) -> float | None:
-    """CPU seconds the agent's container has used so far (its cgroup's ``cpu.stat``
-    ``usage_usec``: the agent and every tool it runs, iptables-restore included), or
-    None when it can't be read."""
+    """CPU seconds the agent's container has used so far, or None when it can't be
+    read: its cgroup's ``cpu.stat`` ``usage_usec`` (everything it runs included), else
+    its main process's ``/proc/<pid>/stat`` user + system time with that of the children
+    it waited for (iptables-restore and every other tool it runs)."""
     ids = node.ctr("containers", "list", "-q", 'labels."io.kubernetes.container.name"==agent',
                    check=False).stdout.split()
-    tasks = {line.split()[0]: line.split()[1] for line in
-             node.ctr("tasks", "list", check=False).stdout.splitlines()[1:] if line.strip()}
+    tasks = {}
+    for line in node.ctr("tasks", "list", check=False).stdout.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 2 and fields[1].isdigit():
+            tasks[fields[0]] = int(fields[1])
     for cid in ids:
         pid = tasks.get(cid)
-        if not pid or not pid.isdigit():
+        if not pid:
             continue
         try:
             rel = Path(f"/proc/{pid}/cgroup").read_text().strip().split("::", 1)[1]
             for line in Path(f"/sys/fs/cgroup{rel}/cpu.stat").read_text().splitlines():
                 if line.startswith("usage_usec "):
                     return int(line.split()[1]) / 1e6
+        except (OSError, IndexError, ValueError):
+            pass
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            fields = stat.rsplit(")", 1)[1].split()
+            ticks = sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+            return ticks / os.sysconf("SC_CLK_TCK")
         except (OSError, IndexError, ValueError):
             continue
     return None
@@ -314,7 +326,6 @@ async def _measure(bin_dir: Path) -> list[Result]:
 
 
 def run() -> list[Result]:
-    import os
 
     from tests.node import realnode
     reason = realnode.why_not()
