@@ -326,7 +326,6 @@ async def _measure(bin_dir: Path) -> list[Result]:
 
 
 def run() -> list[Result]:
-
     from tests.node import realnode
     reason = realnode.why_not()
     if reason is None and os.system("podman image exists localhost/ambient-node-agent:0.1.0"):

@@ -19,7 +19,7 @@ from typing import Mapping
 
 from pyroute2 import IPRoute
 from pyroute2.netlink import (NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE,
-                              NLM_F_REQUEST, NLMSG_ERROR, nlmsgerr)
+                              NLM_F_REQUEST, NLMSG_ERROR, nlmsg, nlmsgerr)
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl import RTM_NEWROUTE, RTM_NEWRULE
 from pyroute2.netlink.rtnl.fibmsg import FR_ACT_TO_TBL, fibmsg
@@ -142,7 +142,7 @@ def add_routing(ipv6: bool) -> bool:
     lo = _loopback_index()
     if lo is None:
         raise RulesError("no loopback interface in the pod netns")
-    requests: list[tuple[str, int, int, object]] = []
+    requests: list[tuple[str, int, int, nlmsg]] = []
     for family in _families(ipv6):
         rule = fibmsg()
         rule["family"], rule["action"] = family, FR_ACT_TO_TBL
@@ -172,7 +172,7 @@ def add_routing(ipv6: bool) -> bool:
     return existed
 
 
-def _netlink_batch(requests: list[tuple[int, int, object]]) -> list[int]:
+def _netlink_batch(requests: list[tuple[int, int, nlmsg]]) -> list[int]:
     """Send pyroute2 messages ``(type, extra flags, message)`` to NETLINK_ROUTE in the
     calling thread's netns in one datagram, each with ``NLM_F_REQUEST | NLM_F_ACK``;
     returns each one's errno (0 = done), in order. The kernel handles them one after the
