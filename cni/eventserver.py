@@ -54,6 +54,7 @@ from prometheus_client import Counter, Histogram
 from agent.core import listeners, unixsocket
 from agent.core.lifecycle import AgentContext, Component
 from cni import enablement
+from cni.enrollment import metrics as enrollment_metrics
 from cni.events import CniPodEvent, EnrollmentError, EventError
 from cni.plugin import DRAINING_TEXT
 from cni.registration import WorkloadRegistrar
@@ -114,6 +115,7 @@ class CniEventServer(Component):
         self.add_seconds = Histogram(
             "ambient_agent_cni_add_seconds", "time from CNI ADD request to answer, seconds",
             registry=ctx.registry, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+        self.metrics = enrollment_metrics.of(ctx.registry)  # the ADD's "lookup" stage
 
     # --- lifecycle ---
 
@@ -241,10 +243,13 @@ class CniEventServer(Component):
             except ValueError as e:
                 self._stats["add_failed"] += 1
                 return 500, f"cannot register pod {name}: {e}"
+        started = time.monotonic()
         try:
             decision = await self._decide(event, registration)
         except ValueError as e:
             return 500, f"cannot decide whether pod {name} is ambient: {e}"
+        if decision.ambient:
+            self.metrics.stage("lookup", time.monotonic() - started)
         if registrar is not None and registration is not None:
             try:
                 await registrar.commit(registration, decision.ambient)

@@ -31,6 +31,7 @@ import asyncio
 import dataclasses
 import enum
 import logging
+import time
 from typing import Any, Callable, Protocol, TypeVar
 
 from cni import annotate
@@ -83,12 +84,16 @@ class RunBlocking(Protocol):
 
 class Dataplane:
     """The pipeline's steps over the injected parts. ``records`` is the reconciler's map
-    (a rolled-back pod leaves it); ``status`` writes the redirection annotation."""
+    (a rolled-back pod leaves it); ``status`` writes the redirection annotation;
+    ``observe_stage(stage, seconds)``, when given, is told how long each stage of an
+    :data:`ADD` run took (``rules``, ``zds``, ``hostset``, ``state``, ``status``; the
+    ``ambient_agent_cni_add_stage_seconds`` histogram of :mod:`cni.enrollment.metrics`)."""
 
     def __init__(self, *, run_blocking: RunBlocking, netns: NetnsOps, backend: Any,
                  host_rules: ProbeSet | None, zds: ZdsChannel | None,
                  status: annotate.RedirectionStatus, state: PodStateStore,
-                 base_options: RuleOptions, records: dict[str, PodRecord]):
+                 base_options: RuleOptions, records: dict[str, PodRecord],
+                 observe_stage: Callable[[str, float], None] | None = None):
         self.run_blocking = run_blocking
         self.netns = netns
         self.backend = backend
@@ -98,6 +103,12 @@ class Dataplane:
         self.state = state
         self.base_options = base_options
         self.records = records
+        self.observe_stage = observe_stage
+
+    def _timed(self, policy: FailurePolicy, stage: str, started: float) -> None:
+        """Observe ``stage`` of an ADD run, begun at monotonic ``started``."""
+        if policy is ADD and self.observe_stage is not None:
+            self.observe_stage(stage, time.monotonic() - started)
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """``run_blocking`` that, when cancelled, first waits for the worker thread."""
@@ -132,12 +143,15 @@ class Dataplane:
 
     async def _run(self, rec: PodRecord, fd: int, opts: RuleOptions, inode: int,
                    policy: FailurePolicy, known: bool) -> None:
+        started = time.monotonic()
         try:
             outcome = await self.blocking(self.netns.apply_rules, fd, self.backend, opts,
                                           rec.netns, known)
         except (LoopbackDown, RulesError, OSError) as e:
+            self._timed(policy, "rules", started)
             await self._rules_failed(rec, fd, opts, policy, e)
         else:
+            self._timed(policy, "rules", started)
             rec.steps[Step.RULES] = True
             (log.info if policy is ADD else log.debug)(
                 "%s: in-pod rules %s (%s)", rec.label(), outcome, getattr(self.backend, "name", "?"))
@@ -174,58 +188,104 @@ class Dataplane:
 
     async def remaining_steps(self, rec: PodRecord, fd: int | None,
                               policy: FailurePolicy) -> None:
-        """ZDS add (when ``policy.announce``), host probe set, status; then the record is
-        enabled and persisted. Raises retryable :class:`EnrollmentError`."""
-        zds = self.zds
-        if policy.announce:
-            if zds is None:
-                rec.fail(Step.ZDS, "no ZDS server component", status=PodState.PENDING)
-                raise EnrollmentError(f"{rec.label()}: this agent runs no ZDS server", True)
-            pod = ZdsPod(uid=rec.uid, name=rec.name, namespace=rec.namespace,
-                         service_account=rec.service_account, netns_fd=fd)
-            try:
-                await zds.add(pod, wait_ack=policy.wait_ack,
-                              ztunnel_wait=time_left(rec.answer_by))
-            except ZtunnelUnavailable as e:
-                rec.fail(Step.ZDS, str(e), status=PodState.PENDING)
-                await self.set_status(rec, "pending")
-                raise EnrollmentError(f"{rec.label()}: {no_ztunnel_text(e)}", True) from None
-            except ZdsRejected as e:
-                rec.fail(Step.ZDS, f"{e.kind}: {e}", status=PodState.PENDING)
-                await self.set_status(rec, "pending")
-                raise EnrollmentError(f"{rec.label()}: ztunnel did not accept the pod "
-                                      f"({e.kind}: {e}); will retry", True) from None
-            except ValueError as e:  # a pod ZDS can't describe (e.g. too large for ztunnel)
-                rec.fail(Step.ZDS, str(e))
-                raise EnrollmentError(f"{rec.label()}: cannot be handed to ztunnel: {e}"
-                                      ) from None
-        rec.steps[Step.ZDS] = True
+        """ZDS add (when ``policy.announce``) and, side by side with it, the host probe
+        set entry; then the record is persisted and the status written, and the record is
+        enabled. Raises retryable :class:`EnrollmentError`.
+
+        The probe set entry (host netns, an upsert) does not wait for ztunnel's ACK:
+        neither depends on the other, and the entry only makes kubelet's probes of this
+        IP leave the node with the SNAT source the in-pod rules let through (upstream adds
+        it after ztunnel's ACK, ``addPodToHostAddrSet``; it is as harmless before, and a
+        pod left pending by ZDS still passes its probes). Both finish before anything is
+        reported or rolled back: a ZDS failure waits for the entry (``steps`` then says
+        whether it is there for the rollback), and the status is written only after both
+        succeeded, as upstream's annotation is the last step."""
+        hostset = asyncio.ensure_future(self._hostset(rec, policy))
         try:
-            if self.host_rules is None:
-                raise RulesError("host probe rules not set up")
-            await self.blocking(self.host_rules.add_pod, rec.uid, rec.ips)
-        except (RulesError, OSError, ValueError) as e:
-            rec.fail(Step.HOSTSET, str(e), status=PodState.PENDING)
-            raise EnrollmentError(f"{rec.label()}: host probe set: {e}; will retry",
+            await self._zds_add(rec, fd, policy)
+        except BaseException:
+            await asyncio.wait([hostset])
+            if not hostset.cancelled():
+                hostset.exception()  # retrieved: the ZDS failure is what is reported
+            raise
+        rec.steps[Step.ZDS] = True
+        failure = await hostset
+        if failure is not None:
+            rec.fail(Step.HOSTSET, str(failure), status=PodState.PENDING)
+            raise EnrollmentError(f"{rec.label()}: host probe set: {failure}; will retry",
                                   True) from None
-        rec.steps[Step.HOSTSET] = True
         # persisted before the status says "enabled": a pod whose record can't be written
         # (the state dir's filesystem full, read-only) is never reported enrolled, to the
         # runtime or in its annotation, while a restart could not recover it
+        started = time.monotonic()
         try:
-            self.state.save(rec)
+            try:
+                self.state.save(rec)
+            finally:
+                self._timed(policy, "state", started)
         except OSError as e:
             why = (f"cannot record the pod in the state dir {self.state.dir}: "
                    f"{e.strerror or e} (errno {e.errno})")
             rec.fail(Step.STATE, why, status=PodState.PENDING)
             raise EnrollmentError(f"{rec.label()}: {why}; will retry", True) from None
         rec.steps[Step.STATE] = True
-        if not await self.set_status(rec, "enabled"):
+        started = time.monotonic()
+        written = await self.set_status(rec, "enabled")
+        self._timed(policy, "status", started)
+        if not written:
             rec.fail(Step.STATUS, "status annotation patch failed", status=PodState.PENDING)
             raise EnrollmentError(f"{rec.label()}: could not write status annotation; "
                                   "will retry", True)
         rec.steps[Step.STATUS] = True
         rec.enabled()
+
+    async def _zds_add(self, rec: PodRecord, fd: int | None, policy: FailurePolicy) -> None:
+        """Hand the pod to ztunnel (when ``policy.announce``) and wait for its ACK (when
+        ``policy.wait_ack``). Raises :class:`EnrollmentError` (retryable unless the pod
+        cannot be described to ZDS)."""
+        zds = self.zds
+        if not policy.announce:
+            return
+        if zds is None:
+            rec.fail(Step.ZDS, "no ZDS server component", status=PodState.PENDING)
+            raise EnrollmentError(f"{rec.label()}: this agent runs no ZDS server", True)
+        pod = ZdsPod(uid=rec.uid, name=rec.name, namespace=rec.namespace,
+                     service_account=rec.service_account, netns_fd=fd)
+        started = time.monotonic()
+        try:
+            try:
+                await zds.add(pod, wait_ack=policy.wait_ack,
+                              ztunnel_wait=time_left(rec.answer_by))
+            finally:
+                self._timed(policy, "zds", started)
+        except ZtunnelUnavailable as e:
+            rec.fail(Step.ZDS, str(e), status=PodState.PENDING)
+            await self.set_status(rec, "pending")
+            raise EnrollmentError(f"{rec.label()}: {no_ztunnel_text(e)}", True) from None
+        except ZdsRejected as e:
+            rec.fail(Step.ZDS, f"{e.kind}: {e}", status=PodState.PENDING)
+            await self.set_status(rec, "pending")
+            raise EnrollmentError(f"{rec.label()}: ztunnel did not accept the pod "
+                                  f"({e.kind}: {e}); will retry", True) from None
+        except ValueError as e:  # a pod ZDS can't describe (e.g. too large for ztunnel)
+            rec.fail(Step.ZDS, str(e))
+            raise EnrollmentError(f"{rec.label()}: cannot be handed to ztunnel: {e}"
+                                  ) from None
+
+    async def _hostset(self, rec: PodRecord, policy: FailurePolicy) -> Exception | None:
+        """Upsert the pod's probe set entries; ``steps[HOSTSET]`` set when done. Returns
+        the failure (RulesError, OSError, ValueError) instead of raising it."""
+        started = time.monotonic()
+        try:
+            if self.host_rules is None:
+                raise RulesError("host probe rules not set up")
+            await self.blocking(self.host_rules.add_pod, rec.uid, rec.ips)
+        except (RulesError, OSError, ValueError) as e:
+            return e
+        finally:
+            self._timed(policy, "hostset", started)
+        rec.steps[Step.HOSTSET] = True
+        return None
 
     async def set_status(self, rec: PodRecord, value: str | None) -> bool:
         """Write ``ambient.istio.io/redirection`` (None removes it) through the config

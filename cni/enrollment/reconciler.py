@@ -22,6 +22,7 @@ import collections
 import contextlib
 import logging
 import os
+import time
 from typing import Any
 
 from agent.core import netns as netns_mod
@@ -83,16 +84,17 @@ class Enrollment(Component):
         self.netns: NetnsOps = netns if netns is not None else KernelNetns()
         self.state = PodStateStore(cfg.state_dir)
         self.status = annotate.RedirectionStatus(self._annotator, self._stored_status)
+        self.metrics = metrics_mod.of(ctx.registry)
         self.dataplane = Dataplane(run_blocking=ctx.run_blocking, netns=self.netns,
                                    backend=backend, host_rules=host_rules, zds=zds,
                                    status=self.status, state=self.state,
-                                   base_options=self.base_options, records={})
+                                   base_options=self.base_options, records={},
+                                   observe_stage=self.metrics.stage)
         self._locks: dict[str, asyncio.Lock] = {}
         self.retries = RetryQueue(self._retry, initial=BACKOFF_INITIAL, maximum=BACKOFF_MAX,
                                   name="enroll-retry")
         self.recovery = recovery_mod.Recovery(self)
         self._started = False
-        self.metrics = metrics_mod.of(ctx.registry)
         self.events = PodEvents(ctx, source)  # Kubernetes Events and repair (cni.kubeevents)
         self.live: LivePods | None = None  # running pods following their labels
         self._enrolling: dict[str, asyncio.Task] = {}  # uid -> task inside enroll()
@@ -381,8 +383,12 @@ class Enrollment(Component):
             # its netns is looked at before applying (cni.rules_detect.apply)
             known = old is not None
             self.records[rec.uid] = rec
+            started = time.monotonic()
             try:
-                fd = self.netns.open(rec.netns)
+                try:
+                    fd = self.netns.open(rec.netns)
+                finally:
+                    self.metrics.stage("netns", time.monotonic() - started)
             except HostNetnsRefused as e:
                 rec.fail(Step.NETNS, str(e))
                 raise EnrollmentError(f"{rec.label()}: field 'netns': {e}; no rules "

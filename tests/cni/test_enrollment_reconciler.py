@@ -565,3 +565,74 @@ async def test_pod_zds_cannot_describe_fails_once_and_is_not_retried(rig):
     rec = rig.enrollment.pods()[UID]
     assert rec.status is PodState.FAILED and rec.error.startswith("zds: ")
     assert UID not in rig.enrollment.retries
+
+
+def _stage_counts(rig) -> dict[str, tuple[float, float]]:
+    """``{stage: (count, sum seconds)}`` of ``ambient_agent_cni_add_stage_seconds``."""
+    out: dict[str, tuple[float, float]] = {}
+    for metric in rig.ctx.registry.collect():
+        if metric.name != "ambient_agent_cni_add_stage_seconds":
+            continue
+        for s in metric.samples:
+            stage = s.labels.get("stage")
+            count, total = out.get(stage, (0.0, 0.0))
+            if s.name.endswith("_count"):
+                count = s.value
+            elif s.name.endswith("_sum"):
+                total = s.value
+            out[stage] = (count, total)
+    return out
+
+
+async def test_add_stage_histogram_times_each_stage_of_an_add(rig):
+    """Each stage of an ADD is observed once, with the time it took (the ZDS wait held
+    for ~50 ms shows in ``zds`` and nowhere else); a retry is not an ADD and adds nothing."""
+    rig.zds.hold = asyncio.Event()
+    task = asyncio.create_task(rig.enrollment.enroll(event()))
+    await rig.zds.adding.wait()
+    await asyncio.sleep(0.05)
+    rig.zds.hold.set()
+    await task
+    stages = _stage_counts(rig)
+    assert {s for s, (n, _) in stages.items() if n} == {
+        "netns", "rules", "zds", "hostset", "state", "status"}
+    assert all(n == 1 for n, _ in stages.values() if n)
+    assert stages["zds"][1] >= 0.045
+    assert all(total < stages["zds"][1] for s, (_, total) in stages.items() if s != "zds")
+
+    # a failing ZDS step: observed (the failed stage counts), and so is the probe set
+    # entry made beside it; the later ones are not
+    rig.zds.nack = "no"
+    rig.netns.create("/run/netns/pod-b")
+    with pytest.raises(EnrollmentError):
+        await rig.enrollment.enroll(event(uid="uid-b", netns="/run/netns/pod-b"))
+    after = _stage_counts(rig)
+    assert after["zds"][0] == 2 and after["hostset"][0] == 2
+    assert after["state"][0] == 1 and after["status"][0] == 1
+    await until(lambda: rig.enrollment.pods()["uid-b"].status is PodState.ENABLED)
+    assert _stage_counts(rig)["zds"][0] == 2  # the background retry is not an ADD
+
+
+async def test_probe_set_entry_is_made_while_ztunnel_acks(rig):
+    """The host probe set entry does not wait for ztunnel's ACK (it runs beside it); the
+    pod is reported enabled only once both are done, and a probe set failure still fails
+    the ADD retryably after the ACK."""
+    rig.zds.hold = asyncio.Event()
+    add = asyncio.create_task(rig.enrollment.enroll(event()))
+    await asyncio.wait_for(rig.zds.adding.wait(), 5)
+    await until(lambda: rig.probes.entries == {UID: {IP}})
+    assert rig.enrollment.pods()[UID].status is not PodState.ENABLED
+    rig.zds.hold.set()
+    await add
+    assert rig.enrollment.pods()[UID].status is PodState.ENABLED
+
+    rig.zds.hold = asyncio.Event()
+    rig.zds.adding.clear()
+    rig.probes.add_error = RulesError("ipset: busy")
+    rig.netns.create("/run/netns/pod-c")
+    add = asyncio.create_task(rig.enrollment.enroll(event(uid="uid-c", netns="/run/netns/pod-c")))
+    await asyncio.wait_for(rig.zds.adding.wait(), 5)
+    rig.zds.hold.set()
+    with pytest.raises(EnrollmentError, match="host probe set: ipset: busy; will retry"):
+        await add
+    assert rig.zds.pods["uid-c"]  # acked: the pod stays with ztunnel, pending, retried

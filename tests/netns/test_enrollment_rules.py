@@ -320,3 +320,42 @@ def test_netlink_judge_agrees_with_the_save(bridge, case):
         assert from_save and all(from_save.values())
     elif case != "conditional jump to ours":
         assert not all(from_save.values())
+
+
+def test_routing_batch_matches_the_ip_tool(bridge6):
+    """The in-pod routing, written in one netlink batch (``rules_common.add_routing``),
+    is what ``ip rule add`` / ``ip route replace`` make of the same request (the
+    reference pod gets it from the ``ip`` tool itself); a second call finds our rule
+    (True), changes nothing and fails nothing; a failed request is named with its errno;
+    ``delete_routing`` removes all of it."""
+    from cni import rules_common as rc
+
+    ours, ref = bridge6.add_pod("tr"), bridge6.add_pod("tq")
+    assert ours.run(rc.add_routing, True) is False
+    for v in (["-4"], ["-6"]):
+        ref.exec("ip", *v, "rule", "add", "fwmark", "0x111/0xfff", "lookup", "100", "pref",
+                 "32764")
+        dst = "0.0.0.0/0" if v == ["-4"] else "::/0"
+        ref.exec("ip", *v, "route", "replace", "local", dst, "dev", "lo", "table", "100",
+                 "proto", "static")
+
+    def routing(pod) -> str:
+        return "\n".join(pod.exec("ip", *a).stdout for a in (
+            ["rule"], ["-6", "rule"], ["-d", "route", "show", "table", "100"],
+            ["-d", "-6", "route", "show", "table", "100"]))
+    assert routing(ours) == routing(ref)
+    assert "fwmark 0x111/0xfff lookup 100" in routing(ours)
+    assert ours.run(rc.add_routing, True) is True
+    assert routing(ours) == routing(ref)
+
+    def bad_loopback() -> bool:
+        real, rc._loopback_index = rc._loopback_index, lambda: 99999
+        try:
+            return rc.add_routing(False)
+        finally:
+            rc._loopback_index = real
+    with pytest.raises(RulesError, match=r"ip route replace local 0.0.0.0/0 table 100: "
+                                         r".* \(errno 19\)"):
+        ours.run(bad_loopback)
+    ours.run(rc.delete_routing, True)
+    assert "lookup 100" not in routing(ours) and "local default" not in routing(ours)
