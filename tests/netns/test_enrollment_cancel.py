@@ -70,7 +70,7 @@ async def until(cond, timeout=5.0):
 
 async def test_cni_del_cancels_pending_add(bridge, state_dir, node_netns):
     """ADD waits for a ztunnel (rules applied, pod lock held); the DEL cancels it: the DEL
-    answers in well under a second (the plugin gives up after 2 s), the ADD answers 500
+    answers before the plugin gives up (2 s), the ADD answers 500
     "pod deleted during enrollment", and nothing is left: rules, probe set, ZDS record,
     state file, locks."""
     h = await start(Harness(state_dir, node_netns))
@@ -85,7 +85,10 @@ async def test_cni_del_cancels_pending_add(bridge, state_dir, node_netns):
         status, body = await post(h, "/cmddel", event(pod, "DEL"))
         took = time.monotonic() - started
         assert status == 200, body
-        assert took < 0.5, f"DEL took {took:.2f}s"
+        # the plugin gives up after 2 s; the ADD alone would wait for a ztunnel far
+        # longer. Under 1.5 s proves the DEL did not queue behind it, with room for a
+        # loaded 2-core CI machine (0.5 s failed there once)
+        assert took < 1.5, f"DEL took {took:.2f}s"
         status, body = await asyncio.wait_for(add, 1.0)
         assert status == 500
         assert "pod deleted during enrollment (CNI DEL); rolled back" in body, body
@@ -113,7 +116,7 @@ async def test_unenroll_cancels_enroll_but_not_other_cancellations(bridge, state
         await until(lambda: a.uid in h.zds.pods())
         started = time.monotonic()
         await h.enrollment.unenroll(event(a, "DEL"), is_delete=True)
-        assert time.monotonic() - started < 0.5
+        assert time.monotonic() - started < 1.5  # not behind the ztunnel wait (see above)
         with pytest.raises(EnrollmentError, match="pod deleted during enrollment"):
             await enroll_a
         assert snapshot(a) == clean_a
