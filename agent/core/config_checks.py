@@ -91,7 +91,8 @@ def _operator_checks(values: Mapping[str, Any],
         seen[port] = (port_setting, address)
     if values["config_source"] == "files" and origins["config_dir"] != "default":
         parent = os.path.dirname(values["config_dir"].rstrip("/")) or "/"
-        if not os.path.isdir(parent):
+        under_state = (parent + "/").startswith(values["state_dir"].rstrip("/") + "/")
+        if not under_state and not os.path.isdir(parent):  # state_dir: the agent creates it
             yield "config_dir", (f"its parent directory {parent} does not exist (a typo? the "
                                  "agent creates only the last component of config_dir)")
     if values["host_rules_netns"] and not os.path.exists(values["host_rules_netns"]):

@@ -57,6 +57,8 @@ def test_config_dir_typo_is_refused_not_created(tmp_path):
         _load(tmp_path, {"config_dir": str(typo)})
     assert e.value.setting == "config_dir"
     assert not typo.parent.exists()
+    # under the state dir (created by the agent) it need not exist yet
+    assert _load(tmp_path, {"config_dir": str(tmp_path / "state" / "a" / "cluster")})
     # the last component alone is still created by the files source, as documented
     assert _load(tmp_path, {"config_dir": str(tmp_path / "cluster")}).config_dir
 
