@@ -261,7 +261,7 @@ async def initial_push(side, pods: int) -> float:
 
 async def change_latency(api, client) -> list[float]:
     out = []
-    for i in range(SAMPLES + WARMUP):
+    for _ in range(SAMPLES + WARMUP):
         app, svc = ("app1", "svc1") if not _in_service(client, "svc1") else ("app0", "svc0")
         t0 = time.perf_counter()
         await kc.request(api, "PATCH", f"/api/v1/namespaces/{POD_NS}/pods/{POD_NAME}",
