@@ -106,52 +106,73 @@ def _nf_tables_look(tables: bool) -> Holdings:
     """iptables-nft and/or nftables, from one nf_tables dump of the calling thread's
     netns (chains; with ``tables`` also the tables and rules of the ``ip``/``ip6``
     tables holding ``ISTIO_*`` chains). Raises RulesError when the dump fails."""
-    ours = {NAT, MANGLE, RAW}
     held: set[str] = set()
     chains: dict[tuple[str, str], list] = {}
     try:
         # one dump of every family's chains: our inet tables always hold chains
         with NFTables(nfgen_family=0) as nft:
             for chain in nft.get_chains():
-                family = chain["nfgen_family"]
-                name = chain.get_attr("NFTA_CHAIN_NAME") or ""
-                if family == _NFPROTO_INET and chain.get_attr("NFTA_CHAIN_TABLE") in ours:
-                    held.add(NFTABLES)
-                elif family in _FAMILY_NAMES:
-                    if name.startswith("ISTIO_"):
-                        held.add(IPTABLES_NFT)
-                    if tables:
-                        key = (_FAMILY_NAMES[family], chain.get_attr("NFTA_CHAIN_TABLE"))
-                        chains.setdefault(key, []).append(chain)
+                stack = _stack_of(chain)
+                if stack:
+                    held.add(stack)
+                if tables and chain["nfgen_family"] in _FAMILY_NAMES:
+                    key = (_FAMILY_NAMES[chain["nfgen_family"]], chain.get_attr("NFTA_CHAIN_TABLE"))
+                    chains.setdefault(key, []).append(chain)
             if not tables or IPTABLES_NFT not in held:
                 return Holdings(held)
-            verdict: dict[tuple[str, str], bool] = {}
-            for key, in_table in chains.items():
-                names = [c.get_attr("NFTA_CHAIN_NAME") or "" for c in in_table]
-                if not any(n.startswith("ISTIO_") for n in names):
-                    continue
-                verdict[key] = all(
-                    n.startswith("ISTIO_") or (n in _BUILTIN_CHAINS
-                                               and c.get_attr("NFTA_CHAIN_HOOK") is not None
-                                               and c.get_attr("NFTA_CHAIN_POLICY") == _NF_ACCEPT)
-                    for n, c in zip(names, in_table))
-            for table in nft.get_tables():
-                key = (_FAMILY_NAMES.get(table["nfgen_family"], ""),
-                       table.get_attr("NFTA_TABLE_NAME"))
-                if verdict.get(key) and table.get_attr("NFTA_TABLE_USE") != len(chains[key]):
-                    verdict[key] = False  # sets, flowtables or objects besides the chains
+            verdict = {key: _chains_only_ours(in_table) for key, in_table in chains.items()
+                       if any(_name(c).startswith("ISTIO_") for c in in_table)}
+            _unless_other_objects(nft, verdict, chains)
             if any(verdict.values()):
-                for rule in nft.get_rules():
-                    key = (_FAMILY_NAMES.get(rule["nfgen_family"], ""),
-                           rule.get_attr("NFTA_RULE_TABLE"))
-                    if not verdict.get(key):
-                        continue
-                    chain = rule.get_attr("NFTA_RULE_CHAIN") or ""
-                    if not chain.startswith("ISTIO_") and not _jumps_to_ours(rule):
-                        verdict[key] = False
+                _unless_foreign_rules(nft, verdict)
     except (NetlinkError, OSError) as e:
         raise RulesError(f"listing nf_tables tables and chains in the pod netns: {e}") from None
     return Holdings(held, verdict)
+
+
+def _name(chain) -> str:
+    return chain.get_attr("NFTA_CHAIN_NAME") or ""
+
+
+def _stack_of(chain) -> str:
+    """The stack a chain says is present: any chain of our ``inet`` tables is
+    nftables'; an ``ISTIO_*`` chain of an ``ip``/``ip6`` table is iptables-nft's."""
+    family = chain["nfgen_family"]
+    if family == _NFPROTO_INET and chain.get_attr("NFTA_CHAIN_TABLE") in (NAT, MANGLE, RAW):
+        return NFTABLES
+    if family in _FAMILY_NAMES and _name(chain).startswith("ISTIO_"):
+        return IPTABLES_NFT
+    return ""
+
+
+def _chains_only_ours(in_table: list) -> bool:
+    """Every chain of a table is an ``ISTIO_*`` one or a built-in base chain with
+    policy accept (what iptables-nft creates for a table it loads)."""
+    return all(_name(c).startswith("ISTIO_") or (
+        _name(c) in _BUILTIN_CHAINS and c.get_attr("NFTA_CHAIN_HOOK") is not None
+        and c.get_attr("NFTA_CHAIN_POLICY") == _NF_ACCEPT) for c in in_table)
+
+
+def _unless_other_objects(nft, verdict: dict[tuple[str, str], bool],
+                          chains: dict[tuple[str, str], list]) -> None:
+    """A table whose use count exceeds its chains holds sets, flowtables or objects
+    besides them: not ours only."""
+    for table in nft.get_tables():
+        key = (_FAMILY_NAMES.get(table["nfgen_family"], ""), table.get_attr("NFTA_TABLE_NAME"))
+        if verdict.get(key) and table.get_attr("NFTA_TABLE_USE") != len(chains[key]):
+            verdict[key] = False
+
+
+def _unless_foreign_rules(nft, verdict: dict[tuple[str, str], bool]) -> None:
+    """A rule outside the ``ISTIO_*`` chains that does not jump to one of them makes
+    its table not ours only."""
+    for rule in nft.get_rules():
+        key = (_FAMILY_NAMES.get(rule["nfgen_family"], ""), rule.get_attr("NFTA_RULE_TABLE"))
+        if not verdict.get(key):
+            continue
+        chain = rule.get_attr("NFTA_RULE_CHAIN") or ""
+        if not chain.startswith("ISTIO_") and not _jumps_to_ours(rule):
+            verdict[key] = False
 
 
 def _nf_tables_holdings() -> set[str]:

@@ -1,8 +1,12 @@
 """CA clients: the Istio CA over gRPC (``istio.v1.auth.IstioCertificateService``) and an
 adapter that gives the embedded CA the same shape.
 
-Both implement ``async sign(csr_pem, ttl_seconds, identity) -> list[str]`` (the
-response ``cert_chain``: leaf first, root bundle last) and raise :class:`CAClientError`.
+Every CA client (these two and :class:`agent.sds.signer.SignerCAClient`) implements
+:class:`CAClient`: ``async sign(csr_pem, ttl_seconds, identity) -> list[str]`` (the
+response ``cert_chain``: leaf first, root bundle last) for a CSR made elsewhere, and
+``async issue(identity, algorithm, ttl_seconds, run_blocking, on_csr)`` for the secret
+cache: key, CSR and signature, each client where it is cheapest. They raise
+:class:`CAClientError`.
 
 Istio CA protocol (``docs/sds.md``; upstream
 ``security/pkg/nodeagent/caclient/providers/citadel/client.go``):
@@ -51,11 +55,38 @@ class CAClientError(Exception):
         self.code = code
 
 
+Issued = tuple[bytes, list[str], keys.Validity]
+"""``(key_pem, cert_chain, (not_before, not_after, serial))`` of one issuance."""
+
+
 class CAClient(Protocol):
+    """What the secret cache and the SDS server need of a CA, whichever it is."""
+
     async def sign(self, csr_pem: bytes, ttl_seconds: int, identity: str) -> list[str]:
         """Sign a CSR for ``identity`` (a SPIFFE ID or list of SANs joined by commas)."""
 
+    async def issue(self, identity: str, algorithm: str, ttl_seconds: int,
+                    run_blocking: Callable[..., Awaitable], on_csr: Callable[[], None]
+                    ) -> Issued:
+        """A new key (``algorithm``: ``ECDSA`` or ``RSA``) and a certificate for it for
+        ``identity``: :data:`Issued`. ``run_blocking`` runs CPU work off the loop;
+        ``on_csr`` is called once when the CSR goes to the signer (the cache counts CSRs
+        sent and those that came to nothing). Raises :class:`CAClientError`."""
+
     async def close(self) -> None: ...
+
+
+async def issue_by_csr(sign: Callable[[bytes, int, str], Awaitable[list[str]]], identity: str,
+                       algorithm: str, ttl_seconds: int,
+                       run_blocking: Callable[..., Awaitable], on_csr: Callable[[], None]
+                       ) -> Issued:
+    """:meth:`CAClient.issue` for a CA reached by ``sign`` (a remote one): the key and
+    CSR in one worker hop, the signature by ``sign`` on the loop, the leaf's validity
+    parsed in another hop."""
+    key_pem, csr_pem = await run_blocking(keys.new_key_and_csr, algorithm, [identity])
+    on_csr()
+    chain = await sign(csr_pem, ttl_seconds, identity)
+    return key_pem, chain, await run_blocking(keys.leaf_validity, chain[0])
 
 
 class EmbeddedCAClient:
@@ -71,6 +102,19 @@ class EmbeddedCAClient:
     def sign_blocking(self, csr_pem: bytes, ttl_seconds: int, identity: str) -> list[str]:
         """Same as :meth:`sign`, on the calling (worker) thread."""
         return self.sign_with_validity_blocking(csr_pem, ttl_seconds, identity)[0]
+
+    async def issue(self, identity: str, algorithm: str, ttl_seconds: int,
+                    run_blocking: Callable[..., Awaitable], on_csr: Callable[[], None]
+                    ) -> Issued:
+        """All of it in one worker hop; the leaf's validity comes from the certificate
+        object the CA built (no PEM re-parse). The CSR is still made and verified as
+        istiod would: it proves the caller holds the key."""
+        def blocking() -> Issued:
+            key_pem, csr_pem = keys.new_key_and_csr(algorithm, [identity])
+            on_csr()
+            chain, validity = self.sign_with_validity_blocking(csr_pem, ttl_seconds, identity)
+            return key_pem, chain, validity
+        return await run_blocking(blocking)
 
     def sign_with_validity_blocking(self, csr_pem: bytes, ttl_seconds: int, identity: str
                                     ) -> tuple[list[str], keys.Validity]:
@@ -167,6 +211,12 @@ class IstioCAClient:
         """One CreateCertificate with retries. Returns ``cert_chain`` (>= 2 elements)."""
         req, headers = self._request(csr_pem, ttl_seconds, identity)
         return await self._call(req, headers)
+
+    async def issue(self, identity: str, algorithm: str, ttl_seconds: int,
+                    run_blocking: Callable[..., Awaitable], on_csr: Callable[[], None]
+                    ) -> Issued:
+        return await issue_by_csr(self.sign, identity, algorithm, ttl_seconds, run_blocking,
+                                  on_csr)
 
     async def forward(self, request: ca_pb2.IstioCertificateRequest, token: str) -> list[str]:
         """Pass a caller's ``CreateCertificate`` on to the remote CA unchanged (its CSR,

@@ -52,6 +52,31 @@ log = logging.getLogger(__name__)
 CA_SERVICE = ca_pb2.DESCRIPTOR.services_by_name["IstioCertificateService"].full_name
 
 
+def _on(node: str, node_wanted: str) -> bool:
+    """A workload placed on ``node`` qualifies for ``node_wanted`` ("" = any node)."""
+    return bool(node) and (not node_wanted or node == node_wanted)
+
+
+def _pod_runs_on(store: PodStore, wanted: Identity, node_wanted: str, trust_domain: str) -> bool:
+    """A pod of ``wanted``'s namespace, not Failed, placed on ``node_wanted``, whose
+    identity (derived as attestation derives it: one rule) is ``wanted``."""
+    return any(
+        identity_of_pod(pod, trust_domain) == wanted
+        and (pod.get("status") or {}).get("phase", "") != "Failed"
+        and _on((pod.get("spec") or {}).get("nodeName") or "", node_wanted)
+        for pod in store.list("Pod", wanted.namespace))
+
+
+def _entry_registered_on(store: PodStore, wanted: Identity, node_wanted: str) -> bool:
+    """A WorkloadEntry of ``wanted``'s namespace and service account registered by
+    ``node_wanted``: hosts without Kubernetes register their pods that way, annotated
+    with the registering node (cni/registration_kube.py)."""
+    return any(
+        ((we.get("spec") or {}).get("serviceAccount") or "default") == wanted.service_account
+        and _on(((we.get("metadata") or {}).get("annotations") or {}).get(REGISTERED_BY, ""),
+                node_wanted)
+        for we in store.list("WorkloadEntry", wanted.namespace))
+
 class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
     """CreateCertificate on top of an :class:`EmbeddedCA`."""
 
@@ -75,7 +100,11 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
         return a if isinstance(a, Authenticator) or a is None else a()
 
     def _impersonation_ok(self, who: Caller, target: str) -> str:
-        """"" when ``who`` may act for ``target``, else the reason (logged only)."""
+        """"" when ``who`` may act for ``target``, else the reason (logged only).
+
+        Upstream's node authorizer (istiod ``security/pkg/server/ca/node_auth.go``) in
+        three questions: is the caller a trusted node account, which node does it speak
+        for, and does the target identity run there."""
         caller = who.identity
         if f"{caller.namespace}/{caller.service_account}" not in self.trusted:
             return f"{caller} is not in ca_trusted_node_accounts"
@@ -88,42 +117,36 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
         store = self.store()
         if store is None:
             return ""
-        # The node the target must run on: ours, else (no node_name) the caller pod's.
-        # A pod that is not scheduled runs on no node, so it never qualifies (upstream
-        # ``node_auth.go`` indexes only pods with a nodeName).
-        node_wanted = self.node_name
-        if who.pod_name:  # a Kubernetes token names the caller's pod: it must be ours
-            pod = next((p for p in store.list("Pod", caller.namespace)
-                        if (p.get("metadata") or {}).get("name") == who.pod_name), None)
-            if pod is None:
-                return f"caller pod {caller.namespace}/{who.pod_name} not found"
-            uid = (pod.get("metadata") or {}).get("uid") or ""
-            if who.pod_uid and uid != who.pod_uid:
-                return f"caller pod {caller.namespace}/{who.pod_name}: UID does not match"
-            if identity_of_pod(pod, self.trust_domain) != caller:
-                return (f"caller pod {caller.namespace}/{who.pod_name} does not run as "
-                        f"{caller}")
-            node = (pod.get("spec") or {}).get("nodeName") or ""
-            if not node or (self.node_name and node != self.node_name):
-                return (f"caller pod {caller.namespace}/{who.pod_name} runs on node "
-                        f"{node or '(none)'}, not {self.node_name or 'a node'}")
-            node_wanted = node
-        for pod in store.list("Pod", wanted.namespace):
-            node = (pod.get("spec") or {}).get("nodeName") or ""
-            phase = (pod.get("status") or {}).get("phase", "")
-            # The pod's identity is derived as attestation derives it (one rule).
-            if identity_of_pod(pod, self.trust_domain) == wanted and phase != "Failed" and (
-                    node and (not node_wanted or node == node_wanted)):
-                return ""
-        # Hosts without Kubernetes register their pods as WorkloadEntries annotated with
-        # the registering node (cni/registration_kube.py); such an entry runs there.
-        for we in store.list("WorkloadEntry", wanted.namespace):
-            node = ((we.get("metadata") or {}).get("annotations") or {}).get(REGISTERED_BY, "")
-            account = (we.get("spec") or {}).get("serviceAccount") or "default"
-            if account == wanted.service_account and node and (
-                    not node_wanted or node == node_wanted):
-                return ""
+        node_wanted, why = self._caller_node(who, store)
+        if why:
+            return why
+        if _pod_runs_on(store, wanted, node_wanted, self.trust_domain) or \
+                _entry_registered_on(store, wanted, node_wanted):
+            return ""
         return f"no pod with identity {target} on node {node_wanted or '(any)'}"
+
+    def _caller_node(self, who: Caller, store: PodStore) -> tuple[str, str]:
+        """``(node, "")``: the node the caller speaks for, ours unless (no ``node_name``)
+        its token names a pod, whose node it is then; ``("", reason)`` when the token's
+        pod is not the caller's, or runs elsewhere (or nowhere: a pod that is not
+        scheduled never qualifies, as upstream indexes only pods with a nodeName)."""
+        if not who.pod_name:
+            return self.node_name, ""
+        caller = who.identity
+        where = f"caller pod {caller.namespace}/{who.pod_name}"
+        pod = next((p for p in store.list("Pod", caller.namespace)
+                    if (p.get("metadata") or {}).get("name") == who.pod_name), None)
+        if pod is None:
+            return "", f"{where} not found"
+        uid = (pod.get("metadata") or {}).get("uid") or ""
+        if who.pod_uid and uid != who.pod_uid:
+            return "", f"{where}: UID does not match"
+        if identity_of_pod(pod, self.trust_domain) != caller:
+            return "", f"{where} does not run as {caller}"
+        node = (pod.get("spec") or {}).get("nodeName") or ""
+        if not node or (self.node_name and node != self.node_name):
+            return "", f"{where} runs on node {node or '(none)'}, not {self.node_name or 'a node'}"
+        return node, ""
 
     async def CreateCertificate(  # noqa: N802 - gRPC name
             self, request: ca_pb2.IstioCertificateRequest, context: grpc.aio.ServicerContext

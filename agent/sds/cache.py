@@ -192,43 +192,20 @@ class SecretCache:
         return started
 
     async def _mint(self, spiffe_id: str) -> SecretItem:
-        """Key + CSR + signature + validity checks. With a local CA
-        (``sign_with_validity_blocking``) all of it runs in one worker-thread hop and the
-        leaf's validity comes from the certificate object the CA built; a remote CA needs
-        one hop for the key and CSR, the RPC on the loop, and one hop to parse the answer.
-        A CA client with ``mint`` (:class:`agent.sds.signer.SignerCAClient`) does the key,
-        CSR and signature in its own process and returns the validity with the chain."""
-        local = getattr(self.ca, "sign_with_validity_blocking", None)
-        minter = getattr(self.ca, "mint", None)  # the embedded CA's signer process
+        """Key + CSR + signature by the CA client (:meth:`agent.sds.ca_istio.CAClient.issue`:
+        each client does them where they are cheapest), then the validity checks."""
         sent = self.csr_count
+
+        def on_csr() -> None:
+            self.csr_count += 1
         try:
-            if minter is not None:
-                self.csr_count += 1
-                key_pem, chain, validity = await minter(spiffe_id, self.algorithm,
-                                                        int(self.ttl))
-            elif local is not None:
-                key_pem, chain, validity = await self._run(self._mint_local, local, spiffe_id)
-            else:
-                key_pem, csr_pem = await self._run(keys.new_key_and_csr, self.algorithm,
-                                                   [spiffe_id])
-                self.csr_count += 1
-                chain = await self.ca.sign(csr_pem, int(self.ttl), spiffe_id)
-                validity = await self._run(keys.leaf_validity, chain[0])
+            key_pem, chain, validity = await self.ca.issue(spiffe_id, self.algorithm,
+                                                           int(self.ttl), self._run, on_csr)
             return self._item(spiffe_id, key_pem, chain, validity)
         except Exception:
             if self.csr_count != sent:  # the CSR went out and no certificate came of it
                 self.csr_failures += 1
             raise
-
-    def _mint_local(self, sign_with_validity: Callable[[bytes, int, str],
-                                                        tuple[list[str], keys.Validity]],
-                    spiffe_id: str) -> tuple[bytes, list[str], keys.Validity]:
-        # The CSR is still made and verified by the CA as istiod would: it proves the
-        # caller holds the key. Only the PEM → x509 re-parse of the answer is skipped.
-        key_pem, csr_pem = keys.new_key_and_csr(self.algorithm, [spiffe_id])
-        self.csr_count += 1
-        chain, validity = sign_with_validity(csr_pem, int(self.ttl), spiffe_id)
-        return key_pem, chain, validity
 
     def _item(self, spiffe_id: str, key_pem: bytes, chain: list[str],
               validity: keys.Validity) -> SecretItem:

@@ -41,7 +41,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, Awaitable, BinaryIO, Callable
 
 from agent.core.backoff import Backoff
 from agent.sds.ca_istio import CAClientError
@@ -254,14 +254,18 @@ class SignerProcess:
 
 class SignerCAClient:
     """The embedded CA behind the CA-client interface (:class:`agent.sds.ca_istio.CAClient`)
-    with signing in :class:`SignerProcess`; ``mint`` lets the secret cache have the key and
-    CSR made there too. ``identity`` is comma-separated SANs, as for the other clients."""
+    with signing in :class:`SignerProcess`; :meth:`issue` has the key and CSR made there
+    too. ``identity`` is comma-separated SANs, as for the other clients."""
 
     def __init__(self, signer: SignerProcess):
         self.signer = signer
 
-    async def mint(self, identity: str, algorithm: str, ttl_seconds: int
-                   ) -> tuple[bytes, list[str], Validity]:
+    async def issue(self, identity: str, algorithm: str, ttl_seconds: int,
+                    run_blocking: Callable[..., Awaitable], on_csr: Callable[[], None]
+                    ) -> tuple[bytes, list[str], Validity]:
+        """Key, CSR and signature in the signer process (``run_blocking`` unused: no
+        work here); ``on_csr`` is called as the request goes to it."""
+        on_csr()
         return await self.signer.mint(identity.split(","), algorithm, ttl_seconds)
 
     async def sign(self, csr_pem: bytes, ttl_seconds: int, identity: str) -> list[str]:

@@ -91,6 +91,12 @@ class SwitchableCA:
             raise CAClientError("UNAVAILABLE", "connection refused (CA down)")
         return await self.inner.sign(csr_pem, ttl_seconds, identity)
 
+    async def issue(self, identity, algorithm, ttl_seconds, run_blocking, on_csr):
+        # through sign, so the fault applies to every issuance (a remote CA's path)
+        from agent.sds.ca_istio import issue_by_csr
+        return await issue_by_csr(self.sign, identity, algorithm, ttl_seconds, run_blocking,
+                                  on_csr)
+
     async def close(self):
         await self.inner.close()
 
