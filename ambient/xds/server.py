@@ -277,7 +277,7 @@ class XdsServer(Component):
         for gen in self.generators.values():
             gen.invalidate(change)
         if self.waypoints is not None:
-            self.waypoints.invalidate()
+            self.waypoints.invalidate(change)
         now = time.monotonic()
         if self._pending is None:
             self._pending, self._first_change = change, now
