@@ -338,6 +338,15 @@ SETTINGS: list[Setting] = [
             "label key repair sets", env="REPAIR_BROKEN_POD_LABEL_KEY", component="enrollment"),
     Setting("repair_broken_pod_label_value", "true", parse_str, "label value repair sets",
             env="REPAIR_BROKEN_POD_LABEL_VALUE", component="enrollment"),
+    # --- waypoints (issue 25): the file access log istiod configures from meshConfig ---
+    Setting("waypoint_access_log_file", "", parse_str, "meshConfig accessLogFile for the "
+            "waypoints this agent configures: the path Envoy writes its access log to "
+            "(e.g. /dev/stdout); empty: no access log, istiod's default", component="xds"),
+    Setting("waypoint_access_log_encoding", "text", choice("text", "json"), "meshConfig "
+            "accessLogEncoding of the waypoints' access log", component="xds"),
+    Setting("waypoint_access_log_format", "", parse_str, "meshConfig accessLogFormat of the "
+            "waypoints' access log (text: an Envoy format string; json: a JSON object of "
+            "field -> command); empty: istiod's default format", component="xds"),
 ]
 
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}

@@ -48,6 +48,9 @@ import hashlib
 from typing import Any, Callable, Iterable
 
 from envoy.config.cluster.v3 import cluster_pb2
+from envoy.extensions.access_loggers.file.v3 import file_pb2  # noqa: F401
+from envoy.extensions.formatter.req_without_query.v3 import (  # noqa: F401
+    req_without_query_pb2)
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_pb2
@@ -108,6 +111,109 @@ class Options:
 
     bind: str = "0.0.0.0"
     xfcc: bool = False
+    access_log: "AccessLog | None" = None
+
+
+#: istiod's default text access-log format (``EnvoyTextLogFormat``, Istio 1.9 onwards)
+DEFAULT_ACCESS_LOG_FORMAT = (
+    '[%START_TIME%] "%REQ(:METHOD)% %REQ(X-ENVOY-ORIGINAL-PATH?:PATH)% %PROTOCOL%" '
+    '%RESPONSE_CODE% %RESPONSE_FLAGS% %RESPONSE_CODE_DETAILS% '
+    '%CONNECTION_TERMINATION_DETAILS% "%UPSTREAM_TRANSPORT_FAILURE_REASON%" '
+    '%BYTES_RECEIVED% %BYTES_SENT% %DURATION% %RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)% '
+    '"%REQ(X-FORWARDED-FOR)%" "%REQ(USER-AGENT)%" "%REQ(X-REQUEST-ID)%" '
+    '"%REQ(:AUTHORITY)%" "%UPSTREAM_HOST%" %UPSTREAM_CLUSTER_RAW% %UPSTREAM_LOCAL_ADDRESS% '
+    '%DOWNSTREAM_LOCAL_ADDRESS% %DOWNSTREAM_REMOTE_ADDRESS% %REQUESTED_SERVER_NAME% '
+    '%ROUTE_NAME%\n')
+
+#: istiod's default JSON access-log fields (``EnvoyJSONLogFormatIstio``)
+DEFAULT_ACCESS_LOG_JSON = {
+    "start_time": "%START_TIME%", "route_name": "%ROUTE_NAME%", "method": "%REQ(:METHOD)%",
+    "path": "%REQ(X-ENVOY-ORIGINAL-PATH?:PATH)%", "protocol": "%PROTOCOL%",
+    "response_code": "%RESPONSE_CODE%", "response_flags": "%RESPONSE_FLAGS%",
+    "response_code_details": "%RESPONSE_CODE_DETAILS%",
+    "connection_termination_details": "%CONNECTION_TERMINATION_DETAILS%",
+    "bytes_received": "%BYTES_RECEIVED%", "bytes_sent": "%BYTES_SENT%",
+    "duration": "%DURATION%", "upstream_service_time": "%RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)%",
+    "x_forwarded_for": "%REQ(X-FORWARDED-FOR)%", "user_agent": "%REQ(USER-AGENT)%",
+    "request_id": "%REQ(X-REQUEST-ID)%", "authority": "%REQ(:AUTHORITY)%",
+    "upstream_host": "%UPSTREAM_HOST%", "upstream_cluster": "%UPSTREAM_CLUSTER_RAW%",
+    "upstream_local_address": "%UPSTREAM_LOCAL_ADDRESS%",
+    "downstream_local_address": "%DOWNSTREAM_LOCAL_ADDRESS%",
+    "downstream_remote_address": "%DOWNSTREAM_REMOTE_ADDRESS%",
+    "requested_server_name": "%REQUESTED_SERVER_NAME%",
+    "upstream_transport_failure_reason": "%UPSTREAM_TRANSPORT_FAILURE_REASON%",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AccessLog:
+    """The file access log istiod configures from meshConfig when no Telemetry resource
+    applies: ``path`` (meshConfig ``accessLogFile``; empty: no access log, istiod's
+    default), ``encoding`` ``TEXT`` or ``JSON`` (``accessLogEncoding``), ``format``
+    (``accessLogFormat``: the text format, a newline added when missing, or a JSON object
+    of field -> command; empty: istiod's default of that encoding).
+
+    Where (as ``buildWaypointInbound`` does): every HTTP connection manager and TCP proxy of
+    ``main_internal``'s chains, unfiltered; ``connect_terminate``'s HTTP connection manager
+    for responses >= 400; ``connect_originate``'s TCP proxy for upstream connect failures
+    (``UF``); each listener for connections no chain matched (``NR``).
+    Raises ``ValueError`` naming the field for an unknown encoding or a JSON format that
+    is not a JSON object of strings."""
+
+    path: str = ""
+    encoding: str = "TEXT"
+    format: str = ""
+
+    def __post_init__(self) -> None:
+        if self.encoding.upper() not in ("TEXT", "JSON"):
+            raise ValueError(f"access log encoding {self.encoding!r}: expected TEXT or JSON")
+        if self.encoding.upper() == "JSON" and self.format:
+            import json
+
+            try:
+                value = json.loads(self.format)
+            except ValueError as e:
+                raise ValueError(f"access log format (JSON encoding): not JSON: {e}") from None
+            if not isinstance(value, dict) or not all(isinstance(v, str)
+                                                      for v in value.values()):
+                raise ValueError("access log format (JSON encoding): expected a JSON object "
+                                 "of field name -> format command strings")
+
+    def entries(self, flt: dict | None = None) -> list[dict]:
+        """The ``access_log`` entries (``[]`` when off), with the AccessLogFilter ``flt``."""
+        if not self.path:
+            return []
+        cfg: dict[str, Any] = {"path": self.path}
+        if self.encoding.upper() == "JSON":
+            import json
+
+            fields = json.loads(self.format) if self.format else DEFAULT_ACCESS_LOG_JSON
+            cfg["log_format"] = {"json_format": fields,
+                                 "json_format_options": {"sort_properties": False}}
+        else:
+            text = self.format or DEFAULT_ACCESS_LOG_FORMAT
+            if not text.endswith("\n"):
+                text += "\n"
+            cfg["log_format"] = {"text_format_source": {"inline_string": text}}
+            if "%REQ_WITHOUT_QUERY" in text:
+                cfg["log_format"]["formatters"] = [{
+                    "name": "envoy.formatter.req_without_query", "typed_config": _any(
+                        "envoy.extensions.formatter.req_without_query.v3.ReqWithoutQuery")}]
+        out: dict[str, Any] = {"name": "envoy.access_loggers.file", "typed_config": _any(
+            "envoy.extensions.access_loggers.file.v3.FileAccessLog", **cfg)}
+        if flt is not None:
+            out["filter"] = flt
+        return [out]
+
+
+NO_ROUTE_FILTER = {"response_flag_filter": {"flags": ["NR"]}}
+UPSTREAM_FAILURE_FILTER = {"response_flag_filter": {"flags": ["UF"]}}
+ERROR_STATUS_FILTER = {"status_code_filter": {"comparison": {
+    "op": "GE", "value": {"default_value": 400, "runtime_key": "istio.io/unset"}}}}
+
+
+def _logs(opts: Options, flt: dict | None = None) -> list[dict]:
+    return opts.access_log.entries(flt) if opts.access_log is not None else []
 
 
 def cluster_name(subset: str, port: int, hostname: str) -> str:
@@ -200,7 +306,8 @@ def connect_terminate(model: WaypointModel, opts: Options) -> dict:
         upgrade_configs=[{"upgrade_type": "CONNECT"}],
         http2_protocol_options={"allow_connect": True, "max_concurrent_streams": 100,
                                 "connection_keepalive": {"interval": "10s", "timeout": "20s"}},
-        http_filters=[connect_authority, _router()])
+        http_filters=[connect_authority, _router()],
+        **_opt("access_log", _logs(opts, ERROR_STATUS_FILTER)))
     tls = _any("envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
                common_tls_context=_tls_common(model.trust_domain,
                                               [f"spiffe://{model.trust_domain}/"]),
@@ -214,7 +321,13 @@ def connect_terminate(model: WaypointModel, opts: Options) -> dict:
             "filters": [{"name": "envoy.filters.network.http_connection_manager",
                          "typed_config": hcm}]}],
         "connection_balance_config": {"exact_balance": {}},
+        **_opt("access_log", _logs(opts, NO_ROUTE_FILTER)),
     }
+
+
+def _opt(key: str, value: Any) -> dict:
+    """``{key: value}`` when ``value`` is not empty, else ``{}`` (unset fields stay unset)."""
+    return {key: value} if value else {}
 
 
 def _policies_for(model: WaypointModel, svc: BoundService | None) -> list[dict]:
@@ -236,12 +349,14 @@ def _http_chain(model: WaypointModel, opts: Options, svc: BoundService | None,
                          "URI=%FILTER_STATE(io.istio.peer_principal:PLAIN)%"},
                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}}]})})
     hcm: dict[str, Any] = {
-        "stat_prefix": f"inbound_0.0.0.0_{port.port}" if port else "direct_http",
+        # istiod's inbound stat prefix, ';'-delimited (util.DelimitedStatsPrefix)
+        "stat_prefix": f"inbound_0.0.0.0_{port.port};" if port else "direct_http",
         "use_remote_address": False,
         "normalize_path": True, "merge_slashes": True, "path_with_escaped_slashes_action":
             "KEEP_UNCHANGED",
         "http_filters": [*pre, *filters, _router()],
         "stream_idle_timeout": "0s",
+        **_opt("access_log", _logs(opts)),
     }
     if svc is not None:
         hcm["rds"] = {"route_config_name": name,
@@ -260,12 +375,12 @@ def _http_chain(model: WaypointModel, opts: Options, svc: BoundService | None,
 
 
 def _tcp_chain(model: WaypointModel, svc: BoundService | None, cluster: str, name: str,
-               problems: list[str]) -> dict:
+               problems: list[str], opts: Options | None = None) -> dict:
     filters, found = rbac_filters(_policies_for(model, svc), http=False)
     problems.extend(found)
     proxy = {"name": "envoy.filters.network.tcp_proxy", "typed_config": _any(
         "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy", stat_prefix=cluster,
-        cluster=cluster)}
+        cluster=cluster, **_opt("access_log", _logs(opts) if opts else []))}
     pre = []
     if svc is None:
         pre.append({"name": "connect_authority", "typed_config": _any(
@@ -341,7 +456,7 @@ def _service_parts(model: WaypointModel, opts: Options, svc: BoundService,
         if port.protocol == "UNSUPPORTED":
             chains.append(_named_http_chain(model, opts, svc, port, http_name, cache, pkey,
                                             problems))
-            chains.append(_named_tcp_chain(model, svc, tcp_name, cache, pkey, problems))
+            chains.append(_named_tcp_chain(model, opts, svc, tcp_name, cache, pkey, problems))
             port_map[str(port.port)] = cache.parse(
                 matcher_pb2.Matcher.OnMatch, _app_protocol_matcher(http_name, tcp_name))
             sniffed = True
@@ -351,7 +466,7 @@ def _service_parts(model: WaypointModel, opts: Options, svc: BoundService,
             port_map[str(port.port)] = _chain_on_match(http_name)
             fixed_ports.add(port.port)
         else:
-            chains.append(_named_tcp_chain(model, svc, tcp_name, cache, pkey, problems))
+            chains.append(_named_tcp_chain(model, opts, svc, tcp_name, cache, pkey, problems))
             port_map[str(port.port)] = _chain_on_match(tcp_name)
             fixed_ports.add(port.port)
         for subset in ("http", "tcp"):
@@ -394,7 +509,8 @@ def _named_http_chain(model: WaypointModel, opts: Options, svc: BoundService,
         found: list[str] = []
         return cache.parse(listener_components_pb2.FilterChain,
                            _http_chain(model, opts, svc, port, "", found)), found
-    proto, found = cache.shape(("http", port.port, port.http2, opts.xfcc, pkey), make)
+    proto, found = cache.shape(("http", port.port, port.http2, opts.xfcc, opts.access_log, pkey),
+                               make)
     problems.extend(found)
     chain = listener_components_pb2.FilterChain()
     chain.CopyFrom(proto)
@@ -404,18 +520,20 @@ def _named_http_chain(model: WaypointModel, opts: Options, svc: BoundService,
     return chain
 
 
-def _named_tcp_chain(model: WaypointModel, svc: BoundService, name: str,
+def _named_tcp_chain(model: WaypointModel, opts: Options, svc: BoundService, name: str,
                      cache: "ParseCache", pkey: str, problems: list[str]) -> Message:
     def make() -> tuple[Message, list[str]]:
         found: list[str] = []
         return cache.parse(listener_components_pb2.FilterChain,
-                           _tcp_chain(model, svc, "", "", found)), found
-    proto, found = cache.shape(("tcp", pkey), make)
+                           _tcp_chain(model, svc, "", "", found, opts)), found
+    proto, found = cache.shape(("tcp", pkey, opts.access_log), make)
     problems.extend(found)
     chain = listener_components_pb2.FilterChain()
     chain.CopyFrom(proto)
     chain.name = name
-    chain.filters[-1].typed_config.value = tcp_proxy_pb2.TcpProxy(
+    # the shape's TcpProxy with the names set (a scalar that occurs twice: the last wins)
+    typed = chain.filters[-1].typed_config
+    typed.value = typed.value + tcp_proxy_pb2.TcpProxy(
         stat_prefix=name, cluster=name).SerializeToString()
     return chain
 
@@ -471,7 +589,7 @@ def main_internal(model: WaypointModel, opts: Options, parts: list[_Parts],
     sniffed = any(p.sniffed for p in parts)
     fixed_ports: set[int] = set().union(*(p.fixed_ports for p in parts))
     chains.append(cache.parse(listener_components_pb2.FilterChain,
-                              _tcp_chain(model, None, ENCAP, "direct-tcp", problems)))
+                              _tcp_chain(model, None, ENCAP, "direct-tcp", problems, opts)))
     chains.append(cache.parse(listener_components_pb2.FilterChain,
                               _http_chain(model, opts, None, None, "direct-http", problems)))
     matcher = ip_pb2.IPMatcher()
@@ -497,7 +615,8 @@ def main_internal(model: WaypointModel, opts: Options, parts: list[_Parts],
         listener_filters.append(inspector)
     out: dict[str, Any] = {
         "name": MAIN_INTERNAL, "internal_listener": {},
-        "listener_filters": listener_filters, "traffic_direction": "INBOUND"}
+        "listener_filters": listener_filters, "traffic_direction": "INBOUND",
+        **_opt("access_log", _logs(opts, NO_ROUTE_FILTER))}
     if matcher.range_matchers:
         out["filter_chain_matcher"] = {"matcher_tree": {
             "input": {"name": "ip", "typed_config": _any(
@@ -518,7 +637,8 @@ def main_internal(model: WaypointModel, opts: Options, parts: list[_Parts],
     return listener
 
 
-def connect_originate_listener() -> dict:
+def connect_originate_listener(opts: Options | None = None) -> dict:
+    opts = opts or Options()
     return {
         "name": CONNECT_ORIGINATE, "use_original_dst": False, "internal_listener": {},
         "listener_filters": [{"name": "envoy.filters.listener.original_dst",
@@ -528,7 +648,9 @@ def connect_originate_listener() -> dict:
                                         "typed_config": _any(
             "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
             stat_prefix=CONNECT_ORIGINATE, cluster=CONNECT_ORIGINATE,
-            tunneling_config={"hostname": "%DOWNSTREAM_LOCAL_ADDRESS%"})}]}],
+            tunneling_config={"hostname": "%DOWNSTREAM_LOCAL_ADDRESS%"},
+            **_opt("access_log", _logs(opts, UPSTREAM_FAILURE_FILTER)))}]}],
+        **_opt("access_log", _logs(opts, NO_ROUTE_FILTER)),
     }
 
 
@@ -719,12 +841,12 @@ class Assembler:
         opts, cache = self.opts, self.cache
         problems = list(model.problems)
         wide = repr([p.policy for p in model.policies if p.scope is None])
-        fixed_key = (model.trust_domain, model.namespace, opts.bind, opts.xfcc)
+        fixed_key = (model.trust_domain, model.namespace, opts.bind, opts.xfcc, opts.access_log)
         if changed is None or wide != self._wide or fixed_key != self._fixed_key:
             changed = None
         if fixed_key != self._fixed_key:
             self._fixed_key = fixed_key
-            for lst in (connect_terminate(model, opts), connect_originate_listener()):
+            for lst in (connect_terminate(model, opts), connect_originate_listener(opts)):
                 self._put(LISTENER_TYPE, lst["name"], cache.parse(listener_pb2.Listener, lst))
             for item in (_static_internal(MAIN_INTERNAL, MAIN_INTERNAL),
                          _static_internal(ENCAP, CONNECT_ORIGINATE),

@@ -71,12 +71,15 @@ class _Issued:
 class WaypointConfigs:
     """Shared by all waypoint streams of one xDS server. ``store`` is the config store
     (read, and subscribed to when it has ``subscribe``); ``issuer`` the CA, or None (no
-    secrets are served then, with a warning)."""
+    secrets are served then, with a warning); ``access_log`` the file access log every
+    waypoint gets (meshConfig ``accessLogFile`` and its encoding/format; None: none)."""
 
     def __init__(self, store: ObjectStore, index: AmbientIndex, *,
                  issuer: CertificateIssuer | None = None, trust_domain: str = "cluster.local",
-                 root_namespace: str = "istio-system", clock: Callable[[], float] = time.time):
+                 root_namespace: str = "istio-system", clock: Callable[[], float] = time.time,
+                 access_log: resources.AccessLog | None = None):
         self.store, self.index, self.issuer = store, index, issuer
+        self.access_log = access_log
         self.trust_domain, self.root_namespace = trust_domain, root_namespace
         self.clock = clock
         self.generation = 0
@@ -212,6 +215,8 @@ class WaypointConfigs:
                         else pending | changed
         if model.annotations.get(resources.XFCC_ANNOTATION, "").lower() == "true":
             opts = dataclasses.replace(opts, xfcc=True)
+        if self.access_log is not None and opts.access_log is None:
+            opts = dataclasses.replace(opts, access_log=self.access_log)
         akey = (namespace, name, opts.bind, opts.xfcc)
         if akey not in self._assemblers:
             self._pending[akey] = set()
