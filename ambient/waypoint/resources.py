@@ -35,7 +35,13 @@ Deliberate differences (``docs/waypoint.md``): HTTP chains take their routes by 
 ``RouteConfiguration`` per chain, named as the chain) where istiod inlines them, so a
 route change is one small push; the filter state uses Envoy's ``envoy.string`` factory
 (stock Envoy, as istiod does for proxies before 1.29.2) instead of Istio's own; the
-``istio.*`` telemetry filters (peer metadata, stats) are not configured.
+``istio.*`` telemetry filters (peer metadata, stats) are not configured. Access logs:
+:class:`AccessLog` (istiod's meshConfig file log, where istiod puts it).
+
+Building: :class:`Assembler` keeps one waypoint's resources across changes and rebuilds
+only the services it is told changed; a service's resources are copies of per-shape
+prototypes (:meth:`ParseCache.shape`, parsed once from the dicts above) with their names
+set, so ``json_format`` runs once per shape, not per service.
 """
 
 from __future__ import annotations
@@ -863,19 +869,24 @@ class Assembler:
         for key in todo:
             svc = by_key.get(key)
             old = self._parts.pop(key, None)
-            if old is not None:
-                for type_url, name, _m in old.resources:
-                    self._drop(type_url, name)
+            held = {(t, n): m for t, n, m in old.resources} if old is not None else {}
             self._with_problems.pop(key, None)
-            if svc is None:
+            part = _service_parts(model, opts, svc, cache, wide) if svc is not None else None
+            if part is not None:
+                self._parts[key] = part
+                if part.problems:
+                    self._with_problems[key] = part.problems
+                for i, (type_url, name, msg) in enumerate(part.resources):
+                    before = held.pop((type_url, name), None)
+                    if before is not None and before == msg:  # unchanged: keep the held one
+                        part.resources[i] = (type_url, name, before)
+                    else:
+                        self._put(type_url, name, msg)
+            for type_url, name in held:  # what the service no longer has
+                self._drop(type_url, name)
+            if part is None:
                 layout_changed = layout_changed or old is not None
                 continue
-            part = _service_parts(model, opts, svc, cache, wide)
-            self._parts[key] = part
-            if part.problems:
-                self._with_problems[key] = part.problems
-            for type_url, name, msg in part.resources:
-                self._put(type_url, name, msg)
             if old is None or old.chains != part.chains or old.range != part.range:
                 layout_changed = True
         main_key = (tuple(model.workload_ips), len(self._parts))
@@ -900,8 +911,8 @@ class Assembler:
             self._drop(ENDPOINT_TYPE, name)
         for name, (cluster, cla) in backends.items():
             for type_url, msg in ((CLUSTER_TYPE, cluster), (ENDPOINT_TYPE, cla)):
-                held = self._out[type_url].get(name)
-                if held is None or held[1] != msg:
+                current = self._out[type_url].get(name)
+                if current is None or current[1] != msg:
                     self._put(type_url, name, msg)
         self._backend_names = set(backends)
         for found in self._with_problems.values():
