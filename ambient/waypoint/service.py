@@ -27,6 +27,7 @@ from google.protobuf.message import Message
 
 from ambient.api import AmbientIndex, IndexChange, ObjectStore
 from ambient.waypoint import resources
+from ambient.waypoint import status as waypoint_status
 from ambient.waypoint.model import ModelState
 
 log = logging.getLogger(__name__)
@@ -289,6 +290,11 @@ class WaypointConfigs:
 
     def next_renewal(self) -> float | None:
         return min((i.renew_at for i in self._issued.values()), default=None)
+
+    def status_view(self) -> dict:
+        """The status istiod would write for the waypoint Gateways and the HTTPRoutes
+        attached to Services (:func:`ambient.waypoint.status.statuses`)."""
+        return waypoint_status.statuses(self.store)
 
     def debug_state(self) -> dict:
         return {"generation": self.generation, "builds": self.builds,
