@@ -34,6 +34,15 @@ from ambient.api import ObjectStore
 from ambient.objects import meta, spec
 
 ROUTE_KINDS = ("HTTPRoute",)
+#: istiod's default retry policy of a route (``route.DefaultRetryPolicy``): two retries on
+#: connection failures, refused streams and retriable codes, never the same host twice
+DEFAULT_RETRY: dict[str, Any] = {
+    "retry_on": "connect-failure,refused-stream,unavailable,cancelled,retriable-status-codes",
+    "num_retries": 2, "host_selection_retry_max_attempts": 5,
+    "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts",
+                              "typed_config": {
+                                  "@type": "type.googleapis.com/envoy.extensions.retry.host."
+                                           "previous_hosts.v3.PreviousHostsPredicate"}}]}
 
 
 @dataclasses.dataclass
@@ -201,6 +210,9 @@ class RouteBuilder:
             per_try = _duration(timeouts.get("backendRequest"),
                                 f"{where}.timeouts.backendRequest", self.problems)
             retry = rule.get("retry")
+            route["cluster_not_found_response_code"] = "INTERNAL_SERVER_ERROR"
+            if not isinstance(retry, dict) and not per_try:
+                route["retry_policy"] = DEFAULT_RETRY
             if isinstance(retry, dict) or per_try:
                 policy: dict[str, Any] = {"retry_on": "connect-failure,refused-stream,unavailable,"
                                                       "cancelled,retriable-status-codes"}

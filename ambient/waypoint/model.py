@@ -74,11 +74,14 @@ class ServicePort:
 
 @dataclasses.dataclass(frozen=True)
 class Endpoint:
-    """A healthy member workload: ``ip`` text, ``port`` the target port, ``uid``."""
+    """A healthy member workload: ``ip`` text, ``port`` the target port, ``uid``;
+    ``hbone`` whether it is reached over HBONE (its workload's ``tunnel_protocol``, as
+    istiod's endpoint builder decides; a pod outside the mesh gets plaintext)."""
 
     ip: str
     port: int
     uid: str
+    hbone: bool = True
 
 
 @dataclasses.dataclass
@@ -131,6 +134,8 @@ class WaypointModel:
     routes: dict[str, list[Attached]] = dataclasses.field(default_factory=dict)
     #: service key -> a Service some attached route sends to (bound or not)
     backends: dict[str, BoundService] = dataclasses.field(default_factory=dict)
+    #: service key -> the backend ports attached routes name (only those get clusters)
+    backend_ports: dict[str, set[int]] = dataclasses.field(default_factory=dict)
     domain: str = "cluster.local"
 
     @property
@@ -212,7 +217,7 @@ def _endpoints(index: AmbientIndex, svc: wl.Service) -> dict[int, tuple[Endpoint
                 target = next((p.target_port for p in plist.ports
                                if p.service_port == sp.service_port), 0)
             target = target or sp.target_port or sp.service_port
-            eps.append(Endpoint(ip, target, w.uid))
+            eps.append(Endpoint(ip, target, w.uid, w.tunnel_protocol == wl.HBONE))
         out[sp.service_port] = tuple(eps)
     return out
 
@@ -289,6 +294,8 @@ def _route_backends(store: ObjectStore, index: AmbientIndex, model: WaypointMode
                         continue
                     bns = str(ref.get("namespace") or rns)
                     key = f"{bns}/{ref.get('name')}.{bns}.svc.{model.domain}"
+                    if isinstance(ref.get("port"), int):
+                        model.backend_ports.setdefault(key, set()).add(ref["port"])
                     if key in model.backends:
                         continue
                     svc = bound.get(key) or _service(store, index, key)
@@ -472,6 +479,7 @@ class ModelState:
         else:
             model.policies, model.routes = old.policies, old.routes
             model.backends, model.problems = old.backends, list(old.problems)
+            model.backend_ports = old.backend_ports
         self._policies_dirty = self._routes_dirty = False
         self._model = model
         return model, changed

@@ -27,9 +27,12 @@ Clusters
   ``inbound-vip|<port>|<http|tcp>|<host>``: EDS (over ADS); each endpoint is the internal
   address of ``connect_originate`` carrying ``envoy.filters.listener.original_dst``
   metadata ``{"local": "<podIP>:<targetPort>"}`` passed through to that listener.
+  A member pod outside the mesh (its workload's tunnel protocol not HBONE) gets instead a
+  plaintext ``<podIP>:<targetPort>`` socket address, as istiod gives it.
   ``connect_originate``: ORIGINAL_DST to port 15008 of the destination, HTTP/2 with
   ``allow_connect``, TLS 1.3 with the waypoint's certificate; the peer's URI SAN must start
-  with ``spiffe://<trust domain>/ns/<waypoint namespace>/sa/`` (istiod's check).
+  with ``spiffe://<trust domain>/`` or ``spiffe://<trust domain>/ns/<waypoint namespace>/sa/``
+  (istiod lists both; Envoy accepts either).
 
 Deliberate differences (``docs/waypoint.md``): HTTP chains take their routes by RDS (one
 ``RouteConfiguration`` per chain, named as the chain) where istiod inlines them, so a
@@ -77,13 +80,14 @@ from envoy.extensions.transport_sockets.internal_upstream.v3 import (  # noqa: F
     internal_upstream_pb2)
 from envoy.extensions.transport_sockets.raw_buffer.v3 import raw_buffer_pb2  # noqa: F401
 from envoy.extensions.transport_sockets.tls.v3 import secret_pb2, tls_pb2  # noqa: F401
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2  # noqa: F401
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from google.protobuf import json_format, wrappers_pb2  # noqa: F401
 from google.protobuf.message import Message
 from xds.core.v3 import extension_pb2 as xds_extension_pb2
 from xds.type.matcher.v3 import ip_pb2, matcher_pb2  # noqa: F401
 
-from ambient.waypoint.httproute import RouteBuilder
+from ambient.waypoint.httproute import DEFAULT_RETRY, RouteBuilder
 from ambient.waypoint.model import BoundService, ServicePort, WaypointModel
 from ambient.waypoint.rbac import rbac_filters
 
@@ -306,7 +310,7 @@ def connect_terminate(model: WaypointModel, opts: Options) -> dict:
         route_config={"name": "default", "virtual_hosts": [
             {"name": "default", "domains": ["*"], "routes": routes}]},
         set_current_client_cert_details={"subject": True, "uri": True, "dns": True},
-        forward_client_cert_details="SANITIZE_SET",
+        forward_client_cert_details="APPEND_FORWARD",
         use_remote_address=False,
         stream_idle_timeout="0s",
         upgrade_configs=[{"upgrade_type": "CONNECT"}],
@@ -362,6 +366,7 @@ def _http_chain(model: WaypointModel, opts: Options, svc: BoundService | None,
             "KEEP_UNCHANGED",
         "http_filters": [*pre, *filters, _router()],
         "stream_idle_timeout": "0s",
+        "upgrade_configs": [{"upgrade_type": "websocket"}],
         **_opt("access_log", _logs(opts)),
     }
     if svc is not None:
@@ -371,12 +376,15 @@ def _http_chain(model: WaypointModel, opts: Options, svc: BoundService | None,
         hcm["route_config"] = {"name": name, "validate_clusters": False, "virtual_hosts": [
             {"name": "inbound|http|0", "domains": ["*"], "routes": [
                 {"name": "default", "match": {"prefix": "/"},
-                 "route": {"cluster": ENCAP, "timeout": "0s"}}]}]}
+                 "route": {"cluster": ENCAP, "timeout": "0s",
+                           "retry_policy": DEFAULT_RETRY}}]}]}
     if port is not None and port.http2:
         hcm["http2_protocol_options"] = {}
     typed = _any("envoy.extensions.filters.network.http_connection_manager.v3."
                  "HttpConnectionManager", **hcm)
+    pre_net = [] if svc is not None else [_local_ip_filter()]
     return {"name": name, "filters": [
+        *pre_net,
         {"name": "envoy.filters.network.http_connection_manager", "typed_config": typed}]}
 
 
@@ -387,13 +395,17 @@ def _tcp_chain(model: WaypointModel, svc: BoundService | None, cluster: str, nam
     proxy = {"name": "envoy.filters.network.tcp_proxy", "typed_config": _any(
         "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy", stat_prefix=cluster,
         cluster=cluster, **_opt("access_log", _logs(opts) if opts else []))}
-    pre = []
-    if svc is None:
-        pre.append({"name": "connect_authority", "typed_config": _any(
-            "envoy.extensions.filters.network.set_filter_state.v3.Config",
-            on_new_connection=[_fs_value(
-                LOCAL_IP_STATE, f"%FILTER_STATE({LOCAL_IP_STATE}:PLAIN)%")])})
+    pre = [_local_ip_filter()] if svc is None else []
     return {"name": name, "filters": [*pre, *filters, proxy]}
+
+
+def _local_ip_filter() -> dict:
+    """``connect_authority`` of the direct chains: the tunnel's destination (set by
+    ``connect_terminate``) passed on to ``connect_originate`` through ``encap``."""
+    return {"name": "connect_authority", "typed_config": _any(
+        "envoy.extensions.filters.network.set_filter_state.v3.Config",
+        on_new_connection=[_fs_value(
+            LOCAL_IP_STATE, f"%FILTER_STATE({LOCAL_IP_STATE}:PLAIN)%")])}
 
 
 def _chain_action(name: str) -> dict:
@@ -562,8 +574,14 @@ def _endpoints_message(name: str, eps: Iterable) -> Message:
     for ep in eps:
         if group is None:
             group = out.endpoints.add()
-        target = f"[{ep.ip}]:{ep.port}" if ":" in ep.ip else f"{ep.ip}:{ep.port}"
         lb = group.lb_endpoints.add(health_status=_HEALTHY)
+        if not getattr(ep, "hbone", True):
+            # outside the mesh: plaintext to the pod itself (istiod's endpoint builder)
+            sock = lb.endpoint.address.socket_address
+            sock.address, sock.port_value = ep.ip, ep.port
+            lb.load_balancing_weight.value = 1
+            continue
+        target = f"[{ep.ip}]:{ep.port}" if ":" in ep.ip else f"{ep.ip}:{ep.port}"
         internal = lb.endpoint.address.envoy_internal_address
         internal.server_listener_name = CONNECT_ORIGINATE
         internal.endpoint_id = target
@@ -665,15 +683,22 @@ def connect_originate_listener(opts: Options | None = None) -> dict:
 def _static_internal(name: str, listener: str) -> dict:
     return {"name": name, "type": "STATIC", "circuit_breakers": _circuit_breakers(),
             "load_assignment": {"cluster_name": name, "endpoints": _internal_endpoints(listener)},
-            "transport_socket": _internal_upstream(False), "alt_stat_name": name + ";"}
+            "transport_socket": _internal_upstream(False), "alt_stat_name": name + ";",
+            "typed_extension_protocol_options": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    common_http_protocol_options={"idle_timeout": "300s"},
+                    use_downstream_protocol_config={"http_protocol_options": {},
+                                                    "http2_protocol_options": {}})}}
 
 
 def _vip_cluster(name: str, port: ServicePort, subset: str) -> dict:
     out: dict[str, Any] = {
-        "name": name, "type": "EDS", "connect_timeout": "10s", "lb_policy": "ROUND_ROBIN",
+        "name": name, "type": "EDS", "connect_timeout": "10s", "lb_policy": "LEAST_REQUEST",
         "eds_cluster_config": {"service_name": name, "eds_config": {
             "ads": {}, "resource_api_version": "V3", "initial_fetch_timeout": "0s"}},
-        "circuit_breakers": _circuit_breakers(), "common_lb_config": {},
+        "circuit_breakers": _circuit_breakers(),
+        "common_lb_config": {"healthy_panic_threshold": {}},
         "transport_socket": _internal_upstream(True), "alt_stat_name": name + ";"}
     if subset == "http" and port.http2:
         out["typed_extension_protocol_options"] = {
@@ -685,12 +710,11 @@ def _vip_cluster(name: str, port: ServicePort, subset: str) -> dict:
 
 def connect_originate_cluster(model: WaypointModel) -> dict:
     prefix = f"spiffe://{model.trust_domain}/ns/{model.namespace}/sa/"
+    # as istiod: the trust domain's prefix and the namespace's; Envoy accepts a SAN matching
+    # either, so any workload of the trust domain is reachable (route backends elsewhere too)
     tls = _any("envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
                common_tls_context=_tls_common(model.trust_domain,
                                               [f"spiffe://{model.trust_domain}/", prefix]))
-    # two SAN prefixes are ORed by Envoy: keep only istiod's stricter namespace prefix
-    tls["common_tls_context"]["combined_validation_context"]["default_validation_context"] = {
-        "match_typed_subject_alt_names": [{"san_type": "URI", "matcher": {"prefix": prefix}}]}
     return {
         "name": CONNECT_ORIGINATE, "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
         "connect_timeout": "10s", "cleanup_interval": "60s",
@@ -711,6 +735,12 @@ def connect_originate_cluster(model: WaypointModel) -> dict:
 def _endpoints(name: str, eps: Iterable) -> dict:
     lb = []
     for ep in eps:
+        if not getattr(ep, "hbone", True):
+            # outside the mesh: plaintext to the pod itself (istiod's endpoint builder)
+            lb.append({"endpoint": {"address": {"socket_address": {
+                "address": ep.ip, "port_value": ep.port}}},
+                "health_status": "HEALTHY", "load_balancing_weight": 1})
+            continue
         target = f"[{ep.ip}]:{ep.port}" if ":" in ep.ip else f"{ep.ip}:{ep.port}"
         lb.append({"endpoint": {"address": {"envoy_internal_address": {
             "server_listener_name": CONNECT_ORIGINATE, "endpoint_id": target}}},
@@ -735,7 +765,7 @@ def _route_config(name: str, cluster: str, port: int, model: WaypointModel | Non
     return {"name": name, "validate_clusters": False, "virtual_hosts": [{
         "name": f"inbound|http|{port}", "domains": ["*"], "routes": [{
             "name": "default", "match": {"prefix": "/"},
-            "route": {"cluster": cluster, "timeout": "0s",
+            "route": {"cluster": cluster, "timeout": "0s", "retry_policy": DEFAULT_RETRY,
                       "max_stream_duration": {"max_stream_duration": "0s",
                                               "grpc_timeout_header_max": "0s"}},
             "decorator": {"operation": f"{cluster.split('|')[-1]}:{port}/*"}}]}]}
@@ -899,7 +929,11 @@ class Assembler:
         # kept when equal so their versions and objects stay)
         backends: dict[str, tuple[Message, Message]] = {}
         for backend in model.backends.values():
+            # only the ports the routes name (all when a reference names none), as istiod
+            wanted = model.backend_ports.get(backend.key)
             for port in backend.ports:
+                if wanted is not None and port.port not in wanted:
+                    continue
                 name = cluster_name("http", port.port, backend.hostname)
                 if name in backends or (name not in self._backend_names
                                         and name in self._out[CLUSTER_TYPE]):
