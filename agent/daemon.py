@@ -115,6 +115,8 @@ def build(ctx: AgentContext) -> Components:
     zds = made("zds", lambda: zds_server.build(ctx))
     enrollment = made("enrollment",
                       lambda: enrollment_zds.build(ctx, zds, source, registrar))
+    xds = made("xds", lambda: xds_server.build(ctx, index.index, sds, authn.authenticator,
+                                               tls_services=mount_ca(sds), store=source.store))
     components = Components(
         source=source, registration=registrar, index=index, authn=authn, sds=sds, zds=zds,
         enrollment=enrollment,
@@ -122,10 +124,9 @@ def build(ctx: AgentContext) -> Components:
         installer=made("cni-installer", lambda: install.build(ctx)),
         events=made("cni-events",
                     lambda: eventserver.build(ctx, source, enrollment, registrar)),
-        xds=made("xds", lambda: xds_server.build(ctx, index.index, sds, authn.authenticator,
-                                                 tls_services=mount_ca(sds),
-                                                 store=source.store)),
-        status=made("status", lambda: status_server.build(ctx, enrollment, index.index, zds)))
+        xds=xds,
+        status=made("status", lambda: status_server.build(ctx, enrollment, index.index, zds,
+                                                          waypoints=xds.waypoints)))
     for component in components.in_start_order():
         ctx.add(component)
     return components

@@ -348,6 +348,15 @@ SETTINGS: list[Setting] = [
     Setting("cni_force_install", False, parse_bool, "cni_manage_config: replace an istio-cni "
             "plugin or conflist entry that is not this agent's (upstream's, another agent's; "
             "without it the agent refuses to start, naming them)", component="cni"),
+    # --- waypoints (issue 25): the file access log istiod configures from meshConfig ---
+    Setting("waypoint_access_log_file", "", parse_str, "meshConfig accessLogFile for the "
+            "waypoints this agent configures: the path Envoy writes its access log to "
+            "(e.g. /dev/stdout); empty: no access log, istiod's default", component="xds"),
+    Setting("waypoint_access_log_encoding", "text", choice("text", "json"), "meshConfig "
+            "accessLogEncoding of the waypoints' access log", component="xds"),
+    Setting("waypoint_access_log_format", "", parse_str, "meshConfig accessLogFormat of the "
+            "waypoints' access log (text: an Envoy format string; json: a JSON object of "
+            "field -> command); empty: istiod's default format", component="xds"),
 ]
 
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}

@@ -248,3 +248,11 @@ class Settings:
     #: agent's (upstream's, another agent's; without it the agent refuses to start, naming
     #: them)
     cni_force_install: bool
+    #: meshConfig accessLogFile for the waypoints this agent configures: the path Envoy
+    #: writes its access log to (e.g. /dev/stdout); empty: no access log, istiod's default
+    waypoint_access_log_file: str
+    #: meshConfig accessLogEncoding of the waypoints' access log
+    waypoint_access_log_encoding: Literal["text", "json"]
+    #: meshConfig accessLogFormat of the waypoints' access log (text: an Envoy format
+    #: string; json: a JSON object of field -> command); empty: istiod's default format
+    waypoint_access_log_format: str

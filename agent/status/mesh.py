@@ -21,7 +21,9 @@ Row shapes (all values JSON scalars or lists of strings):
 - service: ``namespace``, ``name``, ``hostname``, ``vips``, ``ports`` (``80->8080``),
   ``endpoints`` (workloads selecting it), ``waypoint``.
 - policy: ``namespace``, ``name``, ``scope``, ``action``, ``rules``, ``dry_run``.
-- waypoint: ``namespace``, ``name``, ``ips``, ``bound`` (services and workloads using it).
+- waypoint: ``namespace``, ``name``, ``ips``, ``bound`` (services and workloads using it),
+  ``gateway`` (its Gateway's conditions, ``Programmed=True``...), ``routes`` (each
+  HTTPRoute attached to a bound Service: ``ns/name: Accepted=...,ResolvedRefs=...``).
 """
 
 from __future__ import annotations
@@ -105,6 +107,16 @@ class MeshParts:
     index: MeshIndex | None = None
     enrollment: EnrolledPods | None = None
     zds: DebugState | None = None
+    waypoints: "WaypointStatus | None" = None
+
+
+class WaypointStatus(Protocol):
+    """The waypoint configurations' status (``ambient.waypoint.service.WaypointConfigs``):
+    ``{"gateways": {"ns/name": {"conditions", "addresses"}}, "httproutes": {"ns/name":
+    {"parents": [{"parentRef", "conditions"}]}}}``, as istiod's Gateway controller
+    reports them."""
+
+    def status_view(self) -> dict: ...
 
 
 def mesh_view(parts: MeshParts) -> dict[str, Any]:
@@ -154,12 +166,28 @@ def mesh_view(parts: MeshParts) -> dict[str, Any]:
                          "scope": _enum_name(pol, "scope"), "action": _enum_name(pol, "action"),
                          "rules": sum(len(g.rules) for g in pol.groups),
                          "dry_run": pol.dry_run})
-    waypoints = _waypoints(index, workloads, services)
+    waypoints = _waypoints(index, workloads, services, _status(parts.waypoints))
     return {"workloads": workloads, "services": services, "policies": policies,
             "waypoints": waypoints}
 
 
-def _waypoints(index: MeshIndex, workloads: list[dict], services: list[dict]) -> list[dict]:
+def _status(component: WaypointStatus | None) -> dict:
+    if component is None:
+        return {}
+    try:
+        return component.status_view()
+    except Exception:  # noqa: BLE001 - the view never fails for one component
+        return {}
+
+
+def _conditions(conditions: list[dict]) -> str:
+    return ",".join(f"{c.get('type')}={c.get('status')}" + (
+        f"({c.get('reason')})" if c.get("status") != "True" else "") for c in conditions)
+
+
+def _waypoints(index: MeshIndex, workloads: list[dict], services: list[dict],
+               status: dict | None = None) -> list[dict]:
+    status = status or {}
     used: dict[str, list[str]] = {}
     for row in workloads + services:
         if row["waypoint"]:
@@ -171,9 +199,27 @@ def _waypoints(index: MeshIndex, workloads: list[dict], services: list[dict]) ->
         hostname = name
         svc = next((s for s in services if s["namespace"] == namespace
                     and s["hostname"] == hostname), None)
-        out.append({"namespace": namespace if name else "", "name": (svc or {}).get("name")
-                    or name or key, "ips": (svc or {}).get("vips", []) if name else [key],
-                    "bound": sorted(bound)})
+        row = {"namespace": namespace if name else "", "name": (svc or {}).get("name")
+               or name or key, "ips": (svc or {}).get("vips", []) if name else [key],
+               "bound": sorted(bound)}
+        # its Gateway: by name, or (a waypoint the index knows by address) by address
+        gateways = status.get("gateways") or {}
+        gkey = f"{row['namespace']}/{row['name']}"
+        if gkey not in gateways:
+            gkey = next((k for k, g in gateways.items()
+                         if any(a.get("value") in row["ips"] for a in g.get("addresses") or [])),
+                        "")
+        gw = gateways.get(gkey) or {}
+        row["gateway"] = f"{gkey}: {_conditions(gw.get('conditions') or [])}" if gw else ""
+        routes = []
+        for rkey, rst in sorted((status.get("httproutes") or {}).items()):
+            for parent in rst.get("parents") or []:
+                ref = parent.get("parentRef") or {}
+                pns = ref.get("namespace") or rkey.split("/", 1)[0]
+                if any(b.startswith(f"{pns}/{ref.get('name')}.{pns}.svc.") for b in bound):
+                    routes.append(f"{rkey}: {_conditions(parent.get('conditions') or [])}")
+        row["routes"] = routes
+        out.append(row)
     return out
 
 
@@ -211,7 +257,7 @@ WORKLOAD_COLUMNS = ["namespace", "name", "kind", "ips", "node", "protocol", "sta
                     "waypoint", "enrolled", "ztunnel"]
 SERVICE_COLUMNS = ["namespace", "name", "vips", "ports", "endpoints", "waypoint"]
 POLICY_COLUMNS = ["namespace", "name", "scope", "action", "rules", "dry_run"]
-WAYPOINT_COLUMNS = ["namespace", "name", "ips", "bound"]
+WAYPOINT_COLUMNS = ["namespace", "name", "ips", "bound", "gateway", "routes"]
 COLUMNS = {"workloads": WORKLOAD_COLUMNS, "services": SERVICE_COLUMNS,
            "policies": POLICY_COLUMNS, "waypoints": WAYPOINT_COLUMNS}
 

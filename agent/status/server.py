@@ -65,7 +65,7 @@ from agent.status import debug, metrics_merge, monitoring, probes
 from agent.status.access import is_loopback
 from agent.status.compression import compress_large
 from agent.status.readiness import EnvoyReadiness
-from agent.status.mesh import DebugState, EnrolledPods, MeshIndex, MeshParts
+from agent.status.mesh import DebugState, EnrolledPods, MeshIndex, MeshParts, WaypointStatus
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +86,11 @@ class StatusServer(Component):
     name = "status"
 
     def __init__(self, ctx: AgentContext, *, enrollment: PodEnrollment | None = None,
-                 index: MeshIndex | None = None, zds: DebugState | None = None):
+                 index: MeshIndex | None = None, zds: DebugState | None = None,
+                 waypoints: WaypointStatus | None = None):
         self.ctx = ctx
         self.enrollment = enrollment
-        self.mesh = MeshParts(index=index, enrollment=enrollment, zds=zds)
+        self.mesh = MeshParts(index=index, enrollment=enrollment, zds=zds, waypoints=waypoints)
         cfg = ctx.config
         self.port = 0
         self.health_port = 0
@@ -444,8 +445,9 @@ def _short(value: Any, limit: int = 80) -> Any:
 
 
 def build(ctx: AgentContext, enrollment: PodEnrollment, index: MeshIndex,
-          zds: DebugState) -> StatusServer:
+          zds: DebugState, waypoints: WaypointStatus | None = None) -> StatusServer:
     """The ``status`` component; ``agent.daemon`` builds and starts it last, since it
-    reports the others' readiness."""
-    return StatusServer(ctx, enrollment=enrollment, index=index, zds=zds)
+    reports the others' readiness (``waypoints``: the xDS server's waypoint
+    configurations, for the waypoint rows' Gateway and route status)."""
+    return StatusServer(ctx, enrollment=enrollment, index=index, zds=zds, waypoints=waypoints)
 

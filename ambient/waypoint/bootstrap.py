@@ -9,6 +9,14 @@ pod and a bare Envoy look the same to the agent: id
 agent's xDS port; TLS with the mesh root and a bearer token on the TLS port). The
 ``envoy.bootstrap.internal_listener`` extension is on (the ``main_internal`` and
 ``connect_originate`` listeners are internal), admin on a local port.
+
+Stats: the ``stats_tags`` of Istio's proxy bootstrap (``use_all_default_tags`` off), so
+the ``;``-delimited stat prefixes istiod configures (``inbound_0.0.0.0_<port>;`` for the
+HTTP chains, ``<cluster>;`` alt stat names) become the same Prometheus labels
+(``http_conn_manager_prefix``, ``cluster_name``, ``response_code`` ...) as on an Istio
+waypoint. Istio's inclusion list (only ``reporter=`` and a few prefixes) is not applied:
+its ``istio_requests_total`` family comes from the ``istio.stats`` filter, an Istio
+proxy extension a stock Envoy does not have, so the per-chain Envoy stats stay visible.
 """
 
 from __future__ import annotations
@@ -19,6 +27,31 @@ from typing import Any
 MANAGED_LABEL = "gateway.istio.io/managed"
 GATEWAY_NAME_LABEL = "gateway.networking.k8s.io/gateway-name"
 ISTIO_VERSION = "1.29.0"
+
+
+#: Istio's proxy bootstrap ``stats_config.stats_tags`` (the fixed ones, in its order)
+STATS_TAGS: list[dict[str, str]] = [
+    {"tag_name": "cluster_name", "regex": "^cluster(\\.(.+);)"},
+    {"tag_name": "http_conn_manager_prefix",
+     "regex": "^http\\.(((?:[_.[:digit:]\\w]*|[_\\[\\]aAbBcCdDeEfF[:digit:]\\w\\:]*));\\.)"},
+    {"tag_name": "thread_name", "regex": "^server(\\.(.+))\\.watchdog"},
+    {"tag_name": "tcp_prefix", "regex": "^tcp\\.((.*?)\\.)\\w+?$"},
+    {"tag_name": "response_code", "regex": "_rq(_(\\d{3}))$"},
+    {"tag_name": "response_code_class", "regex": "_rq(_(\\dxx))$"},
+    {"tag_name": "http_conn_manager_listener_prefix",
+     "regex": "^listener(?=\\.).*?\\.http\\.(((?:[_.[:digit:]]*|[_\\[\\]aAbBcCdDeEfF[:digit:]]*))\\.)"},
+    {"tag_name": "listener_address",
+     "regex": "^listener\\.(((?:[_.[:digit:]]*|[_\\[\\]aAbBcCdDeEfF[:digit:]]*))\\.)"},
+    {"tag_name": "mongo_prefix",
+     "regex": "^mongo\\.(.+?)\\.(collection|cmd|cx_|op_|delays_|decoding_)(.*?)$"},
+    {"tag_name": "cache", "regex": "(cache\\.(.+?)\\.)"},
+    {"tag_name": "component", "regex": "(component\\.(.+?)\\.)"},
+    {"tag_name": "tag", "regex": "(tag\\.(.+?);\\.)"},
+    {"tag_name": "wasm_filter", "regex": "(wasm_filter\\.(.+?)\\.)"},
+    {"tag_name": "authz_enforce_result", "regex": "rbac(\\.(allowed|denied))"},
+    {"tag_name": "authz_dry_run_action", "regex": "(\\.istio_dry_run_(allow|deny)_)"},
+    {"tag_name": "authz_dry_run_result", "regex": "(\\.shadow_(allowed|denied))"},
+]
 
 
 @dataclasses.dataclass
@@ -98,6 +131,8 @@ def bootstrap(o: BootstrapOptions) -> dict[str, Any]:
                                       "internal_listener.v3.InternalListener",
                              "buffer_size_kb": 64}}],
         "dynamic_resources": {"ads_config": ads, "lds_config": dyn, "cds_config": dyn},
+        "stats_config": {"use_all_default_tags": False,
+                         "stats_tags": [dict(t) for t in STATS_TAGS]},
         "static_resources": {"clusters": [xds_cluster]},
         "layered_runtime": {"layers": [{"name": "global", "static_layer": {
             "envoy.reloadable_features.http_reject_path_with_fragment": False,

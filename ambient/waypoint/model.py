@@ -15,8 +15,10 @@ prefix before ``-`` (``http``, ``http2``, ``grpc``, ``tcp`` ...), else *unsuppor
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import ipaddress
+import socket
 from typing import Iterable
 
 from ambient import workload_pb2 as wl
@@ -150,6 +152,8 @@ class WaypointModel:
 
 
 def _ip(raw: bytes) -> str | None:
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw)
     try:
         return str(ipaddress.ip_address(raw))
     except ValueError:
@@ -227,15 +231,16 @@ def _targets(policy: dict) -> list[dict]:
     return out
 
 
-def targeted_policies(store: ObjectStore, model: WaypointModel, root_namespace: str
+def targeted_policies(store: ObjectStore, model: WaypointModel, root_namespace: str,
+                      by_object: dict[tuple[str, str, str], BoundService] | None = None
                       ) -> list[TargetedPolicy]:
     """The AuthorizationPolicies aimed at this waypoint, as upstream binds them:
     ``targetRefs`` (or ``targetRef``) to the Gateway (same namespace), to the
     ``istio-waypoint`` GatewayClass (policy in the root namespace), to a bound Service
     (group ``""``/``core``) or ServiceEntry (group ``networking.istio.io``) in the
     policy's namespace. Unknown kinds are a problem (named) and bind nothing."""
-    by_object: dict[tuple[str, str, str], BoundService] = {
-        (s.kind, s.namespace, s.name): s for s in model.services}
+    if by_object is None:
+        by_object = {(s.kind, s.namespace, s.name): s for s in model.services}
     out = []
     for pol in sorted(store.list("AuthorizationPolicy"),
                       key=lambda p: (meta(p).get("namespace", ""), meta(p).get("name", ""))):
@@ -276,8 +281,10 @@ def _service(store: ObjectStore, index: AmbientIndex, key: str) -> BoundService 
                         _ports(src_kind, obj, svc), _endpoints(index, svc))
 
 
-def _route_backends(store: ObjectStore, index: AmbientIndex, model: WaypointModel) -> None:
-    bound = {s.key: s for s in model.services}
+def _route_backends(store: ObjectStore, index: AmbientIndex, model: WaypointModel,
+                    bound: dict[str, BoundService] | None = None) -> None:
+    if bound is None:
+        bound = {s.key: s for s in model.services}
     for atts in model.routes.values():
         for att in atts:
             rns = meta(att.route).get("namespace", "")
@@ -334,3 +341,184 @@ def build_model(store: ObjectStore, index: AmbientIndex, namespace: str, name: s
 
 def policy_names(policies: Iterable[TargetedPolicy]) -> list[str]:
     return [f"{meta(p.policy).get('namespace')}/{meta(p.policy).get('name')}" for p in policies]
+
+
+class ModelState:
+    """One Gateway's :class:`WaypointModel` kept across changes, so a change costs what it
+    touches: :meth:`mark` records changed index names (service keys ``ns/hostname`` and
+    workload names), :meth:`mark_policies` / :meth:`mark_routes` the store kinds the index
+    does not announce, :meth:`mark_all` everything (the Gateway itself changed, or the
+    source of a change is unknown). :meth:`refresh` re-reads only what was marked and
+    returns ``(model, changed)``: ``changed`` the service keys whose :class:`BoundService`,
+    scoped policies or attached routes differ from the last model, or None when all may
+    (the first build, :meth:`mark_all`). The model is the same one :func:`build_model`
+    returns for the same store and index."""
+
+    def __init__(self, store: ObjectStore, index: AmbientIndex, namespace: str, name: str, *,
+                 trust_domain: str = "cluster.local", root_namespace: str = "istio-system",
+                 domain: str = "cluster.local"):
+        self.store, self.index = store, index
+        self.namespace, self.name = namespace, name
+        self.trust_domain, self.root_namespace, self.domain = trust_domain, root_namespace, domain
+        self._full = True
+        self._dirty: set[str] = set()
+        self._policies_dirty = self._routes_dirty = True
+        self._services: dict[str, BoundService] = {}
+        self._workloads: dict[str, tuple[str, ...]] = {}  # bound workload name -> its IPs
+        self._members: dict[str, set[str]] = {}  # workload name -> bound service keys
+        self._sorted: list[BoundService] | None = None
+        self._keys: list[str] = []
+        self._by_object: dict[tuple[str, str, str], BoundService] = {}
+        self._svc_names: dict[tuple[str, str], str] = {}
+        self._backend_names: set[str] = set()
+        self._model: WaypointModel | None = None
+
+    def mark(self, names: Iterable[str]) -> None:
+        self._dirty.update(names)
+
+    def mark_policies(self) -> None:
+        self._policies_dirty = True
+
+    def mark_routes(self) -> None:
+        self._routes_dirty = True
+
+    def mark_all(self) -> None:
+        self._full = True
+
+    @property
+    def pending(self) -> bool:
+        return (self._full or bool(self._dirty) or self._policies_dirty or self._routes_dirty
+                or self._model is None)
+
+    def _set_service(self, key: str, svc: BoundService | None) -> None:
+        old = self._services.get(key)
+        if old is not None:
+            for eps in old.endpoints.values():
+                for ep in eps:
+                    keys = self._members.get(ep.uid)
+                    if keys is not None:
+                        keys.discard(key)
+                        if not keys:
+                            del self._members[ep.uid]
+        if svc is None:
+            self._services.pop(key, None)
+        else:
+            self._services[key] = svc
+            for eps in svc.endpoints.values():
+                for ep in eps:
+                    self._members.setdefault(ep.uid, set()).add(key)
+        if (old is None) != (svc is None):
+            self._sorted = None
+
+    def refresh(self) -> tuple[WaypointModel, set[str] | None]:
+        if not self.pending and self._model is not None:
+            return self._model, set()
+        old = self._model
+        model = WaypointModel(self.namespace, self.name, self.trust_domain, domain=self.domain)
+        gw = self.store.get("Gateway", self.namespace, self.name)
+        changed: set[str] | None = set()
+        dirty_names: Iterable[str] = self._dirty
+        if gw is None or self._full or old is None or not old.found:
+            changed, dirty_names = None, ()
+            self._services.clear()
+            self._workloads.clear()
+            self._members.clear()
+            self._sorted = None
+        self._full, self._dirty = False, set()
+        if gw is None:
+            model.problems.append(f"Gateway {self.namespace}/{self.name} does not exist: "
+                                  f"serving an empty waypoint configuration")
+            self._model = model
+            return model, None
+        model.found = True
+        model.annotations = {str(k): str(v)
+                             for k, v in (meta(gw).get("annotations") or {}).items()}
+        bound = self.index.waypoint_resources(self.namespace, self.name)
+        todo: set[str] = set()
+        backends_touched = False
+        for res in (bound if changed is None else dirty_names):
+            self._refresh_name(res, bound, todo)
+            if old is not None and res in self._backend_names:
+                backends_touched = True
+        for key in todo:
+            self._set_service(key, _service(self.store, self.index, key) if key in bound
+                              else None)
+        membership = self._sorted is None
+        if self._sorted is None:
+            self._keys = sorted(self._services)
+            self._sorted = [self._services[k] for k in self._keys]
+            self._by_object = {(s.kind, s.namespace, s.name): s for s in self._sorted}
+            self._svc_names = {(s.namespace, s.name): s.key for s in self._sorted
+                               if s.kind == "Service"}
+        elif todo:  # the same services, some of them changed: copy on write
+            self._sorted = list(self._sorted)
+            for key in todo:
+                if key in self._services:
+                    self._sorted[bisect.bisect_left(self._keys, key)] = self._services[key]
+        model.services = self._sorted
+        model.workload_ips = [ip for k in sorted(self._workloads) for ip in self._workloads[k]]
+        if changed is not None:
+            changed |= todo
+        if (old is None or changed is None or self._policies_dirty or self._routes_dirty
+                or membership or backends_touched):
+            model.policies = targeted_policies(self.store, model, self.root_namespace,
+                                               self._by_object)
+            model.routes = attached_routes(self.store, self._svc_names, model.problems)
+            _route_backends(self.store, self.index, model, self._services)
+            if changed is not None and old is not None:
+                changed |= _scopes_changed(old.policies, model.policies)
+                for key in set(old.routes) | set(model.routes):
+                    if [a.route for a in old.routes.get(key, [])] != \
+                            [a.route for a in model.routes.get(key, [])]:
+                        changed.add(key)
+                if old.backends != model.backends:
+                    changed |= set(model.routes) | set(old.routes)
+            self._backend_names = set(model.backends) | {
+                ep.uid for b in model.backends.values() for eps in b.endpoints.values()
+                for ep in eps}
+        else:
+            model.policies, model.routes = old.policies, old.routes
+            model.backends, model.problems = old.backends, list(old.problems)
+            model.backend_ports = old.backend_ports
+        self._policies_dirty = self._routes_dirty = False
+        self._model = model
+        return model, changed
+
+    def _refresh_name(self, res: str, bound: set[str], todo_services: set[str]) -> None:
+        """Re-read one index name: a bound (or formerly bound) service goes to
+        ``todo_services``; a workload updates the bound workload IPs and marks the
+        services it is (or was) a member of."""
+        if res in self._services:
+            todo_services.add(res)
+        for key in self._members.get(res, ()):
+            todo_services.add(key)
+        address = self.index.address(res)
+        if address is None:
+            self._workloads.pop(res, None)
+            return
+        kind = address.WhichOneof("type")
+        if kind == "service":
+            if res in bound:
+                todo_services.add(res)
+        elif kind == "workload":
+            if res in bound:
+                self._workloads[res] = tuple(
+                    ip for ip in (_ip(a) for a in address.workload.addresses) if ip)
+            else:
+                self._workloads.pop(res, None)
+            for key in address.workload.services:
+                if key in self._services:
+                    todo_services.add(key)
+
+
+def _scopes_changed(old: list[TargetedPolicy], new: list[TargetedPolicy]) -> set[str]:
+    """Service keys whose scoped policies differ (a waypoint-wide change is the
+    resources' business: it changes every chain)."""
+    def by_scope(items: list[TargetedPolicy]) -> dict[str, list[dict]]:
+        out: dict[str, list[dict]] = {}
+        for p in items:
+            if p.scope is not None:
+                out.setdefault(p.scope, []).append(p.policy)
+        return out
+    a, b = by_scope(old), by_scope(new)
+    return {k for k in set(a) | set(b) if a.get(k) != b.get(k)}

@@ -27,25 +27,39 @@ Clusters
   ``inbound-vip|<port>|<http|tcp>|<host>``: EDS (over ADS); each endpoint is the internal
   address of ``connect_originate`` carrying ``envoy.filters.listener.original_dst``
   metadata ``{"local": "<podIP>:<targetPort>"}`` passed through to that listener.
+  A member pod outside the mesh (its workload's tunnel protocol not HBONE) gets instead a
+  plaintext ``<podIP>:<targetPort>`` socket address, as istiod gives it.
   ``connect_originate``: ORIGINAL_DST to port 15008 of the destination, HTTP/2 with
   ``allow_connect``, TLS 1.3 with the waypoint's certificate; the peer's URI SAN must start
-  with ``spiffe://<trust domain>/ns/<waypoint namespace>/sa/`` (istiod's check).
+  with ``spiffe://<trust domain>/`` or ``spiffe://<trust domain>/ns/<waypoint namespace>/sa/``
+  (istiod lists both; Envoy accepts either).
 
 Deliberate differences (``docs/waypoint.md``): HTTP chains take their routes by RDS (one
 ``RouteConfiguration`` per chain, named as the chain) where istiod inlines them, so a
 route change is one small push; the filter state uses Envoy's ``envoy.string`` factory
 (stock Envoy, as istiod does for proxies before 1.29.2) instead of Istio's own; the
-``istio.*`` telemetry filters (peer metadata, stats) are not configured.
+``istio.*`` telemetry filters (peer metadata, stats) are not configured. Access logs:
+:class:`AccessLog` (istiod's meshConfig file log, where istiod puts it).
+
+Building: :class:`Assembler` keeps one waypoint's resources across changes and rebuilds
+only the services it is told changed; a service's resources are copies of per-shape
+prototypes (:meth:`ParseCache.shape`, parsed once from the dicts above) with their names
+set, so ``json_format`` runs once per shape, not per service.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import ipaddress
 import threading
-from typing import Any, Iterable
+import hashlib
+from typing import Any, Callable, Iterable
 
 from envoy.config.cluster.v3 import cluster_pb2
+from envoy.extensions.access_loggers.file.v3 import file_pb2  # noqa: F401
+from envoy.extensions.formatter.req_without_query.v3 import (  # noqa: F401
+    req_without_query_pb2)
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_pb2
@@ -70,6 +84,7 @@ from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2  # 
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from google.protobuf import json_format, wrappers_pb2  # noqa: F401
 from google.protobuf.message import Message
+from xds.core.v3 import extension_pb2 as xds_extension_pb2
 from xds.type.matcher.v3 import ip_pb2, matcher_pb2  # noqa: F401
 
 from ambient.waypoint.httproute import DEFAULT_RETRY, RouteBuilder
@@ -95,6 +110,7 @@ CERT_SECRET, ROOT_SECRET = "default", "ROOTCA"
 
 _T = "type.googleapis.com/"
 _MAX = 4294967295
+_HEALTHY = 1  # envoy.config.core.v3.HealthStatus.HEALTHY
 
 
 @dataclasses.dataclass
@@ -105,6 +121,109 @@ class Options:
 
     bind: str = "0.0.0.0"
     xfcc: bool = False
+    access_log: "AccessLog | None" = None
+
+
+#: istiod's default text access-log format (``EnvoyTextLogFormat``, Istio 1.9 onwards)
+DEFAULT_ACCESS_LOG_FORMAT = (
+    '[%START_TIME%] "%REQ(:METHOD)% %REQ(X-ENVOY-ORIGINAL-PATH?:PATH)% %PROTOCOL%" '
+    '%RESPONSE_CODE% %RESPONSE_FLAGS% %RESPONSE_CODE_DETAILS% '
+    '%CONNECTION_TERMINATION_DETAILS% "%UPSTREAM_TRANSPORT_FAILURE_REASON%" '
+    '%BYTES_RECEIVED% %BYTES_SENT% %DURATION% %RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)% '
+    '"%REQ(X-FORWARDED-FOR)%" "%REQ(USER-AGENT)%" "%REQ(X-REQUEST-ID)%" '
+    '"%REQ(:AUTHORITY)%" "%UPSTREAM_HOST%" %UPSTREAM_CLUSTER_RAW% %UPSTREAM_LOCAL_ADDRESS% '
+    '%DOWNSTREAM_LOCAL_ADDRESS% %DOWNSTREAM_REMOTE_ADDRESS% %REQUESTED_SERVER_NAME% '
+    '%ROUTE_NAME%\n')
+
+#: istiod's default JSON access-log fields (``EnvoyJSONLogFormatIstio``)
+DEFAULT_ACCESS_LOG_JSON = {
+    "start_time": "%START_TIME%", "route_name": "%ROUTE_NAME%", "method": "%REQ(:METHOD)%",
+    "path": "%REQ(X-ENVOY-ORIGINAL-PATH?:PATH)%", "protocol": "%PROTOCOL%",
+    "response_code": "%RESPONSE_CODE%", "response_flags": "%RESPONSE_FLAGS%",
+    "response_code_details": "%RESPONSE_CODE_DETAILS%",
+    "connection_termination_details": "%CONNECTION_TERMINATION_DETAILS%",
+    "bytes_received": "%BYTES_RECEIVED%", "bytes_sent": "%BYTES_SENT%",
+    "duration": "%DURATION%", "upstream_service_time": "%RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)%",
+    "x_forwarded_for": "%REQ(X-FORWARDED-FOR)%", "user_agent": "%REQ(USER-AGENT)%",
+    "request_id": "%REQ(X-REQUEST-ID)%", "authority": "%REQ(:AUTHORITY)%",
+    "upstream_host": "%UPSTREAM_HOST%", "upstream_cluster": "%UPSTREAM_CLUSTER_RAW%",
+    "upstream_local_address": "%UPSTREAM_LOCAL_ADDRESS%",
+    "downstream_local_address": "%DOWNSTREAM_LOCAL_ADDRESS%",
+    "downstream_remote_address": "%DOWNSTREAM_REMOTE_ADDRESS%",
+    "requested_server_name": "%REQUESTED_SERVER_NAME%",
+    "upstream_transport_failure_reason": "%UPSTREAM_TRANSPORT_FAILURE_REASON%",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AccessLog:
+    """The file access log istiod configures from meshConfig when no Telemetry resource
+    applies: ``path`` (meshConfig ``accessLogFile``; empty: no access log, istiod's
+    default), ``encoding`` ``TEXT`` or ``JSON`` (``accessLogEncoding``), ``format``
+    (``accessLogFormat``: the text format, a newline added when missing, or a JSON object
+    of field -> command; empty: istiod's default of that encoding).
+
+    Where (as ``buildWaypointInbound`` does): every HTTP connection manager and TCP proxy of
+    ``main_internal``'s chains, unfiltered; ``connect_terminate``'s HTTP connection manager
+    for responses >= 400; ``connect_originate``'s TCP proxy for upstream connect failures
+    (``UF``); each listener for connections no chain matched (``NR``).
+    Raises ``ValueError`` naming the field for an unknown encoding or a JSON format that
+    is not a JSON object of strings."""
+
+    path: str = ""
+    encoding: str = "TEXT"
+    format: str = ""
+
+    def __post_init__(self) -> None:
+        if self.encoding.upper() not in ("TEXT", "JSON"):
+            raise ValueError(f"access log encoding {self.encoding!r}: expected TEXT or JSON")
+        if self.encoding.upper() == "JSON" and self.format:
+            import json
+
+            try:
+                value = json.loads(self.format)
+            except ValueError as e:
+                raise ValueError(f"access log format (JSON encoding): not JSON: {e}") from None
+            if not isinstance(value, dict) or not all(isinstance(v, str)
+                                                      for v in value.values()):
+                raise ValueError("access log format (JSON encoding): expected a JSON object "
+                                 "of field name -> format command strings")
+
+    def entries(self, flt: dict | None = None) -> list[dict]:
+        """The ``access_log`` entries (``[]`` when off), with the AccessLogFilter ``flt``."""
+        if not self.path:
+            return []
+        cfg: dict[str, Any] = {"path": self.path}
+        if self.encoding.upper() == "JSON":
+            import json
+
+            fields = json.loads(self.format) if self.format else DEFAULT_ACCESS_LOG_JSON
+            cfg["log_format"] = {"json_format": fields,
+                                 "json_format_options": {"sort_properties": False}}
+        else:
+            text = self.format or DEFAULT_ACCESS_LOG_FORMAT
+            if not text.endswith("\n"):
+                text += "\n"
+            cfg["log_format"] = {"text_format_source": {"inline_string": text}}
+            if "%REQ_WITHOUT_QUERY" in text:
+                cfg["log_format"]["formatters"] = [{
+                    "name": "envoy.formatter.req_without_query", "typed_config": _any(
+                        "envoy.extensions.formatter.req_without_query.v3.ReqWithoutQuery")}]
+        out: dict[str, Any] = {"name": "envoy.access_loggers.file", "typed_config": _any(
+            "envoy.extensions.access_loggers.file.v3.FileAccessLog", **cfg)}
+        if flt is not None:
+            out["filter"] = flt
+        return [out]
+
+
+NO_ROUTE_FILTER = {"response_flag_filter": {"flags": ["NR"]}}
+UPSTREAM_FAILURE_FILTER = {"response_flag_filter": {"flags": ["UF"]}}
+ERROR_STATUS_FILTER = {"status_code_filter": {"comparison": {
+    "op": "GE", "value": {"default_value": 400, "runtime_key": "istio.io/unset"}}}}
+
+
+def _logs(opts: Options, flt: dict | None = None) -> list[dict]:
+    return opts.access_log.entries(flt) if opts.access_log is not None else []
 
 
 def cluster_name(subset: str, port: int, hostname: str) -> str:
@@ -197,7 +316,8 @@ def connect_terminate(model: WaypointModel, opts: Options) -> dict:
         upgrade_configs=[{"upgrade_type": "CONNECT"}],
         http2_protocol_options={"allow_connect": True, "max_concurrent_streams": 100,
                                 "connection_keepalive": {"interval": "10s", "timeout": "20s"}},
-        http_filters=[connect_authority, _router()])
+        http_filters=[connect_authority, _router()],
+        **_opt("access_log", _logs(opts, ERROR_STATUS_FILTER)))
     tls = _any("envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
                common_tls_context=_tls_common(model.trust_domain,
                                               [f"spiffe://{model.trust_domain}/"]),
@@ -211,7 +331,13 @@ def connect_terminate(model: WaypointModel, opts: Options) -> dict:
             "filters": [{"name": "envoy.filters.network.http_connection_manager",
                          "typed_config": hcm}]}],
         "connection_balance_config": {"exact_balance": {}},
+        **_opt("access_log", _logs(opts, NO_ROUTE_FILTER)),
     }
+
+
+def _opt(key: str, value: Any) -> dict:
+    """``{key: value}`` when ``value`` is not empty, else ``{}`` (unset fields stay unset)."""
+    return {key: value} if value else {}
 
 
 def _policies_for(model: WaypointModel, svc: BoundService | None) -> list[dict]:
@@ -233,13 +359,15 @@ def _http_chain(model: WaypointModel, opts: Options, svc: BoundService | None,
                          "URI=%FILTER_STATE(io.istio.peer_principal:PLAIN)%"},
                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}}]})})
     hcm: dict[str, Any] = {
-        "stat_prefix": f"inbound_0.0.0.0_{port.port}" if port else "direct_http",
+        # istiod's inbound stat prefix, ';'-delimited (util.DelimitedStatsPrefix)
+        "stat_prefix": f"inbound_0.0.0.0_{port.port};" if port else "direct_http",
         "use_remote_address": False,
         "normalize_path": True, "merge_slashes": True, "path_with_escaped_slashes_action":
             "KEEP_UNCHANGED",
         "http_filters": [*pre, *filters, _router()],
         "stream_idle_timeout": "0s",
         "upgrade_configs": [{"upgrade_type": "websocket"}],
+        **_opt("access_log", _logs(opts)),
     }
     if svc is not None:
         hcm["rds"] = {"route_config_name": name,
@@ -261,12 +389,12 @@ def _http_chain(model: WaypointModel, opts: Options, svc: BoundService | None,
 
 
 def _tcp_chain(model: WaypointModel, svc: BoundService | None, cluster: str, name: str,
-               problems: list[str]) -> dict:
+               problems: list[str], opts: Options | None = None) -> dict:
     filters, found = rbac_filters(_policies_for(model, svc), http=False)
     problems.extend(found)
     proxy = {"name": "envoy.filters.network.tcp_proxy", "typed_config": _any(
         "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy", stat_prefix=cluster,
-        cluster=cluster)}
+        cluster=cluster, **_opt("access_log", _logs(opts) if opts else []))}
     pre = [_local_ip_filter()] if svc is None else []
     return {"name": name, "filters": [*pre, *filters, proxy]}
 
@@ -303,78 +431,197 @@ def _cidr(ip: str) -> dict:
 
 @dataclasses.dataclass
 class _Parts:
-    """What one bound service contributes, parsed: its ``main_internal`` chains and IP
-    range entry, its clusters, endpoints and routes, and the problems found building them."""
+    """What one bound service contributes: its ``main_internal`` chains and IP range
+    entry, its clusters, endpoints and routes (messages), and the problems found."""
 
     chains: list[Message]
-    range: dict | None
+    range: Message | None  # xds.type.matcher.v3.IPMatcher.IPRangeMatcher
     sniffed: bool
     fixed_ports: set[int]
     resources: list[tuple[str, str, Message]]  # (type URL, name, message)
     problems: list[str]
 
 
+def _policies_key(model: WaypointModel, svc: BoundService | None, wide: str) -> str:
+    if svc is None or not any(p.scope == svc.key for p in model.policies):
+        return wide
+    return wide + repr([p.policy for p in model.policies if p.scope == svc.key])
+
+
+def _hcm_tail(name: str) -> bytes:
+    """The serialized ``HttpConnectionManager{rds{route_config_name}}``: appended to a
+    shape's serialized HCM it sets the route name (protobuf merges a message field that
+    occurs twice, so the concatenation parses as the shape with that name)."""
+    hcm = http_connection_manager_pb2.HttpConnectionManager()
+    hcm.rds.route_config_name = name
+    return hcm.SerializeToString()
+
+
 def _service_parts(model: WaypointModel, opts: Options, svc: BoundService,
-                   cache: "ParseCache") -> _Parts:
+                   cache: "ParseCache", wide: str) -> _Parts:
+    """One service's parts, built as messages from per-shape prototypes (the chain, the
+    cluster and the default route of a port differ from service to service only by their
+    names: the shape is parsed once from its dict, then copied and named)."""
     problems: list[str] = []
-    chains: list[dict] = []
-    port_map: dict[str, dict] = {}
+    chains: list[Message] = []
+    port_map: dict[str, Message] = {}
     sniffed, fixed_ports = False, set()
     res: list[tuple[str, str, Message]] = []
+    pkey = _policies_key(model, svc, wide)
     for port in svc.ports:
         http_name = cluster_name("http", port.port, svc.hostname)
         tcp_name = cluster_name("tcp", port.port, svc.hostname)
         if port.protocol == "UNSUPPORTED":
-            chains.append(_http_chain(model, opts, svc, port, http_name, problems))
-            chains.append(_tcp_chain(model, svc, tcp_name, tcp_name, problems))
-            port_map[str(port.port)] = _app_protocol_matcher(http_name, tcp_name)
+            chains.append(_named_http_chain(model, opts, svc, port, http_name, cache, pkey,
+                                            problems))
+            chains.append(_named_tcp_chain(model, opts, svc, tcp_name, cache, pkey, problems))
+            port_map[str(port.port)] = cache.parse(
+                matcher_pb2.Matcher.OnMatch, _app_protocol_matcher(http_name, tcp_name))
             sniffed = True
         elif port.http:
-            chains.append(_http_chain(model, opts, svc, port, http_name, problems))
-            port_map[str(port.port)] = _chain_action(http_name)
+            chains.append(_named_http_chain(model, opts, svc, port, http_name, cache, pkey,
+                                            problems))
+            port_map[str(port.port)] = _chain_on_match(http_name)
             fixed_ports.add(port.port)
         else:
-            chains.append(_tcp_chain(model, svc, tcp_name, tcp_name, problems))
-            port_map[str(port.port)] = _chain_action(tcp_name)
+            chains.append(_named_tcp_chain(model, opts, svc, tcp_name, cache, pkey, problems))
+            port_map[str(port.port)] = _chain_on_match(tcp_name)
             fixed_ports.add(port.port)
         for subset in ("http", "tcp"):
             if (subset == "http" and not port.http) or (subset == "tcp" and not port.tcp):
                 continue
             name = cluster_name(subset, port.port, svc.hostname)
-            res.append((CLUSTER_TYPE, name, cache.parse(
-                cluster_pb2.Cluster, _vip_cluster(name, port, subset))))
-            res.append((ENDPOINT_TYPE, name, cache.parse(
-                endpoint_pb2.ClusterLoadAssignment,
-                _endpoints(name, svc.endpoints.get(port.port, ())))))
+            res.append((CLUSTER_TYPE, name, _named_cluster(name, port, subset, cache)))
+            res.append((ENDPOINT_TYPE, name,
+                        _endpoints_message(name, svc.endpoints.get(port.port, ()))))
             if subset == "http":
-                res.append((ROUTE_TYPE, name, cache.parse(
-                    route_pb2.RouteConfiguration,
-                    _route_config(name, name, port.port, model, svc, problems))))
+                res.append((ROUTE_TYPE, name, _route_message(name, port, model, svc, cache,
+                                                             problems)))
     entry = None
     if port_map and svc.vips:
-        entry = {"ranges": [_cidr(v) for v in svc.vips], "on_match": {"matcher": {
-            "matcher_tree": {
-                "input": {"name": "port", "typed_config": _any(
-                    "envoy.extensions.matching.common_inputs.network.v3."
-                    "DestinationPortInput")},
-                "exact_match_map": {"map": port_map}}}}}
-    parsed = [cache.parse(listener_components_pb2.FilterChain, c) for c in chains]
-    return _Parts(parsed, entry, sniffed, fixed_ports, res, problems)
+        entry = ip_pb2.IPMatcher.IPRangeMatcher()
+        for v in svc.vips:
+            r = entry.ranges.add(address_prefix=v)
+            r.prefix_len.value = 128 if ":" in v else 32
+        tree = entry.on_match.matcher.matcher_tree
+        tree.input.CopyFrom(cache.shape(("port-input",), lambda: (cache.parse(
+            xds_extension_pb2.TypedExtensionConfig, {"name": "port", "typed_config": _any(
+                "envoy.extensions.matching.common_inputs.network.v3.DestinationPortInput")}),
+            []))[0])
+        for key, on_match in port_map.items():
+            tree.exact_match_map.map[key].CopyFrom(on_match)
+    return _Parts(chains, entry, sniffed, fixed_ports, res, problems)
+
+
+def _chain_on_match(name: str) -> Message:
+    out = matcher_pb2.Matcher.OnMatch()
+    out.action.name = name
+    out.action.typed_config.Pack(wrappers_pb2.StringValue(value=name))
+    return out
+
+
+def _named_http_chain(model: WaypointModel, opts: Options, svc: BoundService,
+                      port: ServicePort, name: str, cache: "ParseCache", pkey: str,
+                      problems: list[str]) -> Message:
+    def make() -> tuple[Message, list[str]]:
+        found: list[str] = []
+        return cache.parse(listener_components_pb2.FilterChain,
+                           _http_chain(model, opts, svc, port, "", found)), found
+    proto, found = cache.shape(("http", port.port, port.http2, opts.xfcc, opts.access_log, pkey),
+                               make)
+    problems.extend(found)
+    chain = listener_components_pb2.FilterChain()
+    chain.CopyFrom(proto)
+    chain.name = name
+    typed = chain.filters[-1].typed_config
+    typed.value = typed.value + _hcm_tail(name)
+    return chain
+
+
+def _named_tcp_chain(model: WaypointModel, opts: Options, svc: BoundService, name: str,
+                     cache: "ParseCache", pkey: str, problems: list[str]) -> Message:
+    def make() -> tuple[Message, list[str]]:
+        found: list[str] = []
+        return cache.parse(listener_components_pb2.FilterChain,
+                           _tcp_chain(model, svc, "", "", found, opts)), found
+    proto, found = cache.shape(("tcp", pkey, opts.access_log), make)
+    problems.extend(found)
+    chain = listener_components_pb2.FilterChain()
+    chain.CopyFrom(proto)
+    chain.name = name
+    # the shape's TcpProxy with the names set (a scalar that occurs twice: the last wins)
+    typed = chain.filters[-1].typed_config
+    typed.value = typed.value + tcp_proxy_pb2.TcpProxy(
+        stat_prefix=name, cluster=name).SerializeToString()
+    return chain
+
+
+def _named_cluster(name: str, port: ServicePort, subset: str, cache: "ParseCache") -> Message:
+    proto, _ = cache.shape(("cluster", subset, port.http2), lambda: (cache.parse(
+        cluster_pb2.Cluster, _vip_cluster("", port, subset)), []))
+    out = cluster_pb2.Cluster()
+    out.CopyFrom(proto)
+    out.name = name
+    out.eds_cluster_config.service_name = name
+    out.alt_stat_name = name + ";"
+    return out
+
+
+def _endpoints_message(name: str, eps: Iterable) -> Message:
+    """What :func:`_endpoints` describes, built directly."""
+    out = endpoint_pb2.ClusterLoadAssignment(cluster_name=name)
+    group = None
+    for ep in eps:
+        if group is None:
+            group = out.endpoints.add()
+        lb = group.lb_endpoints.add(health_status=_HEALTHY)
+        if not getattr(ep, "hbone", True):
+            # outside the mesh: plaintext to the pod itself (istiod's endpoint builder)
+            sock = lb.endpoint.address.socket_address
+            sock.address, sock.port_value = ep.ip, ep.port
+            lb.load_balancing_weight.value = 1
+            continue
+        target = f"[{ep.ip}]:{ep.port}" if ":" in ep.ip else f"{ep.ip}:{ep.port}"
+        internal = lb.endpoint.address.envoy_internal_address
+        internal.server_listener_name = CONNECT_ORIGINATE
+        internal.endpoint_id = target
+        lb.metadata.filter_metadata[ORIGINAL_DST_KEY].fields["local"].string_value = target
+        lb.load_balancing_weight.value = 1
+    return out
+
+
+def _route_message(name: str, port: ServicePort, model: WaypointModel, svc: BoundService,
+                   cache: "ParseCache", problems: list[str]) -> Message:
+    attached = model.routes.get(svc.key)
+    if attached and any(not a.port or a.port == port.port for a in attached):
+        return cache.parse(route_pb2.RouteConfiguration,
+                           _route_config(name, name, port.port, model, svc, problems))
+    proto, _ = cache.shape(("route", port.port), lambda: (cache.parse(
+        route_pb2.RouteConfiguration, _route_config("", "", port.port)), []))
+    out = route_pb2.RouteConfiguration()
+    out.CopyFrom(proto)
+    out.name = name
+    route = out.virtual_hosts[0].routes[0]
+    route.route.cluster = name
+    route.decorator.operation = f"{svc.hostname}:{port.port}/*"
+    return out
 
 
 def main_internal(model: WaypointModel, opts: Options, parts: list[_Parts],
                   cache: "ParseCache", problems: list[str]) -> Message:
     chains: list[Message] = [c for p in parts for c in p.chains]
-    ranges: list[dict] = [p.range for p in parts if p.range is not None]
     sniffed = any(p.sniffed for p in parts)
     fixed_ports: set[int] = set().union(*(p.fixed_ports for p in parts))
     chains.append(cache.parse(listener_components_pb2.FilterChain,
-                              _tcp_chain(model, None, ENCAP, "direct-tcp", problems)))
+                              _tcp_chain(model, None, ENCAP, "direct-tcp", problems, opts)))
     chains.append(cache.parse(listener_components_pb2.FilterChain,
                               _http_chain(model, opts, None, None, "direct-http", problems)))
+    matcher = ip_pb2.IPMatcher()
+    matcher.range_matchers.extend(p.range for p in parts if p.range is not None)
     if model.workload_ips:
-        ranges.append({"ranges": [_cidr(ip) for ip in sorted(set(model.workload_ips))],
-                       "on_match": _app_protocol_matcher("direct-http", "direct-tcp")})
+        matcher.range_matchers.append(cache.parse(ip_pb2.IPMatcher.IPRangeMatcher, {
+            "ranges": [_cidr(ip) for ip in sorted(set(model.workload_ips))],
+            "on_match": _app_protocol_matcher("direct-http", "direct-tcp")}))
         sniffed = True
     listener_filters: list[dict] = [{"name": "envoy.filters.listener.original_dst",
                                      "typed_config": _any("envoy.extensions.filters.listener."
@@ -392,13 +639,14 @@ def main_internal(model: WaypointModel, opts: Options, parts: list[_Parts],
         listener_filters.append(inspector)
     out: dict[str, Any] = {
         "name": MAIN_INTERNAL, "internal_listener": {},
-        "listener_filters": listener_filters, "traffic_direction": "INBOUND"}
-    if ranges:
+        "listener_filters": listener_filters, "traffic_direction": "INBOUND",
+        **_opt("access_log", _logs(opts, NO_ROUTE_FILTER))}
+    if matcher.range_matchers:
         out["filter_chain_matcher"] = {"matcher_tree": {
             "input": {"name": "ip", "typed_config": _any(
                 "envoy.extensions.matching.common_inputs.network.v3.DestinationIPInput")},
             "custom_match": {"name": "ip", "typed_config": _any(
-                "xds.type.matcher.v3.IPMatcher", range_matchers=ranges)}}}
+                "xds.type.matcher.v3.IPMatcher")}}}
     else:
         # no service bound: nothing may be matched (a matcher with no match closes)
         out["filter_chain_matcher"] = {"matcher_tree": {
@@ -407,11 +655,14 @@ def main_internal(model: WaypointModel, opts: Options, parts: list[_Parts],
             "exact_match_map": {"map": {"0": _chain_action("direct-tcp")}}}}
     listener = listener_pb2.Listener()
     listener.CopyFrom(cache.parse(listener_pb2.Listener, out))
+    if matcher.range_matchers:
+        listener.filter_chain_matcher.matcher_tree.custom_match.typed_config.Pack(matcher)
     listener.filter_chains.extend(chains)
     return listener
 
 
-def connect_originate_listener() -> dict:
+def connect_originate_listener(opts: Options | None = None) -> dict:
+    opts = opts or Options()
     return {
         "name": CONNECT_ORIGINATE, "use_original_dst": False, "internal_listener": {},
         "listener_filters": [{"name": "envoy.filters.listener.original_dst",
@@ -421,7 +672,9 @@ def connect_originate_listener() -> dict:
                                         "typed_config": _any(
             "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
             stat_prefix=CONNECT_ORIGINATE, cluster=CONNECT_ORIGINATE,
-            tunneling_config={"hostname": "%DOWNSTREAM_LOCAL_ADDRESS%"})}]}],
+            tunneling_config={"hostname": "%DOWNSTREAM_LOCAL_ADDRESS%"},
+            **_opt("access_log", _logs(opts, UPSTREAM_FAILURE_FILTER)))}]}],
+        **_opt("access_log", _logs(opts, NO_ROUTE_FILTER)),
     }
 
 
@@ -529,16 +782,15 @@ def to_message(type_url: str, value: dict) -> Message:
 
 
 class ParseCache:
-    """Parsed messages by the text of the dict they came from, and each service's parsed
-    parts by the inputs they came from (both bounded, least recently used out), so a
-    rebuild after one change re-parses only what changed: ``json_format`` parsing costs
-    ~100x serializing, and all but one service are usually unchanged. Cached messages
-    are shared: never mutate one (copy it)."""
+    """Parsed messages by the text of the dict they came from, and prototypes by their
+    shape (both bounded, least recently used out), so only the first service of a shape
+    pays ``json_format`` parsing (~1000x serializing). Cached messages are shared: never
+    mutate one (copy it)."""
 
     def __init__(self, limit: int = 50_000):
         self.limit = limit
         self._items: dict[tuple[type, str], Message] = {}
-        self._parts: dict[tuple, _Parts] = {}
+        self._shapes: dict[tuple, tuple[Message, list[str]]] = {}
         self.hits = self.misses = 0
         self.lock = threading.Lock()  # one build at a time (builds run on a worker thread)
 
@@ -556,67 +808,170 @@ class ParseCache:
         self._items[key] = msg
         return msg
 
-    def service_parts(self, model: WaypointModel, opts: Options, svc: BoundService,
-                      policies_text: str) -> _Parts:
-        routes = model.routes.get(svc.key)
-        key = (repr(svc), policies_text, opts.bind, opts.xfcc, model.trust_domain,
-               model.namespace, repr([a.route for a in routes]) if routes else "",
-               repr(sorted((k, b.ports) for k, b in model.backends.items())) if routes else "")
-        parts = self._parts.pop(key, None)
-        if parts is None:
-            parts = _service_parts(model, opts, svc, self)
-            if len(self._parts) >= self.limit // 10:
-                self._parts.pop(next(iter(self._parts)))
-        self._parts[key] = parts
-        return parts
+    def shape(self, key: tuple, make: Callable[[], tuple[Message, list[str]]]
+              ) -> tuple[Message, list[str]]:
+        """The prototype of ``key`` (and the problems found making it), made once."""
+        found = self._shapes.get(key)
+        if found is None:
+            found = make()
+            if len(self._shapes) >= self.limit // 10:
+                self._shapes.pop(next(iter(self._shapes)))
+            self._shapes[key] = found
+        return found
+
+
+def version_of(msg: Message) -> str:
+    """Hex BLAKE2b-64 of the deterministic serialization (the workload types' rule)."""
+    return hashlib.blake2b(msg.SerializeToString(deterministic=True), digest_size=8).hexdigest()
+
+
+Versioned = dict[str, dict[str, tuple[str, Message]]]
+
+
+class Assembler:
+    """One waypoint's resources kept across builds, for one :class:`Options`: each bound
+    service's parts are rebuilt only when :meth:`update` names the service as changed (or
+    the waypoint-wide policies, the options, the trust domain changed), the versions
+    (content hashes) are computed only for new messages, and ``main_internal`` is rebuilt
+    only when a chain or an address range changed. An HTTPRoute change therefore costs
+    its own service's route, whatever the number of services."""
+
+    def __init__(self, opts: Options, cache: ParseCache):
+        self.opts, self.cache = opts, cache
+        self._parts: dict[str, _Parts] = {}
+        self._out: Versioned = {t: {} for t in ENVOY_TYPES}
+        self._fixed_key: tuple | None = None
+        self._wide: str | None = None
+        self._main_key: tuple | None = None
+        self._backend_names: set[str] = set()
+        self._with_problems: dict[str, list[str]] = {}
+        self._handed: set[str] = set()
+
+    def _writable(self, type_url: str) -> dict[str, tuple[str, Message]]:
+        """``_out[type_url]``, copied first if a returned configuration holds it (streams
+        read those on the event loop while the next build runs on the worker thread)."""
+        if type_url in self._handed:
+            self._handed.discard(type_url)
+            self._out[type_url] = dict(self._out[type_url])
+        return self._out[type_url]
+
+    def _put(self, type_url: str, name: str, msg: Message) -> None:
+        old = self._out[type_url].get(name)
+        if old is not None and old[1] is msg:
+            return
+        self._writable(type_url)[name] = (version_of(msg), msg)
+
+    def _drop(self, type_url: str, name: str) -> None:
+        if name in self._out[type_url]:
+            del self._writable(type_url)[name]
+
+    def update(self, model: WaypointModel, changed: set[str] | None
+               ) -> tuple[Versioned, list[str]]:
+        """``({type URL: {name: (version, message)}}, problems)`` of ``model``;
+        ``changed`` the service keys that may differ since the last call (None: any)."""
+        with self.cache.lock:
+            return self._update(model, changed)
+
+    def _update(self, model: WaypointModel, changed: set[str] | None
+                ) -> tuple[Versioned, list[str]]:
+        opts, cache = self.opts, self.cache
+        problems = list(model.problems)
+        wide = repr([p.policy for p in model.policies if p.scope is None])
+        fixed_key = (model.trust_domain, model.namespace, opts.bind, opts.xfcc, opts.access_log)
+        if changed is None or wide != self._wide or fixed_key != self._fixed_key:
+            changed = None
+        if fixed_key != self._fixed_key:
+            self._fixed_key = fixed_key
+            for lst in (connect_terminate(model, opts), connect_originate_listener(opts)):
+                self._put(LISTENER_TYPE, lst["name"], cache.parse(listener_pb2.Listener, lst))
+            for item in (_static_internal(MAIN_INTERNAL, MAIN_INTERNAL),
+                         _static_internal(ENCAP, CONNECT_ORIGINATE),
+                         connect_originate_cluster(model)):
+                self._put(CLUSTER_TYPE, item["name"], cache.parse(cluster_pb2.Cluster, item))
+        self._wide = wide
+        if changed is None:
+            by_key = {s.key: s for s in model.services}
+            todo = list(by_key) + [k for k in self._parts if k not in by_key]
+        else:
+            todo = sorted(changed)
+            by_key = {s.key: s for s in _find(model.services, changed)}
+        layout_changed = changed is None
+        for key in todo:
+            svc = by_key.get(key)
+            old = self._parts.pop(key, None)
+            held = {(t, n): m for t, n, m in old.resources} if old is not None else {}
+            self._with_problems.pop(key, None)
+            part = _service_parts(model, opts, svc, cache, wide) if svc is not None else None
+            if part is not None:
+                self._parts[key] = part
+                if part.problems:
+                    self._with_problems[key] = part.problems
+                for i, (type_url, name, msg) in enumerate(part.resources):
+                    before = held.pop((type_url, name), None)
+                    if before is not None and before == msg:  # unchanged: keep the held one
+                        part.resources[i] = (type_url, name, before)
+                    else:
+                        self._put(type_url, name, msg)
+            for type_url, name in held:  # what the service no longer has
+                self._drop(type_url, name)
+            if part is None:
+                layout_changed = layout_changed or old is not None
+                continue
+            if old is None or old.chains != part.chains or old.range != part.range:
+                layout_changed = True
+        main_key = (tuple(model.workload_ips), len(self._parts))
+        if layout_changed or main_key != self._main_key:
+            self._main_key = main_key
+            parts = [self._parts[s.key] for s in model.services if s.key in self._parts]
+            self._put(LISTENER_TYPE, MAIN_INTERNAL,
+                      main_internal(model, opts, parts, cache, problems))
+        # the clusters of route backends that are not bound here (few: rebuilt each time,
+        # kept when equal so their versions and objects stay)
+        backends: dict[str, tuple[Message, Message]] = {}
+        for backend in model.backends.values():
+            # only the ports the routes name (all when a reference names none), as istiod
+            wanted = model.backend_ports.get(backend.key)
+            for port in backend.ports:
+                if wanted is not None and port.port not in wanted:
+                    continue
+                name = cluster_name("http", port.port, backend.hostname)
+                if name in backends or (name not in self._backend_names
+                                        and name in self._out[CLUSTER_TYPE]):
+                    continue
+                backends[name] = (_named_cluster(name, port, "http", cache), _endpoints_message(
+                    name, backend.endpoints.get(port.port, ())))
+        for name in self._backend_names - set(backends):
+            self._drop(CLUSTER_TYPE, name)
+            self._drop(ENDPOINT_TYPE, name)
+        for name, (cluster, cla) in backends.items():
+            for type_url, msg in ((CLUSTER_TYPE, cluster), (ENDPOINT_TYPE, cla)):
+                current = self._out[type_url].get(name)
+                if current is None or current[1] != msg:
+                    self._put(type_url, name, msg)
+        self._backend_names = set(backends)
+        for found in self._with_problems.values():
+            problems.extend(found)
+        self._handed = set(self._out)
+        return dict(self._out), list(dict.fromkeys(problems))
+
+
+def _find(services: list[BoundService], keys: Iterable[str]) -> list[BoundService]:
+    """The services of the key-sorted list ``services`` whose key is in ``keys``."""
+    out = []
+    for key in keys:
+        i = bisect.bisect_left(services, key, key=lambda s: s.key)
+        if i < len(services) and services[i].key == key:
+            out.append(services[i])
+    return out
 
 
 def build(model: WaypointModel, opts: Options | None = None, cache: ParseCache | None = None
           ) -> tuple[dict[str, dict[str, Message]], list[str]]:
     """``({type URL: {name: message}}, problems)`` for LDS, CDS, EDS and RDS (secrets are
     the server's: they need the CA). Never raises for bad objects: they are problems.
-    ``cache`` (kept across builds) makes a rebuild cost what changed."""
-    opts = opts or Options()
-    cache = cache or ParseCache()
-    with cache.lock:
-        return _build(model, opts, cache)
-
-
-def _build(model: WaypointModel, opts: Options, cache: ParseCache
-           ) -> tuple[dict[str, dict[str, Message]], list[str]]:
-    problems = list(model.problems)
-    out: dict[str, dict[str, Message]] = {t: {} for t in ENVOY_TYPES}
-    waypoint_wide = repr([p.policy for p in model.policies if p.scope is None])
-    parts = []
-    for svc in model.services:
-        scoped = repr([p.policy for p in model.policies if p.scope == svc.key])
-        part = cache.service_parts(model, opts, svc, waypoint_wide + scoped)
-        problems.extend(part.problems)
-        parts.append(part)
-    listeners = [cache.parse(listener_pb2.Listener, connect_terminate(model, opts)),
-                 main_internal(model, opts, parts, cache, problems),
-                 cache.parse(listener_pb2.Listener, connect_originate_listener())]
-    for lst in listeners:
-        out[LISTENER_TYPE][lst.name] = lst
-    for item in (_static_internal(MAIN_INTERNAL, MAIN_INTERNAL),
-                 _static_internal(ENCAP, CONNECT_ORIGINATE), connect_originate_cluster(model)):
-        out[CLUSTER_TYPE][item["name"]] = cache.parse(cluster_pb2.Cluster, item)
-    for part in parts:
-        for type_url, name, msg in part.resources:
-            out[type_url][name] = msg
-    for backend in model.backends.values():
-        wanted = model.backend_ports.get(backend.key)
-        for port in backend.ports:
-            if wanted is not None and port.port not in wanted:
-                continue
-            name = cluster_name("http", port.port, backend.hostname)
-            if name not in out[CLUSTER_TYPE]:
-                out[CLUSTER_TYPE][name] = cache.parse(cluster_pb2.Cluster,
-                                                      _vip_cluster(name, port, "http"))
-                out[ENDPOINT_TYPE][name] = cache.parse(
-                    endpoint_pb2.ClusterLoadAssignment,
-                    _endpoints(name, backend.endpoints.get(port.port, ())))
-    return out, list(dict.fromkeys(problems))
+    (One full build; :class:`Assembler` keeps the resources across changes.)"""
+    built, problems = Assembler(opts or Options(), cache or ParseCache()).update(model, None)
+    return {t: {n: m for n, (_v, m) in items.items()} for t, items in built.items()}, problems
 
 
 def secrets(cert_chain: bytes, key: bytes, root: bytes) -> dict[str, Message]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import hashlib
 import logging
 import time
 from typing import Any, Callable, Protocol
@@ -26,9 +25,10 @@ from typing import Any, Callable, Protocol
 from cryptography import x509
 from google.protobuf.message import Message
 
-from ambient.api import AmbientIndex, ObjectStore
+from ambient.api import AmbientIndex, IndexChange, ObjectStore
 from ambient.waypoint import resources
-from ambient.waypoint.model import build_model
+from ambient.waypoint import status as waypoint_status
+from ambient.waypoint.model import ModelState
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,7 @@ class StoreFeed(Protocol):
     def subscribe(self, listener: Callable[[list[Any]], object]) -> Callable[[], None]: ...
 
 
-def version_of(msg: Message) -> str:
-    """Hex BLAKE2b-64 of the deterministic serialization (the workload types' rule)."""
-    return hashlib.blake2b(msg.SerializeToString(deterministic=True), digest_size=8).hexdigest()
+version_of = resources.version_of
 
 
 @dataclasses.dataclass
@@ -74,12 +72,15 @@ class _Issued:
 class WaypointConfigs:
     """Shared by all waypoint streams of one xDS server. ``store`` is the config store
     (read, and subscribed to when it has ``subscribe``); ``issuer`` the CA, or None (no
-    secrets are served then, with a warning)."""
+    secrets are served then, with a warning); ``access_log`` the file access log every
+    waypoint gets (meshConfig ``accessLogFile`` and its encoding/format; None: none)."""
 
     def __init__(self, store: ObjectStore, index: AmbientIndex, *,
                  issuer: CertificateIssuer | None = None, trust_domain: str = "cluster.local",
-                 root_namespace: str = "istio-system", clock: Callable[[], float] = time.time):
+                 root_namespace: str = "istio-system", clock: Callable[[], float] = time.time,
+                 access_log: resources.AccessLog | None = None):
         self.store, self.index, self.issuer = store, index, issuer
+        self.access_log = access_log
         self.trust_domain, self.root_namespace = trust_domain, root_namespace
         self.clock = clock
         self.generation = 0
@@ -91,6 +92,10 @@ class WaypointConfigs:
         self._unsubscribe: Callable[[], None] | None = None
         self.builds = 0
         self.parse_cache = resources.ParseCache()
+        self._states: dict[tuple[str, str], ModelState] = {}
+        self._assemblers: dict[tuple, resources.Assembler] = {}
+        #: per assembler: the service keys changed since it last built (None: all)
+        self._pending: dict[tuple, set[str] | None] = {}
         # builds run here, one at a time (the ParseCache is not thread-safe), so a large
         # first build does not hold the event loop (json_format parsing is pure Python)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -116,17 +121,40 @@ class WaypointConfigs:
         self._listeners.append(listener)
 
     def _on_store_events(self, events: list[Any]) -> None:
-        if any(getattr(ev, "kind", "") in WATCHED_KINDS for ev in events):
-            self.invalidate()
-            for listener in list(self._listeners):
-                try:
-                    listener()
-                except Exception:
-                    log.exception("waypoint change listener failed")
-
-    def invalidate(self) -> None:
+        watched = [ev for ev in events if getattr(ev, "kind", "") in WATCHED_KINDS]
+        if not watched:
+            return
         self.generation += 1
         self._cache.clear()
+        for ev in watched:
+            for state in self._states.values():
+                if ev.kind == "AuthorizationPolicy":
+                    state.mark_policies()
+                elif ev.kind == "HTTPRoute":
+                    state.mark_routes()
+                elif ev.kind == "Service":
+                    # port names and appProtocols are read from the object itself
+                    state.mark([f"{ev.namespace}/{ev.name}.{ev.namespace}.svc.{state.domain}"])
+                    state.mark_routes()
+                else:  # a Gateway (annotations, existence), a ServiceEntry (hosts)
+                    state.mark_all()
+        for listener in list(self._listeners):
+            try:
+                listener()
+            except Exception:
+                log.exception("waypoint change listener failed")
+
+    def invalidate(self, change: IndexChange | None = None) -> None:
+        """Drop the cached configurations. ``change`` (the index's) names what changed, so
+        the next build re-reads only that; without it everything is re-read."""
+        self.generation += 1
+        self._cache.clear()
+        for state in self._states.values():
+            if change is None:
+                state.mark_all()
+            else:
+                state.mark(change.addresses_changed)
+                state.mark(change.addresses_removed)
 
     # ------------------------------------------------------------ resources
     def config(self, namespace: str, name: str, opts: resources.Options) -> Config:
@@ -136,8 +164,8 @@ class WaypointConfigs:
         cached = self._cache.get(key)
         if cached is not None:
             return cached
-        model, opts = self._model(namespace, name, opts)
-        return self._store(key, model, *resources.build(model, opts, self.parse_cache))
+        model, changed, opts, akey = self._model(namespace, name, opts)
+        return self._store(key, model, *self._assembler(akey, opts).update(model, changed))
 
     async def prepare_config(self, namespace: str, name: str, opts: resources.Options) -> None:
         """Build the configuration off the event loop unless it is cached (the model is
@@ -146,31 +174,63 @@ class WaypointConfigs:
         loop = asyncio.get_running_loop()
         while key not in self._cache:
             generation = self.generation
-            model, model_opts = self._model(namespace, name, opts)
+            model, changed, model_opts, akey = self._model(namespace, name, opts)
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="waypoint-config")
             built, problems = await loop.run_in_executor(
-                self._pool, resources.build, model, model_opts, self.parse_cache)
+                self._pool, self._assembler(akey, model_opts).update, model, changed)
             if generation == self.generation:  # else: changed meanwhile, build again
                 self._store(key, model, built, problems)
 
+    def _assembler(self, akey: tuple[str, str, str, bool], opts: resources.Options
+                   ) -> resources.Assembler:
+        """The assembler of one Gateway and options (bounded: 64, oldest out)."""
+        asm = self._assemblers.get(akey)
+        if asm is None:
+            if len(self._assemblers) >= 64:
+                old = next(iter(self._assemblers))
+                self._assemblers.pop(old)
+                self._pending.pop(old, None)
+            asm = self._assemblers[akey] = resources.Assembler(opts, self.parse_cache)
+        return asm
+
     def _model(self, namespace: str, name: str, opts: resources.Options
-               ) -> tuple[Any, resources.Options]:
+               ) -> tuple[Any, set[str] | None, resources.Options, tuple[str, str, str, bool]]:
+        """The Gateway's model, the service keys changed since the assembler for these
+        options last built (None: build all), the options the model implies, and that
+        assembler's key."""
         self.builds += 1
-        model = build_model(self.store, self.index, namespace, name,
-                            trust_domain=self.trust_domain, root_namespace=self.root_namespace)
+        state = self._states.get((namespace, name))
+        if state is None:
+            state = self._states[(namespace, name)] = ModelState(
+                self.store, self.index, namespace, name, trust_domain=self.trust_domain,
+                root_namespace=self.root_namespace)
+        model, changed = state.refresh()
+        # each assembler of this Gateway has to see every change: keep the union of what
+        # changed since each one last built (None: everything)
+        if changed is None or changed:
+            for other, pending in list(self._pending.items()):
+                if other[:2] == (namespace, name):
+                    self._pending[other] = None if (pending is None or changed is None) \
+                        else pending | changed
         if model.annotations.get(resources.XFCC_ANNOTATION, "").lower() == "true":
             opts = dataclasses.replace(opts, xfcc=True)
-        return model, opts
+        if self.access_log is not None and opts.access_log is None:
+            opts = dataclasses.replace(opts, access_log=self.access_log)
+        akey = (namespace, name, opts.bind, opts.xfcc)
+        if akey not in self._assemblers:
+            self._pending[akey] = set()
+            return model, None, opts, akey
+        pending = self._pending.get(akey)
+        self._pending[akey] = set()
+        return model, pending, opts, akey
 
     def _store(self, key: tuple[str, str, str, bool], model: Any,
-               built: dict[str, dict[str, Message]], problems: list[str]) -> Config:
+               built: resources.Versioned, problems: list[str]) -> Config:
         for problem in problems:
             self.warn(f"waypoint {model.namespace}/{model.name}: {problem}")
-        out = {t: {n: (version_of(m), m) for n, m in items.items()}
-               for t, items in built.items()}
-        config = Config(out, self.generation, model.found)
+        config = Config(built, self.generation, model.found)
         self._cache[key] = config
         return config
 
@@ -230,6 +290,11 @@ class WaypointConfigs:
 
     def next_renewal(self) -> float | None:
         return min((i.renew_at for i in self._issued.values()), default=None)
+
+    def status_view(self) -> dict:
+        """The status istiod would write for the waypoint Gateways and the HTTPRoutes
+        attached to Services (:func:`ambient.waypoint.status.statuses`)."""
+        return waypoint_status.statuses(self.store)
 
     def debug_state(self) -> dict:
         return {"generation": self.generation, "builds": self.builds,

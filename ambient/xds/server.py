@@ -57,6 +57,7 @@ from ambient.xds.node import RequestError, parse_node
 from ambient.xds.stream import PreparedResponse, Request, Response, XdsStream
 from ambient.xds.tls import TlsProvider, WorkloadCertificates, sds_tls_provider
 from ambient.xds.waypoint_stream import WaypointStream, is_waypoint_request
+from ambient.waypoint.resources import AccessLog
 from ambient.waypoint.service import WaypointConfigs
 
 log = logging.getLogger(__name__)
@@ -280,7 +281,7 @@ class XdsServer(Component):
         for gen in self.generators.values():
             gen.invalidate(change)
         if self.waypoints is not None:
-            self.waypoints.invalidate()
+            self.waypoints.invalidate(change)
         now = time.monotonic()
         if self._pending is None:
             self._pending, self._first_change = change, now
@@ -567,5 +568,18 @@ def build(ctx: AgentContext, index: AmbientIndex, sds: WorkloadCertificates,
                      waypoints=WaypointConfigs(store, index, issuer=sds,
                                                trust_domain=cfg.trust_domain,
                                                root_namespace=cfg.system_namespace,
-                                               clock=ctx.clock)
+                                               clock=ctx.clock,
+                                               access_log=_access_log(cfg))
                      if store is not None else None)
+
+
+def _access_log(cfg: Any) -> AccessLog | None:
+    """The waypoints' file access log from the agent's settings (None: off)."""
+    if not cfg.waypoint_access_log_file:
+        return None
+    try:
+        return AccessLog(cfg.waypoint_access_log_file, cfg.waypoint_access_log_encoding.upper(),
+                         cfg.waypoint_access_log_format)
+    except ValueError as e:
+        raise ConfigError("waypoint_access_log_format", cfg.waypoint_access_log_format,
+                          str(e)) from None

@@ -370,6 +370,7 @@ _NAMESPACED = [
     "/apis/security.istio.io/v1/namespaces/{ns}/authorizationpolicies",
     "/apis/security.istio.io/v1/namespaces/{ns}/peerauthentications",
     "/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/gateways",
+    "/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/httproutes",
     "/api/v1/namespaces/{ns}/serviceaccounts",
 ]
 

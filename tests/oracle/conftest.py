@@ -1,4 +1,4 @@
-"""Fixtures of the differential suite: ``oracle`` (module) is one kube-apiserver, one istiod
+"""Fixtures of the differential suite: ``oracle`` (package) is one kube-apiserver, one istiod
 and one agent read by one ztunnel-like client each (tests/oracle/harness.py).
 
 istiod is built before the first test runs (at collection, only when a collected test uses
@@ -46,10 +46,15 @@ def pytest_collection_modifyitems(config, items):
         print(f"\nbuilt istiod in {time.monotonic() - t0:.0f}s: {proc.stdout.strip()}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def oracle(tmp_path_factory):
-    """The module's :class:`tests.oracle.harness.Oracle` (started; stopped after the module,
-    also when tests fail)."""
+    """The package's :class:`tests.oracle.harness.Oracle` (started once, stopped after the
+    last test of tests/oracle/, also when tests fail), shared by test_oracle.py and
+    test_waypoint_oracle.py: each leaves nothing behind (test_oracle.py's cases delete their namespaces and what
+    they put in istio-system, asserting nothing is left; the waypoint suite deletes its
+    own namespace ``wpo``), their namespaces and pod IPs are disjoint, and both compare
+    only what they load, so either order gives the same results and starting the API
+    server, istiod and the agent is paid once."""
     reason = h.why_not() or _build_error
     if reason:
         _unavailable(reason)

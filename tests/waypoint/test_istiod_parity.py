@@ -44,3 +44,11 @@ def test_default_route_retries_and_parses():
     route = rc["virtual_hosts"][0]["routes"][0]["route"]
     assert route["retry_policy"] is DEFAULT_RETRY and route["retry_policy"]["num_retries"] == 2
     wr.to_message(wr.ROUTE_TYPE, rc)  # Envoy's schema accepts it
+
+
+def test_endpoint_messages_match_the_dict_form():
+    """The Assembler builds endpoints directly as messages: the same as the dict form."""
+    eps = [Endpoint("10.1.0.1", 8080, "u1", hbone=False), Endpoint("10.1.0.2", 8080, "u2"),
+           Endpoint("fd00::3", 9090, "u3", hbone=False)]
+    assert wr._endpoints_message("c", eps) == wr.to_message(wr.ENDPOINT_TYPE,
+                                                            wr._endpoints("c", eps))

@@ -1,0 +1,135 @@
+"""Route and Gateway status as istiod's Gateway controller reports them, computed from the
+real store, and the same conditions in the ``/debug/mesh`` waypoint rows that
+``ambient-agent status --waypoints`` prints. No Envoy, no API server."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from agent.status.mesh import MeshParts, mesh_view, render
+from ambient.index import AmbientIndex
+from ambient.objects import Mesh
+from ambient.store import ObjectStore
+from ambient.waypoint.service import WaypointConfigs
+from ambient.waypoint.status import CONTROLLER, statuses
+
+NS = "st"
+
+
+def _objects() -> list[dict]:
+    def svc(name, ip, labels=None):
+        return {"apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": name, "namespace": NS, "labels": labels or {}},
+                "spec": {"clusterIP": ip, "selector": {"app": name},
+                         "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}
+    return [
+        {"apiVersion": "v1", "kind": "Namespace",
+         "metadata": {"name": NS, "labels": {"istio.io/dataplane-mode": "ambient"}}},
+        {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+         "metadata": {"name": "wp", "namespace": NS, "generation": 3},
+         "spec": {"gatewayClassName": "istio-waypoint",
+                  "listeners": [{"name": "mesh", "port": 15008, "protocol": "HBONE"}]},
+         "status": {"addresses": [{"type": "IPAddress", "value": "10.98.0.1"}]}},
+        {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+         "metadata": {"name": "lonely", "namespace": NS},
+         "spec": {"gatewayClassName": "istio-waypoint", "listeners": []}},
+        svc("wp", "10.98.0.1"),
+        svc("web", "10.98.0.2", {"istio.io/use-waypoint": "wp"}),
+        svc("other", "10.98.0.3"),
+    ]
+
+
+def _route(name: str, parent: str, backends: list[dict], filters: list | None = None,
+           generation: int = 1) -> dict:
+    rule: dict = {"backendRefs": backends}
+    if filters:
+        rule["filters"] = filters
+    return {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+            "metadata": {"name": name, "namespace": NS, "generation": generation},
+            "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": parent}],
+                     "rules": [rule]}}
+
+
+def _by_type(conditions: list[dict]) -> dict[str, dict]:
+    return {c["type"]: c for c in conditions}
+
+
+def _store() -> ObjectStore:
+    store = ObjectStore(CollectorRegistry())
+    store.apply([(o, "t") for o in _objects()])
+    store.apply([(r, "t") for r in [
+        _route("good", "web", [{"name": "web", "port": 80, "weight": 80},
+                               {"name": "other", "port": 80, "weight": 20}], generation=4),
+        _route("missing-backend", "web", [{"name": "nope", "port": 80}]),
+        _route("bad-port", "web", [{"name": "other", "port": 81}]),
+        _route("bad-kind", "web", [{"group": "example.com", "kind": "Bucket", "name": "b"}]),
+        _route("unsupported", "web", [{"name": "web", "port": 80}],
+               filters=[{"type": "ExtensionRef", "extensionRef": {"name": "x"}}]),
+        _route("no-parent", "gone", [{"name": "web", "port": 80}]),
+    ]])
+    return store
+
+
+def test_route_conditions_as_istiod_reports_them():
+    routes = statuses(_store())["httproutes"]
+    good = routes[f"{NS}/good"]["parents"]
+    assert len(good) == 1 and good[0]["controllerName"] == CONTROLLER
+    assert good[0]["parentRef"] == {"group": "", "kind": "Service", "name": "web"}
+    c = _by_type(good[0]["conditions"])
+    assert (c["Accepted"]["status"], c["Accepted"]["reason"], c["Accepted"]["message"]) == \
+        ("True", "Accepted", "Route was valid")
+    assert (c["ResolvedRefs"]["status"], c["ResolvedRefs"]["reason"]) == ("True", "ResolvedRefs")
+    assert c["ResolvedWaypoints"]["status"] == "True"
+    assert all(x["observedGeneration"] == 4 for x in good[0]["conditions"])
+
+    for name, reason, text in (
+            ("missing-backend", "BackendNotFound", f"backend(nope.{NS}.svc.cluster.local) "
+                                                   f"not found"),
+            ("bad-port", "BackendNotFound", f"backend(other.{NS}.svc.cluster.local) not found"),
+            ("bad-kind", "InvalidKind", "kind 'Bucket'")):
+        c = _by_type(routes[f"{NS}/{name}"]["parents"][0]["conditions"])
+        assert c["Accepted"]["status"] == "True", name
+        assert (c["ResolvedRefs"]["status"], c["ResolvedRefs"]["reason"]) == ("False", reason)
+        assert text in c["ResolvedRefs"]["message"], (name, c["ResolvedRefs"]["message"])
+
+    c = _by_type(routes[f"{NS}/unsupported"]["parents"][0]["conditions"])
+    assert (c["Accepted"]["status"], c["Accepted"]["reason"]) == ("False", "UnsupportedValue")
+    assert "spec.rules[0].filters[0].type" in c["Accepted"]["message"]  # names the field
+
+    c = _by_type(routes[f"{NS}/no-parent"]["parents"][0]["conditions"])
+    assert (c["Accepted"]["status"], c["Accepted"]["reason"], c["Accepted"]["message"]) == \
+        ("False", "NoMatchingParent", "parent not found")
+
+
+def test_gateway_programmed_with_its_service_address():
+    gws = statuses(_store())["gateways"]
+    wp = gws[f"{NS}/wp"]
+    c = _by_type(wp["conditions"])
+    assert (c["Programmed"]["status"], c["Programmed"]["reason"]) == ("True", "Programmed")
+    assert c["Accepted"]["status"] == "True" and c["Programmed"]["observedGeneration"] == 3
+    assert wp["addresses"] == [{"type": "IPAddress", "value": "10.98.0.1"}]
+    lonely = _by_type(gws[f"{NS}/lonely"]["conditions"])
+    assert (lonely["Programmed"]["status"], lonely["Programmed"]["reason"]) == \
+        ("False", "AddressNotAssigned")
+    assert gws[f"{NS}/lonely"]["addresses"] == []
+
+
+def test_status_waypoints_rows_carry_the_conditions():
+    store = _store()
+    index = AmbientIndex(store, Mesh(), CollectorRegistry())
+    index.start()
+    try:
+        view = mesh_view(MeshParts(index=index, waypoints=WaypointConfigs(store, index)))
+        rows = [r for r in view["waypoints"] if f"{NS}/web.{NS}.svc.cluster.local" in r["bound"]]
+        assert len(rows) == 1, view["waypoints"]
+        row = rows[0]
+        assert row["gateway"] == f"{NS}/wp: Accepted=True,Programmed=True"
+        routes = dict(r.split(": ", 1) for r in row["routes"])
+        assert routes[f"{NS}/good"] == "Accepted=True,ResolvedRefs=True,ResolvedWaypoints=True"
+        assert routes[f"{NS}/unsupported"].startswith("Accepted=False(UnsupportedValue)")
+        assert "ResolvedRefs=False(BackendNotFound)" in routes[f"{NS}/missing-backend"]
+        assert f"{NS}/no-parent" not in routes  # its parent is not bound to this waypoint
+        text = render(view, ["waypoints"])
+        assert "Programmed=True" in text and "ResolvedRefs=False(InvalidKind" in text
+    finally:
+        index.stop()
