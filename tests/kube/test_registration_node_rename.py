@@ -69,7 +69,7 @@ async def test_missing_namespace_is_one_line_naming_it(kube_cluster, kube_admin,
                                                        caplog):
     """The shared API server has no Namespace for the container's namespace label: the
     write is retried, its warning is one line naming the namespace (not the HTTP dump),
-    and the entry is written once the namespace exists (docs/podman.md §6)."""
+    and the entry is written once the namespace exists (docs/podman.md, "Several hosts")."""
     await kc.apply_manifest(kube_admin, kc.REGISTRATION_RBAC)
     kubeconfig = await kc.agent_kubeconfig(kube_cluster, kube_admin,
                                            str(tmp_path / "agent.kubeconfig"))
