@@ -58,6 +58,7 @@ from google.protobuf import any_pb2
 
 from agent.core.backoff import Backoff
 from agent.core.spiffe import Identity
+from agent.core.yamlsafe import MAX_LOGGED, short_repr, short_text
 
 log = logging.getLogger(__name__)
 
@@ -360,9 +361,10 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         await self._check_count(names, context)
         if req.HasField("error_detail"):
             self.nacks += 1
-            conn.last_nack = req.error_detail.message
-            log.warning("SDS NACK from %s (stream %d) for %s version %s: %s", conn.node_id,
-                        conn.id, names, req.version_info, req.error_detail.message)
+            conn.last_nack = short_text(req.error_detail.message, MAX_LOGGED * 2)
+            log.warning("SDS NACK from %s (stream %d) for %s version %s: %s",
+                        short_text(conn.node_id, MAX_LOGGED), conn.id, short_repr(names),
+                        short_text(req.version_info, MAX_LOGGED), conn.last_nack)
             return
         if not names:
             conn.names = None  # SDS is not a wildcard type: empty means unsubscribe
@@ -438,9 +440,9 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
                                     context: Context) -> None:
         if req.HasField("error_detail"):
             self.nacks += 1
-            conn.last_nack = req.error_detail.message
-            log.warning("SDS delta NACK from %s (stream %d): %s", conn.node_id, conn.id,
-                        req.error_detail.message)
+            conn.last_nack = short_text(req.error_detail.message, MAX_LOGGED * 2)
+            log.warning("SDS delta NACK from %s (stream %d): %s", short_text(conn.node_id, MAX_LOGGED),
+                        conn.id, conn.last_nack)
         names = conn.names
         if names is None:  # a delta stream holds a set from its start (DeltaSecrets)
             names = conn.names = set()

@@ -46,6 +46,7 @@ from agent.core.config import ConfigError, ensure_tcp_port_free
 from agent.core.fdbudget import listener_caps
 from agent.core.grpc_options import KEEPALIVE_SERVER_OPTIONS
 from agent.core.lifecycle import AgentContext, Component
+from agent.core.yamlsafe import MAX_LOGGED, short_text
 from agent.core.listeners import grpc_server_bounds
 from agent.tlsport.servercert import ServerCertificate
 from ambient.api import AmbientIndex, IndexChange, ObjectStore
@@ -403,8 +404,10 @@ class XdsServer(Component):
             return None
         if sum(t.nack_count for t in state.types.values()) > nacks:
             self.metrics.nacks.labels(req.type_url).inc()
-            log.warning("xds: %s NACKed %s: %s", state.node.id if state.node else state.peer,
-                        req.type_url, req.error_detail.message[:500])
+            log.warning("xds: %s NACKed %s: %s",
+                        short_text(state.node.id if state.node else state.peer, MAX_LOGGED),
+                        short_text(req.type_url, MAX_LOGGED),
+                        short_text(req.error_detail.message, MAX_LOGGED * 2))
         if state.identity and state.node and state.node.namespace:
             ns = spiffe_namespace(state.identity)
             if ns is not None and ns != state.node.namespace:
