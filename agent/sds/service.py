@@ -57,10 +57,15 @@ from envoy.service.secret.v3 import sds_pb2_grpc
 from google.protobuf import any_pb2
 
 from agent.core.backoff import Backoff
+from agent.core.grpc_closed import CLOSED_STREAM_ERRORS
 from agent.core.spiffe import Identity
 from agent.core.yamlsafe import MAX_LOGGED, short_repr, short_text
 
 log = logging.getLogger(__name__)
+
+
+class _StreamEnded(Exception):
+    """A write found the stream's call already ended (see agent.core.grpc_closed)."""
 
 SECRET_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
 HEALTH_TYPE = "type.googleapis.com/istio.v1.HealthInformation"
@@ -322,9 +327,23 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
                     self.on_watch(conn.identity)
                     watched = True
                 await on_request(item)
+        except _StreamEnded as e:
+            log.debug("SDS stream %d from %s ended while a response was being written: %r",
+                      conn.id, conn.peer, e.__cause__)
         finally:
             reader.cancel()
             self._unregister(conn, watched)
+
+    @staticmethod
+    async def _send(conn: Connection, context: Context,
+                    resp: discovery_pb2.DiscoveryResponse | discovery_pb2.DeltaDiscoveryResponse
+                    ) -> None:
+        """``context.write(resp)``; raises :class:`_StreamEnded` when the call is already
+        over (the client cancelled): the end of that stream, not an error."""
+        try:
+            await context.write(resp)
+        except CLOSED_STREAM_ERRORS as e:
+            raise _StreamEnded(conn.id) from e
 
     async def _first_request(self, conn: Connection,
                              req: discovery_pb2.DiscoveryRequest | discovery_pb2.DeltaDiscoveryRequest,
@@ -396,7 +415,7 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         resp = discovery_pb2.DiscoveryResponse(
             type_url=SECRET_TYPE, version_info=next_version(), nonce=str(uuid.uuid4()),
             resources=packed)
-        await context.write(resp)
+        await self._send(conn, context, resp)
         conn.nonce_sent, conn.version_sent = resp.nonce, resp.version_info
 
     async def _versioned(self, conn: Connection, names: list[str], context: Context,
@@ -469,7 +488,7 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         resp = discovery_pb2.DeltaDiscoveryResponse(
             type_url=SECRET_TYPE, system_version_info=next_version(), nonce=str(uuid.uuid4()),
             resources=resources)
-        await context.write(resp)
+        await self._send(conn, context, resp)
         conn.nonce_sent, conn.version_sent = resp.nonce, resp.system_version_info
 
     # --- FetchSecrets ----------------------------------------------------------------

@@ -44,6 +44,7 @@ from agent.tlsport.authn import AuthenticationError, Authenticator
 from agent.core import unixsocket
 from agent.core.config import ConfigError, ensure_tcp_port_free
 from agent.core.fdbudget import listener_caps
+from agent.core.grpc_closed import CLOSED_STREAM_ERRORS, retrieve_later
 from agent.core.grpc_options import KEEPALIVE_SERVER_OPTIONS
 from agent.core.lifecycle import AgentContext, Component
 from agent.core.yamlsafe import MAX_LOGGED, short_text
@@ -456,14 +457,23 @@ class XdsServer(Component):
         taken it within ``stall_timeout`` seconds (it keeps its HTTP/2 window shut: it
         is not reading), counted in ``ambient_agent_xds_slow_clients_disconnected_total``."""
         write = asyncio.ensure_future(context.write(resp))
-        done, _ = await asyncio.wait({write}, timeout=self.stall_timeout)
+        try:
+            done, _ = await asyncio.wait({write}, timeout=self.stall_timeout)
+        except asyncio.CancelledError:  # the call ended (client cancel): the write fails
+            retrieve_later(write)
+            raise
         if done:
-            write.result()
+            try:
+                write.result()
+            except CLOSED_STREAM_ERRORS as e:
+                log.debug("xds: stream %d from %s: write after the call ended: %r",
+                          conn.state.id, conn.state.peer, e)
+                return False
             return True
         # Not cancelled: gRPC's pending write does not unwind on cancellation. The status
         # queues behind it (the client sees it when it reads) and ending the handler
         # ends the call, which fails the write; its error is collected here.
-        write.add_done_callback(lambda t: t.cancelled() or t.exception())
+        retrieve_later(write)
         self.metrics.slow.inc()
         message = (f"client did not read its responses for {self.stall_timeout:g}s "
                    f"({conn.inbox.requests} requests queued): disconnected")

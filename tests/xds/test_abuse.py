@@ -99,3 +99,43 @@ async def test_xds_nack_with_a_megabyte_detail_logs_one_short_line(server, caplo
     nacks = [r for r in caplog.records if "NACKed" in r.getMessage()]
     assert len(nacks) == 2
     assert all(len(r.getMessage()) < 1024 for r in nacks), [len(r.getMessage()) for r in nacks]
+
+
+async def _cancel_storm(open_call, first_request, n: int = 60) -> None:
+    """Open ``n`` streams; each sends ``first_request`` then is cancelled by the client
+    at once (or after one yield), while the server is writing its answer."""
+    for i in range(n):
+        call = open_call()
+        await call.write(first_request)
+        if i % 2:
+            await asyncio.sleep(0)
+        call.cancel()
+    await asyncio.sleep(0.5)
+
+
+async def test_client_cancelled_streams_end_without_tracebacks(server, sds, caplog):
+    """A client cancelling mid-stream (ztunnel restarting, Envoy draining) ends that
+    stream quietly: the server's pending write fails and that is the end of the stream."""
+    caplog.set_level(logging.DEBUG)
+    sds_server, sds_channel = sds
+    node = base_pb2.Node(id=NODE)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(ch)
+        await _cancel_storm(stub.StreamAggregatedResources,
+                            discovery_pb2.DiscoveryRequest(type_url=ADDRESS_TYPE, node=node))
+        await _cancel_storm(stub.DeltaAggregatedResources, discovery_pb2.DeltaDiscoveryRequest(
+            type_url=ADDRESS_TYPE, node=node, resource_names_subscribe=["*"]))
+    sds_stub = __import__("envoy.service.secret.v3.sds_pb2_grpc",
+                          fromlist=["x"]).SecretDiscoveryServiceStub(sds_channel)
+    await _cancel_storm(sds_stub.StreamSecrets, request(["default", "ROOTCA"]), 30)
+    first = discovery_pb2.DeltaDiscoveryRequest(resource_names_subscribe=["default"])
+    first.node.id = NODE
+    await _cancel_storm(sds_stub.DeltaSecrets, first, 30)
+    for _ in range(100):
+        if not server.connections and not sds_server.service.connections:
+            break
+        await asyncio.sleep(0.05)
+    bad = _tracebacks(caplog)
+    assert not bad, [(r.name, r.getMessage()[:300]) for r in bad]
+    assert not server.connections
+    assert not sds_server.service.connections
