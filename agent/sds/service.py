@@ -70,6 +70,8 @@ class _StreamEnded(Exception):
 SECRET_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
 HEALTH_TYPE = "type.googleapis.com/istio.v1.HealthInformation"
 MAX_NAMES = 100
+MAX_NAME_LENGTH = 10_000  # characters of one secret name (file-cert:<cert>~<key>: two PATH_MAX paths fit)
+MAX_NODE_ID_LENGTH = 1024  # characters of Node.id (Envoy's are type~ip~pod.ns~ns.svc.domain)
 _version_counter = itertools.count(1)
 _connection_ids = itertools.count(1)
 
@@ -268,6 +270,12 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{what}: {len(names)} secret names, at most {MAX_NAMES} are "
                                 "served per request")
+        for name in names:
+            if len(name) > MAX_NAME_LENGTH:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{what}: a secret name of {len(name)} characters "
+                                    f"({short_text(name, 60)!r}), at most {MAX_NAME_LENGTH} "
+                                    "(MAX_NAME_LENGTH)")
 
     async def _check_type(self, type_url: str, context: Context) -> None:
         if type_url and type_url != SECRET_TYPE:
@@ -351,6 +359,10 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         """Node id required on a stream's first request (set_node_on_first_message_only)."""
         if not req.node.id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing node information")
+        if len(req.node.id) > MAX_NODE_ID_LENGTH:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"node.id: {len(req.node.id)} characters, at most "
+                                f"{MAX_NODE_ID_LENGTH} (MAX_NODE_ID_LENGTH)")
         conn.node_id = req.node.id
         return True
 

@@ -400,8 +400,9 @@ class XdsServer(Component):
         try:
             responses = state.handle_request(req)
         except RequestError as e:
-            log.warning("xds: stream %d from %s: bad request: %s", state.id, state.peer, e)
-            conn.error = str(e)
+            conn.error = short_text(str(e), MAX_LOGGED * 2)
+            log.warning("xds: stream %d from %s: bad request: %s", state.id, state.peer,
+                        conn.error)
             return None
         if sum(t.nack_count for t in state.types.values()) > nacks:
             self.metrics.nacks.labels(req.type_url).inc()
