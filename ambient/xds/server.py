@@ -56,7 +56,7 @@ from ambient.xds.auth import AuthError, PlaintextAuth, spiffe_namespace
 from ambient.xds.connection import Connection, merge_changes
 from ambient.xds.metrics import XdsMetrics
 from ambient.xds.node import RequestError, parse_node
-from ambient.xds.stream import PreparedResponse, Request, Response, XdsStream
+from ambient.xds.stream import PreparedResponse, Request, Response, XdsStream, check_bounds
 from ambient.xds.tls import TlsProvider, WorkloadCertificates, sds_tls_provider
 from ambient.xds.waypoint_stream import WaypointStream, is_waypoint_request
 from ambient.waypoint.service import WaypointConfigs
@@ -370,7 +370,8 @@ class XdsServer(Component):
                         try:
                             state = conn.state = self._waypoint_stream(conn.state, item)
                         except RequestError as e:
-                            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                                short_text(str(e), MAX_LOGGED * 2))
                             return
                         await state.prepare()
                     answered = self._handle_request(conn.state, conn, item)
@@ -445,6 +446,7 @@ class XdsServer(Component):
         Gateway name>`` (istio's waypoint Deployments run as a service account named
         after the Gateway)."""
         assert self.waypoints is not None
+        check_bounds(req)
         node = parse_node(req.node)
         identity = state.identity
         if identity is None and self.plaintext_auth.token_file and node.namespace:

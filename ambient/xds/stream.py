@@ -112,9 +112,15 @@ Response: TypeAlias = "DeltaResponse | SotwResponse | PreparedResponse"
 _ids = itertools.count(1)
 
 
-def _check_names(req: Request) -> None:
-    """Refuse a request naming more than MAX_NAMES_PER_REQUEST resources in one list or
-    a name longer than MAX_NAME_LENGTH (RequestError naming the field and the cap)."""
+def check_bounds(req: Request) -> None:
+    """Refuse a request whose ``node.id`` is longer than MAX_NODE_ID_LENGTH, naming more
+    than MAX_NAMES_PER_REQUEST resources in one list, or a name longer than
+    MAX_NAME_LENGTH: RequestError naming the field and the cap (the stream is closed with
+    INVALID_ARGUMENT)."""
+    if len(req.node.id) > MAX_NODE_ID_LENGTH:
+        raise RequestError("node.id", short_text(req.node.id, 60),
+                           f"{len(req.node.id)} characters; at most "
+                           f"{MAX_NODE_ID_LENGTH} (MAX_NODE_ID_LENGTH)")
     if isinstance(req, discovery_pb2.DeltaDiscoveryRequest):
         lists = {"resource_names_subscribe": req.resource_names_subscribe,
                  "resource_names_unsubscribe": req.resource_names_unsubscribe,
@@ -133,9 +139,10 @@ def _check_names(req: Request) -> None:
                                    f"{MAX_NAME_LENGTH} (MAX_NAME_LENGTH)")
 
 
-def _check_subscribed(gen: Generator, count: int) -> None:
+def check_subscribed(type_url: str, count: int) -> None:
+    """Refuse a stream holding more than MAX_NAMES_PER_STREAM names of one type."""
     if count > MAX_NAMES_PER_STREAM:
-        raise RequestError("resource_names_subscribe", f"<{count} names on {gen.type_url}>",
+        raise RequestError("resource_names_subscribe", f"<{count} names on {type_url}>",
                            f"at most {MAX_NAMES_PER_STREAM} subscribed names per type on a "
                            "stream (MAX_NAMES_PER_STREAM)")
 
@@ -184,14 +191,10 @@ class XdsStream:
     def handle_request(self, req: Request) -> list[Response]:
         """Apply one DeltaDiscoveryRequest (or DiscoveryRequest when ``delta`` is
         False); return the responses to send (possibly none). Raises RequestError."""
+        check_bounds(req)
         if self.node is None:
-            if len(req.node.id) > MAX_NODE_ID_LENGTH:
-                raise RequestError("node.id", short_text(req.node.id, 60),
-                                   f"{len(req.node.id)} characters; at most "
-                                   f"{MAX_NODE_ID_LENGTH} (MAX_NODE_ID_LENGTH)")
             self.node = parse_node(req.node)
         gen = self._generator(req.type_url)
-        _check_names(req)
         held_state = self.types.get(req.type_url)
         first = held_state is None
         ts = self.types[req.type_url] = held_state or TypeState()
@@ -218,7 +221,7 @@ class XdsStream:
 
     def _record_nack(self, ts: TypeState, nonce: str, message: str, sent: list[str]) -> None:
         ts.nack_count += 1
-        ts.nacks.append({"nonce": nonce, "detail": message[:1000], "at": time.time()})
+        ts.nacks.append({"nonce": nonce, "detail": short_text(message, 1000), "at": time.time()})
         del ts.nacks[:-_NACK_HISTORY]
         # ztunnel does not remember rejected resources as held: forget the names
         # its detail ("name: reason; ...") mentions, so a later change resends them.
@@ -253,7 +256,7 @@ class XdsStream:
             ts.names.discard(name)
             ts.held.pop(name, None)  # the client forgets it; no removal is sent
         asked = set(subscribe) - {"*"}
-        _check_subscribed(gen, len(ts.names | asked))
+        check_subscribed(gen.type_url, len(ts.names | asked))
         ts.names |= asked
         if became_wildcard:
             return [self._full_wildcard(gen, ts)]
