@@ -141,6 +141,7 @@ async def test_client_cancelled_streams_end_without_tracebacks(server, sds, capl
     assert not bad, [(r.name, r.getMessage()[:300]) for r in bad]
     assert not server.connections
     assert not sds_server.service.connections
+    assert sds_server.cache.watchers == {}
 
 
 # ---------------------------------------------------------------- seeded fuzz
@@ -272,6 +273,7 @@ async def test_seeded_fuzz_leaves_servers_serving_quiet_and_empty(server, sds, c
     assert not long, long
     assert server.connections == {}
     assert sds_server.service.connections == {}
+    assert sds_server.cache.watchers == {}  # every stream's identity watch released
 
     good = await connect()
     await good.wait_synced(timeout=10)
