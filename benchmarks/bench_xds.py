@@ -16,6 +16,10 @@ Figures, each next to a floor measured in the same run:
 - p50/p99 latency from changing one pod in the index to a wildcard client receiving it,
   at 1k and at 10k pods (debounce 0 so the figure is the server's own work). The 1k
   p50/p99 is the floor for the 10k one: target ratio <= 1.3 (cost independent of size).
+- RSS of this process (server and clients) after 4,000 seeded-random malformed ADS
+  requests (tests/xds/test_abuse.py's generators: giant names, huge name lists, long NACK
+  details, bogus nonces, wrong type URLs) on streams the clients cancel, next to the RSS
+  before them (report only; issue 28 measured 128 -> 379 MB, never given back).
 
 Clients are raw grpc.aio streams that parse the DeltaDiscoveryResponse (what any client
 must do) but not the Address payloads, so the figure is the server's push path plus
@@ -225,6 +229,10 @@ async def run() -> list[Result]:
                           tls["plaintext"], "s", tls["door"], "report", None,
                           "floor column: the TLS port's figure"))
     small = make_index(1_000, 100)
+    before, after = await fuzz_rss(small)
+    results.append(Result("xds RSS after 4,000 fuzzed requests (streams closed)", after / 2**20,
+                          "MB", before / 2**20, "report", None,
+                          "floor column: RSS before them, same process"))
     lat_small = await change_latency(small)
     lat_big = await change_latency(big)
     for p in (50, 99):
@@ -239,6 +247,44 @@ async def run() -> list[Result]:
                                     big_p * 1e3, small_p * 1e3, "ms", 1.3,
                                     "floor: the same figure at 1k pods"))
     return results
+
+
+async def fuzz_rss(idx: FakeIndex, requests: int = 4000, seed: int = 28) -> tuple[int, int]:
+    """(RSS before, RSS after) in bytes of ``requests`` fuzzed delta/SotW ADS requests,
+    4 per stream, every stream cancelled and its server state gone before measuring."""
+    import gc
+    import logging
+    import random
+
+    import psutil
+
+    from tests.xds.test_abuse import _delta, _fuzz_stream, _sotw
+
+    quiet = logging.getLogger("ambient.xds.server")  # one WARNING per refused stream
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    server = XdsServer(idx, port=0, debounce=0.0, debounce_max=0.0)
+    await server.start()
+    try:
+        gc.collect()
+        before = psutil.Process().memory_info().rss
+        rng = random.Random(seed)
+        async with grpc.aio.insecure_channel(
+                f"127.0.0.1:{server.port}",
+                options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+            ads = ads_pb2_grpc.AggregatedDiscoveryServiceStub(ch)
+            for i in range(requests // 4):
+                call = ads.DeltaAggregatedResources() if i % 2 else ads.StreamAggregatedResources()
+                await _fuzz_stream(rng, call, _delta if i % 2 else _sotw, ADDRESS_TYPE, 4)
+        for _ in range(200):
+            if not server.connections:
+                break
+            await asyncio.sleep(0.05)
+        gc.collect()
+        return before, psutil.Process().memory_info().rss
+    finally:
+        await server.stop(0.5)
+        quiet.setLevel(level)
 
 
 def _time(fn) -> float:

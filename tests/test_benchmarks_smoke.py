@@ -10,7 +10,7 @@ import pkgutil
 from pathlib import Path
 
 import benchmarks
-from benchmarks import bench_scale, bench_xds_change
+from benchmarks import bench_scale, bench_xds, bench_xds_change
 
 
 def test_every_benchmark_module_imports_and_has_run():
@@ -32,3 +32,8 @@ def test_config_dir_change_path_runs_at_a_tiny_size():
     samples = asyncio.run(bench_xds_change.files_latency(100, samples=2, file_debounce_ms=1,
                                                          xds_debounce=0.0))
     assert len(samples) == 2 and all(s > 0 for s in samples)
+
+
+def test_fuzz_rss_row_runs_at_a_tiny_size():
+    before, after = asyncio.run(bench_xds.fuzz_rss(bench_xds.make_index(50, 5), requests=40))
+    assert before > 0 and after > 0

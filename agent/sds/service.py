@@ -57,13 +57,21 @@ from envoy.service.secret.v3 import sds_pb2_grpc
 from google.protobuf import any_pb2
 
 from agent.core.backoff import Backoff
+from agent.core.grpc_closed import CLOSED_STREAM_ERRORS
 from agent.core.spiffe import Identity
+from agent.core.yamlsafe import MAX_LOGGED, short_repr, short_text
 
 log = logging.getLogger(__name__)
+
+
+class _StreamEnded(Exception):
+    """A write found the stream's call already ended (see agent.core.grpc_closed)."""
 
 SECRET_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
 HEALTH_TYPE = "type.googleapis.com/istio.v1.HealthInformation"
 MAX_NAMES = 100
+MAX_NAME_LENGTH = 10_000  # characters of one secret name (file-cert:<cert>~<key>: two PATH_MAX paths fit)
+MAX_NODE_ID_LENGTH = 1024  # characters of Node.id (Envoy's are type~ip~pod.ns~ns.svc.domain)
 _version_counter = itertools.count(1)
 _connection_ids = itertools.count(1)
 
@@ -262,6 +270,12 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{what}: {len(names)} secret names, at most {MAX_NAMES} are "
                                 "served per request")
+        for name in names:
+            if len(name) > MAX_NAME_LENGTH:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{what}: a secret name of {len(name)} characters "
+                                    f"({short_text(name, 60)!r}), at most {MAX_NAME_LENGTH} "
+                                    "(MAX_NAME_LENGTH)")
 
     async def _check_type(self, type_url: str, context: Context) -> None:
         if type_url and type_url != SECRET_TYPE:
@@ -321,9 +335,23 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
                     self.on_watch(conn.identity)
                     watched = True
                 await on_request(item)
+        except _StreamEnded as e:
+            log.debug("SDS stream %d from %s ended while a response was being written: %r",
+                      conn.id, conn.peer, e.__cause__)
         finally:
             reader.cancel()
             self._unregister(conn, watched)
+
+    @staticmethod
+    async def _send(conn: Connection, context: Context,
+                    resp: discovery_pb2.DiscoveryResponse | discovery_pb2.DeltaDiscoveryResponse
+                    ) -> None:
+        """``context.write(resp)``; raises :class:`_StreamEnded` when the call is already
+        over (the client cancelled): the end of that stream, not an error."""
+        try:
+            await context.write(resp)
+        except CLOSED_STREAM_ERRORS as e:
+            raise _StreamEnded(conn.id) from e
 
     async def _first_request(self, conn: Connection,
                              req: discovery_pb2.DiscoveryRequest | discovery_pb2.DeltaDiscoveryRequest,
@@ -331,6 +359,10 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         """Node id required on a stream's first request (set_node_on_first_message_only)."""
         if not req.node.id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing node information")
+        if len(req.node.id) > MAX_NODE_ID_LENGTH:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"node.id: {len(req.node.id)} characters, at most "
+                                f"{MAX_NODE_ID_LENGTH} (MAX_NODE_ID_LENGTH)")
         conn.node_id = req.node.id
         return True
 
@@ -360,9 +392,10 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         await self._check_count(names, context)
         if req.HasField("error_detail"):
             self.nacks += 1
-            conn.last_nack = req.error_detail.message
-            log.warning("SDS NACK from %s (stream %d) for %s version %s: %s", conn.node_id,
-                        conn.id, names, req.version_info, req.error_detail.message)
+            conn.last_nack = short_text(req.error_detail.message, MAX_LOGGED * 2)
+            log.warning("SDS NACK from %s (stream %d) for %s version %s: %s",
+                        short_text(conn.node_id, MAX_LOGGED), conn.id, short_repr(names),
+                        short_text(req.version_info, MAX_LOGGED), conn.last_nack)
             return
         if not names:
             conn.names = None  # SDS is not a wildcard type: empty means unsubscribe
@@ -394,7 +427,7 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         resp = discovery_pb2.DiscoveryResponse(
             type_url=SECRET_TYPE, version_info=next_version(), nonce=str(uuid.uuid4()),
             resources=packed)
-        await context.write(resp)
+        await self._send(conn, context, resp)
         conn.nonce_sent, conn.version_sent = resp.nonce, resp.version_info
 
     async def _versioned(self, conn: Connection, names: list[str], context: Context,
@@ -438,9 +471,9 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
                                     context: Context) -> None:
         if req.HasField("error_detail"):
             self.nacks += 1
-            conn.last_nack = req.error_detail.message
-            log.warning("SDS delta NACK from %s (stream %d): %s", conn.node_id, conn.id,
-                        req.error_detail.message)
+            conn.last_nack = short_text(req.error_detail.message, MAX_LOGGED * 2)
+            log.warning("SDS delta NACK from %s (stream %d): %s", short_text(conn.node_id, MAX_LOGGED),
+                        conn.id, conn.last_nack)
         names = conn.names
         if names is None:  # a delta stream holds a set from its start (DeltaSecrets)
             names = conn.names = set()
@@ -467,7 +500,7 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         resp = discovery_pb2.DeltaDiscoveryResponse(
             type_url=SECRET_TYPE, system_version_info=next_version(), nonce=str(uuid.uuid4()),
             resources=resources)
-        await context.write(resp)
+        await self._send(conn, context, resp)
         conn.nonce_sent, conn.version_sent = resp.nonce, resp.system_version_info
 
     # --- FetchSecrets ----------------------------------------------------------------

@@ -44,8 +44,10 @@ from agent.tlsport.authn import AuthenticationError, Authenticator
 from agent.core import unixsocket
 from agent.core.config import ConfigError, ensure_tcp_port_free
 from agent.core.fdbudget import listener_caps
+from agent.core.grpc_closed import CLOSED_STREAM_ERRORS, retrieve_later
 from agent.core.grpc_options import KEEPALIVE_SERVER_OPTIONS
 from agent.core.lifecycle import AgentContext, Component
+from agent.core.yamlsafe import MAX_LOGGED, short_text
 from agent.core.listeners import grpc_server_bounds
 from agent.tlsport.servercert import ServerCertificate
 from ambient.api import AmbientIndex, IndexChange, ObjectStore
@@ -54,7 +56,7 @@ from ambient.xds.auth import AuthError, PlaintextAuth, spiffe_namespace
 from ambient.xds.connection import Connection, merge_changes
 from ambient.xds.metrics import XdsMetrics
 from ambient.xds.node import RequestError, parse_node
-from ambient.xds.stream import PreparedResponse, Request, Response, XdsStream
+from ambient.xds.stream import PreparedResponse, Request, Response, XdsStream, check_bounds
 from ambient.xds.tls import TlsProvider, WorkloadCertificates, sds_tls_provider
 from ambient.xds.waypoint_stream import WaypointStream, is_waypoint_request
 from ambient.waypoint.resources import AccessLog
@@ -369,7 +371,8 @@ class XdsServer(Component):
                         try:
                             state = conn.state = self._waypoint_stream(conn.state, item)
                         except RequestError as e:
-                            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                                short_text(str(e), MAX_LOGGED * 2))
                             return
                         await state.prepare()
                     answered = self._handle_request(conn.state, conn, item)
@@ -399,13 +402,16 @@ class XdsServer(Component):
         try:
             responses = state.handle_request(req)
         except RequestError as e:
-            log.warning("xds: stream %d from %s: bad request: %s", state.id, state.peer, e)
-            conn.error = str(e)
+            conn.error = short_text(str(e), MAX_LOGGED * 2)
+            log.warning("xds: stream %d from %s: bad request: %s", state.id, state.peer,
+                        conn.error)
             return None
         if sum(t.nack_count for t in state.types.values()) > nacks:
             self.metrics.nacks.labels(req.type_url).inc()
-            log.warning("xds: %s NACKed %s: %s", state.node.id if state.node else state.peer,
-                        req.type_url, req.error_detail.message[:500])
+            log.warning("xds: %s NACKed %s: %s",
+                        short_text(state.node.id if state.node else state.peer, MAX_LOGGED),
+                        short_text(req.type_url, MAX_LOGGED),
+                        short_text(req.error_detail.message, MAX_LOGGED * 2))
         if state.identity and state.node and state.node.namespace:
             ns = spiffe_namespace(state.identity)
             if ns is not None and ns != state.node.namespace:
@@ -441,6 +447,7 @@ class XdsServer(Component):
         Gateway name>`` (istio's waypoint Deployments run as a service account named
         after the Gateway)."""
         assert self.waypoints is not None
+        check_bounds(req)
         node = parse_node(req.node)
         identity = state.identity
         if identity is None and self.plaintext_auth.token_file and node.namespace:
@@ -454,14 +461,23 @@ class XdsServer(Component):
         taken it within ``stall_timeout`` seconds (it keeps its HTTP/2 window shut: it
         is not reading), counted in ``ambient_agent_xds_slow_clients_disconnected_total``."""
         write = asyncio.ensure_future(context.write(resp))
-        done, _ = await asyncio.wait({write}, timeout=self.stall_timeout)
+        try:
+            done, _ = await asyncio.wait({write}, timeout=self.stall_timeout)
+        except asyncio.CancelledError:  # the call ended (client cancel): the write fails
+            retrieve_later(write)
+            raise
         if done:
-            write.result()
+            try:
+                write.result()
+            except CLOSED_STREAM_ERRORS as e:
+                log.debug("xds: stream %d from %s: write after the call ended: %r",
+                          conn.state.id, conn.state.peer, e)
+                return False
             return True
         # Not cancelled: gRPC's pending write does not unwind on cancellation. The status
         # queues behind it (the client sees it when it reads) and ending the handler
         # ends the call, which fails the write; its error is collected here.
-        write.add_done_callback(lambda t: t.cancelled() or t.exception())
+        retrieve_later(write)
         self.metrics.slow.inc()
         message = (f"client did not read its responses for {self.stall_timeout:g}s "
                    f"({conn.inbox.requests} requests queued): disconnected")

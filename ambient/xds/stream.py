@@ -48,11 +48,20 @@ from typing import Iterable, TypeAlias
 
 from envoy.service.discovery.v3 import discovery_pb2
 
+from agent.core.yamlsafe import short_text
 from ambient.api import AmbientIndex, IndexChange
 from ambient.xds.generators import AUTHORIZATION_TYPE, Generator
 from ambient.xds.node import NodeInfo, RequestError, parse_node
 
 _NACK_HISTORY = 10
+# Bounds on what one client can make a stream hold (issue 28: a fuzzed client grew the
+# agent's RSS by 250 MB). Far above what real clients send: ztunnel subscribes on demand
+# to a handful of names at a time and reconnects with one initial_resource_versions entry
+# per resource it holds (tens of thousands at 20k pods); Envoy waypoints use wildcards.
+MAX_NAMES_PER_REQUEST = 200_000  # in each name list / map of one request
+MAX_NAMES_PER_STREAM = 200_000  # explicitly subscribed names, per type URL of a stream
+MAX_NAME_LENGTH = 1024  # characters of one resource name (hostnames are <= 253)
+MAX_NODE_ID_LENGTH = 1024  # characters of Node.id (type~ip~pod.ns~ns.svc.domain)
 
 
 @dataclasses.dataclass
@@ -103,6 +112,41 @@ Response: TypeAlias = "DeltaResponse | SotwResponse | PreparedResponse"
 _ids = itertools.count(1)
 
 
+def check_bounds(req: Request) -> None:
+    """Refuse a request whose ``node.id`` is longer than MAX_NODE_ID_LENGTH, naming more
+    than MAX_NAMES_PER_REQUEST resources in one list, or a name longer than
+    MAX_NAME_LENGTH: RequestError naming the field and the cap (the stream is closed with
+    INVALID_ARGUMENT)."""
+    if len(req.node.id) > MAX_NODE_ID_LENGTH:
+        raise RequestError("node.id", short_text(req.node.id, 60),
+                           f"{len(req.node.id)} characters; at most "
+                           f"{MAX_NODE_ID_LENGTH} (MAX_NODE_ID_LENGTH)")
+    if isinstance(req, discovery_pb2.DeltaDiscoveryRequest):
+        lists = {"resource_names_subscribe": req.resource_names_subscribe,
+                 "resource_names_unsubscribe": req.resource_names_unsubscribe,
+                 "initial_resource_versions": req.initial_resource_versions}
+    else:
+        lists = {"resource_names": req.resource_names}
+    for field, names in lists.items():
+        if len(names) > MAX_NAMES_PER_REQUEST:
+            raise RequestError(field, f"<{len(names)} names>",
+                               f"at most {MAX_NAMES_PER_REQUEST} names per request "
+                               "(MAX_NAMES_PER_REQUEST)")
+        for name in names:
+            if len(name) > MAX_NAME_LENGTH:
+                raise RequestError(field, short_text(name, 60),
+                                   f"a name of {len(name)} characters; at most "
+                                   f"{MAX_NAME_LENGTH} (MAX_NAME_LENGTH)")
+
+
+def check_subscribed(type_url: str, count: int) -> None:
+    """Refuse a stream holding more than MAX_NAMES_PER_STREAM names of one type."""
+    if count > MAX_NAMES_PER_STREAM:
+        raise RequestError("resource_names_subscribe", f"<{count} names on {type_url}>",
+                           f"at most {MAX_NAMES_PER_STREAM} subscribed names per type on a "
+                           "stream (MAX_NAMES_PER_STREAM)")
+
+
 class XdsStream:
     """State and algorithms of one delta (or SotW, ``delta=False``) ADS stream.
 
@@ -147,6 +191,7 @@ class XdsStream:
     def handle_request(self, req: Request) -> list[Response]:
         """Apply one DeltaDiscoveryRequest (or DiscoveryRequest when ``delta`` is
         False); return the responses to send (possibly none). Raises RequestError."""
+        check_bounds(req)
         if self.node is None:
             self.node = parse_node(req.node)
         gen = self._generator(req.type_url)
@@ -176,7 +221,7 @@ class XdsStream:
 
     def _record_nack(self, ts: TypeState, nonce: str, message: str, sent: list[str]) -> None:
         ts.nack_count += 1
-        ts.nacks.append({"nonce": nonce, "detail": message[:1000], "at": time.time()})
+        ts.nacks.append({"nonce": nonce, "detail": short_text(message, 1000), "at": time.time()})
         del ts.nacks[:-_NACK_HISTORY]
         # ztunnel does not remember rejected resources as held: forget the names
         # its detail ("name: reason; ...") mentions, so a later change resends them.
@@ -211,6 +256,7 @@ class XdsStream:
             ts.names.discard(name)
             ts.held.pop(name, None)  # the client forgets it; no removal is sent
         asked = set(subscribe) - {"*"}
+        check_subscribed(gen.type_url, len(ts.names | asked))
         ts.names |= asked
         if became_wildcard:
             return [self._full_wildcard(gen, ts)]

@@ -31,11 +31,13 @@ from typing import Iterable
 
 from envoy.service.discovery.v3 import discovery_pb2
 
+from agent.core.yamlsafe import short_text
 from ambient.api import IndexChange
 from ambient.waypoint import resources as wr
 from ambient.waypoint.service import WaypointConfigs
 from ambient.xds.node import NodeInfo, RequestError, parse_node
-from ambient.xds.stream import _NACK_HISTORY, Request, Response, TypeState, XdsStream
+from ambient.xds.stream import (_NACK_HISTORY, Request, Response, TypeState, XdsStream,
+                                check_bounds, check_subscribed)
 
 WILDCARD_TYPES = (wr.LISTENER_TYPE, wr.CLUSTER_TYPE)
 BIND_METADATA = "AMBIENT_HBONE_BIND_ADDRESS"
@@ -94,6 +96,7 @@ class WaypointStream:
 
     # ---------------------------------------------------------------- requests
     def handle_request(self, req: Request) -> list[Response]:
+        check_bounds(req)
         if req.type_url not in wr.ENVOY_TYPES:
             raise RequestError("type_url", req.type_url,
                                "a waypoint stream serves " + ", ".join(wr.ENVOY_TYPES))
@@ -114,7 +117,7 @@ class WaypointStream:
             return False
         if detail.error_detail.code or detail.error_detail.message:
             ts.nack_count += 1
-            ts.nacks.append({"nonce": nonce, "detail": detail.error_detail.message[:1000],
+            ts.nacks.append({"nonce": nonce, "detail": short_text(detail.error_detail.message, 1000),
                              "at": time.time()})
             del ts.nacks[:-_NACK_HISTORY]
         else:
@@ -171,6 +174,7 @@ class WaypointStream:
         if "*" in unsubscribe:
             ts.wildcard = False
         asked = subscribe - {"*"}
+        check_subscribed(req.type_url, len(ts.names | asked))
         ts.names |= asked
         if "*" in subscribe and req.type_url in WILDCARD_TYPES and not ts.wildcard:
             ts.wildcard = True
