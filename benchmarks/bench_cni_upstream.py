@@ -38,10 +38,9 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 
 from benchmarks.bench_cni import _interleaved_ms, plugin_bundle
-from benchmarks.bench_kube import _available
+from benchmarks.bench_kube import _available, on_private_api_server
 from benchmarks.common import Result, ratio_result
 from tests.kube import cluster as kc
 
@@ -163,14 +162,5 @@ async def run() -> list[Result]:
     if why:
         return [Result("vs upstream istio-cni", float("nan"), "ms", note=f"skipped: {why}")]
     upstream = build_upstream()
-    subprocess.run(["bash", kc.SCRIPT, "build"], check=True, stdout=subprocess.DEVNULL)
-    tmp = tempfile.mkdtemp(prefix="bench-cni-up-")
-    directory = os.path.join(tmp, "server")
-    env = dict(os.environ, KUBE_TEST_OWNER_PID=str(os.getpid()))
-    subprocess.run(["bash", kc.SCRIPT, "start", directory], check=True, env=env,
-                   stdout=subprocess.DEVNULL)
-    try:
-        return await measure(kc.KubeCluster(directory), tmp, upstream)
-    finally:
-        subprocess.run(["bash", kc.SCRIPT, "stop", directory], stdout=subprocess.DEVNULL)
-        shutil.rmtree(tmp, ignore_errors=True)
+    return await on_private_api_server(
+        "bench-cni-up-", lambda cluster, tmp: measure(cluster, tmp, upstream))

@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.bench_kube import _available, _gather_limited
+from benchmarks.bench_kube import _available, _gather_limited, on_private_api_server
 from benchmarks.bench_kube_xds import NODES, PODS_PER_NS, populate
 from benchmarks.common import Result, percentile, ratio_result
 from tests.kube import cluster as kc
@@ -389,15 +389,5 @@ async def run() -> list[Result]:
     why = _available()
     if why:
         return [Result("vs istiod", float("nan"), "s", note=f"skipped: {why}")]
-    subprocess.run(["bash", kc.SCRIPT, "build"], check=True, stdout=subprocess.DEVNULL)
     _compile()
-    workdir = tempfile.mkdtemp(prefix="bench-istiod-")
-    directory = os.path.join(workdir, "server")
-    env = dict(os.environ, KUBE_TEST_OWNER_PID=str(os.getpid()))
-    subprocess.run(["bash", kc.SCRIPT, "start", directory], check=True, env=env,
-                   stdout=subprocess.DEVNULL)
-    try:
-        return await measure(kc.KubeCluster(directory), workdir)
-    finally:
-        subprocess.run(["bash", kc.SCRIPT, "stop", directory], stdout=subprocess.DEVNULL)
-        shutil.rmtree(workdir, ignore_errors=True)
+    return await on_private_api_server("bench-istiod-", measure)

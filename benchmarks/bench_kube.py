@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from typing import Awaitable, Callable
 
 from ambient.source_kube import RESOURCES, KubernetesSource
 from ambient.store import ObjectStore
@@ -251,13 +252,14 @@ async def measure(cluster: kc.KubeCluster, workdir: str) -> list[Result]:
     ]
 
 
-async def run() -> list[Result]:
-    why = _available()
-    if why:
-        return [Result("kube API load/node: initial LIST bytes", float("nan"), "MiB",
-                       note=f"skipped: {why}")]
+async def on_private_api_server(prefix: str, measure: Callable[[kc.KubeCluster, str],
+                                                               Awaitable[list[Result]]]
+                                ) -> list[Result]:
+    """Build (cached) and start a private kube-apiserver + etcd under a new temporary
+    directory (``prefix``), run ``measure(cluster, workdir)`` and always stop the server
+    and remove the directory, also when ``measure`` raises."""
     subprocess.run(["bash", kc.SCRIPT, "build"], check=True, stdout=subprocess.DEVNULL)
-    workdir = tempfile.mkdtemp(prefix="bench-kube-")
+    workdir = tempfile.mkdtemp(prefix=prefix)
     directory = os.path.join(workdir, "server")
     env = dict(os.environ, KUBE_TEST_OWNER_PID=str(os.getpid()))
     subprocess.run(["bash", kc.SCRIPT, "start", directory], check=True, env=env,
@@ -267,3 +269,11 @@ async def run() -> list[Result]:
     finally:
         subprocess.run(["bash", kc.SCRIPT, "stop", directory], stdout=subprocess.DEVNULL)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def run() -> list[Result]:
+    why = _available()
+    if why:
+        return [Result("kube API load/node: initial LIST bytes", float("nan"), "MiB",
+                       note=f"skipped: {why}")]
+    return await on_private_api_server("bench-kube-", measure)

@@ -23,10 +23,6 @@ p50 is judged: a p99 of a few ms is the shared machine's scheduling noise (repor
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import subprocess
-import tempfile
 import time
 
 from ambient.index import AmbientIndex
@@ -35,7 +31,7 @@ from ambient.source_kube import KubernetesSource
 from ambient.store import ObjectStore
 from ambient.xds.client import DeltaXdsClient
 from ambient.xds.server import XdsServer
-from benchmarks.bench_kube import _available, _gather_limited
+from benchmarks.bench_kube import _available, _gather_limited, on_private_api_server
 from benchmarks.bench_xds_change import XDS_DEBOUNCE, XDS_DEBOUNCE_MAX, _holds
 from benchmarks.common import Result, percentile, ratio_result
 from tests.kube import cluster as kc
@@ -160,14 +156,4 @@ async def run() -> list[Result]:
     if why:
         return [Result("xds change via API server", float("nan"), "ms",
                        note=f"skipped: {why}")]
-    subprocess.run(["bash", kc.SCRIPT, "build"], check=True, stdout=subprocess.DEVNULL)
-    workdir = tempfile.mkdtemp(prefix="bench-kube-xds-")
-    directory = os.path.join(workdir, "server")
-    env = dict(os.environ, KUBE_TEST_OWNER_PID=str(os.getpid()))
-    subprocess.run(["bash", kc.SCRIPT, "start", directory], check=True, env=env,
-                   stdout=subprocess.DEVNULL)
-    try:
-        return await measure(kc.KubeCluster(directory), workdir)
-    finally:
-        subprocess.run(["bash", kc.SCRIPT, "stop", directory], stdout=subprocess.DEVNULL)
-        shutil.rmtree(workdir, ignore_errors=True)
+    return await on_private_api_server("bench-kube-xds-", measure)
