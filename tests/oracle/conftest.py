@@ -11,6 +11,7 @@ the tests instead, so CI never passes by skipping them.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 
@@ -55,15 +56,25 @@ def oracle(tmp_path_factory):
     own namespace ``wpo``), their namespaces and pod IPs are disjoint, and both compare
     only what they load, so either order gives the same results and starting the API
     server, istiod and the agent is paid once."""
+    with running(lambda: h.Oracle(str(tmp_path_factory.mktemp("oracle")))) as o:
+        yield o
+
+
+@contextlib.contextmanager
+def running(make):
+    """``make()``'s peer (anything with ``start()``/``stop()``: the oracle, the istiod
+    CA), started; stopped on leaving, also when the tests fail. Without root, Go or the
+    build it skips with the reason, and a failed start is the fixture's failure, both
+    through :func:`_unavailable` (which fails instead under ``AMBIENT_REQUIRE_ISTIOD=1``)."""
     reason = h.why_not() or _build_error
     if reason:
         _unavailable(reason)
-    o = h.Oracle(str(tmp_path_factory.mktemp("oracle")))
+    peer = make()
     try:
         try:
-            o.start()
+            peer.start()
         except Exception as e:  # noqa: BLE001 - reported as the fixture's failure
             _unavailable(f"{type(e).__name__}: {e}")
-        yield o
+        yield peer
     finally:
-        o.stop()
+        peer.stop()

@@ -108,19 +108,9 @@ class IstiodCA:
 def istiod_ca(tmp_path_factory):
     """The module's :class:`IstiodCA` (started; stopped after the module, also on failure).
     Skips without root or Go; fails instead with ``AMBIENT_REQUIRE_ISTIOD=1``."""
-    from tests.oracle.conftest import _build_error, _unavailable
-    reason = h.why_not() or _build_error
-    if reason:
-        _unavailable(reason)
-    ca = IstiodCA(str(tmp_path_factory.mktemp("istiod-ca")))
-    try:
-        try:
-            ca.start()
-        except Exception as e:  # noqa: BLE001 - reported as the fixture's failure
-            _unavailable(f"{type(e).__name__}: {e}")
+    from tests.oracle.conftest import running
+    with running(lambda: IstiodCA(str(tmp_path_factory.mktemp("istiod-ca")))) as ca:
         yield ca
-    finally:
-        ca.stop()
 
 
 async def until(what: str, check, timeout: float = 60.0, detail=lambda: ""):
