@@ -110,6 +110,8 @@ class AmbientIndex:
             "LocalPolicy": self._mark_local,
             # read by the waypoints' Envoy config (ambient/waypoint/), no index output
             "HTTPRoute": lambda ev: None,
+            "GRPCRoute": lambda ev: None,
+            "TCPRoute": lambda ev: None,
         }
         #: local-config kind -> its update (local objects are applied in sorted order)
         self._local_updates: dict[str, Callable[[str, str], None]] = {

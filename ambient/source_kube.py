@@ -73,6 +73,11 @@ RESOURCES: dict[str, tuple[str, str, str, str]] = {
     # read by the waypoints' Envoy config (docs/waypoint.md)
     "HTTPRoute": ("gateway.networking.k8s.io/v1", "gateway.networking.k8s.io", "v1",
                   "httproutes"),
+    # the versions istiod watches (pkg/config/schema/metadata.yaml: v1, aliases v1alpha2)
+    "GRPCRoute": ("gateway.networking.k8s.io/v1", "gateway.networking.k8s.io", "v1",
+                  "grpcroutes"),
+    "TCPRoute": ("gateway.networking.k8s.io/v1", "gateway.networking.k8s.io", "v1",
+                 "tcproutes"),
 }
 BACKOFF_START, BACKOFF_MAX = 0.5, 30.0
 MISSING_RETRY = 30.0        # s between asks for a kind that is not served (404)

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 NAMESPACED_KINDS = frozenset({
     "Pod", "Service", "EndpointSlice", "ServiceEntry", "WorkloadEntry", "AuthorizationPolicy",
     "PeerAuthentication", "Gateway", "LocalWorkload", "LocalService", "LocalPolicy",
-    "HTTPRoute"})
+    "HTTPRoute", "GRPCRoute", "TCPRoute"})
 CLUSTER_KINDS = frozenset({"Namespace", "Node", "GatewayClass"})
 KINDS = NAMESPACED_KINDS | CLUSTER_KINDS
 

@@ -23,7 +23,8 @@ Row shapes (all values JSON scalars or lists of strings):
 - policy: ``namespace``, ``name``, ``scope``, ``action``, ``rules``, ``dry_run``.
 - waypoint: ``namespace``, ``name``, ``ips``, ``bound`` (services and workloads using it),
   ``gateway`` (its Gateway's conditions, ``Programmed=True``...), ``routes`` (each
-  HTTPRoute attached to a bound Service: ``ns/name: Accepted=...,ResolvedRefs=...``).
+  HTTPRoute attached to a bound Service: ``ns/name: Accepted=...,ResolvedRefs=...``; a
+  GRPCRoute or TCPRoute the same, prefixed ``GRPCRoute`` / ``TCPRoute``).
 """
 
 from __future__ import annotations
@@ -212,12 +213,15 @@ def _waypoints(index: MeshIndex, workloads: list[dict], services: list[dict],
         gw = gateways.get(gkey) or {}
         row["gateway"] = f"{gkey}: {_conditions(gw.get('conditions') or [])}" if gw else ""
         routes = []
-        for rkey, rst in sorted((status.get("httproutes") or {}).items()):
-            for parent in rst.get("parents") or []:
-                ref = parent.get("parentRef") or {}
-                pns = ref.get("namespace") or rkey.split("/", 1)[0]
-                if any(b.startswith(f"{pns}/{ref.get('name')}.{pns}.svc.") for b in bound):
-                    routes.append(f"{rkey}: {_conditions(parent.get('conditions') or [])}")
+        for section, label in (("httproutes", ""), ("grpcroutes", "GRPCRoute "),
+                               ("tcproutes", "TCPRoute ")):
+            for rkey, rst in sorted((status.get(section) or {}).items()):
+                for parent in rst.get("parents") or []:
+                    ref = parent.get("parentRef") or {}
+                    pns = ref.get("namespace") or rkey.split("/", 1)[0]
+                    if any(b.startswith(f"{pns}/{ref.get('name')}.{pns}.svc.") for b in bound):
+                        routes.append(f"{label}{rkey}: "
+                                      f"{_conditions(parent.get('conditions') or [])}")
         row["routes"] = routes
         out.append(row)
     return out

@@ -22,6 +22,13 @@ Implemented as the Gateway API specifies and istiod converts it:
 Anything else (another filter type, a parent or backend kind other than Service, a match
 type not listed) is one warning naming the route and the field; the part is skipped, never
 turned into a resource Envoy would reject.
+
+The same builder carries ``GRPCRoute`` (its matches from :mod:`ambient.waypoint.grpcroute`):
+istiod converts both kinds to VirtualService HTTP routes of the same host, one merged
+VirtualService per kind, each sorted by the precedence above, and a waypoint's route table
+is those VirtualServices one after the other, oldest first. So the routes here are grouped
+by kind, the group whose oldest route is older first. :func:`attached_routes` also lists
+the ``TCPRoute`` s (:mod:`ambient.waypoint.tcproute` reads them for the TCP chains).
 """
 
 from __future__ import annotations
@@ -32,8 +39,12 @@ from typing import Any, Callable
 
 from ambient.api import ObjectStore
 from ambient.objects import meta, spec
+from ambient.waypoint import grpcroute
 
-ROUTE_KINDS = ("HTTPRoute",)
+#: the route kinds a waypoint reads, attached to a Service by ``parentRefs``
+ROUTE_KINDS = ("HTTPRoute", "GRPCRoute", "TCPRoute")
+#: the kinds whose rules become the HTTP chains' routes
+HTTP_KINDS = ("HTTPRoute", "GRPCRoute")
 #: istiod's default retry policy of a route (``route.DefaultRetryPolicy``): two retries on
 #: connection failures, refused streams and retriable codes, never the same host twice
 DEFAULT_RETRY: dict[str, Any] = {
@@ -52,6 +63,10 @@ class Attached:
     route: dict
     port: int
 
+    @property
+    def kind(self) -> str:
+        return str(self.route.get("kind") or "HTTPRoute")
+
 
 def _key(route: dict) -> tuple[str, str, str]:
     m = meta(route)
@@ -61,10 +76,13 @@ def _key(route: dict) -> tuple[str, str, str]:
 
 def attached_routes(store: ObjectStore, services: dict[tuple[str, str], str],
                     problems: list[str]) -> dict[str, list[Attached]]:
-    """``{service key: [Attached]}`` for the HTTPRoutes whose ``parentRefs`` name a Service
-    in ``services`` (``(namespace, name) -> key``), oldest first."""
+    """``{service key: [Attached]}`` for the routes (:data:`ROUTE_KINDS`) whose
+    ``parentRefs`` name a Service in ``services`` (``(namespace, name) -> key``), oldest
+    first (kinds mixed; :attr:`Attached.kind` tells them apart)."""
     out: dict[str, list[Attached]] = {}
-    for route in sorted(store.list("HTTPRoute"), key=_key):
+    routes = [r for kind in ROUTE_KINDS for r in store.list(kind)]
+    for route in sorted(routes, key=_key):
+        rkind = str(route.get("kind") or "HTTPRoute")
         ns, name = meta(route).get("namespace", ""), meta(route).get("name", "")
         refs = spec(route).get("parentRefs")
         for i, ref in enumerate(refs if isinstance(refs, list) else []):
@@ -75,7 +93,7 @@ def attached_routes(store: ObjectStore, services: dict[tuple[str, str], str],
                 group or "")
             if kind != "Service" or group not in ("", "core"):
                 if kind != "Gateway":
-                    problems.append(f"HTTPRoute {ns}/{name}: field 'spec.parentRefs[{i}]' kind "
+                    problems.append(f"{rkind} {ns}/{name}: field 'spec.parentRefs[{i}]' kind "
                                     f"{kind!r} is not supported (Service): ignored")
                 continue
             key = services.get((str(ref.get("namespace") or ns), str(ref.get("name"))))
@@ -99,31 +117,44 @@ class RouteBuilder:
         self.attached, self.port, self.resolve, self.problems = attached, port, resolve, problems
 
     def routes(self) -> list[dict]:
-        ranked: list[tuple[tuple, dict]] = []
+        """The Envoy routes of this chain: per kind (:data:`HTTP_KINDS`) sorted by the
+        precedence, the kinds in the order of their oldest route (module docstring)."""
+        groups: dict[str, list[tuple[tuple, dict]]] = {}
         for att in self.attached:
-            if att.port and att.port != self.port:
+            if att.kind not in HTTP_KINDS or (att.port and att.port != self.port):
                 continue
+            ranked = groups.setdefault(att.kind, [])
             route = att.route
             ns, name = meta(route).get("namespace", ""), meta(route).get("name", "")
             rules = spec(route).get("rules")
             for r, rule in enumerate(rules if isinstance(rules, list) else [{}]):
                 if not isinstance(rule, dict):
                     continue
-                where = f"HTTPRoute {ns}/{name}: field 'spec.rules[{r}]"
-                action = self._action(rule, ns, where)
+                where = f"{att.kind} {ns}/{name}: field 'spec.rules[{r}]"
+                if att.kind == "GRPCRoute":
+                    grpcroute.check_rule(rule, where, self.problems)
+                action = self._action(rule, ns, where, grpc=att.kind == "GRPCRoute")
                 matches = rule.get("matches")
-                if not isinstance(matches, list) or not matches:
+                catch_all = not isinstance(matches, list) or not matches
+                if catch_all:
                     matches = [{}]
                 for m, match in enumerate(matches):
-                    built = self._match(match if isinstance(match, dict) else {},
-                                        f"{where}.matches[{m}]")
+                    match = match if isinstance(match, dict) else {}
+                    built = grpcroute.match(match, f"{where}.matches[{m}]", self.problems) \
+                        if att.kind == "GRPCRoute" else self._match(match, f"{where}.matches[{m}]")
                     if built is None:
                         continue
                     envoy_match, rank = built
+                    if catch_all:  # a rule without matches sorts last (istiod's sort)
+                        rank = (9,)
                     ranked.append(((*rank, *_key(route), r, m), {
                         "name": f"{ns}.{name}.{r}.{m}", "match": envoy_match, **action}))
-        ranked.sort(key=lambda x: x[0])
-        return [r for _, r in ranked]
+        out: list[dict] = []
+        # groups were filled in route age order: the first kind seen has the oldest route
+        for ranked in groups.values():
+            ranked.sort(key=lambda x: x[0])
+            out.extend(r for _, r in ranked)
+        return out
 
     def _match(self, match: dict, where: str) -> tuple[dict, tuple] | None:
         out: dict[str, Any] = {}
@@ -132,7 +163,7 @@ class RouteBuilder:
         value = str(path.get("value") or "/")
         if ptype == "Exact":
             out["path"] = value
-            prank: tuple = (0, 0)
+            prank: tuple = (0, -len(value))
         elif ptype == "PathPrefix":
             trimmed = value.rstrip("/")
             if trimmed:
@@ -142,7 +173,7 @@ class RouteBuilder:
             prank = (1, -len(trimmed))
         elif ptype == "RegularExpression":
             out["safe_regex"] = {"regex": value}
-            prank = (2, 0)
+            prank = (2, -len(value))
         else:
             self.problems.append(f"{where}.path.type' {ptype!r} is not supported: match skipped")
             return None
@@ -167,7 +198,7 @@ class RouteBuilder:
         rank = (*prank, 0 if method else 1, -len(match.get("headers") or []), -len(query))
         return out, rank
 
-    def _action(self, rule: dict, ns: str, where: str) -> dict:
+    def _action(self, rule: dict, ns: str, where: str, grpc: bool = False) -> dict:
         out: dict[str, Any] = {}
         clusters = []
         for b, ref in enumerate(rule.get("backendRefs") or []):
@@ -203,13 +234,13 @@ class RouteBuilder:
         else:
             route["weighted_clusters"] = {"clusters": clusters}
         self._filters(rule.get("filters"), f"{where}.filters", out, backend=False)
-        timeouts = rule.get("timeouts") or {}
+        timeouts = (rule.get("timeouts") or {}) if not grpc else {}
         if "direct_response" not in out:
             route["timeout"] = _duration(timeouts.get("request"), f"{where}.timeouts.request",
                                          self.problems) or "0s"
             per_try = _duration(timeouts.get("backendRequest"),
                                 f"{where}.timeouts.backendRequest", self.problems)
-            retry = rule.get("retry")
+            retry = rule.get("retry") if not grpc else None
             route["cluster_not_found_response_code"] = "INTERNAL_SERVER_ERROR"
             if not isinstance(retry, dict) and not per_try:
                 route["retry_policy"] = DEFAULT_RETRY

@@ -72,6 +72,11 @@ class ServicePort:
         return self.protocol in HTTP2_PROTOCOLS
 
 
+def backend_subset(port: ServicePort) -> str:
+    """The cluster subset a route backend's port is reached by (istiod's ``portToSubset``)."""
+    return "http" if port.http else "tcp"
+
+
 @dataclasses.dataclass(frozen=True)
 class Endpoint:
     """A healthy member workload: ``ip`` text, ``port`` the target port, ``uid``;
@@ -130,7 +135,8 @@ class WaypointModel:
     policies: list[TargetedPolicy] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
     annotations: dict[str, str] = dataclasses.field(default_factory=dict)
-    #: service key -> HTTPRoutes attached to it (parentRefs kind Service)
+    #: service key -> HTTPRoutes, GRPCRoutes and TCPRoutes attached to it (parentRefs kind
+    #: Service), oldest first
     routes: dict[str, list[Attached]] = dataclasses.field(default_factory=dict)
     #: service key -> a Service some attached route sends to (bound or not)
     backends: dict[str, BoundService] = dataclasses.field(default_factory=dict)
@@ -143,12 +149,14 @@ class WaypointModel:
         return f"{self.namespace}/{self.name}"
 
     def backend_cluster(self, namespace: str, name: str, port: int) -> str | None:
-        """The ``inbound-vip|<port>|http|<host>`` cluster of a route backend, or None when
-        that Service (or port) is unknown."""
+        """The ``inbound-vip|<port>|<subset>|<host>`` cluster of a route backend, or None
+        when that Service (or port) is unknown; ``subset`` as istiod's ``portToSubset``:
+        ``http`` for an HTTP or undeclared port, else ``tcp``."""
         svc = self.backends.get(f"{namespace}/{name}.{namespace}.svc.{self.domain}")
-        if svc is None or not any(p.port == port for p in svc.ports):
+        found = next((p for p in svc.ports if p.port == port), None) if svc else None
+        if svc is None or found is None:
             return None
-        return f"inbound-vip|{port}|http|{svc.hostname}"
+        return f"inbound-vip|{port}|{backend_subset(found)}|{svc.hostname}"
 
 
 def _ip(raw: bytes) -> str | None:

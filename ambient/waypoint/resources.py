@@ -87,8 +87,9 @@ from google.protobuf.message import Message
 from xds.core.v3 import extension_pb2 as xds_extension_pb2
 from xds.type.matcher.v3 import ip_pb2, matcher_pb2  # noqa: F401
 
-from ambient.waypoint.httproute import DEFAULT_RETRY, RouteBuilder
-from ambient.waypoint.model import BoundService, ServicePort, WaypointModel
+from ambient.waypoint import tcproute
+from ambient.waypoint.httproute import DEFAULT_RETRY, HTTP_KINDS, RouteBuilder
+from ambient.waypoint.model import BoundService, ServicePort, WaypointModel, backend_subset
 from ambient.waypoint.rbac import rbac_filters
 
 LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
@@ -474,7 +475,8 @@ def _service_parts(model: WaypointModel, opts: Options, svc: BoundService,
         if port.protocol == "UNSUPPORTED":
             chains.append(_named_http_chain(model, opts, svc, port, http_name, cache, pkey,
                                             problems))
-            chains.append(_named_tcp_chain(model, opts, svc, tcp_name, cache, pkey, problems))
+            chains.append(_named_tcp_chain(model, opts, svc, tcp_name, cache, pkey, problems,
+                                           port.port))
             port_map[str(port.port)] = cache.parse(
                 matcher_pb2.Matcher.OnMatch, _app_protocol_matcher(http_name, tcp_name))
             sniffed = True
@@ -484,7 +486,8 @@ def _service_parts(model: WaypointModel, opts: Options, svc: BoundService,
             port_map[str(port.port)] = _chain_on_match(http_name)
             fixed_ports.add(port.port)
         else:
-            chains.append(_named_tcp_chain(model, opts, svc, tcp_name, cache, pkey, problems))
+            chains.append(_named_tcp_chain(model, opts, svc, tcp_name, cache, pkey, problems,
+                                           port.port))
             port_map[str(port.port)] = _chain_on_match(tcp_name)
             fixed_ports.add(port.port)
         for subset in ("http", "tcp"):
@@ -539,7 +542,19 @@ def _named_http_chain(model: WaypointModel, opts: Options, svc: BoundService,
 
 
 def _named_tcp_chain(model: WaypointModel, opts: Options, svc: BoundService, name: str,
-                     cache: "ParseCache", pkey: str, problems: list[str]) -> Message:
+                     cache: "ParseCache", pkey: str, problems: list[str],
+                     port: int = 0) -> Message:
+    attached = model.routes.get(svc.key)
+    routed = tcproute.upstream(attached, port, model.backend_cluster, problems) \
+        if attached else None
+    if routed is not None:
+        # a TCPRoute decides the upstream: this chain is not the shape's (few such chains)
+        chain_dict = _tcp_chain(model, svc, name, name, problems, opts)
+        proxy = chain_dict["filters"][-1]["typed_config"]
+        del proxy["cluster"]
+        proxy.update(routed)
+        return cache.parse(listener_components_pb2.FilterChain, chain_dict)
+
     def make() -> tuple[Message, list[str]]:
         found: list[str] = []
         return cache.parse(listener_components_pb2.FilterChain,
@@ -593,7 +608,7 @@ def _endpoints_message(name: str, eps: Iterable) -> Message:
 def _route_message(name: str, port: ServicePort, model: WaypointModel, svc: BoundService,
                    cache: "ParseCache", problems: list[str]) -> Message:
     attached = model.routes.get(svc.key)
-    if attached and any(not a.port or a.port == port.port for a in attached):
+    if attached and _http_routed(attached, port.port):
         return cache.parse(route_pb2.RouteConfiguration,
                            _route_config(name, name, port.port, model, svc, problems))
     proto, _ = cache.shape(("route", port.port), lambda: (cache.parse(
@@ -750,10 +765,15 @@ def _endpoints(name: str, eps: Iterable) -> dict:
     return {"cluster_name": name, "endpoints": [{"lb_endpoints": lb}] if lb else []}
 
 
+def _http_routed(attached: list, port: int) -> bool:
+    """Whether an HTTPRoute or GRPCRoute attached to the service applies to ``port``."""
+    return any(a.kind in HTTP_KINDS and (not a.port or a.port == port) for a in attached)
+
+
 def _route_config(name: str, cluster: str, port: int, model: WaypointModel | None = None,
                   svc: BoundService | None = None, problems: list[str] | None = None) -> dict:
     attached = model.routes.get(svc.key) if model is not None and svc is not None else None
-    if attached and any(not a.port or a.port == port for a in attached):
+    if attached and _http_routed(attached, port):
         assert model is not None
         routes = RouteBuilder(attached, port, model.backend_cluster,
                               problems if problems is not None else []).routes()
@@ -934,11 +954,12 @@ class Assembler:
             for port in backend.ports:
                 if wanted is not None and port.port not in wanted:
                     continue
-                name = cluster_name("http", port.port, backend.hostname)
+                subset = backend_subset(port)
+                name = cluster_name(subset, port.port, backend.hostname)
                 if name in backends or (name not in self._backend_names
                                         and name in self._out[CLUSTER_TYPE]):
                     continue
-                backends[name] = (_named_cluster(name, port, "http", cache), _endpoints_message(
+                backends[name] = (_named_cluster(name, port, subset, cache), _endpoints_message(
                     name, backend.endpoints.get(port.port, ())))
         for name in self._backend_names - set(backends):
             self._drop(CLUSTER_TYPE, name)

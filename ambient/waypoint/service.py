@@ -33,7 +33,8 @@ from ambient.waypoint.model import ModelState
 log = logging.getLogger(__name__)
 
 WATCHED_KINDS = frozenset({"AuthorizationPolicy", "Gateway", "Service", "ServiceEntry",
-                           "HTTPRoute"})
+                           "HTTPRoute", "GRPCRoute", "TCPRoute"})
+ROUTE_KINDS = frozenset({"HTTPRoute", "GRPCRoute", "TCPRoute"})
 
 
 class CertificateIssuer(Protocol):
@@ -130,7 +131,7 @@ class WaypointConfigs:
             for state in self._states.values():
                 if ev.kind == "AuthorizationPolicy":
                     state.mark_policies()
-                elif ev.kind == "HTTPRoute":
+                elif ev.kind in ROUTE_KINDS:
                     state.mark_routes()
                 elif ev.kind == "Service":
                     # port names and appProtocols are read from the object itself

@@ -4,8 +4,9 @@ each HTTPRoute attached to a Service (``status.parents[]``) and each Gateway of 
 config store; what writes them is the source's business (the YAML source shows them in
 ``ambient-agent status --waypoints``).
 
-HTTPRoute, one entry per distinct ``parentRef`` of kind Service (istiod's
-``createRouteStatus``), ``controllerName`` ``istio.io/gateway-controller``:
+HTTPRoute, GRPCRoute and TCPRoute, one entry per distinct ``parentRef`` of kind Service
+(istiod's ``createRouteStatus``, the same for the three kinds), ``controllerName``
+``istio.io/gateway-controller``:
 
 - ``Accepted``: True/``Accepted`` "Route was valid"; False/``NoMatchingParent`` "parent not
   found" when the Service does not exist; False/``UnsupportedValue`` naming the field when
@@ -32,6 +33,7 @@ from typing import Any
 
 from ambient.api import ObjectStore
 from ambient.objects import meta, spec
+from ambient.waypoint import tcproute
 from ambient.waypoint.httproute import Attached, RouteBuilder
 
 CONTROLLER = "istio.io/gateway-controller"
@@ -49,8 +51,8 @@ def _service_ports(svc: dict) -> set[int]:
 
 
 def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local") -> dict:
-    """``{"parents": [...]}`` for one HTTPRoute (parents of kind Service only; others are
-    another controller's and are not listed)."""
+    """``{"parents": [...]}`` for one HTTPRoute, GRPCRoute or TCPRoute (its ``kind``;
+    parents of kind Service only; others are another controller's and are not listed)."""
     ns = meta(route).get("namespace", "")
     generation = int(meta(route).get("generation") or 0)
     refs = spec(route).get("parentRefs")
@@ -92,7 +94,11 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
             ports = [ref["port"]] if isinstance(ref.get("port"), int) else \
                 sorted(_service_ports(svc))
             for port in ports or [0]:
-                RouteBuilder([Attached(route, port)], port, lambda *_a: "x", problems).routes()
+                if route.get("kind") == "TCPRoute":
+                    tcproute.upstream([Attached(route, port)], port, lambda *_a: "x", problems)
+                else:
+                    RouteBuilder([Attached(route, port)], port, lambda *_a: "x",
+                                 problems).routes()
             # backend problems are ResolvedRefs' (above), not the route's acceptance
             unsupported = list(dict.fromkeys(p for p in problems if "not supported" in p
                                              and ".backendRefs[" not in p))
@@ -135,21 +141,28 @@ def gateway_status(store: ObjectStore, gateway: dict) -> dict:
             "addresses": [{"type": "IPAddress", "value": ip} for ip in ips]}
 
 
+#: route kind -> its key in :func:`statuses`
+ROUTE_SECTIONS = {"HTTPRoute": "httproutes", "GRPCRoute": "grpcroutes", "TCPRoute": "tcproutes"}
+
+
 def statuses(store: ObjectStore, domain: str = "cluster.local") -> dict[str, Any]:
-    """Every waypoint Gateway's and Service-attached HTTPRoute's status:
-    ``{"gateways": {"ns/name": status}, "httproutes": {"ns/name": status}}``."""
+    """Every waypoint Gateway's and Service-attached route's status:
+    ``{"gateways": {"ns/name": status}, "httproutes": {"ns/name": status},
+    "grpcroutes": {...}, "tcproutes": {...}}``."""
     gateways = {}
     for gw in store.list("Gateway"):
         if spec(gw).get("gatewayClassName") == WAYPOINT_CLASS:
             gateways[f"{meta(gw).get('namespace')}/{meta(gw).get('name')}"] = \
                 gateway_status(store, gw)
-    routes = {}
-    for route in store.list("HTTPRoute"):
-        st = route_status(store, route, domain)
-        if st["parents"]:
-            routes[f"{meta(route).get('namespace')}/{meta(route).get('name')}"] = st
-    return {"gateways": dict(sorted(gateways.items())),
-            "httproutes": dict(sorted(routes.items()))}
+    out: dict[str, Any] = {"gateways": dict(sorted(gateways.items()))}
+    for kind, section in ROUTE_SECTIONS.items():
+        routes = {}
+        for route in store.list(kind):
+            st = route_status(store, route, domain)
+            if st["parents"]:
+                routes[f"{meta(route).get('namespace')}/{meta(route).get('name')}"] = st
+        out[section] = dict(sorted(routes.items()))
+    return out
 
 
 def summary(conditions: list[dict]) -> str:

@@ -42,7 +42,7 @@ def test_all_expected_objects_present():
     # cluster-wide CA's Secrets and publisher Lease), its settings and the DaemonSet; no CRD
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet", "Role",
                      "RoleBinding", "ServiceAccount"]
-    assert sorted(d["kind"] for _, d in documents("crds")) == ["CustomResourceDefinition"] * 7
+    assert sorted(d["kind"] for _, d in documents("crds")) == ["CustomResourceDefinition"] * 9
     assert sorted(d["kind"] for _, d in documents("registration")) == ["ClusterRole",
                                                                        "ClusterRoleBinding"]
     assert sorted(d["kind"] for _, d in documents("ztunnel")) == ["DaemonSet", "ServiceAccount"]
