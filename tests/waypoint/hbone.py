@@ -14,6 +14,12 @@ the mesh root, ALPN ``h2``; a request that is not ``CONNECT`` gets 400
 (``copy_bidirectional``). The caller's identity is the URI SAN of the client
 certificate, as ztunnel's ``Connection.src_identity``; each accepted tunnel is
 recorded in ``tunnels`` as ``(peer identity, authority)``.
+
+:class:`HboneForwarder` is the source ztunnel's outbound for clients that speak their own
+protocol (grpcio, a raw TCP client): it listens on a local address and carries each
+accepted connection, byte for byte, in its own HBONE tunnel (``CONNECT <VIP:port>``) to
+the waypoint, as ztunnel carries a captured connection; HTTP/2 flow control is respected
+both ways (DATA is sent only within the stream's window).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from pathlib import Path
 import h2.config
 import h2.connection
 import h2.events
+import h2.exceptions
 
 
 def _ssl_context(server: bool, chain: bytes, key: bytes, root: bytes) -> ssl.SSLContext:
@@ -229,3 +236,102 @@ class HboneTerminator:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
         return up_writer
+
+
+class HboneForwarder:
+    """Local ``ip:port`` (``port`` 0: any; the bound port is :attr:`port`) -> one HBONE
+    tunnel per connection to ``authority`` through the waypoint at ``waypoint``."""
+
+    def __init__(self, ip: str, waypoint: tuple[str, int], authority: str, *, chain: bytes,
+                 key: bytes, root: bytes, timeout: float = 10.0):
+        self.ip, self.waypoint, self.authority, self.timeout = ip, waypoint, authority, timeout
+        self.ctx = _ssl_context(False, chain, key, root)
+        self.port = 0
+        self.statuses: list[int] = []  # the CONNECT status of each tunnel
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> "HboneForwarder":
+        self._server = await asyncio.start_server(self._serve, self.ip, 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self._server:
+            self._server.close()
+        for t in list(self._tasks):
+            t.cancel()
+        if self._server:
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+
+    async def _serve(self, local_r: asyncio.StreamReader, local_w: asyncio.StreamWriter
+                     ) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        writer = None
+        up: asyncio.Task | None = None
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(*self.waypoint, ssl=self.ctx), self.timeout)
+            conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+            conn.initiate_connection()
+            pump = _H2Pump(reader, writer, conn)
+            lock = asyncio.Lock()
+            window = asyncio.Event()
+            sid = conn.get_next_available_stream_id()
+            conn.send_headers(sid, [(":method", "CONNECT"), (":authority", self.authority)])
+            async with lock:
+                await pump.flush()
+
+            async def upload() -> None:
+                while data := await local_r.read(16384):
+                    while data:
+                        room = min(conn.local_flow_control_window(sid),
+                                   conn.max_outbound_frame_size)
+                        if room <= 0:
+                            window.clear()
+                            await window.wait()
+                            continue
+                        chunk, data = data[:room], data[room:]
+                        async with lock:
+                            conn.send_data(sid, chunk)
+                            await pump.flush()
+                async with lock:
+                    conn.end_stream(sid)
+                    await pump.flush()
+
+            while True:
+                for ev in await pump.events():
+                    if isinstance(ev, h2.events.ResponseReceived):
+                        status = int(dict(ev.headers)[b":status"])
+                        self.statuses.append(status)
+                        if status != 200:
+                            return
+                        up = asyncio.ensure_future(upload())
+                        self._tasks.add(up)
+                        up.add_done_callback(self._tasks.discard)
+                    elif isinstance(ev, h2.events.DataReceived):
+                        conn.acknowledge_received_data(ev.flow_controlled_length, sid)
+                        local_w.write(ev.data)
+                        await local_w.drain()
+                    elif isinstance(ev, h2.events.WindowUpdated):
+                        window.set()
+                    elif isinstance(ev, h2.events.StreamEnded):
+                        if local_w.can_write_eof():
+                            local_w.write_eof()
+                    elif isinstance(ev, (h2.events.StreamReset, h2.events.ConnectionTerminated)):
+                        return
+                async with lock:
+                    await pump.flush()
+        except (ConnectionError, OSError, TimeoutError, ssl.SSLError, asyncio.CancelledError,
+                h2.exceptions.ProtocolError):
+            return
+        finally:
+            if up is not None:
+                up.cancel()
+            local_w.close()
+            if writer is not None:
+                writer.close()
+            self._tasks.discard(task)
