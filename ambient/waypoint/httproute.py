@@ -134,8 +134,9 @@ class RouteBuilder:
                 if att.kind == "GRPCRoute":
                     grpcroute.check_rule(rule, where, self.problems)
                 action = self._action(rule, ns, where, grpc=att.kind == "GRPCRoute")
-                matches = rule.get("matches")
-                catch_all = not isinstance(matches, list) or not matches
+                found = rule.get("matches")
+                matches: list = found if isinstance(found, list) and found else []
+                catch_all = not matches
                 if catch_all:
                     matches = [{}]
                 for m, match in enumerate(matches):

@@ -67,6 +67,13 @@ def _route(name: str, parent: str, prefix: str, backends: list[tuple[str, int]],
                                                 for b, w in backends]}]}}
 
 
+def _kind_route(kind: str, name: str, parent: str, rules: list[dict]) -> dict:
+    return {"apiVersion": "gateway.networking.k8s.io/v1", "kind": kind,
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": parent}],
+                     "rules": rules}}
+
+
 def _policy(name: str, target: dict, path: str) -> dict:
     return {"apiVersion": "security.istio.io/v1", "kind": "AuthorizationPolicy",
             "metadata": {"name": name, "namespace": NS},
@@ -150,6 +157,18 @@ def test_every_change_gives_what_a_full_build_gives():
             "r1", "s0", "/m", [("s10", 1)], port=81), "t")])),
         ("that backend's pod leaves the mesh", lambda: w.store.apply([(_pod(
             10, "10.150.0.11", captured=False), "t")])),
+        ("GRPCRoute on a service", lambda: w.store.apply([(_kind_route(
+            "GRPCRoute", "g0", "s1", [{"matches": [{"method": {"service": "pkg.Svc"}}],
+                                      "backendRefs": [{"name": "s9", "port": 80}]}]), "t")])),
+        ("port renamed (protocol tcp) under a TCPRoute", lambda: w.store.apply([
+            (_service(6, port_name="tcp"), "t"), (_kind_route(
+                "TCPRoute", "t0", "s6", [{"backendRefs": [{"name": "s9", "port": 80,
+                                                          "weight": 3},
+                                                         {"name": "s6", "port": 80}]}]),
+             "t")])),
+        ("TCPRoute backend's pod moves", lambda: w.store.apply([(_pod(9, "10.150.4.10"), "t")])),
+        ("TCPRoute deleted, GRPCRoute deleted", lambda: w.store.apply(
+            deletes=[("TCPRoute", NS, "t0"), ("GRPCRoute", NS, "g0")])),
         ("gateway annotation (xfcc)", lambda: w.store.apply([(_gateway(
             {resources.XFCC_ANNOTATION: "true"}), "t")])),
     ]
