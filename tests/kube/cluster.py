@@ -371,6 +371,8 @@ _NAMESPACED = [
     "/apis/security.istio.io/v1/namespaces/{ns}/peerauthentications",
     "/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/gateways",
     "/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/httproutes",
+    "/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/grpcroutes",
+    "/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/tcproutes",
     "/api/v1/namespaces/{ns}/serviceaccounts",
 ]
 

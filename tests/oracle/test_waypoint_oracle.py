@@ -13,10 +13,13 @@ Gateway (class ``istio-waypoint``), its Service, a running pod; EndpointSlices a
 as the endpoint-slice controller would (the test API server runs no controller manager,
 and istiod's EDS reads slices).
 
-The objects: Services ``web`` (HTTP 80, TCP 9000) and ``web-v2`` (HTTP 80) labelled
-``istio.io/use-waypoint``; an HTTPRoute on ``web:80`` with a path+header match and an
-80/20 weighted default; a DENY AuthorizationPolicy aimed at the Gateway and an ALLOW one
-(principals, methods, paths; namespaces + port) aimed at ``web``.
+The objects: Services ``web`` (HTTP 80, TCP 9000), ``web-v2`` (HTTP 80) and ``echo``
+(gRPC 50051, TCP 9100) labelled ``istio.io/use-waypoint``; an HTTPRoute on ``web:80`` with a
+path+header match and an 80/20 weighted default; a GRPCRoute on ``echo:50051`` (service +
+method, service only with a header, method only, regular expressions, a 3:1 split); a
+TCPRoute on ``web:9000`` splitting 90/10 over ``web:9000`` and ``echo:9100``; a DENY
+AuthorizationPolicy aimed at the Gateway and an ALLOW one (principals, methods, paths;
+namespaces + port) aimed at ``web``.
 
 Compared by name and by the fields that decide behaviour (:func:`behaviour`): listener
 names, ``main_internal``'s chain matcher (VIP -> port -> chain) and chains (their network
@@ -50,6 +53,7 @@ DOCS = os.path.join(h.ROOT, "docs", "waypoint.md")
 N = "wpo"
 WAYPOINT_IP = "10.245.0.50"
 CAPTURED = {"ambient.istio.io/redirection": "enabled"}
+GW_GROUP = "gateway.networking.k8s.io"
 # Istio's own filters (telemetry: peer metadata exchange, stats); a stock Envoy lacks them
 TELEMETRY_FILTERS = {"istio.metadata_exchange", "waypoint_upstream_peer_metadata",
                      "waypoint_downstream_peer_metadata", "envoy.filters.http.grpc_stats",
@@ -66,12 +70,17 @@ def objects() -> list[tuple]:
             {"name": "tcp-db", "port": 9000, "targetPort": 9000}]),
         svc("web-v2", N, {"app": "web-v2"}, labels=use, ports=[
             {"name": "http", "port": 80, "targetPort": 8080}]),
+        svc("echo", N, {"app": "echo"}, labels=use, ports=[
+            {"name": "grpc", "port": 50051, "targetPort": 50051},
+            {"name": "tcp-alt", "port": 9100, "targetPort": 9100}]),
         # web-0 and web-v2-0 are captured (the annotation the node agent writes): HBONE
         # endpoints; web-1 is not: a plaintext endpoint
         pod("web-0", N, ["10.245.0.10"], labels={"app": "web"}, service_account="web",
             annotations=CAPTURED),
         pod("web-1", N, ["10.245.0.11"], labels={"app": "web"}, service_account="web"),
         pod("web-v2-0", N, ["10.245.0.12"], labels={"app": "web-v2"}, service_account="web",
+            annotations=CAPTURED),
+        pod("echo-0", N, ["10.245.0.13"], labels={"app": "echo"}, service_account="web",
             annotations=CAPTURED),
         pod("client", N, ["10.245.0.20"], labels={"app": "client"}, service_account="client",
             annotations=CAPTURED),
@@ -81,7 +90,10 @@ def objects() -> list[tuple]:
              [{"name": "http", "port": 8080, "protocol": "TCP"},
               {"name": "tcp-db", "port": 9000, "protocol": "TCP"}]),
             ("web-v2-1", "web-v2", ["10.245.0.12"],
-             [{"name": "http", "port": 8080, "protocol": "TCP"}])):
+             [{"name": "http", "port": 8080, "protocol": "TCP"}]),
+            ("echo-1", "echo", ["10.245.0.13"],
+             [{"name": "grpc", "port": 50051, "protocol": "TCP"},
+              {"name": "tcp-alt", "port": 9100, "protocol": "TCP"}])):
         ops.append(slice_(name, N, svc_name, [
             {"addresses": [ip], "conditions": {"ready": True},
              "targetRef": {"kind": "Pod", "namespace": N, "name": pod_name}}
@@ -99,6 +111,35 @@ def objects() -> list[tuple]:
                                 {"backendRefs": [{"name": "web", "port": 80, "weight": 80},
                                                  {"name": "web-v2", "port": 80,
                                                   "weight": 20}]}]}}),
+        ("apply", {"apiVersion": GW, "kind": "GRPCRoute",
+                   "metadata": {"name": "calls", "namespace": N},
+                   "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": "echo",
+                                            "port": 50051}],
+                            "rules": [
+                                {"matches": [{"method": {"service": "demo.Echo",
+                                                         "method": "Say"}}],
+                                 "backendRefs": [{"name": "echo", "port": 50051}]},
+                                {"matches": [{"method": {"service": "demo.Echo"},
+                                              "headers": [{"name": "x-canary",
+                                                           "value": "yes"}]}],
+                                 "filters": [{"type": "RequestHeaderModifier",
+                                              "requestHeaderModifier": {"set": [
+                                                  {"name": "x-routed", "value": "canary"}]}}],
+                                 "backendRefs": [{"name": "echo", "port": 50051}]},
+                                {"matches": [{"method": {"method": "Ping"}},
+                                             {"method": {"type": "RegularExpression",
+                                                         "service": "demo\\..*"}}],
+                                 "backendRefs": [{"name": "echo", "port": 50051,
+                                                  "weight": 3},
+                                                 {"name": "web-v2", "port": 80,
+                                                  "weight": 1}]}]}}),
+        ("apply", {"apiVersion": f"{GW_GROUP}/v1alpha2", "kind": "TCPRoute",
+                   "metadata": {"name": "db-split", "namespace": N},
+                   "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": "web",
+                                            "port": 9000}],
+                            "rules": [{"backendRefs": [
+                                {"name": "web", "port": 9000, "weight": 90},
+                                {"name": "echo", "port": 9100, "weight": 10}]}]}}),
         ap("gw-deny", N, {"targetRefs": [{"group": "gateway.networking.k8s.io",
                                           "kind": "Gateway", "name": "waypoint"}],
                           "action": "DENY",
@@ -201,7 +242,8 @@ def _chain(fc: dict, rds: dict) -> dict:
         if name == "envoy.filters.network.rbac":
             out.append((name, _rbac(tc)))
         elif name == "envoy.filters.network.tcp_proxy":
-            out.append((name, {k: tc.get(k) for k in ("cluster", "tunneling_config")}))
+            out.append((name, {k: tc.get(k) for k in ("cluster", "weighted_clusters",
+                                                     "tunneling_config")}))
         elif name == "envoy.filters.network.http_connection_manager":
             out.append((name, _hcm(tc, rds)))
         else:
@@ -439,3 +481,23 @@ def test_rbac_and_routes_compared(views):
                     if "weighted_clusters" in r.get("route", {})]
         assert weighted and [c["weight"] for c in weighted[0]["clusters"]] == [80, 20], (
             side, routes)
+
+
+def test_grpc_and_tcp_routes_compared(views):
+    """The comparison covers the GRPCRoute's routes on echo:50051's HTTP chain (gRPC method
+    matches as path matches, the 3:1 split) and the TCPRoute's weighted clusters on
+    web:9000's TCP chain, on both sides."""
+    for side, v in views.items():
+        chains = behaviour(v)["LDS"]["main_internal"]["chains"]
+        hcm = dict(chains[f"inbound-vip|50051|http|echo.{N}.svc.cluster.local"]["filters"])[
+            "envoy.filters.network.http_connection_manager"]
+        matches = [r["match"] for r in hcm["routes"][0]["routes"]]
+        assert {"path": "/demo.Echo/Say"} in matches, (side, matches)
+        assert any(m.get("prefix") == "/demo.Echo/" for m in matches), (side, matches)
+        weighted = [r["route"]["weighted_clusters"] for r in hcm["routes"][0]["routes"]
+                    if "weighted_clusters" in r.get("route", {})]
+        assert weighted and [c["weight"] for c in weighted[0]["clusters"]] == [3, 1], side
+        proxy = dict(chains[f"inbound-vip|9000|tcp|web.{N}.svc.cluster.local"]["filters"])[
+            "envoy.filters.network.tcp_proxy"]
+        assert [c["weight"] for c in proxy["weighted_clusters"]["clusters"]] == [90, 10], (
+            side, proxy)
