@@ -112,6 +112,15 @@ def one_of_every_kind(ns: str, node: str, suffix: str) -> list[dict]:
          "metadata": {"name": f"rt-{suffix}", "namespace": ns},
          "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": f"svc-{suffix}"}],
                   "rules": [{"backendRefs": [{"name": f"svc-{suffix}", "port": 80}]}]}},
+        {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "GRPCRoute",
+         "metadata": {"name": f"grt-{suffix}", "namespace": ns},
+         "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": f"svc-{suffix}"}],
+                  "rules": [{"matches": [{"method": {"service": "pkg.Svc"}}],
+                             "backendRefs": [{"name": f"svc-{suffix}", "port": 80}]}]}},
+        {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "TCPRoute",
+         "metadata": {"name": f"trt-{suffix}", "namespace": ns},
+         "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": f"svc-{suffix}"}],
+                  "rules": [{"backendRefs": [{"name": f"svc-{suffix}", "port": 80}]}]}},
     ]
 
 
