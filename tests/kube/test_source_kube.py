@@ -468,7 +468,7 @@ async def test_missing_crds_are_retried_until_installed(kube_cluster, kube_admin
     """Started on a cluster without the Istio and Gateway API CRDs, the source is synced
     (those kinds are empty), logs each missing kind once, and lists them once they exist."""
     crd_kinds = {"ServiceEntry", "WorkloadEntry", "AuthorizationPolicy", "PeerAuthentication",
-                 "Gateway", "GatewayClass", "HTTPRoute"}
+                 "Gateway", "GatewayClass", "HTTPRoute", "GRPCRoute", "TCPRoute"}
     await kc.delete_crds(kube_admin)
     try:
         async with running(agent_kubeconfig) as src:
