@@ -26,8 +26,9 @@ async def test_precheck_names_whose_crds_are_present(kube_admin, agent_kubeconfi
     cfg = _config(agent_kubeconfig, tmp_path)
     c = await asyncio.to_thread(precheck.check_istio_crds, cfg)
     assert c.state == precheck.OK, c
-    assert c.detail.startswith("ambient-agent's: AuthorizationPolicy, Gateway, GatewayClass, "
-                               "HTTPRoute, PeerAuthentication, ServiceEntry, WorkloadEntry"), c
+    assert c.detail.startswith("ambient-agent's: AuthorizationPolicy, GRPCRoute, Gateway, "
+                               "GatewayClass, HTTPRoute, PeerAuthentication, ServiceEntry, "
+                               "TCPRoute, WorkloadEntry"), c
     # as Istio's base chart labels the CRDs it templates
     istio = {"app.kubernetes.io/name": None, "app.kubernetes.io/part-of": "istio",
              "helm.sh/chart": "base-1.28.0"}
