@@ -18,13 +18,16 @@ istiod's ``sortHTTPRoutes``: exact path, then prefix, then regex (each longer fi
 no path condition; then more headers.
 
 Unsupported (one warning naming the route and the field, the part skipped): a method
-match with neither service nor method, an unknown match type, ``sessionPersistence``,
-``RequestMirror`` and ``ExtensionRef`` filters (the builder's filter check).
+match with neither service nor method, an unknown match type, a regular expression Envoy
+would reject (:mod:`ambient.waypoint.regex`), ``sessionPersistence``, ``RequestMirror`` and
+``ExtensionRef`` filters (the builder's filter check).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from ambient.waypoint import regex
 
 #: rule fields the waypoint carries (others are named in a warning)
 RULE_FIELDS = frozenset({"name", "matches", "filters", "backendRefs"})
@@ -35,6 +38,14 @@ def check_rule(rule: dict, where: str, problems: list[str]) -> None:
     for key in sorted(rule):
         if key not in RULE_FIELDS:
             problems.append(f"{where}.{key}' is not supported for GRPCRoute: ignored")
+
+
+def _regex_ok(pattern: str, where: str, problems: list[str]) -> bool:
+    why = regex.problem(pattern)
+    if why is None:
+        return True
+    problems.append(f"{where} regex {pattern!r} is not supported: it {why}: match skipped")
+    return False
 
 
 def _string(kind: str, value: str) -> dict:
@@ -62,14 +73,19 @@ def match(m: dict, where: str, problems: list[str]) -> tuple[dict, tuple] | None
             elif svc is None:
                 out["safe_regex"] = {"regex": f"/[^/]+/{meth}"}
                 rank = (2, -len(out["safe_regex"]["regex"]))
+                if not _regex_ok(out["safe_regex"]["regex"], f"{where}.method.method'",
+                                 problems):
+                    return None
             else:
                 out["path"] = f"/{svc}/{meth}"
                 rank = (0, -len(out["path"]))
         elif mtype == "RegularExpression":
-            regex = (f"/{svc}/.+" if meth is None else
-                     f"/[^/]+/{meth}" if svc is None else f"/{svc}/{meth}")
-            out["safe_regex"] = {"regex": regex}
-            rank = (2, -len(regex))
+            pattern = (f"/{svc}/.+" if meth is None else
+                       f"/[^/]+/{meth}" if svc is None else f"/{svc}/{meth}")
+            if not _regex_ok(pattern, f"{where}.method'", problems):
+                return None
+            out["safe_regex"] = {"regex": pattern}
+            rank = (2, -len(pattern))
         else:
             problems.append(f"{where}.method.type' {mtype!r} is not supported: match skipped")
             return None
@@ -83,6 +99,9 @@ def match(m: dict, where: str, problems: list[str]) -> tuple[dict, tuple] | None
         htype = str(h.get("type") or "Exact")
         if htype not in ("Exact", "RegularExpression"):
             problems.append(f"{where}.headers' type {htype!r} is not supported: match skipped")
+            return None
+        if htype == "RegularExpression" and not _regex_ok(
+                str(h.get("value", "")), f"{where}.headers.value'", problems):
             return None
         headers.append({"name": str(h["name"]).lower(),
                         "string_match": _string(htype, str(h.get("value", "")))})

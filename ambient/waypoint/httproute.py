@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from ambient.api import ObjectStore
 from ambient.objects import meta, spec
-from ambient.waypoint import grpcroute
+from ambient.waypoint import grpcroute, regex
 
 #: the route kinds a waypoint reads, attached to a Service by ``parentRefs``
 ROUTE_KINDS = ("HTTPRoute", "GRPCRoute", "TCPRoute")
@@ -102,6 +102,16 @@ def attached_routes(store: ObjectStore, services: dict[tuple[str, str], str],
             port = ref.get("port")
             out.setdefault(key, []).append(Attached(route, port if isinstance(port, int) else 0))
     return out
+
+
+def regex_ok(value: str, where: str, problems: list[str]) -> bool:
+    """Whether Envoy takes ``value`` as a route regex; if not, a problem naming the field
+    ``where`` (``...field 'x.y'``) and the match is skipped by the caller."""
+    why = regex.problem(value)
+    if why is None:
+        return True
+    problems.append(f"{where} {value!r} is not supported: it {why}: match skipped")
+    return False
 
 
 def _string_match(kind: str, value: str) -> dict:
@@ -173,15 +183,20 @@ class RouteBuilder:
                 out["prefix"] = "/"
             prank = (1, -len(trimmed))
         elif ptype == "RegularExpression":
+            if not regex_ok(value, f"{where}.path.value'", self.problems):
+                return None
             out["safe_regex"] = {"regex": value}
             prank = (2, -len(value))
         else:
             self.problems.append(f"{where}.path.type' {ptype!r} is not supported: match skipped")
             return None
         headers = []
-        for h in match.get("headers") or []:
+        for i, h in enumerate(match.get("headers") or []):
             if not isinstance(h, dict) or not h.get("name"):
                 continue
+            if h.get("type") == "RegularExpression" and not regex_ok(
+                    str(h.get("value", "")), f"{where}.headers[{i}].value'", self.problems):
+                return None
             headers.append({"name": str(h["name"]).lower(), "string_match": _string_match(
                 str(h.get("type") or "Exact"), str(h.get("value", "")))})
         method = match.get("method")
@@ -190,7 +205,10 @@ class RouteBuilder:
         if headers:
             out["headers"] = headers
         query = []
-        for q in match.get("queryParams") or []:
+        for i, q in enumerate(match.get("queryParams") or []):
+            if isinstance(q, dict) and q.get("type") == "RegularExpression" and not regex_ok(
+                    str(q.get("value", "")), f"{where}.queryParams[{i}].value'", self.problems):
+                return None
             if isinstance(q, dict) and q.get("name"):
                 query.append({"name": str(q["name"]), "string_match": _string_match(
                     str(q.get("type") or "Exact"), str(q.get("value", "")))})

@@ -6,7 +6,8 @@ gRPC: a grpcio client (plaintext HTTP/2, as an app behind ztunnel speaks) whose 
 source ztunnel would; calls are routed by service/method (exact, service prefix, method
 only, regular expression) and a header, a header set by a filter reaches the server, a call
 no rule matches fails UNIMPLEMENTED (the waypoint's 404), an unsupported filter is one
-warning and ``Accepted=False`` in the computed status.
+warning and ``Accepted=False`` in the computed status, and so is a regular expression Envoy
+would reject (RE2 syntax, program size): the route table is still taken.
 
 TCP: a weighted TCPRoute (80/20) over 200 connections through the same waypoint, each
 answered by the pod that got it: within +-8 points of 80 %; then a route change moves
@@ -84,6 +85,14 @@ GRPC_ROUTE = {
              "filters": [{"type": "RequestMirror", "requestMirror": {
                  "backendRef": {"name": "echo-v2", "port": GRPC_PORT}}}],
              "backendRefs": [{"name": "echo-v1", "port": GRPC_PORT}]},
+            # not RE2, and too big a program for Envoy: each skipped with a warning, never
+            # a route Envoy rejects (it would reject the whole route table)
+            {"matches": [{"method": {"type": "RegularExpression", "service": "bad(",
+                                     "method": "Say"}}],
+             "backendRefs": [{"name": "echo-v2", "port": GRPC_PORT}]},
+            {"matches": [{"headers": [{"name": "x-long", "type": "RegularExpression",
+                                       "value": "(a|b)" * 60}]}],
+             "backendRefs": [{"name": "echo-v2", "port": GRPC_PORT}]},
         ]}}
 
 
@@ -215,9 +224,12 @@ async def test_grpcroute_by_service_and_method(routed, caplog):
             await call("/demo.Echo/Other")                              # no rule matches
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
-    warned = [r for r in caplog.records if r.levelname == "WARNING"
-              and "spec.rules[3].filters[0].type' 'RequestMirror'" in r.getMessage()]
-    assert len(warned) == 1, [r.getMessage() for r in warned]
+    for text in ("spec.rules[3].filters[0].type' 'RequestMirror'",
+                 "spec.rules[4].matches[0].method' regex '/bad(/Say' is not supported",
+                 "spec.rules[5].matches[0].headers.value' regex '(a|b)(a|b)"):
+        warned = [r for r in caplog.records if r.levelname == "WARNING"
+                  and text in r.getMessage()]
+        assert len(warned) == 1, (text, [r.getMessage() for r in caplog.records])
     parent = statuses(env["store"])["grpcroutes"]["demo/calls"]["parents"][0]
     accepted = next(c for c in parent["conditions"] if c["type"] == "Accepted")
     assert (accepted["status"], accepted["reason"]) == ("False", "UnsupportedValue")

@@ -179,7 +179,16 @@ def test_grpc_unsupported_fields_warned_and_not_accepted():
              "name": "b", "port": 50051}}}],
          "sessionPersistence": {"type": "Cookie"},
          "backendRefs": _to(("a", 50051, 1))}])
+    route["spec"]["rules"].append({"matches": [
+        {"method": {"type": "RegularExpression", "service": "(?P<x>a)(?P=x)"}},
+        {"method": {"method": "Get"}, "headers": [{"name": "h", "type": "RegularExpression",
+                                                    "value": "[" + "a" * 200 + "]{200}"}]}],
+        "backendRefs": _to(("a", 50051, 1))})
     out, problems, store = _build(route)
+    assert any("spec.rules[2].matches[0].method' regex '/(?P<x>a)(?P=x)/.+' is not "
+               "supported: it is not an RE2 regular expression" in p for p in problems), problems
+    assert any("spec.rules[2].matches[1].headers.value' regex" in p and
+               "more than Envoy's limit of 100" in p for p in problems), problems
     assert any("spec.rules[0].matches[0].method' needs 'service' or 'method'" in p
                for p in problems), problems
     assert any("spec.rules[1].filters[0].type' 'RequestMirror'" in p for p in problems)
@@ -279,3 +288,29 @@ def test_route_to_a_service_not_bound_or_missing_changes_nothing(kind, caplog):
     section = "tcproutes" if kind == "TCPRoute" else "grpcroutes"
     cond = statuses(store)[section][f"{NS}/elsewhere"]["parents"][0]["conditions"][0]
     assert (cond["status"], cond["reason"]) == ("False", "NoMatchingParent")
+
+
+def test_httproute_regexes_envoy_would_reject_are_skipped():
+    """The same RE2 check guards HTTPRoute's path, header and query regexes (one bad
+    regex would make Envoy reject the whole route table)."""
+    def rule(match: dict) -> dict:
+        return {"matches": [match], "backendRefs": _to(("a", 80, 1))}
+    http = {"apiVersion": GW, "kind": "HTTPRoute", "metadata": {"name": "h", "namespace": NS},
+            "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": "svc",
+                                     "port": 80}],
+                     "rules": [
+                         rule({"path": {"type": "RegularExpression", "value": "/a(?=b)"}}),
+                         rule({"headers": [{"name": "h", "type": "RegularExpression",
+                                            "value": "x" * 150}]}),
+                         rule({"queryParams": [{"name": "q", "type": "RegularExpression",
+                                                "value": "(unclosed"}]}),
+                         rule({"path": {"type": "RegularExpression", "value": "/ok/[0-9]+"}})]}}
+    out, problems, store = _build(http)
+    for text in ("spec.rules[0].matches[0].path.value' '/a(?=b)' is not supported",
+                 "spec.rules[1].matches[0].headers[0].value'",
+                 "spec.rules[2].matches[0].queryParams[0].value' '(unclosed' is not supported"):
+        assert any(text in p for p in problems), (text, problems)
+    assert [r["match"] for r in _routes(out, 80)] == [{"safe_regex": {"regex": "/ok/[0-9]+"}},
+                                                      {"prefix": "/"}]
+    accepted = statuses(store)["httproutes"][f"{NS}/h"]["parents"][0]["conditions"][0]
+    assert (accepted["status"], accepted["reason"]) == ("False", "UnsupportedValue")
