@@ -3,7 +3,8 @@ GRPCRoute to VirtualService HTTP routes (``convertGRPCRoute``, ``createGRPCURIMa
 ``createGRPCHeadersMatch``). gRPC calls are HTTP/2 ``POST /<service>/<method>``, so:
 
 - ``method`` ``type: Exact`` (the default): service and method -> path exactly
-  ``/<service>/<method>``; service only -> path prefix ``/<service>/``; method only ->
+  ``/<service>/<method>``; service only -> path prefix ``/<service>/`` (as istiod's route
+  translation emits it: ``path_separated_prefix`` ``/<service>``); method only ->
   path regex ``/[^/]+/<method>``;
 - ``type: RegularExpression``: service and method -> regex ``/<service>/<method>``;
   service only -> regex ``/<service>/.+``; method only -> regex ``/[^/]+/<method>``;
@@ -68,8 +69,10 @@ def match(m: dict, where: str, problems: list[str]) -> tuple[dict, tuple] | None
             return None
         if mtype == "Exact":
             if meth is None:
-                out["prefix"] = f"/{svc}/"
-                rank = (1, -len(out["prefix"]))
+                # istiod's route translation turns a prefix ending in "/" into a
+                # path-separated prefix: "/<service>" and everything under "/<service>/"
+                out["path_separated_prefix"] = f"/{svc}"
+                rank = (1, -len(f"/{svc}/"))
             elif svc is None:
                 out["safe_regex"] = {"regex": f"/[^/]+/{meth}"}
                 rank = (2, -len(out["safe_regex"]["regex"]))

@@ -493,7 +493,7 @@ def test_grpc_and_tcp_routes_compared(views):
             "envoy.filters.network.http_connection_manager"]
         matches = [r["match"] for r in hcm["routes"][0]["routes"]]
         assert {"path": "/demo.Echo/Say"} in matches, (side, matches)
-        assert any(m.get("prefix") == "/demo.Echo/" for m in matches), (side, matches)
+        assert any(m.get("path_separated_prefix") == "/demo.Echo" for m in matches), (side, matches)
         weighted = [r["route"]["weighted_clusters"] for r in hcm["routes"][0]["routes"]
                     if "weighted_clusters" in r.get("route", {})]
         assert weighted and [c["weight"] for c in weighted[0]["clusters"]] == [3, 1], side

@@ -137,7 +137,7 @@ def test_grpc_method_matches_as_istiod_converts_them():
     # istiod's sort: exact, prefix, regex (longer first), no path; a rule without matches last
     assert got == [
         ({"path": "/pkg.Svc/Get"}, a),
-        ({"prefix": "/pkg.Svc/"}, a),
+        ({"path_separated_prefix": "/pkg.Svc"}, a),
         # equally long regexes keep the rules' order
         ({"safe_regex": {"regex": "/[^/]+/List"}}, b),
         ({"safe_regex": {"regex": "/pkg\\..*/.+"}}, b),
@@ -167,7 +167,7 @@ def test_grpc_and_http_routes_grouped_by_kind_oldest_first():
     out, _, _ = _build(http, grpc_route)
     # the GRPCRoute is older: its VirtualService, and so its routes, come first (istiod
     # keeps one merged VirtualService per kind and concatenates them by age)
-    assert [r["match"] for r in _routes(out, 50051)][:2] == [{"prefix": "/pkg.Svc/"},
+    assert [r["match"] for r in _routes(out, 50051)][:2] == [{"path_separated_prefix": "/pkg.Svc"},
                                                              {"path": "/x/y"}]
 
 
@@ -194,7 +194,7 @@ def test_grpc_unsupported_fields_warned_and_not_accepted():
     assert any("spec.rules[1].filters[0].type' 'RequestMirror'" in p for p in problems)
     assert any("spec.rules[1].sessionPersistence' is not supported" in p for p in problems)
     # the rest is served
-    assert [r["match"] for r in _routes(out, 50051)] == [{"prefix": "/pkg.Svc/"},
+    assert [r["match"] for r in _routes(out, 50051)] == [{"path_separated_prefix": "/pkg.Svc"},
                                                          {"prefix": "/"}]
     parent = statuses(store)["grpcroutes"][f"{NS}/bad"]["parents"][0]
     accepted = parent["conditions"][0]
