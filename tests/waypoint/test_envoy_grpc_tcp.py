@@ -11,8 +11,9 @@ would reject (RE2 syntax, program size): the route table is still taken.
 
 TCP: a weighted TCPRoute (80/20) over 200 connections through the same waypoint, each
 answered by the pod that got it: within +-8 points of 80 %; then a route change moves
-every new connection to the other backend. Envoy NACKs nothing (its ``config_dump`` and the
-agent's NACK counter).
+every new connection to the other backend, and a rule without a weighted backend closes
+each connection unanswered. Envoy NACKs nothing (its ``config_dump`` and the agent's NACK
+counter).
 
 Two destination pods, each with a gRPC server, a TCP server and its own HBONE terminator
 (``tests/waypoint/hbone.py``, written from ztunnel's inbound); every address a unique
@@ -284,6 +285,19 @@ async def test_tcproute_weighted_split_and_change(routed):
     parent = statuses(env["store"])["tcproutes"]["demo/split"]["parents"][0]
     assert [(c["type"], c["status"]) for c in parent["conditions"]] == [
         ("Accepted", "True"), ("ResolvedRefs", "True"), ("ResolvedWaypoints", "True")]
+    assert dump_errors(await config_dump(env["envoy"])) == []
+    assert nacks(env["registry"]) == 0
+
+    # no backend with a weight: istiod's placeholder cluster, which Envoy takes (no NACK)
+    # and which closes every connection unanswered
+    env["store"].apply([(tcp_route({"db-v1": 0}), "test")])
+
+    async def refused():
+        try:
+            return await _tcp_answer(env["tcp"]) == ""
+        except (OSError, TimeoutError):
+            return False
+    await until(refused, 10, "connections closed after the zero-weight TCPRoute")
     assert dump_errors(await config_dump(env["envoy"])) == []
     assert nacks(env["registry"]) == 0
 
