@@ -16,10 +16,23 @@ HTTPRoute, one entry per distinct ``parentRef`` of kind Service (istiod's
   "backend(<host>) not found" for a missing Service or port (istiod's texts).
 - ``ResolvedWaypoints``: True "All waypoints resolved" (istiod adds it in ambient mode).
 
-Gateway (class ``istio-waypoint``): ``Accepted`` True/``Accepted``; ``Programmed``
-True/``Programmed`` with ``addresses`` the ClusterIPs of the Service named as the Gateway
-(the waypoint's Service, as istiod's deployment controller names it), else
-False/``AddressNotAssigned``.
+Gateway (class ``istio-waypoint``), as istiod's ``reportGatewayStatus`` and
+``ResolveGatewayInstances`` report it for the Service named as the Gateway (the waypoint's
+Service, as istiod's deployment controller names it; ``<name>.<ns>.svc.<domain>``, port
+15008): ``Accepted`` True/``Accepted`` "Resource accepted"; ``ResolvedRefs``
+True/``ResolvedRefs`` "All references resolved"; ``Programmed`` True/``Programmed``
+"Resource programmed, assigned to service(s) <host>:15008" when the Service has port 15008
+and an EndpointSlice with an endpoint, with ``addresses`` its ClusterIPs then the hostname
+(the class's address type is unset, so both), else False/``AddressNotUsable`` (no Service,
+no port 15008) or False/``AddressNotAssigned`` (no endpoints) with istiod's "Failed to
+assign to any requested addresses: ..." texts and no addresses. ``listeners``: one entry
+per listener; the single HBONE listener on 15008 is Accepted, any other is
+False/``UnsupportedProtocol``; ``attachedRoutes`` is 0 (routes attach to Services).
+
+Cross-namespace ``backendRefs``: istiod does not check ReferenceGrants for routes whose
+parent is a Service (``route_collections.go`` converts mesh routes with
+``enforceRefGrant = !mesh``), so neither does this module: such a backend resolves and is
+routed to like a same-namespace one.
 
 Each condition is ``{"type", "status" ("True"/"False"), "reason", "message",
 "observedGeneration"}`` as Kubernetes ``metav1.Condition`` (``lastTransitionTime`` is the
@@ -36,6 +49,8 @@ from ambient.waypoint.httproute import Attached, RouteBuilder
 
 CONTROLLER = "istio.io/gateway-controller"
 WAYPOINT_CLASS = "istio-waypoint"
+HBONE_PORT = 15008
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 
 def _cond(kind: str, ok: bool, reason: str, message: str, generation: int) -> dict:
@@ -113,26 +128,70 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
     return {"parents": parents}
 
 
-def gateway_status(store: ObjectStore, gateway: dict) -> dict:
-    """``{"conditions": [...], "addresses": [...]}`` for one ``istio-waypoint`` Gateway."""
+def _has_instances(store: ObjectStore, ns: str, name: str) -> bool:
+    """True when an EndpointSlice of Service ``ns/name`` lists an endpoint."""
+    for sl in store.list("EndpointSlice", ns):
+        labels = meta(sl).get("labels") or {}
+        if labels.get(SERVICE_NAME_LABEL) == name and any(
+                isinstance(e, dict) and e.get("addresses") for e in sl.get("endpoints") or []):
+            return True
+    return False
+
+
+def _listener_status(listener: dict, valid: bool) -> dict:
+    ok = "No errors found"
+    accepted = _cond("Accepted", True, "Accepted", ok, 0) if valid else _cond(
+        "Accepted", False, "UnsupportedProtocol",
+        f'Expected a single listener on port {HBONE_PORT} with protocol "HBONE"', 0)
+    return {"name": listener.get("name"), "attachedRoutes": 0,
+            "supportedKinds": [] if valid else [
+                {"group": "gateway.networking.k8s.io", "kind": "HTTPRoute"},
+                {"group": "gateway.networking.k8s.io", "kind": "GRPCRoute"}],
+            "conditions": [accepted, _cond("Conflicted", False, "NoConflicts", ok, 0),
+                           _cond("Programmed", True, "Programmed", ok, 0),
+                           _cond("ResolvedRefs", True, "ResolvedRefs", ok, 0)]}
+
+
+def gateway_status(store: ObjectStore, gateway: dict, domain: str = "cluster.local") -> dict:
+    """``{"conditions", "addresses", "listeners"}`` for one ``istio-waypoint`` Gateway."""
     ns, name = meta(gateway).get("namespace", ""), meta(gateway).get("name", "")
     generation = int(meta(gateway).get("generation") or 0)
+    host = f"{name}.{ns}.svc.{domain}"
     svc = store.get("Service", ns, name)
-    ips: list[str] = []
-    if svc is not None:
-        s = spec(svc)
-        ips = [ip for ip in (s.get("clusterIPs") or [s.get("clusterIP")])
-               if isinstance(ip, str) and ip and ip != "None"]
-    conditions = [_cond("Accepted", True, "Accepted", "Resource accepted", generation)]
-    if ips:
-        conditions.append(_cond("Programmed", True, "Programmed", "Resource programmed, "
-                                f"assigned to service(s) {name}.{ns}.svc", generation))
+    addresses: list[dict] = []
+    if svc is None:
+        programmed = _cond("Programmed", False, "AddressNotUsable",
+                           f"Failed to assign to any requested addresses: hostname "
+                           f"\"{host}\" not found", generation)
+    elif not _has_instances(store, ns, name):
+        programmed = _cond("Programmed", False, "AddressNotAssigned",
+                           f"Failed to assign to any requested addresses: no instances found "
+                           f"for hostname \"{host}\"", generation)
+    elif HBONE_PORT not in _service_ports(svc):
+        programmed = _cond("Programmed", False, "AddressNotUsable",
+                           f"Failed to assign to any requested addresses: port {HBONE_PORT} "
+                           f"not found for hostname \"{host}\"", generation)
     else:
-        conditions.append(_cond("Programmed", False, "AddressNotAssigned",
-                                f"no Service {ns}/{name} with a cluster IP for the waypoint",
-                                generation))
-    return {"conditions": conditions,
-            "addresses": [{"type": "IPAddress", "value": ip} for ip in ips]}
+        programmed = _cond("Programmed", True, "Programmed", f"Resource programmed, assigned "
+                           f"to service(s) {host}:{HBONE_PORT}", generation)
+        s = spec(svc)
+        addresses = [{"type": "IPAddress", "value": ip}
+                     for ip in (s.get("clusterIPs") or [s.get("clusterIP")])
+                     if isinstance(ip, str) and ip and ip != "None"]
+        addresses.append({"type": "Hostname", "value": host})
+    listeners = [x for x in spec(gateway).get("listeners") or [] if isinstance(x, dict)]
+    hbone = [x for x in listeners if x.get("port") == HBONE_PORT and x.get("protocol") == "HBONE"]
+    out_listeners = []
+    for x in listeners:
+        st = _listener_status(x, len(hbone) == 1 and x is hbone[0])
+        for c in st["conditions"]:
+            c["observedGeneration"] = generation
+        out_listeners.append(st)
+    return {"conditions": [_cond("Accepted", True, "Accepted", "Resource accepted", generation),
+                           programmed,
+                           _cond("ResolvedRefs", True, "ResolvedRefs", "All references resolved",
+                                 generation)],
+            "addresses": addresses, "listeners": out_listeners}
 
 
 def statuses(store: ObjectStore, domain: str = "cluster.local") -> dict[str, Any]:
@@ -142,7 +201,7 @@ def statuses(store: ObjectStore, domain: str = "cluster.local") -> dict[str, Any
     for gw in store.list("Gateway"):
         if spec(gw).get("gatewayClassName") == WAYPOINT_CLASS:
             gateways[f"{meta(gw).get('namespace')}/{meta(gw).get('name')}"] = \
-                gateway_status(store, gw)
+                gateway_status(store, gw, domain)
     routes = {}
     for route in store.list("HTTPRoute"):
         st = route_status(store, route, domain)
