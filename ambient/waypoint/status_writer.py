@@ -256,7 +256,9 @@ class StatusWriter(Component):
                 self.writes["unchanged"] += 1
                 return
             rv = str(meta(obj).get("resourceVersion") or "")
-            body: dict[str, Any] = {"status": status}
+            # a merge patch leaves absent keys alone: a key we dropped is sent as null
+            dropped = {k: None for k in (current or {}) if k not in status}
+            body: dict[str, Any] = {"status": {**status, **dropped}}
             if rv:
                 body["metadata"] = {"resourceVersion": rv}
             try:

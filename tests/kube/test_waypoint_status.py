@@ -268,6 +268,17 @@ async def test_status_written_as_istiod_writes_it_and_not_rewritten_when_unchang
             return by_type(ours(obj)[0]["conditions"])["ResolvedRefs"]["status"] == "True"
 
         await until(resolved, 30, "ResolvedRefs True once the backend exists")
+
+        # the waypoint loses its endpoints: not programmed, and its addresses are removed
+        await kc.request(kube_admin, "DELETE", f"/apis/discovery.k8s.io/v1/namespaces/{ns}/"
+                                               "endpointslices/wp-1")
+
+        async def unassigned() -> bool:
+            st = (await get(kube_admin, f"{GW}/namespaces/{ns}/gateways/wp"))["status"]
+            return by_type(st["conditions"])["Programmed"]["reason"] == "AddressNotAssigned" \
+                and "addresses" not in st
+
+        await until(unassigned, 30, "Programmed=False and no addresses without endpoints")
     finally:
         await kc.delete_namespace(kube_admin, other)
 
