@@ -14,7 +14,11 @@ HTTPRoute, one entry per distinct ``parentRef`` of kind Service (istiod's
 - ``ResolvedRefs``: True/``ResolvedRefs`` "All references resolved"; False/``InvalidKind``
   for a backend that is not a core Service, False/``BackendNotFound``
   "backend(<host>) not found" for a missing Service or port (istiod's texts).
-- ``ResolvedWaypoints``: True "All waypoints resolved" (istiod adds it in ambient mode).
+- ``ResolvedWaypoints`` (istiod adds it in ambient mode; always True, only its message
+  changes): "All waypoints resolved"; "parent not found" without the Service; istiod's
+  "istio.io/use-waypoint label missing from parent and parent namespace; ..." when neither
+  the Service nor its namespace carries ``istio.io/use-waypoint`` (a value ``none`` counts
+  as missing).
 
 Gateway (class ``istio-waypoint``), as istiod's ``reportGatewayStatus`` and
 ``ResolveGatewayInstances`` report it for the Service named as the Gateway (the waypoint's
@@ -51,6 +55,9 @@ CONTROLLER = "istio.io/gateway-controller"
 WAYPOINT_CLASS = "istio-waypoint"
 HBONE_PORT = 15008
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+USE_WAYPOINT_LABEL = "istio.io/use-waypoint"
+MISSING_WAYPOINT_LABEL = ("istio.io/use-waypoint label missing from parent and parent namespace; "
+                          "in ambient mode, route will not be respected")
 
 
 def _cond(kind: str, ok: bool, reason: str, message: str, generation: int) -> dict:
@@ -61,6 +68,14 @@ def _cond(kind: str, ok: bool, reason: str, message: str, generation: int) -> di
 def _service_ports(svc: dict) -> set[int]:
     return {p["port"] for p in spec(svc).get("ports") or []
             if isinstance(p, dict) and isinstance(p.get("port"), int)}
+
+
+def _uses_waypoint(obj: dict | None, absent: bool = False) -> bool:
+    """``istio.io/use-waypoint`` set (and not ``none``) on ``obj``; ``absent`` when None."""
+    if obj is None:
+        return absent
+    value = (meta(obj).get("labels") or {}).get(USE_WAYPOINT_LABEL, "")
+    return bool(value) and value.lower() != "none"
 
 
 def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local") -> dict:
@@ -99,9 +114,11 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
             continue
         seen.add(key)
         svc = store.get("Service", pns, pname)
+        waypoints = "All waypoints resolved"
         if svc is None:
-            accepted = _cond("Accepted", False, "NoMatchingParent", "parent not found",
-                             generation)
+            accepted = _cond("Accepted", False, "NoMatchingParent",
+                             f'parent service: "{pname}" not found', generation)
+            waypoints = "parent not found"
         else:
             problems: list[str] = []
             ports = [ref["port"]] if isinstance(ref.get("port"), int) else \
@@ -114,6 +131,9 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
             accepted = _cond("Accepted", False, "UnsupportedValue", "; ".join(unsupported),
                              generation) if unsupported else _cond(
                 "Accepted", True, "Accepted", "Route was valid", generation)
+            if not _uses_waypoint(svc) and not _uses_waypoint(store.get("Namespace", "", pns),
+                                                              absent=True):
+                waypoints = MISSING_WAYPOINT_LABEL
         resolved = _cond("ResolvedRefs", False, ref_error[0], ref_error[1], generation) \
             if ref_error else _cond("ResolvedRefs", True, "ResolvedRefs",
                                     "All references resolved", generation)
@@ -123,8 +143,7 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
                                    "sectionName")},
             "controllerName": CONTROLLER,
             "conditions": [accepted, resolved, _cond(
-                "ResolvedWaypoints", True, "ResolvedWaypoints", "All waypoints resolved",
-                generation)]})
+                "ResolvedWaypoints", True, "ResolvedWaypoints", waypoints, generation)]})
     return {"parents": parents}
 
 

@@ -209,7 +209,7 @@ async def test_status_written_as_istiod_writes_it_and_not_rewritten_when_unchang
                                                                              "ResolvedRefs")
         c = by_type(ours(routes["orphan"])[0]["conditions"])
         assert (c["Accepted"]["status"], c["Accepted"]["reason"], c["Accepted"]["message"]) == \
-            ("False", "NoMatchingParent", "parent not found")
+            ("False", "NoMatchingParent", 'parent service: "gone" not found')
 
         gw = await get(kube_admin, f"{GW}/namespaces/{ns}/gateways/wp")
         svc = await get(kube_admin, f"/api/v1/namespaces/{ns}/services/wp")

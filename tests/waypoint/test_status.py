@@ -105,7 +105,20 @@ def test_route_conditions_as_istiod_reports_them():
 
     c = _by_type(routes[f"{NS}/no-parent"]["parents"][0]["conditions"])
     assert (c["Accepted"]["status"], c["Accepted"]["reason"], c["Accepted"]["message"]) == \
-        ("False", "NoMatchingParent", "parent not found")
+        ("False", "NoMatchingParent", 'parent service: "gone" not found')
+    assert c["ResolvedWaypoints"]["message"] == "parent not found"
+    assert c["ResolvedWaypoints"]["status"] == "True"  # istiod never sets it False
+
+
+def test_route_to_a_service_without_use_waypoint_says_so_as_istiod():
+    store = _store()
+    store.apply([(_route("unlabelled", "other", [{"name": "web", "port": 80}]), "t")])
+    c = _by_type(statuses(store)["httproutes"][f"{NS}/unlabelled"]["parents"][0]["conditions"])
+    assert (c["ResolvedWaypoints"]["status"], c["ResolvedWaypoints"]["message"]) == (
+        "True", "istio.io/use-waypoint label missing from parent and parent namespace; in "
+                "ambient mode, route will not be respected")
+    assert _by_type(statuses(store)["httproutes"][f"{NS}/good"]["parents"][0]["conditions"])[
+        "ResolvedWaypoints"]["message"] == "All waypoints resolved"
 
 
 def test_gateway_programmed_with_its_service_address():
