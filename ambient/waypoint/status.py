@@ -11,7 +11,11 @@ HTTPRoute, one entry per distinct ``parentRef`` of kind Service (istiod's
   found" when the Service does not exist; False/``UnsupportedValue`` naming the field when
   the route uses something the waypoint does not carry (the same texts the waypoint
   build warns with; the route is then still served without that part, never NACKed).
-- ``ResolvedRefs``: True/``ResolvedRefs`` "All references resolved"; False/``InvalidKind``
+- ``ResolvedRefs``: True/``ResolvedRefs`` "All references resolved"; False/``InvalidFilter``
+  'unsupported filter type "<type>"' for a filter type istiod does not convert either
+  (``ExtensionRef`` ...: istiod fails the route's conversion and reports it here, leaving
+  ``Accepted`` True; a filter istiod converts but the waypoint does not carry, e.g.
+  ``URLRewrite``, is the ``UnsupportedValue`` above); False/``InvalidKind``
   for a backend that is not a core Service, False/``BackendNotFound``
   "backend(<host>) not found" for a missing Service or port (istiod's texts).
 - ``ResolvedWaypoints`` (istiod adds it in ambient mode; always True, only its message
@@ -56,6 +60,10 @@ WAYPOINT_CLASS = "istio-waypoint"
 HBONE_PORT = 15008
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 USE_WAYPOINT_LABEL = "istio.io/use-waypoint"
+#: the HTTPRoute filter types istiod converts (conversion.go convertHTTPRoute); any other
+#: type fails the conversion there
+ISTIOD_FILTERS = frozenset({"RequestHeaderModifier", "ResponseHeaderModifier",
+                            "RequestRedirect", "RequestMirror", "URLRewrite", "CORS"})
 MISSING_WAYPOINT_LABEL = ("istio.io/use-waypoint label missing from parent and parent namespace; "
                           "in ambient mode, route will not be respected")
 
@@ -87,6 +95,17 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
     # backend references, as istiod resolves them (the first failure is reported)
     ref_error: tuple[str, str] | None = None
     rules = spec(route).get("rules")
+    # a filter type istiod does not know is a hard conversion error there: reported under
+    # ResolvedRefs (InvalidFilter), not as the route's acceptance
+    hard_error: tuple[str, str] | None = None
+    unknown_filters: set[str] = set()
+    for r, rule in enumerate(rules if isinstance(rules, list) else []):
+        filters = rule.get("filters") if isinstance(rule, dict) else None
+        for f, flt in enumerate(filters if isinstance(filters, list) else []):
+            ftype = flt.get("type") if isinstance(flt, dict) else None
+            if ftype not in ISTIOD_FILTERS:
+                unknown_filters.add(f"spec.rules[{r}].filters[{f}].type'")
+                hard_error = hard_error or ("InvalidFilter", f'unsupported filter type "{ftype}"')
     for rule in rules if isinstance(rules, list) else []:
         for ref in (rule.get("backendRefs") or []) if isinstance(rule, dict) else []:
             if not isinstance(ref, dict) or ref_error is not None:
@@ -126,16 +145,18 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
             for port in ports or [0]:
                 RouteBuilder([Attached(route, port)], port, lambda *_a: "x", problems).routes()
             # backend problems are ResolvedRefs' (above), not the route's acceptance
-            unsupported = list(dict.fromkeys(p for p in problems if "not supported" in p
-                                             and ".backendRefs[" not in p))
+            unsupported = list(dict.fromkeys(
+                p for p in problems if "not supported" in p and ".backendRefs[" not in p
+                and not any(u in p for u in unknown_filters)))
             accepted = _cond("Accepted", False, "UnsupportedValue", "; ".join(unsupported),
                              generation) if unsupported else _cond(
                 "Accepted", True, "Accepted", "Route was valid", generation)
             if not _uses_waypoint(svc) and not _uses_waypoint(store.get("Namespace", "", pns),
                                                               absent=True):
                 waypoints = MISSING_WAYPOINT_LABEL
-        resolved = _cond("ResolvedRefs", False, ref_error[0], ref_error[1], generation) \
-            if ref_error else _cond("ResolvedRefs", True, "ResolvedRefs",
+        error = hard_error or ref_error
+        resolved = _cond("ResolvedRefs", False, error[0], error[1], generation) \
+            if error else _cond("ResolvedRefs", True, "ResolvedRefs",
                                     "All references resolved", generation)
         parents.append({
             "parentRef": {k: v for k, v in ref.items()

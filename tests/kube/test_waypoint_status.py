@@ -155,6 +155,8 @@ async def test_status_written_as_istiod_writes_it_and_not_rewritten_when_unchang
                   route(ns, "unsupported", "web", [{"name": "web", "port": 80}],
                         filters=[{"type": "ExtensionRef",
                                   "extensionRef": {"group": "x", "kind": "Y", "name": "z"}}]),
+                  route(ns, "rewrite", "web", [{"name": "web", "port": 80}],
+                        filters=[{"type": "URLRewrite", "urlRewrite": {"hostname": "h"}}]),
                   route(ns, "cross", "web", [{"name": "far", "namespace": other, "port": 80}]),
                   route(ns, "orphan", "gone", [{"name": "web", "port": 80}])):
             await kc.apply(kube_admin, r)
@@ -170,7 +172,7 @@ async def test_status_written_as_istiod_writes_it_and_not_rewritten_when_unchang
         agent = await agents(system_ns, kc.unique("node"))
 
         async def all_written() -> bool:
-            for name in ("good", "missing", "unsupported", "cross", "orphan"):
+            for name in ("good", "missing", "unsupported", "rewrite", "cross", "orphan"):
                 if not ours(await get(kube_admin, f"{GW}/namespaces/{ns}/httproutes/{name}")):
                     return False
             gw = await get(kube_admin, f"{GW}/namespaces/{ns}/gateways/wp")
@@ -178,7 +180,7 @@ async def test_status_written_as_istiod_writes_it_and_not_rewritten_when_unchang
 
         await until(all_written, 40, "status on every route and the Gateway")
         routes = {n: await get(kube_admin, f"{GW}/namespaces/{ns}/httproutes/{n}")
-                  for n in ("good", "missing", "unsupported", "cross", "orphan")}
+                  for n in ("good", "missing", "unsupported", "rewrite", "cross", "orphan")}
 
         good = routes["good"]
         assert foreign in good["status"]["parents"]
@@ -199,9 +201,15 @@ async def test_status_written_as_istiod_writes_it_and_not_rewritten_when_unchang
                 c["ResolvedRefs"]["message"]) == (
             "False", "BackendNotFound", f"backend(nope.{ns}.svc.cluster.local) not found")
         assert c["Accepted"]["status"] == "True"
+        # a filter type istiod cannot convert: istiod's InvalidFilter under ResolvedRefs
         c = by_type(ours(routes["unsupported"])[0]["conditions"])
+        assert (c["Accepted"]["status"], c["ResolvedRefs"]["status"], c["ResolvedRefs"]["reason"],
+                c["ResolvedRefs"]["message"]) == ("True", "False", "InvalidFilter",
+                                                  'unsupported filter type "ExtensionRef"')
+        # one istiod converts but the waypoint does not carry: Accepted=False naming the field
+        c = by_type(ours(routes["rewrite"])[0]["conditions"])
         assert (c["Accepted"]["status"], c["Accepted"]["reason"]) == ("False", "UnsupportedValue")
-        assert "spec.rules[0].filters[0]" in c["Accepted"]["message"]
+        assert "spec.rules[0].filters[0].type" in c["Accepted"]["message"]
         # a Service-parented route needs no ReferenceGrant for another namespace (istiod:
         # mesh routes are converted with enforceRefGrant = !mesh)
         c = by_type(ours(routes["cross"])[0]["conditions"])

@@ -71,6 +71,8 @@ def _store() -> ObjectStore:
         _route("bad-port", "web", [{"name": "other", "port": 81}]),
         _route("bad-kind", "web", [{"group": "example.com", "kind": "Bucket", "name": "b"}]),
         _route("unsupported", "web", [{"name": "web", "port": 80}],
+               filters=[{"type": "URLRewrite", "urlRewrite": {"hostname": "x"}}]),
+        _route("unknown-filter", "web", [{"name": "web", "port": 80}],
                filters=[{"type": "ExtensionRef", "extensionRef": {"name": "x"}}]),
         _route("no-parent", "gone", [{"name": "web", "port": 80}]),
     ]])
@@ -102,6 +104,13 @@ def test_route_conditions_as_istiod_reports_them():
     c = _by_type(routes[f"{NS}/unsupported"]["parents"][0]["conditions"])
     assert (c["Accepted"]["status"], c["Accepted"]["reason"]) == ("False", "UnsupportedValue")
     assert "spec.rules[0].filters[0].type" in c["Accepted"]["message"]  # names the field
+
+    # a filter type istiod does not convert either: its InvalidFilter under ResolvedRefs
+    c = _by_type(routes[f"{NS}/unknown-filter"]["parents"][0]["conditions"])
+    assert (c["Accepted"]["status"], c["Accepted"]["message"]) == ("True", "Route was valid")
+    assert (c["ResolvedRefs"]["status"], c["ResolvedRefs"]["reason"],
+            c["ResolvedRefs"]["message"]) == ("False", "InvalidFilter",
+                                              'unsupported filter type "ExtensionRef"')
 
     c = _by_type(routes[f"{NS}/no-parent"]["parents"][0]["conditions"])
     assert (c["Accepted"]["status"], c["Accepted"]["reason"], c["Accepted"]["message"]) == \
