@@ -61,6 +61,17 @@ class Agent:
         self.source, self.writer, self.api = source, writer, api
         self.stopped = False
 
+    async def crash(self) -> None:
+        """As a killed agent: the election and the writer stop at once, the Lease is left
+        as it was (no release)."""
+        task, self.writer.election._task = self.writer.election._task, None
+        assert task is not None
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await self.writer._step_down()
+        self.writer.election.leading = False
+        await self.stop()
+
     async def stop(self) -> None:
         if not self.stopped:
             self.stopped = True
@@ -322,9 +333,11 @@ async def test_two_agents_one_writer_failover_and_istiod_lock(
     assert leader.writer.writes["patched"] >= 2
     assert follower.writer.writes["patched"] == 0 and follower.writer.passes == 0
     assert not follower.writer.leading
+    patched_before_crash = leader.writer.writes["patched"]
 
-    # the leader stops: the follower takes over and writes what changes next
-    await leader.stop()
+    # the leader dies (no release, no more renewals): the follower takes over once the
+    # Lease is not renewed for its duration, and writes what changes next
+    await leader.crash()
 
     async def took_over() -> bool:
         return follower.writer.leading
@@ -333,6 +346,23 @@ async def test_two_agents_one_writer_failover_and_istiod_lock(
     await kc.apply(kube_admin, route(ns, "r2", "web", [{"name": "web", "port": 80}]))
     await until(lambda: written("r2"), 30, "r2's status written by the new leader")
     assert follower.writer.writes["patched"] >= 1
+    assert leader.writer.writes["patched"] == patched_before_crash
+
+    # a graceful stop gives the Lease up: a third agent takes over
+    c = await agents(system_ns, kc.unique("node-c"))
+    await until(lambda: written("r2"), 5, "r2 still written")  # (c is a follower now)
+    assert not c.writer.leading
+    await follower.stop()
+
+    async def c_leads() -> bool:
+        return c.writer.leading
+
+    await until(c_leads, 20, "the third agent leading after a graceful stop")
+    lease = await get(kube_admin, f"/apis/coordination.k8s.io/v1/namespaces/{system_ns}/"
+                                  f"leases/{LEASE_NAME}")
+    assert lease["spec"]["holderIdentity"] == c.writer.election.identity
+    await kc.apply(kube_admin, route(ns, "r3", "web", [{"name": "web", "port": 80}]))
+    await until(lambda: written("r3"), 30, "r3's status written by the third agent")
 
     # istiod's per-revision gateway status Lease is held: the agent stands aside
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -344,15 +374,15 @@ async def test_two_agents_one_writer_failover_and_istiod_lock(
                                   "acquireTime": now, "renewTime": now}})
 
     async def stood_aside() -> bool:
-        return not follower.writer.leading and follower.writer.election.istiod_active
+        return not c.writer.leading and c.writer.election.istiod_active
 
     await until(stood_aside, 20, "the agent standing aside for istiod")
-    patched = follower.writer.writes["patched"]
-    await kc.apply(kube_admin, route(ns, "r3", "web", [{"name": "web", "port": 80}]))
+    patched = c.writer.writes["patched"]
+    await kc.apply(kube_admin, route(ns, "r4", "web", [{"name": "web", "port": 80}]))
     # the writer's worker is stopped while istiod leads: no pass can run
-    assert follower.writer._worker is None
-    obj = await get(kube_admin, f"{GW}/namespaces/{ns}/httproutes/r3")
-    assert not ours(obj) and follower.writer.writes["patched"] == patched
+    assert c.writer._worker is None
+    obj = await get(kube_admin, f"{GW}/namespaces/{ns}/httproutes/r4")
+    assert not ours(obj) and c.writer.writes["patched"] == patched
 
 
 async def test_conflicting_change_is_reread_not_overwritten(
