@@ -60,10 +60,14 @@ WAYPOINT_CLASS = "istio-waypoint"
 HBONE_PORT = 15008
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 USE_WAYPOINT_LABEL = "istio.io/use-waypoint"
-#: the HTTPRoute filter types istiod converts (conversion.go convertHTTPRoute); any other
-#: type fails the conversion there
-ISTIOD_FILTERS = frozenset({"RequestHeaderModifier", "ResponseHeaderModifier",
-                            "RequestRedirect", "RequestMirror", "URLRewrite", "CORS"})
+#: route kind -> the filter types istiod converts (conversion.go convertHTTPRoute,
+#: convertGRPCRoute); any other type fails the conversion there
+ISTIOD_FILTERS = {
+    "HTTPRoute": frozenset({"RequestHeaderModifier", "ResponseHeaderModifier",
+                            "RequestRedirect", "RequestMirror", "URLRewrite", "CORS"}),
+    "GRPCRoute": frozenset({"RequestHeaderModifier", "ResponseHeaderModifier",
+                            "RequestMirror"}),
+}
 MISSING_WAYPOINT_LABEL = ("istio.io/use-waypoint label missing from parent and parent namespace; "
                           "in ambient mode, route will not be respected")
 
@@ -99,11 +103,12 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
     # ResolvedRefs (InvalidFilter), not as the route's acceptance
     hard_error: tuple[str, str] | None = None
     unknown_filters: set[str] = set()
+    known = ISTIOD_FILTERS.get(str(route.get("kind") or "HTTPRoute"), frozenset())
     for r, rule in enumerate(rules if isinstance(rules, list) else []):
         filters = rule.get("filters") if isinstance(rule, dict) else None
         for f, flt in enumerate(filters if isinstance(filters, list) else []):
             ftype = flt.get("type") if isinstance(flt, dict) else None
-            if ftype not in ISTIOD_FILTERS:
+            if ftype not in known:
                 unknown_filters.add(f"spec.rules[{r}].filters[{f}].type'")
                 hard_error = hard_error or ("InvalidFilter", f'unsupported filter type "{ftype}"')
     for rule in rules if isinstance(rules, list) else []:
