@@ -26,7 +26,8 @@ writer re-reads the object and decides again (at most :data:`CONFLICT_ATTEMPTS` 
 it never overwrites what it has not seen. Other failures are retried with the agent's
 :class:`agent.core.backoff.Backoff` (0.5 s doubling to 30 s); a vanished object (404) is
 skipped. Recomputation follows the store: any change of a kind the status depends on marks
-the status dirty and a pass runs after :data:`DEBOUNCE` seconds; a full pass also runs
+the status dirty (EndpointSlices only when they belong to a Service named as a Gateway)
+and a pass runs after :data:`DEBOUNCE` seconds; a full pass also runs
 every ``resync`` seconds and whenever this agent becomes the leader.
 """
 
@@ -63,9 +64,10 @@ WRITTEN: dict[str, tuple[str, str, str]] = {
     "tcproutes": ("TCPRoute", f"{GATEWAY_API}/v1alpha2", "tcproutes"),
 }
 #: kinds whose change can change a status
-WATCHED = frozenset({"Gateway", "HTTPRoute", "GRPCRoute", "TCPRoute", "Service",
+WATCHED = frozenset({"Gateway", "HTTPRoute", "GRPCRoute", "TCPRoute", "Service", "Namespace",
                      "EndpointSlice"})
-DEBOUNCE = 0.1           # s between a store change and the pass it triggers
+DEBOUNCE = 0.5           # s between a store change and the pass it triggers (bounds the
+                         # leader's recomputation under endpoint churn)
 CONFLICT_ATTEMPTS = 3    # re-reads after a 409 before the object waits for the next pass
 REQUEST_TIMEOUT = 10.0   # s for one API call
 
@@ -174,8 +176,19 @@ class StatusWriter(Component):
         return self.election.leading
 
     def _on_events(self, events: list) -> None:
-        if any(getattr(e, "kind", "") in WATCHED for e in events):
-            self._dirty.set()
+        if not self.leading or self._dirty.is_set():
+            return
+        for e in events:
+            if e.kind == "EndpointSlice":
+                # only a waypoint's own endpoints change a status (its Programmed)
+                obj = e.new or e.old or {}
+                svc = (meta(obj).get("labels") or {}).get(wstatus.SERVICE_NAME_LABEL)
+                if svc and self.store.get("Gateway", e.namespace, svc) is not None:
+                    self._dirty.set()
+                    return
+            elif e.kind in WATCHED:
+                self._dirty.set()
+                return
 
     def _lead(self) -> None:
         self._dirty.set()
