@@ -154,6 +154,7 @@ class StatusWriter(Component):
         self._dirty = asyncio.Event()
         self._worker: asyncio.Task | None = None
         self._unsubscribe: Callable[[], None] | None = None
+        self._failing: dict[str, str] = {}  # "Kind ns/name" -> the last error's reason
 
     # --- lifecycle ---
 
@@ -242,15 +243,21 @@ class StatusWriter(Component):
             kind = WRITTEN[key][0]
             for nsname, want in objects.items():
                 ns, name = nsname.split("/", 1)
+                where = f"{kind} {ns}/{name}"
                 try:
                     await self._write(key, ns, name, want, self.store.get(kind, ns, name))
+                    self._failing.pop(where, None)
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # noqa: BLE001 - one object never stops the pass
                     failed += 1
                     self.writes["errors"] += 1
-                    log.warning("writing status of %s %s/%s: %s", kind, ns, name,
-                                getattr(e, "reason", None) or e)
+                    reason = str(getattr(e, "reason", None) or e)
+                    # one WARNING per object and reason; the retries after it at DEBUG
+                    level = logging.DEBUG if self._failing.get(where) == reason else \
+                        logging.WARNING
+                    self._failing[where] = reason
+                    log.log(level, "writing status of %s: %s (retried)", where, reason)
         return failed
 
     def _merge(self, key: str, current: Any, want: dict) -> dict:

@@ -453,3 +453,75 @@ async def test_unsupported_listener_and_missing_service_as_istiod(
     assert listener["supportedKinds"] == [
         {"group": "gateway.networking.k8s.io", "kind": "HTTPRoute"},
         {"group": "gateway.networking.k8s.io", "kind": "GRPCRoute"}]
+
+
+async def test_forbidden_writes_warn_once_retry_and_recover(
+        kube_cluster, system_ns, kube_admin, kube_namespace, tmp_path, caplog):
+    """An agent whose ServiceAccount may read everything but not write status: every write
+    is Forbidden, counted, logged once per object at WARNING, retried with backoff, and
+    the writer keeps leading; once the shipped ClusterRole is bound the status appears."""
+    ns = kube_namespace
+    await waypoint_objects(kube_admin, ns)
+    sa = kc.unique("nostatus")
+    await kc.create_service_account(kube_admin, ns, sa)
+    reader = kc.unique("reader")
+    await kc.apply(kube_admin, {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+        "metadata": {"name": reader},
+        "rules": [{"apiGroups": ["", "discovery.k8s.io", "gateway.networking.k8s.io"],
+                   "resources": ["services", "endpointslices", "gateways", "httproutes"],
+                   "verbs": ["list", "watch", "get"]}]})
+    subject = [{"kind": "ServiceAccount", "name": sa, "namespace": ns}]
+    bindings = [(reader, kc.unique("bind-reader")), ("ambient-agent", kc.unique("bind-agent"))]
+    await kc.apply(kube_admin, {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": bindings[0][1]}, "subjects": subject,
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": reader}})
+    await kc.apply(kube_admin, {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": {"name": "status-lease", "namespace": system_ns}, "subjects": subject,
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                    "name": "ambient-agent-status"}})
+    token = await kc.service_account_token(kube_admin, ns, sa)
+    api = await kc.client_from_kubeconfig(kc.kubeconfig_for_token(
+        kube_cluster, token, str(tmp_path / "nostatus.kubeconfig")))
+    store = ObjectStore(CollectorRegistry(), source="kubernetes")
+    source = KubernetesSource(store, api_client=api, kinds=KINDS)
+    writer = StatusWriter(store, lambda: api, system_ns, kc.unique("node"), lease_seconds=3)
+    agent = Agent(source, writer, api)
+    caplog.set_level("DEBUG", logger="ambient.waypoint.status_writer")
+    try:
+        await source.start()
+        await writer.start()
+
+        async def failing_twice() -> bool:
+            return writer.writes["errors"] >= 2 and writer.passes >= 2
+
+        await until(failing_twice, 40, "two failed passes")
+        assert writer.leading and writer.writes["patched"] == 0
+        warnings = [r for r in caplog.records if r.levelname == "WARNING"
+                    and "writing status of Gateway" in r.getMessage()]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        assert "forbidden" in warnings[0].getMessage().lower()
+        await kc.apply(kube_admin, {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": bindings[1][1]}, "subjects": subject,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": "ambient-agent"}})
+
+        async def written() -> bool:
+            gw = await get(kube_admin, f"{GW}/namespaces/{ns}/gateways/wp")
+            return bool((gw.get("status") or {}).get("conditions"))
+
+        await until(written, 60, "the status written once allowed")
+    finally:
+        await agent.stop()
+        await kc.request(kube_admin, "DELETE",
+                         f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{reader}")
+        for _, name in bindings:
+            try:
+                await kc.request(kube_admin, "DELETE", "/apis/rbac.authorization.k8s.io/v1/"
+                                                       f"clusterrolebindings/{name}")
+            except Exception:  # noqa: BLE001 - the second may not exist when the test failed
+                pass
