@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # imported by build() when the agent starts
     from agent.tlsport.authn import AuthnComponent
     from ambient.index import IndexComponent
     from ambient.source import ConfigSource
+    from ambient.waypoint.status_writer import StatusWriter
     from ambient.xds.server import XdsServer
     from cni.enrollment import Enrollment
     from cni.eventserver import CniEventServer
@@ -63,6 +64,8 @@ class Components:
     # xDS before enrollment: it serves from the index alone, so a cold start's first push
     # never waits behind restart recovery (issue 28)
     xds: XdsServer
+    # Kubernetes mode: the waypoint Gateway/route status, written by the Lease holder
+    waypoint_status: StatusWriter | None
     enrollment: Enrollment
     snapshot: SnapshotWriter
     installer: CniInstallerComponent | None
@@ -93,6 +96,7 @@ def build(ctx: AgentContext) -> Components:
     from agent.status import server as status_server
     from agent.tlsport import authn as tls_authn
     from ambient import index as ambient_index, source as ambient_source
+    from ambient.waypoint import status_writer
     from ambient.xds import server as xds_server
     from cni import eventserver, install, registration, snapshot
     from zds import server as zds_server
@@ -125,6 +129,8 @@ def build(ctx: AgentContext) -> Components:
         events=made("cni-events",
                     lambda: eventserver.build(ctx, source, enrollment, registrar)),
         xds=xds,
+        waypoint_status=made("waypoint-status", lambda: status_writer.build(
+            ctx, source.store, source.kube_api)),
         status=made("status", lambda: status_server.build(ctx, enrollment, index.index, zds,
                                                           waypoints=xds.waypoints)))
     for component in components.in_start_order():

@@ -357,6 +357,11 @@ SETTINGS: list[Setting] = [
     Setting("waypoint_access_log_format", "", parse_str, "meshConfig accessLogFormat of the "
             "waypoints' access log (text: an Envoy format string; json: a JSON object of "
             "field -> command); empty: istiod's default format", component="xds"),
+    Setting("waypoint_status_write", True, parse_bool, "config_source kubernetes: write the "
+            "status of istio-waypoint Gateways and of the routes attached to Services "
+            "(Accepted, ResolvedRefs, Programmed, addresses) as istiod does, one agent at a "
+            "time by Lease; steps aside while istiod's gateway status writer holds its lock",
+            component="ambient"),
 ]
 
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}

@@ -256,3 +256,8 @@ class Settings:
     #: meshConfig accessLogFormat of the waypoints' access log (text: an Envoy format
     #: string; json: a JSON object of field -> command); empty: istiod's default format
     waypoint_access_log_format: str
+    #: config_source kubernetes: write the status of istio-waypoint Gateways and of the
+    #: routes attached to Services (Accepted, ResolvedRefs, Programmed, addresses) as
+    #: istiod does, one agent at a time by Lease; steps aside while istiod's gateway status
+    #: writer holds its lock
+    waypoint_status_write: bool

@@ -18,7 +18,9 @@ What istiod's namespace controller does (upstream
 One writer per cluster: the agents elect a leader with the ``coordination.k8s.io/v1``
 Lease :data:`LEASE_NAME` in ``system_namespace`` (``leaseDurationSeconds`` 15, renewed every
 5 s, taken over when not renewed for its duration; optimistic concurrency on the Lease's
-resourceVersion makes two takeovers at once end with one holder). Only the holder writes.
+resourceVersion makes two takeovers at once end with one holder; the election is
+:class:`agent.core.kubelease.LeaseElection`, shared with the Gateway API status writer).
+Only the holder writes.
 
 istiod beside the agent: istiod's namespace controller holds its own election, a ConfigMap
 lock ``istio-namespace-controller-election`` in the system namespace. While that lock is
@@ -30,8 +32,6 @@ the same root anyway.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
-import json
 import logging
 import time
 from typing import Any, Callable
@@ -41,6 +41,7 @@ from kubernetes_asyncio import watch as kwatch
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from agent.core.backoff import Backoff
+from agent.core.kubelease import LEASE_SECONDS, IstiodLock, LeaseElection
 
 log = logging.getLogger(__name__)
 
@@ -50,28 +51,7 @@ LABELS = {"istio.io/config": "true"}
 IGNORED_NAMESPACES = frozenset({"kube-public", "kube-node-lease", "local-path-storage"})
 LEASE_NAME = "ambient-agent-ca-root-publisher"
 ISTIOD_ELECTION = "istio-namespace-controller-election"
-LEADER_ANNOTATION = "control-plane.alpha.kubernetes.io/leader"
-LEASE_SECONDS = 15
 REQUEST_TIMEOUT = 10.0
-
-
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
-
-
-def _micro(t: dt.datetime) -> str:
-    return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _parse_time(value: Any) -> dt.datetime | None:
-    if isinstance(value, dt.datetime):
-        return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
-    if not value:
-        return None
-    try:
-        return dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-    except ValueError:
-        return None
 
 
 class RootPublisher:
@@ -92,28 +72,30 @@ class RootPublisher:
         self.clock = clock
         self.lease_seconds = lease_seconds
         self.resync = resync
-        self.leading = False
-        self.istiod_active = False
+        self.election = LeaseElection(
+            api, namespace, LEASE_NAME, self.identity, on_lead=self._lead,
+            on_lose=self._step_down, istiod=IstiodLock(configmap=ISTIOD_ELECTION),
+            lease_seconds=lease_seconds, what=f"publishing ConfigMap {CONFIGMAP}")
         self.writes = {"created": 0, "updated": 0, "skipped": 0, "errors": 0}
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._all = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
         self._lead_tasks: list[asyncio.Task] = []
         self._published_root = b""
 
+    @property
+    def leading(self) -> bool:
+        return self.election.leading
+
+    @property
+    def istiod_active(self) -> bool:
+        return self.election.istiod_active
+
     async def start(self) -> None:
-        self._tasks = [asyncio.get_running_loop().create_task(self._elect(),
-                                                              name="ca-root-election")]
+        await self.election.start()
 
     async def stop(self) -> None:
+        await self.election.stop()
         await self._step_down()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
-        if self.leading:
-            self.leading = False
-        await self._release()
 
     def root_changed(self) -> None:
         self._all.set()
@@ -126,122 +108,6 @@ class RootPublisher:
             raise RuntimeError("no Kubernetes API client (config source not started)")
         return api
 
-    # --- election ---
-
-    async def _istiod_holds_lock(self) -> bool:
-        """True while istiod's namespace controller election (a ConfigMap lock) is held."""
-        try:
-            cm = await kclient.CoreV1Api(self._client()).read_namespaced_config_map(
-                ISTIOD_ELECTION, self.namespace, _request_timeout=REQUEST_TIMEOUT)
-        except ApiException as e:
-            if e.status in (404, 403):
-                return False
-            raise
-        record = (cm.metadata.annotations or {}).get(LEADER_ANNOTATION)
-        if not record:
-            return False
-        try:
-            rec = json.loads(record)
-        except ValueError:
-            return False
-        renewed = _parse_time(rec.get("renewTime"))
-        duration = float(rec.get("leaseDurationSeconds") or 0)
-        return bool(rec.get("holderIdentity")) and renewed is not None and (
-            renewed + dt.timedelta(seconds=duration) > _now())
-
-    async def _acquire_or_renew(self) -> bool:
-        """One election round; True when this agent holds the Lease afterwards."""
-        coord = kclient.CoordinationV1Api(self._client())
-        now = _now()
-        try:
-            lease = await coord.read_namespaced_lease(LEASE_NAME, self.namespace,
-                                                      _request_timeout=REQUEST_TIMEOUT)
-        except ApiException as e:
-            if e.status != 404:
-                raise
-            body: Any = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                         "metadata": {"name": LEASE_NAME, "namespace": self.namespace},
-                    "spec": {"holderIdentity": self.identity,
-                             "leaseDurationSeconds": self.lease_seconds,
-                             "acquireTime": _micro(now), "renewTime": _micro(now),
-                             "leaseTransitions": 0}}
-            try:
-                await coord.create_namespaced_lease(self.namespace, body,
-                                                    _request_timeout=REQUEST_TIMEOUT)
-            except ApiException as e2:
-                if e2.status == 409:
-                    return False  # another agent created it first
-                raise
-            return True
-        spec = lease.spec
-        holder = spec.holder_identity or ""
-        renewed = _parse_time(spec.renew_time)
-        duration = spec.lease_duration_seconds or self.lease_seconds
-        expired = renewed is None or renewed + dt.timedelta(seconds=duration) < now
-        if holder != self.identity and holder and not expired:
-            return False
-        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": LEASE_NAME, "namespace": self.namespace,
-                             "resourceVersion": lease.metadata.resource_version},
-                "spec": {"holderIdentity": self.identity,
-                         "leaseDurationSeconds": self.lease_seconds,
-                         "acquireTime": (_micro(_parse_time(spec.acquire_time) or now)
-                                         if holder == self.identity else _micro(now)),
-                         "renewTime": _micro(now),
-                         "leaseTransitions": (spec.lease_transitions or 0)
-                         + (0 if holder == self.identity else 1)}}
-        try:
-            await coord.replace_namespaced_lease(LEASE_NAME, self.namespace, body,
-                                                 _request_timeout=REQUEST_TIMEOUT)
-        except ApiException as e:
-            if e.status == 409:
-                return False  # someone else renewed or took it meanwhile
-            raise
-        return True
-
-    async def _release(self) -> None:
-        """Give the Lease up at stop (another agent takes over at once)."""
-        try:
-            coord = kclient.CoordinationV1Api(self._client())
-            lease = await coord.read_namespaced_lease(LEASE_NAME, self.namespace,
-                                                      _request_timeout=REQUEST_TIMEOUT)
-            if lease.spec.holder_identity != self.identity:
-                return
-            body: Any = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                         "metadata": {"name": LEASE_NAME, "namespace": self.namespace,
-                                      "resourceVersion": lease.metadata.resource_version},
-                         "spec": {"holderIdentity": "", "leaseDurationSeconds": 1,
-                             "leaseTransitions": lease.spec.lease_transitions or 0}}
-            await coord.replace_namespaced_lease(LEASE_NAME, self.namespace, body,
-                                                 _request_timeout=REQUEST_TIMEOUT)
-        except Exception as e:  # noqa: BLE001 - best effort at stop
-            log.debug("releasing Lease %s: %s", LEASE_NAME, e)
-
-    async def _elect(self) -> None:
-        period = max(self.lease_seconds / 3, 0.2)
-        while True:
-            try:
-                istiod = await self._istiod_holds_lock()
-                if istiod != self.istiod_active:
-                    self.istiod_active = istiod
-                    if istiod:
-                        log.info("istiod's namespace controller holds %s/%s: not publishing "
-                                 "%s (istiod does)", self.namespace, ISTIOD_ELECTION, CONFIGMAP)
-                held = False if istiod else await self._acquire_or_renew()
-            except Exception as e:  # noqa: BLE001 - API away: stop writing, keep trying
-                log.debug("root publisher election: %s", e)
-                held = False
-            if held and not self.leading:
-                self.leading = True
-                log.info("leading %s/%s: publishing ConfigMap %s", self.namespace, LEASE_NAME,
-                         CONFIGMAP)
-                self._lead()
-            elif not held and self.leading:
-                log.info("lost %s/%s: no longer publishing %s", self.namespace, LEASE_NAME,
-                         CONFIGMAP)
-                await self._step_down()
-            await asyncio.sleep(period)
-
     def _lead(self) -> None:
         loop = asyncio.get_running_loop()
         self._all.set()
@@ -250,7 +116,6 @@ class RootPublisher:
                             loop.create_task(self._watch("configmaps"), name="ca-root-cm")]
 
     async def _step_down(self) -> None:
-        self.leading = False
         for t in self._lead_tasks:
             t.cancel()
         await asyncio.gather(*self._lead_tasks, return_exceptions=True)
@@ -366,5 +231,4 @@ class RootPublisher:
                 await asyncio.sleep(delay)
 
     def debug_state(self) -> dict:
-        return {"leading": self.leading, "istiod_active": self.istiod_active,
-                "lease": f"{self.namespace}/{LEASE_NAME}", **self.writes}
+        return {**self.election.debug_state(), **self.writes}

@@ -12,15 +12,36 @@ HTTPRoute, GRPCRoute and TCPRoute, one entry per distinct ``parentRef`` of kind 
   found" when the Service does not exist; False/``UnsupportedValue`` naming the field when
   the route uses something the waypoint does not carry (the same texts the waypoint
   build warns with; the route is then still served without that part, never NACKed).
-- ``ResolvedRefs``: True/``ResolvedRefs`` "All references resolved"; False/``InvalidKind``
+- ``ResolvedRefs``: True/``ResolvedRefs`` "All references resolved"; False/``InvalidFilter``
+  'unsupported filter type "<type>"' for a filter type istiod does not convert either
+  (``ExtensionRef`` ...: istiod fails the route's conversion and reports it here, leaving
+  ``Accepted`` True; a filter istiod converts but the waypoint does not carry, e.g.
+  ``URLRewrite``, is the ``UnsupportedValue`` above); False/``InvalidKind``
   for a backend that is not a core Service, False/``BackendNotFound``
   "backend(<host>) not found" for a missing Service or port (istiod's texts).
-- ``ResolvedWaypoints``: True "All waypoints resolved" (istiod adds it in ambient mode).
+- ``ResolvedWaypoints`` (istiod adds it in ambient mode; always True, only its message
+  changes): "All waypoints resolved"; "parent not found" without the Service; istiod's
+  "istio.io/use-waypoint label missing from parent and parent namespace; ..." when neither
+  the Service nor its namespace carries ``istio.io/use-waypoint`` (a value ``none`` counts
+  as missing).
 
-Gateway (class ``istio-waypoint``): ``Accepted`` True/``Accepted``; ``Programmed``
-True/``Programmed`` with ``addresses`` the ClusterIPs of the Service named as the Gateway
-(the waypoint's Service, as istiod's deployment controller names it), else
-False/``AddressNotAssigned``.
+Gateway (class ``istio-waypoint``), as istiod's ``reportGatewayStatus`` and
+``ResolveGatewayInstances`` report it for the Service named as the Gateway (the waypoint's
+Service, as istiod's deployment controller names it; ``<name>.<ns>.svc.<domain>``, port
+15008): ``Accepted`` True/``Accepted`` "Resource accepted"; ``ResolvedRefs``
+True/``ResolvedRefs`` "All references resolved"; ``Programmed`` True/``Programmed``
+"Resource programmed, assigned to service(s) <host>:15008" when the Service has port 15008
+and an EndpointSlice with an endpoint, with ``addresses`` its ClusterIPs then the hostname
+(the class's address type is unset, so both), else False/``AddressNotUsable`` (no Service,
+no port 15008) or False/``AddressNotAssigned`` (no endpoints) with istiod's "Failed to
+assign to any requested addresses: ..." texts and no addresses. ``listeners``: one entry
+per listener; the single HBONE listener on 15008 is Accepted, any other is
+False/``UnsupportedProtocol``; ``attachedRoutes`` is 0 (routes attach to Services).
+
+Cross-namespace ``backendRefs``: istiod does not check ReferenceGrants for routes whose
+parent is a Service (``route_collections.go`` converts mesh routes with
+``enforceRefGrant = !mesh``), so neither does this module: such a backend resolves and is
+routed to like a same-namespace one.
 
 Each condition is ``{"type", "status" ("True"/"False"), "reason", "message",
 "observedGeneration"}`` as Kubernetes ``metav1.Condition`` (``lastTransitionTime`` is the
@@ -38,6 +59,19 @@ from ambient.waypoint.httproute import Attached, RouteBuilder
 
 CONTROLLER = "istio.io/gateway-controller"
 WAYPOINT_CLASS = "istio-waypoint"
+HBONE_PORT = 15008
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+USE_WAYPOINT_LABEL = "istio.io/use-waypoint"
+#: route kind -> the filter types istiod converts (conversion.go convertHTTPRoute,
+#: convertGRPCRoute); any other type fails the conversion there
+ISTIOD_FILTERS = {
+    "HTTPRoute": frozenset({"RequestHeaderModifier", "ResponseHeaderModifier",
+                            "RequestRedirect", "RequestMirror", "URLRewrite", "CORS"}),
+    "GRPCRoute": frozenset({"RequestHeaderModifier", "ResponseHeaderModifier",
+                            "RequestMirror"}),
+}
+MISSING_WAYPOINT_LABEL = ("istio.io/use-waypoint label missing from parent and parent namespace; "
+                          "in ambient mode, route will not be respected")
 
 
 def _cond(kind: str, ok: bool, reason: str, message: str, generation: int) -> dict:
@@ -50,6 +84,14 @@ def _service_ports(svc: dict) -> set[int]:
             if isinstance(p, dict) and isinstance(p.get("port"), int)}
 
 
+def _uses_waypoint(obj: dict | None, absent: bool = False) -> bool:
+    """``istio.io/use-waypoint`` set (and not ``none``) on ``obj``; ``absent`` when None."""
+    if obj is None:
+        return absent
+    value = (meta(obj).get("labels") or {}).get(USE_WAYPOINT_LABEL, "")
+    return bool(value) and value.lower() != "none"
+
+
 def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local") -> dict:
     """``{"parents": [...]}`` for one HTTPRoute, GRPCRoute or TCPRoute (its ``kind``;
     parents of kind Service only; others are another controller's and are not listed)."""
@@ -59,6 +101,18 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
     # backend references, as istiod resolves them (the first failure is reported)
     ref_error: tuple[str, str] | None = None
     rules = spec(route).get("rules")
+    # a filter type istiod does not know is a hard conversion error there: reported under
+    # ResolvedRefs (InvalidFilter), not as the route's acceptance
+    hard_error: tuple[str, str] | None = None
+    unknown_filters: set[str] = set()
+    known = ISTIOD_FILTERS.get(str(route.get("kind") or "HTTPRoute"), frozenset())
+    for r, rule in enumerate(rules if isinstance(rules, list) else []):
+        filters = rule.get("filters") if isinstance(rule, dict) else None
+        for f, flt in enumerate(filters if isinstance(filters, list) else []):
+            ftype = flt.get("type") if isinstance(flt, dict) else None
+            if ftype not in known:
+                unknown_filters.add(f"spec.rules[{r}].filters[{f}].type'")
+                hard_error = hard_error or ("InvalidFilter", f'unsupported filter type "{ftype}"')
     for rule in rules if isinstance(rules, list) else []:
         for ref in (rule.get("backendRefs") or []) if isinstance(rule, dict) else []:
             if not isinstance(ref, dict) or ref_error is not None:
@@ -86,9 +140,11 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
             continue
         seen.add(key)
         svc = store.get("Service", pns, pname)
+        waypoints = "All waypoints resolved"
         if svc is None:
-            accepted = _cond("Accepted", False, "NoMatchingParent", "parent not found",
-                             generation)
+            accepted = _cond("Accepted", False, "NoMatchingParent",
+                             f'parent service: "{pname}" not found', generation)
+            waypoints = "parent not found"
         else:
             problems: list[str] = []
             ports = [ref["port"]] if isinstance(ref.get("port"), int) else \
@@ -100,13 +156,18 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
                     RouteBuilder([Attached(route, port)], port, lambda *_a: "x",
                                  problems).routes()
             # backend problems are ResolvedRefs' (above), not the route's acceptance
-            unsupported = list(dict.fromkeys(p for p in problems if "not supported" in p
-                                             and ".backendRefs[" not in p))
+            unsupported = list(dict.fromkeys(
+                p for p in problems if "not supported" in p and ".backendRefs[" not in p
+                and not any(u in p for u in unknown_filters)))
             accepted = _cond("Accepted", False, "UnsupportedValue", "; ".join(unsupported),
                              generation) if unsupported else _cond(
                 "Accepted", True, "Accepted", "Route was valid", generation)
-        resolved = _cond("ResolvedRefs", False, ref_error[0], ref_error[1], generation) \
-            if ref_error else _cond("ResolvedRefs", True, "ResolvedRefs",
+            if not _uses_waypoint(svc) and not _uses_waypoint(store.get("Namespace", "", pns),
+                                                              absent=True):
+                waypoints = MISSING_WAYPOINT_LABEL
+        error = hard_error or ref_error
+        resolved = _cond("ResolvedRefs", False, error[0], error[1], generation) \
+            if error else _cond("ResolvedRefs", True, "ResolvedRefs",
                                     "All references resolved", generation)
         parents.append({
             "parentRef": {k: v for k, v in ref.items()
@@ -114,31 +175,74 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
                                    "sectionName")},
             "controllerName": CONTROLLER,
             "conditions": [accepted, resolved, _cond(
-                "ResolvedWaypoints", True, "ResolvedWaypoints", "All waypoints resolved",
-                generation)]})
+                "ResolvedWaypoints", True, "ResolvedWaypoints", waypoints, generation)]})
     return {"parents": parents}
 
 
-def gateway_status(store: ObjectStore, gateway: dict) -> dict:
-    """``{"conditions": [...], "addresses": [...]}`` for one ``istio-waypoint`` Gateway."""
+def _has_instances(store: ObjectStore, ns: str, name: str) -> bool:
+    """True when an EndpointSlice of Service ``ns/name`` lists an endpoint."""
+    for sl in store.list("EndpointSlice", ns):
+        labels = meta(sl).get("labels") or {}
+        if labels.get(SERVICE_NAME_LABEL) == name and any(
+                isinstance(e, dict) and e.get("addresses") for e in sl.get("endpoints") or []):
+            return True
+    return False
+
+
+def _listener_status(listener: dict, valid: bool) -> dict:
+    ok = "No errors found"
+    accepted = _cond("Accepted", True, "Accepted", ok, 0) if valid else _cond(
+        "Accepted", False, "UnsupportedProtocol",
+        f'Expected a single listener on port {HBONE_PORT} with protocol "HBONE"', 0)
+    return {"name": listener.get("name"), "attachedRoutes": 0,
+            "supportedKinds": [] if valid else [
+                {"group": "gateway.networking.k8s.io", "kind": "HTTPRoute"},
+                {"group": "gateway.networking.k8s.io", "kind": "GRPCRoute"}],
+            "conditions": [accepted, _cond("Conflicted", False, "NoConflicts", ok, 0),
+                           _cond("Programmed", True, "Programmed", ok, 0),
+                           _cond("ResolvedRefs", True, "ResolvedRefs", ok, 0)]}
+
+
+def gateway_status(store: ObjectStore, gateway: dict, domain: str = "cluster.local") -> dict:
+    """``{"conditions", "addresses", "listeners"}`` for one ``istio-waypoint`` Gateway."""
     ns, name = meta(gateway).get("namespace", ""), meta(gateway).get("name", "")
     generation = int(meta(gateway).get("generation") or 0)
+    host = f"{name}.{ns}.svc.{domain}"
     svc = store.get("Service", ns, name)
-    ips: list[str] = []
-    if svc is not None:
-        s = spec(svc)
-        ips = [ip for ip in (s.get("clusterIPs") or [s.get("clusterIP")])
-               if isinstance(ip, str) and ip and ip != "None"]
-    conditions = [_cond("Accepted", True, "Accepted", "Resource accepted", generation)]
-    if ips:
-        conditions.append(_cond("Programmed", True, "Programmed", "Resource programmed, "
-                                f"assigned to service(s) {name}.{ns}.svc", generation))
+    addresses: list[dict] = []
+    if svc is None:
+        programmed = _cond("Programmed", False, "AddressNotUsable",
+                           f"Failed to assign to any requested addresses: hostname "
+                           f"\"{host}\" not found", generation)
+    elif not _has_instances(store, ns, name):
+        programmed = _cond("Programmed", False, "AddressNotAssigned",
+                           f"Failed to assign to any requested addresses: no instances found "
+                           f"for hostname \"{host}\"", generation)
+    elif HBONE_PORT not in _service_ports(svc):
+        programmed = _cond("Programmed", False, "AddressNotUsable",
+                           f"Failed to assign to any requested addresses: port {HBONE_PORT} "
+                           f"not found for hostname \"{host}\"", generation)
     else:
-        conditions.append(_cond("Programmed", False, "AddressNotAssigned",
-                                f"no Service {ns}/{name} with a cluster IP for the waypoint",
-                                generation))
-    return {"conditions": conditions,
-            "addresses": [{"type": "IPAddress", "value": ip} for ip in ips]}
+        programmed = _cond("Programmed", True, "Programmed", f"Resource programmed, assigned "
+                           f"to service(s) {host}:{HBONE_PORT}", generation)
+        s = spec(svc)
+        addresses = [{"type": "IPAddress", "value": ip}
+                     for ip in (s.get("clusterIPs") or [s.get("clusterIP")])
+                     if isinstance(ip, str) and ip and ip != "None"]
+        addresses.append({"type": "Hostname", "value": host})
+    listeners = [x for x in spec(gateway).get("listeners") or [] if isinstance(x, dict)]
+    hbone = [x for x in listeners if x.get("port") == HBONE_PORT and x.get("protocol") == "HBONE"]
+    out_listeners = []
+    for x in listeners:
+        st = _listener_status(x, len(hbone) == 1 and x is hbone[0])
+        for c in st["conditions"]:
+            c["observedGeneration"] = generation
+        out_listeners.append(st)
+    return {"conditions": [_cond("Accepted", True, "Accepted", "Resource accepted", generation),
+                           programmed,
+                           _cond("ResolvedRefs", True, "ResolvedRefs", "All references resolved",
+                                 generation)],
+            "addresses": addresses, "listeners": out_listeners}
 
 
 #: route kind -> its key in :func:`statuses`
@@ -153,7 +257,7 @@ def statuses(store: ObjectStore, domain: str = "cluster.local") -> dict[str, Any
     for gw in store.list("Gateway"):
         if spec(gw).get("gatewayClassName") == WAYPOINT_CLASS:
             gateways[f"{meta(gw).get('namespace')}/{meta(gw).get('name')}"] = \
-                gateway_status(store, gw)
+                gateway_status(store, gw, domain)
     out: dict[str, Any] = {"gateways": dict(sorted(gateways.items()))}
     for kind, section in ROUTE_SECTIONS.items():
         routes = {}

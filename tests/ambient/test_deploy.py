@@ -16,6 +16,7 @@ import yaml
 
 from agent.core import config as agent_config
 from ambient.source_kube import RESOURCES
+from ambient.waypoint.status_writer import ISTIOD_LOCK, LEASE_NAME, WRITTEN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEPLOY = os.path.join(ROOT, "deploy", "kubernetes")
@@ -40,8 +41,9 @@ def test_all_expected_objects_present():
     kinds = sorted(d["kind"] for _, d in documents())
     # the agent's identity and roles (ambient-agent; the Role ambient-agent-ca: the
     # cluster-wide CA's Secrets and publisher Lease), its settings and the DaemonSet; no CRD
+    # (and the Role ambient-agent-status: the waypoint status writer's Lease)
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet", "Role",
-                     "RoleBinding", "ServiceAccount"]
+                     "Role", "RoleBinding", "RoleBinding", "ServiceAccount"]
     assert sorted(d["kind"] for _, d in documents("crds")) == ["CustomResourceDefinition"] * 9
     assert sorted(d["kind"] for _, d in documents("registration")) == ["ClusterRole",
                                                                        "ClusterRoleBinding"]
@@ -82,6 +84,11 @@ def test_cluster_role_grants_exactly_what_the_agent_uses():
     wanted.add(("apiextensions.k8s.io", "customresourcedefinitions", "get"))
     # the istio-ca-root-cert publisher (ca.mode cluster; test_ca_roles_... has the names)
     wanted |= {("", "configmaps", v) for v in ("get", "list", "watch", "patch", "create")}
+    # ambient/waypoint/status_writer.py: a merge patch of each written kind's status, and a
+    # read of the object after a 409
+    for _, _, plural in WRITTEN.values():
+        wanted |= {("gateway.networking.k8s.io", plural, "get"),
+                   ("gateway.networking.k8s.io", f"{plural}/status", "patch")}
     assert granted == wanted
     [crd_rule] = [r for r in role["rules"] if r["apiGroups"] == ["apiextensions.k8s.io"]]
     assert set(crd_rule["resourceNames"]) == {
@@ -170,6 +177,25 @@ def test_ca_roles_read_only_the_named_secrets():
                if rule["resources"] == ["configmaps"] for v in rule["verbs"]}
     assert granted == {(v, ("istio-ca-root-cert",)) for v in ("get", "list", "watch", "patch")
                        } | {("create", ())}
+
+
+def test_status_role_grants_exactly_what_the_status_writer_uses():
+    """ambient/waypoint/status_writer.py through agent/core/kubelease.py: its Lease by name
+    (+ create), list of Leases (istiod's per-revision lock) and istiod's ConfigMap lock."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in documents()}
+    role = docs[("Role", "ambient-agent-status")]
+    assert role["metadata"]["namespace"] == "istio-system"
+    granted = {(g, r, v, tuple(rule.get("resourceNames", ()))) for rule in role["rules"]
+               for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    lease = (LEASE_NAME,)
+    assert granted == {
+        ("coordination.k8s.io", "leases", "get", lease),
+        ("coordination.k8s.io", "leases", "update", lease),
+        ("coordination.k8s.io", "leases", "create", ()),
+        ("coordination.k8s.io", "leases", "list", ()),
+        ("", "configmaps", "get", (ISTIOD_LOCK.configmap,))}
+    assert docs[("RoleBinding", "ambient-agent-status")]["subjects"] == [
+        {"kind": "ServiceAccount", "name": "ambient-agent", "namespace": "istio-system"}]
 
 
 def test_ztunnel_daemonset_points_at_the_node_local_agent():

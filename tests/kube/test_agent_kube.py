@@ -1,7 +1,8 @@
 """`ambient-agent run --config-source kubernetes` as a real process against the real
 kube-apiserver, with a kubeconfig holding a token of the DaemonSet's ServiceAccount (so
 only deploy/kubernetes/rbac.yaml's permissions): ready once synced, serves a pod's
-workload and its service over workload xDS, follows changes, and never logs a 403.
+workload and its service over workload xDS, follows changes, writes a waypoint Gateway's
+status (it is the only agent, so the Lease holder), and never logs a 403.
 (The xDS side is read with the repository's delta xDS client; the xDS server itself is
 tested against ztunnel elsewhere — here the point is the Kubernetes source under the
 agent.)"""
@@ -98,6 +99,22 @@ async def test_agent_process_serves_kubernetes_pods_over_xds_as_its_service_acco
         await client.wait_for(f"Kubernetes//Pod/{kube_namespace}/web-1", timeout=30)
         await kc.delete_pod(kube_admin, kube_namespace, "web-0")
         await client.wait_for(pod_name, timeout=30, present=False)
+        # the agent (the only one, so the Lease holder) writes a waypoint Gateway's status
+        await kc.apply(kube_admin, {
+            "apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+            "metadata": {"name": "wp", "namespace": kube_namespace},
+            "spec": {"gatewayClassName": "istio-waypoint",
+                     "listeners": [{"name": "mesh", "port": 15008, "protocol": "HBONE"}]}})
+        path = f"/apis/gateway.networking.k8s.io/v1/namespaces/{kube_namespace}/gateways/wp"
+        deadline = time.monotonic() + 60
+        while not ((await kc.request(kube_admin, "GET", path)).get("status") or {}).get(
+                "conditions"):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            await asyncio.sleep(0.2)
+        conditions = (await kc.request(kube_admin, "GET", path))["status"]["conditions"]
+        assert {c["type"]: c["reason"] for c in conditions} == {
+            "Accepted": "Accepted", "Programmed": "AddressNotUsable",
+            "ResolvedRefs": "ResolvedRefs"}
     finally:
         if client is not None:
             await client.close()

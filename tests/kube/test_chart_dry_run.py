@@ -67,7 +67,9 @@ def test_plain_directory_applies_and_creates_no_crd(kube_cluster):
         "clusterrolebinding.rbac.authorization.k8s.io/ambient-agent",
         "configmap/ambient-agent", "daemonset.apps/ambient-agent",
         "role.rbac.authorization.k8s.io/ambient-agent-ca",
+        "role.rbac.authorization.k8s.io/ambient-agent-status",
         "rolebinding.rbac.authorization.k8s.io/ambient-agent-ca",
+        "rolebinding.rbac.authorization.k8s.io/ambient-agent-status",
         "serviceaccount/ambient-agent"], objects
     for extra in ("ztunnel", "registration"):
         objects = dry_run(kube_cluster, str(ROOT / "deploy" / extra))

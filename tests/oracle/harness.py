@@ -303,7 +303,9 @@ class Oracle:
                 "--xds-debounce", "0.05",
                 "--status-port", str(free_port()), "--health-port", str(self.agent_health),
                 "--monitoring-port", str(free_port()),  # 15014 may be another agent's
-                "--host-rules-netns", f"/var/run/netns/{self.netns}", "--log-level", "info"]
+                "--host-rules-netns", f"/var/run/netns/{self.netns}", "--log-level", "info",
+                # the tests write Gateway status themselves (istiod's writer is off too)
+                "--waypoint-status-write", "false"]
         env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=os.path.join(state, "ztunnel", "zt.sock"))
         env.pop("KUBECONFIG", None)
         with open(self.agent_log, "w") as log:

@@ -33,7 +33,14 @@ def _objects() -> list[dict]:
         {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
          "metadata": {"name": "lonely", "namespace": NS},
          "spec": {"gatewayClassName": "istio-waypoint", "listeners": []}},
-        svc("wp", "10.98.0.1"),
+        {**svc("wp", "10.98.0.1"), "spec": {
+            "clusterIP": "10.98.0.1", "selector": {"app": "wp"},
+            "ports": [{"name": "mesh", "port": 15008, "appProtocol": "all"}]}},
+        {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+         "metadata": {"name": "wp-1", "namespace": NS,
+                      "labels": {"kubernetes.io/service-name": "wp"}},
+         "addressType": "IPv4", "ports": [{"name": "mesh", "port": 15008}],
+         "endpoints": [{"addresses": ["10.0.5.5"]}]},
         svc("web", "10.98.0.2", {"istio.io/use-waypoint": "wp"}),
         svc("other", "10.98.0.3"),
     ]
@@ -64,6 +71,8 @@ def _store() -> ObjectStore:
         _route("bad-port", "web", [{"name": "other", "port": 81}]),
         _route("bad-kind", "web", [{"group": "example.com", "kind": "Bucket", "name": "b"}]),
         _route("unsupported", "web", [{"name": "web", "port": 80}],
+               filters=[{"type": "URLRewrite", "urlRewrite": {"hostname": "x"}}]),
+        _route("unknown-filter", "web", [{"name": "web", "port": 80}],
                filters=[{"type": "ExtensionRef", "extensionRef": {"name": "x"}}]),
         _route("no-parent", "gone", [{"name": "web", "port": 80}]),
     ]])
@@ -96,9 +105,29 @@ def test_route_conditions_as_istiod_reports_them():
     assert (c["Accepted"]["status"], c["Accepted"]["reason"]) == ("False", "UnsupportedValue")
     assert "spec.rules[0].filters[0].type" in c["Accepted"]["message"]  # names the field
 
+    # a filter type istiod does not convert either: its InvalidFilter under ResolvedRefs
+    c = _by_type(routes[f"{NS}/unknown-filter"]["parents"][0]["conditions"])
+    assert (c["Accepted"]["status"], c["Accepted"]["message"]) == ("True", "Route was valid")
+    assert (c["ResolvedRefs"]["status"], c["ResolvedRefs"]["reason"],
+            c["ResolvedRefs"]["message"]) == ("False", "InvalidFilter",
+                                              'unsupported filter type "ExtensionRef"')
+
     c = _by_type(routes[f"{NS}/no-parent"]["parents"][0]["conditions"])
     assert (c["Accepted"]["status"], c["Accepted"]["reason"], c["Accepted"]["message"]) == \
-        ("False", "NoMatchingParent", "parent not found")
+        ("False", "NoMatchingParent", 'parent service: "gone" not found')
+    assert c["ResolvedWaypoints"]["message"] == "parent not found"
+    assert c["ResolvedWaypoints"]["status"] == "True"  # istiod never sets it False
+
+
+def test_route_to_a_service_without_use_waypoint_says_so_as_istiod():
+    store = _store()
+    store.apply([(_route("unlabelled", "other", [{"name": "web", "port": 80}]), "t")])
+    c = _by_type(statuses(store)["httproutes"][f"{NS}/unlabelled"]["parents"][0]["conditions"])
+    assert (c["ResolvedWaypoints"]["status"], c["ResolvedWaypoints"]["message"]) == (
+        "True", "istio.io/use-waypoint label missing from parent and parent namespace; in "
+                "ambient mode, route will not be respected")
+    assert _by_type(statuses(store)["httproutes"][f"{NS}/good"]["parents"][0]["conditions"])[
+        "ResolvedWaypoints"]["message"] == "All waypoints resolved"
 
 
 def test_gateway_programmed_with_its_service_address():
@@ -107,11 +136,51 @@ def test_gateway_programmed_with_its_service_address():
     c = _by_type(wp["conditions"])
     assert (c["Programmed"]["status"], c["Programmed"]["reason"]) == ("True", "Programmed")
     assert c["Accepted"]["status"] == "True" and c["Programmed"]["observedGeneration"] == 3
-    assert wp["addresses"] == [{"type": "IPAddress", "value": "10.98.0.1"}]
+    assert c["Programmed"]["message"] == ("Resource programmed, assigned to service(s) "
+                                          f"wp.{NS}.svc.cluster.local:15008")
+    assert (c["ResolvedRefs"]["status"], c["ResolvedRefs"]["message"]) == \
+        ("True", "All references resolved")
+    # istiod reports the class's addresses as IPs then the Service's hostname
+    assert wp["addresses"] == [{"type": "IPAddress", "value": "10.98.0.1"},
+                               {"type": "Hostname", "value": f"wp.{NS}.svc.cluster.local"}]
+    (listener,) = wp["listeners"]
+    assert listener["name"] == "mesh" and listener["attachedRoutes"] == 0
+    assert _by_type(listener["conditions"])["Accepted"]["reason"] == "Accepted"
     lonely = _by_type(gws[f"{NS}/lonely"]["conditions"])
-    assert (lonely["Programmed"]["status"], lonely["Programmed"]["reason"]) == \
-        ("False", "AddressNotAssigned")
+    assert (lonely["Programmed"]["status"], lonely["Programmed"]["reason"],
+            lonely["Programmed"]["message"]) == (
+        "False", "AddressNotUsable", "Failed to assign to any requested addresses: hostname "
+        f'"lonely.{NS}.svc.cluster.local" not found')
     assert gws[f"{NS}/lonely"]["addresses"] == []
+
+
+def test_gateway_without_endpoints_or_hbone_port_is_not_programmed():
+    store = _store()
+    store.apply(deletes=[("EndpointSlice", NS, "wp-1")])
+    c = _by_type(statuses(store)["gateways"][f"{NS}/wp"]["conditions"])
+    assert (c["Programmed"]["status"], c["Programmed"]["reason"]) == ("False", "AddressNotAssigned")
+    assert "no instances found" in c["Programmed"]["message"]
+    store.apply([(o, "t") for o in _objects() if o["kind"] == "EndpointSlice"])
+    svc = {**store.get("Service", NS, "wp")}
+    svc["spec"] = {**svc["spec"], "ports": [{"name": "http", "port": 80}]}
+    store.apply([(svc, "t")])
+    st = statuses(store)["gateways"][f"{NS}/wp"]
+    c = _by_type(st["conditions"])
+    assert (c["Programmed"]["reason"], st["addresses"]) == ("AddressNotUsable", [])
+    assert "port 15008 not found" in c["Programmed"]["message"]
+
+
+def test_cross_namespace_backend_resolves_without_a_reference_grant_as_istiod():
+    """istiod converts Service-parented (mesh) routes with ``enforceRefGrant = !mesh``:
+    no ReferenceGrant is needed for a backend in another namespace."""
+    store = _store()
+    store.apply([({"apiVersion": "v1", "kind": "Service",
+                   "metadata": {"name": "far", "namespace": "elsewhere"},
+                   "spec": {"clusterIP": "10.98.0.9", "ports": [{"port": 80}]}}, "t"),
+                 (_route("cross", "web", [{"name": "far", "namespace": "elsewhere",
+                                           "port": 80}]), "t")])
+    c = _by_type(statuses(store)["httproutes"][f"{NS}/cross"]["parents"][0]["conditions"])
+    assert (c["ResolvedRefs"]["status"], c["ResolvedRefs"]["reason"]) == ("True", "ResolvedRefs")
 
 
 def test_status_waypoints_rows_carry_the_conditions():
@@ -123,7 +192,7 @@ def test_status_waypoints_rows_carry_the_conditions():
         rows = [r for r in view["waypoints"] if f"{NS}/web.{NS}.svc.cluster.local" in r["bound"]]
         assert len(rows) == 1, view["waypoints"]
         row = rows[0]
-        assert row["gateway"] == f"{NS}/wp: Accepted=True,Programmed=True"
+        assert row["gateway"] == f"{NS}/wp: Accepted=True,Programmed=True,ResolvedRefs=True"
         routes = dict(r.split(": ", 1) for r in row["routes"])
         assert routes[f"{NS}/good"] == "Accepted=True,ResolvedRefs=True,ResolvedWaypoints=True"
         assert routes[f"{NS}/unsupported"].startswith("Accepted=False(UnsupportedValue)")
