@@ -23,7 +23,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from agent.core import netns as netns_mod
 from agent.core.lifecycle import AgentContext, Component
@@ -43,7 +43,7 @@ from cni.hostrules import HostProbeRules
 from cni.rules_common import RuleOptions, RulesError
 from cni.rules_iptables import IptablesBackend, detect_flavor
 from cni.rules_nftables import NftablesBackend
-from cni.sourceapi import PodSource
+from cni.sourceapi import PodSource, PodStore
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +93,12 @@ class Enrollment(Component):
         self._locks: dict[str, asyncio.Lock] = {}
         self.retries = RetryQueue(self._retry, initial=BACKOFF_INITIAL, maximum=BACKOFF_MAX,
                                   name="enroll-retry")
-        self.recovery = recovery_mod.Recovery(self)
         self._started = False
         self.events = PodEvents(ctx, source)  # Kubernetes Events and repair (cni.kubeevents)
+        self.recovery = recovery_mod.Recovery(
+            self, dataplane=self.dataplane, config=cfg, store=self.store,
+            pods_known=self._pod_objects_known, events=self.events,
+            netns_missing=self.metrics.netns_missing.inc)
         self.live: LivePods | None = None  # running pods following their labels
         self._enrolling: dict[str, asyncio.Task] = {}  # uid -> task inside enroll()
         # sandboxes of running pods the CNI ADD found not ambient: key -> (netns, ips);
@@ -148,7 +151,9 @@ class Enrollment(Component):
         store = self.store()
         if store is not None:
             cfg = self.ctx.config
-            self.live = LivePods(self, store, node_name=cfg.node_name,
+            self.live = LivePods(self, store, host_netns=self.host_netns,
+                                 run_blocking=self.ctx.run_blocking,
+                                 observe=self.metrics.event, node_name=cfg.node_name,
                                  exclude_namespaces=cfg.exclude_namespaces or (),
                                  system_namespace=cfg.system_namespace, proc_dir=cfg.proc_dir,
                                  files_source=cfg.config_source != "kubernetes")
@@ -273,7 +278,7 @@ class Enrollment(Component):
         """The pod's lock: its ADD, DEL, retries and probe set updates take turns."""
         return self._locks.setdefault(uid, asyncio.Lock())
 
-    def store(self) -> Any:
+    def store(self) -> PodStore | None:
         """The config source's object store, or None."""
         return self.source.store if self.source is not None else None
 
@@ -459,19 +464,32 @@ class Enrollment(Component):
     # --- unenroll ---------------------------------------------------------------------------
 
     async def unenroll(self, event: CniPodEvent, is_delete: bool = False) -> None:
-        """Remove a pod from the mesh, upstream's ``RemovePodFromMesh(pod, isDelete)``:
+        """The CNI DEL (``is_delete=True``, the event server's call) or any caller holding
+        a CNI event: :meth:`remove` of pod ``event.key``, with the pod's record built from
+        the event when enrollment holds none (a DEL after an agent restart lost it) and
+        the event's netns path. Raises as :meth:`remove`."""
+        await self.remove(event.key, is_delete=is_delete, known=self._record_from_event(event),
+                          netns=self._netns_path(event.netns))
+
+    async def remove(self, uid: str, *, is_delete: bool, known: PodRecord | None = None,
+                     netns: str = "") -> None:
+        """Remove pod ``uid`` from the mesh, upstream's ``RemovePodFromMesh(pod, isDelete)``:
         probe set entries it owns, then (only when ``not is_delete`` and its
         netns still exists) the in-pod rules and routing, then the ZDS delete, the status
-        annotation and the persisted record.
+        annotation and the persisted record. ``known`` is the pod's record when
+        enrollment holds none for ``uid`` (restart recovery's candidate; a CNI DEL's
+        event); its IPs also fill a held record that has none. ``netns`` (a path as this
+        agent sees it) overrides the record's for the rules removal.
 
-        ``is_delete=True`` is the CNI DEL: the sandbox is being destroyed and its netns
+        ``is_delete=True`` is the CNI DEL or a pod that terminated or whose Pod object
+        was deleted: the sandbox is being destroyed and its netns
         goes away with the rules in it, so, as upstream, they are not deleted (that is
         the expensive part: every deleting nf_tables transaction waits for an RCU grace
-        period). ``is_delete=False`` is un-enrollment of a live pod, which must leave the
-        netns as it was. Best effort: a missing netns is fine; raises
+        period), and an enrollment of the pod still in flight is cancelled first
+        (:meth:`abort_enroll`). ``is_delete=False`` is un-enrollment of a live pod, which
+        must leave the netns as it was. Best effort: a missing netns is fine; raises
         :class:`EnrollmentError` only when a step that could have run failed (after
         trying every step)."""
-        uid = event.key
         if is_delete:  # the pod is going away: don't wait behind its ADD, cancel it
             aborted = self.abort_enroll(uid)
             if aborted is not None:
@@ -482,10 +500,10 @@ class Enrollment(Component):
             self._sandboxes.pop(uid, None)
         async with self.lock(uid):
             self.retries.forget(uid)
-            rec = self.records.pop(uid, None) or self._record_from_event(event)
-            if not rec.ips:
-                rec.ips = list(event.ips)
-            netns_path = "" if is_delete else (self._netns_path(event.netns) or rec.netns)
+            rec = self.records.pop(uid, None) or known or PodRecord(uid=uid)
+            if not rec.ips and known is not None:
+                rec.ips = list(known.ips)
+            netns_path = "" if is_delete else (netns or rec.netns)
             errors = await self.dataplane.remove(rec, netns_path, is_delete=is_delete)
             self.state.remove(uid)
             self._locks.pop(uid, None)
@@ -529,6 +547,22 @@ class Enrollment(Component):
                 log.warning("%s: probe set entries for %s: %s", rec.label(), ", ".join(ips), e)
 
     # --- restart recovery -------------------------------------------------------------------
+
+    def _pod_objects_known(self) -> bool:
+        """Whether the config source holds its full set of Pod objects (its first load
+        is done); False without a source."""
+        return self.source is not None and bool(self.source.ready()[0])
+
+    async def adopt(self, rec: PodRecord,
+                    reconcile: Callable[[PodRecord], Awaitable[bool]]) -> str:
+        """Restart recovery's :class:`cni.enrollment.recovery.RecoveredPods`: under the
+        pod's lock ``rec`` becomes pod ``rec.uid``'s record and ``reconcile(rec)`` runs;
+        False from it queues the pod for retry. Returns ``rec.status`` afterwards."""
+        async with self.lock(rec.uid):
+            self.records[rec.uid] = rec
+            if not await reconcile(rec):
+                self.retries.add(rec.uid)
+            return rec.status
 
     async def recover(self) -> dict[str, str]:
         """Re-adopt pods enrolled before a restart (:meth:`cni.enrollment.recovery.Recovery.run`).

@@ -41,34 +41,65 @@ import asyncio
 import functools
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Callable, Iterable, Mapping, Protocol
 
 from cni import enablement
 from cni.enablement import TERMINAL_PHASES, on_this_node
 from cni import podnetns
+from cni.enrollment.dataplane import RunBlocking
+from cni.enrollment.records import PodRecord
 from cni.events import CniPodEvent, EnrollmentError
 from cni.podips import pod_status_ips as pod_ips
-
-if TYPE_CHECKING:
-    from cni.enrollment.reconciler import Enrollment
+from cni.sourceapi import PodStore
 
 log = logging.getLogger(__name__)
 
-class LivePods:
-    """Reconciles running pods of this node with their enablement, for ``enrollment``.
 
-    ``store`` is the config source's :class:`ambient.store.ObjectStore` (``subscribe``,
-    ``get``, ``list``, ``pod_by_uid``); ``node_name`` this node; ``files_source`` True
-    when Pod objects come from the directory source (a Pod there may have no
-    ``spec.nodeName``: it is then taken as a pod of this node, if a process of it runs
-    here).
+class LiveEnrollment(Protocol):
+    """What the watch asks of enrollment (:class:`cni.enrollment.reconciler.Enrollment`
+    has it): the enrolled pods' records by UID (read only), enroll a pod found running
+    (an ADD-shaped event with the netns found), remove pod ``uid`` (as a CNI DEL does with
+    ``is_delete``), whether an enrollment of ``uid`` runs now, the sandbox a "not
+    ambient" CNI ADD reported for ``uid`` (``(netns path, ips)``), and a known pod's
+    current IPs (the probe set follows them)."""
+
+    @property
+    def records(self) -> Mapping[str, PodRecord]: ...
+
+    async def enroll(self, event: CniPodEvent) -> None: ...
+
+    async def remove(self, uid: str, *, is_delete: bool) -> None: ...
+
+    def enrolling(self, uid: str) -> bool: ...
+
+    def sandbox(self, key: str) -> tuple[str, list[str]] | None: ...
+
+    def pod_ips_seen(self, uid: str, ips: list[str]) -> None: ...
+
+
+class LivePods:
+    """Reconciles running pods of this node with their enablement, for ``enrollment``
+    (:class:`LiveEnrollment`).
+
+    ``store`` is the config source's store (:class:`cni.sourceapi.PodStore`);
+    ``host_netns`` the node netns's ``(st_ino, st_dev)`` (skipped by ``/proc`` scans);
+    ``run_blocking`` the agent's executor; ``observe(old, new)`` is told of every Pod
+    and Namespace change (the enrollment's metrics); ``node_name`` this node;
+    ``files_source`` True when Pod objects come from the directory source (a Pod there
+    may have no ``spec.nodeName``: it is then taken as a pod of this node, if a process
+    of it runs here).
     """
 
-    def __init__(self, enrollment: "Enrollment", store: Any, *, node_name: str,
+    def __init__(self, enrollment: LiveEnrollment, store: PodStore, *,
+                 host_netns: tuple[int, int], run_blocking: RunBlocking,
+                 observe: Callable[[object, object], None], node_name: str,
                  exclude_namespaces: Iterable[str], system_namespace: str,
                  proc_dir: str, files_source: bool):
         self.enrollment = enrollment
         self.store = store
+        self.host_netns = host_netns
+        self.run_blocking = run_blocking
+        self.observe = observe
         self.node_name = node_name
         self.exclude = set(exclude_namespaces or ())
         self.system_namespace = system_namespace
@@ -77,7 +108,7 @@ class LivePods:
         self._dirty: set[str] = set()
         self._deleted: set[str] = set()  # uids whose Pod object the store deleted
         self._task: asyncio.Task | None = None
-        self._unsubscribe = None
+        self._unsubscribe: Callable[[], None] | None = None
         self._leaving: dict[str, asyncio.Task] = {}
         self._joining: dict[str, asyncio.Task] = {}
         self.stats = {"enrolled_live": 0, "removed_live": 0, "removed_terminal": 0,
@@ -88,9 +119,7 @@ class LivePods:
 
     def start(self) -> None:
         """Subscribe to the store and look at every pod once (upstream's initial sync)."""
-        subscribe = getattr(self.store, "subscribe", None)
-        if callable(subscribe):
-            self._unsubscribe = subscribe(self.on_events)
+        self._unsubscribe = self.store.subscribe(self.on_events)
         try:
             self._dirty |= {uid for uid in (_uid(p) for p in self.store.list("Pod")) if uid}
         except Exception as e:  # noqa: BLE001 - a broken store must not stop the agent
@@ -124,7 +153,7 @@ class LivePods:
         its labels changed (or it appeared or went away)."""
         for ev in events:
             if ev.kind in ("Pod", "Namespace"):
-                self.enrollment.metrics.event(ev.old, ev.new)
+                self.observe(ev.old, ev.new)
             if ev.kind == "Pod":
                 uid = _uid(ev.new) if ev.new is not None else ""
                 if uid:
@@ -248,11 +277,8 @@ class LivePods:
         if pod is not None and self.should_be_ambient(pod) is not False:
             return  # changed back meanwhile
         log.info("%s: %s; removing it from the mesh", rec.label(), why)
-        event = CniPodEvent(command="DEL", container_id=rec.uid, netns=rec.netns,
-                            pod_name=rec.name, pod_namespace=rec.namespace, pod_uid=rec.uid,
-                            ips=list(rec.ips))
         try:
-            await self.enrollment.unenroll(event, is_delete=False)
+            await self.enrollment.remove(uid, is_delete=False)
             self.stats["removed_live"] += 1
         except EnrollmentError as e:
             log.warning("un-enrolling %s: %s", rec.label(), e)
@@ -269,11 +295,8 @@ class LivePods:
         if rec is None:
             return
         log.info("%s: %s; removing it from ztunnel", rec.label(), why)
-        event = CniPodEvent(command="DEL", container_id=rec.uid, netns=rec.netns,
-                            pod_name=rec.name, pod_namespace=rec.namespace, pod_uid=rec.uid,
-                            ips=list(rec.ips))
         try:
-            await self.enrollment.unenroll(event, is_delete=True)
+            await self.enrollment.remove(uid, is_delete=True)
             self.stats[stat] += 1
         except EnrollmentError as e:
             log.warning("removing terminated %s: %s", rec.label(), e)
@@ -289,7 +312,7 @@ class LivePods:
                 paths[uid], wanted[uid] = seen[0], pod_ips(pod) or seen[1]
             else:
                 wanted[uid] = pod_ips(pod)
-        host = self.enrollment.host_netns
+        host = self.host_netns
         missing = {uid: ips for uid, ips in wanted.items() if uid not in paths and ips}
 
         def scan() -> dict[str, str]:
@@ -300,7 +323,7 @@ class LivePods:
         if missing:
             self.stats["scans"] += 1
             try:
-                paths.update(await self.enrollment.ctx.run_blocking(scan))
+                paths.update(await self.run_blocking(scan))
             except Exception as e:  # noqa: BLE001
                 log.error("scanning %s for pod netns failed: %s", self.proc_dir, e)
         for uid, pod in pods.items():

@@ -45,6 +45,11 @@ class FakeConfigSource(Component):
     def list(self, kind, namespace=None):
         return list(self.pods.values()) if kind == "Pod" else []
 
+    def subscribe(self, listener):
+        """Nothing to announce: tests set ``pods`` before the enrollment starts and
+        change them only through enroll/unenroll calls."""
+        return lambda: None
+
 
 @pytest.fixture
 def node_netns():
