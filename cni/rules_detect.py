@@ -175,11 +175,6 @@ def _unless_foreign_rules(nft, verdict: dict[tuple[str, str], bool]) -> None:
             verdict[key] = False
 
 
-def _nf_tables_holdings() -> set[str]:
-    """iptables-nft and/or nftables (see :func:`_nf_tables_look`)."""
-    return _nf_tables_look(False).stacks
-
-
 def _legacy_holds(ipv6: bool) -> bool:
     """True when legacy xtables in the calling thread's netns hold an ``ISTIO_*`` chain.
     ``/proc/thread-self/net`` (not ``/proc/net``, which follows the process's first

@@ -33,7 +33,6 @@ from typing import Any, Callable
 from ambient.api import ObjectStore
 from ambient.objects import meta, spec
 
-ROUTE_KINDS = ("HTTPRoute",)
 #: istiod's default retry policy of a route (``route.DefaultRetryPolicy``): two retries on
 #: connection failures, refused streams and retriable codes, never the same host twice
 DEFAULT_RETRY: dict[str, Any] = {
