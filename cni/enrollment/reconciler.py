@@ -23,7 +23,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 from agent.core import netns as netns_mod
 from agent.core.lifecycle import AgentContext, Component
@@ -41,6 +41,7 @@ from cni.events import CniPodEvent, EnrollmentError
 from cni.kubeevents import REASON_EXHAUSTED, REASON_FAILED, PodEvents
 from cni.hostrules import HostProbeRules
 from cni.rules_common import RuleOptions, RulesError
+from cni.rules_detect import Backend as RulesBackend
 from cni.rules_iptables import IptablesBackend, detect_flavor
 from cni.rules_nftables import NftablesBackend
 from cni.sourceapi import PodSource, PodStore
@@ -69,7 +70,7 @@ class Enrollment(Component):
 
     name = "enrollment"
 
-    def __init__(self, ctx: AgentContext, backend: Any = None,
+    def __init__(self, ctx: AgentContext, backend: RulesBackend | None = None,
                  host_rules: ProbeSet | None = None, *, zds: ZdsChannel | None = None,
                  netns: NetnsOps | None = None, source: PodSource | None = None,
                  registrar: RegisteredPods | None = None):
@@ -118,7 +119,8 @@ class Enrollment(Component):
         self.dataplane.records = value
 
     @property
-    def backend(self) -> Any:
+    def backend(self) -> RulesBackend | None:
+        """The in-pod rules backend (None until started)."""
         return self.dataplane.backend
 
     @property
@@ -159,7 +161,7 @@ class Enrollment(Component):
                                  files_source=cfg.config_source != "kubernetes")
             self.live.start()
 
-    def _choose_backend(self) -> Any:
+    def _choose_backend(self) -> RulesBackend:
         """Nftables when asked, unless iptables artifacts (our probe ipset) exist
         (stay on iptables until reboot); the iptables flavor is detected once and
         recorded in the state dir."""
@@ -187,7 +189,8 @@ class Enrollment(Component):
         cfg = self.ctx.config
         backend = self.dataplane.backend
         kind = "nftables" if isinstance(backend, NftablesBackend) else "iptables"
-        return HostProbeRules(backend=kind, flavor=getattr(backend, "flavor", "nft"),
+        flavor = backend.flavor if isinstance(backend, IptablesBackend) else "nft"
+        return HostProbeRules(backend=kind, flavor=flavor,
                               snat_ipv4=cfg.host_probe_snat_ip, snat_ipv6=cfg.host_probe_snat_ipv6,
                               ipv6=cfg.ambient_ipv6, netns=cfg.host_rules_netns or None)
 
@@ -232,11 +235,11 @@ class Enrollment(Component):
                     f"for one, then fail")
         return ""
 
-    def debug_state(self) -> Any:
+    def debug_state(self) -> dict[str, object]:
         backend = self.dataplane.backend
         return {
-            "backend": getattr(backend, "name", None),
-            "iptables_flavor": getattr(backend, "flavor", None),
+            "backend": backend.name if backend is not None else None,
+            "iptables_flavor": backend.flavor if isinstance(backend, IptablesBackend) else None,
             "pods": {uid: r.debug() for uid, r in self.records.items()},
             "live": dict(self.live.stats) if self.live is not None else None,
             "annotation_retries": self.status.pending_retries(),

@@ -41,7 +41,7 @@ import asyncio
 import functools
 import logging
 import os
-from typing import Callable, Iterable, Mapping, Protocol
+from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
 from cni import enablement
 from cni.enablement import TERMINAL_PHASES, on_this_node
@@ -50,7 +50,7 @@ from cni.enrollment.dataplane import RunBlocking
 from cni.enrollment.records import PodRecord
 from cni.events import CniPodEvent, EnrollmentError
 from cni.podips import pod_status_ips as pod_ips
-from cni.sourceapi import PodStore
+from cni.sourceapi import PodStore, StoreChange
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class LivePods:
 
     # --- change feed ---
 
-    def on_events(self, events: list) -> None:
+    def on_events(self, events: Sequence[StoreChange]) -> None:
         """Store listener: note the pods a Pod or Namespace change touches. A Pod
         delete of an enrolled pod removes it from ztunnel; a Namespace counts only when
         its labels changed (or it appeared or went away)."""

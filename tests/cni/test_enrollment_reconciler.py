@@ -18,6 +18,7 @@ import pytest
 
 from agent.core.config import load
 from agent.core.lifecycle import AgentContext
+from cni.rules_nftables import NftablesBackend  # never run: the fake netns applies no rules
 from cni.enrollment import Enrollment, EnrollmentError, PodState, Step
 from cni.enrollment import reconciler as reconciler_mod
 from cni.enrollment.kernel import LoopbackDown
@@ -41,7 +42,7 @@ class Rig:
             self.ctx.add(source)
         self.netns, self.probes = FakeNetns(), FakeProbeSet()
         self.zds = zds if zds is not None else FakeZds()
-        self.enrollment = Enrollment(self.ctx, backend=object(), host_rules=self.probes,
+        self.enrollment = Enrollment(self.ctx, backend=NftablesBackend(), host_rules=self.probes,
                                      zds=self.zds, netns=self.netns, source=source)
         self.enrollment.retries.initial = 0.01  # the doubling is what is tested
 
@@ -487,7 +488,7 @@ async def test_no_zds_channel_is_a_retryable_failure(state_dir):
     ctx = AgentContext(config, max_workers=2)
     netns = FakeNetns()
     netns.create(NETNS)
-    e = Enrollment(ctx, backend=object(), host_rules=FakeProbeSet(), netns=netns)
+    e = Enrollment(ctx, backend=NftablesBackend(), host_rules=FakeProbeSet(), netns=netns)
     try:
         with pytest.raises(EnrollmentError, match="this agent runs no ZDS server") as err:
             await e.enroll(event())

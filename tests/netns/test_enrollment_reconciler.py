@@ -32,6 +32,9 @@ class FakeConfigSource(Component):
 
     name = "config-source"
 
+    def kube_api(self):
+        return None  # no Kubernetes API: Events are not written
+
     def __init__(self):
         self.store = self
         self.pods: dict[str, dict] = {}
@@ -373,6 +376,9 @@ class StoreSource(Component):
     included); objects are put in directly, as a files/Kubernetes backend would."""
 
     name = "config-source"
+
+    def kube_api(self):
+        return None  # no Kubernetes API: Events are not written
 
     def __init__(self):
         from ambient.store import ObjectStore
