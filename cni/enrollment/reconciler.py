@@ -5,7 +5,7 @@ Keyed by pod UID (``CniPodEvent.key``). Desired state = pods that should be ambi
 actual state = in-pod rules present, ZDS acked, probe set entry, status. The steps and
 their failure policies are :mod:`cni.enrollment.dataplane`; a pod whose enrollment failed
 in a retryable way is retried through one keyed retry queue
-(:mod:`cni.enrollment.retryqueue`, exponential backoff 0.2 s doubling to 30 s, per pod);
+(:mod:`agent.core.retryqueue`, exponential backoff 0.2 s doubling to 30 s, per pod);
 restart recovery is :mod:`cni.enrollment.recovery`; running pods following their labels
 is :mod:`cni.enrollment.watch`. Upstream: ``cni/pkg/nodeagent/net.go`` (``NetServer``)
 and ``informers.go`` (the retry queue).
@@ -35,7 +35,7 @@ from cni.enrollment.api import (HostNetnsRefused, NetnsOps, ProbeSet, Registered
 from cni.enrollment.dataplane import ADD, RETRY, Dataplane, rollback_outcome
 from cni.enrollment.kernel import KernelNetns, ipset_exists
 from cni.enrollment.records import PodRecord, PodState, PodStateStore, Step
-from cni.enrollment.retryqueue import RetryQueue
+from agent.core.retryqueue import RetryQueue
 from cni.enrollment.watch import LivePods
 from cni.events import CniPodEvent, EnrollmentError
 from cni.kubeevents import REASON_EXHAUSTED, REASON_FAILED, PodEvents
