@@ -31,7 +31,7 @@ async def test_now_runs_at_once_then_backs_off_from_initial():
     await eventually(lambda: calls == [0.0])  # no sleep first: due at once
     for want in (0.2, 0.6, 1.4):  # 0.2, then doubling: 0.4, 0.8
         assert await clock.advance_to_next_sleeper() == pytest.approx(want)
-        await eventually(lambda: calls[-1] == pytest.approx(want))
+        await eventually(lambda w=want: calls[-1] == pytest.approx(w))
     await eventually(lambda: "a" not in q)
     assert calls == pytest.approx([0.0, 0.2, 0.6, 1.4])
     assert q.backoff("a") == 0.2  # done: its backoff is forgotten
