@@ -107,7 +107,10 @@ class Enrollment(Component):
         self._sandboxes: collections.OrderedDict[str, tuple[str, list[str]]] = \
             collections.OrderedDict()
         self._aborted: set[asyncio.Task] = set()  # enroll tasks a CNI DEL cancelled
-        self._side_tasks: set[asyncio.Task] = set()  # store-driven probe set updates
+        # store-driven probe set updates (a known pod's IPs changed): uid -> its IPs now
+        self._probe_ips: dict[str, list[str]] = {}
+        self.probe_updates = RetryQueue(self._update_probe_ips, initial=BACKOFF_INITIAL,
+                                        maximum=BACKOFF_MAX, name="probe-ips")
 
     @property
     def records(self) -> dict[str, PodRecord]:
@@ -202,7 +205,8 @@ class Enrollment(Component):
         upstream's ``AMBIENT_DISABLE_SAFE_UPGRADE`` does."""
         if self.live is not None:  # waits for live (un)enrollments in flight
             await self.live.stop(grace)
-        tasks = self.retries.kill() + list(self._side_tasks)
+        self._probe_ips.clear()
+        tasks = self.retries.kill() + self.probe_updates.kill()
         for t in tasks:
             t.cancel()
         if tasks:
@@ -520,21 +524,35 @@ class Enrollment(Component):
         changed gets ``SyncHostProbeIPSet``), called by :mod:`cni.enrollment.watch` with a
         known pod's current ``status.podIPs`` (normalized): when they differ from the
         record's, its probe entries are upserted, and a record without IPs (recovered at
-        start before kubelet published them) adopts them. Only looks and schedules."""
+        start before kubelet published them) adopts them. Only looks and queues the
+        update (:attr:`probe_updates`, keyed by pod; a failed update is retried with
+        backoff, the newest IPs win)."""
         rec = self.records.get(uid)
         if rec is None or not ips or set(ips) == set(rec.ips):
             return
-        task = asyncio.get_running_loop().create_task(self._add_probe_ips(uid, ips),
-                                                      name=f"probe-ips-{uid}")
-        self._side_tasks.add(task)
-        task.add_done_callback(self._side_tasks.discard)
+        self._probe_ips[uid] = list(ips)
+        self.probe_updates.add(uid, now=True)
 
-    async def _add_probe_ips(self, uid: str, ips: list[str]) -> None:
+    async def _update_probe_ips(self, uid: str) -> bool:
+        """The probe update queue's ``process``: True when done (or nothing to do),
+        False to retry after the backoff."""
+        ips = self._probe_ips.get(uid)
+        if ips is None:
+            return True
+        done = await self._add_probe_ips(uid, ips)
+        if not done:
+            return False
+        if self._probe_ips.get(uid) is ips:
+            del self._probe_ips[uid]
+            return True
+        return False  # newer IPs came meanwhile: they go in at the next attempt
+
+    async def _add_probe_ips(self, uid: str, ips: list[str]) -> bool:
         async with self.lock(uid):  # never after an unenroll removed the pod's entries
             rec = self.records.get(uid)
             host_rules = self.dataplane.host_rules
             if rec is None or host_rules is None:
-                return
+                return True
             if not rec.ips:
                 rec.ips = list(ips)
                 log.info("%s: pod IPs now known (%s)", rec.label(), ", ".join(ips))
@@ -547,7 +565,10 @@ class Enrollment(Component):
             try:
                 await self.dataplane.blocking(host_rules.add_pod, uid, ips)
             except (RulesError, OSError, ValueError) as e:
-                log.warning("%s: probe set entries for %s: %s", rec.label(), ", ".join(ips), e)
+                log.warning("%s: probe set entries for %s: %s (retrying)", rec.label(),
+                            ", ".join(ips), e)
+                return False
+            return True
 
     # --- restart recovery -------------------------------------------------------------------
 

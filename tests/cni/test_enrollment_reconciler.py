@@ -48,6 +48,7 @@ class Rig:
 
     def close(self) -> None:
         self.enrollment.retries.kill()
+        self.enrollment.probe_updates.kill()
         self.ctx.executor.shutdown(wait=False)
 
 
@@ -637,3 +638,24 @@ async def test_probe_set_entry_is_made_while_ztunnel_acks(rig):
     with pytest.raises(EnrollmentError, match="host probe set: ipset: busy; will retry"):
         await add
     assert rig.zds.pods["uid-c"]  # acked: the pod stays with ztunnel, pending, retried
+
+
+async def test_changed_pod_ips_reach_the_probe_set_through_the_queue_and_are_retried(rig):
+    """A known pod's new IPs (the watch's ``pod_ips_seen``) go to the probe set through the
+    keyed ``probe_updates`` queue; a failed update is retried after the backoff (on the
+    queue's manual clock), not dropped with a warning."""
+    clock = ManualClock()
+    q = rig.enrollment.probe_updates
+    q.clock, q.sleep = clock.time, clock.sleep
+    await rig.enrollment.enroll(event())
+    assert rig.probes.entries[UID] == {IP}
+    rig.probes.add_error = RulesError("ipset: busy")
+    rig.enrollment.pod_ips_seen(UID, [IP, "fd00::5"])
+    await until(lambda: clock.sleepers)  # the first attempt failed: waiting its backoff
+    assert UID in q and rig.probes.entries[UID] == {IP}
+    assert q.pending()[UID] == pytest.approx(reconciler_mod.BACKOFF_INITIAL)
+    await clock.advance_to_next_sleeper()
+    await until(lambda: UID not in q)
+    assert rig.probes.entries[UID] == {IP, "fd00::5"}
+    rig.enrollment.pod_ips_seen(UID, [IP])  # already there: nothing queued
+    assert UID not in q
