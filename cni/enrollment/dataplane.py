@@ -106,6 +106,8 @@ class Dataplane:
         self.base_options = base_options
         self.records = records
         self.observe_stage = observe_stage
+        # what stage durations are measured with (seconds); tests set a manual clock
+        self.clock: Callable[[], float] = time.monotonic
 
     @property
     def rules(self) -> RulesBackend:
@@ -117,7 +119,7 @@ class Dataplane:
     def _timed(self, policy: FailurePolicy, stage: str, started: float) -> None:
         """Observe ``stage`` of an ADD run, begun at monotonic ``started``."""
         if policy is ADD and self.observe_stage is not None:
-            self.observe_stage(stage, time.monotonic() - started)
+            self.observe_stage(stage, self.clock() - started)
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """``run_blocking`` that, when cancelled, first waits for the worker thread."""
@@ -152,7 +154,7 @@ class Dataplane:
 
     async def _run(self, rec: PodRecord, fd: int, opts: RuleOptions, inode: int,
                    policy: FailurePolicy, known: bool) -> None:
-        started = time.monotonic()
+        started = self.clock()
         try:
             outcome = await self.blocking(self.netns.apply_rules, fd, self.rules, opts,
                                           rec.netns, known)
@@ -226,7 +228,7 @@ class Dataplane:
         # persisted before the status says "enabled": a pod whose record can't be written
         # (the state dir's filesystem full, read-only) is never reported enrolled, to the
         # runtime or in its annotation, while a restart could not recover it
-        started = time.monotonic()
+        started = self.clock()
         try:
             try:
                 self.state.save(rec)
@@ -238,7 +240,7 @@ class Dataplane:
             rec.fail(Step.STATE, why, status=PodState.PENDING)
             raise EnrollmentError(f"{rec.label()}: {why}; will retry", True) from None
         rec.steps[Step.STATE] = True
-        started = time.monotonic()
+        started = self.clock()
         written = await self.set_status(rec, "enabled")
         self._timed(policy, "status", started)
         if not written:
@@ -260,7 +262,7 @@ class Dataplane:
             raise EnrollmentError(f"{rec.label()}: this agent runs no ZDS server", True)
         pod = ZdsPod(uid=rec.uid, name=rec.name, namespace=rec.namespace,
                      service_account=rec.service_account, netns_fd=fd)
-        started = time.monotonic()
+        started = self.clock()
         try:
             try:
                 await zds.add(pod, wait_ack=policy.wait_ack,
@@ -284,7 +286,7 @@ class Dataplane:
     async def _hostset(self, rec: PodRecord, policy: FailurePolicy) -> Exception | None:
         """Upsert the pod's probe set entries; ``steps[HOSTSET]`` set when done. Returns
         the failure (RulesError, OSError, ValueError) instead of raising it."""
-        started = time.monotonic()
+        started = self.clock()
         try:
             if self.host_rules is None:
                 raise RulesError("host probe rules not set up")

@@ -22,7 +22,6 @@ import collections
 import contextlib
 import logging
 import os
-import time
 from typing import Awaitable, Callable
 
 from agent.core import netns as netns_mod
@@ -395,12 +394,12 @@ class Enrollment(Component):
             # its netns is looked at before applying (cni.rules_detect.apply)
             known = old is not None
             self.records[rec.uid] = rec
-            started = time.monotonic()
+            started = self.dataplane.clock()
             try:
                 try:
                     fd = self.netns.open(rec.netns)
                 finally:
-                    self.metrics.stage("netns", time.monotonic() - started)
+                    self.metrics.stage("netns", self.dataplane.clock() - started)
             except HostNetnsRefused as e:
                 rec.fail(Step.NETNS, str(e))
                 raise EnrollmentError(f"{rec.label()}: field 'netns': {e}; no rules "
