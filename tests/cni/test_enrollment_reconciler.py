@@ -23,6 +23,7 @@ from cni.enrollment import Enrollment, EnrollmentError, PodState, Step
 from cni.enrollment import reconciler as reconciler_mod
 from cni.enrollment.kernel import LoopbackDown
 from cni.enrollment.records import PodStateStore
+from cni.enrollment.recovery import Recovery
 from cni.events import CniPodEvent
 from cni.rules_common import RulesError
 from tests.cni.enrollment_fakes import FakeNetns, FakeProbeSet, FakeSource, FakeZds
@@ -662,3 +663,53 @@ async def test_changed_pod_ips_reach_the_probe_set_through_the_queue_and_are_ret
     assert rig.probes.entries[UID] == {IP, "fd00::5"}
     rig.enrollment.pod_ips_seen(UID, [IP])  # already there: nothing queued
     assert UID not in q
+
+
+class RecoveredPodsRecorder:
+    """A ``cni.enrollment.recovery.RecoveredPods`` that records what recovery asks: the
+    records it adopts (running their reconcile) and the removals by UID."""
+
+    def __init__(self) -> None:
+        self.adopted: dict[str, bool] = {}
+        self.removed: list[tuple[str, bool, str]] = []
+
+    async def adopt(self, rec, reconcile) -> str:
+        self.adopted[rec.uid] = await reconcile(rec)
+        return rec.status
+
+    async def remove(self, uid: str, *, is_delete: bool, known=None) -> None:
+        self.removed.append((uid, is_delete, known.netns if known is not None else ""))
+
+
+async def test_recovery_needs_only_its_protocol(state_dir):
+    """Restart recovery over ``RecoveredPods`` alone (adopt, remove) and the parts it is
+    handed: a kept pod is adopted and reconciled, one whose Pod object says it no longer
+    qualifies is removed by UID with its record (live netns: ``is_delete=False``; netns
+    gone: ``True``), one gone entirely is dropped without a removal call."""
+    source = FakeSource(synced=True)
+    r = Rig(state_dir, source=source)
+    try:
+        for uid, ip in [("uid-keep", "10.1.0.1"), ("uid-optout", "10.1.0.2"),
+                        ("uid-optout-gone", "10.1.0.3"), ("uid-gone", "10.1.0.4")]:
+            _write_record(state_dir, uid, f"/run/netns/{uid}", ip)
+        for uid in ("uid-keep", "uid-optout"):
+            r.netns.create(f"/run/netns/{uid}")
+        source.pods = {"uid-keep": _pod("uid-keep", "keep")}
+        for uid in ("uid-optout", "uid-optout-gone"):
+            source.pods[uid] = _pod(uid, uid, labels={"istio.io/dataplane-mode": "none"})
+        pods, counted = RecoveredPodsRecorder(), []
+        recovery = Recovery(pods, dataplane=r.enrollment.dataplane, config=r.config,
+                            store=lambda: source, pods_known=lambda: True,
+                            events=r.enrollment.events,
+                            netns_missing=lambda: counted.append(1))
+
+        outcomes = await recovery.run()
+
+        assert outcomes == {"uid-keep": "enabled", "uid-optout": "unenrolled",
+                            "uid-optout-gone": "unenrolled", "uid-gone": "dropped"}
+        assert pods.adopted == {"uid-keep": True}
+        assert sorted(pods.removed) == [("uid-optout", False, "/run/netns/uid-optout"),
+                                        ("uid-optout-gone", True, "/run/netns/uid-optout-gone")]
+        assert counted == [] and r.zds.accepting
+    finally:
+        r.close()
