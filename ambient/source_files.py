@@ -388,7 +388,6 @@ class DirectorySource:
         self.files: set[str] = set()
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.reloads = 0
         self._good: set[str] = set()  # files whose objects in the store are a whole parse
         self._stale: set[str] = set()  # files held at their last good version
         self._chunks: dict[str, Chunks] = {}  # path -> its parse cache (parse_file)
@@ -485,7 +484,6 @@ class DirectorySource:
         self.store.replace_origin(path, objects)
         if self._overlay:
             self._drop_stale_overlay()
-        self.reloads += 1
         if self._task is not None:  # after the initial load: say what the file holds now
             held = self.store.objects_of_origin(path)
             skipped = len(objects) - held + len(errors)

@@ -57,8 +57,6 @@ L4_SOURCE = ("principals", "notPrincipals", "namespaces", "notNamespaces", "ipBl
              "notIpBlocks", "serviceAccounts", "notServiceAccounts")
 L4_OPERATION = ("ports", "notPorts")
 KNOWN_RULE_KEYS = {"from", "to", "when"}
-KNOWN_SOURCE_KEYS = {*L4_SOURCE, *L7_SOURCE, *UNSENT_SOURCE}
-KNOWN_OPERATION_KEYS = {*L4_OPERATION, *L7_OPERATION}
 
 
 def string_match(value: str) -> az.StringMatch:

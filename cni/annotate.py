@@ -13,19 +13,19 @@ This module is the consumer's side of that seam: :class:`PodAnnotator` is what t
 enrollment needs from a config source (both sources implement it: the kubernetes source
 with a real PATCH, the files source with an in-memory overlay on its stored Pod), and
 :class:`RedirectionStatus` writes the annotation through it, retrying failed writes in
-the background with exponential backoff (0.2 s doubling to 30 s) and logging each
-failure with the pod's name. A failed write never raises out of the retry loop.
+the background through a keyed retry queue (:mod:`agent.core.retryqueue`: exponential
+backoff, 0.2 s doubling to 30 s, per pod) and logging each failure with the pod's name.
+A failed write never raises out of the queue.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import dataclasses
 import logging
 from typing import Callable, Mapping, Protocol, runtime_checkable
 
-from agent.core.backoff import Backoff
+from agent.core.retryqueue import RetryQueue
 
 log = logging.getLogger(__name__)
 
@@ -84,20 +84,24 @@ class RedirectionStatus:
     no config source (then nothing is written and every write counts as done).
     ``current`` returns the value the source's stored Pod carries now (or None), so a
     write that would change nothing is skipped (a restarted agent does not re-PATCH
-    every enrolled pod). One background retry task per pod at most; a newer write for
-    the same pod replaces the older one.
+    every enrolled pod). Background writes go through one keyed
+    :class:`agent.core.retryqueue.RetryQueue` (``retries``, key: the pod UID), so a pod
+    has at most one write in flight and a newer write for the same pod replaces the
+    older one.
     """
 
     def __init__(self, annotator: Callable[[], PodAnnotator | None],
                  current: Callable[[PodRef], str | None] | None = None):
         self._annotator = annotator
         self._current = current or (lambda ref: None)
-        self._retries: dict[str, asyncio.Task] = {}
+        self._wanted: dict[str, tuple[PodRef, str | None]] = {}  # uid -> what to write
+        self.retries = RetryQueue(self._retry, initial=BACKOFF_INITIAL, maximum=BACKOFF_MAX,
+                                  name="annotate")
         self.failures = 0  # write attempts that failed (for /debug and tests)
 
     def pending_retries(self) -> dict[str, str]:
         """``{uid: "retrying"}`` for pods whose write is still being retried."""
-        return {uid: "retrying" for uid, t in self._retries.items() if not t.done()}
+        return {uid: "retrying" for uid in self._wanted if uid in self.retries}
 
     async def write(self, ref: PodRef, value: str | None) -> bool:
         """One attempt now. True when written, when there is nothing to write (no
@@ -109,46 +113,43 @@ class RedirectionStatus:
         return await self._attempt(ref, value)
 
     def ensure(self, ref: PodRef, value: str | None) -> None:
-        """Keep trying to write ``value`` in the background (exponential backoff, 0.2 s
-        doubling to 30 s) until it is written, the pod is gone, or a newer write for
-        the same pod supersedes it. Used for removal, whose caller can't wait."""
+        """Keep trying to write ``value`` in the background (first attempt at once, then
+        exponential backoff, 0.2 s doubling to 30 s) until it is written, the pod is
+        gone, or a newer write for the same pod supersedes it. Used for removal, whose
+        caller can't wait."""
         self.cancel(ref.uid)
-        task = asyncio.get_running_loop().create_task(self._retry(ref, value, first=True),
-                                                      name=f"annotate-{ref.uid}")
-        self._retries[ref.uid] = task
-        task.add_done_callback(functools.partial(self._retry_done, ref.uid))
-
-    def _retry_done(self, uid: str, task: asyncio.Task) -> None:
-        if self._retries.get(uid) is task:
-            self._retries.pop(uid, None)
+        self._wanted[ref.uid] = (ref, value)
+        self.retries.add(ref.uid, now=True)
 
     def cancel(self, uid: str) -> None:
-        task = self._retries.pop(uid, None)
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
+        """Forget the background write of pod ``uid`` (an attempt in flight is cancelled)."""
+        self._wanted.pop(uid, None)
+        self.retries.forget(uid)
 
     async def close(self, grace: float = 1.0) -> None:
         """Cancel every background retry (agent stop)."""
-        tasks = list(self._retries.values())
-        self._retries.clear()
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=grace)
+        self._wanted.clear()
+        await self.retries.stop(grace)
 
-    async def _retry(self, ref: PodRef, value: str | None, first: bool) -> None:
-        backoff = Backoff(BACKOFF_INITIAL, BACKOFF_MAX)
-        if first and await self._attempt(ref, value):
-            return
-        while True:
-            delay = backoff.next()
-            log.info("%s: retrying annotation %s=%s in %.1fs", ref.label(),
-                     REDIRECTION_ANNOTATION, value, delay)
-            await asyncio.sleep(delay)
-            if await self._attempt(ref, value):
+    async def _retry(self, uid: str) -> bool:
+        """The queue's ``process``: one attempt of pod ``uid``'s wanted write; True when
+        done (written, nothing to write, or superseded), False to retry after the
+        backoff."""
+        wanted = self._wanted.get(uid)
+        if wanted is None:
+            return True
+        ref, value = wanted
+        first = self.retries.backoff(uid) == self.retries.initial
+        if await self._attempt(ref, value):
+            if self._wanted.get(uid) is wanted:
+                del self._wanted[uid]
+            if not first:
                 log.info("%s: annotation %s=%s written after retrying", ref.label(),
                          REDIRECTION_ANNOTATION, value)
-                return
+            return True
+        log.info("%s: retrying annotation %s=%s in %.1fs", ref.label(),
+                 REDIRECTION_ANNOTATION, value, self.retries.backoff(uid))
+        return False
 
     async def _attempt(self, ref: PodRef, value: str | None) -> bool:
         annotator = self._annotator()

@@ -45,13 +45,6 @@ def is_conflist(config: Any) -> bool:
     return isinstance(config, dict) and "plugins" in config
 
 
-def parse_network_config(name: str, data: bytes) -> dict | None:
-    """A usable network config from file ``name``'s bytes, or None when it must be skipped
-    (not JSON, not an object, a ``.conflist`` without ``name`` or plugins, a ``.conf``
-    without ``type``), as libcni and Istio's ``getDefaultCNINetwork`` skip them."""
-    return _parse_with_reason(name, data)[0]
-
-
 def rejection_reason(name: str, data: bytes) -> str | None:
     """Why file ``name`` (its bytes) is skipped as a network config, one short phrase
     (``"invalid JSON at line 3: Expecting ',' delimiter"``), or None when it is usable."""

@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any, Iterable
 
 from cni.events import CniPodEvent
+from cni.sourceapi import PodStore
 
 DATAPLANE_MODE_LABEL = "istio.io/dataplane-mode"
 SIDECAR_STATUS_ANNOTATION = "sidecar.istio.io/status"
@@ -94,7 +95,7 @@ def pod_matches(pod: dict, namespace_labels: dict | None,
                    else "no enablement selector matches")
 
 
-def find_pod(store: Any, event: CniPodEvent) -> dict | None:
+def find_pod(store: PodStore | None, event: CniPodEvent) -> dict | None:
     """The Pod object for the event, or None if absent: by UID when given, else by
     namespace/name; an event with neither UID nor namespace (podman, or any runtime
     without Kubernetes: ``CNI_ARGS`` has only ``K8S_POD_NAME=<container name>``) names its
@@ -113,9 +114,9 @@ def find_pod(store: Any, event: CniPodEvent) -> dict | None:
     return None
 
 
-def decide(event: CniPodEvent, store: Any, exclude_namespaces: Iterable[str],
+def decide(event: CniPodEvent, store: PodStore | None, exclude_namespaces: Iterable[str],
            selectors: Iterable[dict] = DEFAULT_SELECTORS, pod: dict | None = None) -> Decision:
-    """Decide for one ADD. ``store`` is an :class:`ambient.api.ObjectStore` or None;
+    """Decide for one ADD. ``store`` is a :class:`cni.sourceapi.PodStore` or None;
     ``pod`` may be passed when the caller already looked it up.
 
     Raises ValueError for a malformed selector (a config error, reported to the plugin).
@@ -141,10 +142,10 @@ def decide(event: CniPodEvent, store: Any, exclude_namespaces: Iterable[str],
     return Decision(ambient, reason, pod)
 
 
-def object_is_ambient(pod: dict, store: Any, exclude_namespaces: Iterable[str],
+def object_is_ambient(pod: dict, store: PodStore | None, exclude_namespaces: Iterable[str],
                       selectors: Iterable[dict] = DEFAULT_SELECTORS) -> bool:
-    """The decision for a Pod object already in ``store`` (an
-    :class:`ambient.api.ObjectStore`), as a CNI ADD for it would make it now: excluded
+    """The decision for a Pod object already in ``store`` (a
+    :class:`cni.sourceapi.PodStore`), as a CNI ADD for it would make it now: excluded
     namespace, then :func:`pod_matches` with its Namespace object's labels (none when the
     store has no such Namespace). Used for running pods (``cni.enrollment.watch``) and the
     plugin's snapshot (``cni.snapshot``). Raises ValueError for a malformed selector."""

@@ -74,8 +74,7 @@ class PodEvents:
         self.stats = {"events": 0, "patched": 0, "dropped": 0, "errors": 0, "repaired": 0}
 
     def _api(self) -> Any | None:
-        kube_api = getattr(self.source, "kube_api", None)
-        return kube_api() if callable(kube_api) else None
+        return self.source.kube_api() if self.source is not None else None
 
     # --- lifecycle (driven by the enrollment component) ---
 
@@ -241,7 +240,7 @@ class PodEvents:
                     text, REPAIR_COMPONENT)
 
     def _pod(self, uid: str, namespace: str, name: str) -> dict | None:
-        store = getattr(self.source, "store", None)
+        store = self.source.store if self.source is not None else None
         pod = store.pod_by_uid(uid) if store is not None else None
         if pod is None and store is not None:
             pod = store.get("Pod", namespace, name)

@@ -30,8 +30,9 @@ import dataclasses
 import logging
 import shutil
 import subprocess
-from typing import Any
+from typing import Any, Callable
 
+from pyroute2.netlink import nlmsg
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.nftables.main import NFTables
 
@@ -49,12 +50,12 @@ TOOL_TIMEOUT = 60.0
 Backend = IptablesBackend | NftablesBackend  # a rules backend object
 
 
-def stack_of(backend) -> str:
+def stack_of(backend: Backend) -> str:
     """The stack name of a backend object (:class:`IptablesBackend` or
     :class:`NftablesBackend`)."""
     if isinstance(backend, NftablesBackend):
         return NFTABLES
-    return IPTABLES_LEGACY if getattr(backend, "flavor", "nft") == "legacy" else IPTABLES_NFT
+    return IPTABLES_LEGACY if backend.flavor == "legacy" else IPTABLES_NFT
 
 
 def backend_for(stack: str) -> Backend:
@@ -87,7 +88,7 @@ _BUILTIN_CHAINS = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTRO
 _NF_ACCEPT = 1
 
 
-def _jumps_to_ours(rule) -> bool:
+def _jumps_to_ours(rule: nlmsg) -> bool:
     """True when an nf_tables rule's last expression is a jump/goto to an ``ISTIO_*``
     chain (what iptables-nft makes of ``-A <chain> ... -j ISTIO_*``)."""
     exprs = rule.get_attr("NFTA_RULE_EXPRESSIONS") or []
@@ -130,11 +131,11 @@ def _nf_tables_look(tables: bool) -> Holdings:
     return Holdings(held, verdict)
 
 
-def _name(chain) -> str:
+def _name(chain: nlmsg) -> str:
     return chain.get_attr("NFTA_CHAIN_NAME") or ""
 
 
-def _stack_of(chain) -> str:
+def _stack_of(chain: nlmsg) -> str:
     """The stack a chain says is present: any chain of our ``inet`` tables is
     nftables'; an ``ISTIO_*`` chain of an ``ip``/``ip6`` table is iptables-nft's."""
     family = chain["nfgen_family"]
@@ -153,8 +154,8 @@ def _chains_only_ours(in_table: list) -> bool:
         and c.get_attr("NFTA_CHAIN_POLICY") == _NF_ACCEPT) for c in in_table)
 
 
-def _unless_other_objects(nft, verdict: dict[tuple[str, str], bool],
-                          chains: dict[tuple[str, str], list]) -> None:
+def _unless_other_objects(nft: NFTables, verdict: dict[tuple[str, str], bool],
+                          chains: dict[tuple[str, str], list[nlmsg]]) -> None:
     """A table whose use count exceeds its chains holds sets, flowtables or objects
     besides them: not ours only."""
     for table in nft.get_tables():
@@ -163,7 +164,7 @@ def _unless_other_objects(nft, verdict: dict[tuple[str, str], bool],
             verdict[key] = False
 
 
-def _unless_foreign_rules(nft, verdict: dict[tuple[str, str], bool]) -> None:
+def _unless_foreign_rules(nft: NFTables, verdict: dict[tuple[str, str], bool]) -> None:
     """A rule outside the ``ISTIO_*`` chains that does not jump to one of them makes
     its table not ours only."""
     for rule in nft.get_rules():
@@ -173,11 +174,6 @@ def _unless_foreign_rules(nft, verdict: dict[tuple[str, str], bool]) -> None:
         chain = rule.get_attr("NFTA_RULE_CHAIN") or ""
         if not chain.startswith("ISTIO_") and not _jumps_to_ours(rule):
             verdict[key] = False
-
-
-def _nf_tables_holdings() -> set[str]:
-    """iptables-nft and/or nftables (see :func:`_nf_tables_look`)."""
-    return _nf_tables_look(False).stacks
 
 
 def _legacy_holds(ipv6: bool) -> bool:
@@ -274,7 +270,8 @@ def apply(default: Backend, opts: RuleOptions, known: bool = True
     return outcome, backend, strays
 
 
-def delete_everywhere(default, ipv6: bool, during=None) -> list[str]:
+def delete_everywhere(default: Backend, ipv6: bool,
+                      during: Callable[[], None] | None = None) -> list[str]:
     """Remove our in-pod rules from every stack holding them in the calling thread's netns:
     copies in stacks other than the agent's first (routing kept), then the agent's own
     (idempotent), which also removes the routing. Returns the other stacks that held
@@ -288,13 +285,13 @@ def delete_everywhere(default, ipv6: bool, during=None) -> list[str]:
     called while the agent's stack's deleting transaction waits for the kernel, or after
     the deletion when the backend has no such wait."""
     mine = stack_of(default)
-    fast = mine == IPTABLES_NFT and hasattr(default, "drop_tables")
+    fast = mine == IPTABLES_NFT and isinstance(default, IptablesBackend)
     held = look(ipv6, tables=fast)
     others = [s for s in STACKS if s != mine and s in held.stacks]
     for stack in others:
         backend_for(stack).delete(ipv6, routing=False)
     mine_tables = {k: v for k, v in held.nft_tables.items() if k[0] == "ip" or ipv6}
-    if fast and all(mine_tables.values()):
+    if fast and all(mine_tables.values()) and isinstance(default, IptablesBackend):
         default.drop_tables(ipv6, sorted(mine_tables), during=during)
     elif isinstance(default, IptablesBackend):
         default.delete(ipv6, during=during)

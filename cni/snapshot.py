@@ -40,14 +40,14 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from agent.core.files import write_atomic
 from agent.core.lifecycle import AgentContext, Component
 from cni import enablement
 from cni.enablement import TERMINAL_PHASES, on_this_node
 from cni.plugin_request import SNAPSHOT_NAME, SNAPSHOT_VERSION
-from cni.sourceapi import PodSource, PodStore
+from cni.sourceapi import PodSource, PodStore, StoreChange
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class SnapshotWriter(Component):
         return any(obj is not None and on_this_node(obj, cfg.node_name, files)
                    for obj in (ev.old, ev.new))
 
-    def _on_events(self, events: list) -> None:
+    def _on_events(self, events: Sequence[StoreChange]) -> None:
         if any(self._relevant(ev) for ev in events):
             self._dirty = True
             if self._task is None or self._task.done():

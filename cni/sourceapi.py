@@ -8,7 +8,28 @@ checks there that it fits.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+
+
+class StoreChange(Protocol):
+    """One change a store announces (``ambient.store.StoreEvent`` has it): the object's
+    ``kind``, ``namespace`` and ``name``, and the object before (``old``) and after
+    (``new``); None when it was created or deleted."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def old(self) -> dict | None: ...
+
+    @property
+    def new(self) -> dict | None: ...
 
 
 class PodStore(Protocol):
@@ -23,7 +44,8 @@ class PodStore(Protocol):
     def pod_by_uid(self, uid: str) -> dict | None:
         """The Pod with ``metadata.uid == uid``, or None."""
 
-    def subscribe(self, listener: Callable[..., Any]) -> Callable[[], None]:
+    def subscribe(self, listener: Callable[[Sequence[StoreChange]], object]
+                  ) -> Callable[[], None]:
         """Call ``listener(events)`` after every change; returns an unsubscribe function."""
 
 

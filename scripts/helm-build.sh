@@ -18,17 +18,10 @@ HELM_VERSION=${HELM_VERSION:-v3.22.0}
 die() { echo "helm-build: $*" >&2; exit 1; }
 log() { echo "helm-build: $*" >&2; }
 
-find_go() {
-  if command -v go >/dev/null 2>&1; then command -v go
-  elif [ -x /usr/local/go/bin/go ]; then echo /usr/local/go/bin/go
-  else return 1; fi
-}
+# shellcheck source=scripts/lib-go.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib-go.sh"
 
-cache_root() {
-  if [ -n "${HELM_CACHE:-}" ]; then echo "$HELM_CACHE"
-  elif [ "$(id -u)" = 0 ]; then echo /var/cache/ambient-agent-helm
-  else echo "${XDG_CACHE_HOME:-$HOME/.cache}/ambient-agent-helm"; fi
-}
+cache_root() { cache_root_for HELM_CACHE ambient-agent-helm; }
 
 bin_path() {
   local gov; gov=$("$1" env GOVERSION)

@@ -18,17 +18,10 @@ ISTIO_VERSION=${ISTIOD_TEST_ISTIO_VERSION:-v0.0.0-20260827124520-eed52ebb66ad}
 die() { echo "istio-cni-test: $*" >&2; exit 1; }
 log() { echo "istio-cni-test: $*" >&2; }
 
-find_go() {
-  if command -v go >/dev/null 2>&1; then command -v go
-  elif [ -x /usr/local/go/bin/go ]; then echo /usr/local/go/bin/go
-  else return 1; fi
-}
+# shellcheck source=scripts/lib-go.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib-go.sh"
 
-cache_root() {
-  if [ -n "${ISTIO_CNI_TEST_CACHE:-}" ]; then echo "$ISTIO_CNI_TEST_CACHE"
-  elif [ "$(id -u)" = 0 ]; then echo /var/cache/ambient-agent-istio-cni
-  else echo "${XDG_CACHE_HOME:-$HOME/.cache}/ambient-agent-istio-cni"; fi
-}
+cache_root() { cache_root_for ISTIO_CNI_TEST_CACHE ambient-agent-istio-cni; }
 
 cmd_build() {
   local go out work t0

@@ -40,17 +40,10 @@ MARKER=.istiod-test
 die() { echo "istiod-test: $*" >&2; exit 1; }
 log() { echo "istiod-test: $*" >&2; }
 
-find_go() {
-  if command -v go >/dev/null 2>&1; then command -v go
-  elif [ -x /usr/local/go/bin/go ]; then echo /usr/local/go/bin/go
-  else return 1; fi
-}
+# shellcheck source=scripts/lib-go.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib-go.sh"
 
-cache_root() {
-  if [ -n "${ISTIOD_TEST_CACHE:-}" ]; then echo "$ISTIOD_TEST_CACHE"
-  elif [ "$(id -u)" = 0 ]; then echo /var/cache/ambient-agent-istiod
-  else echo "${XDG_CACHE_HOME:-$HOME/.cache}/ambient-agent-istiod"; fi
-}
+cache_root() { cache_root_for ISTIOD_TEST_CACHE ambient-agent-istiod; }
 
 bin_dir() {
   local gov; gov=$("$1" env GOVERSION)

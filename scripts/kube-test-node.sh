@@ -33,17 +33,10 @@ LOCK=/tmp/go-build-kube-node.lock
 die() { echo "kube-test-node: $*" >&2; exit 1; }
 log() { echo "kube-test-node: $*" >&2; }
 
-find_go() {
-  if command -v go >/dev/null 2>&1; then command -v go
-  elif [ -x /usr/local/go/bin/go ]; then echo /usr/local/go/bin/go
-  else return 1; fi
-}
+# shellcheck source=scripts/lib-go.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib-go.sh"
 
-cache_root() {
-  if [ -n "${KUBE_TEST_CACHE:-}" ]; then echo "$KUBE_TEST_CACHE"
-  elif [ "$(id -u)" = 0 ]; then echo /var/cache/ambient-agent-kube
-  else echo "${XDG_CACHE_HOME:-$HOME/.cache}/ambient-agent-kube"; fi
-}
+cache_root() { cache_root_for KUBE_TEST_CACHE ambient-agent-kube; }
 
 bin_dir() {
   local gov; gov=$("$1" env GOVERSION)
@@ -53,31 +46,6 @@ bin_dir() {
 complete() {
   local b
   for b in "${BINARIES[@]}"; do [ -x "$1/$b" ] || return 1; done
-}
-
-# go.mod of a module requiring k8s.io/kubernetes, its staging modules (replaced by
-# ./staging/src/... in its own go.mod, which does not apply to a dependent) pointed at their
-# published v0.X.Y tags
-k8s_gomod() {
-  local go=$1 dir=$2 info kmod staging v0=${K8S_VERSION/#v1./v0.}
-  info=$(cd "$dir" && GOFLAGS=-mod=mod "$go" mod download -json "k8s.io/kubernetes@${K8S_VERSION}" 2>&1) \
-    || die "cannot download k8s.io/kubernetes@${K8S_VERSION}: $(echo "$info" | tr -s '\n' ' ')"
-  kmod=$(echo "$info" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')
-  [ -f "$kmod" ] || die "no go.mod for k8s.io/kubernetes@${K8S_VERSION}"
-  staging=$(sed -n 's#^[[:space:]]*\(k8s\.io/[a-z0-9-]*\) => \./staging/.*#\1#p' "$kmod")
-  [ -n "$staging" ] || die "no staging replace directives in $kmod"
-  {
-    echo "module ambient.invalid/kube-test-node"
-    echo
-    sed -n 's/^go \(.*\)$/go \1/p' "$kmod" | head -1
-    sed -n 's/^godebug \(.*\)$/godebug \1/p' "$kmod" | head -1
-    echo
-    echo "require k8s.io/kubernetes ${K8S_VERSION}"
-    echo
-    echo "replace ("
-    for m in $staging; do echo "	$m => $m $v0"; done
-    echo ")"
-  } > "$dir/go.mod"
 }
 
 # The sandbox ("pause") container's program: holds the pod's namespaces open, reaps the
@@ -128,7 +96,7 @@ cmd_build() {
   export GOFLAGS="-mod=mod -buildvcs=false -trimpath" CGO_ENABLED=0 GOTOOLCHAIN=local
   log "building kubelet, kube-controller-manager, kube-scheduler, kubectl ${K8S_VERSION} with $("$go" env GOVERSION) (first run only)"
   mkdir -p "$work/k8s" "$work/out"
-  k8s_gomod "$go" "$work/k8s"
+  k8s_gomod "$go" "$work/k8s" ambient.invalid/kube-test-node
   write_pause "$work/k8s"
   ver=${K8S_VERSION#v}
   (cd "$work/k8s" &&

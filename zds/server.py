@@ -140,7 +140,6 @@ class ZdsServer(Component):
         self._stopped = False
         self._accepting: asyncio.Event | None = None  # made in start(): needs the loop
         self._hold_accept = hold_accept
-        self.accept_opened_at: float | None = None  # time.monotonic() when accepts began
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -169,7 +168,6 @@ class ZdsServer(Component):
 
     def _open(self) -> None:
         assert self._accepting is not None
-        self.accept_opened_at = time.monotonic()
         self._accepting.set()
 
     @property

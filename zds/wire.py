@@ -6,9 +6,8 @@ one fd and only on ``AddWorkload``. Encoders here produce the byte vectors ztunn
 expects (``tests/test_protos.py`` pins them).
 
 The socket helpers are non-blocking and event-loop friendly: ``recv_packet`` /
-``send_packet`` never block (they raise ``BlockingIOError``); :func:`wait_ready` and
-:func:`recv_packet_async` wait for readiness with ``loop.add_reader``/``add_writer``
-under a timeout.
+``send_packet`` never block (they raise ``BlockingIOError``); :func:`wait_ready` waits
+for readiness with ``loop.add_reader``/``add_writer`` under a timeout.
 """
 
 from __future__ import annotations
@@ -206,14 +205,3 @@ async def wait_ready(sock: socket.socket, timeout: float | None, write: bool = F
     finally:
         remove(fd)
 
-
-async def recv_packet_async(sock: socket.socket, timeout: float | None,
-                            max_fds: int = 1) -> Packet | None:
-    """:func:`recv_packet`, waiting up to ``timeout`` seconds; raises TimeoutError."""
-    while True:
-        try:
-            return recv_packet(sock, max_fds)
-        except (BlockingIOError, InterruptedError):
-            pass
-        if not await wait_ready(sock, timeout):
-            raise TimeoutError(f"no message within {timeout:g}s")

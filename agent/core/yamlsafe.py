@@ -18,7 +18,7 @@ before anything is constructed from it.
   more than :data:`MAX_ALIAS_NODES` nodes to it, or when an alias refers to a node that
   contains it (a recursive document). Files without a ``*`` cannot hold an alias and are
   not walked.
-- :func:`load`, :func:`load_all`: parse text (at most :data:`MAX_BYTES` bytes) with it.
+- :func:`load`: parse text (at most :data:`MAX_BYTES` bytes) with it.
 - :func:`short_repr`: ``repr`` bounded in depth, items and characters, computed without
   building the full string, for log lines and error messages.
 """
@@ -133,18 +133,6 @@ def load(text: str | bytes) -> Any:
     loader = BoundedLoader(text)
     try:
         return loader.get_single_data()
-    finally:
-        loader.dispose()
-
-
-def load_all(text: str | bytes) -> list[Any]:
-    """Every document. Raises as :func:`load`."""
-    loader = BoundedLoader(text)
-    try:
-        out = []
-        while loader.check_data():
-            out.append(loader.get_data())
-        return out
     finally:
         loader.dispose()
 

@@ -28,7 +28,6 @@ from ambient.waypoint.httproute import Attached, attached_routes
 
 HTTP_PROTOCOLS = frozenset({"HTTP", "HTTP2", "GRPC", "GRPC-WEB"})
 HTTP2_PROTOCOLS = frozenset({"HTTP2", "GRPC"})
-TCP_PROTOCOLS = frozenset({"TCP", "TLS", "HTTPS", "MONGO", "REDIS", "MYSQL"})
 
 _APP_PROTOCOLS = {"http": "HTTP", "http2": "HTTP2", "grpc": "GRPC", "grpc-web": "GRPC-WEB",
                   "kubernetes.io/h2c": "HTTP2", "kubernetes.io/ws": "HTTP",
@@ -345,10 +344,6 @@ def build_model(store: ObjectStore, index: AmbientIndex, namespace: str, name: s
         model.problems)
     _route_backends(store, index, model)
     return model
-
-
-def policy_names(policies: Iterable[TargetedPolicy]) -> list[str]:
-    return [f"{meta(p.policy).get('namespace')}/{meta(p.policy).get('name')}" for p in policies]
 
 
 class ModelState:

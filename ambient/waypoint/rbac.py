@@ -300,7 +300,6 @@ def rbac_filters(policies: list[dict], *, http: bool) -> tuple[list[dict], list[
     ``{"name": ..., "typed_config": {...}}`` dicts; empty when there is no policy."""
     by_action: dict[str, dict[str, dict]] = {}
     problems: list[str] = []
-    seen_allow = False
     for pol in policies:
         action = spec(pol).get("action") or "ALLOW"
         where = f"AuthorizationPolicy {meta(pol).get('namespace')}/{meta(pol).get('name')}"
@@ -315,7 +314,6 @@ def rbac_filters(policies: list[dict], *, http: bool) -> tuple[list[dict], list[
         rules = builder.rules(action)
         problems.extend(builder.problems)
         by_action.setdefault(action, {}).update(rules)
-        seen_allow |= action == "ALLOW"
     filters = []
     type_url = RBAC_HTTP if http else RBAC_NETWORK
     name = "envoy.filters.http.rbac" if http else "envoy.filters.network.rbac"

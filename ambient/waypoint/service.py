@@ -48,10 +48,6 @@ class CertificateIssuer(Protocol):
         """A fresh bundle with ``chain``, ``key`` and ``root`` PEM for ``sans``."""
 
 
-class StoreFeed(Protocol):
-    def subscribe(self, listener: Callable[[list[Any]], object]) -> Callable[[], None]: ...
-
-
 version_of = resources.version_of
 
 

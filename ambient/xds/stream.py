@@ -174,9 +174,6 @@ class XdsStream:
                                "unsupported; this server speaks " + ", ".join(self.generators))
         return gen
 
-    def is_waypoint(self) -> bool:
-        return self.node is not None and self.node.proxy_type == "waypoint"
-
     def _scope(self, type_url: str) -> set[str] | None:
         """Names this client may see for a type, or None for everything."""
         node = self.node

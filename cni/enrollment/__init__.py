@@ -8,7 +8,6 @@ Modules, top to bottom (upstream's ``cni/pkg/nodeagent`` is split the same way):
 - :mod:`~cni.enrollment.recovery`: restart recovery.
 - :mod:`~cni.enrollment.dataplane`: the pipeline (netns -> rules -> ZDS -> probe set ->
   status) with its failure policies, rollback and removal.
-- :mod:`~cni.enrollment.retryqueue`: the keyed, rate-limited retry queue.
 - :mod:`~cni.enrollment.records`: :class:`PodRecord`, its states and steps, the state files.
 - :mod:`~cni.enrollment.api`: the protocols enrollment needs (ZDS, netns ops, probe set);
   :mod:`~cni.enrollment.kernel`: the real netns ops.

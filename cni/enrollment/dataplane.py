@@ -41,6 +41,7 @@ from cni.enrollment.kernel import LoopbackDown
 from cni.enrollment.records import PodRecord, PodState, PodStateStore, Step
 from cni.events import EnrollmentError
 from cni.rules_common import RuleOptions, RulesError, pod_options
+from cni.rules_detect import Backend as RulesBackend
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,7 +90,8 @@ class Dataplane:
     :data:`ADD` run took (``rules``, ``zds``, ``hostset``, ``state``, ``status``; the
     ``ambient_agent_cni_add_stage_seconds`` histogram of :mod:`cni.enrollment.metrics`)."""
 
-    def __init__(self, *, run_blocking: RunBlocking, netns: NetnsOps, backend: Any,
+    def __init__(self, *, run_blocking: RunBlocking, netns: NetnsOps,
+                 backend: RulesBackend | None,
                  host_rules: ProbeSet | None, zds: ZdsChannel | None,
                  status: annotate.RedirectionStatus, state: PodStateStore,
                  base_options: RuleOptions, records: dict[str, PodRecord],
@@ -104,11 +106,20 @@ class Dataplane:
         self.base_options = base_options
         self.records = records
         self.observe_stage = observe_stage
+        # what stage durations are measured with (seconds); tests set a manual clock
+        self.clock: Callable[[], float] = time.monotonic
+
+    @property
+    def rules(self) -> RulesBackend:
+        """The rules backend (chosen when enrollment starts). Raises RuntimeError before."""
+        if self.backend is None:
+            raise RuntimeError("the in-pod rules backend is chosen when enrollment starts")
+        return self.backend
 
     def _timed(self, policy: FailurePolicy, stage: str, started: float) -> None:
         """Observe ``stage`` of an ADD run, begun at monotonic ``started``."""
         if policy is ADD and self.observe_stage is not None:
-            self.observe_stage(stage, time.monotonic() - started)
+            self.observe_stage(stage, self.clock() - started)
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """``run_blocking`` that, when cancelled, first waits for the worker thread."""
@@ -143,9 +154,9 @@ class Dataplane:
 
     async def _run(self, rec: PodRecord, fd: int, opts: RuleOptions, inode: int,
                    policy: FailurePolicy, known: bool) -> None:
-        started = time.monotonic()
+        started = self.clock()
         try:
-            outcome = await self.blocking(self.netns.apply_rules, fd, self.backend, opts,
+            outcome = await self.blocking(self.netns.apply_rules, fd, self.rules, opts,
                                           rec.netns, known)
         except (LoopbackDown, RulesError, OSError) as e:
             self._timed(policy, "rules", started)
@@ -154,7 +165,7 @@ class Dataplane:
             self._timed(policy, "rules", started)
             rec.steps[Step.RULES] = True
             (log.info if policy is ADD else log.debug)(
-                "%s: in-pod rules %s (%s)", rec.label(), outcome, getattr(self.backend, "name", "?"))
+                "%s: in-pod rules %s (%s)", rec.label(), outcome, self.rules.name)
         try:
             await self.remaining_steps(rec, fd, policy)
         except EnrollmentError as e:
@@ -217,7 +228,7 @@ class Dataplane:
         # persisted before the status says "enabled": a pod whose record can't be written
         # (the state dir's filesystem full, read-only) is never reported enrolled, to the
         # runtime or in its annotation, while a restart could not recover it
-        started = time.monotonic()
+        started = self.clock()
         try:
             try:
                 self.state.save(rec)
@@ -229,7 +240,7 @@ class Dataplane:
             rec.fail(Step.STATE, why, status=PodState.PENDING)
             raise EnrollmentError(f"{rec.label()}: {why}; will retry", True) from None
         rec.steps[Step.STATE] = True
-        started = time.monotonic()
+        started = self.clock()
         written = await self.set_status(rec, "enabled")
         self._timed(policy, "status", started)
         if not written:
@@ -251,7 +262,7 @@ class Dataplane:
             raise EnrollmentError(f"{rec.label()}: this agent runs no ZDS server", True)
         pod = ZdsPod(uid=rec.uid, name=rec.name, namespace=rec.namespace,
                      service_account=rec.service_account, netns_fd=fd)
-        started = time.monotonic()
+        started = self.clock()
         try:
             try:
                 await zds.add(pod, wait_ack=policy.wait_ack,
@@ -275,7 +286,7 @@ class Dataplane:
     async def _hostset(self, rec: PodRecord, policy: FailurePolicy) -> Exception | None:
         """Upsert the pod's probe set entries; ``steps[HOSTSET]`` set when done. Returns
         the failure (RulesError, OSError, ValueError) instead of raising it."""
-        started = time.monotonic()
+        started = self.clock()
         try:
             if self.host_rules is None:
                 raise RulesError("host probe rules not set up")
@@ -298,7 +309,7 @@ class Dataplane:
     async def rollback_rules(self, fd: int, opts: RuleOptions) -> list[str]:
         """Delete the in-pod rules; returns what could not be undone (empty: all done)."""
         try:
-            await self.blocking(self.netns.delete_rules, fd, self.backend, opts.ipv6, None)
+            await self.blocking(self.netns.delete_rules, fd, self.rules, opts.ipv6, None)
         except (RulesError, OSError) as e:
             log.warning("rollback of in-pod rules failed: %s", e)
             return [f"in-pod rules: {e}"]
@@ -354,7 +365,7 @@ class Dataplane:
                 except RuntimeError:  # loop closing: the entries go below or not at all
                     pass
             try:
-                await self.run_blocking(self.netns.delete_rules, netns_path, self.backend,
+                await self.run_blocking(self.netns.delete_rules, netns_path, self.rules,
                                         opts.ipv6, during)
             except NetnsGone:
                 pass  # vanished between the check and the entry: nothing left to clean

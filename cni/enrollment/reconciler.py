@@ -5,7 +5,7 @@ Keyed by pod UID (``CniPodEvent.key``). Desired state = pods that should be ambi
 actual state = in-pod rules present, ZDS acked, probe set entry, status. The steps and
 their failure policies are :mod:`cni.enrollment.dataplane`; a pod whose enrollment failed
 in a retryable way is retried through one keyed retry queue
-(:mod:`cni.enrollment.retryqueue`, exponential backoff 0.2 s doubling to 30 s, per pod);
+(:mod:`agent.core.retryqueue`, exponential backoff 0.2 s doubling to 30 s, per pod);
 restart recovery is :mod:`cni.enrollment.recovery`; running pods following their labels
 is :mod:`cni.enrollment.watch`. Upstream: ``cni/pkg/nodeagent/net.go`` (``NetServer``)
 and ``informers.go`` (the retry queue).
@@ -22,8 +22,7 @@ import collections
 import contextlib
 import logging
 import os
-import time
-from typing import Any
+from typing import Awaitable, Callable
 
 from agent.core import netns as netns_mod
 from agent.core.lifecycle import AgentContext, Component
@@ -35,15 +34,16 @@ from cni.enrollment.api import (HostNetnsRefused, NetnsOps, ProbeSet, Registered
 from cni.enrollment.dataplane import ADD, RETRY, Dataplane, rollback_outcome
 from cni.enrollment.kernel import KernelNetns, ipset_exists
 from cni.enrollment.records import PodRecord, PodState, PodStateStore, Step
-from cni.enrollment.retryqueue import RetryQueue
+from agent.core.retryqueue import RetryQueue
 from cni.enrollment.watch import LivePods
 from cni.events import CniPodEvent, EnrollmentError
 from cni.kubeevents import REASON_EXHAUSTED, REASON_FAILED, PodEvents
 from cni.hostrules import HostProbeRules
 from cni.rules_common import RuleOptions, RulesError
+from cni.rules_detect import Backend as RulesBackend
 from cni.rules_iptables import IptablesBackend, detect_flavor
 from cni.rules_nftables import NftablesBackend
-from cni.sourceapi import PodSource
+from cni.sourceapi import PodSource, PodStore
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class Enrollment(Component):
 
     name = "enrollment"
 
-    def __init__(self, ctx: AgentContext, backend: Any = None,
+    def __init__(self, ctx: AgentContext, backend: RulesBackend | None = None,
                  host_rules: ProbeSet | None = None, *, zds: ZdsChannel | None = None,
                  netns: NetnsOps | None = None, source: PodSource | None = None,
                  registrar: RegisteredPods | None = None):
@@ -93,9 +93,12 @@ class Enrollment(Component):
         self._locks: dict[str, asyncio.Lock] = {}
         self.retries = RetryQueue(self._retry, initial=BACKOFF_INITIAL, maximum=BACKOFF_MAX,
                                   name="enroll-retry")
-        self.recovery = recovery_mod.Recovery(self)
         self._started = False
         self.events = PodEvents(ctx, source)  # Kubernetes Events and repair (cni.kubeevents)
+        self.recovery = recovery_mod.Recovery(
+            self, dataplane=self.dataplane, config=cfg, store=self.store,
+            pods_known=self._pod_objects_known, events=self.events,
+            netns_missing=self.metrics.netns_missing.inc)
         self.live: LivePods | None = None  # running pods following their labels
         self._enrolling: dict[str, asyncio.Task] = {}  # uid -> task inside enroll()
         # sandboxes of running pods the CNI ADD found not ambient: key -> (netns, ips);
@@ -103,7 +106,10 @@ class Enrollment(Component):
         self._sandboxes: collections.OrderedDict[str, tuple[str, list[str]]] = \
             collections.OrderedDict()
         self._aborted: set[asyncio.Task] = set()  # enroll tasks a CNI DEL cancelled
-        self._side_tasks: set[asyncio.Task] = set()  # store-driven probe set updates
+        # store-driven probe set updates (a known pod's IPs changed): uid -> its IPs now
+        self._probe_ips: dict[str, list[str]] = {}
+        self.probe_updates = RetryQueue(self._update_probe_ips, initial=BACKOFF_INITIAL,
+                                        maximum=BACKOFF_MAX, name="probe-ips")
 
     @property
     def records(self) -> dict[str, PodRecord]:
@@ -115,7 +121,8 @@ class Enrollment(Component):
         self.dataplane.records = value
 
     @property
-    def backend(self) -> Any:
+    def backend(self) -> RulesBackend | None:
+        """The in-pod rules backend (None until started)."""
         return self.dataplane.backend
 
     @property
@@ -148,13 +155,15 @@ class Enrollment(Component):
         store = self.store()
         if store is not None:
             cfg = self.ctx.config
-            self.live = LivePods(self, store, node_name=cfg.node_name,
+            self.live = LivePods(self, store, host_netns=self.host_netns,
+                                 run_blocking=self.ctx.run_blocking,
+                                 observe=self.metrics.event, node_name=cfg.node_name,
                                  exclude_namespaces=cfg.exclude_namespaces or (),
                                  system_namespace=cfg.system_namespace, proc_dir=cfg.proc_dir,
                                  files_source=cfg.config_source != "kubernetes")
             self.live.start()
 
-    def _choose_backend(self) -> Any:
+    def _choose_backend(self) -> RulesBackend:
         """Nftables when asked, unless iptables artifacts (our probe ipset) exist
         (stay on iptables until reboot); the iptables flavor is detected once and
         recorded in the state dir."""
@@ -182,7 +191,8 @@ class Enrollment(Component):
         cfg = self.ctx.config
         backend = self.dataplane.backend
         kind = "nftables" if isinstance(backend, NftablesBackend) else "iptables"
-        return HostProbeRules(backend=kind, flavor=getattr(backend, "flavor", "nft"),
+        flavor = backend.flavor if isinstance(backend, IptablesBackend) else "nft"
+        return HostProbeRules(backend=kind, flavor=flavor,
                               snat_ipv4=cfg.host_probe_snat_ip, snat_ipv6=cfg.host_probe_snat_ipv6,
                               ipv6=cfg.ambient_ipv6, netns=cfg.host_rules_netns or None)
 
@@ -194,7 +204,8 @@ class Enrollment(Component):
         upstream's ``AMBIENT_DISABLE_SAFE_UPGRADE`` does."""
         if self.live is not None:  # waits for live (un)enrollments in flight
             await self.live.stop(grace)
-        tasks = self.retries.kill() + list(self._side_tasks)
+        self._probe_ips.clear()
+        tasks = self.retries.kill() + self.probe_updates.kill()
         for t in tasks:
             t.cancel()
         if tasks:
@@ -227,11 +238,11 @@ class Enrollment(Component):
                     f"for one, then fail")
         return ""
 
-    def debug_state(self) -> Any:
+    def debug_state(self) -> dict[str, object]:
         backend = self.dataplane.backend
         return {
-            "backend": getattr(backend, "name", None),
-            "iptables_flavor": getattr(backend, "flavor", None),
+            "backend": backend.name if backend is not None else None,
+            "iptables_flavor": backend.flavor if isinstance(backend, IptablesBackend) else None,
             "pods": {uid: r.debug() for uid, r in self.records.items()},
             "live": dict(self.live.stats) if self.live is not None else None,
             "annotation_retries": self.status.pending_retries(),
@@ -273,7 +284,7 @@ class Enrollment(Component):
         """The pod's lock: its ADD, DEL, retries and probe set updates take turns."""
         return self._locks.setdefault(uid, asyncio.Lock())
 
-    def store(self) -> Any:
+    def store(self) -> PodStore | None:
         """The config source's object store, or None."""
         return self.source.store if self.source is not None else None
 
@@ -383,12 +394,12 @@ class Enrollment(Component):
             # its netns is looked at before applying (cni.rules_detect.apply)
             known = old is not None
             self.records[rec.uid] = rec
-            started = time.monotonic()
+            started = self.dataplane.clock()
             try:
                 try:
                     fd = self.netns.open(rec.netns)
                 finally:
-                    self.metrics.stage("netns", time.monotonic() - started)
+                    self.metrics.stage("netns", self.dataplane.clock() - started)
             except HostNetnsRefused as e:
                 rec.fail(Step.NETNS, str(e))
                 raise EnrollmentError(f"{rec.label()}: field 'netns': {e}; no rules "
@@ -459,19 +470,32 @@ class Enrollment(Component):
     # --- unenroll ---------------------------------------------------------------------------
 
     async def unenroll(self, event: CniPodEvent, is_delete: bool = False) -> None:
-        """Remove a pod from the mesh, upstream's ``RemovePodFromMesh(pod, isDelete)``:
+        """The CNI DEL (``is_delete=True``, the event server's call) or any caller holding
+        a CNI event: :meth:`remove` of pod ``event.key``, with the pod's record built from
+        the event when enrollment holds none (a DEL after an agent restart lost it) and
+        the event's netns path. Raises as :meth:`remove`."""
+        await self.remove(event.key, is_delete=is_delete, known=self._record_from_event(event),
+                          netns=self._netns_path(event.netns))
+
+    async def remove(self, uid: str, *, is_delete: bool, known: PodRecord | None = None,
+                     netns: str = "") -> None:
+        """Remove pod ``uid`` from the mesh, upstream's ``RemovePodFromMesh(pod, isDelete)``:
         probe set entries it owns, then (only when ``not is_delete`` and its
         netns still exists) the in-pod rules and routing, then the ZDS delete, the status
-        annotation and the persisted record.
+        annotation and the persisted record. ``known`` is the pod's record when
+        enrollment holds none for ``uid`` (restart recovery's candidate; a CNI DEL's
+        event); its IPs also fill a held record that has none. ``netns`` (a path as this
+        agent sees it) overrides the record's for the rules removal.
 
-        ``is_delete=True`` is the CNI DEL: the sandbox is being destroyed and its netns
+        ``is_delete=True`` is the CNI DEL or a pod that terminated or whose Pod object
+        was deleted: the sandbox is being destroyed and its netns
         goes away with the rules in it, so, as upstream, they are not deleted (that is
         the expensive part: every deleting nf_tables transaction waits for an RCU grace
-        period). ``is_delete=False`` is un-enrollment of a live pod, which must leave the
-        netns as it was. Best effort: a missing netns is fine; raises
+        period), and an enrollment of the pod still in flight is cancelled first
+        (:meth:`abort_enroll`). ``is_delete=False`` is un-enrollment of a live pod, which
+        must leave the netns as it was. Best effort: a missing netns is fine; raises
         :class:`EnrollmentError` only when a step that could have run failed (after
         trying every step)."""
-        uid = event.key
         if is_delete:  # the pod is going away: don't wait behind its ADD, cancel it
             aborted = self.abort_enroll(uid)
             if aborted is not None:
@@ -482,10 +506,10 @@ class Enrollment(Component):
             self._sandboxes.pop(uid, None)
         async with self.lock(uid):
             self.retries.forget(uid)
-            rec = self.records.pop(uid, None) or self._record_from_event(event)
-            if not rec.ips:
-                rec.ips = list(event.ips)
-            netns_path = "" if is_delete else (self._netns_path(event.netns) or rec.netns)
+            rec = self.records.pop(uid, None) or known or PodRecord(uid=uid)
+            if not rec.ips and known is not None:
+                rec.ips = list(known.ips)
+            netns_path = "" if is_delete else (netns or rec.netns)
             errors = await self.dataplane.remove(rec, netns_path, is_delete=is_delete)
             self.state.remove(uid)
             self._locks.pop(uid, None)
@@ -499,21 +523,35 @@ class Enrollment(Component):
         changed gets ``SyncHostProbeIPSet``), called by :mod:`cni.enrollment.watch` with a
         known pod's current ``status.podIPs`` (normalized): when they differ from the
         record's, its probe entries are upserted, and a record without IPs (recovered at
-        start before kubelet published them) adopts them. Only looks and schedules."""
+        start before kubelet published them) adopts them. Only looks and queues the
+        update (:attr:`probe_updates`, keyed by pod; a failed update is retried with
+        backoff, the newest IPs win)."""
         rec = self.records.get(uid)
         if rec is None or not ips or set(ips) == set(rec.ips):
             return
-        task = asyncio.get_running_loop().create_task(self._add_probe_ips(uid, ips),
-                                                      name=f"probe-ips-{uid}")
-        self._side_tasks.add(task)
-        task.add_done_callback(self._side_tasks.discard)
+        self._probe_ips[uid] = list(ips)
+        self.probe_updates.add(uid, now=True)
 
-    async def _add_probe_ips(self, uid: str, ips: list[str]) -> None:
+    async def _update_probe_ips(self, uid: str) -> bool:
+        """The probe update queue's ``process``: True when done (or nothing to do),
+        False to retry after the backoff."""
+        ips = self._probe_ips.get(uid)
+        if ips is None:
+            return True
+        done = await self._add_probe_ips(uid, ips)
+        if not done:
+            return False
+        if self._probe_ips.get(uid) is ips:
+            del self._probe_ips[uid]
+            return True
+        return False  # newer IPs came meanwhile: they go in at the next attempt
+
+    async def _add_probe_ips(self, uid: str, ips: list[str]) -> bool:
         async with self.lock(uid):  # never after an unenroll removed the pod's entries
             rec = self.records.get(uid)
             host_rules = self.dataplane.host_rules
             if rec is None or host_rules is None:
-                return
+                return True
             if not rec.ips:
                 rec.ips = list(ips)
                 log.info("%s: pod IPs now known (%s)", rec.label(), ", ".join(ips))
@@ -526,9 +564,28 @@ class Enrollment(Component):
             try:
                 await self.dataplane.blocking(host_rules.add_pod, uid, ips)
             except (RulesError, OSError, ValueError) as e:
-                log.warning("%s: probe set entries for %s: %s", rec.label(), ", ".join(ips), e)
+                log.warning("%s: probe set entries for %s: %s (retrying)", rec.label(),
+                            ", ".join(ips), e)
+                return False
+            return True
 
     # --- restart recovery -------------------------------------------------------------------
+
+    def _pod_objects_known(self) -> bool:
+        """Whether the config source holds its full set of Pod objects (its first load
+        is done); False without a source."""
+        return self.source is not None and bool(self.source.ready()[0])
+
+    async def adopt(self, rec: PodRecord,
+                    reconcile: Callable[[PodRecord], Awaitable[bool]]) -> str:
+        """Restart recovery's :class:`cni.enrollment.recovery.RecoveredPods`: under the
+        pod's lock ``rec`` becomes pod ``rec.uid``'s record and ``reconcile(rec)`` runs;
+        False from it queues the pod for retry. Returns ``rec.status`` afterwards."""
+        async with self.lock(rec.uid):
+            self.records[rec.uid] = rec
+            if not await reconcile(rec):
+                self.retries.add(rec.uid)
+            return rec.status
 
     async def recover(self) -> dict[str, str]:
         """Re-adopt pods enrolled before a restart (:meth:`cni.enrollment.recovery.Recovery.run`).

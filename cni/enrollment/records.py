@@ -18,7 +18,6 @@ import dataclasses
 import enum
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +71,6 @@ class PodRecord:
     error: str = ""
     steps: dict[Step, bool] = dataclasses.field(default_factory=dict)
     attempts: int = 0
-    updated: float = 0.0
     answer_by: float | None = None  # loop time the CNI ADD in flight must be answered by
     rollback_problems: list[str] = dataclasses.field(default_factory=list)  # of a cancelled ADD
 
@@ -93,13 +91,13 @@ class PodRecord:
 
     def fail(self, step: Step, why: str, status: PodState = PodState.FAILED) -> None:
         """Record that ``step`` failed (logged with the pod's name)."""
-        self.status, self.error, self.updated = status, f"{step}: {why}", time.time()
+        self.status, self.error = status, f"{step}: {why}"
         self.steps[step] = False
         log.warning("%s: %s failed: %s", self.label(), step, why)
 
     def enabled(self) -> None:
         """Record that every step succeeded."""
-        self.status, self.error, self.updated = PodState.ENABLED, "", time.time()
+        self.status, self.error = PodState.ENABLED, ""
 
     def debug(self) -> dict[str, Any]:
         """The record as ``debug_state`` shows it (plain strings)."""

@@ -18,19 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Awaitable, Callable, Protocol
 
+from agent.core.config import Config
 from cni import annotate, enablement
 from cni.enrollment.api import HostNetnsRefused, ZdsPod, ZdsRejected, ZtunnelUnavailable
-from cni.enrollment.dataplane import RECOVER, pod_ref
+from cni.enrollment.dataplane import RECOVER, Dataplane, pod_ref
 from cni.enrollment.records import PodRecord, PodState, Step
 from cni.events import CniPodEvent, EnrollmentError
-from cni.kubeevents import REASON_NETNS_MISSING
+from cni.kubeevents import REASON_NETNS_MISSING, PodEvents
 from cni.podips import pod_status_ips
 from cni.rules_common import RulesError
-
-if TYPE_CHECKING:
-    from cni.enrollment.reconciler import Enrollment
+from cni.sourceapi import PodStore
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +37,40 @@ log = logging.getLogger(__name__)
 KEEP, DROP, UNENROLL, UNENROLL_DELETED = "keep", "drop", "unenroll", "unenroll-deleted"
 
 
-class Recovery:
-    """Restart recovery for ``enrollment`` (its records, locks, dataplane, retry queue)."""
+class RecoveredPods(Protocol):
+    """What recovery asks of the enrollment it recovers for
+    (:class:`cni.enrollment.reconciler.Enrollment` has it): take a recovered record
+    (``adopt``: under the pod's lock the record becomes the pod's, ``reconcile(rec)`` runs
+    and, when it returns False, the pod is queued for retry; returns the record's status
+    afterwards) and remove a pod that no longer qualifies (``remove``: as a CNI DEL
+    would with ``is_delete``, ``known`` its record)."""
 
-    def __init__(self, enrollment: "Enrollment"):
-        self.e = enrollment
+    async def adopt(self, rec: PodRecord,
+                    reconcile: Callable[[PodRecord], Awaitable[bool]]) -> str: ...
+
+    async def remove(self, uid: str, *, is_delete: bool,
+                     known: PodRecord | None = None) -> None: ...
+
+
+class Recovery:
+    """Restart recovery over ``pods`` (:class:`RecoveredPods`) and the parts it runs the
+    pipeline with: ``dataplane`` (netns operations, ZDS channel, probe set, state dir,
+    status writer, executor), ``config`` (``node_name``, ``config_source``,
+    ``exclude_namespaces``, ``proc_dir``), ``store()`` (the config source's store or
+    None), ``pods_known()`` (True once the source holds its full set of Pod objects),
+    ``events`` (Kubernetes Events) and ``netns_missing`` (called once per pod counted in
+    ``ambient_agent_recovery_netns_missing_total``)."""
+
+    def __init__(self, pods: RecoveredPods, *, dataplane: Dataplane, config: Config,
+                 store: Callable[[], PodStore | None], pods_known: Callable[[], bool],
+                 events: PodEvents, netns_missing: Callable[[], None]):
+        self.pods = pods
+        self.dataplane = dataplane
+        self.config = config
+        self.store = store
+        self.pods_known = pods_known
+        self.events = events
+        self.netns_missing = netns_missing
 
     async def run(self) -> dict[str, str]:
         """Re-adopt pods enrolled before a restart. Returns ``{uid: outcome}``:
@@ -60,7 +88,7 @@ class Recovery:
         4. Then, per kept pod: rules reconciled, probe set, status; pods that no longer
            qualify are un-enrolled; the probe set is reconciled against the kept pods.
         """
-        e = self.e
+        d = self.dataplane
         refused: dict[str, str] = {}
         try:
             candidates = self.candidates()
@@ -72,11 +100,11 @@ class Recovery:
                 await self._announce(kept, fds)
             except BaseException:
                 for fd in fds.values():
-                    e.netns.close(fd)
+                    d.netns.close(fd)
                 raise
         finally:
-            if e.zds is not None:
-                e.zds.open_accept()
+            if d.zds is not None:
+                d.zds.open_accept()
         if not candidates:
             await self._reconcile_probe_set({})  # entries of pods gone while we were not
             return refused
@@ -86,7 +114,7 @@ class Recovery:
                                                   for rec in kept))
         finally:
             for fd in fds.values():
-                e.netns.close(fd)
+                d.netns.close(fd)
         outcomes.update({rec.uid: s for rec, s in zip(kept, kept_results)})
         for uid, (verdict, why) in verdicts.items():
             if verdict != KEEP:
@@ -107,11 +135,11 @@ class Recovery:
         """Start of day: the probe sets in place against the pods we know
         (:meth:`HostProbeRules.sync`: known IPs upserted, entries owned by no known pod
         removed, never a flush). Logged, never fatal."""
-        host_rules = self.e.host_rules
+        host_rules = self.dataplane.host_rules
         if host_rules is None:
             return
         try:
-            pruned = await self.e.ctx.run_blocking(
+            pruned = await self.dataplane.run_blocking(
                 host_rules.sync, {r.uid: r.ips for r in wanted.values()})
             if pruned:
                 log.info("removed stale probe set entries: %s", ", ".join(pruned))
@@ -120,14 +148,14 @@ class Recovery:
 
     def candidates(self) -> dict[str, PodRecord]:
         """Persisted records, plus pods of this node the config source says are enrolled."""
-        wanted: dict[str, PodRecord] = {r.uid: r for r in self.e.state.load()}
+        wanted: dict[str, PodRecord] = {r.uid: r for r in self.dataplane.state.load()}
         for rec in self._enrolled_from_store():
             wanted.setdefault(rec.uid, rec)
         return wanted
 
     def _enrolled_from_store(self) -> list[PodRecord]:
-        cfg = self.e.ctx.config
-        store = self.e.store()
+        cfg = self.config
+        store = self.store()
         if store is None or cfg.config_source != "kubernetes":
             return []
         out: list[PodRecord] = []
@@ -152,12 +180,9 @@ class Recovery:
     def _pod_objects_known(self) -> bool:
         """Whether the config source has its full set of Pod objects (first load / LIST
         done), so a missing Pod object means the pod is gone. No source: unknown."""
-        source = self.e.source
-        if source is None:
-            return False
         try:
-            return bool(source.ready()[0])
-        except Exception:  # noqa: BLE001
+            return bool(self.pods_known())
+        except Exception:  # noqa: BLE001 - an unreadable source knows nothing
             return False
 
     def verdict(self, rec: PodRecord, netns_alive: bool) -> tuple[str, str]:
@@ -170,10 +195,10 @@ class Recovery:
 
         Only a Pod object with the record's UID is this pod's: a same-named pod with
         another UID is a new pod. Without a synced config source nothing is dropped."""
-        cfg = self.e.ctx.config
+        cfg = self.config
         known = self._pod_objects_known()
         pod = None
-        store = self.e.store()
+        store = self.store()
         if store is not None:
             try:
                 pod = store.pod_by_uid(rec.uid)
@@ -218,13 +243,13 @@ class Recovery:
         fds: dict[str, int] = {}
         for uid, path in found.items():
             try:
-                fds[uid] = self.e.netns.open(path)
+                fds[uid] = self.dataplane.netns.open(path)
                 wanted[uid].netns = path
             except HostNetnsRefused as err:
                 rec = wanted.pop(uid)
                 log.warning("%s: field 'netns': %s; record dropped, no rules touched",
                             rec.label(), err)
-                self.e.state.remove(uid)
+                self.dataplane.state.remove(uid)
                 refused[uid] = "dropped"
             except OSError as err:
                 log.warning("%s: netns %s: %s", wanted[uid].label(), path, err)
@@ -234,7 +259,7 @@ class Recovery:
         """Record every kept pod in ZDS before any ztunnel is accepted: ``AddWorkload``
         with its netns, ``Keep`` when its netns is not found (so ztunnel keeps a proxy
         it still runs)."""
-        zds = self.e.zds
+        zds = self.dataplane.zds
         if zds is None:
             return
         for rec in kept:
@@ -247,25 +272,26 @@ class Recovery:
 
     async def _recover_kept(self, rec: PodRecord, fd: int | None) -> str:
         """Phase 2 for a kept pod (already announced to ZDS): reconcile its rules, probe
-        set, status; ``fd`` (closed here) is its netns, None when not found."""
-        e = self.e
-        async with e.lock(rec.uid):
-            e.records[rec.uid] = rec
+        set, status; ``fd`` (closed here) is its netns, None when not found. Returns the
+        record's status."""
+        async def reconcile(rec: PodRecord) -> bool:
             if fd is None:
                 if self._recorded_gone(rec):
                     await self._netns_missing(rec)
                 else:  # no record of ours, or IPs unknown: the scan's "no" is weak
                     rec.fail(Step.NETNS, "netns not found (recorded path gone and no "
                              "process of this pod in /proc)", status=PodState.NETNS_MISSING)
-                e.retries.add(rec.uid)
-                return rec.status
+                return False
             try:
-                await e.dataplane.run(rec, fd, RECOVER)
+                await self.dataplane.run(rec, fd, RECOVER)
+                return True
             except EnrollmentError:
-                e.retries.add(rec.uid)
-            finally:
-                e.netns.close(fd)
-            return rec.status
+                return False
+        try:
+            return await self.pods.adopt(rec, reconcile)
+        finally:
+            if fd is not None:
+                self.dataplane.netns.close(fd)
 
     @staticmethod
     def _recorded_gone(rec: PodRecord) -> bool:
@@ -288,49 +314,46 @@ class Recovery:
         (rules, probe set, annotation written back); its Pod object gone, it is dropped
         (upstream forgets the pod at its delete). Never raises: each step logs its own
         failure."""
-        e = self.e
+        d = self.dataplane
         why = (f"netns {rec.netns} not found at restart (recorded path "
                "gone and no process of this pod in /proc): removed from the node's probe "
                "set, status annotation removed; retried, and enrolled again when its "
                "sandbox appears")
         rec.fail(Step.NETNS, why, status=PodState.NETNS_MISSING)  # the one WARN line
-        e.metrics.netns_missing.inc()
-        e.events.record(rec.namespace, rec.name, rec.uid, REASON_NETNS_MISSING, why)
-        if e.host_rules is not None:
+        self.netns_missing()
+        self.events.record(rec.namespace, rec.name, rec.uid, REASON_NETNS_MISSING, why)
+        if d.host_rules is not None:
             try:
-                await e.ctx.run_blocking(e.host_rules.remove_pod, rec.uid, rec.ips)
+                await d.run_blocking(d.host_rules.remove_pod, rec.uid, rec.ips)
             except (RulesError, OSError, ValueError) as err:
                 log.warning("%s: probe set entries: %s", rec.label(), err)
         rec.steps[Step.HOSTSET] = False
         rec.steps[Step.STATUS] = False
-        e.status.ensure(pod_ref(rec), None)
+        d.status.ensure(pod_ref(rec), None)
 
     async def leave(self, rec: PodRecord, verdict: str, why: str) -> str:
         """Forget a dropped pod (probe set entries, record; never announced to ZDS) or
         un-enroll one that no longer qualifies (its rules too when its netns is alive)."""
-        e = self.e
+        d = self.dataplane
         if verdict == DROP:
             log.info("%s: %s: dropped (ztunnel drains its proxy)", rec.label(), why)
-            if rec.ips and e.host_rules is not None:
+            if rec.ips and d.host_rules is not None:
                 try:
-                    await e.ctx.run_blocking(e.host_rules.remove_pod, rec.uid, rec.ips)
+                    await d.run_blocking(d.host_rules.remove_pod, rec.uid, rec.ips)
                 except (RulesError, OSError, ValueError) as err:
                     log.warning("%s: probe set entries: %s", rec.label(), err)
-            e.state.remove(rec.uid)
+            d.state.remove(rec.uid)
             return "dropped"
         log.info("%s: %s: removing it from the mesh", rec.label(), why)
-        event = CniPodEvent(command="DEL", container_id=rec.uid, netns=rec.netns,
-                            pod_name=rec.name, pod_namespace=rec.namespace, pod_uid=rec.uid,
-                            ips=list(rec.ips))
         try:
-            await e.unenroll(event, is_delete=verdict == UNENROLL_DELETED)
+            await self.pods.remove(rec.uid, is_delete=verdict == UNENROLL_DELETED, known=rec)
         except EnrollmentError as err:
             log.warning("un-enrolling %s at restart: %s", rec.label(), err)
         return "unenrolled"
 
     async def find_netns(self, wanted: dict[str, PodRecord]) -> dict[str, str]:
         """``{uid: netns path}`` (:meth:`cni.enrollment.api.NetnsOps.find`, off the loop)."""
-        e = self.e
-        return await e.ctx.run_blocking(
-            e.netns.find, {u: (r.netns, list(r.ips)) for u, r in wanted.items()},
-            e.ctx.config.proc_dir)
+        d = self.dataplane
+        return await d.run_blocking(
+            d.netns.find, {u: (r.netns, list(r.ips)) for u, r in wanted.items()},
+            self.config.proc_dir)

@@ -41,34 +41,69 @@ import asyncio
 import functools
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Awaitable, Callable, Iterable, Mapping, Protocol, Sequence
+
+from agent.core.retryqueue import RetryQueue
 
 from cni import enablement
 from cni.enablement import TERMINAL_PHASES, on_this_node
 from cni import podnetns
+from cni.enrollment.dataplane import RunBlocking
+from cni.enrollment.records import PodRecord
 from cni.events import CniPodEvent, EnrollmentError
 from cni.podips import pod_status_ips as pod_ips
-
-if TYPE_CHECKING:
-    from cni.enrollment.reconciler import Enrollment
+from cni.sourceapi import PodStore, StoreChange
 
 log = logging.getLogger(__name__)
 
-class LivePods:
-    """Reconciles running pods of this node with their enablement, for ``enrollment``.
+BACKOFF_INITIAL, BACKOFF_MAX = 0.2, 30.0  # of live work the queue retries (seconds)
 
-    ``store`` is the config source's :class:`ambient.store.ObjectStore` (``subscribe``,
-    ``get``, ``list``, ``pod_by_uid``); ``node_name`` this node; ``files_source`` True
-    when Pod objects come from the directory source (a Pod there may have no
-    ``spec.nodeName``: it is then taken as a pod of this node, if a process of it runs
-    here).
+
+class LiveEnrollment(Protocol):
+    """What the watch asks of enrollment (:class:`cni.enrollment.reconciler.Enrollment`
+    has it): the enrolled pods' records by UID (read only), enroll a pod found running
+    (an ADD-shaped event with the netns found), remove pod ``uid`` (as a CNI DEL does with
+    ``is_delete``), whether an enrollment of ``uid`` runs now, the sandbox a "not
+    ambient" CNI ADD reported for ``uid`` (``(netns path, ips)``), and a known pod's
+    current IPs (the probe set follows them)."""
+
+    @property
+    def records(self) -> Mapping[str, PodRecord]: ...
+
+    async def enroll(self, event: CniPodEvent) -> None: ...
+
+    async def remove(self, uid: str, *, is_delete: bool) -> None: ...
+
+    def enrolling(self, uid: str) -> bool: ...
+
+    def sandbox(self, key: str) -> tuple[str, list[str]] | None: ...
+
+    def pod_ips_seen(self, uid: str, ips: list[str]) -> None: ...
+
+
+class LivePods:
+    """Reconciles running pods of this node with their enablement, for ``enrollment``
+    (:class:`LiveEnrollment`).
+
+    ``store`` is the config source's store (:class:`cni.sourceapi.PodStore`);
+    ``host_netns`` the node netns's ``(st_ino, st_dev)`` (skipped by ``/proc`` scans);
+    ``run_blocking`` the agent's executor; ``observe(old, new)`` is told of every Pod
+    and Namespace change (the enrollment's metrics); ``node_name`` this node;
+    ``files_source`` True when Pod objects come from the directory source (a Pod there
+    may have no ``spec.nodeName``: it is then taken as a pod of this node, if a process
+    of it runs here).
     """
 
-    def __init__(self, enrollment: "Enrollment", store: Any, *, node_name: str,
+    def __init__(self, enrollment: LiveEnrollment, store: PodStore, *,
+                 host_netns: tuple[int, int], run_blocking: RunBlocking,
+                 observe: Callable[[object, object], None], node_name: str,
                  exclude_namespaces: Iterable[str], system_namespace: str,
                  proc_dir: str, files_source: bool):
         self.enrollment = enrollment
         self.store = store
+        self.host_netns = host_netns
+        self.run_blocking = run_blocking
+        self.observe = observe
         self.node_name = node_name
         self.exclude = set(exclude_namespaces or ())
         self.system_namespace = system_namespace
@@ -77,9 +112,12 @@ class LivePods:
         self._dirty: set[str] = set()
         self._deleted: set[str] = set()  # uids whose Pod object the store deleted
         self._task: asyncio.Task | None = None
-        self._unsubscribe = None
-        self._leaving: dict[str, asyncio.Task] = {}
-        self._joining: dict[str, asyncio.Task] = {}
+        self._unsubscribe: Callable[[], None] | None = None
+        # live (un)enrollments run through one keyed queue (at most one per pod at a
+        # time): uid -> ("join" | "leave", the work; True when done)
+        self._work: dict[str, tuple[str, Callable[[], Awaitable[bool]]]] = {}
+        self.queue = RetryQueue(self._run_work, initial=BACKOFF_INITIAL, maximum=BACKOFF_MAX,
+                                name="live-pods")
         self.stats = {"enrolled_live": 0, "removed_live": 0, "removed_terminal": 0,
                       "removed_deleted": 0,
                       "not_found": 0, "scans": 0}
@@ -88,9 +126,7 @@ class LivePods:
 
     def start(self) -> None:
         """Subscribe to the store and look at every pod once (upstream's initial sync)."""
-        subscribe = getattr(self.store, "subscribe", None)
-        if callable(subscribe):
-            self._unsubscribe = subscribe(self.on_events)
+        self._unsubscribe = self.store.subscribe(self.on_events)
         try:
             self._dirty |= {uid for uid in (_uid(p) for p in self.store.list("Pod")) if uid}
         except Exception as e:  # noqa: BLE001 - a broken store must not stop the agent
@@ -107,24 +143,23 @@ class LivePods:
             self._task.cancel()
             await asyncio.wait([self._task], timeout=grace)
             self._task = None
-        busy = list(self._leaving.values()) + list(self._joining.values())
-        if busy:
-            await asyncio.wait(busy, timeout=grace)
+        await self.queue.drain(grace)
+        self._work.clear()
 
     def busy(self) -> bool:
         """True while a live enrollment or removal (or a pending look) is in progress."""
-        return bool(self._dirty or self._leaving or self._joining
+        return bool(self._dirty or self._work
                     or (self._task is not None and not self._task.done()))
 
     # --- change feed ---
 
-    def on_events(self, events: list) -> None:
+    def on_events(self, events: Sequence[StoreChange]) -> None:
         """Store listener: note the pods a Pod or Namespace change touches. A Pod
         delete of an enrolled pod removes it from ztunnel; a Namespace counts only when
         its labels changed (or it appeared or went away)."""
         for ev in events:
             if ev.kind in ("Pod", "Namespace"):
-                self.enrollment.metrics.event(ev.old, ev.new)
+                self.observe(ev.old, ev.new)
             if ev.kind == "Pod":
                 uid = _uid(ev.new) if ev.new is not None else ""
                 if uid:
@@ -220,7 +255,7 @@ class LivePods:
             return
         if not on_this_node(pod, self.node_name, self.files_source):
             return  # most pods of a cluster: skipped before any decision
-        if (self.should_be_ambient(pod) is not True or uid in self._joining
+        if (self.should_be_ambient(pod) is not True or self._doing(uid) == "join"
                 or self.enrollment.enrolling(uid)):
             return
         why_not = self._candidate(pod)
@@ -231,33 +266,55 @@ class LivePods:
             return
         join[uid] = pod
 
+    def _doing(self, uid: str) -> str:
+        """``"join"`` or ``"leave"`` while such work for pod ``uid`` is queued or runs."""
+        work = self._work.get(uid)
+        return work[0] if work is not None and uid in self.queue else ""
+
+    def _queue_work(self, uid: str, kind: str, work: Callable[[], Awaitable[bool]]) -> None:
+        """Run ``work`` for pod ``uid`` now through the queue, replacing (and cancelling)
+        other work of that pod queued or in flight."""
+        self.queue.forget(uid)
+        self._work[uid] = (kind, work)
+        self.queue.add(uid, now=True)
+
+    async def _run_work(self, uid: str) -> bool:
+        """The queue's ``process``: the pod's queued work; True when done."""
+        entry = self._work.get(uid)
+        if entry is None:
+            return True
+        done = await entry[1]()
+        if done and self._work.get(uid) is entry:
+            del self._work[uid]
+        return done
+
     def _leave(self, uid: str, why: str, terminal: bool = False,
                stat: str = "removed_terminal") -> None:
-        if uid in self._leaving:
+        if self._doing(uid) == "leave":
             return
-        work = self._terminated(uid, why, stat) if terminal else self._leave_mesh(uid, why)
-        task = asyncio.get_running_loop().create_task(work, name=f"unenroll-{uid}")
-        self._leaving[uid] = task
-        task.add_done_callback(functools.partial(_forget, self._leaving, uid))
+        if terminal:
+            self._queue_work(uid, "leave", lambda: self._terminated(uid, why, stat))
+        else:
+            self._queue_work(uid, "leave", lambda: self._leave_mesh(uid, why))
 
-    async def _leave_mesh(self, uid: str, why: str) -> None:
+    async def _leave_mesh(self, uid: str, why: str) -> bool:
+        """Remove a running pod that is no longer ambient. Always True (done): a removal
+        that failed part-way has forgotten the pod already, so there is nothing to retry."""
         rec = self.enrollment.records.get(uid)
         if rec is None:
-            return
+            return True
         pod = self.store.pod_by_uid(uid)
         if pod is not None and self.should_be_ambient(pod) is not False:
-            return  # changed back meanwhile
+            return True  # changed back meanwhile
         log.info("%s: %s; removing it from the mesh", rec.label(), why)
-        event = CniPodEvent(command="DEL", container_id=rec.uid, netns=rec.netns,
-                            pod_name=rec.name, pod_namespace=rec.namespace, pod_uid=rec.uid,
-                            ips=list(rec.ips))
         try:
-            await self.enrollment.unenroll(event, is_delete=False)
+            await self.enrollment.remove(uid, is_delete=False)
             self.stats["removed_live"] += 1
         except EnrollmentError as e:
             log.warning("un-enrolling %s: %s", rec.label(), e)
+        return True
 
-    async def _terminated(self, uid: str, why: str, stat: str = "removed_terminal") -> None:
+    async def _terminated(self, uid: str, why: str, stat: str = "removed_terminal") -> bool:
         """An enrolled pod whose phase became Succeeded or Failed (a Job's pod), or whose
         Pod object was deleted: its processes are gone or going but the sandbox (and the
         CNI DEL) may come much later or never, so, as upstream's informer
@@ -267,16 +324,14 @@ class LivePods:
         ``stat`` is the :attr:`stats` key counted."""
         rec = self.enrollment.records.get(uid)
         if rec is None:
-            return
+            return True
         log.info("%s: %s; removing it from ztunnel", rec.label(), why)
-        event = CniPodEvent(command="DEL", container_id=rec.uid, netns=rec.netns,
-                            pod_name=rec.name, pod_namespace=rec.namespace, pod_uid=rec.uid,
-                            ips=list(rec.ips))
         try:
-            await self.enrollment.unenroll(event, is_delete=True)
+            await self.enrollment.remove(uid, is_delete=True)
             self.stats[stat] += 1
         except EnrollmentError as e:
             log.warning("removing terminated %s: %s", rec.label(), e)
+        return True  # as _leave_mesh: nothing left to retry
 
     async def _join(self, pods: dict[str, dict]) -> None:
         """Find the netns of ``pods`` and enroll those found: the sandbox its CNI ADD
@@ -289,7 +344,7 @@ class LivePods:
                 paths[uid], wanted[uid] = seen[0], pod_ips(pod) or seen[1]
             else:
                 wanted[uid] = pod_ips(pod)
-        host = self.enrollment.host_netns
+        host = self.host_netns
         missing = {uid: ips for uid, ips in wanted.items() if uid not in paths and ips}
 
         def scan() -> dict[str, str]:
@@ -300,7 +355,7 @@ class LivePods:
         if missing:
             self.stats["scans"] += 1
             try:
-                paths.update(await self.enrollment.ctx.run_blocking(scan))
+                paths.update(await self.run_blocking(scan))
             except Exception as e:  # noqa: BLE001
                 log.error("scanning %s for pod netns failed: %s", self.proc_dir, e)
         for uid, pod in pods.items():
@@ -315,12 +370,11 @@ class LivePods:
                                 pod_name=str(meta.get("name") or ""),
                                 pod_namespace=str(meta.get("namespace") or ""), pod_uid=uid,
                                 ips=wanted[uid])
-            task = asyncio.get_running_loop().create_task(self._enroll(event),
-                                                          name=f"enroll-live-{uid}")
-            self._joining[uid] = task
-            task.add_done_callback(functools.partial(_forget, self._joining, uid))
+            self._queue_work(uid, "join", functools.partial(self._enroll, event))
 
-    async def _enroll(self, event: CniPodEvent) -> None:
+    async def _enroll(self, event: CniPodEvent) -> bool:
+        """Enroll a running pod. Always True (done): a retryable failure is retried by the
+        enrollment itself, a rules failure is final for the pod, as upstream."""
         label = f"{event.pod_namespace}/{event.pod_name} (uid {event.pod_uid})"
         log.info("%s: running pod is now ambient; enrolling it (netns %s)", label, event.netns)
         try:
@@ -331,6 +385,7 @@ class LivePods:
             # retryable failures (ztunnel, probe set, annotation) are retried by the
             # enrollment itself; rule failures are final for this pod, as upstream
             log.warning("live enrollment of %s: %s", label, e)
+        return True
 
 
 def _phase(pod: dict) -> str:
@@ -345,8 +400,3 @@ def _uid(obj: dict | None) -> str:
 
 def _labels(obj: dict | None) -> dict:
     return ((obj or {}).get("metadata") or {}).get("labels") or {}
-
-
-def _forget(tasks: dict[str, asyncio.Task], uid: str, _task: asyncio.Task) -> None:
-    """Done callback: the pod's task leaves ``tasks``."""
-    tasks.pop(uid, None)

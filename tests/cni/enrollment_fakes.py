@@ -201,6 +201,9 @@ class FakeSource(Component):
 
     name = "config-source"
 
+    def kube_api(self):
+        return None  # no Kubernetes API: Events are not written
+
     def __init__(self, synced: bool = True) -> None:
         self.store = self
         self.synced = synced

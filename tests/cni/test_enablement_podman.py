@@ -23,6 +23,9 @@ class ConfigSource(Component):
 
     name = "config-source"
 
+    def kube_api(self):
+        return None  # no Kubernetes API: Events are not written
+
     def __init__(self, store):
         self.store = store
 

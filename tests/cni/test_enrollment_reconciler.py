@@ -18,10 +18,12 @@ import pytest
 
 from agent.core.config import load
 from agent.core.lifecycle import AgentContext
+from cni.rules_nftables import NftablesBackend  # never run: the fake netns applies no rules
 from cni.enrollment import Enrollment, EnrollmentError, PodState, Step
 from cni.enrollment import reconciler as reconciler_mod
 from cni.enrollment.kernel import LoopbackDown
 from cni.enrollment.records import PodStateStore
+from cni.enrollment.recovery import Recovery
 from cni.events import CniPodEvent
 from cni.rules_common import RulesError
 from tests.cni.enrollment_fakes import FakeNetns, FakeProbeSet, FakeSource, FakeZds
@@ -41,12 +43,13 @@ class Rig:
             self.ctx.add(source)
         self.netns, self.probes = FakeNetns(), FakeProbeSet()
         self.zds = zds if zds is not None else FakeZds()
-        self.enrollment = Enrollment(self.ctx, backend=object(), host_rules=self.probes,
+        self.enrollment = Enrollment(self.ctx, backend=NftablesBackend(), host_rules=self.probes,
                                      zds=self.zds, netns=self.netns, source=source)
         self.enrollment.retries.initial = 0.01  # the doubling is what is tested
 
     def close(self) -> None:
         self.enrollment.retries.kill()
+        self.enrollment.probe_updates.kill()
         self.ctx.executor.shutdown(wait=False)
 
 
@@ -487,7 +490,7 @@ async def test_no_zds_channel_is_a_retryable_failure(state_dir):
     ctx = AgentContext(config, max_workers=2)
     netns = FakeNetns()
     netns.create(NETNS)
-    e = Enrollment(ctx, backend=object(), host_rules=FakeProbeSet(), netns=netns)
+    e = Enrollment(ctx, backend=NftablesBackend(), host_rules=FakeProbeSet(), netns=netns)
     try:
         with pytest.raises(EnrollmentError, match="this agent runs no ZDS server") as err:
             await e.enroll(event())
@@ -587,18 +590,21 @@ def _stage_counts(rig) -> dict[str, tuple[float, float]]:
 async def test_add_stage_histogram_times_each_stage_of_an_add(rig):
     """Each stage of an ADD is observed once, with the time it took (the ZDS wait held
     for ~50 ms shows in ``zds`` and nowhere else); a retry is not an ADD and adds nothing."""
+    clock = ManualClock()  # stage durations on a clock that moves only while ZDS is held
+    rig.enrollment.dataplane.clock = clock.time
     rig.zds.hold = asyncio.Event()
     task = asyncio.create_task(rig.enrollment.enroll(event()))
     await rig.zds.adding.wait()
-    await asyncio.sleep(0.05)
+    clock.advance(0.05)
     rig.zds.hold.set()
     await task
     stages = _stage_counts(rig)
     assert {s for s, (n, _) in stages.items() if n} == {
         "netns", "rules", "zds", "hostset", "state", "status"}
     assert all(n == 1 for n, _ in stages.values() if n)
-    assert stages["zds"][1] >= 0.045
-    assert all(total < stages["zds"][1] for s, (_, total) in stages.items() if s != "zds")
+    assert stages["zds"][1] == pytest.approx(0.05)
+    # the probe set entry runs beside the ZDS add, so it may have seen the clock move
+    assert all(total == 0 for s, (_, total) in stages.items() if s not in ("zds", "hostset"))
 
     # a failing ZDS step: observed (the failed stage counts), and so is the probe set
     # entry made beside it; the later ones are not
@@ -636,3 +642,74 @@ async def test_probe_set_entry_is_made_while_ztunnel_acks(rig):
     with pytest.raises(EnrollmentError, match="host probe set: ipset: busy; will retry"):
         await add
     assert rig.zds.pods["uid-c"]  # acked: the pod stays with ztunnel, pending, retried
+
+
+async def test_changed_pod_ips_reach_the_probe_set_through_the_queue_and_are_retried(rig):
+    """A known pod's new IPs (the watch's ``pod_ips_seen``) go to the probe set through the
+    keyed ``probe_updates`` queue; a failed update is retried after the backoff (on the
+    queue's manual clock), not dropped with a warning."""
+    clock = ManualClock()
+    q = rig.enrollment.probe_updates
+    q.clock, q.sleep = clock.time, clock.sleep
+    await rig.enrollment.enroll(event())
+    assert rig.probes.entries[UID] == {IP}
+    rig.probes.add_error = RulesError("ipset: busy")
+    rig.enrollment.pod_ips_seen(UID, [IP, "fd00::5"])
+    await until(lambda: clock.sleepers)  # the first attempt failed: waiting its backoff
+    assert UID in q and rig.probes.entries[UID] == {IP}
+    assert q.pending()[UID] == pytest.approx(reconciler_mod.BACKOFF_INITIAL)
+    await clock.advance_to_next_sleeper()
+    await until(lambda: UID not in q)
+    assert rig.probes.entries[UID] == {IP, "fd00::5"}
+    rig.enrollment.pod_ips_seen(UID, [IP])  # already there: nothing queued
+    assert UID not in q
+
+
+class RecoveredPodsRecorder:
+    """A ``cni.enrollment.recovery.RecoveredPods`` that records what recovery asks: the
+    records it adopts (running their reconcile) and the removals by UID."""
+
+    def __init__(self) -> None:
+        self.adopted: dict[str, bool] = {}
+        self.removed: list[tuple[str, bool, str]] = []
+
+    async def adopt(self, rec, reconcile) -> str:
+        self.adopted[rec.uid] = await reconcile(rec)
+        return rec.status
+
+    async def remove(self, uid: str, *, is_delete: bool, known=None) -> None:
+        self.removed.append((uid, is_delete, known.netns if known is not None else ""))
+
+
+async def test_recovery_needs_only_its_protocol(state_dir):
+    """Restart recovery over ``RecoveredPods`` alone (adopt, remove) and the parts it is
+    handed: a kept pod is adopted and reconciled, one whose Pod object says it no longer
+    qualifies is removed by UID with its record (live netns: ``is_delete=False``; netns
+    gone: ``True``), one gone entirely is dropped without a removal call."""
+    source = FakeSource(synced=True)
+    r = Rig(state_dir, source=source)
+    try:
+        for uid, ip in [("uid-keep", "10.1.0.1"), ("uid-optout", "10.1.0.2"),
+                        ("uid-optout-gone", "10.1.0.3"), ("uid-gone", "10.1.0.4")]:
+            _write_record(state_dir, uid, f"/run/netns/{uid}", ip)
+        for uid in ("uid-keep", "uid-optout"):
+            r.netns.create(f"/run/netns/{uid}")
+        source.pods = {"uid-keep": _pod("uid-keep", "keep")}
+        for uid in ("uid-optout", "uid-optout-gone"):
+            source.pods[uid] = _pod(uid, uid, labels={"istio.io/dataplane-mode": "none"})
+        pods, counted = RecoveredPodsRecorder(), []
+        recovery = Recovery(pods, dataplane=r.enrollment.dataplane, config=r.config,
+                            store=lambda: source, pods_known=lambda: True,
+                            events=r.enrollment.events,
+                            netns_missing=lambda: counted.append(1))
+
+        outcomes = await recovery.run()
+
+        assert outcomes == {"uid-keep": "enabled", "uid-optout": "unenrolled",
+                            "uid-optout-gone": "unenrolled", "uid-gone": "dropped"}
+        assert pods.adopted == {"uid-keep": True}
+        assert sorted(pods.removed) == [("uid-optout", False, "/run/netns/uid-optout"),
+                                        ("uid-optout-gone", True, "/run/netns/uid-optout-gone")]
+        assert counted == [] and r.zds.accepting
+    finally:
+        r.close()

@@ -82,7 +82,10 @@ def decommissioned(tmp_path, bridge, node):
         HostProbeRules(backend=backend, ipv6=False, netns=node, kubelet_uid=0).setup()
     argv = ("--state-dir", str(state), "--config-file", str(tmp_path / "none.yaml"),
             "--cni-conf-dir", str(conf), "--cni-bin-dir", str(bindir),
-            "--host-rules-netns", node, "--ambient-ipv6", "false")
+            "--host-rules-netns", node, "--ambient-ipv6", "false",
+            # never the default /var/run/ztunnel/ztunnel.sock: another agent on this host
+            # may serve it (cleanup would refuse), and cleanup removes what is there
+            "--ztunnel-uds-address", str(tmp_path / "ztunnel.sock"))
     yield argv, pod, state, conf, bindir
     for backend in ("iptables", "nftables"):  # whatever a failed test left in the node
         HostProbeRules(backend=backend, ipv6=False, netns=node).teardown()

@@ -32,6 +32,9 @@ class FakeConfigSource(Component):
 
     name = "config-source"
 
+    def kube_api(self):
+        return None  # no Kubernetes API: Events are not written
+
     def __init__(self):
         self.store = self
         self.pods: dict[str, dict] = {}
@@ -44,6 +47,11 @@ class FakeConfigSource(Component):
 
     def list(self, kind, namespace=None):
         return list(self.pods.values()) if kind == "Pod" else []
+
+    def subscribe(self, listener):
+        """Nothing to announce: tests set ``pods`` before the enrollment starts and
+        change them only through enroll/unenroll calls."""
+        return lambda: None
 
 
 @pytest.fixture
@@ -368,6 +376,9 @@ class StoreSource(Component):
     included); objects are put in directly, as a files/Kubernetes backend would."""
 
     name = "config-source"
+
+    def kube_api(self):
+        return None  # no Kubernetes API: Events are not written
 
     def __init__(self):
         from ambient.store import ObjectStore

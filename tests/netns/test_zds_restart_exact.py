@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,7 +25,6 @@ import pytest
 import yaml
 
 from agent.demo.envoy import free_port
-from tests.helpers import eventually
 from tests.agent.test_run_signals import ROOT_ONLY, node_netns  # noqa: F401 (fixture)
 from tests.ztunnel_exact.zds import ZtunnelZds
 
@@ -79,9 +79,19 @@ class AgentProcess:
                                      text=True)
         return self
 
-    def wait_events(self, timeout: float = 60.0) -> None:
+    def wait_events(self, timeout: float = 180.0) -> None:
+        """Until the CNI event server accepts a connection. Components start in order and
+        the event server after enrollment, whose start runs the whole restart recovery:
+        once it accepts, recovery is done. A socket file alone says nothing (a SIGKILLed
+        agent leaves its file behind). ``timeout`` only bounds a hang."""
         deadline = time.monotonic() + timeout
-        while not os.path.exists(self.event_socket):
+        while True:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.connect(self.event_socket)
+                    return
+                except OSError:
+                    pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError("agent did not come up: " + self.output())
             time.sleep(0.05)
@@ -169,6 +179,7 @@ async def test_restart_100_pods_first_snapshot_names_every_live_pod(
         zds_peers.append(fresh)
         agent = AgentProcess(state_dir, config_dir, node_netns).start()
         live_uids = {p.uid for p in live}
+        await asyncio.to_thread(agent.wait_events)  # restart recovery done
         assert await asyncio.to_thread(fresh.wait, lambda: fresh.snapshots, 60), agent.output()
         assert await asyncio.to_thread(old.wait, lambda: len(old.snapshots) == 2, 30)
 
@@ -189,7 +200,7 @@ async def test_restart_100_pods_first_snapshot_names_every_live_pod(
         # the agent's side: dropped and un-enrolled records are gone, rules removed
         def records() -> set[str]:
             return {f[:-5] for f in os.listdir(state_dir / "pods") if f.endswith(".json")}
-        await eventually(lambda: records() == live_uids, 30, "records of the live pods only")
+        assert records() == live_uids  # recovery (done above) dropped or un-enrolled the rest
         for pod in (relabelled, host_net):
             assert not await asyncio.to_thread(in_pod_rules, pod)
         assert await asyncio.to_thread(in_pod_rules, live[0])
@@ -221,6 +232,7 @@ async def test_restart_keeps_pod_whose_netns_is_gone_while_its_pod_object_exists
         await asyncio.to_thread(bridge.remove_pod, b)       # netns gone, Pod object stays
         write_cluster(config_dir, [pod_object(p) for p in (a, b)])  # c: no Pod object
         agent = AgentProcess(state_dir, config_dir, node_netns).start()
+        await asyncio.to_thread(agent.wait_events)  # restart recovery done
         assert await asyncio.to_thread(zt.wait, lambda: len(zt.snapshots) == 2, 60), \
             agent.output()
         snap = zt.snapshots[1]

@@ -1,5 +1,9 @@
 """One keyed, rate-limited retry queue (upstream: the informer's ``controllers.Queue`` with
-a per-item exponential rate limiter, ``cni/pkg/nodeagent/informers.go``).
+a per-item exponential rate limiter, ``cni/pkg/nodeagent/informers.go``). Every per-pod
+background work of enrollment goes through one: the retries of a pod's enrollment
+(``cni.enrollment.reconciler``), its status annotation writes (``cni.annotate``) and the
+live (un)enrollment of running pods (``cni.enrollment.watch``), so none keeps its own
+task registry or backoff loop.
 
 A key (a pod UID) is in the queue at most once and processed by at most one task at a
 time. :meth:`RetryQueue.add` schedules it after its backoff (``initial`` doubling per
@@ -46,6 +50,7 @@ class RetryQueue:
         self._running: dict[str, asyncio.Task] = {}
         self._wake = asyncio.Event()
         self._worker: asyncio.Task | None = None
+        self._draining = False  # attempts that end now are not retried (drain)
 
     def __contains__(self, key: str) -> bool:
         return key in self._due or key in self._running
@@ -61,11 +66,12 @@ class RetryQueue:
         """The delay the next :meth:`add` of ``key`` waits."""
         return min(self.initial * (2 ** self._failures.get(key, 0)), self.maximum)
 
-    def add(self, key: str) -> None:
-        """Queue ``key`` after its backoff, unless it is queued or processed already."""
+    def add(self, key: str, now: bool = False) -> None:
+        """Queue ``key`` after its backoff (``now``: due at once, its backoff kept for the
+        next failure), unless it is queued or processed already."""
         if key in self:
             return
-        self._schedule(key)
+        self._schedule(key, now)
 
     def _now(self) -> float:
         return self.clock() if self.clock is not None else asyncio.get_running_loop().time()
@@ -86,10 +92,13 @@ class RetryQueue:
             for w in waiters:
                 w.cancel()
 
-    def _schedule(self, key: str) -> None:
+    def _schedule(self, key: str, now: bool = False) -> None:
         loop = asyncio.get_running_loop()
-        due = self._now() + self.backoff(key)
-        self._failures[key] = self._failures.get(key, 0) + 1
+        if now:
+            due = self._now()
+        else:
+            due = self._now() + self.backoff(key)
+            self._failures[key] = self._failures.get(key, 0) + 1
         self._due[key] = due
         heapq.heappush(self._heap, (due, key))
         if self._worker is None or self._worker.done():
@@ -134,7 +143,7 @@ class RetryQueue:
         finally:
             if self._running.get(key) is me:
                 del self._running[key]
-                if done:
+                if done or self._draining:
                     self._failures.pop(key, None)
                 else:
                     self._schedule(key)
@@ -162,3 +171,17 @@ class RetryQueue:
         tasks = self.kill()
         if tasks:
             await asyncio.wait(tasks, timeout=grace)
+
+    async def drain(self, grace: float) -> None:
+        """Drop the keys not yet due, let the attempts in flight finish for up to
+        ``grace`` seconds (none is retried), then cancel what still runs."""
+        self._due.clear()
+        self._heap.clear()
+        self._draining = True
+        try:
+            running = list(self._running.values())
+            if running:
+                await asyncio.wait(running, timeout=grace)
+            await self.stop(grace)
+        finally:
+            self._draining = False
