@@ -164,7 +164,6 @@ class LeaseElection:
         self._on_lead, self._on_lose = on_lead, on_lose
         self.leading = False
         self.istiod_active = False
-        self.transitions = 0  # times this agent became the leader
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -275,7 +274,6 @@ class LeaseElection:
             held = await self._round()
             if held and not self.leading:
                 self.leading = True
-                self.transitions += 1
                 log.info("leading %s/%s: %s", self.namespace, self.name, self.what)
                 self._on_lead()
             elif not held and self.leading:
