@@ -34,8 +34,9 @@ Figures, each as agent / istiod (target <= 1.0), at every size:
 Bad input (issue 28), the agent only, reported beside its clean cold start, not judged:
 the cold start (shipped debounce) on the state dir its clean run left, damaged by
 :func:`corrupt` (every file cut in half, a garbage and a half-written pod record); through
-:class:`tests.kube.proxy.SlowApiProxy` answering every LIST after 5 s; and through one
-answering each kind's first 3 LISTs with 429 (``Retry-After: 1``). Each must still end
+:class:`tests.kube.proxy.SlowApiProxy` answering every non-watch GET (each LIST, and the
+CA Secret's read too) after 5 s; and through one answering each path's first 3 such GETs
+with 429 (``Retry-After: 1``). Each must still end
 with the client holding every pod within :data:`BAD_INPUT_BOUND` (else the row is NaN
 and its note says why).
 
@@ -389,8 +390,8 @@ async def bad_input(agent, cluster: kc.KubeCluster, pods: int, kept_state: str,
                     out: dict) -> None:
     """The issue's bad-input cold starts (reported beside the clean one, not judged):
     a corrupt and partial state dir (the shipped run's, damaged by :func:`corrupt`), an
-    API server whose every LIST takes :data:`SLOW_LIST` s, and one that answers each
-    kind's first :data:`THROTTLED` LISTs with 429 (``Retry-After: 1``). Each must still
+    API server whose every non-watch GET takes :data:`SLOW_LIST` s, and one that answers
+    each path's first :data:`THROTTLED` of them with 429 (``Retry-After: 1``). Each must still
     end with the client holding every pod, within :data:`BAD_INPUT_BOUND`."""
     from tests.kube.proxy import SlowApiProxy
     out["corrupt_files"] = corrupt(kept_state)

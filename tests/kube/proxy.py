@@ -91,11 +91,13 @@ class SlowApiProxy:
     sends its bearer token in clear over loopback, acceptable in a test); forwards every
     request (method, path, query, body, ``Authorization``/``Content-Type``/``Accept``) to
     ``upstream`` (https, verified against ``ca_file``) and streams the answer back, so
-    watches work unchanged. A LIST (a GET with no ``watch=true``) first gets, per path,
+    watches work unchanged. Every GET without ``watch=true`` (a LIST, and alike a read
+    of one object: an overloaded server is slow at both) first gets, per path,
     ``throttle`` answers of ``429 Too Many Requests`` with ``Retry-After: retry_after``
     (seconds, as kube-apiserver's max-in-flight filter sends), then each is held
     ``list_delay`` seconds before it is forwarded (a server that takes that long per
-    LIST page). Counters: :attr:`lists` forwarded, :attr:`throttled` answered 429.
+    LIST page). Counters: :attr:`lists` such GETs forwarded, :attr:`throttled` answered
+    429.
     """
 
     def __init__(self, upstream: str, ca_file: str, list_delay: float = 0.0,
@@ -158,10 +160,10 @@ class SlowApiProxy:
             resp = web.StreamResponse(status=up.status, headers={
                 k: v for k, v in up.headers.items()
                 if k.lower() in ("content-type", "retry-after")})
-            await resp.prepare(request)
+            # the client may have given up meanwhile (its own timeout, a stop): not an error
             with contextlib.suppress(ConnectionResetError, aiohttp.ClientError):
+                await resp.prepare(request)
                 async for chunk in up.content.iter_any():
                     await resp.write(chunk)
-            with contextlib.suppress(ConnectionResetError):
                 await resp.write_eof()
             return resp
