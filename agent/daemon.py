@@ -91,6 +91,9 @@ def build(ctx: AgentContext) -> Components:
     Imports are here, not at the top, so that ``ambient-agent config`` and ``version``
     stay fast.
     """
+    # before any component imports kubernetes_asyncio: its ~800 modules load on use
+    from agent.core import kubelazy
+    kubelazy.install()
     from agent import enrollment_zds
     from agent.sds import server as sds_server
     from agent.status import server as status_server

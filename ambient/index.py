@@ -244,6 +244,7 @@ class AmbientIndex:
             self._slices.mark_all()
             self._policies.mark_all()
             d.full = False
+            d.everything = True  # until d.reset() below
         services, policies, workloads = self._services, self._policies, self._workloads
         while d.hosts:
             services.publish_host(d.hosts.pop())

@@ -54,6 +54,10 @@ class Dirty:
     every later single-pod change cost O(cluster)."""
 
     full: bool = False
+    # a full flush is under way: every pod, WorkloadEntry, ServiceEntry and EndpointSlice
+    # is marked already, so the marking of an object's selected members is skipped (at
+    # 5k pods it was a scan of each namespace's pods per Service and policy)
+    everything: bool = False
     hosts: set[str] = dataclasses.field(default_factory=set)
     pods: set[PodKey] = dataclasses.field(default_factory=set)
     wes: set[PodKey] = dataclasses.field(default_factory=set)
@@ -95,7 +99,7 @@ class IndexBase:
         """Mark pods and WorkloadEntries ``selector`` matches (``ns`` None = all namespaces);
         with ``service_entries`` also the ServiceEntries whose own labels it matches (a
         policy reaches a ServiceEntry's workloads through the ServiceEntry's labels)."""
-        if selector is None or (not selector and not allow_empty):
+        if selector is None or (not selector and not allow_empty) or self.dirty.everything:
             return
         if service_entries:
             for obj in self.store.list("ServiceEntry", ns):
@@ -113,6 +117,8 @@ class IndexBase:
     def mark_namespace_workloads(self, ns: str) -> None:
         """Mark every pod, WorkloadEntry and ServiceEntry in ``ns``."""
         d, store = self.dirty, self.store
+        if d.everything:
+            return
         d.pods.update((ns, meta(p)["name"]) for p in store.list("Pod", ns))
         d.wes.update((ns, meta(w)["name"]) for w in store.list("WorkloadEntry", ns))
         d.ses.update((ns, meta(s)["name"]) for s in store.list("ServiceEntry", ns))

@@ -180,7 +180,7 @@ class Services:
         self.base.outputs.set_address(key, None)
 
     def _mark_members(self, info: ts.ServiceInfo | None) -> None:
-        if info is None:
+        if info is None or self.base.dirty.everything:
             return
         d = self.base.dirty
         self.base.mark_selected(info.namespace, info.selector)

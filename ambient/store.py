@@ -247,7 +247,6 @@ class ObjectStore:
         self._by_origin.setdefault(origin, set()).add(key)
         if uid:
             self._by_uid[uid] = key
-        self._count.labels(kind).set(len(self._by_kind[kind]))
         return StoreEvent(kind, namespace, name, old, obj)
 
     def _delete(self, key: Key) -> StoreEvent | None:
@@ -270,12 +269,15 @@ class ObjectStore:
         uid = old["metadata"].get("uid")
         if uid and self._by_uid.get(uid) == key:
             del self._by_uid[uid]
-        self._count.labels(key[0]).set(len(self._by_kind[key[0]]))
         return StoreEvent(key[0], key[1], key[2], old, None)
 
     def _notify(self, events: builtins.list[StoreEvent]) -> None:
         if not events:
             return
+        # the per-kind gauge once per transaction and kind, not per object: a labelled
+        # child lookup per object was ~18 % of a 5k-pod cold start (py-spy)
+        for kind in {ev.kind for ev in events}:
+            self._count.labels(kind).set(len(self._by_kind.get(kind, ())))
         for listener in list(self._listeners):
             try:
                 listener(events)

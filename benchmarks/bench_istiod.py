@@ -31,6 +31,15 @@ Figures, each as agent / istiod (target <= 1.0), at every size:
 - **CPU per change burst**: 100 pods' labels PATCHed at once -> the client holds all 100
   changes; the server process's utime+stime over that window.
 
+Bad input (issue 28), the agent only, reported beside its clean cold start, not judged:
+the cold start (shipped debounce) on the state dir its clean run left, damaged by
+:func:`corrupt` (every file cut in half, a garbage and a half-written pod record); through
+:class:`tests.kube.proxy.SlowApiProxy` answering every non-watch GET (each LIST, and the
+CA Secret's read too) after 5 s; and through one answering each path's first 3 such GETs
+with 429 (``Retry-After: 1``). Each must still end
+with the client holding every pod within :data:`BAD_INPUT_BOUND` (else the row is NaN
+and its note says why).
+
 Sizes: 1,000 and 5,000 pods; 20,000 when ``AMBIENT_BENCH_ISTIOD_20K=1`` (populating 20k
 pods through the API server takes ~10 minutes on 2 CPUs); ``AMBIENT_BENCH_ISTIOD_SIZES=1000,5000``
 picks them.
@@ -44,6 +53,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -59,6 +69,9 @@ SAMPLES, WARMUP, BURST = 20, 3, 100
 POD_NS, POD_NAME = "x00", "pod0"
 POD_UID = f"Kubernetes//Pod/{POD_NS}/{POD_NAME}"
 SHIPPED, CUT = "shipped", "cut"
+SLOW_LIST = 5.0        # s an API server takes per LIST (bad input)
+THROTTLED = 3          # 429s each kind's LIST gets first (bad input)
+BAD_INPUT_BOUND = 180.0  # s a bad-input cold start may take before it counts as not complete
 
 
 def _sizes() -> list[int]:
@@ -186,20 +199,27 @@ class Agent:
         self.n = 0
         self.state = ""
 
-    async def start(self, debounce: str) -> float:
+    async def start(self, debounce: str, state: str = "", server: str = "") -> float:
+        """Start; returns ``Popen``'s time in CLOCK_BOOTTIME seconds. ``state``: an
+        existing state dir to start on (default a fresh one); ``server``: the API server
+        URL the agent's kubeconfig names (default the real one)."""
         from agent.demo.envoy import free_port
         self.n += 1
         base = tempfile.mkdtemp(prefix="bia-")  # short: Unix socket paths
         kubeconfig = await kc.agent_kubeconfig(self.cluster, self.api,
-                                               os.path.join(base, "agent.kubeconfig"))
-        self.state = os.path.join(base, "state")
+                                               os.path.join(base, "agent.kubeconfig"),
+                                               server=server)
+        self.state = state or os.path.join(base, "state")
         port = free_port()
         self.address = f"127.0.0.1:{port}"
         argv = [sys.executable, "-m", "agent.cli", "run", "--state-dir", self.state,
                 "--config-source", "kubernetes", "--kubeconfig", kubeconfig,
                 "--node-name", AGENT_NODE, "--xds-port", str(port), "--xds-tls-port", "0",
                 "--status-port", str(free_port()), "--health-port", str(free_port()),
-                "--host-rules-netns", f"/var/run/netns/{self.netns}", "--log-level", "warning"]
+                "--monitoring-port", "0",  # 15014 may be taken by another agent here
+                "--host-rules-netns", f"/var/run/netns/{self.netns}",
+                # AMBIENT_BENCH_AGENT_LOG=info: the components' start times in agent<n>.log
+                "--log-level", os.environ.get("AMBIENT_BENCH_AGENT_LOG", "warning")]
         if debounce == CUT:
             argv += ["--xds-debounce", "0"]
         env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=os.path.join(self.state, "ztunnel",
@@ -221,7 +241,10 @@ class Agent:
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return t0
 
-    async def stop(self) -> None:
+    async def stop(self, keep_state: str = "") -> None:
+        """SIGTERM (SIGKILL after 30 s), then remove the run's files. ``keep_state``: a
+        path (not existing yet, same filesystem) the state dir is moved to first. A state
+        dir given to :meth:`start` is the caller's to remove."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -230,13 +253,20 @@ class Agent:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        if keep_state:
+            os.rename(self.state, keep_state)
         shutil.rmtree(self.base, ignore_errors=True)
 
 
 async def cold_start(side, pods: int, debounce: str):
     """Start ``side``; returns (seconds from process start to a client holding every pod,
     the client)."""
-    t0 = await side.start(debounce)
+    return await cold_start_with(side, pods, debounce)
+
+
+async def cold_start_with(side, pods: int, debounce: str, **start):
+    """:func:`cold_start` with more keywords for ``side.start`` (the agent's)."""
+    t0 = await side.start(debounce, **start)
     deadline = time.monotonic() + 600
     while not _accepts(side.address):
         if side.proc is not None and side.proc.poll() is not None and side.name == "agent":
@@ -291,7 +321,10 @@ async def burst_cpu(api, client, pid: int, round_: int) -> tuple[float, float]:
     return _cpu(pid) - cpu0, time.perf_counter() - t0
 
 
-async def measure_side(side, api, pods: int, out: dict, round_: int) -> None:
+async def measure_side(side, api, pods: int, out: dict, round_: int,
+                       keep_state: str = "") -> None:
+    """The figures of one side into ``out``; ``keep_state``: where the agent's state dir
+    of its first (shipped) run is kept, for :func:`bad_input`."""
     for debounce in (SHIPPED, CUT):
         cold, client = await cold_start(side, pods, debounce)
         try:
@@ -306,11 +339,86 @@ async def measure_side(side, api, pods: int, out: dict, round_: int) -> None:
             out[f"latency_{debounce}"] = await change_latency(api, client)
         finally:
             await client.close()
-            await side.stop()
+            if keep_state and debounce == SHIPPED:
+                await side.stop(keep_state=keep_state)
+            else:
+                await side.stop()
+
+
+def corrupt(state: str) -> int:
+    """Damage a kept state dir as a crash mid-write or a full disk would: every regular
+    file cut to half its length, plus a pod record that is not JSON at all and one that
+    is half a record. Returns the number of files damaged or added."""
+    damaged = 0
+    for root, _, names in os.walk(state):
+        for name in names:
+            path = os.path.join(root, name)
+            st = os.lstat(path)
+            if name == "agent.lock" or not stat.S_ISREG(st.st_mode):
+                continue
+            os.truncate(path, st.st_size // 2)
+            damaged += 1
+    pods = os.path.join(state, "pods")
+    os.makedirs(pods, mode=0o700, exist_ok=True)
+    for name, data in (("bench-garbage.json", bytes(range(256))),
+                       ("bench-partial.json", b'{"uid": "bench-partial", "netns": "/proc/1')):
+        with open(os.path.join(pods, name), "wb") as f:
+            f.write(data)
+        damaged += 1
+    return damaged
+
+
+async def _bad_cold(agent, pods: int, **start) -> tuple[float, str]:
+    """One shipped-debounce cold start of the agent under bad input: (seconds, "") or
+    (nan, why it did not complete within :data:`BAD_INPUT_BOUND`)."""
+    client = None
+    try:
+        cold, client = await asyncio.wait_for(
+            cold_start_with(agent, pods, SHIPPED, **start), BAD_INPUT_BOUND)
+        return cold, ""
+    except (asyncio.TimeoutError, TimeoutError):
+        return float("nan"), f"not complete within {BAD_INPUT_BOUND:.0f} s"
+    except RuntimeError as e:
+        return float("nan"), str(e)
+    finally:
+        if client is not None:
+            await client.close()
+        await agent.stop()
+
+
+async def bad_input(agent, cluster: kc.KubeCluster, pods: int, kept_state: str,
+                    out: dict) -> None:
+    """The issue's bad-input cold starts (reported beside the clean one, not judged):
+    a corrupt and partial state dir (the shipped run's, damaged by :func:`corrupt`), an
+    API server whose every non-watch GET takes :data:`SLOW_LIST` s, and one that answers
+    each path's first :data:`THROTTLED` of them with 429 (``Retry-After: 1``). Each must still
+    end with the client holding every pod, within :data:`BAD_INPUT_BOUND`."""
+    from tests.kube.proxy import SlowApiProxy
+    out["corrupt_files"] = corrupt(kept_state)
+    try:
+        out["cold_corrupt"], out["why_corrupt"] = await _bad_cold(agent, pods,
+                                                                  state=kept_state)
+    finally:
+        shutil.rmtree(os.path.dirname(kept_state), ignore_errors=True)
+    for key, proxy in (("slow", SlowApiProxy(cluster.url, cluster.ca_file,
+                                             list_delay=SLOW_LIST)),
+                       ("throttled", SlowApiProxy(cluster.url, cluster.ca_file,
+                                                  throttle=THROTTLED, retry_after=1))):
+        await proxy.start()
+        try:
+            out[f"cold_{key}"], out[f"why_{key}"] = await _bad_cold(agent, pods,
+                                                                    server=proxy.url)
+            out[f"{key}_lists"], out[f"{key}_429s"] = proxy.lists, proxy.throttled
+        finally:
+            await proxy.stop()
 
 
 async def measure(cluster: kc.KubeCluster, workdir: str) -> list[Result]:
     from pyroute2 import netns as pnetns
+
+    # imported now, not at the first cold start's client: whichever side went first
+    # paid the client's own import in its figure (seconds at load ~20)
+    from tests.oracle.harness import OracleClient  # noqa: F401
     api = await cluster.admin_client()
     ns_name = "bia" + os.urandom(3).hex()
     pnetns.create(ns_name)
@@ -335,9 +443,13 @@ async def measure(cluster: kc.KubeCluster, workdir: str) -> list[Result]:
             figures: dict[str, dict] = {"istiod": {}, "agent": {}}
             for side in (istiod, agent):
                 round_ += 1
-                await measure_side(side, api, pods, figures[side.name], round_)
+                kept = (os.path.join(tempfile.mkdtemp(prefix="bia-kept-"), "state")
+                        if side is agent else "")
+                await measure_side(side, api, pods, figures[side.name], round_, kept)
                 print(f"bench_istiod: {pods} {side.name} {figures[side.name]['cold']:.2f} s "
                       f"cold", file=sys.stderr, flush=True)
+            await bad_input(agent, cluster, pods, kept, figures["agent"])
+            print(f"bench_istiod: {pods} bad input done", file=sys.stderr, flush=True)
             results += rows(pods, figures["agent"], figures["istiod"])
     finally:
         await api.close()
@@ -373,6 +485,17 @@ def rows(pods: int, a: dict, i: dict) -> list[Result]:
                             a["cpu"] * 1e3, i["cpu"] * 1e3, "ms", 1.0,
                             note + f"; wall agent {a['burst_wall']:.2f} s, istiod "
                                    f"{i['burst_wall']:.2f} s"))
+    for key, what in (("corrupt", f"corrupt/partial state dir ({a['corrupt_files']} files "
+                                  "cut in half or garbage)"),
+                      ("slow", f"API server {SLOW_LIST:.0f} s per LIST ({a['slow_lists']} "
+                               "LISTs)"),
+                      ("throttled", f"API server 429 x{THROTTLED} per kind first "
+                                    f"({a['throttled_429s']} 429s)")):
+        why = a[f"why_{key}"]
+        out.append(Result(f"bad input: agent cold start, {what}, at {k}", a[f"cold_{key}"],
+                          "s", a["cold"], "report", None,
+                          "floor = the agent's clean cold start of this run; client holds "
+                          "every pod" + (f"; FAILED: {why}" if why else "")))
     return out
 
 

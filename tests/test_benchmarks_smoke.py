@@ -37,3 +37,17 @@ def test_config_dir_change_path_runs_at_a_tiny_size():
 def test_fuzz_rss_row_runs_at_a_tiny_size():
     before, after = asyncio.run(bench_xds.fuzz_rss(bench_xds.make_index(50, 5), requests=40))
     assert before > 0 and after > 0
+
+
+def test_istiod_bad_input_corrupts_a_state_dir(tmp_path):
+    from benchmarks import bench_istiod
+    state = tmp_path / "state"
+    (state / "pods").mkdir(parents=True)
+    (state / "pods" / "uid1.json").write_text('{"uid": "uid1", "netns": "/proc/9/ns/net"}')
+    (state / "iptables-flavor").write_text("nft\n")
+    (state / "agent.lock").write_text("")
+    assert bench_istiod.corrupt(str(state)) == 4  # 2 cut in half, 2 garbage records added
+    assert (state / "pods" / "uid1.json").read_text() == '{"uid": "uid1", "netn'
+    assert (state / "iptables-flavor").read_text() == "nf"
+    assert sorted(p.name for p in (state / "pods").iterdir()) == [
+        "bench-garbage.json", "bench-partial.json", "uid1.json"]

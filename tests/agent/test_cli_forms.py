@@ -90,3 +90,19 @@ def test_closed_pipe_no_traceback():
     os.close(write)
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
     assert proc.returncode == 141
+
+
+def test_run_builds_its_parser_without_importing_the_other_subcommands():
+    """Fresh interpreter: this test process imported the subcommand modules already."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    probe = ("import sys; from agent import cli; cli.build_parser('run').parse_args(['run']); "
+             "print(sorted(m for n, (m, _) in cli.SUBCOMMANDS.items() if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+    # the full parser (help, the other subcommands) still has every subcommand's flags
+    from agent import cli
+    assert callable(cli.build_parser().parse_args(["precheck"]).func)

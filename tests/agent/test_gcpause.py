@@ -29,3 +29,22 @@ def test_paused_leaves_a_disabled_collector_disabled():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_what_the_step_made_is_old_and_nothing_stays_frozen():
+    gc.collect()
+    with gcpause.paused():
+        made = [{"n": [i]} for i in range(20_000)]
+        assert gc.get_count()[0] >= 20_000  # young, as the collector was off
+    assert gc.get_freeze_count() == 0
+    assert gc.get_count()[0] < 1_000  # moved to the oldest generation, not left young
+    assert gc.is_tracked(made[0]) and len(made) == 20_000
+
+    class Cycle:
+        pass
+
+    with gcpause.paused():
+        c = Cycle()
+        c.me = c  # cyclic garbage made inside is still collected by a full collection
+        del c
+    assert gc.collect() >= 1

@@ -1,4 +1,6 @@
-"""A TCP pass-through in front of the real API server, to cut a client off at will.
+"""Proxies in front of the real API server: a TCP pass-through to cut a client off at
+will (:class:`TcpProxy`), and an HTTP one that answers LISTs slowly or with 429s
+(:class:`SlowApiProxy`).
 
 Bytes are copied unchanged in both directions (TLS goes end to end: the client still
 verifies the API server's certificate, whose SAN 127.0.0.1 matches the proxy's address), so
@@ -12,6 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import ssl
+
+import aiohttp
+from aiohttp import web
 
 
 class TcpProxy:
@@ -75,3 +82,88 @@ class TcpProxy:
         finally:
             self._open.discard(writer)
             self._open.discard(up_w)
+
+
+class SlowApiProxy:
+    """A plain-HTTP front for the real API server that makes its LISTs slow or throttled.
+
+    Listens on 127.0.0.1:<free port> (:attr:`url`, ``http://``: a kubeconfig pointing here
+    sends its bearer token in clear over loopback, acceptable in a test); forwards every
+    request (method, path, query, body, ``Authorization``/``Content-Type``/``Accept``) to
+    ``upstream`` (https, verified against ``ca_file``) and streams the answer back, so
+    watches work unchanged. Every GET without ``watch=true`` (a LIST, and alike a read
+    of one object: an overloaded server is slow at both) first gets, per path,
+    ``throttle`` answers of ``429 Too Many Requests`` with ``Retry-After: retry_after``
+    (seconds, as kube-apiserver's max-in-flight filter sends), then each is held
+    ``list_delay`` seconds before it is forwarded (a server that takes that long per
+    LIST page). Counters: :attr:`lists` such GETs forwarded, :attr:`throttled` answered
+    429.
+    """
+
+    def __init__(self, upstream: str, ca_file: str, list_delay: float = 0.0,
+                 throttle: int = 0, retry_after: int = 1):
+        self.upstream = upstream.rstrip("/")
+        self.list_delay, self.throttle, self.retry_after = list_delay, throttle, retry_after
+        self.lists = 0
+        self.throttled = 0
+        self._throttled_per_path: dict[str, int] = {}
+        self._ssl = ssl.create_default_context(cafile=ca_file)
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> "SlowApiProxy":
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_route("*", "/{tail:.*}", self._serve)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        is_list = request.method == "GET" and request.query.get("watch") not in ("true", "1")
+        if is_list:
+            done = self._throttled_per_path.get(request.path, 0)
+            if done < self.throttle:
+                self._throttled_per_path[request.path] = done + 1
+                self.throttled += 1
+                body = {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                        "reason": "TooManyRequests", "code": 429,
+                        "message": "too many requests, please try again later"}
+                return web.Response(status=429, text=json.dumps(body),
+                                    content_type="application/json",
+                                    headers={"Retry-After": str(self.retry_after)})
+            if self.list_delay:
+                await asyncio.sleep(self.list_delay)
+            self.lists += 1
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() in ("authorization", "content-type", "accept")}
+        assert self._session is not None
+        async with self._session.request(
+                request.method, self.upstream + request.path_qs, headers=headers,
+                data=await request.read() if request.can_read_body else None,
+                ssl=self._ssl) as up:
+            resp = web.StreamResponse(status=up.status, headers={
+                k: v for k, v in up.headers.items()
+                if k.lower() in ("content-type", "retry-after")})
+            # the client may have given up meanwhile (its own timeout, a stop): not an error
+            with contextlib.suppress(ConnectionResetError, aiohttp.ClientError):
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+            return resp

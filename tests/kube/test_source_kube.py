@@ -23,7 +23,7 @@ from ambient.source_kube import RESOURCES, KubernetesSource
 from ambient.store import ObjectStore
 from tests.helpers import eventually
 from tests.kube import cluster as kc
-from tests.kube.proxy import TcpProxy
+from tests.kube.proxy import SlowApiProxy, TcpProxy
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -554,3 +554,34 @@ async def test_a_permission_missing_from_the_role_is_a_403_that_keeps_the_source
             with contextlib.suppress(kc.ApiException):
                 await kc.request(kube_admin, "DELETE",
                                  f"/apis/rbac.authorization.k8s.io/v1/{path}")
+
+
+async def test_slow_and_throttled_lists_still_sync_every_object(
+        kube_cluster, kube_admin, kube_namespace, tmp_path, no_403):
+    """Bad input of issue 28: an API server (tests/kube/proxy.py's SlowApiProxy in front
+    of the real one) that answers each kind's first two LISTs with 429 and every LIST
+    after 2 s. The source retries, is synced with every pod once the slow LISTs end,
+    within the bound the backoff and the delays allow, then follows changes as usual."""
+    await kc.run_pod(kube_admin, "slow0", kube_namespace, "node-a", ips=["10.9.0.1"])
+    proxy = await SlowApiProxy(kube_cluster.url, kube_cluster.ca_file, list_delay=2.0,
+                               throttle=2, retry_after=1).start()
+    try:
+        kubeconfig = await kc.agent_kubeconfig(kube_cluster, kube_admin,
+                                               str(tmp_path / "slow.kubeconfig"),
+                                               server=proxy.url)
+        store = ObjectStore()
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        async with running(kubeconfig, store, kinds=["Namespace", "Pod"],
+                           sync_timeout=60) as src:
+            took = loop.time() - began
+            assert src.is_synced()
+            # two 429s (each waited no less than Retry-After, 1 s), then a 2 s LIST
+            assert 4.0 <= took <= 45.0, took
+            assert proxy.throttled == 4 and proxy.lists >= 2
+            assert store.get("Pod", kube_namespace, "slow0") is not None
+            await kc.run_pod(kube_admin, "slow1", kube_namespace, "node-a", ips=["10.9.0.2"])
+            await eventually(lambda: store.get("Pod", kube_namespace, "slow1") is not None,
+                             timeout=30, what="a pod made after the slow start")
+    finally:
+        await proxy.stop()

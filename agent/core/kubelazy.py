@@ -1,0 +1,117 @@
+"""Load kubernetes_asyncio's API and model classes on first use instead of all at import.
+
+``kubernetes_asyncio`` (like the official client it is generated from) imports every API
+group class and all ~770 model modules in ``kubernetes_asyncio.client``'s package
+``__init__``, and any ``kubernetes_asyncio.*`` import runs that ``__init__`` first (the
+top-level package also imports ``dynamic``, which imports jsonschema when
+kubernetes-validate is installed). The agent uses a handful of them (``ApiClient``,
+``Configuration``, ``ApiException``, the config loaders, ``CoreV1Api`` and friends,
+``watch.Watch``), so that import was ~25 % of the agent's start-up import time
+(benchmarks/README.md, "Side by side with istiod").
+
+:func:`install` puts light package modules for ``kubernetes_asyncio``,
+``kubernetes_asyncio.client``, ``.client.api`` and ``.client.models`` into
+``sys.modules`` before anything imports the library. Each resolves a missing attribute
+(PEP 562 module ``__getattr__``) by importing the one submodule the library's own
+``client/__init__.py`` names for it (read as text: ``from <module> import <Name>``
+lines), so ``kclient.CoreV1Api``, ``kubernetes_asyncio.client.models.V1Pod`` (how
+``ApiClient`` deserializes) and ``from kubernetes_asyncio import watch`` give the same
+objects as an eager import. Submodules load through the packages' real ``__path__``.
+
+Nothing is installed when the library was imported already, is not installed, or its
+``__init__`` does not have that shape (a future layout): the eager import then happens
+as before. Idempotent; not undoable (call it once, early, in the process that runs the
+agent).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import os
+import re
+import sys
+import types
+from typing import Any
+
+PACKAGE = "kubernetes_asyncio"
+_FROM_IMPORT = re.compile(r"^from (kubernetes_asyncio\.client\.[\w.]+) import (\w+)\s*$",
+                          re.MULTILINE)
+_VERSION = re.compile(r"^__version__\s*=\s*[\"']([^\"']+)[\"']", re.MULTILINE)
+
+
+def _lazy_package(name: str, path: str, names: dict[str, str],
+                  version: str = "") -> types.ModuleType:
+    """A package module ``name`` over directory ``path`` whose attributes ``names``
+    (attribute -> module defining it) and whose submodules are imported on first use."""
+    mod = types.ModuleType(name)
+    init = os.path.join(path, "__init__.py")
+    spec = importlib.machinery.ModuleSpec(name, None, origin=init, is_package=True)
+    spec.submodule_search_locations = [path]
+    mod.__spec__ = spec
+    mod.__path__ = [path]
+    mod.__file__ = init
+    mod.__package__ = name
+    if version:
+        mod.__version__ = version  # type: ignore[attr-defined]
+
+    def __getattr__(attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        module = names.get(attr)
+        if module is not None:
+            value = getattr(importlib.import_module(module), attr)
+        else:  # a submodule (``kubernetes_asyncio.watch``, ``client.rest``)
+            if not os.path.exists(os.path.join(path, attr)) and \
+                    not os.path.exists(os.path.join(path, f"{attr}.py")):
+                raise AttributeError(f"module {name!r} has no attribute {attr!r}")
+            value = importlib.import_module(f"{name}.{attr}")
+        setattr(mod, attr, value)
+        return value
+
+    mod.__getattr__ = __getattr__  # type: ignore[method-assign]
+    mod.__all__ = sorted(names)  # type: ignore[attr-defined]
+    return mod
+
+
+def install() -> bool:
+    """Install the lazy packages (see the module docstring). Returns whether they are
+    in place (False: the library loads eagerly, as without this call)."""
+    current = sys.modules.get(PACKAGE)
+    if current is not None:
+        return getattr(current, "_ambient_lazy", False)
+    spec = importlib.util.find_spec(PACKAGE)  # finds, never runs, a top-level package
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    root = list(spec.submodule_search_locations)[0]
+    client_dir = os.path.join(root, "client")
+    try:
+        with open(os.path.join(client_dir, "__init__.py"), encoding="utf-8") as f:
+            client_init = f.read()
+        with open(os.path.join(root, "__init__.py"), encoding="utf-8") as f:
+            top_init = f.read()
+    except OSError:
+        return False
+    names = {attr: module for module, attr in _FROM_IMPORT.findall(client_init)}
+    needed = ("ApiClient", "Configuration", "ApiException", "CoreV1Api", "V1Pod")
+    if not all(n in names for n in needed):
+        return False
+    version = (m.group(1) if (m := _VERSION.search(client_init)) else "")
+    top_version = (m.group(1) if (m := _VERSION.search(top_init)) else "")
+
+    def under(prefix: str) -> dict[str, str]:
+        return {a: m for a, m in names.items() if m.startswith(prefix + ".")}
+
+    top = _lazy_package(PACKAGE, root, {}, top_version)
+    top._ambient_lazy = True  # type: ignore[attr-defined]
+    client = _lazy_package(f"{PACKAGE}.client", client_dir, names, version)
+    api = _lazy_package(f"{PACKAGE}.client.api", os.path.join(client_dir, "api"),
+                        under(f"{PACKAGE}.client.api"))
+    models = _lazy_package(f"{PACKAGE}.client.models", os.path.join(client_dir, "models"),
+                           under(f"{PACKAGE}.client.models"))
+    client.api, client.models = api, models  # type: ignore[attr-defined]
+    top.client = client  # type: ignore[attr-defined]
+    sys.modules.update({PACKAGE: top, client.__name__: client, api.__name__: api,
+                        models.__name__: models})
+    return True
