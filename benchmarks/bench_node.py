@@ -30,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -218,101 +220,125 @@ async def _measure(bin_dir: Path) -> list[Result]:
     from tests.node import scenario as sc
 
     node = realnode.RealNode(bin_dir)
-    zt = zt_task = events = api = None
+    zt = zt_task = events = api = ds = None
+    # removed only after node.close(): the cluster's stop needs its pid files in there
+    tmp = tempfile.mkdtemp(prefix="bench-node-")
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    assert main is not None
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # SIGINT: asyncio.run cancels us already
+        loop.add_signal_handler(sig, main.cancel)
     try:
         ds = sc.agent_daemonset(node)
         sc.import_agent_image_prepare_check()
-        with tempfile.TemporaryDirectory(prefix="bench-node-") as tmp:
-            await sc.start(node, Path(tmp) / "cluster")
-            await asyncio.to_thread(sc.import_agent_image, node)
-            api = await node.cluster.admin_client()
-            zds = sc.agent_settings()["ztunnel_uds_address"]
-            zt = FakeZtunnel(str(node.host_path(zds)), open_listeners=True)
-            zt_task = asyncio.create_task(zt.run())
-            await sc.deploy_agent(api, node, ds)
+        await sc.start(node, Path(tmp) / "cluster")
+        await sc.in_thread(sc.import_agent_image, node)
+        api = await node.cluster.admin_client()
+        zds = sc.agent_settings()["ztunnel_uds_address"]
+        zt = FakeZtunnel(str(node.host_path(zds)), open_listeners=True)
+        zt_task = asyncio.create_task(zt.run())
+        await sc.deploy_agent(api, node, ds)
 
-            async def agent_ready():
-                pods = await sc.agent_pods(api, ds)
-                return len(pods) == 1 and sc.ready(pods[0])
-            await sc.until("the agent Ready", agent_ready, node, timeout=180, interval=0.5)
-            conflist = node.cni_conf_dir / "10-kn.conflist"
-            await sc.until("istio-cni chained", lambda: asyncio.to_thread(sc.chained, conflist),
-                           node, timeout=60)
-            await zt.wait_snapshot(timeout=60)
-            await kc.apply(api, {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
-                                 "metadata": {"name": realnode.BARE_HANDLER},
-                                 "handler": realnode.BARE_HANDLER})
-            await sc.namespace(api, "mesh", ambient=True)
-            await sc.namespace(api, "plain", ambient=False)
-            events = TaskStarts(node)
-            port = int(sc.agent_settings().get("status_port", 15020))
-            samples: list[dict[str, tuple[float, float]]] = []
-            before: dict[str, float] = {}
-            # one of each first, not timed (first-use costs: plugin exec caches, image)
-            for i in range(-1, PAIRS):
-                pair = {}
-                for kind in ("bare", "mesh") if i % 2 else ("mesh", "bare"):
-                    if kind == "bare":
-                        pod = sc.app_pod(f"bare-{i + 1}", "plain", probe=False)
-                        pod["spec"]["runtimeClassName"] = realnode.BARE_HANDLER
-                    else:
-                        pod = sc.app_pod(f"mesh-{i + 1}", "mesh", probe=False)
-                    pair[kind] = await _one(api, node, sc, events, pod, kind == "mesh")
-                if i >= 0:
-                    samples.append(pair)
+        async def agent_ready():
+            pods = await sc.agent_pods(api, ds)
+            return len(pods) == 1 and sc.ready(pods[0])
+        await sc.until("the agent Ready", agent_ready, node, timeout=180, interval=0.5)
+        conflist = node.cni_conf_dir / "10-kn.conflist"
+        await sc.until("istio-cni chained", lambda: asyncio.to_thread(sc.chained, conflist),
+                       node, timeout=60)
+        await zt.wait_snapshot(timeout=60)
+        await kc.apply(api, {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+                             "metadata": {"name": realnode.BARE_HANDLER},
+                             "handler": realnode.BARE_HANDLER})
+        await sc.namespace(api, "mesh", ambient=True)
+        await sc.namespace(api, "plain", ambient=False)
+        events = TaskStarts(node)
+        port = int(sc.agent_settings().get("status_port", 15020))
+        samples: list[dict[str, tuple[float, float]]] = []
+        before: dict[str, float] = {}
+        # one of each first, not timed (first-use costs: plugin exec caches, image)
+        for i in range(-1, PAIRS):
+            pair = {}
+            for kind in ("bare", "mesh") if i % 2 else ("mesh", "bare"):
+                if kind == "bare":
+                    pod = sc.app_pod(f"bare-{i + 1}", "plain", probe=False)
+                    pod["spec"]["runtimeClassName"] = realnode.BARE_HANDLER
                 else:
-                    before = await asyncio.to_thread(_agent_metrics, node, port)
-                    patch_before = await _apiserver_patch_status(api)
-                    cpu_before = await asyncio.to_thread(_agent_cpu_seconds, node)
-            after = await asyncio.to_thread(_agent_metrics, node, port)
-            patch_after = await _apiserver_patch_status(api)
-            cpu_after = await asyncio.to_thread(_agent_cpu_seconds, node)
-            stages = _stage_means(before, after)
-            patches = patch_after[1] - patch_before[1]
-            if patches > 0:  # the API server's part of the status stage
-                stages["status: API server's own handling"] = (
-                    (patch_after[0] - patch_before[0]) / patches * 1000)
-            bare = [p["bare"][1] for p in samples]
-            mesh = [p["mesh"][1] for p in samples]
-            added = median([p["mesh"][1] - p["bare"][1] for p in samples])
-            to_sandbox = median([p["mesh"][0] - p["bare"][0] for p in samples])
-            after_sandbox = median([(p["mesh"][1] - p["mesh"][0]) - (p["bare"][1] - p["bare"][0])
-                                    for p in samples])
-            held = sum(1 for p in zt.pods.values() if p.namespace == "mesh")
-            note = (f"{PAIRS} pairs alternated; {held} ambient pods held by the fake ztunnel; "
-                    "containerd 1.6 + runc, kubelet/scheduler/controller-manager 1.37")
-            return [
-                Result("real node: API create -> container started, bare handler (no istio-cni)",
-                       median(bare), "ms", None, "report", None, "the floor of the row below"),
-                Result("real node: API create -> container started, ambient, istio-cni chained",
-                       median(mesh), "ms", median(bare), "report", None, note),
-                Result(FIGURE, added, "ms", median(bare), "added <= 30 ms", added <= 30,
-                       "median of paired differences; " + note),
-                Result("real node breakdown: added before the sandbox started (CNI ADD "
-                       "included)", to_sandbox, "ms", None, "report", None,
-                       "median of paired differences of API create -> sandbox /tasks/start "
-                       f"(mean {sum(p['mesh'][0] - p['bare'][0] for p in samples) / len(samples):.1f}"
-                       " ms, to compare with the agent's means below)"),
-                Result("real node breakdown: added between sandbox start and app start",
-                       after_sandbox, "ms", None, "report", None,
-                       "median of paired differences"),
-                *[Result(f"real node breakdown: agent's ADD, {stage}", ms, "ms", None,
-                         "report", None, "mean per pod, " + (
-                             "the agent's ambient_agent_cni_add_seconds" if stage == "total"
-                             else "the API server's apiserver_request_duration_seconds of "
-                             "every PATCH pods/status in the timed pods (the kubelet's "
-                             "status writes too)" if stage.startswith("status:")
-                             else "the agent's ambient_agent_cni_add_stage_seconds"))
-                  for stage, ms in sorted(stages.items(), key=lambda kv: _ORDER.get(kv[0], 99))],
-                Result("real node breakdown: the agent container's CPU per ambient pod",
-                       ((cpu_after - cpu_before) * 1000 / PAIRS
-                        if cpu_before is not None and cpu_after is not None else float("nan")),
-                       "ms", None, "report", None,
-                       "its cgroup's usage_usec over the timed pods / ambient pods (the tools "
-                       "it runs included; its watch of the bare pods too): load-independent, "
-                       "where the wall-clock rows above grow with the machine's load"),
-            ]
+                    pod = sc.app_pod(f"mesh-{i + 1}", "mesh", probe=False)
+                pair[kind] = await _one(api, node, sc, events, pod, kind == "mesh")
+            if i >= 0:
+                samples.append(pair)
+            else:
+                before = await asyncio.to_thread(_agent_metrics, node, port)
+                patch_before = await _apiserver_patch_status(api)
+                cpu_before = await asyncio.to_thread(_agent_cpu_seconds, node)
+        after = await asyncio.to_thread(_agent_metrics, node, port)
+        patch_after = await _apiserver_patch_status(api)
+        cpu_after = await asyncio.to_thread(_agent_cpu_seconds, node)
+        stages = _stage_means(before, after)
+        patches = patch_after[1] - patch_before[1]
+        if patches > 0:  # the API server's part of the status stage
+            stages["status: API server's own handling"] = (
+                (patch_after[0] - patch_before[0]) / patches * 1000)
+        bare = [p["bare"][1] for p in samples]
+        mesh = [p["mesh"][1] for p in samples]
+        added = median([p["mesh"][1] - p["bare"][1] for p in samples])
+        to_sandbox = median([p["mesh"][0] - p["bare"][0] for p in samples])
+        after_sandbox = median([(p["mesh"][1] - p["mesh"][0]) - (p["bare"][1] - p["bare"][0])
+                                for p in samples])
+        held = sum(1 for p in zt.pods.values() if p.namespace == "mesh")
+        note = (f"{PAIRS} pairs alternated; {held} ambient pods held by the fake ztunnel; "
+                "containerd 1.6 + runc, kubelet/scheduler/controller-manager 1.37")
+        return [
+            Result("real node: API create -> container started, bare handler (no istio-cni)",
+                   median(bare), "ms", None, "report", None, "the floor of the row below"),
+            Result("real node: API create -> container started, ambient, istio-cni chained",
+                   median(mesh), "ms", median(bare), "report", None, note),
+            Result(FIGURE, added, "ms", median(bare), "added <= 30 ms", added <= 30,
+                   "median of paired differences; " + note),
+            Result("real node breakdown: added before the sandbox started (CNI ADD "
+                   "included)", to_sandbox, "ms", None, "report", None,
+                   "median of paired differences of API create -> sandbox /tasks/start "
+                   f"(mean {sum(p['mesh'][0] - p['bare'][0] for p in samples) / len(samples):.1f}"
+                   " ms, to compare with the agent's means below)"),
+            Result("real node breakdown: added between sandbox start and app start",
+                   after_sandbox, "ms", None, "report", None,
+                   "median of paired differences"),
+            *[Result(f"real node breakdown: agent's ADD, {stage}", ms, "ms", None,
+                     "report", None, "mean per pod, " + (
+                         "the agent's ambient_agent_cni_add_seconds" if stage == "total"
+                         else "the API server's apiserver_request_duration_seconds of "
+                         "every PATCH pods/status in the timed pods (the kubelet's "
+                         "status writes too)" if stage.startswith("status:")
+                         else "the agent's ambient_agent_cni_add_stage_seconds"))
+              for stage, ms in sorted(stages.items(), key=lambda kv: _ORDER.get(kv[0], 99))],
+            Result("real node breakdown: the agent container's CPU per ambient pod",
+                   ((cpu_after - cpu_before) * 1000 / PAIRS
+                    if cpu_before is not None and cpu_after is not None else float("nan")),
+                   "ms", None, "report", None,
+                   "its cgroup's usage_usec over the timed pods / ambient pods (the tools "
+                   "it runs included; its watch of the bare pods too): load-independent, "
+                   "where the wall-clock rows above grow with the machine's load"),
+        ]
     finally:
+        # a second signal must not cut the cleanup short (it would leave the node's
+        # processes and the API server running)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+        previous = {sig: signal.signal(sig, signal.SIG_IGN)
+                    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        try:
+            await _cleanup(api, node, sc, ds, events, zt, zt_task)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+async def _cleanup(api, node, sc, ds, events, zt, zt_task) -> None:
+    """Everything :func:`_measure` started, newest first; the node (its API server,
+    etcd, kubelet, containerd and the pods' shims) always, whatever fails before."""
+    try:
         if events is not None:
             events.close()
         if api is not None:
@@ -322,6 +348,7 @@ async def _measure(bin_dir: Path) -> list[Result]:
         if zt is not None:
             zt.stop()
             await asyncio.wait_for(asyncio.gather(zt_task, return_exceptions=True), 10)
+    finally:
         node.close()
 
 

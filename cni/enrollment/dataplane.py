@@ -62,7 +62,9 @@ class FailurePolicy:
     ``announce``: send the pod to ZDS (False: restart recovery recorded it already);
     ``wait_ack``: wait for ztunnel's ACK; ``guard_netns``: roll everything back when the
     netns vanished during the run; ``rollback_on_cancel``: undo every step when
-    cancelled; ``rules_hint``: appended to a recorded rules failure."""
+    cancelled; ``rules_hint``: appended to a recorded rules failure;
+    ``status_beside_zds``: persist the record and write the status while ztunnel's ACK
+    is awaited (see :meth:`Dataplane.remaining_steps`)."""
 
     name: str
     on_rules_failure: OnRulesFailure
@@ -71,9 +73,11 @@ class FailurePolicy:
     guard_netns: bool = False
     rollback_on_cancel: bool = False
     rules_hint: str = ""
+    status_beside_zds: bool = False
 
 
-ADD = FailurePolicy("add", OnRulesFailure.ROLLBACK, guard_netns=True, rollback_on_cancel=True)
+ADD = FailurePolicy("add", OnRulesFailure.ROLLBACK, guard_netns=True, rollback_on_cancel=True,
+                    status_beside_zds=True)
 RETRY = FailurePolicy("retry", OnRulesFailure.FAIL)
 RECOVER = FailurePolicy("recover", OnRulesFailure.CONTINUE, announce=False, wait_ack=False,
                         rules_hint="; restart the pod")
@@ -200,31 +204,68 @@ class Dataplane:
     async def remaining_steps(self, rec: PodRecord, fd: int | None,
                               policy: FailurePolicy) -> None:
         """ZDS add (when ``policy.announce``) and, side by side with it, the host probe
-        set entry; then the record is persisted and the status written, and the record is
-        enabled. Raises retryable :class:`EnrollmentError`.
+        set entry and (``policy.status_beside_zds``) the record and the status; the
+        record is enabled once all succeeded. Raises retryable :class:`EnrollmentError`.
 
         The probe set entry (host netns, an upsert) does not wait for ztunnel's ACK:
         neither depends on the other, and the entry only makes kubelet's probes of this
         IP leave the node with the SNAT source the in-pod rules let through (upstream adds
         it after ztunnel's ACK, ``addPodToHostAddrSet``; it is as harmless before, and a
-        pod left pending by ZDS still passes its probes). Both finish before anything is
-        reported or rolled back: a ZDS failure waits for the entry (``steps`` then says
-        whether it is there for the rollback), and the status is written only after both
-        succeeded, as upstream's annotation is the last step."""
+        pod left pending by ZDS still passes its probes).
+
+        The status: upstream writes it last, after the ACK and the probe set
+        (``AnnotateEnrolledPod``). For a CNI ADD (:data:`ADD`) it is written while the
+        ACK is awaited instead, with the record persisted first (a pod whose record
+        can't be written is never annotated), because nothing can act on it before the
+        ADD is answered: the runtime starts none of the pod's containers before that, so
+        no traffic to or from the pod exists whose path the annotation (HBONE to it, in
+        the control plane and our own index) could change, and a failed ADD leaves no
+        running pod behind. (A running pod enrolled live, by the same policy, is
+        already redirected by then: until ztunnel holds it, its traffic fails with or
+        without the annotation.) Everything finishes before anything is reported or rolled
+        back, and a failure corrects what was written (:meth:`_settle_status`): a ZDS
+        failure writes ``pending`` after the ``enabled`` write is done (never the two in
+        flight at once), as upstream's partial enrollment; a probe set failure
+        ``pending`` too; a pod that can't be described to ZDS, or a rollback, removes
+        it. Other policies (retries, restart recovery, where the pod may run) keep
+        upstream's order: record, then status, after the ACK and the probe set."""
         hostset = asyncio.ensure_future(self._hostset(rec, policy))
+        early: asyncio.Future | None = None
+        if policy.status_beside_zds and policy.announce:
+            early = asyncio.ensure_future(self._persist_and_annotate(rec, policy))
         try:
-            await self._zds_add(rec, fd, policy)
+            await self._zds_add(rec, fd, policy, early)
         except BaseException:
-            await asyncio.wait([hostset])
-            if not hostset.cancelled():
-                hostset.exception()  # retrieved: the ZDS failure is what is reported
+            await asyncio.wait([t for t in (hostset, early) if t is not None])
+            for t in (hostset, early):
+                if t is not None and not t.cancelled():
+                    t.exception()  # retrieved: the ZDS failure is what is reported
+            if early is not None and not early.cancelled() and early.exception() is None \
+                    and rec.steps.get(Step.STATUS) and not rec.steps.get(Step.ZDS):
+                # a pod ZDS can't describe fails for good: its annotation goes
+                await self._settle_status(rec, None)
             raise
         rec.steps[Step.ZDS] = True
         failure = await hostset
         if failure is not None:
+            if early is not None:
+                await asyncio.wait([early])
+                if rec.steps.get(Step.STATUS):
+                    await self._settle_status(rec, annotate.PENDING)
             rec.fail(Step.HOSTSET, str(failure), status=PodState.PENDING)
             raise EnrollmentError(f"{rec.label()}: host probe set: {failure}; will retry",
                                   True) from None
+        if early is None:
+            await self._persist_and_annotate(rec, policy)
+        else:
+            await early  # its EnrollmentError (record or status not written) is ours
+        rec.enabled()
+
+    async def _persist_and_annotate(self, rec: PodRecord, policy: FailurePolicy) -> None:
+        """Persist the record, then write the status ``enabled``; ``steps[STATE]`` and
+        ``steps[STATUS]`` set as each is done. Raises retryable :class:`EnrollmentError`
+        (the record's state says which failed); nothing is annotated when the record
+        could not be written."""
         # persisted before the status says "enabled": a pod whose record can't be written
         # (the state dir's filesystem full, read-only) is never reported enrolled, to the
         # runtime or in its annotation, while a restart could not recover it
@@ -248,12 +289,21 @@ class Dataplane:
             raise EnrollmentError(f"{rec.label()}: could not write status annotation; "
                                   "will retry", True)
         rec.steps[Step.STATUS] = True
-        rec.enabled()
 
-    async def _zds_add(self, rec: PodRecord, fd: int | None, policy: FailurePolicy) -> None:
+    async def _settle_status(self, rec: PodRecord, value: str | None) -> None:
+        """Correct an ``enabled`` written beside the ZDS hand-off after a later failure:
+        one attempt now, then retried in the background until written (the pod must not
+        stay annotated captured while it is not)."""
+        rec.steps[Step.STATUS] = False
+        if not await self.set_status(rec, value):
+            self.status.ensure(pod_ref(rec), value)
+
+    async def _zds_add(self, rec: PodRecord, fd: int | None, policy: FailurePolicy,
+                       early: asyncio.Future | None = None) -> None:
         """Hand the pod to ztunnel (when ``policy.announce``) and wait for its ACK (when
         ``policy.wait_ack``). Raises :class:`EnrollmentError` (retryable unless the pod
-        cannot be described to ZDS)."""
+        cannot be described to ZDS). ``early``: the record and status write running
+        beside it (:meth:`remaining_steps`), awaited before ``pending`` is written."""
         zds = self.zds
         if not policy.announce:
             return
@@ -271,17 +321,28 @@ class Dataplane:
                 self._timed(policy, "zds", started)
         except ZtunnelUnavailable as e:
             rec.fail(Step.ZDS, str(e), status=PodState.PENDING)
-            await self.set_status(rec, "pending")
+            await self._pending(rec, early)
             raise EnrollmentError(f"{rec.label()}: {no_ztunnel_text(e)}", True) from None
         except ZdsRejected as e:
             rec.fail(Step.ZDS, f"{e.kind}: {e}", status=PodState.PENDING)
-            await self.set_status(rec, "pending")
+            await self._pending(rec, early)
             raise EnrollmentError(f"{rec.label()}: ztunnel did not accept the pod "
                                   f"({e.kind}: {e}); will retry", True) from None
         except ValueError as e:  # a pod ZDS can't describe (e.g. too large for ztunnel)
             rec.fail(Step.ZDS, str(e))
             raise EnrollmentError(f"{rec.label()}: cannot be handed to ztunnel: {e}"
                                   ) from None
+
+    async def _pending(self, rec: PodRecord, early: asyncio.Future | None) -> None:
+        """Write ``pending`` (rules in, no ztunnel took the pod), after the ``enabled``
+        write beside the hand-off, if any, is done."""
+        if early is None:
+            await self.set_status(rec, "pending")
+            return
+        await asyncio.wait([early])
+        if not early.cancelled():
+            early.exception()  # retrieved: the ZDS failure is what is reported
+        await self._settle_status(rec, annotate.PENDING)
 
     async def _hostset(self, rec: PodRecord, policy: FailurePolicy) -> Exception | None:
         """Upsert the pod's probe set entries; ``steps[HOSTSET]`` set when done. Returns
@@ -332,6 +393,10 @@ class Dataplane:
                 log.warning("%s: probe set rollback: %s", rec.label(), e)
                 problems.append(f"host probe set: {e}")
         problems += await self.rollback_rules(fd, opts)  # harmless when none applied
+        if rec.steps.get(Step.STATUS):  # written beside the hand-off: the pod isn't captured
+            rec.steps[Step.STATUS] = False
+            if not await self.set_status(rec, None):
+                problems.append("status annotation: not removed")
         if self.records.get(rec.uid) is rec:
             self.records.pop(rec.uid, None)
         self.state.remove(rec.uid)

@@ -13,13 +13,17 @@ once per registry
 Ours (no upstream equivalent): ``ambient_agent_cni_add_stage_seconds{stage}``, a
 histogram of how long each stage of an ambient pod's CNI ADD took in the agent, in
 seconds, one observation per stage that ran (a failed stage is observed too; the stages
-after it are not). ``stage``, in pipeline order (:data:`ADD_STAGES`): ``lookup`` (the
-Pod object in the config source's store, waited for when the watch has not delivered
-it yet), ``netns`` (opening the pod netns), ``rules`` (the in-pod rules, on a worker
-thread), ``zds`` (handing the pod to ztunnel and waiting for its ACK), ``hostset`` (the
-host probe set entry), ``state`` (the record in the state dir), ``status`` (the
-``ambient.istio.io/redirection`` annotation PATCH). The whole ADD, as the plugin waits
-for it, is ``ambient_agent_cni_add_seconds`` of the CNI event server.
+after it are not, except those already running beside it). ``stage``, in pipeline
+order (:data:`ADD_STAGES`): ``lookup`` (the Pod object in the config source's store,
+waited for when the watch has not delivered it yet), ``netns`` (opening the pod netns),
+``rules`` (the in-pod rules, on a worker thread), ``zds`` (handing the pod to ztunnel
+and waiting for its ACK), ``hostset`` (the host probe set entry), ``state`` (the record
+in the state dir), ``status`` (the ``ambient.istio.io/redirection`` annotation PATCH).
+``hostset``, ``state`` and ``status`` run while ``zds`` waits
+(:meth:`cni.enrollment.dataplane.Dataplane.remaining_steps`), so the stages' times
+overlap and do not add up to the ADD; each is the time of its own work. The whole ADD,
+as the plugin waits for it, is ``ambient_agent_cni_add_seconds`` of the CNI event
+server.
 """
 
 from __future__ import annotations

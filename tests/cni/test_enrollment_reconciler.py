@@ -606,15 +606,15 @@ async def test_add_stage_histogram_times_each_stage_of_an_add(rig):
     # the probe set entry runs beside the ZDS add, so it may have seen the clock move
     assert all(total == 0 for s, (_, total) in stages.items() if s not in ("zds", "hostset"))
 
-    # a failing ZDS step: observed (the failed stage counts), and so is the probe set
-    # entry made beside it; the later ones are not
+    # a failing ZDS step: observed (the failed stage counts), and so are the probe set
+    # entry, the record and the status written beside it
     rig.zds.nack = "no"
     rig.netns.create("/run/netns/pod-b")
     with pytest.raises(EnrollmentError):
         await rig.enrollment.enroll(event(uid="uid-b", netns="/run/netns/pod-b"))
     after = _stage_counts(rig)
     assert after["zds"][0] == 2 and after["hostset"][0] == 2
-    assert after["state"][0] == 1 and after["status"][0] == 1
+    assert after["state"][0] == 2 and after["status"][0] == 2
     await until(lambda: rig.enrollment.pods()["uid-b"].status is PodState.ENABLED)
     assert _stage_counts(rig)["zds"][0] == 2  # the background retry is not an ADD
 
@@ -713,3 +713,88 @@ async def test_recovery_needs_only_its_protocol(state_dir):
         assert counted == [] and r.zds.accepting
     finally:
         r.close()
+
+
+class StatusWrites:
+    """Replaces the dataplane's status write: records ``(value, ztunnel had acked)`` of
+    each write as it starts; a write of a value in ``hold`` waits for that event."""
+
+    def __init__(self, rig):
+        self.rig, self.writes, self.done = rig, [], []
+        self.hold: dict[str | None, asyncio.Event] = {}
+        rig.enrollment.dataplane.set_status = self  # type: ignore[method-assign]
+
+    async def __call__(self, rec, value):
+        self.writes.append((value, rec.steps.get(Step.ZDS) is True))
+        if value in self.hold:
+            await self.hold[value].wait()
+        self.done.append(value)
+        return True
+
+
+async def test_status_is_written_while_ztunnel_acks(rig):
+    """A CNI ADD writes the record and the ``enabled`` status while ztunnel's ACK is
+    awaited; the pod is reported enabled only once the ACK came too."""
+    writes = StatusWrites(rig)
+    rig.zds.hold = asyncio.Event()
+    add = asyncio.create_task(rig.enrollment.enroll(event()))
+    await asyncio.wait_for(rig.zds.adding.wait(), 5)
+    await until(lambda: writes.done == ["enabled"])
+    assert writes.writes == [("enabled", False)]  # before the ACK
+    assert rig.enrollment.pods()[UID].status is not PodState.ENABLED
+    assert not add.done()
+    rig.zds.hold.set()
+    await add
+    assert rig.enrollment.pods()[UID].status is PodState.ENABLED
+    assert writes.writes == [("enabled", False)]
+
+
+async def test_status_written_beside_a_failed_ack_becomes_pending_after_it(rig):
+    """ztunnel refusing the pod while ``enabled`` is being written: ``pending`` is
+    written only once that write is done (never both in flight), the ADD fails
+    retryably, and the background retry writes ``enabled`` again once ztunnel takes it."""
+    writes = StatusWrites(rig)
+    writes.hold["enabled"] = asyncio.Event()
+    rig.zds.nack = "no"
+    add = asyncio.create_task(rig.enrollment.enroll(event()))
+    await until(lambda: writes.writes == [("enabled", False)])
+    await until(lambda: rig.enrollment.pods()[UID].steps.get(Step.ZDS) is False)
+    await asyncio.sleep(0.05)  # the NACK is in: nothing else may be written meanwhile
+    assert writes.writes == [("enabled", False)] and not add.done()
+    rig.zds.nack = None
+    writes.hold["enabled"].set()
+    with pytest.raises(EnrollmentError, match="ztunnel did not accept") as err:
+        await add
+    assert err.value.retryable
+    assert writes.done[:2] == ["enabled", "pending"]
+    await until(lambda: rig.enrollment.pods()[UID].status is PodState.ENABLED)
+    assert writes.done[-1] == "enabled"
+
+
+async def test_status_written_beside_the_hand_off_is_removed_when_zds_cannot_take_the_pod(rig):
+    """A pod ZDS can't describe fails for good; the ``enabled`` written beside the
+    hand-off is removed again."""
+    writes = StatusWrites(rig)
+
+    async def refuse(pod, wait_ack=True, ztunnel_wait=None):
+        await asyncio.sleep(0.02)
+        raise ValueError("too large")
+    rig.zds.add = refuse  # type: ignore[method-assign]
+    with pytest.raises(EnrollmentError, match="cannot be handed to ztunnel"):
+        await rig.enrollment.enroll(event())
+    assert writes.done == ["enabled", None]
+
+
+async def test_status_written_beside_the_hand_off_is_removed_by_a_del_during_the_add(rig):
+    """A CNI DEL cancelling the ADD while ztunnel's ACK is awaited: the rollback
+    removes the ``enabled`` written meanwhile, after that write finished."""
+    writes = StatusWrites(rig)
+    rig.zds.hold = asyncio.Event()
+    add = asyncio.create_task(rig.enrollment.enroll(event()))
+    await until(lambda: writes.done == ["enabled"])
+    task = rig.enrollment.abort_enroll(UID)
+    assert task is not None
+    with pytest.raises(EnrollmentError, match="pod deleted during enrollment"):
+        await add
+    assert writes.done[-1] is None
+    assert UID not in rig.enrollment.pods()

@@ -223,8 +223,7 @@ class RealNode:
     def start_apiserver(self, directory: Path) -> None:
         script = kc.SCRIPT
         env = dict(os.environ, KUBE_TEST_OWNER_PID=str(os.getpid()))
-        self.later(subprocess.run, ["bash", script, "stop", str(directory)],
-                   capture_output=True, timeout=90)
+        self.later(self._stop_cluster, directory)
         proc = subprocess.run(["bash", script, "start", str(directory)], capture_output=True,
                               text=True, env=env, timeout=240)
         if proc.returncode:
@@ -232,6 +231,37 @@ class RealNode:
         self.cluster = kc.KubeCluster(str(directory))
         self.api_port = int(self.cluster.env["KUBE_APISERVER_PORT"])
         self._node_kubeconfig()
+
+    def _stop_cluster(self, directory: Path) -> None:
+        """Stop the API server and etcd of ``directory``: the script's ``stop`` (graceful),
+        then SIGKILL to the process group of each of them (and of the owner watchdog)
+        still alive. The script starts each under ``setsid``, so each is the leader of its
+        own group; the pids come from its pid files, read first (``stop`` removes the
+        directory), and a pid is signalled only while its command line still names
+        ``directory`` (never a reused pid). Also covers a start cut short before the
+        script's own watchdog existed."""
+        directory = Path(directory).resolve()  # as the script records it
+        pids = []
+        for name in ("kube-apiserver.pid", "etcd.pid", "watchdog.pid"):
+            try:
+                pids.append(int((directory / name).read_text().split()[0]))
+            except (OSError, ValueError, IndexError):
+                continue
+        try:
+            subprocess.run(["bash", kc.SCRIPT, "stop", str(directory)], capture_output=True,
+                           timeout=90)
+        finally:
+            for pid in pids:
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                except OSError:
+                    continue  # gone
+                if str(directory).encode() not in cmdline:
+                    continue
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
 
     def _node_kubeconfig(self) -> None:
         """A client certificate for ``system:node:<name>`` (group ``system:nodes``, which

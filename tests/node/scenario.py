@@ -91,11 +91,27 @@ async def node_ready(api, node: RealNode) -> bool:
     return conds.get("Ready") == "True"
 
 
+async def in_thread(fn, *args):
+    """``fn(*args)`` on a worker thread; when cancelled, waits for the thread to finish
+    before re-raising: a thread can't be stopped, and the caller's cleanup
+    (:meth:`RealNode.close`) must not run while it may still start processes and register
+    their cleanups (an interrupted run would leave them running)."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait([work])
+        if not work.cancelled():
+            work.exception()  # retrieved: the cancellation is what is reported
+        raise
+
+
 async def start(node: RealNode, cluster_dir: Path) -> None:
     """Control plane, netns, containerd with the test images, the bridge config, kubelet;
-    returns when the Node is Ready."""
-    await asyncio.to_thread(node.start, cluster_dir)
-    await asyncio.to_thread(node.import_test_images)
+    returns when the Node is Ready. Cancelled, it returns only after its worker threads
+    did (see :func:`in_thread`), so :meth:`RealNode.close` then undoes everything."""
+    await in_thread(node.start, cluster_dir)
+    await in_thread(node.import_test_images)
     bridge_conflist(node)
     bare_conflist(node)
     node.start_kubelet()
