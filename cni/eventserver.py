@@ -242,7 +242,9 @@ class CniEventServer(Component):
                 registration = await registrar.prepare(event)
             except ValueError as e:
                 self._stats["add_failed"] += 1
-                return 500, f"cannot register pod {name}: {e}"
+                # retryable (labels not read yet): the plugin answers code 11
+                status = 503 if getattr(e, "retryable", False) else 500
+                return status, f"cannot register pod {name}: {e}"
         started = time.monotonic()
         try:
             decision = await self._decide(event, registration)
