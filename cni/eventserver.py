@@ -45,6 +45,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import time
 from typing import Any, Protocol
 
@@ -168,6 +169,11 @@ class CniEventServer(Component):
             data = json.loads(body)
         except ValueError as e:
             raise web.HTTPBadRequest(text=f"malformed JSON in CNI pod event: {e}") from None
+        except RecursionError:
+            # the C scanner recurses per nesting level and stops at the interpreter's
+            # limit: e.g. '[' * 100000; an event is two levels deep
+            raise web.HTTPBadRequest(text="malformed JSON in CNI pod event: nested deeper "
+                                          f"than {sys.getrecursionlimit()} levels") from None
         try:
             event = CniPodEvent.from_json(data)
         except EventError as e:
@@ -192,6 +198,10 @@ class CniEventServer(Component):
             lines = json.loads(body)
         except ValueError as e:
             return web.Response(status=400, text=f"malformed JSON in plugin log: {e}\n")
+        except RecursionError:
+            return web.Response(status=400, text="malformed JSON in plugin log: nested "
+                                                 f"deeper than {sys.getrecursionlimit()} "
+                                                 "levels\n")
         if not isinstance(lines, list):
             return web.Response(status=400, text="plugin log: expected a JSON array of log "
                                                  f"lines, got {type(lines).__name__}\n")
@@ -388,7 +398,7 @@ def _log_plugin_line(line: Any) -> None:
     ``cni.plugin``; anything else is one DEBUG line."""
     try:
         entry = json.loads(line) if isinstance(line, str) else None
-    except ValueError:
+    except (ValueError, RecursionError):
         entry = None
     if not isinstance(entry, dict) or not isinstance(entry.get("msg"), str) \
             or entry.get("level") not in _PLUGIN_LEVELS:

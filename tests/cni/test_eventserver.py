@@ -58,6 +58,15 @@ async def test_malformed_requests_are_400_and_server_survives(cni_agent):
     assert len(cni_agent.enroller.enrolled) == 1
 
 
+async def test_deeply_nested_json_is_400_without_a_traceback(cni_agent, caplog):
+    """100k nested '[' used to be a 500 with a RecursionError traceback in the log."""
+    for path in ("/cmdadd", "/cmddel", "/log"):
+        status, text = await post(cni_agent, path, data=b"[" * 100_000)
+        assert status == 400 and "nested deeper than" in text, (path, status, text[:200])
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    assert (await post(cni_agent, "/cmdadd", body=event(ambient_default=True)))[0] == 200
+
+
 async def test_store_decides_by_labels(cni_agent):
     cni_agent.set_store(DictStore([
         namespace("demo", {"istio.io/dataplane-mode": "ambient"}), namespace("plain"),
