@@ -260,6 +260,12 @@ class XdsServer(Component):
         return (self._server is not None, "" if self._server else "not started")
 
     # ---------------------------------------------------------------- auth
+    def _peer(self, context: grpc.aio.ServicerContext) -> str:
+        """The client's address for logs: on the TLS port gRPC only sees the front
+        door's abstract socket (``unix-abstract:...``), the front door knows the TCP peer."""
+        tls = self.authenticator.tls_peer(context)
+        return tls.remote if tls is not None else context.peer()
+
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> str | None:
         """The caller's SPIFFE ID (TLS port) or None (plaintext port). Raises AuthError."""
         if self.authenticator.tls_peer(context) is None:
@@ -335,7 +341,7 @@ class XdsServer(Component):
         try:
             identity = await self._authenticate(context)
         except AuthError as e:
-            log.warning("xds: refused %s: %s", context.peer(), e)
+            log.warning("xds: refused %s: %s", self._peer(context), e)
             # Answer after the client's first request: a gRPC client still writing its
             # initial requests would otherwise see a local write failure (INTERNAL)
             # instead of this status.
@@ -345,7 +351,8 @@ class XdsServer(Component):
             return
         assert self.index is not None  # set by start(), before the server accepts a call
         state: XdsStream | WaypointStream = XdsStream(
-            self.generators, self.index, peer=context.peer(), identity=identity, delta=delta)
+            self.generators, self.index, peer=self._peer(context), identity=identity,
+            delta=delta)
         conn = Connection(state)
         self.connections[state.id] = conn
         reader = asyncio.create_task(self._read(request_iterator, conn))
@@ -356,7 +363,8 @@ class XdsServer(Component):
                     return
                 if isinstance(item, UndecodableRequest):
                     # a client's garbage ends its stream with a status naming it, not OK
-                    log.warning("xds: stream %d from %s: %s", state.id, context.peer(), item)
+                    log.warning("xds: stream %d from %s: %s", state.id, self._peer(context),
+                                item)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
                     return
                 if isinstance(item, BaseException):
