@@ -69,6 +69,12 @@ def test_durations(text, seconds):
                                          "exclude_namespaces"),
                                         ({"exclude_namespaces": "Kube-System"},
                                          "exclude_namespaces"),
+                                        ({"exclude_namespaces": ",,"},
+                                         "exclude_namespaces"),
+                                        ({"exclude_namespaces": "kube-system,,x"},
+                                         "exclude_namespaces"),
+                                        ({"exclude_namespaces": ["kube-system", ""]},
+                                         "exclude_namespaces"),
                                         ({"system_namespace": "a_b"}, "system_namespace"),
                                         ({"pod_namespace": ""}, "pod_namespace"),
                                         ({"service_account": "Bad Name"}, "service_account"),
@@ -103,6 +109,23 @@ def test_bad_values_name_the_setting(flags, name):
     assert e.value.setting == name
     assert name in str(e.value) and repr(next(iter(flags.values()))) in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_empty_lists_and_token_files(tmp_path):
+    """An empty exclude list is the explicit "none"; an empty token file is refused at
+    load naming the setting (every client was refused with no way to know why)."""
+    assert cfg.load({"exclude_namespaces": ""}, env={}).exclude_namespaces == ()
+    assert cfg.load({"exclude_namespaces": []}, env={}).exclude_namespaces == ()
+    with pytest.raises(cfg.ConfigError, match="exclude_namespaces=',,'.*empty entry"):
+        cfg.load({"exclude_namespaces": ",,"}, env={})
+    token = tmp_path / "token"
+    for text in ("", " \n"):
+        token.write_text(text)
+        with pytest.raises(cfg.ConfigError) as e:
+            cfg.load({"xds_token_file": str(token)}, env={})
+        assert e.value.setting == "xds_token_file" and "file is empty" in str(e.value)
+    token.write_text("s3cret\n")
+    assert cfg.load({"xds_token_file": str(token)}, env={}).xds_token_file == str(token)
 
 
 def test_missing_file_error_reads_as_documented():

@@ -42,7 +42,8 @@ from agent.core.config_values import (
     parse_count, parse_dir_path, parse_duration, parse_existing_file, parse_file_mode,
     parse_file_name, parse_host_port, parse_json, parse_list, parse_log_level, parse_name,
     parse_cert_ttl, parse_namespace, parse_namespace_list, parse_path, parse_port, parse_ratio,
-    parse_service_account, parse_signature_algorithm, parse_str, parse_trust_domain, positive,
+    parse_service_account, parse_signature_algorithm, parse_str, parse_token_file,
+    parse_trust_domain, positive,
 )
 
 
@@ -320,7 +321,7 @@ SETTINGS: list[Setting] = [
             component="xds"),
     Setting("xds_tls_address", "0.0.0.0", parse_bind_address, "address the TLS xDS port binds "
             "(0.0.0.0 or ::: every IPv4 and IPv6 address)", component="xds"),
-    Setting("xds_token_file", "", parse_existing_file, "if set, clients of the plaintext xDS "
+    Setting("xds_token_file", "", parse_token_file, "if set, clients of the plaintext xDS "
             "port must send 'authorization: Bearer <this file's content>'", component="xds"),
     Setting("xds_debounce", 0.1, parse_duration, "xDS push debounce: quiet period after an "
             "index change", component="xds"),
