@@ -6,6 +6,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
+from agent.core.logsetup import redact
 from ambient.xds.client import ClientTls, DeltaXdsClient
 from agent.tlsport.servercert import TlsMaterial
 from ambient.xds.server import XdsServer
@@ -106,6 +107,10 @@ async def test_bearer_token(index, tmp_path):
                 await bad.wait_synced()
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "s3cret" not in e.value.details()
+            # the log redaction leaves the refusal readable (it was "authorization:
+            # [REDACTED] or wrong bearer [REDACTED]")
+            assert redact(e.value.details()) == e.value.details(), e.value.details()
+            assert "xds_token_file" in e.value.details()
     finally:
         for c in clients:
             await c.close()
