@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -316,3 +317,21 @@ def test_renamed_settings_and_ca_port_collision_are_clear_errors(tmp_path):
     assert d.token_audiences == ("istio-ca",) and d.tls_server_names == ()
     assert cfg.load({}, env={"ISTIOD_CUSTOM_HOST": "agent.example,10.0.0.5"}).tls_server_names \
         == ("agent.example", "10.0.0.5")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a check as another uid")
+def test_unreachable_netns_file_says_eacces_not_missing():
+    """As non-root, /proc/1/ns/net exists but can't be opened: the error says so (it
+    said "no such network namespace file")."""
+    code = ("from agent.core import config as cfg\n"
+            "try:\n"
+            "    cfg.load({'host_rules_netns': '/proc/1/ns/net'}, env={})\n"
+            "except cfg.ConfigError as e:\n"
+            "    print(e)\n")
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         timeout=60).stdout
+    assert "host_rules_netns='/proc/1/ns/net'" in out and "EACCES" in out, out
+    with pytest.raises(cfg.ConfigError, match="no such network namespace file"):
+        cfg.load({"host_rules_netns": "/var/run/netns/nu-missing-xyz"}, env={})
