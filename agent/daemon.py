@@ -247,6 +247,11 @@ class Agent:
             # every TCP port checked before any component touches the node (host probe
             # rules, the CNI conflist), so a busy port leaves nothing behind
             agent_config.ensure_ports_free(self.config)
+            # so is the ZDS socket: found served only when the zds component started,
+            # after the CA, the mesh root and SDS had been set up (and left behind)
+            from zds.server import refuse_if_served
+            await asyncio.get_running_loop().run_in_executor(
+                None, refuse_if_served, self.config.ztunnel_uds_address)
             set_created_series(self.config.metrics_created_series)
             self._components = build(self.ctx)
             # liveness from the start: /healthz answers while components start (a slow

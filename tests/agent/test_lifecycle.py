@@ -4,6 +4,7 @@ readiness aggregation and bounded stop."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -99,3 +100,31 @@ async def test_failed_agent_start_frees_the_state_dir(tmp_path, monkeypatch):
         with pytest.raises(ComponentStartError, match="broken: broken cannot start"):
             await daemon.Agent(config).start()
     assert not (tmp_path / "agent.lock").exists()
+
+
+async def test_served_zds_socket_refused_before_anything_is_built(tmp_path):
+    """A second agent sharing only the ZDS socket (every port moved) failed when the zds
+    component started, after the CA, the mesh root and SDS had been created (newuser
+    finding 12). Now it is refused before any component is built; the live ZDS server
+    (a real one) keeps serving and nothing is left in the second state dir."""
+    from agent import daemon
+    from zds.server import ZdsServer
+
+    first = ZdsServer(str(tmp_path / "zds" / "ztunnel.sock"), ztunnel_wait=1.0)
+    await first.start()
+    state = tmp_path / "second"
+    try:
+        config = cfg.load({"state_dir": str(state)}, env={}).replace(
+            ztunnel_uds_address=first.path, status_port=0, health_port=0,
+            monitoring_port=0, xds_port=0, xds_tls_port=0, ca_port=0)
+        built = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(daemon, "build", lambda ctx: built.append(ctx))
+            with pytest.raises(cfg.ConfigError, match="another ZDS server") as e:
+                await daemon.Agent(config).start()
+        assert e.value.setting == "ztunnel_uds_address" and built == []
+        left = sorted(p.name for p in state.iterdir())
+        assert left == [], left  # no CA, mesh root, SDS socket, lock
+        assert os.path.exists(first.path)
+    finally:
+        await first.stop(0.5)
