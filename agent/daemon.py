@@ -22,6 +22,8 @@ import fcntl
 import logging
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
@@ -341,5 +343,34 @@ async def run(config: Config) -> int:
                 signal.signal(signum, lambda n, _frame: exit_now(n))
             for signum in IGNORED_SIGNALS:
                 signal.signal(signum, signal.SIG_IGN)
-    log.info("agent stopped")
     return 0
+
+
+WORKER_JOIN_TIMEOUT = 10.0  # seconds the process waits for worker threads at exit
+
+
+def join_workers(timeout: float = WORKER_JOIN_TIMEOUT) -> list[str]:
+    """Wait up to ``timeout`` seconds for the non-daemon threads other than this one (the
+    components' worker pools, whose jobs finish after the loop closed) to end, as the
+    interpreter would at exit; returns the names of those still running. Blocking."""
+    deadline = time.monotonic() + timeout
+    me = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is me or thread.daemon:
+            continue
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return sorted(t.name for t in threading.enumerate()
+                  if t is not me and not t.daemon and t.is_alive())
+
+
+def stopped(code: int, timeout: float = WORKER_JOIN_TIMEOUT) -> int:
+    """After :func:`run` returned: log "agent stopped" once it is true (the worker
+    threads the interpreter would wait for are done, up to ``timeout`` seconds), or name
+    those still busy. Returns ``code``."""
+    busy = join_workers(timeout)
+    if busy:
+        log.warning("agent stopped; %d worker threads still busy (%s): the process exits "
+                    "when they end", len(busy), ", ".join(busy[:5]))
+    else:
+        log.info("agent stopped")
+    return code

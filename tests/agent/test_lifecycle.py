@@ -128,3 +128,29 @@ async def test_served_zds_socket_refused_before_anything_is_built(tmp_path):
         assert os.path.exists(first.path)
     finally:
         await first.stop(0.5)
+
+
+def test_agent_stopped_is_logged_once_worker_threads_are_done(caplog):
+    """"agent stopped" was logged ~3 s before the process exited (the interpreter still
+    joined worker threads): it now waits for them first, or names those still busy."""
+    import logging
+    import threading
+
+    from agent import daemon
+
+    caplog.set_level(logging.INFO, logger="agent.daemon")
+    release = threading.Event()
+    worker = threading.Thread(target=release.wait, name="nu-busy-worker")
+    worker.start()
+    try:
+        assert daemon.stopped(0, timeout=0.05) == 0
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and "still busy" in said[0] and "nu-busy-worker" in said[0]
+    finally:
+        release.set()
+    caplog.clear()
+    assert daemon.stopped(3) == 3
+    assert worker.is_alive() is False  # waited for, then logged
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("agent stopped"), said
+    assert "nu-busy-worker" not in said[0]
