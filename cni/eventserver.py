@@ -306,7 +306,37 @@ class CniEventServer(Component):
             return status, f"enrollment of pod {name} failed: {reason}"
         self._stats["add_ambient"] += 1
         log.info("pod %s enrolled (%s)", name, decision.reason)
+        self._warn_unservable(event, name)
         return 200, {"ambient": True, "reason": decision.reason}
+
+    def _warn_unservable(self, event: CniPodEvent, name: str) -> None:
+        """One WARN when the enrolled pod is a hand-written Pod of the config directory
+        the ambient index can't serve as it is: without ``status.podIP`` it has no
+        address (the index does not take the CNI's IPs), without a Ready condition True
+        it is served Unhealthy. In Kubernetes the kubelet fills both after the ADD, so
+        only objects from files are looked at."""
+        store = self.store
+        pod = enablement.find_pod(store, event)
+        origin_of = getattr(store, "origin_of", None)
+        if pod is None or not callable(origin_of):
+            return
+        meta = pod.get("metadata") or {}
+        origin = origin_of(("Pod", meta.get("namespace", ""), meta.get("name", "")))
+        if not isinstance(origin, str) or not origin.startswith("/"):
+            return  # not from a config file (Kubernetes, a registration)
+        status = pod.get("status") or {}
+        missing = []
+        if not status.get("podIP"):
+            missing.append("status.podIP (without it the pod has no address in xDS; "
+                           f"the CNI gave {','.join(event.ips) or 'none'})")
+        if not any(isinstance(c, dict) and c.get("type") == "Ready"
+                   and c.get("status") == "True" for c in status.get("conditions") or []):
+            missing.append("a status.conditions entry {type: Ready, status: 'True'} "
+                           "(without it the workload is served Unhealthy)")
+        if missing:
+            log.warning("pod %s is enrolled but its Pod object in %s lacks %s; see "
+                        "docs/cni.md, \"Hand-written Pod objects\"", name, origin,
+                        " and ".join(missing))
 
     async def _decide(self, event: CniPodEvent, registration=None) -> enablement.Decision:
         store = self.store
