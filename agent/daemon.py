@@ -254,6 +254,12 @@ class Agent:
             from zds.server import refuse_if_served
             await asyncio.get_running_loop().run_in_executor(
                 None, refuse_if_served, self.config.ztunnel_uds_address)
+            # enrollment (always built) needs CAP_NET_ADMIN for the host and in-pod rules:
+            # without it the agent failed only after SDS, ZDS and xDS had started
+            if not has_net_admin():
+                raise ComponentStartError("enrollment", PermissionError(
+                    "this process lacks CAP_NET_ADMIN (run as root, or grant CAP_NET_ADMIN "
+                    "and CAP_SYS_ADMIN): the host probe rules and in-pod rules need it"))
             set_created_series(self.config.metrics_created_series)
             self._components = build(self.ctx)
             # liveness from the start: /healthz answers while components start (a slow
@@ -344,6 +350,22 @@ async def run(config: Config) -> int:
             for signum in IGNORED_SIGNALS:
                 signal.signal(signum, signal.SIG_IGN)
     return 0
+
+
+CAP_NET_ADMIN = 12  # linux/capability.h
+
+
+def has_net_admin(status_path: str = "/proc/self/status") -> bool:
+    """Whether this process has CAP_NET_ADMIN in its effective set (``CapEff`` of
+    ``/proc/self/status``); True when that can't be read (the components then say)."""
+    try:
+        with open(status_path) as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return True
 
 
 WORKER_JOIN_TIMEOUT = 10.0  # seconds the process waits for worker threads at exit

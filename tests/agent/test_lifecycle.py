@@ -154,3 +154,40 @@ def test_agent_stopped_is_logged_once_worker_threads_are_done(caplog):
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and said[0].startswith("agent stopped"), said
     assert "nu-busy-worker" not in said[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the agent as another uid")
+def test_non_root_run_is_refused_before_any_component():
+    """Non-root ``run`` created a CA, published the mesh root and started SDS, ZDS and
+    xDS before enrollment failed (newuser finding 12): refused before any of them."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    base = Path(tempfile.mkdtemp(prefix="nu-nonroot-"))  # pytest's tmp is root-only
+    os.chmod(base, 0o777)
+    try:
+        _run_non_root(base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _run_non_root(base):
+    import subprocess
+    import sys
+
+    from agent.demo.envoy import free_port
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+         "-m", "agent.cli", "run", "--state-dir", str(base / "s"), "--config-file",
+         os.devnull, "--ztunnel-uds-address", str(base / "zds.sock"),
+         "--status-port", str(free_port()), "--health-port", str(free_port()),
+         "--monitoring-port", "0", "--xds-port", str(free_port()),
+         "--xds-tls-port", str(free_port()), "--ca-port", "0"],
+        capture_output=True, text=True, cwd=root, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "cannot start enrollment: this process lacks CAP_NET_ADMIN" in r.stderr, r.stderr
+    assert "started sds" not in r.stderr and "xds: serving" not in r.stderr, r.stderr
+    assert sorted(p.name for p in (base / "s").iterdir()) == []
