@@ -105,7 +105,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = load_config(args)
     logsetup.setup(config.log_level, config.log_format)
-    return asyncio.run(daemon.run(config))
+    return daemon.stopped(asyncio.run(daemon.run(config)))
 
 
 def cmd_config(args: argparse.Namespace) -> int:

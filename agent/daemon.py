@@ -22,6 +22,8 @@ import fcntl
 import logging
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
@@ -256,6 +258,17 @@ class Agent:
             # every TCP port checked before any component touches the node (host probe
             # rules, the CNI conflist), so a busy port leaves nothing behind
             agent_config.ensure_ports_free(self.config)
+            # so is the ZDS socket: found served only when the zds component started,
+            # after the CA, the mesh root and SDS had been set up (and left behind)
+            from zds.server import refuse_if_served
+            await asyncio.get_running_loop().run_in_executor(
+                None, refuse_if_served, self.config.ztunnel_uds_address)
+            # enrollment (always built) needs CAP_NET_ADMIN for the host and in-pod rules:
+            # without it the agent failed only after SDS, ZDS and xDS had started
+            if not has_net_admin():
+                raise ComponentStartError("enrollment", PermissionError(
+                    "this process lacks CAP_NET_ADMIN (run as root, or grant CAP_NET_ADMIN "
+                    "and CAP_SYS_ADMIN): the host probe rules and in-pod rules need it"))
             set_created_series(self.config.metrics_created_series)
             self._components = build(self.ctx)
             # liveness from the start: /healthz answers while components start (a slow
@@ -345,5 +358,50 @@ async def run(config: Config) -> int:
                 signal.signal(signum, lambda n, _frame: exit_now(n))
             for signum in IGNORED_SIGNALS:
                 signal.signal(signum, signal.SIG_IGN)
-    log.info("agent stopped")
     return 0
+
+
+CAP_NET_ADMIN = 12  # linux/capability.h
+
+
+def has_net_admin(status_path: str = "/proc/self/status") -> bool:
+    """Whether this process has CAP_NET_ADMIN in its effective set (``CapEff`` of
+    ``/proc/self/status``); True when that can't be read (the components then say)."""
+    try:
+        with open(status_path) as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return True
+
+
+WORKER_JOIN_TIMEOUT = 10.0  # seconds the process waits for worker threads at exit
+
+
+def join_workers(timeout: float = WORKER_JOIN_TIMEOUT) -> list[str]:
+    """Wait up to ``timeout`` seconds for the non-daemon threads other than this one (the
+    components' worker pools, whose jobs finish after the loop closed) to end, as the
+    interpreter would at exit; returns the names of those still running. Blocking."""
+    deadline = time.monotonic() + timeout
+    me = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is me or thread.daemon:
+            continue
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return sorted(t.name for t in threading.enumerate()
+                  if t is not me and not t.daemon and t.is_alive())
+
+
+def stopped(code: int, timeout: float = WORKER_JOIN_TIMEOUT) -> int:
+    """After :func:`run` returned: log "agent stopped" once it is true (the worker
+    threads the interpreter would wait for are done, up to ``timeout`` seconds), or name
+    those still busy. Returns ``code``."""
+    busy = join_workers(timeout)
+    if busy:
+        log.warning("agent stopped; %d worker threads still busy (%s): the process exits "
+                    "when they end", len(busy), ", ".join(busy[:5]))
+    else:
+        log.info("agent stopped")
+    return code

@@ -196,7 +196,13 @@ def check_istio_cni(config: Config) -> Check:
     if found:
         return Check("istio-cni", FAIL, "; ".join(found) + " (remove it first: docs/operating.md"
                      ", \"Replacing an installed istio-cni\")")
-    state = "ours installed" if head is not None else "not installed yet (run installs it)"
+    if head is not None:
+        state = "ours installed"
+    elif config.cni_manage_config:
+        state = "not installed yet (run installs it: cni_manage_config is on)"
+    else:
+        state = ("not installed yet (run does not install it while cni_manage_config is "
+                 "off: `ambient-agent cni install`, or --cni-manage-config)")
     return Check("istio-cni", OK, f"no other istio-cni; {binary} {state}")
 
 

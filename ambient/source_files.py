@@ -336,11 +336,54 @@ def parse_file(path: str, cache: Chunks | None = None) -> ParsedFile:
                 errors.append((where, f"kind List: field 'items' must be a list, got "
                                       f"{yamlsafe.short_repr(items)}"))
                 continue
-            objects.extend((item, f"{where}.items[{j}] {_label(item)}")
-                           for j, item in enumerate(items))
+            for j, item in enumerate(items):
+                _add_checked(objects, errors, item, f"{where}.items[{j}] {_label(item)}")
         else:
-            objects.append((doc, f"{where} {_label(doc)}"))
+            _add_checked(objects, errors, doc, f"{where} {_label(doc)}")
     return out
+
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+# kind -> (pattern, longest, rule): what the API server's validation requires of the
+# name (apimachinery ValidatePodName, ValidateNamespaceName, ValidateServiceName)
+_NAME_RULES = {
+    "Pod": (_DNS_SUBDOMAIN, 253, "DNS-1123 subdomain: lowercase letters, digits, '-' and "
+                                 "'.', at most 253 characters"),
+    "Namespace": (_DNS_LABEL, 63, "DNS-1123 label: lowercase letters, digits and '-', at "
+                                  "most 63 characters"),
+    "Service": (_DNS_1035, 63, "DNS-1035 label: lowercase letters, digits and '-', "
+                               "starting with a letter, at most 63 characters"),
+}
+
+
+def name_problem(obj: Any) -> str:
+    """Why a hand-written object's name would be refused by a Kubernetes API server ("" if
+    it would not): ``metadata.name`` of a Pod, Namespace or Service, and any object's
+    ``metadata.namespace`` (a DNS-1123 label). Other shapes are the store's to check."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("metadata"), dict):
+        return ""
+    meta = obj["metadata"]
+    rule = _NAME_RULES.get(obj.get("kind"))  # type: ignore[arg-type]
+    name = meta.get("name")
+    if rule is not None and isinstance(name, str) and name:
+        pattern, longest, text = rule
+        if len(name) > longest or not pattern.fullmatch(name):
+            return f"field 'metadata.name' {name!r} is not a valid {obj['kind']} name ({text})"
+    ns = meta.get("namespace")
+    if isinstance(ns, str) and ns and (len(ns) > 63 or not _DNS_LABEL.fullmatch(ns)):
+        return (f"field 'metadata.namespace' {ns!r} is not a valid namespace name "
+                f"({_NAME_RULES['Namespace'][2]})")
+    return ""
+
+
+def _add_checked(objects: list, errors: list, obj: Any, where: str) -> None:
+    problem = name_problem(obj)
+    if problem:
+        errors.append((where, problem))
+    else:
+        objects.append((obj, where))
 
 
 def _with_annotations(obj: dict, changes: dict[str, str | None]) -> dict:

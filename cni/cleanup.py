@@ -43,7 +43,7 @@ LOCK_NAME = "agent.lock"  # agent/daemon.py StateDirLock's file in the state dir
 LAUNCHER_MARK = b"ambient-agent cni install"  # in every launcher cni.install writes
 # state_dir entries the agent creates and cleanup removes (files or directories)
 STATE_ENTRIES = ("pods", "registrations.json", "enablement.json", "iptables-flavor",
-                 "sds-private", "tls-private")
+                 "sds-private", "tls-private", "cni-install.json")
 
 # The settings cleanup reads, with their flags (as `run` names them).
 CLI_SETTINGS = ("state_dir", "config_file", "cni_conf_dir", "cni_bin_dir", "cni_event_socket",
@@ -198,16 +198,42 @@ def _pod_steps(config: Any) -> list[Step]:
     return steps
 
 
-def plan(config: Any, installer: Any) -> list[Step]:
+def installers(config: Any) -> list[Any]:
+    """The installs to remove: the one the settings name, then each one ``cni install``
+    (or the agent's ``cni_manage_config``) recorded in the state dir with other dirs
+    (``cni.install.RECORD_NAME``), so a plain ``cleanup`` finds an install made with
+    ``--conf-dir``/``--bin-dir``."""
+    import dataclasses
+
+    from cni.install import installer_from_config, read_records
+
+    base = installer_from_config(config)
+    out = [base]
+    seen = {(os.path.normpath(base.conf_dir), os.path.normpath(base.bin_dir))}
+    for rec in read_records(config.state_dir):
+        key = (os.path.normpath(rec["conf_dir"]), os.path.normpath(rec["bin_dir"]))
+        if key not in seen:
+            seen.add(key)
+            out.append(dataclasses.replace(base, conf_dir=rec["conf_dir"],
+                                           bin_dir=rec["bin_dir"],
+                                           conf_name=rec["conf_name"]))
+    return out
+
+
+def plan(config: Any, installs: list[Any]) -> list[Step]:
     """Every removal that would change something now, in order (:data:`Step`)."""
     steps = _pod_steps(config)
+    said: set[str] = set()
     for rules in _host_rules(config):
-        parts = rules.present()
+        # the ipset is one kernel object both iptables flavors report: named once
+        parts = [p for p in rules.present() if p not in said]
+        said.update(parts)
         if parts:
             where = f" in {rules.netns}" if rules.netns else ""
             steps.append(("host " + ", ".join(parts) + where, rules.teardown))
-    for i, line in enumerate(installer.uninstall(dry_run=True)):
-        steps.append((line, installer.uninstall if i == 0 else None))
+    for installer in installs:
+        for i, line in enumerate(installer.uninstall(dry_run=True)):
+            steps.append((line, installer.uninstall if i == 0 else None))
     state = Path(config.state_dir)
     paths = [state / name for name in STATE_ENTRIES]
     paths += [Path(p) for p in (config.cni_event_socket, config.admin_socket,
@@ -229,19 +255,17 @@ def run(config: Any, dry_run: bool, force: bool, out: Any = None) -> int:
     """The command's work (lines to ``out``, default stdout). Raises Refused before any
     change; returns the exit code."""
     out = out or sys.stdout
-    from cni.install import installer_from_config
-
     if os.geteuid() != 0:
         raise Refused("cleanup must run as root (it removes rules in network namespaces)")
     state_dir = config.state_dir
     fd = hold_lock(state_dir, create=False)
     try:
         check_no_agent(config)
-        installer = installer_from_config(config)
-        problems = foreign(installer)
+        installs = installers(config)
+        problems = [p for installer in installs for p in foreign(installer)]
         if problems and not force:
             raise Refused("; ".join(problems) + " (nothing changed; --force removes it too)")
-        steps = plan(config, installer)
+        steps = plan(config, installs)
         if not steps:
             print("nothing to clean up", file=out)
             return 0

@@ -45,6 +45,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import time
 from typing import Any, Protocol
 
@@ -168,6 +169,11 @@ class CniEventServer(Component):
             data = json.loads(body)
         except ValueError as e:
             raise web.HTTPBadRequest(text=f"malformed JSON in CNI pod event: {e}") from None
+        except RecursionError:
+            # the C scanner recurses per nesting level and stops at the interpreter's
+            # limit: e.g. '[' * 100000; an event is two levels deep
+            raise web.HTTPBadRequest(text="malformed JSON in CNI pod event: nested deeper "
+                                          f"than {sys.getrecursionlimit()} levels") from None
         try:
             event = CniPodEvent.from_json(data)
         except EventError as e:
@@ -192,6 +198,10 @@ class CniEventServer(Component):
             lines = json.loads(body)
         except ValueError as e:
             return web.Response(status=400, text=f"malformed JSON in plugin log: {e}\n")
+        except RecursionError:
+            return web.Response(status=400, text="malformed JSON in plugin log: nested "
+                                                 f"deeper than {sys.getrecursionlimit()} "
+                                                 "levels\n")
         if not isinstance(lines, list):
             return web.Response(status=400, text="plugin log: expected a JSON array of log "
                                                  f"lines, got {type(lines).__name__}\n")
@@ -242,7 +252,9 @@ class CniEventServer(Component):
                 registration = await registrar.prepare(event)
             except ValueError as e:
                 self._stats["add_failed"] += 1
-                return 500, f"cannot register pod {name}: {e}"
+                # retryable (labels not read yet): the plugin answers code 11
+                status = 503 if getattr(e, "retryable", False) else 500
+                return status, f"cannot register pod {name}: {e}"
         started = time.monotonic()
         try:
             decision = await self._decide(event, registration)
@@ -294,7 +306,37 @@ class CniEventServer(Component):
             return status, f"enrollment of pod {name} failed: {reason}"
         self._stats["add_ambient"] += 1
         log.info("pod %s enrolled (%s)", name, decision.reason)
+        self._warn_unservable(event, name)
         return 200, {"ambient": True, "reason": decision.reason}
+
+    def _warn_unservable(self, event: CniPodEvent, name: str) -> None:
+        """One WARN when the enrolled pod is a hand-written Pod of the config directory
+        the ambient index can't serve as it is: without ``status.podIP`` it has no
+        address (the index does not take the CNI's IPs), without a Ready condition True
+        it is served Unhealthy. In Kubernetes the kubelet fills both after the ADD, so
+        only objects from files are looked at."""
+        store = self.store
+        pod = enablement.find_pod(store, event)
+        origin_of = getattr(store, "origin_of", None)
+        if pod is None or not callable(origin_of):
+            return
+        meta = pod.get("metadata") or {}
+        origin = origin_of(("Pod", meta.get("namespace", ""), meta.get("name", "")))
+        if not isinstance(origin, str) or not origin.startswith("/"):
+            return  # not from a config file (Kubernetes, a registration)
+        status = pod.get("status") or {}
+        missing = []
+        if not status.get("podIP"):
+            missing.append("status.podIP (without it the pod has no address in xDS; "
+                           f"the CNI gave {','.join(event.ips) or 'none'})")
+        if not any(isinstance(c, dict) and c.get("type") == "Ready"
+                   and c.get("status") == "True" for c in status.get("conditions") or []):
+            missing.append("a status.conditions entry {type: Ready, status: 'True'} "
+                           "(without it the workload is served Unhealthy)")
+        if missing:
+            log.warning("pod %s is enrolled but its Pod object in %s lacks %s; see "
+                        "docs/cni.md, \"Hand-written Pod objects\"", name, origin,
+                        " and ".join(missing))
 
     async def _decide(self, event: CniPodEvent, registration=None) -> enablement.Decision:
         store = self.store
@@ -386,7 +428,7 @@ def _log_plugin_line(line: Any) -> None:
     ``cni.plugin``; anything else is one DEBUG line."""
     try:
         entry = json.loads(line) if isinstance(line, str) else None
-    except ValueError:
+    except (ValueError, RecursionError):
         entry = None
     if not isinstance(entry, dict) or not isinstance(entry.get("msg"), str) \
             or entry.get("level") not in _PLUGIN_LEVELS:

@@ -79,6 +79,9 @@ class Installer:
     project_root: str = PROJECT_ROOT
     plugin_bundle: str = ""  # a build of scripts/build-cni-plugin.py; empty: dev launcher
     force: bool = False  # replace another istio-cni (see :meth:`foreign`)
+    # the agent's state dir: where install records conf_dir/bin_dir for `cleanup`
+    # (:data:`RECORD_NAME`); empty: not recorded
+    record_dir: str = ""
 
     @property
     def entry(self) -> dict:
@@ -217,7 +220,43 @@ class Installer:
                                      "istio-cni (--force, or cni_force_install, replaces it)")
         plan = self._plan_config()
         self.install_binary()
-        return self._write_config(plan)[0]
+        path = self._write_config(plan)[0]
+        self._record()
+        return path
+
+    def _record(self) -> None:
+        """Note in ``record_dir`` where this install went, so ``ambient-agent cleanup``
+        finds it without being given the same ``--cni-conf-dir``/``--cni-bin-dir``. A
+        failure is logged: the install itself stands."""
+        if not self.record_dir:
+            return
+        path = os.path.join(self.record_dir, RECORD_NAME)
+        entry = {"conf_dir": self.conf_dir, "bin_dir": self.bin_dir,
+                 "conf_name": self.conf_name}
+        try:
+            kept = [e for e in read_records(self.record_dir) if e != entry]
+            os.makedirs(self.record_dir, mode=0o711, exist_ok=True)
+            write_atomic(path, json.dumps({"installs": kept + [entry]}, indent=1) + "\n")
+        except OSError as e:
+            log.warning("cannot record the CNI install in %s: %s (cleanup then needs "
+                        "--cni-conf-dir %s --cni-bin-dir %s)", path, e.strerror or e,
+                        self.conf_dir, self.bin_dir)
+
+    def forget(self) -> None:
+        """Drop this install's entry from the record (after an uninstall)."""
+        if not self.record_dir:
+            return
+        path = os.path.join(self.record_dir, RECORD_NAME)
+        mine = {"conf_dir": self.conf_dir, "bin_dir": self.bin_dir}
+        kept = [e for e in read_records(self.record_dir)
+                if {k: e.get(k) for k in mine} != mine]
+        try:
+            if kept:
+                write_atomic(path, json.dumps({"installs": kept}, indent=1) + "\n")
+            elif os.path.exists(path):
+                os.unlink(path)
+        except OSError as e:
+            log.warning("cannot update %s: %s", path, e.strerror or e)
 
     def check(self) -> str | None:
         """Why the installation needs repair (one line), or None when it is intact."""
@@ -284,7 +323,35 @@ class Installer:
             if not dry_run:
                 shutil.rmtree(self.bundle_root)
             done.append(f"{'remove' if dry_run else 'removed'} {self.bundle_root}")
+        if not dry_run:
+            self.forget()
         return done
+
+
+RECORD_NAME = "cni-install.json"
+
+
+def read_records(state_dir: str) -> list[dict[str, str]]:
+    """The installs recorded in ``<state_dir>/cni-install.json`` (each ``conf_dir``,
+    ``bin_dir``, ``conf_name``; absolute paths); [] when there is none or it is damaged
+    (logged)."""
+    path = os.path.join(state_dir, RECORD_NAME)
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(1 << 20))
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        log.warning("ignoring %s: %s", path, e)
+        return []
+    out = []
+    for entry in (data.get("installs") if isinstance(data, dict) else None) or []:
+        if (isinstance(entry, dict) and all(isinstance(entry.get(k), str) and
+                                            os.path.isabs(entry[k])
+                                            for k in ("conf_dir", "bin_dir"))):
+            out.append({"conf_dir": entry["conf_dir"], "bin_dir": entry["bin_dir"],
+                        "conf_name": str(entry.get("conf_name") or "")})
+    return out
 
 
 def installer_from_config(config: Config) -> Installer:
@@ -294,7 +361,7 @@ def installer_from_config(config: Config) -> Installer:
                      conf_name=config.cni_conf_name,
                      exclude_namespaces=list(config.exclude_namespaces),
                      plugin_bundle=config.cni_plugin_bundle,
-                     force=config.cni_force_install)
+                     force=config.cni_force_install, record_dir=config.state_dir)
 
 
 # --- `ambient-agent cni install|uninstall` ---

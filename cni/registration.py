@@ -61,7 +61,14 @@ from cni.registration_record import DATAPLANE_MODE_LABEL, Registration, Registra
 log = logging.getLogger(__name__)
 
 LOCAL_ORIGIN = "registration"
-LABEL_WAIT = 0.5  # seconds an ADD waits for the runtime's create event of its container
+LABEL_WAIT = 2.0  # seconds an ADD waits for the runtime's create event of its container
+
+
+class LabelsPending(RegistrationError):
+    """The runtime has not told this container's labels yet: the ADD is answered "try
+    again later" (HTTP 503, CNI code 11), never decided without them."""
+
+    retryable = True
 
 
 class LabelSource(Protocol):
@@ -161,10 +168,10 @@ class WorkloadRegistrar(Component):
         self.file = RegistrationFile(ctx.config.state_dir)
         self.registrations: dict[str, Registration] = {}
         self._started = False
-        self._unlabelled: dict[str, CniPodEvent] = {}  # ADDs registered without labels
+        self._learning: set[str] = set()  # container IDs whose labels are being read
         self._tasks: set[asyncio.Task] = set()
         self.stats = {"registered": 0, "removed": 0, "failed": 0, "restored": 0,
-                      "dropped_at_start": 0}
+                      "dropped_at_start": 0, "held": 0}
 
     # --- lifecycle ---
 
@@ -252,12 +259,20 @@ class WorkloadRegistrar(Component):
                                     f"be read from the runtime ({broken})")
         if labels is None:
             previous = self.registrations.get(event.key)
-            labels = dict(previous.labels) if previous is not None else {}
             if previous is None and self.label_source is not None:
-                log.info("container %s: the runtime reported no labels in time; registered "
-                         "with defaults, asked again once the ADD is answered",
-                         event.container_id[:12])
-                self._unlabelled[event.key] = event
+                # Fail closed: guessing ("defaults") would let an ambient container start
+                # unmeshed under the wrong namespace. The ADD is held (CNI code 11) and the
+                # labels are read once podman released the container's lock, so the next
+                # start finds them.
+                self.stats["held"] += 1
+                self._learn_later(event)
+                log.warning("container %s: held (try again later): the runtime reported "
+                            "no labels within %gs; they are read now for the next start",
+                            event.container_id[:12], LABEL_WAIT)
+                raise LabelsPending(
+                    f"labels of container {event.container_id[:12]} not read from the "
+                    f"runtime yet (they decide whether it is ambient); start it again")
+            labels = dict(previous.labels) if previous is not None else {}
         name, namespace, sa, lbls = identity(event, labels,
                                              self.ctx.config.registration_namespace)
         if DATAPLANE_MODE_LABEL not in lbls and event.ambient_default:
@@ -283,50 +298,36 @@ class WorkloadRegistrar(Component):
         self._save()
         log.info("registered workload %s ips %s%s", reg.label(), ",".join(reg.ips),
                  " (ambient)" if ambient else "")
-        event = self._unlabelled.pop(reg.uid, None)
-        inspect = getattr(self.label_source, "inspect", None)
-        if event is not None and callable(inspect):
-            task = asyncio.get_running_loop().create_task(self._relabel(event, inspect),
-                                                          name=f"relabel-{reg.uid[:12]}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
 
-    async def _relabel(self, event: CniPodEvent, inspect) -> None:
-        """Ask the runtime for the labels of a container registered without them, once
-        its start released the container's lock; re-register when they say more."""
-        for delay in (0.2, 0.5, 1.0, 2.0, 4.0):
-            await asyncio.sleep(delay)
-            reg = self.registrations.get(event.key)
-            if reg is None:
-                return  # gone meanwhile
-            labels = await inspect(event.container_id)
-            if labels is None:
-                continue
-            name, namespace, sa, lbls = identity(event, labels,
-                                                 self.ctx.config.registration_namespace)
-            if DATAPLANE_MODE_LABEL not in lbls and event.ambient_default:
-                lbls[DATAPLANE_MODE_LABEL] = "ambient"
-            if (name, namespace, sa, lbls) == (reg.name, reg.namespace, reg.service_account,
-                                               reg.labels):
-                return
-            new = dataclasses.replace(reg, name=name, namespace=namespace,
-                                      service_account=sa, labels=lbls)
-            try:
-                await self.backend.put(new)
-            except Exception as e:  # noqa: BLE001
-                log.warning("%s: re-registering with the runtime's labels failed: %s",
-                            reg.label(), e)
-                return
-            self.registrations[new.uid] = new
-            self._save()
-            log.info("workload %s now registered as %s with the runtime's labels",
-                     reg.label(), new.label())
+    def _learn_later(self, event: CniPodEvent) -> None:
+        """Read the labels of a held container in the background (``inspect`` of the
+        label source, which keeps them for the next ADD)."""
+        inspect = getattr(self.label_source, "inspect", None)
+        key = event.container_id
+        if not callable(inspect) or key in self._learning:
             return
+        self._learning.add(key)
+
+        async def learn() -> None:
+            try:
+                # podman holds the container's lock until the failed start is unwound
+                for delay in (0.2, 0.5, 1.0, 2.0, 4.0):
+                    await asyncio.sleep(delay)
+                    if await inspect(key) is not None:
+                        log.info("container %s: labels read from the runtime; its next "
+                                 "start is decided with them", key[:12])
+                        return
+                log.warning("container %s: labels still unreadable from the runtime",
+                            key[:12])
+            finally:
+                self._learning.discard(key)
+        task = asyncio.get_running_loop().create_task(learn(), name=f"labels-{key[:12]}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def remove(self, key: str) -> None:
         """The DEL of container ``key`` (or an ADD that failed): the workload goes away.
         Unknown keys are fine (a DEL is repeated, or the ADD never registered)."""
-        self._unlabelled.pop(key, None)
         reg = self.registrations.pop(key, None)
         if reg is None:
             return

@@ -127,7 +127,8 @@ def _nf_tables_look(tables: bool) -> Holdings:
             if any(verdict.values()):
                 _unless_foreign_rules(nft, verdict)
     except (NetlinkError, OSError) as e:
-        raise RulesError(f"listing nf_tables tables and chains in the pod netns: {e}") from None
+        raise RulesError(f"listing nf_tables tables and chains in this netns (a pod's, or the "
+                         f"host's for the host rules): {e}") from None
     return Holdings(held, verdict)
 
 

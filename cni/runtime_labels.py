@@ -10,8 +10,12 @@ pause image). :class:`PodmanLabels` follows ``podman events --format json --filt
 type=container`` and keeps each container's labels by ID (bounded), so the ADD that
 follows a create finds them; a ``remove`` event forgets them.
 
-For a container created before the agent started (no event seen) :meth:`PodmanLabels.inspect`
-asks ``podman container inspect`` once the ADD is answered (its lock released).
+Containers created while the agent was down sent their ``create`` event to nobody: at
+start :meth:`PodmanLabels.start` lists every container (``podman ps -a --format json``,
+bounded by :data:`INSPECT_TIMEOUT`) and keeps their labels. A container still unknown at
+its ADD is not guessed about: the registration refuses the ADD as "try again later" and
+:meth:`PodmanLabels.inspect` asks ``podman container inspect`` once the ADD is answered (its
+lock released), so the next ``podman start`` finds the labels.
 
 The watcher restarts ``podman events`` with a backoff when it exits; its stderr is logged.
 The ``podman events`` child dies with the agent (``PR_SET_PDEATHSIG`` SIGKILL, set
@@ -73,9 +77,10 @@ class PodmanLabels:
         self._labels: collections.OrderedDict[str, dict[str, str]] = collections.OrderedDict()
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._seed_task: asyncio.Task | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self.started = asyncio.Event()
-        self.stats = {"events": 0, "restarts": 0, "inspects": 0}
+        self.stats = {"events": 0, "restarts": 0, "inspects": 0, "listed": 0}
         # Why podman cannot tell labels now ("" = it can): its event stream failed (e.g.
         # "opening database ...: read-only file system" under a too strict sandbox) and
         # has not delivered a line since. The registration refuses unlabelled ADDs then.
@@ -91,11 +96,17 @@ class PodmanLabels:
         if self.owner:
             await asyncio.get_running_loop().run_in_executor(None, kill_stale_followers,
                                                              self.owner)
-        self._task = asyncio.get_running_loop().create_task(self._follow(),
-                                                            name="podman-events")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._follow(), name="podman-events")
+        # after the follower: a container created from now on is in its stream
+        self._seed_task = loop.create_task(self.seed(), name="podman-ps")
 
     async def stop(self) -> None:
         proc = self._proc
+        if self._seed_task is not None:
+            self._seed_task.cancel()
+            await asyncio.gather(self._seed_task, return_exceptions=True)
+            self._seed_task = None
         if self._task is not None:
             self._task.cancel()
             try:
@@ -145,29 +156,68 @@ class PodmanLabels:
                 return None
         return dict(self._labels[container_id])
 
+    async def _podman(self, *argv: str) -> bytes | None:
+        """stdout of ``podman <argv>``, or None (logged) when it fails or takes longer
+        than :data:`INSPECT_TIMEOUT` seconds (its child is killed then)."""
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                self.command, *argv, env=self._env(), stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE)
+        except OSError as e:
+            log.info("%s %s: %s", self.command, " ".join(argv[:2]), e)
+            return None
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), INSPECT_TIMEOUT)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as e:
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            log.info("%s %s: no answer within %gs", self.command, " ".join(argv[:2]),
+                     INSPECT_TIMEOUT)
+            return None
+        if proc.returncode != 0:
+            log.info("%s %s: exit %s: %s", self.command, " ".join(argv[:2]), proc.returncode,
+                     err.decode(errors="replace").strip()[:300])
+            return None
+        return out
+
+    async def seed(self) -> int:
+        """Learn the labels of every container podman has (``podman ps -a``), for those
+        created while no agent followed the event stream; returns how many. A container
+        whose event came meanwhile keeps the event's labels."""
+        out = await self._podman("ps", "-a", "--no-trunc", "--format", "json")
+        try:
+            rows = json.loads(out or b"[]")
+        except ValueError:
+            log.info("podman ps: output is not JSON; labels come from events only")
+            return 0
+        count = 0
+        for row in rows if isinstance(rows, list) else []:
+            cid = row.get("Id") if isinstance(row, dict) else None
+            if not isinstance(cid, str) or not cid or cid in self._labels:
+                continue
+            raw = row.get("Labels") or {}
+            self.note("ps", cid, _clean(raw))
+            count += 1
+        self.stats["listed"] = count
+        log.info("podman: labels of %d existing containers read", count)
+        return count
+
     async def inspect(self, container_id: str) -> dict[str, str] | None:
         """``podman container inspect`` for the labels of a container whose create event
         was not seen; None when podman does not know it or does not answer in time."""
         self.stats["inspects"] += 1
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                self.command, "container", "inspect", "--format", "{{json .Config.Labels}}",
-                container_id, env=self._env(), stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE)
-            out, err = await asyncio.wait_for(proc.communicate(), INSPECT_TIMEOUT)
-        except (OSError, asyncio.TimeoutError) as e:
-            log.info("podman container inspect %s: %s", container_id[:12], e or "timed out")
-            return None
-        if proc.returncode != 0:
-            log.info("podman container inspect %s: exit %s: %s", container_id[:12],
-                     proc.returncode, err.decode(errors="replace").strip())
+        out = await self._podman("container", "inspect", "--format", "{{json .Config.Labels}}",
+                                 container_id)
+        if out is None:
             return None
         try:
             data = json.loads(out or b"null") or {}
         except ValueError:
             return None
-        labels = {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)
-                  and k not in _IGNORED} if isinstance(data, dict) else {}
+        labels = _clean(data)
         self.note("inspect", container_id, labels)
         return labels
 
@@ -224,6 +274,14 @@ class PodmanLabels:
 
     def debug_state(self) -> Any:
         return {"containers": len(self._labels), "broken": self.broken, **self.stats}
+
+
+def _clean(raw: Any) -> dict[str, str]:
+    """String labels of a podman label map, without the image builder's own."""
+    if not isinstance(raw, dict):
+        return {}
+    return {k: v for k, v in raw.items() if isinstance(k, str) and isinstance(v, str)
+            and k not in _IGNORED}
 
 
 def _die_with_parent(parent: int):

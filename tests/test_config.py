@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -69,6 +70,12 @@ def test_durations(text, seconds):
                                          "exclude_namespaces"),
                                         ({"exclude_namespaces": "Kube-System"},
                                          "exclude_namespaces"),
+                                        ({"exclude_namespaces": ",,"},
+                                         "exclude_namespaces"),
+                                        ({"exclude_namespaces": "kube-system,,x"},
+                                         "exclude_namespaces"),
+                                        ({"exclude_namespaces": ["kube-system", ""]},
+                                         "exclude_namespaces"),
                                         ({"system_namespace": "a_b"}, "system_namespace"),
                                         ({"pod_namespace": ""}, "pod_namespace"),
                                         ({"service_account": "Bad Name"}, "service_account"),
@@ -103,6 +110,23 @@ def test_bad_values_name_the_setting(flags, name):
     assert e.value.setting == name
     assert name in str(e.value) and repr(next(iter(flags.values()))) in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_empty_lists_and_token_files(tmp_path):
+    """An empty exclude list is the explicit "none"; an empty token file is refused at
+    load naming the setting (every client was refused with no way to know why)."""
+    assert cfg.load({"exclude_namespaces": ""}, env={}).exclude_namespaces == ()
+    assert cfg.load({"exclude_namespaces": []}, env={}).exclude_namespaces == ()
+    with pytest.raises(cfg.ConfigError, match="exclude_namespaces=',,'.*empty entry"):
+        cfg.load({"exclude_namespaces": ",,"}, env={})
+    token = tmp_path / "token"
+    for text in ("", " \n"):
+        token.write_text(text)
+        with pytest.raises(cfg.ConfigError) as e:
+            cfg.load({"xds_token_file": str(token)}, env={})
+        assert e.value.setting == "xds_token_file" and "file is empty" in str(e.value)
+    token.write_text("s3cret\n")
+    assert cfg.load({"xds_token_file": str(token)}, env={}).xds_token_file == str(token)
 
 
 def test_missing_file_error_reads_as_documented():
@@ -293,3 +317,21 @@ def test_renamed_settings_and_ca_port_collision_are_clear_errors(tmp_path):
     assert d.token_audiences == ("istio-ca",) and d.tls_server_names == ()
     assert cfg.load({}, env={"ISTIOD_CUSTOM_HOST": "agent.example,10.0.0.5"}).tls_server_names \
         == ("agent.example", "10.0.0.5")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a check as another uid")
+def test_unreachable_netns_file_says_eacces_not_missing():
+    """As non-root, /proc/1/ns/net exists but can't be opened: the error says so (it
+    said "no such network namespace file")."""
+    code = ("from agent.core import config as cfg\n"
+            "try:\n"
+            "    cfg.load({'host_rules_netns': '/proc/1/ns/net'}, env={})\n"
+            "except cfg.ConfigError as e:\n"
+            "    print(e)\n")
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         timeout=60).stdout
+    assert "host_rules_netns='/proc/1/ns/net'" in out and "EACCES" in out, out
+    with pytest.raises(cfg.ConfigError, match="no such network namespace file"):
+        cfg.load({"host_rules_netns": "/var/run/netns/nu-missing-xyz"}, env={})

@@ -66,7 +66,7 @@ def _peer_pid(sock: socket.socket) -> int | None:
         return None
 
 
-def _refuse_if_served(path: str) -> None:
+def refuse_if_served(path: str) -> None:
     """Raise :class:`ConfigError` if a live server answers on ``path``.
 
     Upstream unlinks whatever is there; a second agent doing that would silently cut the
@@ -91,7 +91,7 @@ def _bind_listener(path: str) -> tuple[socket.socket, int]:
     parent = os.path.dirname(path)
     if parent and not os.path.isdir(parent):
         os.makedirs(parent, mode=0o750, exist_ok=True)
-    _refuse_if_served(path)
+    refuse_if_served(path)
     try:
         os.unlink(path)  # stale socket of a previous agent; "not exist" is fine
     except FileNotFoundError:

@@ -42,7 +42,8 @@ from agent.core.config_values import (
     parse_count, parse_dir_path, parse_duration, parse_existing_file, parse_file_mode,
     parse_file_name, parse_host_port, parse_json, parse_list, parse_log_level, parse_name,
     parse_cert_ttl, parse_namespace, parse_namespace_list, parse_path, parse_port, parse_ratio,
-    parse_service_account, parse_signature_algorithm, parse_str, parse_trust_domain, positive,
+    parse_service_account, parse_signature_algorithm, parse_str, parse_token_file,
+    parse_trust_domain, positive,
 )
 
 
@@ -320,7 +321,7 @@ SETTINGS: list[Setting] = [
             component="xds"),
     Setting("xds_tls_address", "0.0.0.0", parse_bind_address, "address the TLS xDS port binds "
             "(0.0.0.0 or ::: every IPv4 and IPv6 address)", component="xds"),
-    Setting("xds_token_file", "", parse_existing_file, "if set, clients of the plaintext xDS "
+    Setting("xds_token_file", "", parse_token_file, "if set, clients of the plaintext xDS "
             "port must send 'authorization: Bearer <this file's content>'", component="xds"),
     Setting("xds_debounce", 0.1, parse_duration, "xDS push debounce: quiet period after an "
             "index change", component="xds"),
@@ -512,14 +513,26 @@ def _check_overridden(raw: Mapping[str, tuple[Any, str]], env: Mapping[str, str]
                                   f"by {origin}, but fix or remove it)", where) from None
 
 
+STATE_DIR_MODE = 0o711
+
+
 def prepare_state_dir(config: Config) -> Path:
-    """Create the state dir (mode 0700 when we create it) and check it is writable.
+    """Create the state dir (mode 0711 when we create it) and check it is writable.
+
+    0711: others may pass through it (not list it) to what is meant for them: the mesh
+    root (``mesh-root/``, 0755/0644) and an SDS socket whose ``sds_socket_mode`` lets them
+    in. Everything else in it has its own 0600 file or 0700 directory. A state dir of
+    ours that is exactly 0700 (as earlier versions made it) is widened to 0711; any other
+    mode is the operator's and kept.
 
     Raises :class:`ConfigError` naming ``state_dir`` when it can't be created or written.
     """
     path = Path(config.state_dir)
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.mkdir(mode=STATE_DIR_MODE, parents=True, exist_ok=True)
+        st = path.stat()
+        if st.st_uid == os.geteuid() and st.st_mode & 0o7777 == 0o700:
+            os.chmod(path, STATE_DIR_MODE)
         probe = path / f".probe-{os.getpid()}"
         probe.touch()
         probe.unlink()

@@ -95,8 +95,10 @@ def _operator_checks(values: Mapping[str, Any],
         if not under_state and not os.path.isdir(parent):  # state_dir: the agent creates it
             yield "config_dir", (f"its parent directory {parent} does not exist (a typo? the "
                                  "agent creates only the last component of config_dir)")
-    if values["host_rules_netns"] and not os.path.exists(values["host_rules_netns"]):
-        yield "host_rules_netns", "no such network namespace file"
+    if values["host_rules_netns"]:
+        why = _netns_file_problem(values["host_rules_netns"])
+        if why:
+            yield "host_rules_netns", why
     if values["config_source"] == "kubernetes" and values["kubeconfig"] and os.path.isfile(
             values["kubeconfig"]):
         why = _kubeconfig_problem(values["kubeconfig"])
@@ -106,6 +108,21 @@ def _operator_checks(values: Mapping[str, Any],
         why = _pem_certificates_problem(values["trust_anchors_file"])
         if why:
             yield "trust_anchors_file", why
+
+
+def _netns_file_problem(path: str) -> str:
+    """Why the netns file ``path`` can't be used ("" when it may): missing, or not
+    reachable by this user (``/proc/1/ns/net`` as non-root is EACCES, not missing)."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return "no such network namespace file"
+    except PermissionError:
+        return (f"permission denied (EACCES) reading {path}: the agent needs root (or "
+                "CAP_SYS_ADMIN and CAP_NET_ADMIN) to enter a network namespace")
+    except OSError as e:
+        return f"cannot use it: {e.strerror or e}"
+    return ""
 
 
 def _kubeconfig_problem(path: str) -> str:

@@ -197,8 +197,34 @@ def parse_namespace(value: Any) -> str:
 
 
 def parse_namespace_list(value: Any) -> tuple[str, ...]:
-    """Like :func:`parse_list` (Istio's SplitExcludeNamespaces), each entry a namespace."""
-    return tuple(check_namespace(n) for n in parse_list(value))
+    """Like :func:`parse_list` (Istio's SplitExcludeNamespaces), each entry a namespace.
+    An empty entry (``a,,b``, ``,,``) is refused: it is a typo, and dropping it silently
+    turned ``,,`` into "no namespaces" (e.g. kube-system no longer excluded). An empty
+    value (``""``, ``[]``) is the explicit "none"."""
+    if isinstance(value, (list, tuple)):
+        items = [str(v).strip() for v in value]
+    else:
+        text = parse_str(value)
+        items = [p.strip() for p in text.split(",")] if text.strip() else []
+    if "" in items:
+        raise ValueError("has an empty entry (nothing between two commas, or a leading or "
+                         "trailing comma); give an empty value to mean no namespaces")
+    return tuple(check_namespace(n) for n in items)
+
+
+def parse_token_file(value: Any) -> str:
+    """Like :func:`parse_existing_file`, for a bearer token: the file must hold one (not
+    only whitespace), else every client would be refused with a token they can't know."""
+    path = parse_existing_file(value)
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = f.read(1 << 16)
+        except OSError as e:
+            raise ValueError(e.strerror or str(e)) from None
+        if not data.strip():
+            raise ValueError("file is empty: no token to compare clients' bearer tokens with")
+    return path
 
 
 def parse_service_account(value: Any) -> str:

@@ -29,7 +29,9 @@ import sys
 import time
 from typing import Any
 
-from aiohttp import web
+from http import HTTPStatus
+
+from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -68,14 +70,55 @@ class HttpErrorLog:
         return getattr(self.log, name)
 
 
+ERROR_TEXT_MAX = 200  # characters of aiohttp's reason kept in a malformed-request answer
+
+
+class _QuietRequestHandler(web_protocol.RequestHandler):
+    """aiohttp's request handler, except that the answer to a malformed request says
+    why in one short line instead of quoting the request back (aiohttp puts the
+    offending request line, up to its 8 KiB line limit, or the headers in the body)."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if message is not None and status != 500:
+            reason = (getattr(exc, "message", "") or message).strip().splitlines()
+            first = reason[0].rstrip(":") if reason else "malformed request"
+            try:
+                phrase = HTTPStatus(status).phrase
+            except ValueError:
+                phrase = "Error"
+            message = f"{status} {phrase}: {first[:ERROR_TEXT_MAX]}\n"
+        return super().handle_error(request, status, exc, message)
+
+
+class _QuietServer(web.Server):
+    """aiohttp's low-level server making :class:`_QuietRequestHandler` protocols."""
+
+    __slots__ = ()
+
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _QuietRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        # the application's server, made by aiohttp; only the protocol it makes differs
+        server.__class__ = _QuietServer
+        return server
+
+
 def runner(app: web.Application, listener: str, idle_timeout: float,
            shutdown_timeout: float = 5.0) -> web.AppRunner:
     """An AppRunner with the idle/header timeout and the quiet error log. The unread rest of
     a body is drained for at most ``LINGER`` seconds before closing (aiohttp's default, 10 s,
-    would let a 408'd client hold the connection that long)."""
-    return web.AppRunner(app, access_log=None, handle_signals=False,
-                         shutdown_timeout=shutdown_timeout, keepalive_timeout=idle_timeout,
-                         lingering_time=LINGER, logger=HttpErrorLog(listener))
+    would let a 408'd client hold the connection that long). A malformed request is
+    answered with one short line, never its own bytes (:class:`_QuietRequestHandler`)."""
+    return _Runner(app, access_log=None, handle_signals=False,
+                   shutdown_timeout=shutdown_timeout, keepalive_timeout=idle_timeout,
+                   lingering_time=LINGER, logger=HttpErrorLog(listener))
 
 
 async def read_body(request: web.Request, timeout: float | None = None) -> bytes:

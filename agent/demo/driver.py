@@ -52,7 +52,8 @@ import yaml
 from agent.core import config as agent_config
 from agent.core.errors import ComponentStartError
 from agent.demo.checks import DemoChecks
-from agent.demo.model import CNI_PLUGIN_DIRS, DEMO_LABEL, EXAMPLES_DIR, DemoError
+from agent.demo.model import (CNI_PLUGIN_DIRS, DEMO_LABEL, EXAMPLES_DIR, DemoError,
+                              DemoInterrupted)
 from agent.demo.pods import DemoPods
 from agent.demo.traffic import create_netns, free_subnet
 
@@ -75,14 +76,18 @@ class Demo(DemoPods, DemoChecks):
             loop.add_signal_handler(signum, on_signal)
         failed = True
         incomplete = False
+        self.progress.stop = stop
         try:
             await self.bring_up()
+            self.progress.check_stop("the checks")
             await self.verify()
             self.print_table()
             failed = any(not c.ok for c in self.checks)
-            if not self.args.once:
+            if not self.args.once and not stop.is_set():
                 print("\nrunning; press Ctrl-C to stop and clean up")
                 await stop.wait()
+        except DemoInterrupted as e:
+            print(f"\n{e} (Ctrl-C during the bring-up)", file=sys.stderr)
         except DemoError as e:
             print(f"\ndemo failed: {e}", file=sys.stderr)
         except (ComponentStartError, agent_config.ConfigError) as e:

@@ -60,14 +60,29 @@ class DemoError(RuntimeError):
     """A step of the demo could not be done; the message says which and why."""
 
 
+class DemoInterrupted(DemoError):
+    """Ctrl-C (or SIGTERM) during the bring-up: the steps stop, the teardown runs."""
+
+
 class Progress:
-    """Prints a step, then its duration when it ends; steps over a second show a ticker."""
+    """Prints a step, then its duration when it ends; steps over a second show a ticker.
+
+    ``stop``: when set (the demo's Ctrl-C), the next step raises
+    :class:`DemoInterrupted` instead of starting, so a bring-up stops at the end of the
+    step it is in (a step's own threads are not cut off halfway: the teardown then finds
+    what it made)."""
 
     def __init__(self, stream=sys.stdout):
         self.stream = stream
+        self.stop: asyncio.Event | None = None
+
+    def check_stop(self, before: str) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise DemoInterrupted(f"interrupted before {before}")
 
     @contextlib.asynccontextmanager
     async def step(self, title: str):
+        self.check_stop(title)
         t0 = time.monotonic()
         self.stream.write(f"  • {title} ...")
         self.stream.flush()

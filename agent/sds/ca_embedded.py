@@ -187,6 +187,30 @@ class _Signing(NamedTuple):
     roots: str  # the root bundle sent last in every response
 
 
+VOLATILE_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def filesystem_type(path: str | os.PathLike) -> str:
+    """The type (``tmpfs``, ``ext4``...) of the mounted filesystem holding ``path``: the
+    longest mount point that is a prefix of its real path (``/proc/self/mounts``); "" when
+    unknown."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount = fields[1].replace("\\040", " ")
+                if (real == mount or real.startswith(mount.rstrip("/") + "/")) and \
+                        len(mount) >= len(best):
+                    best, kind = mount, fields[2]
+    except OSError:
+        return ""
+    return kind
+
+
 class EmbeddedCA:
     """A local signing CA. Build with :meth:`load_or_create` (blocking).
 
@@ -295,6 +319,14 @@ class EmbeddedCA:
         cert_pem = cert.public_bytes(serialization.Encoding.PEM)
         write_atomic(str(cert_path), cert_pem, 0o600)
         log.info("created embedded CA root serial %x at %s", cert.serial_number, cert_path)
+        fstype = filesystem_type(d)
+        if fstype in VOLATILE_FILESYSTEMS:
+            # /var/run (the default state dir) is tmpfs on most hosts: after a reboot
+            # a new root is minted and no peer trusts this one any more
+            log.warning("the embedded CA root at %s is on %s: a reboot loses it and "
+                        "changes the mesh root; set ca_dir (--ca-dir) to persistent "
+                        "storage, e.g. /var/lib/ambient-agent/ca as the systemd unit does",
+                        d, fstype)
         return cls(cert, key, cert_pem)
 
     @classmethod

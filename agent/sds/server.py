@@ -264,7 +264,7 @@ class SdsServer(Component):
 
     async def _start_sds(self) -> None:
         path = self.config.sds_socket
-        os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
+        _make_traversable(os.path.dirname(path), self.socket_mode)
         server = grpc.aio.server(options=[("grpc.max_concurrent_streams", 100000)])
         sds_pb2_grpc.add_SecretDiscoveryServiceServicer_to_server(self.service, server)
         reflection.enable_server_reflection((SDS_SERVICE, reflection.SERVICE_NAME), server)
@@ -642,3 +642,16 @@ def build(ctx: AgentContext, store: PodStore | None,
                        authenticator=lambda: authenticator, clock=ctx.clock, kube_api=kube_api)
     ctx.registry.register(SdsCollector(server))
     return server
+
+
+def _make_traversable(directory: str, socket_mode: int) -> None:
+    """Create the SDS socket's directory (0750) and give it the search bit for whoever
+    the socket's mode lets in: with ``sds_socket_mode`` 0666 (upstream's, for Envoy as uid
+    1337) others must reach the socket, so the directory gets o+x (0751; not listable).
+    Existing bits are never taken away. Blocking; raises OSError."""
+    os.makedirs(directory, mode=0o750, exist_ok=True)
+    want = (0o010 if socket_mode & 0o060 else 0) | (0o001 if socket_mode & 0o006 else 0)
+    mode = os.stat(directory).st_mode & 0o7777
+    if want & ~mode:
+        os.chmod(directory, mode | want)
+

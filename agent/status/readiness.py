@@ -68,6 +68,10 @@ def live_error(text: str) -> str | None:
     return None
 
 
+class _NotStats(ValueError):
+    """Envoy's admin answered with a non-200 status (the text names it)."""
+
+
 class EnvoyReadiness:
     """Checks an Envoy admin endpoint; results latch once true.
 
@@ -89,7 +93,7 @@ class EnvoyReadiness:
         async with session.get(self.admin_url + query,
                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             if resp.status != 200:
-                raise ValueError(f"HTTP status code {resp.status}")
+                raise _NotStats(f"HTTP status code {resp.status}")
             return await resp.text()
 
     async def check(self, session: aiohttp.ClientSession) -> str | None:
@@ -111,5 +115,10 @@ class EnvoyReadiness:
                 if self.on_live:
                     self.on_live(time.monotonic() - self.created)
             return None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             return f"Envoy admin not reachable: {e or type(e).__name__}"
+        except _NotStats as e:
+            return f"Envoy admin answered {e}"
+        except ValueError as e:  # it answered, with something that is not its stats text
+            return (f"Envoy admin answered something that is not Envoy's stats "
+                    f"({type(e).__name__}: {str(e)[:120]})")

@@ -117,7 +117,34 @@ async def _get_dump(url: str, timeout: float) -> dict:
                                             for k in ("workloads", "services", "policies")):
         raise ViewError(f"ztunnel admin at {url}: /config_dump is not a ztunnel config dump "
                         "(no workloads/services/policies lists)")
+    problem = dump_shape_problem(doc)
+    if problem:
+        raise ViewError(f"ztunnel admin at {url}: /config_dump is malformed: {problem}")
     return doc
+
+
+LIST_KEYS = ("workloads", "services", "policies", "certificates")
+
+
+def dump_shape_problem(doc: dict) -> str:
+    """The first place ``doc`` departs from the shape the views read (each of
+    :data:`LIST_KEYS` a list of objects, ``workloadState`` an object of objects), as
+    ``services[0] is null, expected an object``; "" when it has none."""
+    def kind(v: Any) -> str:
+        return "null" if v is None else type(v).__name__
+    for key in LIST_KEYS:
+        value = doc.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list):
+            return f"{key} is {kind(value)}, expected a list"
+        for i, item in enumerate(value):
+            if not isinstance(item, dict):
+                return f"{key}[{i}] is {kind(item)}, expected an object"
+    states = doc.get("workloadState")
+    if states is not None and not isinstance(states, dict):
+        return f"workloadState is {kind(states)}, expected an object"
+    return ""
 
 
 def fetch_dump(address: str, timeout: float) -> dict:
@@ -444,7 +471,14 @@ def main(args: argparse.Namespace) -> int:
     except ViewError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
-    head, rows, items = BUILDERS[args.view](dump, agent, args)
+    try:
+        head, rows, items = BUILDERS[args.view](dump, agent, args)
+    except (AttributeError, TypeError, KeyError, ValueError, IndexError) as e:
+        # deeper than dump_shape_problem looks: one line, never a traceback
+        print(f"{prog}: ztunnel admin at {admin_url(args.ztunnel_admin)}: /config_dump has "
+              f"an unexpected shape for the {args.view} view ({type(e).__name__}: "
+              f"{str(e)[:200]})", file=sys.stderr)
+        return 1
     if args.output == "json":
         print(json.dumps(items, indent=2))
     elif args.output == "yaml":

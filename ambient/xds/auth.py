@@ -25,6 +25,12 @@ def spiffe_namespace(spiffe_id: str) -> str | None:
     return None
 
 
+# Worded so the log redaction (agent.core.logsetup: a word after "bearer ", a value after
+# "authorization:") leaves it readable: it names no secret.
+TOKEN_REFUSED = ("no valid token in the call's 'authorization' metadata (expected "
+                 "'Bearer <the content of xds_token_file>')")
+
+
 class PlaintextAuth:
     """The plaintext port's optional shared bearer token (``xds_token_file``): calls must
     send ``authorization: Bearer <the file's content>``. Raises :class:`AuthError`
@@ -63,4 +69,4 @@ class PlaintextAuth:
             token = got[7:].strip().encode() if got.lower().startswith("bearer ") else b""
             if not token or not hmac.compare_digest(token, expected):
                 raise AuthError(grpc.StatusCode.UNAUTHENTICATED,
-                                "authorization: missing or wrong bearer token")
+                                TOKEN_REFUSED)

@@ -126,7 +126,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         out = asyncio.run(dump(args))
     except grpc.RpcError as e:
-        print(f"ambient-agent xds: {args.addr}: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"ambient-agent xds: {args.addr}: {e.code().name}: {e.details()}"
+              f"{_hint(args, e.code())}", file=sys.stderr)
         return 1
     except (TimeoutError, asyncio.TimeoutError):
         print(f"ambient-agent xds: {args.addr}: no response within {args.timeout}s",
@@ -141,6 +142,25 @@ def main(args: argparse.Namespace) -> int:
         print(f"ambient-agent xds: --on-demand {key}: {args.addr} has no address or workload "
               "by that name", file=sys.stderr)
     return 1 if args.missed else 0
+
+
+def _hint(args: argparse.Namespace, code: grpc.StatusCode) -> str:
+    """What the usual cause of a failed call is, for the two ways of getting the agent's
+    TLS port wrong ("" when neither applies): without ``--ca`` the TLS port just closes
+    the plaintext connection (UNAVAILABLE "Socket closed"); with it but no credentials
+    the agent refuses the call, which the client may only see as INTERNAL."""
+    if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
+                    grpc.StatusCode.UNAUTHENTICATED):
+        return ""
+    if not args.ca:
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return ""
+        return (" (if this is the agent's TLS port, 15012 by default, pass --ca <mesh root "
+                "PEM>; the plaintext port is 15010)")
+    if not args.cert and not args.token_file:
+        return (" (the TLS port needs a client certificate, --cert/--key, or a bearer "
+                "token, --token-file; neither was given: the agent's log names the reason)")
+    return ""
 
 
 def _pem_problem(args: argparse.Namespace) -> str:

@@ -36,6 +36,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2, ads_pb2_grpc, discovery_pb2
+from google.protobuf.message import DecodeError
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
@@ -259,6 +260,12 @@ class XdsServer(Component):
         return (self._server is not None, "" if self._server else "not started")
 
     # ---------------------------------------------------------------- auth
+    def _peer(self, context: grpc.aio.ServicerContext) -> str:
+        """The client's address for logs: on the TLS port gRPC only sees the front
+        door's abstract socket (``unix-abstract:...``), the front door knows the TCP peer."""
+        tls = self.authenticator.tls_peer(context)
+        return tls.remote if tls is not None else context.peer()
+
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> str | None:
         """The caller's SPIFFE ID (TLS port) or None (plaintext port). Raises AuthError."""
         if self.authenticator.tls_peer(context) is None:
@@ -334,7 +341,7 @@ class XdsServer(Component):
         try:
             identity = await self._authenticate(context)
         except AuthError as e:
-            log.warning("xds: refused %s: %s", context.peer(), e)
+            log.warning("xds: refused %s: %s", self._peer(context), e)
             # Answer after the client's first request: a gRPC client still writing its
             # initial requests would otherwise see a local write failure (INTERNAL)
             # instead of this status.
@@ -344,7 +351,8 @@ class XdsServer(Component):
             return
         assert self.index is not None  # set by start(), before the server accepts a call
         state: XdsStream | WaypointStream = XdsStream(
-            self.generators, self.index, peer=context.peer(), identity=identity, delta=delta)
+            self.generators, self.index, peer=self._peer(context), identity=identity,
+            delta=delta)
         conn = Connection(state)
         self.connections[state.id] = conn
         reader = asyncio.create_task(self._read(request_iterator, conn))
@@ -352,6 +360,12 @@ class XdsServer(Component):
             while True:
                 item = await conn.inbox.get()
                 if item is Connection.EOF:
+                    return
+                if isinstance(item, UndecodableRequest):
+                    # a client's garbage ends its stream with a status naming it, not OK
+                    log.warning("xds: stream %d from %s: %s", state.id, self._peer(context),
+                                item)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
                     return
                 if isinstance(item, BaseException):
                     log.debug("xds: stream %d ended: %r", state.id, item)
@@ -490,6 +504,9 @@ class XdsServer(Component):
     async def _read(self, request_iterator: AsyncIterator[Request], conn: Connection) -> None:
         try:
             async for req in request_iterator:
+                if isinstance(req, UndecodableRequest):
+                    conn.inbox.put_nowait(req)
+                    return
                 await conn.inbox.put_request(req)  # waits while the inbox is full
             conn.inbox.put_nowait(Connection.EOF)
         except asyncio.CancelledError:
@@ -530,17 +547,40 @@ def _serialize(resp: Response) -> bytes:
     return resp.data if isinstance(resp, PreparedResponse) else resp.SerializeToString()
 
 
+class UndecodableRequest(Exception):
+    """A request message that is not the stream's protobuf type: ``size`` bytes and the
+    decoder's reason (bounded). The stream ends INVALID_ARGUMENT, logged once."""
+
+    def __init__(self, type_name: str, size: int, reason: str):
+        super().__init__(f"request is not a valid {type_name} ({size} bytes): "
+                         f"{short_text(reason, MAX_LOGGED)}")
+
+
+def _deserializer(cls: Any) -> Callable[[bytes], Any]:
+    """``cls.FromString`` that hands a decode failure to the handler as an
+    :class:`UndecodableRequest` (grpc's own wrapper would log a traceback and yield None,
+    which ended the stream with status OK)."""
+    name = cls.DESCRIPTOR.name
+
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except (DecodeError, ValueError) as e:
+            return UndecodableRequest(name, len(data), str(e) or type(e).__name__)
+    return parse
+
+
 def _handler(servicer: _Servicer) -> grpc.GenericRpcHandler:
     """The ADS service as generated code registers it, with :func:`_serialize` as the
     response serializer."""
     return grpc.method_handlers_generic_handler(SERVICE_NAME, {
         "DeltaAggregatedResources": grpc.stream_stream_rpc_method_handler(
             servicer.DeltaAggregatedResources,
-            request_deserializer=discovery_pb2.DeltaDiscoveryRequest.FromString,
+            request_deserializer=_deserializer(discovery_pb2.DeltaDiscoveryRequest),
             response_serializer=_serialize),
         "StreamAggregatedResources": grpc.stream_stream_rpc_method_handler(
             servicer.StreamAggregatedResources,
-            request_deserializer=discovery_pb2.DiscoveryRequest.FromString,
+            request_deserializer=_deserializer(discovery_pb2.DiscoveryRequest),
             response_serializer=_serialize),
     })
 

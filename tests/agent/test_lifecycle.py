@@ -4,6 +4,7 @@ readiness aggregation and bounded stop."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -99,3 +100,94 @@ async def test_failed_agent_start_frees_the_state_dir(tmp_path, monkeypatch):
         with pytest.raises(ComponentStartError, match="broken: broken cannot start"):
             await daemon.Agent(config).start()
     assert not (tmp_path / "agent.lock").exists()
+
+
+async def test_served_zds_socket_refused_before_anything_is_built(tmp_path):
+    """A second agent sharing only the ZDS socket (every port moved) failed when the zds
+    component started, after the CA, the mesh root and SDS had been created (newuser
+    finding 12). Now it is refused before any component is built; the live ZDS server
+    (a real one) keeps serving and nothing is left in the second state dir."""
+    from agent import daemon
+    from zds.server import ZdsServer
+
+    first = ZdsServer(str(tmp_path / "zds" / "ztunnel.sock"), ztunnel_wait=1.0)
+    await first.start()
+    state = tmp_path / "second"
+    try:
+        config = cfg.load({"state_dir": str(state)}, env={}).replace(
+            ztunnel_uds_address=first.path, status_port=0, health_port=0,
+            monitoring_port=0, xds_port=0, xds_tls_port=0, ca_port=0)
+        built = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(daemon, "build", lambda ctx: built.append(ctx))
+            with pytest.raises(cfg.ConfigError, match="another ZDS server") as e:
+                await daemon.Agent(config).start()
+        assert e.value.setting == "ztunnel_uds_address" and built == []
+        left = sorted(p.name for p in state.iterdir())
+        assert left == [], left  # no CA, mesh root, SDS socket, lock
+        assert os.path.exists(first.path)
+    finally:
+        await first.stop(0.5)
+
+
+def test_agent_stopped_is_logged_once_worker_threads_are_done(caplog):
+    """"agent stopped" was logged ~3 s before the process exited (the interpreter still
+    joined worker threads): it now waits for them first, or names those still busy."""
+    import logging
+    import threading
+
+    from agent import daemon
+
+    caplog.set_level(logging.INFO, logger="agent.daemon")
+    release = threading.Event()
+    worker = threading.Thread(target=release.wait, name="nu-busy-worker")
+    worker.start()
+    try:
+        assert daemon.stopped(0, timeout=0.05) == 0
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and "still busy" in said[0] and "nu-busy-worker" in said[0]
+    finally:
+        release.set()
+    caplog.clear()
+    assert daemon.stopped(3) == 3
+    assert worker.is_alive() is False  # waited for, then logged
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("agent stopped"), said
+    assert "nu-busy-worker" not in said[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the agent as another uid")
+def test_non_root_run_is_refused_before_any_component():
+    """Non-root ``run`` created a CA, published the mesh root and started SDS, ZDS and
+    xDS before enrollment failed (newuser finding 12): refused before any of them."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    base = Path(tempfile.mkdtemp(prefix="nu-nonroot-"))  # pytest's tmp is root-only
+    os.chmod(base, 0o777)
+    try:
+        _run_non_root(base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _run_non_root(base):
+    import subprocess
+    import sys
+
+    from agent.demo.envoy import free_port
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+         "-m", "agent.cli", "run", "--state-dir", str(base / "s"), "--config-file",
+         os.devnull, "--ztunnel-uds-address", str(base / "zds.sock"),
+         "--status-port", str(free_port()), "--health-port", str(free_port()),
+         "--monitoring-port", "0", "--xds-port", str(free_port()),
+         "--xds-tls-port", str(free_port()), "--ca-port", "0"],
+        capture_output=True, text=True, cwd=root, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "cannot start enrollment: this process lacks CAP_NET_ADMIN" in r.stderr, r.stderr
+    assert "started sds" not in r.stderr and "xds: serving" not in r.stderr, r.stderr
+    assert sorted(p.name for p in (base / "s").iterdir()) == []

@@ -56,7 +56,12 @@ def test_cni_config_and_foreign_istio_cni(tmp_path):
     assert c.state == precheck.FAIL and "no *.conf" in c.detail
     primary(tmp_path)
     assert precheck.check_cni_config(cfg).state == precheck.OK
-    assert precheck.check_istio_cni(cfg).state == precheck.OK
+    c = precheck.check_istio_cni(cfg)
+    # run installs it only with cni_manage_config (off by default): said as it is
+    assert c.state == precheck.OK and "ambient-agent cni install" in c.detail, c.detail
+    assert "run does not install it" in c.detail
+    c = precheck.check_istio_cni(cfg.replace(cni_manage_config=True))
+    assert "run installs it" in c.detail, c.detail
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "istio-cni").write_bytes(b"\x7fELF\x02\x01")
     c = precheck.check_istio_cni(cfg)

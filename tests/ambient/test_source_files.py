@@ -246,3 +246,36 @@ async def test_syntax_error_keeps_the_files_last_good_objects(tmp_path, caplog):
     finally:
         await src.stop()
         index.stop()
+
+
+async def test_names_kubernetes_would_refuse_are_skipped_with_one_warning(tmp_path, caplog):
+    """A hand-written Pod named ``UPPER_bad`` was loaded (newuser finding); an API server
+    refuses it (DNS-1123 subdomain), so the files source does too, naming the object."""
+    directory = tmp_path / "cluster"
+    directory.mkdir()
+    (directory / "pods.yaml").write_text(
+        POD % ("UPPER_bad", "u-bad", "10.0.0.7") + "---\n" + POD % ("good.v1", "u-ok", "10.0.0.8")
+        + "---\n" + json.dumps({"kind": "List", "items": [
+            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "9lives",
+                                                                 "namespace": "demo"},
+             "spec": {"selector": {"app": "x"}}},
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "a.b"}},
+            {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "Demo"}}]}))
+    store = ObjectStore(CollectorRegistry())
+    src = DirectorySource(store, str(directory), run_blocking, debounce_ms=10)
+    caplog.set_level(logging.WARNING)
+    try:
+        await src.start()
+        assert store.pod_by_uid("u-ok") is not None
+        assert store.pod_by_uid("u-bad") is None
+        assert store.get("Service", "demo", "9lives") is None
+        assert store.get("Namespace", "", "a.b") is None
+        assert store.get("Pod", "Demo", "p") is None
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        bad = [w for w in warnings if "UPPER_bad" in w]
+        assert len(bad) == 1 and "not a valid Pod name" in bad[0] and "pods.yaml#0" in bad[0]
+        assert sum("not a valid Service name" in w for w in warnings) == 1
+        assert sum("not a valid Namespace name" in w for w in warnings) == 1
+        assert sum("'metadata.namespace' 'Demo'" in w for w in warnings) == 1
+    finally:
+        await src.stop()

@@ -58,6 +58,15 @@ async def test_malformed_requests_are_400_and_server_survives(cni_agent):
     assert len(cni_agent.enroller.enrolled) == 1
 
 
+async def test_deeply_nested_json_is_400_without_a_traceback(cni_agent, caplog):
+    """100k nested '[' used to be a 500 with a RecursionError traceback in the log."""
+    for path in ("/cmdadd", "/cmddel", "/log"):
+        status, text = await post(cni_agent, path, data=b"[" * 100_000)
+        assert status == 400 and "nested deeper than" in text, (path, status, text[:200])
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    assert (await post(cni_agent, "/cmdadd", body=event(ambient_default=True)))[0] == 200
+
+
 async def test_store_decides_by_labels(cni_agent):
     cni_agent.set_store(DictStore([
         namespace("demo", {"istio.io/dataplane-mode": "ambient"}), namespace("plain"),
@@ -217,3 +226,39 @@ async def test_names_are_validated_as_kubernetes_does(cni_agent):
                    dict(pod_uid="0b3f6a4e-2c1d-4e5f-9a8b-7c6d5e4f3a2b")):
         status, text = await post(cni_agent, "/cmdadd", body=event(ambient_default=True, **fields))
         assert status == 200, (fields, text)
+
+
+async def test_hand_written_pod_without_ip_or_ready_is_warned_about(cni_agent, caplog):
+    """A Pod from a config file with no status (newuser finding 5) was enrolled and then
+    silently absent from xDS: the ADD now logs one warning naming what is missing. A
+    complete Pod, and one from Kubernetes (its kubelet fills status later), get none."""
+    import logging
+
+    from prometheus_client import CollectorRegistry
+
+    from ambient.store import ObjectStore
+
+    store = ObjectStore(CollectorRegistry())
+    ready = {"podIP": "10.199.0.3", "conditions": [{"type": "Ready", "status": "True"}]}
+    for name, uid, status, origin in (("web", "u-web", None, "/etc/cluster/nu.yaml"),
+                                      ("unready", "u-unready", {"podIP": "10.199.0.4"},
+                                       "/etc/cluster/nu.yaml"),
+                                      ("ok", "u-ok", ready, "/etc/cluster/nu.yaml"),
+                                      ("kube", "u-kube", None, "kubernetes:Pod")):
+        obj = pod(name, ns="nu", uid=uid, labels={"istio.io/dataplane-mode": "ambient"})
+        if status is not None:
+            obj["status"] = status
+        store.apply([(obj, f"test {name}")], origin=origin)
+    cni_agent.set_store(store)
+    caplog.set_level(logging.WARNING, logger="cni.eventserver")
+    for name, uid in (("web", "u-web"), ("unready", "u-unready"), ("ok", "u-ok"),
+                      ("kube", "u-kube")):
+        status, text = await post(cni_agent, "/cmdadd", body=event(
+            pod_uid=uid, pod_name=name, pod_namespace="nu", container_id=uid,
+            ips=["10.199.0.2"]))
+        assert status == 200 and '"ambient": true' in text, text
+    said = [r.getMessage() for r in caplog.records if "lacks" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "nu/web" in said[0] and "status.podIP" in said[0] and "Ready" in said[0]
+    assert "/etc/cluster/nu.yaml" in said[0]
+    assert "nu/unready" in said[1] and "status.podIP" not in said[1] and "Ready" in said[1]

@@ -102,6 +102,8 @@ def test_dry_run_then_cleanup_then_nothing(decommissioned, node):
     assert f"would remove in-pod rules of shop/web (uid {pod.uid}) in {pod.netns_path}" in out
     assert "would remove host nftables table inet istio-ambient-nat" in out
     assert "ISTIO_POSTRT" in out and "ipset istio-inpod-probes-v4" in out
+    # one kernel ipset, reported by both iptables flavors: said once
+    assert out.count("ipset istio-inpod-probes-v4") == 1, out
     assert f"would remove istio-cni from {conf / '10-podman.conflist'}" in out
     assert f"would remove {bindir / 'istio-cni'}" in out
     assert f"would remove state {state / 'pods'}" in out

@@ -206,6 +206,38 @@ def test_demo_ctrl_c_cleans_up(tmp_path):
     _assert_nothing_left(workdir, out, _imported_image(out))
 
 
+def test_demo_ctrl_c_during_bring_up_stops_and_cleans_up(tmp_path):
+    """A newuser finding: SIGINT 1-2.5 s in, the demo carried on to "running; press
+    Ctrl-C" and needed a second one. Now the bring-up stops at the end of its current
+    step and the teardown runs; one Ctrl-C is enough."""
+    workdir = tmp_path / "demo"
+    proc = subprocess.Popen(_argv(workdir, "--runtime", "netns"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines, out = [], ""
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "starting the agent" in line:  # the bring-up is under way
+                break
+        assert any("starting the agent" in seen for seen in lines), "".join(lines)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+        out = "".join(lines) + rest
+        assert "press Ctrl-C" not in out, out
+        assert "interrupted before" in out and "tearing down" in out, out
+        assert "clean: no netns" in out, out
+        assert proc.returncode == 1, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    _assert_nothing_left(workdir, out)
+
+
 @pytest.mark.skipif(not podman.available(), reason="podman or runc not installed")
 def test_leftover_check_reports_a_podman_container_and_the_imported_image(tmp_path):
     """The demo's own leftover check sees its containers (by label) and its image."""

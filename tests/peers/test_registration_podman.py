@@ -174,3 +174,62 @@ async def test_podman_container_registered_from_cni_follows_restarts(tmp_path, h
             "registrations": []}
     finally:
         await agent.stop()
+
+
+def in_netns(netns_path: str, *argv: str) -> str:
+    return subprocess.run(["nsenter", f"--net={netns_path}", *argv], capture_output=True,
+                          text=True, check=True).stdout
+
+
+def assert_meshed_at_start(agent, pm, cid, network, namespace):
+    """Right after ``podman start`` returned (the CNI ADD is answered before the
+    container's process runs): enrolled under its labels' namespace, rules in its netns.
+    Read at once, not eventually: a later fix-up is the fail-open being tested."""
+    rec = agent.enrollment.pods().get(cid)
+    assert rec is not None, "container started without being enrolled"
+    assert rec.namespace == namespace
+    pod = agent.source.store.pod_by_uid(cid)
+    assert pod is not None and pod["metadata"]["namespace"] == namespace
+    netns, _ip = pm.netns_and_ip(cid, network)
+    assert "-A PREROUTING -j ISTIO_PRERT" in in_netns(netns, "iptables-save")
+
+
+async def test_container_created_while_agent_down_starts_meshed(tmp_path, host, caplog):
+    """A newuser finding: agent down, ``podman create`` (ambient, namespace demo), agent
+    up, ``podman start``: the ADD was decided "not ambient" under default/ and fixed up
+    ~0.4 s later. Now the agent lists the existing containers' labels at start; a
+    container whose labels it still lacks is held (code 11), never guessed about."""
+    pm, conf, network, image, host_netns, containers = host
+    labels = {"istio.io/dataplane-mode": "ambient", registration_record.NAMESPACE_LABEL: "demo"}
+    early, late = unique("early"), unique("late")
+    cid = await asyncio.to_thread(pm.create, early, network, image, "/bin/busybox", "sleep",
+                                  "3600", labels=labels)
+    containers.append(cid)
+    cid2 = await asyncio.to_thread(pm.create, late, network, image, "/bin/busybox", "sleep",
+                                   "3600", labels=labels)
+    containers.append(cid2)
+    agent = await Agent(tmp_path, host_netns, conf).start()
+    try:
+        src = agent.registrar.label_source
+        await eventually(lambda: src.stats["listed"] >= 2, what="existing containers listed")
+        await asyncio.to_thread(pm.start, cid)
+        await asyncio.to_thread(assert_meshed_at_start, agent, pm, cid, network, "demo")
+
+        # one whose labels the agent lacks (as if podman ps had not answered): held
+        src._labels.pop(cid2)
+        with pytest.raises(podman.PodmanError) as e:
+            await asyncio.to_thread(pm.start, cid2)
+        assert "(status 503)" in str(e.value) and "not read from the runtime yet" in str(
+            e.value), e.value
+        # the plugin's own line, forwarded to the agent's log: CNI "try again later"
+        await eventually(lambda: any("ADD failed (code 11)" in r.getMessage()
+                                     for r in caplog.records), what="plugin's code 11")
+        assert agent.enrollment.pods().get(cid2) is None
+        assert agent.source.store.pod_by_uid(cid2) is None
+        assert agent.registrar.stats["held"] == 1
+        # the agent read them once the failed start let go of the container: next start
+        await eventually(lambda: cid2 in src._labels, what="labels read after the hold")
+        await asyncio.to_thread(pm.start, cid2)
+        await asyncio.to_thread(assert_meshed_at_start, agent, pm, cid2, network, "demo")
+    finally:
+        await agent.stop()

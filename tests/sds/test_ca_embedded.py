@@ -159,3 +159,30 @@ def test_root_not_yet_valid_is_refused_naming_the_file(tmp_path):
         EmbeddedCA.load_or_create(tmp_path / "unused", "cluster.local", str(cert_path),
                                   str(key_path))
     assert str(cert_path) in str(e.value) and "not yet valid" in str(e.value)
+
+
+def test_new_root_on_tmpfs_is_warned_about(tmp_path, caplog):
+    """The default state dir /var/run is tmpfs: a root created there is lost at reboot
+    (newuser finding 13); creating one says so, naming ca_dir. On disk: no warning."""
+    import logging
+    import subprocess
+
+    from agent.sds.ca_embedded import EmbeddedCA, filesystem_type
+
+    caplog.set_level(logging.WARNING, logger="agent.sds")
+    EmbeddedCA.load_or_create(tmp_path / "disk-ca", "cluster.local")
+    assert filesystem_type(tmp_path) not in ("tmpfs", "ramfs")
+    assert not [r for r in caplog.records if "reboot" in r.getMessage()]
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "volatile"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)],
+                   check=True)
+    try:
+        assert filesystem_type(mnt / "ca") == "tmpfs"
+        EmbeddedCA.load_or_create(mnt / "ca", "cluster.local")
+        warned = [r.getMessage() for r in caplog.records if "reboot" in r.getMessage()]
+        assert len(warned) == 1 and "ca_dir" in warned[0] and "tmpfs" in warned[0], warned
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -81,6 +81,23 @@ async def test_malformed_http_on_the_status_port_is_one_debug_line(tmp_path, cap
                                    for r in lines)
 
 
+async def test_malformed_request_answer_does_not_echo_the_request(tmp_path):
+    """aiohttp answered a malformed request line with the line itself (a newuser saw a
+    14 KB 400 body): the answer is one short line naming the reason."""
+    junk = b"\x01garbage" + b"Z" * 6000
+    async with running_status(tmp_path) as (_, server):
+        for garbage in (b"GET /" + junk + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+                        b"GET / HTTP/1.1\r\nHost: x\r\nno colon " + junk + b"\r\n\r\n"):
+            r, w = await asyncio.open_connection("127.0.0.1", server.port)
+            w.write(garbage)
+            answer = await until_closed(r, 5)
+            w.close()
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.split(b" ")[1] == b"400", answer[:200]
+            assert b"ZZZZ" not in body and len(body) < 300, body[:400]
+            assert body.startswith(b"400 Bad Request: ") and body.count(b"\n") == 1, body
+
+
 def test_caps_fit_the_open_files_limit(tmp_path):
     cfg = make_config(tmp_path, status_max_connections=5000, health_max_connections=64,
                       xds_max_connections=5000)

@@ -267,3 +267,28 @@ def test_line_aligned_stream_gives_the_same_body_for_any_chunking():
         cuts = sorted(rnd.sample(range(1, len(body)), rnd.randint(1, 12)))
         chunks = [body[a:b] for a, b in zip([0] + cuts, cuts + [len(body)])]
         assert gated(chunks) == want, chunks
+
+
+async def test_envoy_admin_answering_garbage_is_not_called_unreachable():
+    """A real HTTP server standing in for an Envoy admin that answers non-UTF-8 bytes:
+    the reason said "not reachable: 'utf-8' codec can't decode"; it answered."""
+    import aiohttp
+    from aiohttp import web
+
+    from tests.status.conftest import serve_app
+
+    async def garbage(request):
+        return web.Response(body=b"\xff\xfe\x00garbage", content_type="text/plain",
+                            charset="utf-8")
+
+    async def unavailable(request):
+        return web.Response(status=503)
+    for handler, want in ((garbage, "answered something that is not Envoy's stats"),
+                          (unavailable, "answered HTTP status code 503")):
+        app = web.Application()
+        app.router.add_get("/stats", handler)
+        async with serve_app(app) as port:
+            check = readiness.EnvoyReadiness(f"http://127.0.0.1:{port}", lambda: "")
+            async with aiohttp.ClientSession() as session:
+                reason = await check.check(session)
+        assert reason is not None and want in reason and "not reachable" not in reason, reason

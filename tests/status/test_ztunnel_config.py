@@ -251,3 +251,34 @@ async def test_unreachable_and_foreign_documents(tmp_path):
             "--socket", str(tmp_path / "none.sock"))
         assert code == 1 and out == "" and "no agent answering at" in err
         assert len(err.splitlines()) == 1
+
+
+async def test_malformed_dump_is_one_line_and_exit_1():
+    """A dump whose lists hold non-objects (newuser finding: services/certificates/
+    connections crashed with AttributeError): one line saying where, exit 1."""
+    views = ("workloads", "services", "policies", "certificates", "connections")
+    docs = [  # (dump, the views that must refuse it, the text they say)
+        ({"workloads": [], "services": [None], "policies": [], "certificates": [1]},
+         views, "services[0] is null, expected an object"),
+        ({"workloads": [], "services": [], "policies": [], "certificates": [1]},
+         views, "certificates[0] is int, expected an object"),
+        ({"workloads": [], "services": [], "policies": [], "workloadState": [1]},
+         views, "workloadState is list, expected an object"),
+        # deeper than the top-level check: the view that reads it still says one line
+        ({"workloads": [], "services": [{"endpoints": [1]}], "policies": []},
+         ("services",), "unexpected shape for the services view"),
+        ({"workloads": [], "services": [], "policies": [],
+          "workloadState": {"u": {"info": {}, "connections": {"inbound": [7]}}}},
+         ("connections",), "unexpected shape for the connections view"),
+    ]
+    for doc, refusing, text in docs:
+        async def dump(request, doc=doc):
+            return web.json_response(doc)
+        app = web.Application()
+        app.router.add_get("/config_dump", dump)
+        async with serve_app(app) as port:
+            for view in refusing:
+                code, out, err = await asyncio.to_thread(
+                    run_cli, view, "--ztunnel-admin", f"127.0.0.1:{port}", "--no-agent")
+                assert (code, out) == (1, ""), (view, doc, err)
+                assert text in err and len(err.splitlines()) == 1, (view, err)

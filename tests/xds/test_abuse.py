@@ -6,6 +6,7 @@ grpc.aio client speaking the ADS / SDS protocols the servers implement."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 
@@ -350,3 +351,29 @@ async def test_sds_caps_refuse_naming_the_field_and_the_cap(sds):
     assert "MAX_NAME_LENGTH" in e.details() and len(e.details()) < 400
     e = await _refused(stub.StreamSecrets(), request(["default"], node="n" * 5000))
     assert "node.id: 5000 characters" in e.details() and str(MAX_NODE_ID_LENGTH) in e.details()
+
+
+@pytest.mark.parametrize("method,size", [("DeltaAggregatedResources", 3000),
+                                         ("StreamAggregatedResources", 3000),
+                                         ("DeltaAggregatedResources", 8 * MB)])
+async def test_xds_garbage_request_ends_invalid_argument_logged_once(server, caplog, method,
+                                                                     size):
+    """A message that is not the stream's protobuf (0x0f: field 1 with the invalid wire
+    type 7) ends the stream INVALID_ARGUMENT naming it, with one short warning; it used to
+    end with status OK and nothing logged."""
+    caplog.set_level(logging.WARNING)
+    async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{server.port}",
+            options=[("grpc.max_send_message_length", 16 * MB)]) as ch:
+        call = ch.stream_stream(
+            f"/envoy.service.discovery.v3.AggregatedDiscoveryService/{method}",
+            request_serializer=None, response_deserializer=None)()
+        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
+            await asyncio.wait_for(call.write(b"\x0f" * size), 30)
+        code = await asyncio.wait_for(call.code(), 30)
+        details = await call.details()
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert f"({size} bytes)" in details and "is not a valid" in details
+    lines = [r for r in caplog.records if "is not a valid" in r.getMessage()]
+    assert len(lines) == 1 and len(lines[0].getMessage()) < 1024
+    assert not _tracebacks(caplog)

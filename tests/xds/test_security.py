@@ -6,6 +6,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
+from agent.core.logsetup import redact
 from ambient.xds.client import ClientTls, DeltaXdsClient
 from agent.tlsport.servercert import TlsMaterial
 from ambient.xds.server import XdsServer
@@ -106,7 +107,35 @@ async def test_bearer_token(index, tmp_path):
                 await bad.wait_synced()
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "s3cret" not in e.value.details()
+            # the log redaction leaves the refusal readable (it was "authorization:
+            # [REDACTED] or wrong bearer [REDACTED]")
+            assert redact(e.value.details()) == e.value.details(), e.value.details()
+            assert "xds_token_file" in e.value.details()
     finally:
         for c in clients:
             await c.close()
         await srv.stop(0.5)
+
+
+async def test_cli_against_the_tls_port_says_what_is_missing(tls_server, tmp_path, caplog):
+    """``xds dump`` at the TLS port without ``--ca`` (UNAVAILABLE "Socket closed") or with
+    it but no credentials (the client may see INTERNAL) names the likely cause; the
+    agent's refusal names the client's TCP address, not the front door's socket."""
+    import logging
+
+    from tests.xds.test_cli_dump_as_written import _dump
+
+    srv, pki = tls_server
+    caplog.set_level(logging.WARNING, logger="ambient.xds.server")
+    addr = f"127.0.0.1:{srv.tls_port}"
+    rc, out, err = await _dump("--addr", addr, "--timeout", "10")
+    assert rc == 1 and out == "" and "pass --ca <mesh root PEM>" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    ca = tmp_path / "root.pem"
+    ca.write_bytes(pki.root_pem)
+    rc, out, err = await _dump("--addr", addr, "--ca", str(ca), "--server-name",
+                               "istiod.istio-system.svc", "--timeout", "10")
+    assert rc == 1 and out == "" and "--token-file" in err and "--cert/--key" in err, err
+    refused = [r.getMessage() for r in caplog.records if "xds: refused" in r.getMessage()]
+    assert refused and all(m.startswith("xds: refused ipv4:127.0.0.1:") for m in refused), \
+        refused
