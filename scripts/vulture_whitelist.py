@@ -27,6 +27,14 @@ watch_events  # unused variable (ambient/source_kube.py)
 watches  # unused variable (ambient/source_kube.py)
 # called by a framework: gRPC servicer methods, the CNI plugin's per-command dispatch (getattr of "_" + command), json.JSONDecoder hooks, a module __getattr__ (PEP 562), reprlib.Repr limits
 _.DeltaSecrets  # unused method (agent/sds/service.py)
+# module attributes read by the import system (agent/core/kubelazy.py's lazy package stand-in)
+_.__spec__
+_.__path__
+_.__package__
+_.__version__
+_.__all__
+# an object's class swapped for a subclass that differs only in the protocol it makes (agent/core/listeners.py)
+_.__class__
 _.FetchSecrets  # unused method (agent/sds/service.py)
 _.StreamSecrets  # unused method (agent/sds/service.py)
 _._gc  # unused method (cni/plugin.py)

@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import TextIO
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent.parent / "examples" / "cluster"
 RUNTIMES = ("auto", "podman", "netns")
@@ -72,7 +73,7 @@ class Progress:
     step it is in (a step's own threads are not cut off halfway: the teardown then finds
     what it made)."""
 
-    def __init__(self, stream=sys.stdout):
+    def __init__(self, stream: TextIO = sys.stdout) -> None:
         self.stream = stream
         self.stop: asyncio.Event | None = None
 
