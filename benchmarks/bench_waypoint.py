@@ -203,13 +203,13 @@ def _chain_objects(net: str, vip: str) -> list[dict]:
     ]
 
 
-def wrk_rps(url: str, seconds: float, connections: int = 16) -> float:
+def wrk_rps(url: str, seconds: int, connections: int = 16) -> float:
     """Requests/s ``wrk`` (one thread, keep-alive) reaches against ``url``; raises when
     any response was not 2xx or wrk is missing (scripts/install-system-deps.sh installs it)."""
     wrk = shutil.which("wrk")
     if not wrk:
         raise RuntimeError("wrk not found: run scripts/install-system-deps.sh")
-    out = subprocess.run([wrk, "-t1", f"-c{connections}", f"-d{seconds:g}s", url],
+    out = subprocess.run([wrk, "-t1", f"-c{connections}", f"-d{seconds}s", url],
                          capture_output=True, text=True, timeout=seconds + 30).stdout
     m = re.search(r"Requests/sec:\s+([\d.]+)", out)
     if not m or "Non-2xx" in out or "Socket errors" in out:
@@ -231,7 +231,7 @@ async def _until_ok(url: str, timeout: float = 20.0) -> None:
     raise RuntimeError(f"{url} not answering 200 after {timeout}s: {last}")
 
 
-async def throughput(seconds: float = 4.0, rounds: int = 3) -> list[Result]:
+async def throughput(seconds: int = 4, rounds: int = 3) -> list[Result]:
     """Median requests/s over ``rounds`` alternating runs of the agent-configured
     waypoint (a) and the hand-written static waypoint (b), same originator, destination
     and load; ``direct`` (originator -> destination, no waypoint) is reported beside."""
@@ -321,7 +321,7 @@ async def throughput(seconds: float = 4.0, rounds: int = 3) -> list[Result]:
     agent, static, direct = (median(samples[k]) for k in ("agent", "static", "direct"))
     row = Result("requests/s through the waypoint: agent's xDS vs a hand-written static "
                  "config of the same chain", agent, "req/s", static, "ratio >= 0.9", None,
-                 f"medians of {rounds} alternating {seconds:g} s wrk runs (1 thread, 16 "
+                 f"medians of {rounds} alternating {seconds} s wrk runs (1 thread, 16 "
                  f"connections); agent {sorted(samples['agent'])}, static "
                  f"{sorted(samples['static'])}; no waypoint (originator -> destination) "
                  f"{direct:.0f} req/s; load average {median(loads):.1f}")

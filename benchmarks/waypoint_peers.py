@@ -162,8 +162,9 @@ def static_waypoint(wp_ip: str, vip: str, pod_ip: str, cert: str, key: str, ca: 
     path, route with the same retry policy) -> a cluster whose one endpoint is the pod,
     reached through internal listener ``connect_originate`` (TCP proxy opening HBONE to
     ``pod:15008`` over mTLS, the server's SAN checked). Left out: what this request never
-    touches (the fallback chains for unmatched destinations, access log, stats tags) and
-    what is dynamic there (SDS, EDS, RDS; files and inline resources here).
+    touches (the fallback chains for unmatched destinations), the filter state only
+    telemetry reads (authority, remote address, local principal), access log and stats
+    tags, and what is dynamic there (SDS, EDS, RDS; files and inline resources here).
     """
     terminate = {
         "name": "connect_terminate", "address": addr(wp_ip, 15008),
@@ -175,6 +176,9 @@ def static_waypoint(wp_ip: str, vip: str, pod_ip: str, cert: str, key: str, ca: 
                                            "max_concurrent_streams": 100},
                 "upgrade_configs": [{"upgrade_type": "CONNECT"}],
                 "stream_idle_timeout": "0s",
+                # the app sees the caller's identity, as through the agent's config
+                "forward_client_cert_details": "APPEND_FORWARD",
+                "set_current_client_cert_details": {"subject": True, "dns": True, "uri": True},
                 "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
                     {"match": {"connect_matcher": {}},
                      "route": {"cluster": "main_internal",

@@ -7,10 +7,14 @@ from __future__ import annotations
 import asyncio
 import importlib
 import pkgutil
+import shutil
 from pathlib import Path
 
+import pytest
+
 import benchmarks
-from benchmarks import bench_scale, bench_xds, bench_xds_change
+from agent.demo.envoy import EnvoyError, envoy_path
+from benchmarks import bench_scale, bench_waypoint, bench_xds, bench_xds_change
 
 
 def test_every_benchmark_module_imports_and_has_run():
@@ -37,3 +41,18 @@ def test_config_dir_change_path_runs_at_a_tiny_size():
 def test_fuzz_rss_row_runs_at_a_tiny_size():
     before, after = asyncio.run(bench_xds.fuzz_rss(bench_xds.make_index(50, 5), requests=40))
     assert before > 0 and after > 0
+
+
+@pytest.mark.envoy
+def test_waypoint_throughput_row_runs_end_to_end():
+    """Both waypoints (agent's xDS and the static bootstrap) carry wrk's requests: wrk_rps
+    raises on any non-2xx answer or socket error, so a row means every request passed."""
+    if shutil.which("wrk") is None:
+        pytest.skip("wrk not installed (scripts/install-system-deps.sh)")
+    try:
+        envoy_path()
+    except EnvoyError as e:
+        pytest.skip(str(e))
+    [row] = asyncio.run(bench_waypoint.throughput(seconds=1, rounds=1))
+    assert row.value > 0 and row.floor and row.floor > 0
+    assert "no waypoint" in row.note
