@@ -71,29 +71,32 @@ def static_cluster(name: str, ip: str, port: int, **extra: Any) -> dict[str, Any
                 {"endpoint": {"address": addr(ip, port)}}]}]}, **extra}
 
 
-def originator(ip: str, front_port: int, tunnel_port: int, waypoint: tuple[str, int],
-               authority: str, cert: str, key: str, ca: str, admin_port: int,
-               waypoint_san: str = "") -> dict[str, Any]:
-    """``http://ip:front_port/`` -> HBONE ``CONNECT authority`` to ``waypoint``."""
-    front = {"name": "front", "address": addr(ip, front_port), "filter_chains": [{"filters": [{
-        "name": "hcm", "typed_config": {
-            "@type": _HCM, "stat_prefix": "front",
-            "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
-                {"match": {"prefix": "/"}, "route": {"cluster": "tunnel_in"}}]}]},
-            "http_filters": [{"name": "router", "typed_config": {"@type": _ROUTER}}]}}]}]}
-    tunnel = {"name": "tunnel", "address": addr(ip, tunnel_port), "filter_chains": [{
-        "filters": [{"name": "tcp", "typed_config": {
-            "@type": _TCP, "stat_prefix": "hbone_out", "cluster": "hbone",
-            "tunneling_config": {"hostname": authority}}}]}]}
-    return {
-        "admin": admin(admin_port),
-        "static_resources": {
-            "listeners": [front, tunnel],
-            "clusters": [
-                static_cluster("tunnel_in", ip, tunnel_port),
-                static_cluster("hbone", *waypoint,
-                               typed_extension_protocol_options=h2_options(),
-                               transport_socket=upstream_tls(cert, key, ca, waypoint_san))]}}
+def originator(ip: str, paths: dict[str, tuple[int, int, tuple[str, int], str]],
+               cert: str, key: str, ca: str, admin_port: int) -> dict[str, Any]:
+    """One originator Envoy for several paths: ``paths[name] = (front port, tunnel port,
+    (HBONE target IP, port), CONNECT authority)``; ``http://ip:front/`` -> HBONE
+    ``CONNECT authority`` to the target."""
+    listeners, clusters = [], []
+    for name, (front_port, tunnel_port, target, authority) in paths.items():
+        listeners.append({
+            "name": f"front_{name}", "address": addr(ip, front_port),
+            "filter_chains": [{"filters": [{"name": "hcm", "typed_config": {
+                "@type": _HCM, "stat_prefix": f"front_{name}",
+                "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"],
+                                                    "routes": [
+                    {"match": {"prefix": "/"}, "route": {"cluster": f"tunnel_{name}"}}]}]},
+                "http_filters": [{"name": "router", "typed_config": {"@type": _ROUTER}}]}}]}]})
+        listeners.append({
+            "name": f"tunnel_{name}", "address": addr(ip, tunnel_port),
+            "filter_chains": [{"filters": [{"name": "tcp", "typed_config": {
+                "@type": _TCP, "stat_prefix": f"hbone_{name}", "cluster": f"hbone_{name}",
+                "tunneling_config": {"hostname": authority}}}]}]})
+        clusters.append(static_cluster(f"tunnel_{name}", ip, tunnel_port))
+        clusters.append(static_cluster(f"hbone_{name}", *target,
+                                       typed_extension_protocol_options=h2_options(),
+                                       transport_socket=upstream_tls(cert, key, ca)))
+    return {"admin": admin(admin_port),
+            "static_resources": {"listeners": listeners, "clusters": clusters}}
 
 
 def destination(pod_ip: str, cert: str, key: str, ca: str, admin_port: int,
