@@ -53,6 +53,6 @@ def test_waypoint_throughput_row_runs_end_to_end():
         envoy_path()
     except EnvoyError as e:
         pytest.skip(str(e))
-    [row] = asyncio.run(bench_waypoint.throughput(seconds=1, rounds=1))
+    row, cpu = asyncio.run(bench_waypoint.throughput(seconds=1, rounds=1))
     assert row.value > 0 and row.floor and row.floor > 0
-    assert "no waypoint" in row.note
+    assert "no waypoint" in row.note and cpu.value > 0 and cpu.floor and cpu.floor > 0
