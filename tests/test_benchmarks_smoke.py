@@ -7,10 +7,14 @@ from __future__ import annotations
 import asyncio
 import importlib
 import pkgutil
+import shutil
 from pathlib import Path
 
+import pytest
+
 import benchmarks
-from benchmarks import bench_scale, bench_xds, bench_xds_change
+from agent.demo.envoy import EnvoyError, envoy_path
+from benchmarks import bench_scale, bench_waypoint, bench_xds, bench_xds_change
 
 
 def test_every_benchmark_module_imports_and_has_run():
@@ -51,3 +55,18 @@ def test_istiod_bad_input_corrupts_a_state_dir(tmp_path):
     assert (state / "iptables-flavor").read_text() == "nf"
     assert sorted(p.name for p in (state / "pods").iterdir()) == [
         "bench-garbage.json", "bench-partial.json", "uid1.json"]
+
+
+@pytest.mark.envoy
+def test_waypoint_throughput_row_runs_end_to_end():
+    """Both waypoints (agent's xDS and the static bootstrap) carry wrk's requests: wrk_rps
+    raises on any non-2xx answer or socket error, so a row means every request passed."""
+    if shutil.which("wrk") is None:
+        pytest.skip("wrk not installed (scripts/install-system-deps.sh)")
+    try:
+        envoy_path()
+    except EnvoyError as e:
+        pytest.skip(str(e))
+    row, cpu = asyncio.run(bench_waypoint.throughput(seconds=1, rounds=1))
+    assert row.value > 0 and row.floor and row.floor > 0
+    assert "no waypoint" in row.note and cpu.value > 0 and cpu.floor and cpu.floor > 0
