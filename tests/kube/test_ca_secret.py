@@ -111,6 +111,44 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
+def cacerts_data(root: x509.Certificate, root_key, name: str
+                 ) -> tuple[dict[str, str], x509.Certificate]:
+    """``cacerts`` data (base64) of a plug-in CA: a new ECDSA intermediate with subject
+    O=``name`` under ``root``, with the key identifiers real CA tooling writes (AKI = the
+    root's SKI), so verifiers tell apart two roots with the same subject (every root
+    :func:`agent.sds.ca_embedded.create_root` makes is O=<trust domain>, as istiod's are).
+    Returns (data, intermediate)."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import NameOID
+
+    key = keys.generate_key("ECDSA")
+    start = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)
+    ski = root.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    inter = (x509.CertificateBuilder()
+             .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, name)]))
+             .issuer_name(root.subject).public_key(key.public_key())
+             .serial_number(x509.random_serial_number())
+             .not_valid_before(start).not_valid_after(start + dt.timedelta(days=365))
+             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+             .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
+                                          key_encipherment=False, data_encipherment=False,
+                                          key_agreement=False, key_cert_sign=True,
+                                          crl_sign=True, encipher_only=False,
+                                          decipher_only=False), critical=True)
+             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
+                            critical=False)
+             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski),
+                            critical=False)
+             .sign(root_key, hashes.SHA256()))
+
+    def pem(c: x509.Certificate) -> bytes:
+        return c.public_bytes(serialization.Encoding.PEM)
+
+    return ({"ca-cert.pem": b64(pem(inter)), "ca-key.pem": b64(keys.key_pem(key)),
+             "root-cert.pem": b64(pem(root)), "cert-chain.pem": b64(pem(inter) + pem(root))},
+            inter)
+
+
 def verify_leaf(chain_pem: bytes, bundle: bytes) -> str:
     """Verify a leaf (first certificate of ``chain_pem``) against ``bundle`` with
     cryptography's path builder (as a client certificate, for its SPIFFE SAN), and with
