@@ -114,8 +114,14 @@ class Traffic:
         self.long_ok = self.new_ok = self.reconnects = 0
         self.failures: list[tuple[float, str, str]] = []  # (epoch s, kind, error)
         self.new_ok_times: list[float] = []
-        self.threads = [threading.Thread(target=run_in_netns, args=(netns, f), daemon=True)
+        self.threads = [threading.Thread(target=self._in_pod, args=(f,), daemon=True)
                         for f in (self._long, self._new)]
+
+    def _in_pod(self, loop) -> None:
+        try:
+            run_in_netns(self.netns, loop)
+        except Exception as e:  # noqa: BLE001 - a loop that died is a failure, never silence
+            self._fail("traffic thread", e)
 
     def start(self) -> None:
         for t in self.threads:
@@ -245,8 +251,10 @@ async def rotate_under_traffic(t, system_ns, kube_admin, old_root, old_inter, ca
     traffic.start()
     try:
         await until("traffic flowing (20 long-lived exchanges, 10 new connections)",
-                    lambda: traffic.long_ok >= 20 and traffic.new_ok >= 10, timeout=120,
+                    lambda: (traffic.long_ok >= 20 and traffic.new_ok >= 10)
+                    or bool(traffic.failures), timeout=120,
                     detail=lambda: str(traffic.failures[:5]))
+        assert not traffic.failures, f"before any rotation: {traffic.failures[:5]}"
         new_root, new_key = create_root("cluster.local")
         data, new_inter = cacerts_data(new_root, new_key, "rotation-new")
         t0 = time.time()
