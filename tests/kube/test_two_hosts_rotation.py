@@ -245,7 +245,7 @@ async def rotate_under_traffic(t, system_ns, kube_admin, old_root, old_inter, ca
     for h in hosts:  # before: the old intermediate and only the old root
         await until(f"ztunnel {h.letter} holding {ident} from the old CA",
                     lambda h=h: (c := ztunnel_cert(h, ident)) is not None
-                    and c[0][1] == old_inter and c[1] == [old_root], timeout=60,
+                    and c[0][1:2] == [old_inter] and c[1] == [old_root], timeout=60,
                     detail=lambda h=h: str(ztunnel_cert(h, ident)))
     traffic = Traffic(t.pod_path(a), b.pod_ip, APP_PORT)
     traffic.start()
