@@ -57,7 +57,7 @@ from tests.kube.test_ca_secret import _ca_role_documents, cacerts_data
 pytestmark = [
     pytest.mark.root,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, veth, CNI, iptables)"),
-    pytest.mark.skipif(not HAVE_ZTUNNEL, reason="AMBIENT_TEST_ZTUNNEL not set: a root rotation "
+    pytest.mark.skipif(not HAVE_ZTUNNEL, reason="AMBIENT_TEST_ZTUNNEL not set or not executable: a root rotation "
                        "under traffic through the real ztunnel needs its binary (the CI part, "
                        "with ztunnel-exact clients, is tests/kube/test_two_nodes_mtls.py)"),
 ]
