@@ -202,6 +202,9 @@ class EmbeddedCA:
                                           if cert is not None else None)
         self.refusal = ""  # set while the CA must not sign (why); "" when it may
         self.max_not_after: dict[bytes, float] = {}  # signer SKI -> latest leaf NotAfter
+        # signer SKI -> latest "renewed by" of its leaves: NotBefore + half the span, when a
+        # holder renewing at half its certificate's span (ztunnel, istio-agent) replaces it
+        self.max_renew_by: dict[bytes, float] = {}
 
     @classmethod
     def pending(cls, reason: str, clock: Callable[[], float] = time.time) -> "EmbeddedCA":
@@ -390,6 +393,10 @@ class EmbeddedCA:
         end = not_after.timestamp()
         if end > self.max_not_after.get(ski, 0.0):
             self.max_not_after[ski] = end
+        start = (now - BACKDATE).timestamp()
+        renew_by = start + (end - start) / 2
+        if renew_by > self.max_renew_by.get(ski, 0.0):
+            self.max_renew_by[ski] = renew_by
         return chain, leaf
 
     def issue(self, sans: list[str], algorithm: str = "ECDSA",

@@ -387,3 +387,30 @@ async def test_root_configmap_published_by_one_agent_recreated_and_istiod_respec
     await kc.request(kube_admin, "DELETE", path)
     await asyncio.sleep(3)
     assert await published() is None  # nobody fights istiod
+
+
+async def test_rotation_warns_when_the_overlap_ends_before_renewals(agents, system_ns,
+                                                                    kube_admin, caplog):
+    """ztunnel learns a new root only with its next certificate, at half the span of the
+    one it holds: an overlap shorter than that lets signing switch while a holder trusts
+    the old root alone (docs/trust.md). Agent a signed a 10-minute certificate (renewed ~4
+    minutes after issue) before the rotation and its overlap is 4 s: it warns, once,
+    naming the setting; agent b signed nothing: no warning."""
+    a = await agents(system_ns, kc.unique("node-a"), ca_root_overlap=4.0)
+    b = await agents(system_ns, kc.unique("node-b"), ca_root_overlap=4.0)
+    await asyncio.gather(a.start(), b.start())
+    await a.certificate_for([f"spiffe://cluster.local/ns/{system_ns}/sa/x"], ttl=600)
+    caplog.set_level(logging.WARNING, logger="agent.sds.ca_kube")
+    new_root, new_key = create_root("cluster.local")
+    new_pem = new_root.public_bytes(serialization.Encoding.PEM)
+    await kc.request(kube_admin, "PATCH",
+                     f"/api/v1/namespaces/{system_ns}/secrets/istio-ca-secret",
+                     body={"data": {"ca-cert.pem": b64(new_pem),
+                                    "ca-key.pem": b64(keys.key_pem(new_key)),
+                                    "root-cert.pem": b64(new_pem)}},
+                     content_type="application/merge-patch+json")
+    await eventually(lambda: a.kube_ca.pending is not None and b.kube_ca.pending is not None,
+                     timeout=20, what="both agents in the rotation's overlap")
+    warned = [r.getMessage() for r in caplog.records if "ca_root_overlap" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "ca_root_overlap 4s is too short" in warned[0] and "SECRET_TTL/2" in warned[0]
