@@ -393,13 +393,17 @@ async def test_rotation_warns_when_the_overlap_ends_before_renewals(agents, syst
                                                                     kube_admin, caplog):
     """ztunnel learns a new root only with its next certificate, at half the span of the
     one it holds: an overlap shorter than that lets signing switch while a holder trusts
-    the old root alone (docs/trust.md). Agent a signed a 10-minute certificate (renewed ~4
-    minutes after issue) before the rotation and its overlap is 4 s: it warns, once,
-    naming the setting; agent b signed nothing: no warning."""
+    the old root alone (docs/trust.md). Agent a's CA service signed a 10-minute
+    certificate (renewed ~4 minutes after issue) before the rotation and its overlap is
+    4 s: it warns, once, naming the setting. Agent b signed the same lifetime for SDS
+    only, whose clients get a changed root bundle pushed at once: no warning."""
     a = await agents(system_ns, kc.unique("node-a"), ca_root_overlap=4.0)
     b = await agents(system_ns, kc.unique("node-b"), ca_root_overlap=4.0)
     await asyncio.gather(a.start(), b.start())
-    await a.certificate_for([f"spiffe://cluster.local/ns/{system_ns}/sa/x"], ttl=600)
+    ident = f"spiffe://cluster.local/ns/{system_ns}/sa/x"
+    _, csr = keys.new_key_and_csr("ECDSA", [ident])
+    a.embedded.sign_for_peer(csr, [ident], 600)  # what the CA service does for ztunnel
+    await b.certificate_for([ident], ttl=600)
     caplog.set_level(logging.WARNING, logger="agent.sds.ca_kube")
     new_root, new_key = create_root("cluster.local")
     new_pem = new_root.public_bytes(serialization.Encoding.PEM)
