@@ -226,6 +226,10 @@ class EmbeddedCA:
                                           if cert is not None else None)
         self.refusal = ""  # set while the CA must not sign (why); "" when it may
         self.max_not_after: dict[bytes, float] = {}  # signer SKI -> latest leaf NotAfter
+        # signer SKI -> latest renewal time (NotBefore + half the span) of a leaf handed to
+        # a peer through the CA service (sign_for_peer): ztunnel verifies peers against the
+        # roots that came with its certificate until it renews it at half its span
+        self.max_peer_renew_by: dict[bytes, float] = {}
 
     @classmethod
     def pending(cls, reason: str, clock: Callable[[], float] = time.time) -> "EmbeddedCA":
@@ -363,6 +367,23 @@ class EmbeddedCA:
         root or no SANs).
         """
         return self.sign_leaf(csr_pem, sans, ttl_seconds, now)[0]
+
+    def sign_for_peer(self, csr_pem: str | bytes, sans: list[str], ttl_seconds: int = 0
+                      ) -> list[str]:
+        """:meth:`sign` for a caller of the CA service (ztunnel, istio-agent), which trusts
+        the roots that come with the certificate until it renews it at half its span:
+        that time is recorded per signer in :attr:`max_peer_renew_by` (a root rotation
+        whose overlap ends earlier is warned about, :mod:`agent.sds.ca_kube`). SDS
+        certificates are not recorded: SDS pushes a changed root bundle at once."""
+        chain, leaf = self.sign_leaf(csr_pem, sans, ttl_seconds)
+        ski = leaf.extensions.get_extension_for_class(
+            x509.AuthorityKeyIdentifier).value.key_identifier or b""
+        start, end = leaf.not_valid_before_utc.timestamp(), leaf.not_valid_after_utc.timestamp()
+        renew_by = start + (end - start) / 2
+        with self._lock:
+            if renew_by > self.max_peer_renew_by.get(ski, 0.0):
+                self.max_peer_renew_by[ski] = renew_by
+        return chain
 
     def sign_leaf(self, csr_pem: str | bytes, sans: list[str], ttl_seconds: int = 0,
                   now: dt.datetime | None = None) -> tuple[list[str], x509.Certificate]:

@@ -32,7 +32,9 @@ bundle becomes old + new roots at once (published to ``mesh_root_file``, SDS ``R
 the ``istio-ca-root-cert`` ConfigMaps, every CA response), signing stays on the old key for
 ``ca_root_overlap``, then switches to the new key; the old roots stay in the bundle until
 the last certificate signed with the old key has expired. An intermediate or key change
-under roots already trusted is used at once.
+under roots already trusted is used at once. A certificate the CA service signed before the new root
+and due for renewal (at half its span, as ztunnel renews) only after the switch gets one
+warning naming ``ca_root_overlap``: its holder trusts the old roots alone until then.
 
 Watching: one watch per Secret name (``fieldSelector=metadata.name=<name>``, which RBAC
 ``resourceNames`` allows for list/watch), each event re-reads both Secrets; plus a full
@@ -373,8 +375,26 @@ class KubeCASecret:
         log.info("CA Secret %s has a new root: the trust bundle carries the old and new roots "
                  "now, signing switches to serial %x in %.0fs", m.secret, m.cert.serial_number,
                  self.overlap)
+        self._warn_short_overlap(old)
         self._on_roots_changed()
         self._wake.set()
+
+    def _warn_short_overlap(self, old: Material) -> None:
+        """Warn when a certificate the CA service signed before the new root is renewed (at
+        half its span, as ztunnel renews) only after signing switches: its holder trusts the
+        old roots alone until then and refuses every certificate of the new key. The switch is
+        not delayed: the other nodes' agents switch on their own clocks, and what their
+        peers hold is not known here, so only a long enough ``ca_root_overlap`` is safe."""
+        ski = x509.SubjectKeyIdentifier.from_public_key(old.key.public_key()).digest
+        renew_by = self.ca.max_peer_renew_by.get(ski, 0.0)
+        if renew_by > self.switch_at:
+            log.warning("root rotation: ca_root_overlap %.0fs is too short: a certificate "
+                        "signed before the new root is renewed only at %s, %.0fs after "
+                        "signing switches; until then its holder trusts the old root only "
+                        "and refuses certificates of the new key. Keep ca_root_overlap above "
+                        "half of the longest certificate lifetime (ztunnel's SECRET_TTL/2)",
+                        self.overlap, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(renew_by)),
+                        renew_by - self.switch_at)
 
     def _trusted_ders(self) -> set[bytes]:
         return {c.public_bytes(serialization.Encoding.DER)

@@ -191,7 +191,7 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
             ttl = int(request.validity_duration)
             if 0 < ttl < MIN_TTL:
                 ttl = MIN_TTL
-            return await self._run(self.ca.sign, request.csr, sans, ttl)
+            return await self._run(self.ca.sign_for_peer, request.csr, sans, ttl)
         except CAError as e:
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))
             raise  # not reached: abort raises

@@ -111,6 +111,44 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
+def cacerts_data(root: x509.Certificate, root_key, name: str
+                 ) -> tuple[dict[str, str], x509.Certificate]:
+    """``cacerts`` data (base64) of a plug-in CA: a new ECDSA intermediate with subject
+    O=``name`` under ``root``, with the key identifiers real CA tooling writes (AKI = the
+    root's SKI), so verifiers tell apart two roots with the same subject (every root
+    :func:`agent.sds.ca_embedded.create_root` makes is O=<trust domain>, as istiod's are).
+    Returns (data, intermediate)."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import NameOID
+
+    key = keys.generate_key("ECDSA")
+    start = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)
+    ski = root.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    inter = (x509.CertificateBuilder()
+             .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, name)]))
+             .issuer_name(root.subject).public_key(key.public_key())
+             .serial_number(x509.random_serial_number())
+             .not_valid_before(start).not_valid_after(start + dt.timedelta(days=365))
+             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+             .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
+                                          key_encipherment=False, data_encipherment=False,
+                                          key_agreement=False, key_cert_sign=True,
+                                          crl_sign=True, encipher_only=False,
+                                          decipher_only=False), critical=True)
+             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
+                            critical=False)
+             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski),
+                            critical=False)
+             .sign(root_key, hashes.SHA256()))
+
+    def pem(c: x509.Certificate) -> bytes:
+        return c.public_bytes(serialization.Encoding.PEM)
+
+    return ({"ca-cert.pem": b64(pem(inter)), "ca-key.pem": b64(keys.key_pem(key)),
+             "root-cert.pem": b64(pem(root)), "cert-chain.pem": b64(pem(inter) + pem(root))},
+            inter)
+
+
 def verify_leaf(chain_pem: bytes, bundle: bytes) -> str:
     """Verify a leaf (first certificate of ``chain_pem``) against ``bundle`` with
     cryptography's path builder (as a client certificate, for its SPIFFE SAN), and with
@@ -349,3 +387,34 @@ async def test_root_configmap_published_by_one_agent_recreated_and_istiod_respec
     await kc.request(kube_admin, "DELETE", path)
     await asyncio.sleep(3)
     assert await published() is None  # nobody fights istiod
+
+
+async def test_rotation_warns_when_the_overlap_ends_before_renewals(agents, system_ns,
+                                                                    kube_admin, caplog):
+    """ztunnel learns a new root only with its next certificate, at half the span of the
+    one it holds: an overlap shorter than that lets signing switch while a holder trusts
+    the old root alone (docs/trust.md). Agent a's CA service signed a 10-minute
+    certificate (renewed ~4 minutes after issue) before the rotation and its overlap is
+    4 s: it warns, once, naming the setting. Agent b signed the same lifetime for SDS
+    only, whose clients get a changed root bundle pushed at once: no warning."""
+    a = await agents(system_ns, kc.unique("node-a"), ca_root_overlap=4.0)
+    b = await agents(system_ns, kc.unique("node-b"), ca_root_overlap=4.0)
+    await asyncio.gather(a.start(), b.start())
+    ident = f"spiffe://cluster.local/ns/{system_ns}/sa/x"
+    _, csr = keys.new_key_and_csr("ECDSA", [ident])
+    a.embedded.sign_for_peer(csr, [ident], 600)  # what the CA service does for ztunnel
+    await b.certificate_for([ident], ttl=600)
+    caplog.set_level(logging.WARNING, logger="agent.sds.ca_kube")
+    new_root, new_key = create_root("cluster.local")
+    new_pem = new_root.public_bytes(serialization.Encoding.PEM)
+    await kc.request(kube_admin, "PATCH",
+                     f"/api/v1/namespaces/{system_ns}/secrets/istio-ca-secret",
+                     body={"data": {"ca-cert.pem": b64(new_pem),
+                                    "ca-key.pem": b64(keys.key_pem(new_key)),
+                                    "root-cert.pem": b64(new_pem)}},
+                     content_type="application/merge-patch+json")
+    await eventually(lambda: a.kube_ca.pending is not None and b.kube_ca.pending is not None,
+                     timeout=20, what="both agents in the rotation's overlap")
+    warned = [r.getMessage() for r in caplog.records if "ca_root_overlap" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "ca_root_overlap 4s is too short" in warned[0] and "SECRET_TTL/2" in warned[0]

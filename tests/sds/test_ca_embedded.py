@@ -186,3 +186,24 @@ def test_new_root_on_tmpfs_is_warned_about(tmp_path, caplog):
         assert len(warned) == 1 and "ca_dir" in warned[0] and "tmpfs" in warned[0], warned
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_sign_for_peer_records_when_the_holder_renews(tmp_path):
+    """The CA service's certificates (ztunnel's) record, per signer, the latest time a
+    holder renewing at half the span replaces one (NotBefore + span/2); SDS signing
+    (sign) records nothing: SDS pushes a changed root bundle at once."""
+    ca = EmbeddedCA.load_or_create(str(tmp_path), "cluster.local")
+    ident = "spiffe://cluster.local/ns/a/sa/b"
+    _, csr = keys.new_key_and_csr("ECDSA", [ident])
+    ca.sign(csr, [ident], 3600)
+    assert ca.max_peer_renew_by == {}
+    chain = ca.sign_for_peer(csr, [ident], 600)
+    leaf = x509.load_pem_x509_certificate(chain[0].encode())
+    start, end = leaf.not_valid_before_utc.timestamp(), leaf.not_valid_after_utc.timestamp()
+    assert end - start == 600 + 120  # 10 minutes, NotBefore backdated 2
+    [(ski, renew_by)] = ca.max_peer_renew_by.items()
+    assert renew_by == start + 360  # 4 minutes after issue
+    aki = leaf.extensions.get_extension_for_class(x509.AuthorityKeyIdentifier).value
+    assert ski == aki.key_identifier
+    ca.sign_for_peer(csr, [ident], 600 * 2)
+    assert ca.max_peer_renew_by[ski] > renew_by  # the latest one counts

@@ -17,7 +17,10 @@ Written from istio/ztunnel ``src/identity/caclient.rs`` (``CaClient::fetch_certi
   ``CA_HEADER_*``.
 - **Response**: leaf = ``cert_chain[0]``, the rest is the chain (ztunnel warns when it is
   empty); with impersonation the leaf's identity must equal the one requested, else a
-  ``SanError``.
+  ``SanError``. The last element is the certificate's own trust store: every root it
+  holds (``src/tls/certificate.rs`` ``WorkloadCertificate::new`` splits it), the roots
+  ztunnel verifies peers against for connections made with this certificate, until its
+  next one (:attr:`WorkloadCertificate.roots`).
 """
 
 from __future__ import annotations
@@ -44,7 +47,12 @@ class SanError(Exception):
 class WorkloadCertificate:
     key_pem: bytes
     leaf: x509.Certificate
-    chain: list[x509.Certificate]
+    chain: list[x509.Certificate]  # each later element's first certificate
+    roots: list[x509.Certificate] = dataclasses.field(default_factory=list)
+
+    def roots_pem(self) -> bytes:
+        """The trust store as PEM (what a ztunnel holding this certificate trusts)."""
+        return b"".join(r.public_bytes(serialization.Encoding.PEM) for r in self.roots)
 
     @property
     def identity(self) -> str | None:
@@ -115,7 +123,9 @@ class ZtunnelCaClient:
             raise ValueError(f"EmptyResponse({spiffe_id})")
         leaf = x509.load_pem_x509_certificate(resp.cert_chain[0].encode())
         chain = [x509.load_pem_x509_certificate(c.encode()) for c in resp.cert_chain[1:]]
-        cert = WorkloadCertificate(key, leaf, chain)
+        roots = (x509.load_pem_x509_certificates(resp.cert_chain[-1].encode())
+                 if len(resp.cert_chain) > 1 else [])
+        cert = WorkloadCertificate(key, leaf, chain, roots)
         if self.enable_impersonated_identity and cert.identity != spiffe_id:
             raise SanError(f"expected identity {spiffe_id}, got {cert.identity}")
         return cert
