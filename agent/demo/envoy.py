@@ -132,14 +132,19 @@ def sds_tls_bootstrap(sds_socket: str, listen_port: int, admin_port: int,
 class EnvoyProcess:
     """One Envoy process. ``start()`` from a long-lived thread; always ``stop()`` it.
 
-    ``workdir`` holds ``bootstrap.json`` and ``envoy.log``. Attributes after start:
-    ``admin_port``, ``proc`` (``subprocess.Popen``), ``started_at`` (monotonic seconds).
+    ``workdir`` holds ``bootstrap.json`` and ``envoy.log``. ``netns``: the name of a
+    network namespace under ``/var/run/netns`` to run Envoy in (``ip netns exec``, so
+    Envoy is the child itself and stopping it needs no extra process); its admin port is
+    then asked from inside that namespace. Attributes after start: ``admin_port``,
+    ``proc`` (``subprocess.Popen``), ``started_at`` (monotonic seconds).
     """
 
-    def __init__(self, bootstrap: dict, workdir: str | os.PathLike, log_level: str = "info"):
+    def __init__(self, bootstrap: dict, workdir: str | os.PathLike, log_level: str = "info",
+                 netns: str = ""):
         self.bootstrap = bootstrap
         self.workdir = Path(workdir)
         self.log_level = log_level
+        self.netns = netns
         self.admin_port = bootstrap["admin"]["address"]["socket_address"]["port_value"]
         self.proc: subprocess.Popen | None = None
         self.started_at = 0.0
@@ -154,8 +159,9 @@ class EnvoyProcess:
         config = self.workdir / "bootstrap.json"
         config.write_text(json.dumps(self.bootstrap))
         self.started_at = time.monotonic()
+        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
         self.proc = subprocess.Popen(
-            [envoy_path(), "-c", str(config), "--disable-hot-restart", "--concurrency", "1",
+            [*prefix, envoy_path(), "-c", str(config), "--disable-hot-restart", "--concurrency", "1",
              "-l", self.log_level, "--log-path", str(self.log_path)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
             start_new_session=True)  # stopped by the teardown, not by the terminal's Ctrl-C
@@ -163,6 +169,14 @@ class EnvoyProcess:
 
     def admin(self, path: str, timeout: float = 2.0) -> tuple[int, str]:
         """GET an admin endpoint: ``(status, body)``; ``(0, error)`` when unreachable."""
+        if self.netns:
+            from agent.core.netns import run_in_netns_thread
+
+            return run_in_netns_thread(f"/var/run/netns/{self.netns}", self._admin, path,
+                                       timeout)
+        return self._admin(path, timeout)
+
+    def _admin(self, path: str, timeout: float) -> tuple[int, str]:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}",
                                         timeout=timeout) as r:

@@ -26,7 +26,8 @@ LOOPBACK_CONF = {"cniVersion": "1.0.0", "name": "cni-loopback", "type": "loopbac
 
 @dataclasses.dataclass
 class DemoPod:
-    """One demo pod: its name, namespace, service account, whether it should be ambient."""
+    """One demo pod: its name, namespace, service account, whether it should be ambient,
+    and any labels its Pod object carries besides ``app: <name>``."""
 
     name: str
     namespace: str
@@ -36,6 +37,7 @@ class DemoPod:
     netns_path: str = ""  # the pod's network namespace (a bind mount under /run/netns)
     ip: str = ""
     container_id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(16))
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)  # besides app: <name>
 
 
 @dataclasses.dataclass

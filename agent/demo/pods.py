@@ -21,7 +21,7 @@ class DemoPods(DemoState):
     def write_pod(self, pod: DemoPod) -> None:
         from agent.demo.examples import pod_manifest
 
-        labels = {"app": pod.name}
+        labels = {"app": pod.name, **pod.labels}
         manifest = pod_manifest(pod.name, pod.namespace, pod.uid, pod.ip, self.config.node_name,
                                 pod.service_account, labels, ready=bool(pod.ip))
         if not pod.ip:  # scheduled, not started: the API server has no IP yet

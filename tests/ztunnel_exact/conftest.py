@@ -103,12 +103,15 @@ def agent_dir():
 async def make_agent(agent_dir):
     stacks: list[AgentStack] = []
 
-    async def make(clock=None, **overrides) -> AgentStack:
+    async def make(clock=None, extra_objects: str = "", **overrides) -> AgentStack:
+        """``extra_objects``: more YAML documents for the config source, beside CLUSTER."""
         state = agent_dir / f"s{len(stacks)}"
         state.mkdir(mode=0o700)
         cluster = agent_dir / f"c{len(stacks)}"
         cluster.mkdir()
         (cluster / "cluster.yaml").write_text(CLUSTER)
+        if extra_objects:
+            (cluster / "extra.yaml").write_text(extra_objects)
         tokens = agent_dir / "tokens.yaml"
         tokens.write_text(f"{ZTUNNEL_TOKEN}: istio-system/ztunnel\n")
         values = {"state_dir": str(state), "config_dir": str(cluster),
