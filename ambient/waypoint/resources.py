@@ -392,7 +392,9 @@ def _http_chain(model: WaypointModel, opts: Options, svc: BoundService | None,
 def _tcp_chain(model: WaypointModel, svc: BoundService | None, cluster: str, name: str,
                problems: list[str], opts: Options | None = None) -> dict:
     filters, found = rbac_filters(_policies_for(model, svc), http=False)
-    problems.extend(found)
+    # name the chain: the same policy's HTTP rules are enforced on the HTTP chains, so a
+    # bare "rule is dropped" read as if the policy were not enforced at all
+    problems.extend(f"filter chain {name!r} (TCP, no HTTP attributes): {p}" for p in found)
     proxy = {"name": "envoy.filters.network.tcp_proxy", "typed_config": _any(
         "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy", stat_prefix=cluster,
         cluster=cluster, **_opt("access_log", _logs(opts) if opts else []))}

@@ -314,3 +314,25 @@ def test_httproute_regexes_envoy_would_reject_are_skipped():
                                                       {"prefix": "/"}]
     accepted = statuses(store)["httproutes"][f"{NS}/h"]["parents"][0]["conditions"][0]
     assert (accepted["status"], accepted["reason"]) == ("False", "UnsupportedValue")
+
+
+def test_http_only_allow_is_enforced_on_http_chains_and_named_on_tcp_chains():
+    """An ALLOW naming methods targets the waypoint: its HTTP chains carry the rule; a TCP
+    chain cannot check methods, so the rule is dropped there (allows less), and the warning
+    names that chain, not the policy as a whole (a bare "rule is dropped" read as if the
+    policy were not enforced)."""
+    out, problems, _ = _build({
+        "apiVersion": "security.istio.io/v1", "kind": "AuthorizationPolicy",
+        "metadata": {"name": "get-only", "namespace": NS},
+        "spec": {"targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway",
+                                 "name": "wp"}],
+                 "action": "ALLOW", "rules": [{"to": [{"operation": {"methods": ["GET"]}}]}]}})
+    dropped = [p for p in problems if "get-only" in p]
+    assert dropped and all(p.startswith("filter chain '") and "(TCP, no HTTP attributes)" in p
+                           and "allows less" in p for p in dropped), dropped
+    main = out[resources.LISTENER_TYPE][resources.MAIN_INTERNAL]
+    http = next(fc for fc in main["filter_chains"]
+                if fc["name"] == resources.cluster_name("http", 80, HOST))
+    hcm = http["filters"][-1]["typed_config"]
+    rbac = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.rbac")
+    assert "GET" in str(rbac["typed_config"]["rules"])
