@@ -56,6 +56,9 @@ from tests.kube.test_ca_secret import _ca_role_documents, cacerts_data
 
 pytestmark = [
     pytest.mark.root,
+    # ztunnel renews at half its 10-minute certificates' span: the run is ~10-12 minutes
+    # after set-up, longer than the suite's default 300 s per test
+    pytest.mark.timeout(1800),
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, veth, CNI, iptables)"),
     pytest.mark.skipif(not HAVE_ZTUNNEL, reason="AMBIENT_TEST_ZTUNNEL not set or not executable: a root rotation "
                        "under traffic through the real ztunnel needs its binary (the CI part, "
