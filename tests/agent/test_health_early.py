@@ -1,6 +1,6 @@
 """The health port listens from the start of the process: ``ambient-agent run
 --config-source kubernetes`` with a kubeconfig naming a port nothing listens on (no API
-server at all) answers ``/healthz`` 200 within seconds while ``/readyz`` is 503 naming
+server at all) answers ``/healthz`` 200 while ``/readyz`` is 503 naming
 the config source, and keeps doing so while it retries (the real API server stopped and
 restarted: tests/kube/test_agent_apiserver_down.py)."""
 
@@ -64,7 +64,9 @@ def test_healthz_answers_while_the_api_server_is_unreachable(tmp_path):
     try:
         while _get(f"http://127.0.0.1:{health}/healthz")[0] != 200:
             assert proc.poll() is None, log.read_text()
-            assert time.monotonic() - started < 20, log.read_text()
+            # only a hang guard: what proves "before the API server" is /readyz below still
+            # naming the config source; a cold interpreter at load ~20 took over 20 s once
+            assert time.monotonic() - started < 90, log.read_text()
             time.sleep(0.1)
         for _ in range(3):
             status, text = _get(f"http://127.0.0.1:{health}/readyz")
