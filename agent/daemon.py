@@ -121,6 +121,8 @@ def build(ctx: AgentContext) -> Components:
     authn = made("authn", lambda: tls_authn.build(ctx))
     sds = made("sds", lambda: sds_server.build(ctx, source.store, authn.authenticator,
                                                kube_api=source.kube_api))
+    # the CA Secret's first read overlaps the LISTs and the first index build (issue 28)
+    source.when_connected(sds.prefetch_ca)
     zds = made("zds", lambda: zds_server.build(ctx))
     enrollment = made("enrollment",
                       lambda: enrollment_zds.build(ctx, zds, source, registrar))

@@ -11,7 +11,7 @@ The cni side sees it through its own protocol, ``cni.sourceapi.PodSource``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from agent.core.lifecycle import AgentContext, Component
 from ambient.source_files import DirectorySource, PodNotFound
@@ -66,6 +66,14 @@ class ConfigSource(Component):
                 self.store.apply([(pod, "patch")], origin="kubernetes:Pod")
             return pod
         return await self.backend.patch_pod_annotations(namespace, name, dict(annotations))
+
+    def when_connected(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (on the loop) once the Kubernetes source has its API client
+        and its LISTs are under way, before :meth:`start` returns; never for the files
+        source. For reads that need the client but not the listed objects (the CA
+        Secret), so they overlap the LISTs."""
+        if isinstance(self.backend, KubernetesSource):
+            self.backend.on_connected.append(callback)
 
     def kube_api(self) -> Any | None:
         """The Kubernetes source's API client once started; None for the files source."""

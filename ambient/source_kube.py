@@ -41,7 +41,7 @@ import dataclasses
 import json
 import logging
 import random
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 from kubernetes_asyncio import client as kclient
@@ -228,6 +228,9 @@ class KubernetesSource:
         self.stats: dict[str, KindStats] = {k: KindStats() for k in self.kinds}
         self.retry_log = RetryLog(log)
         self._tasks: list[asyncio.Task] = []
+        # called (on the loop) once the API client exists and every LIST is under way;
+        # the agent begins its CA Secret read there (issue 28)
+        self.on_connected: list[Callable[[], None]] = []
 
     # --- lifecycle ---
 
@@ -243,6 +246,11 @@ class KubernetesSource:
             self.api = kclient.ApiClient(cfg)
         self._tasks = [asyncio.create_task(self._reflect(kind), name=f"kube-{kind}")
                        for kind in self.kinds]
+        for callback in self.on_connected:
+            try:
+                callback()
+            except Exception:  # a consumer's bug must not stop the source
+                log.exception("kubernetes source: on_connected callback failed")
         try:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self.synced.values())),
                                    timeout=self.sync_timeout)

@@ -225,11 +225,25 @@ class KubeCASecret:
         """Read (or bootstrap) the Secret once, within ``first_timeout`` seconds, then
         follow it in the background. Never raises for a bad or unreadable Secret: the CA
         stays refusing and :attr:`error` says why."""
+        await self.first_read(first_timeout)
+        self.follow()
+
+    async def first_read(self, first_timeout: float = 30.0) -> None:
+        """The read (or bootstrap) of :meth:`start`, bounded by ``first_timeout`` seconds,
+        without the background following; the agent begins it while the config source
+        still lists (issue 28: it used to run after the first index build). Never raises
+        for a bad or unreadable Secret (as :meth:`start`)."""
         try:
             await asyncio.wait_for(self.sync(), first_timeout)
         except asyncio.TimeoutError:
             self._refuse_start(f"Secret {self.namespace}/{CACERTS} or {ISTIO_CA_SECRET}: not "
                                f"read within {first_timeout:g}s (API server unreachable?)")
+
+    def follow(self) -> None:
+        """Follow the Secrets in the background (resync loop and watches) after
+        :meth:`first_read`; :meth:`stop` ends it."""
+        if self._tasks:
+            return
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._loop(), name="ca-secret-sync"),
                        *(loop.create_task(self._watch(n), name=f"ca-secret-watch-{n}")
@@ -279,11 +293,26 @@ class KubeCASecret:
 
     async def _sync(self) -> None:
         self._advance()
-        cacerts = await self._get(CACERTS)
+        prefetched: asyncio.Task | None = None
+        if self.loaded is None:
+            # the first read is on the cold start's path: both GETs at once (one round
+            # trip, not two, on a slow API server); later resyncs ask for the second
+            # Secret only when cacerts is not the one used (half the API load)
+            prefetched = asyncio.ensure_future(self._get(ISTIO_CA_SECRET))
+        try:
+            cacerts = await self._get(CACERTS)
+        except BaseException:
+            if prefetched is not None:
+                prefetched.cancel()
+                await asyncio.gather(prefetched, return_exceptions=True)
+            raise
         use_cacerts = cacerts is not None and ISTIO_GENERATED not in cacerts["data"]
         chosen, name = (cacerts, CACERTS) if use_cacerts else (None, "")
+        if chosen is not None and prefetched is not None:
+            await asyncio.gather(prefetched, return_exceptions=True)  # not needed
         if chosen is None:
-            secret = await self._get(ISTIO_CA_SECRET)
+            secret = await (prefetched if prefetched is not None
+                            else self._get(ISTIO_CA_SECRET))
             if secret is not None:
                 chosen, name = secret, ISTIO_CA_SECRET
             elif cacerts is not None:  # istiod's USE_CACERTS_FOR_SELF_SIGNED_CA form

@@ -91,6 +91,7 @@ class SdsServer(Component):
         self.config = config
         self._kube_api = kube_api  # the config source's ApiClient (Kubernetes mode)
         self.kube_ca: KubeCASecret | None = None
+        self._ca_read: asyncio.Task | None = None  # the CA Secret's first read (prefetch_ca)
         self.publisher: RootPublisher | None = None
         self._authenticator = authenticator
         self.clock = clock
@@ -194,6 +195,31 @@ class SdsServer(Component):
         log.info("SDS serving on %s (%s identity, CA %s)", cfg.sds_socket, self.mode,
                  cfg.ca_addr or "embedded")
 
+    def prefetch_ca(self) -> None:
+        """Begin the cluster CA Secret's first read now (on the loop), so that start()
+        only awaits it: the agent calls this once the config source has its API client,
+        and the read overlaps the LISTs and the first index build instead of following
+        them (issue 28). A no-op unless the CA comes from that Secret; ``start`` reports
+        its result as it always did (the read never raises: the CA stays refusing)."""
+        cfg = self.config
+        if (self._ca_read is None and not cfg.ca_addr and self.kube_mode
+                and not cfg.ca_signer_process and self._kube_api() is not None):
+            self._begin_ca_read()
+
+    def _begin_ca_read(self) -> asyncio.Task:
+        """The CA Secret's first read as a task (made once)."""
+        if self._ca_read is not None:
+            return self._ca_read
+        cfg = self.config
+        embedded = self.embedded = EmbeddedCA.pending("CA Secret not read yet",
+                                                      clock=self.clock or time.time)
+        self.kube_ca = KubeCASecret(self._kube_api, cfg.system_namespace, cfg.trust_domain,
+                                    embedded, self._run, self._on_ca_roots_changed,
+                                    cfg.ca_root_overlap, clock=self.clock or time.time)
+        self._ca_read = asyncio.get_running_loop().create_task(
+            self.kube_ca.first_read(), name="ca-secret-first-read")
+        return self._ca_read
+
     async def _start_ca(self) -> CAClient:
         """The CA client the cache signs with (also :attr:`ca_client`): a remote Istio CA
         when ``ca_addr`` is set, else the embedded CA (loaded or created)."""
@@ -212,13 +238,10 @@ class SdsServer(Component):
                 raise RuntimeError("setting ca_signer_process: not available with the "
                                    "cluster's CA Secret (ca_kubernetes_secret); set one of "
                                    "them false")
-            embedded = self.embedded = EmbeddedCA.pending("CA Secret not read yet",
-                                                          clock=self.clock or time.time)
-            self.kube_ca = KubeCASecret(self._kube_api, cfg.system_namespace, cfg.trust_domain,
-                                        embedded, self._run, self._on_ca_roots_changed,
-                                        cfg.ca_root_overlap, clock=self.clock or time.time)
-            await self.kube_ca.start()
-            kube = self.ca_client = EmbeddedCAClient(embedded, self._run)
+            await self._begin_ca_read()  # begun by prefetch_ca, or now
+            assert self.kube_ca is not None and self.embedded is not None
+            self.kube_ca.follow()
+            kube = self.ca_client = EmbeddedCAClient(self.embedded, self._run)
             return kube
         try:
             embedded = self.embedded = await self._run(
@@ -406,6 +429,9 @@ class SdsServer(Component):
         self._started = False
         if self.publisher is not None:
             await self.publisher.stop()
+        if self._ca_read is not None:
+            self._ca_read.cancel()
+            await asyncio.gather(self._ca_read, return_exceptions=True)
         if self.kube_ca is not None:
             await self.kube_ca.stop()
         for t in self._tasks:

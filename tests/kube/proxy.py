@@ -97,7 +97,9 @@ class SlowApiProxy:
     (seconds, as kube-apiserver's max-in-flight filter sends), then each is held
     ``list_delay`` seconds before it is forwarded (a server that takes that long per
     LIST page). Counters: :attr:`lists` such GETs forwarded, :attr:`throttled` answered
-    429.
+    429, :attr:`gets` the forwarded ones per path, :attr:`together` for each such GET the
+    set of paths held or forwarded at the moment it came (itself included: whether a
+    client asks one after the other).
     """
 
     def __init__(self, upstream: str, ca_file: str, list_delay: float = 0.0,
@@ -107,6 +109,9 @@ class SlowApiProxy:
         self.lists = 0
         self.throttled = 0
         self._throttled_per_path: dict[str, int] = {}
+        self.gets: dict[str, int] = {}
+        self.together: list[frozenset[str]] = []
+        self._in_flight: dict[str, int] = {}
         self._ssl = ssl.create_default_context(cafile=ca_file)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
@@ -121,7 +126,8 @@ class SlowApiProxy:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         app = web.Application(client_max_size=64 << 20)
         app.router.add_route("*", "/{tail:.*}", self._serve)
-        self._runner = web.AppRunner(app, access_log=None)
+        # stop() cuts off open watches at once (aiohttp would wait 60 s for their handlers)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -135,7 +141,9 @@ class SlowApiProxy:
             await self._session.close()
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:
-        is_list = request.method == "GET" and request.query.get("watch") not in ("true", "1")
+        # kubernetes_asyncio's generated API sends watch=True
+        is_list = (request.method == "GET"
+                   and request.query.get("watch", "").lower() not in ("true", "1"))
         if is_list:
             done = self._throttled_per_path.get(request.path, 0)
             if done < self.throttle:
@@ -147,9 +155,22 @@ class SlowApiProxy:
                 return web.Response(status=429, text=json.dumps(body),
                                     content_type="application/json",
                                     headers={"Retry-After": str(self.retry_after)})
-            if self.list_delay:
-                await asyncio.sleep(self.list_delay)
-            self.lists += 1
+            path = request.path
+            self._in_flight[path] = self._in_flight.get(path, 0) + 1
+            self.together.append(frozenset(self._in_flight))
+            try:
+                if self.list_delay:
+                    await asyncio.sleep(self.list_delay)
+                self.lists += 1
+                self.gets[request.path] = self.gets.get(request.path, 0) + 1
+                return await self._forward(request)
+            finally:
+                self._in_flight[path] -= 1
+                if not self._in_flight[path]:
+                    del self._in_flight[path]
+        return await self._forward(request)
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "content-type", "accept")}
         assert self._session is not None

@@ -29,6 +29,7 @@ from agent.sds.ca_istio import CAClientError
 from agent.sds.server import SdsServer
 from tests.helpers import eventually
 from tests.kube import cluster as kc
+from tests.kube.proxy import SlowApiProxy
 from tests.sds.helpers import executor_runner, make_config
 
 
@@ -59,14 +60,16 @@ async def system_ns(kube_admin):
 
 @pytest.fixture
 async def agents(kube_cluster, kube_admin, tmp_path):
-    """``make(system_ns, node, **settings)`` -> an SdsServer (not started) in Kubernetes
-    mode with its own token of the agent's ServiceAccount; all stopped at the end."""
+    """``make(system_ns, node, server="", **settings)`` -> an SdsServer (not started) in
+    Kubernetes mode with its own token of the agent's ServiceAccount (``server``: another
+    API URL, a proxy in front of the cluster's); all stopped at the end."""
     run = executor_runner()
     made: list[tuple[SdsServer, object]] = []
 
-    async def make(system_ns: str, node: str, **overrides) -> SdsServer:
+    async def make(system_ns: str, node: str, server: str = "", **overrides) -> SdsServer:
         kubeconfig = await kc.agent_kubeconfig(kube_cluster, kube_admin,
-                                               str(tmp_path / f"{node}.kubeconfig"))
+                                               str(tmp_path / f"{node}.kubeconfig"),
+                                               server=server)
         api = await kc.client_from_kubeconfig(kubeconfig)
         state = tmp_path / node
         state.mkdir()
@@ -418,3 +421,56 @@ async def test_rotation_warns_when_the_overlap_ends_before_renewals(agents, syst
     warned = [r.getMessage() for r in caplog.records if "ca_root_overlap" in r.getMessage()]
     assert len(warned) == 1, warned
     assert "ca_root_overlap 4s is too short" in warned[0] and "SECRET_TTL/2" in warned[0]
+
+
+async def test_first_read_asks_for_both_secrets_at_once_and_start_does_not_read_again(
+        agents, system_ns, kube_cluster):
+    """Issue 28 (cold start): the agent begins the CA Secret read with ``prefetch_ca()``
+    while its config source lists; that first read GETs ``cacerts`` and
+    ``istio-ca-secret`` at once (one round trip, not two, on a slow API server: a proxy
+    holding each GET 0.5 s); ``start()`` awaits it instead of reading again; a later
+    resync asks one after the other (the second only when cacerts is not used)."""
+    proxy = await SlowApiProxy(kube_cluster.url, kube_cluster.ca_file, list_delay=0.5).start()
+    a = None
+    try:
+        a = await agents(system_ns, kc.unique("node-a"), server=proxy.url)
+        paths = [f"/api/v1/namespaces/{system_ns}/secrets/{n}"
+                 for n in ("cacerts", "istio-ca-secret")]
+        a.prefetch_ca()
+        both = frozenset(paths)
+        await eventually(lambda: any(both <= t for t in proxy.together), timeout=30,
+                         what="both Secret GETs in flight together")
+        await a.start()
+        assert a.ready() == (True, "") and a.kube_ca is not None and a.kube_ca.bootstrapped
+        assert [proxy.gets.get(p) for p in paths] == [1, 1], proxy.gets
+        proxy.together.clear()
+        await a.kube_ca.sync()  # a resync: neither Secret is cacerts, so both, in turn
+        assert [proxy.gets.get(p) for p in paths] == [2, 2], proxy.gets
+        assert not any(both <= t for t in proxy.together), proxy.together
+    finally:
+        if a is not None:
+            await a.stop(0.2)  # its Secret watches end before the proxy stops
+        await proxy.stop()
+
+
+async def test_prefetch_is_a_no_op_without_an_api_client_and_start_still_refuses_cleanly(
+        tmp_path):
+    """``prefetch_ca()`` before the config source has its client does nothing; ``start()``
+    then reads as it always did: no client is a CA that refuses, naming why (not a
+    crash)."""
+    run = executor_runner()
+    state = tmp_path / "node"
+    state.mkdir()
+    cfg = make_config(state, config_source="kubernetes", kubeconfig="/nonexistent",
+                      system_namespace="istio-system", node_name="n", ca_root_publish=False,
+                      mesh_root_file=str(state / "mesh-root" / "root-cert.pem"))
+    server = SdsServer(cfg, run, kube_api=lambda: None)
+    try:
+        server.prefetch_ca()
+        assert server._ca_read is None and server.kube_ca is None
+        await server.start()
+        ok, why = server.ready()
+        assert not ok and "no Kubernetes API client" in why, why
+    finally:
+        await server.stop(0.2)
+        run.pool.shutdown(wait=False)

@@ -207,6 +207,27 @@ async def test_initial_list_and_watch_of_every_kind(kube_admin, kube_namespace, 
                 await delete_object(kube_admin, o)
 
 
+async def test_on_connected_runs_with_the_client_while_the_lists_are_under_way(
+        agent_kubeconfig, no_403):
+    """Issue 28: ``on_connected`` callbacks (the agent's CA Secret read) are called once,
+    with the API client made and no kind listed yet, so what they read overlaps the
+    LISTs; a callback that raises is logged and the source syncs all the same."""
+    src = KubernetesSource(ObjectStore(), agent_kubeconfig, kinds=["Namespace", "Pod"],
+                           sync_timeout=20)
+    seen: list[tuple[bool, bool]] = []
+
+    def broken() -> None:
+        raise RuntimeError("a consumer's bug")
+
+    src.on_connected += [lambda: seen.append((src.api is not None, src.is_synced())), broken]
+    await src.start()
+    try:
+        assert seen == [(True, False)]
+        assert src.is_synced()
+    finally:
+        await src.stop()
+
+
 async def test_bookmarks_advance_the_resource_version(kube_admin, agent_kubeconfig, no_403):
     """The API server's watch cache sends BOOKMARKs (~2 s before a watch's timeout here)
     carrying the newest resourceVersion even when nothing of that kind changed; the source
