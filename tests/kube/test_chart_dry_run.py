@@ -77,4 +77,4 @@ def test_plain_directory_applies_and_creates_no_crd(kube_cluster):
     # deploy/crds/ is the only place the CRDs come from (the session applied it already:
     # re-applying it is a no-op the server accepts)
     crds = dry_run(kube_cluster, str(ROOT / "deploy" / "crds"))
-    assert len(crds) == 7 and all(o.startswith("customresourcedefinition") for o in crds)
+    assert len(crds) == 9 and all(o.startswith("customresourcedefinition") for o in crds)
