@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import secrets
 import time
 
@@ -65,10 +66,14 @@ def logs(caplog):
     return caplog
 
 
+_STATUS_403 = re.compile(r"\b403\b")  # the status, not "403" inside a pod UID's hex
+
+
 def forbidden(caplog) -> list[str]:
+    """The agent's log lines that report an HTTP 403 from the API server."""
     return [r.getMessage() for r in caplog.records
             if r.name.startswith(tuple(n + "." for n in LOGGERS)) or r.name in LOGGERS
-            if "403" in r.getMessage()]
+            if _STATUS_403.search(r.getMessage())]
 
 
 @pytest.fixture
