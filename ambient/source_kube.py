@@ -46,10 +46,10 @@ from typing import Any, Callable
 import aiohttp
 from kubernetes_asyncio import client as kclient
 from kubernetes_asyncio import config as kconfig
-from kubernetes_asyncio.client.exceptions import ApiException
 
-from agent.core import gcpause
+from agent.core import gcpause, kubecall
 from agent.core.backoff import Backoff
+from agent.core.kubecall import KubeError
 from ambient.store import CLUSTER_KINDS, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -103,33 +103,6 @@ class KindStats:
 
 class MalformedStream(ValueError):
     """A watch stream line that is not a watch event (bad JSON, missing type/object)."""
-
-
-async def _check(resp: Any) -> None:
-    """Raise ApiException for a non-2xx raw response (``_preload_content=False`` skips it).
-
-    The exception's ``headers`` are the response's (``Retry-After`` of a 429)."""
-    if 200 <= resp.status <= 299:
-        return
-    body = await resp.read()
-    resp.release()
-    reason = resp.reason or ""
-    try:
-        reason = json.loads(body).get("message") or reason
-    except (ValueError, AttributeError):
-        pass
-    err = ApiException(status=resp.status, reason=reason)
-    err.headers = dict(resp.headers)  # type: ignore[assignment]  # read by _retry_after
-    raise err
-
-
-def _retry_after(err: ApiException) -> float:
-    """Seconds from a ``Retry-After`` header (delta-seconds form), 0 when absent/invalid."""
-    try:
-        headers: Any = err.headers or {}
-        return max(0.0, float(headers.get("Retry-After", 0)))
-    except (TypeError, ValueError):
-        return 0.0
 
 
 class RetryLog:
@@ -291,28 +264,18 @@ class KubernetesSource:
         _, group, version, plural = RESOURCES[kind]
         return f"/api/{version}/{plural}" if not group else f"/apis/{group}/{version}/{plural}"
 
-    async def _get(self, path: str, query: list[tuple[str, Any]],
-                   timeout: aiohttp.ClientTimeout) -> Any:
-        """GET ``path`` through the ApiClient (auth, TLS, host from its configuration);
-        returns the raw aiohttp response (not preloaded). Raises ApiException for non-2xx,
-        RuntimeError before :meth:`start`."""
+    def _client(self, what: str) -> kclient.ApiClient:
+        """The ApiClient; RuntimeError naming ``what`` before :meth:`start`."""
         if self.api is None:
-            raise RuntimeError(f"cannot GET {path}: the kubernetes source is not started")
-        resp = await self.api.call_api(path, "GET", query_params=query,
-                                       header_params={"Accept": "application/json"},
-                                       auth_settings=["BearerToken"], _preload_content=False,
-                                       _request_timeout=timeout)
-        await _check(resp)
-        return resp
+            raise RuntimeError(f"cannot {what}: the kubernetes source is not started")
+        return self.api
 
     async def list_objects(self, kind: str) -> tuple[list[dict], str]:
         """One LIST: (objects with kind/apiVersion filled in, resourceVersion)."""
-        resp = await self._get(self._path(kind), [], aiohttp.ClientTimeout(
-            total=LIST_TIMEOUT, sock_connect=CONNECT_TIMEOUT))
-        try:
-            data = await resp.read()
-        finally:
-            resp.release()
+        path = self._path(kind)
+        data = await kubecall.read(self._client(f"GET {path}"), "GET", path,
+                                   timeout=aiohttp.ClientTimeout(total=LIST_TIMEOUT,
+                                                                 sock_connect=CONNECT_TIMEOUT))
         with gcpause.paused():  # a LIST is millions of objects at once (agent/core/gcpause.py)
             body = json.loads(data)
         if not isinstance(body, dict):
@@ -358,14 +321,14 @@ class KubernetesSource:
                     backoff.reset()
             except asyncio.CancelledError:
                 raise
-            except ApiException as e:
-                if e.status == 410:
+            except KubeError as e:
+                if e.gone:
                     log.info("watch %s: resourceVersion %s is gone (%s); relisting", kind, rv,
                              e.reason)
                     rv = ""
                     continue
                 self.errors[kind] = f"{e.status} {e.reason}"
-                if e.status == 404:
+                if e.not_found:
                     # the kind's API is not installed (a CRD missing): empty, not an error
                     # that keeps the agent unready; asked for again, without log noise
                     self.store.replace_origin(origin, [])
@@ -380,8 +343,8 @@ class KubernetesSource:
                     await asyncio.sleep(MISSING_RETRY * random.uniform(0.8, 1.2))
                     continue
                 delay = backoff.next()
-                if e.status == 429:  # the server's Retry-After is a floor, jittered alike
-                    delay = max(delay, _retry_after(e) * backoff.rand(*backoff.jitter))
+                if e.too_many_requests:  # the server's Retry-After is a floor, jittered alike
+                    delay = max(delay, e.retry_after * backoff.rand(*backoff.jitter))
                 self.retry_log.failed(kind, "watch" if rv else "list",
                                       f"{e.status} {e.reason}", delay)
                 await asyncio.sleep(delay)
@@ -394,16 +357,19 @@ class KubernetesSource:
 
     async def _watch_once(self, kind: str, origin: str, rv: str) -> str:
         """Follow one watch from ``rv`` until the server ends it; returns the last
-        resourceVersion seen (events and bookmarks). Raises ApiException (410 for an ERROR
-        event with code 410), MalformedStream, aiohttp/timeout errors."""
+        resourceVersion seen (events and bookmarks). Raises KubeError (an error answer, or
+        an ERROR event: 410 for a version that is gone), MalformedStream, aiohttp/timeout
+        errors."""
         query = [("watch", "true"), ("allowWatchBookmarks", "true"), ("resourceVersion", rv),
                  ("timeoutSeconds", self.watch_timeout)]
-        resp = await self._get(self._path(kind), query, aiohttp.ClientTimeout(
-            sock_connect=CONNECT_TIMEOUT, sock_read=self.watch_timeout + WATCH_IDLE_GRACE))
+        path = self._path(kind)
         st = self.stats[kind]
-        st.watches += 1
-        buf = bytearray()
-        try:
+        async with kubecall.stream(self._client(f"GET {path}"), path, query=query,
+                                   timeout=aiohttp.ClientTimeout(
+                                       sock_connect=CONNECT_TIMEOUT,
+                                       sock_read=self.watch_timeout + WATCH_IDLE_GRACE)) as resp:
+            st.watches += 1
+            buf = bytearray()
             async for chunk in resp.content.iter_any():
                 st.watch_bytes += len(chunk)
                 buf += chunk
@@ -421,8 +387,6 @@ class KubernetesSource:
                                           "bytes")
             if bytes(buf).strip():
                 rv = self._event(kind, origin, bytes(buf), rv)
-        finally:
-            resp.release()
         return rv
 
     def _event(self, kind: str, origin: str, line: bytes, rv: str) -> str:
@@ -435,11 +399,7 @@ class KubernetesSource:
             raise MalformedStream(f"watch {kind}: not a watch event")
         etype, obj = event["type"], event.get("object")
         if etype == "ERROR":
-            status = obj if isinstance(obj, dict) else {}
-            err = ApiException(status=int(status.get("code") or 500),
-                               reason=str(status.get("message") or status.get("reason") or ""))
-            err.headers = {}  # type: ignore[assignment]
-            raise err
+            raise KubeError.from_status(obj)
         meta = obj.get("metadata") if isinstance(obj, dict) else None
         new_rv = str(meta.get("resourceVersion") or "") if isinstance(meta, dict) else ""
         if etype == "BOOKMARK":
@@ -469,23 +429,13 @@ class KubernetesSource:
         """Merge-patch ``metadata.annotations`` of a pod through ``pods/status``.
 
         A value of None removes the annotation. Returns the patched Pod. Raises
-        ``kubernetes_asyncio.client.exceptions.ApiException`` on API errors and
-        RuntimeError before :meth:`start`.
+        :class:`agent.core.kubecall.KubeError` (a kubernetes_asyncio ``ApiException``) on
+        API errors and RuntimeError before :meth:`start`.
         """
-        if self.api is None:
-            raise RuntimeError(f"cannot patch pod {namespace}/{name}: the kubernetes source "
-                               "is not started")
+        api = self._client(f"patch pod {namespace}/{name}")
         body = {"metadata": {"annotations": annotations}}
-        path = f"/api/v1/namespaces/{namespace}/pods/{name}/status"
-        resp = await self.api.call_api(
-            path, "PATCH", body=body, auth_settings=["BearerToken"], _preload_content=False,
-            header_params={"Content-Type": "application/merge-patch+json",
-                           "Accept": "application/json"},
-            _request_timeout=aiohttp.ClientTimeout(total=LIST_TIMEOUT,
-                                                   sock_connect=CONNECT_TIMEOUT))
-        await _check(resp)
-        try:
-            pod = json.loads(await resp.read())
-        finally:
-            resp.release()
+        pod: dict = await kubecall.call(
+            api, "PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}/status", body=body,
+            content_type=kubecall.MERGE_PATCH,
+            timeout=aiohttp.ClientTimeout(total=LIST_TIMEOUT, sock_connect=CONNECT_TIMEOUT))
         return pod

@@ -31,6 +31,7 @@ import tempfile
 import time
 from typing import Awaitable, Callable
 
+from agent.core import kubecall
 from ambient.source_kube import RESOURCES, KubernetesSource
 from ambient.store import ObjectStore
 from benchmarks.common import Result
@@ -140,12 +141,8 @@ class NarrowWatch:
 
     async def start(self) -> None:
         for path in ("/api/v1/pods", "/api/v1/namespaces"):
-            resp = await self.api.call_api(path, "GET", query_params=self._query(path),
-                                           header_params={"Accept": "application/json"},
-                                           auth_settings=["BearerToken"],
-                                           _preload_content=False)
-            data = await resp.read()
-            resp.release()
+            data = await kubecall.read(self.api, "GET", path, query=self._query(path),
+                                       timeout=None)
             body = json.loads(data)
             self.listed_objects += len(body["items"])
             self.listed_bytes += len(data)
@@ -153,18 +150,13 @@ class NarrowWatch:
                 self._watch(path, body["metadata"]["resourceVersion"])))
 
     async def _watch(self, path: str, rv: str) -> None:
-        resp = await self.api.call_api(
-            path, "GET", query_params=self._query(path) + [
-                ("watch", "true"), ("resourceVersion", rv), ("allowWatchBookmarks", "true")],
-            header_params={"Accept": "application/json"}, auth_settings=["BearerToken"],
-            _preload_content=False)
-        try:
+        query = self._query(path) + [("watch", "true"), ("resourceVersion", rv),
+                                     ("allowWatchBookmarks", "true")]
+        async with kubecall.stream(self.api, path, query=query, timeout=None) as resp:
             async for line in resp.content:
                 self.watch_bytes += len(line)
                 if b'"BOOKMARK"' not in line[:30]:
                     self.events += 1
-        finally:
-            resp.release()
 
     async def stop(self) -> None:
         for t in self._tasks:

@@ -181,10 +181,10 @@ async def _apiserver_patch_status(api) -> tuple[float, float]:
     """``(sum seconds, count)`` of the API server's own ``PATCH pods/status`` handling
     (``apiserver_request_duration_seconds``; the kubelet's status writes are the same
     request): the server-side part of the agent's annotation write."""
-    resp = await api.call_api("/metrics", "GET", auth_settings=["BearerToken"],
-                              header_params={"Accept": "text/plain"}, _preload_content=False)
-    text = (await resp.read()).decode()
-    resp.release()
+    from agent.core import kubecall
+
+    text = (await kubecall.read(api, "GET", "/metrics", accept="text/plain",
+                                timeout=None)).decode()
     total = count = 0.0
     for line in text.splitlines():
         if (line.startswith("apiserver_request_duration_seconds_")

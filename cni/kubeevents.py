@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import time
 from typing import Any
 
+from agent.core import kubecall
 from agent.core.lifecycle import AgentContext
 from cni.enrollment import metrics as metrics_mod
 from cni.sourceapi import PodSource
@@ -149,24 +149,12 @@ class PodEvents:
                                 _short(e))
 
     async def _call(self, method: str, path: str, body: Any = None,
-                    content_type: str = "application/json") -> Any:
-        from kubernetes_asyncio.client.exceptions import ApiException
-        import aiohttp
-
+                    content_type: str = kubecall.JSON) -> Any:
         api = self._api()
         if api is None:
             raise RuntimeError("no Kubernetes API client")
-        resp = await api.call_api(
-            path, method, body=body, auth_settings=["BearerToken"], _preload_content=False,
-            header_params={"Content-Type": content_type, "Accept": "application/json"},
-            _request_timeout=aiohttp.ClientTimeout(total=TIMEOUT))
-        try:
-            text = await resp.read()
-            if resp.status >= 400:
-                raise ApiException(status=resp.status, reason=text.decode("utf-8", "replace")[:300])
-            return json.loads(text) if text else None
-        finally:
-            resp.release()
+        return await kubecall.call(api, method, path, body=body, content_type=content_type,
+                                   timeout=TIMEOUT)
 
     async def _event(self, namespace: str, name: str, uid: str, reason: str, message: str,
                      component: str) -> None:
@@ -178,7 +166,7 @@ class PodEvents:
             try:
                 await self._call("PATCH", f"/api/v1/namespaces/{namespace}/events/{event_name}",
                                  {"count": count + 1, "lastTimestamp": now},
-                                 "application/merge-patch+json")
+                                 kubecall.MERGE_PATCH)
                 self._seen[key] = (event_name, count + 1)
                 self._seen.move_to_end(key)
                 self.stats["patched"] += 1
@@ -224,7 +212,7 @@ class PodEvents:
                 # pods/status may change metadata too, and is the lower privilege (upstream)
                 await self._call("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}/status",
                                  {"metadata": {"labels": {key: value}}},
-                                 "application/merge-patch+json")
+                                 kubecall.MERGE_PATCH)
                 text = "pod detected as broken, labeled"
         except Exception as e:
             self.metrics.repaired.labels(kind, "fail").inc()
@@ -251,6 +239,10 @@ class PodEvents:
 
 
 def _short(e: BaseException) -> str:
-    text = getattr(e, "reason", None) or str(e) or type(e).__name__
+    """One line for the log and the repair Event: ``HTTP <status>: `` and the API server's
+    answer as sent (its body, up to 300 characters), else the error's text."""
+    text = (e.body.decode("utf-8", "replace")[:300] if isinstance(e, kubecall.KubeError)
+            and e.body else None) or \
+        getattr(e, "reason", None) or str(e) or type(e).__name__
     status = getattr(e, "status", None)
     return (f"HTTP {status}: " if status else "") + " ".join(str(text).split())[:300]

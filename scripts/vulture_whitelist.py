@@ -5,6 +5,7 @@ for real is deleted, not added here. Never imported."""
 
 # used by tests, benchmarks or scripts (vulture reads only the packages)
 _.bookmarks  # unused attribute (ambient/source_kube.py)
+_.forbidden  # unused property (agent/core/kubecall.py)
 _.forwarded  # unused attribute (agent/sds/ca_server.py)
 _.install_config  # unused method (cni/install.py)
 _.listed_bytes  # unused attribute (ambient/source_kube.py)

@@ -40,10 +40,9 @@ import json
 import logging
 from typing import Any, Callable
 
-import aiohttp
-from kubernetes_asyncio.client.exceptions import ApiException
-
+from agent.core import kubecall
 from agent.core.backoff import Backoff
+from agent.core.kubecall import KubeError
 from agent.core.kubelease import IstiodLock, LeaseElection
 from agent.core.lifecycle import AgentContext, Component
 from ambient.objects import meta
@@ -283,11 +282,11 @@ class StatusWriter(Component):
                 body["metadata"] = {"resourceVersion": rv}
             try:
                 await self._request("PATCH", self._path(key, ns, name, "/status"), body)
-            except ApiException as e:
-                if e.status == 404:
+            except KubeError as e:
+                if e.not_found:
                     self.writes["gone"] += 1
                     return
-                if e.status != 409:
+                if not e.conflict:
                     raise
                 self.writes["conflicts"] += 1
                 obj = await self._read(key, ns, name)
@@ -306,8 +305,8 @@ class StatusWriter(Component):
     async def _read(self, key: str, ns: str, name: str) -> dict | None:
         try:
             return await self._request("GET", self._path(key, ns, name))
-        except ApiException as e:
-            if e.status == 404:
+        except KubeError as e:
+            if e.not_found:
                 return None
             raise
 
@@ -315,25 +314,10 @@ class StatusWriter(Component):
         api = self._api()
         if api is None:
             raise RuntimeError("no Kubernetes API client (config source not started)")
-        headers = {"Accept": "application/json"}
-        if method == "PATCH":
-            headers["Content-Type"] = "application/merge-patch+json"
-        resp = await api.call_api(
-            path, method, body=body, auth_settings=["BearerToken"], _preload_content=False,
-            header_params=headers,
-            _request_timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT))
-        try:
-            data = await resp.read()
-        finally:
-            resp.release()
-        if not 200 <= resp.status <= 299:
-            reason = resp.reason or ""
-            try:
-                reason = json.loads(data).get("message") or reason
-            except (ValueError, AttributeError):
-                pass
-            raise ApiException(status=resp.status, reason=reason)
-        return json.loads(data)
+        out: dict = await kubecall.call(
+            api, method, path, body=body, timeout=REQUEST_TIMEOUT,
+            content_type=kubecall.MERGE_PATCH if method == "PATCH" else kubecall.JSON)
+        return out
 
     def debug_state(self) -> dict:
         return {**self.election.debug_state(), "passes": self.passes, **self.writes}

@@ -22,8 +22,9 @@ Credentials: :func:`service_account_token` asks the TokenRequest API for a token
 ServiceAccount; :func:`kubeconfig_for_token` writes a kubeconfig with it, which is what
 an agent under test is given (its own identity, its own RBAC, nothing of the admin's).
 
-All HTTP goes through kubernetes_asyncio's ApiClient (``call_api``); JSON bodies are plain
-dicts. Errors raise ``kubernetes_asyncio.client.exceptions.ApiException``.
+All HTTP goes through kubernetes_asyncio's ApiClient (``agent.core.kubecall``, as the
+agent's own raw calls); JSON bodies are plain dicts. Errors raise
+``agent.core.kubecall.KubeError``, a ``kubernetes_asyncio.client.exceptions.ApiException``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-import json
 import os
 import subprocess
 import time
@@ -43,6 +43,8 @@ import yaml
 from kubernetes_asyncio import client as kclient
 from kubernetes_asyncio import config as kconfig
 from kubernetes_asyncio.client.exceptions import ApiException
+
+from agent.core import kubecall
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "kube-test-apiserver.sh")
@@ -142,22 +144,12 @@ async def client_from_kubeconfig(path: str) -> kclient.ApiClient:
 async def request(api: kclient.ApiClient, method: str, path: str, body: Any = None,
                   query: list[tuple[str, Any]] | None = None,
                   content_type: str = "application/json") -> dict:
-    """One API call; returns the decoded JSON body ({} when empty). Raises ApiException
-    (status, reason = the Status message) for non-2xx answers."""
-    resp = await api.call_api(path, method, query_params=query or [], body=body,
-                              header_params={"Content-Type": content_type,
-                                             "Accept": "application/json"},
-                              auth_settings=["BearerToken"], _preload_content=False)
-    data = await resp.read()
-    resp.release()
-    if not 200 <= resp.status <= 299:
-        reason = resp.reason or ""
-        try:
-            reason = json.loads(data).get("message") or reason
-        except (ValueError, AttributeError):
-            pass
-        raise ApiException(status=resp.status, reason=reason)
-    return json.loads(data) if data else {}
+    """One API call; returns the decoded JSON body ({} when empty). Raises
+    :class:`agent.core.kubecall.KubeError` (an ApiException: status, reason = the Status
+    message) for non-2xx answers."""
+    out = await kubecall.call(api, method, path, query=query or [], body=body,
+                              content_type=content_type, timeout=None)
+    return out if out is not None else {}
 
 
 _DISCOVERY: dict[tuple[int, str], dict[str, tuple[str, bool]]] = {}

@@ -18,6 +18,7 @@ import ssl
 import aiohttp
 import pytest
 
+from agent.core import kubecall
 from ambient import source_kube
 from ambient.source_kube import RESOURCES, KubernetesSource
 from ambient.store import ObjectStore
@@ -310,17 +311,11 @@ async def test_410_after_compaction_relists_nothing_lost_nothing_duplicated(
 
 
 async def watch_once(api, path: str, rv: str) -> None:
-    """Open a watch at ``rv`` and read its first line; raises ApiException for ERROR."""
-    resp = await api.call_api(path, "GET", query_params=[("watch", "true"),
-                                                         ("resourceVersion", rv),
-                                                         ("timeoutSeconds", 2)],
-                              header_params={"Accept": "application/json"},
-                              auth_settings=["BearerToken"], _preload_content=False)
-    await source_kube._check(resp)  # an HTTP-level 410 raises here
-    try:
+    """Open a watch at ``rv`` and read its first line; raises KubeError for ERROR."""
+    async with kubecall.stream(api, path, timeout=None,  # an HTTP-level 410 raises here
+                               query=[("watch", "true"), ("resourceVersion", rv),
+                                      ("timeoutSeconds", 2)]) as resp:
         line = await resp.content.readline()
-    finally:
-        resp.release()
     KubernetesSource(ObjectStore(), kinds=["Pod"])._event("Pod", "probe", line, rv)
 
 
