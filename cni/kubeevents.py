@@ -34,7 +34,6 @@ import logging
 import time
 from typing import Any
 
-from agent.core import kubecall
 from agent.core.lifecycle import AgentContext
 from cni.enrollment import metrics as metrics_mod
 from cni.sourceapi import PodSource
@@ -52,6 +51,7 @@ QUEUE_MAX = 256
 MESSAGE_MAX = 1024  # the API server refuses messages over 1 KiB... keep well inside
 SEEN_MAX = 1024  # (uid, reason, message) remembered for counting repeats
 TIMEOUT = 10.0
+MERGE_PATCH = "application/merge-patch+json"
 
 
 def _now() -> str:
@@ -149,7 +149,10 @@ class PodEvents:
                                 _short(e))
 
     async def _call(self, method: str, path: str, body: Any = None,
-                    content_type: str = kubecall.JSON) -> Any:
+                    content_type: str = "application/json") -> Any:
+        # imported here: importing enrollment loads no kubernetes_asyncio (agent/core/kubelazy.py)
+        from agent.core import kubecall
+
         api = self._api()
         if api is None:
             raise RuntimeError("no Kubernetes API client")
@@ -166,7 +169,7 @@ class PodEvents:
             try:
                 await self._call("PATCH", f"/api/v1/namespaces/{namespace}/events/{event_name}",
                                  {"count": count + 1, "lastTimestamp": now},
-                                 kubecall.MERGE_PATCH)
+                                 MERGE_PATCH)
                 self._seen[key] = (event_name, count + 1)
                 self._seen.move_to_end(key)
                 self.stats["patched"] += 1
@@ -212,7 +215,7 @@ class PodEvents:
                 # pods/status may change metadata too, and is the lower privilege (upstream)
                 await self._call("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}/status",
                                  {"metadata": {"labels": {key: value}}},
-                                 kubecall.MERGE_PATCH)
+                                 MERGE_PATCH)
                 text = "pod detected as broken, labeled"
         except Exception as e:
             self.metrics.repaired.labels(kind, "fail").inc()
@@ -241,8 +244,9 @@ class PodEvents:
 def _short(e: BaseException) -> str:
     """One line for the log and the repair Event: ``HTTP <status>: `` and the API server's
     answer as sent (its body, up to 300 characters), else the error's text."""
-    text = (e.body.decode("utf-8", "replace")[:300] if isinstance(e, kubecall.KubeError)
-            and e.body else None) or \
+    body = getattr(e, "body", None)  # a KubeError's: the answer's bytes
+    text = (body.decode("utf-8", "replace")[:300] if isinstance(body, bytes) and body
+            else None) or \
         getattr(e, "reason", None) or str(e) or type(e).__name__
     status = getattr(e, "status", None)
     return (f"HTTP {status}: " if status else "") + " ".join(str(text).split())[:300]

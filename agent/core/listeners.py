@@ -103,6 +103,18 @@ class _QuietServer(web.Server):
 
 
 class _Runner(web.AppRunner):
+    # Private aiohttp API on purpose: aiohttp (3.14) has no public way to change the
+    # protocol an AppRunner's server makes. Checked: ``web.ServerRunner`` takes a
+    # ``web.Server`` (so a subclass), but that server needs the application's request
+    # dispatcher, which is private (``Application._handle``), and would leave the app's
+    # startup/cleanup signals to us; ``handler_args`` and the runner's keywords reach only
+    # ``RequestHandler.__init__`` (timeouts, line/header limits, logger, access log), none
+    # of which shapes the answer; the malformed-request answer is built by
+    # ``RequestHandler.handle_error`` before routing, so no middleware and no
+    # ``on_response_prepare`` signal sees it (the request has no match_info); the logger
+    # and access-log hooks only log. So the server aiohttp made (its state untouched) gets
+    # our class, whose only change is the protocol it returns.
+    # tests/status/test_listener_bounds.py fails if an aiohttp upgrade breaks this.
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         # the application's server, made by aiohttp; only the protocol it makes differs
