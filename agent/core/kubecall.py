@@ -88,7 +88,7 @@ class KubeError(ApiException):
         if isinstance(decoded, dict):
             message = str(decoded.get("message") or "")
             status_reason = str(decoded.get("reason") or "")
-        return cls(status, phrase, message, status_reason, headers, body)
+        return cls(status, phrase, message, status_reason, headers=headers, body=body)
 
     @classmethod
     def from_status(cls, status: Any) -> "KubeError":
