@@ -14,7 +14,7 @@ every caller:
 - A status outside 2xx raises :class:`KubeError`: the HTTP status, the reason phrase, the
   ``message`` and ``reason`` of the ``Status`` object the API server sends with every error
   (Kubernetes API conventions, "Response Status Kind"), the response headers and the
-  body text; named predicates for the statuses callers decide on (404, 403, 409, 410,
+  body bytes; named predicates for the statuses callers decide on (404, 403, 409, 410,
   429) and :attr:`KubeError.retry_after` (the ``Retry-After`` header of a 429).
   :meth:`KubeError.from_status` maps a watch stream's ``ERROR`` event (a ``Status``
   object inside a 200 response, e.g. 410 Expired for a compacted resourceVersion) to the
@@ -48,7 +48,7 @@ JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
 
 #: a request timeout: seconds for the whole request, an ``aiohttp.ClientTimeout`` (connect
-#: and read bounds), or None for none (only for callers that bound the call themselves)
+#: and read bounds), or None for none (tests and benchmarks, which bound their own runs)
 Timeout = float | aiohttp.ClientTimeout | None
 
 
