@@ -34,8 +34,9 @@ import logging
 import time
 from typing import Any
 
+from prometheus_client import Counter
+
 from agent.core.lifecycle import AgentContext
-from cni.enrollment import metrics as metrics_mod
 from cni.sourceapi import PodSource
 
 log = logging.getLogger(__name__)
@@ -61,11 +62,14 @@ def _now() -> str:
 class PodEvents:
     """The Event writer and repair; ``record``/``repair`` only queue (call on the loop)."""
 
-    def __init__(self, ctx: AgentContext, source: PodSource | None):
+    def __init__(self, ctx: AgentContext, source: PodSource | None, repaired: Counter):
+        """``repaired``: ``istio_cni_repair_pods_repaired_total{type,result}``, the
+        enrollment metrics' counter, handed in (this module sits below
+        :mod:`cni.enrollment`, whose recovery uses it)."""
         self.ctx = ctx
         self.source = source
         self.node = ctx.config.node_name
-        self.metrics = metrics_mod.of(ctx.registry)
+        self.repaired = repaired
         self._queue: collections.deque = collections.deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -209,7 +213,7 @@ class PodEvents:
             else:
                 key, value = cfg.repair_broken_pod_label_key, cfg.repair_broken_pod_label_value
                 if key in (pod.get("metadata", {}).get("labels") or {}):
-                    self.metrics.repaired.labels(kind, "skip").inc()
+                    self.repaired.labels(kind, "skip").inc()
                     log.info("pod %s/%s already has label %s, skipping", namespace, name, key)
                     return
                 # pods/status may change metadata too, and is the lower privilege (upstream)
@@ -218,12 +222,12 @@ class PodEvents:
                                  MERGE_PATCH)
                 text = "pod detected as broken, labeled"
         except Exception as e:
-            self.metrics.repaired.labels(kind, "fail").inc()
+            self.repaired.labels(kind, "fail").inc()
             self.record(namespace, name, uid, REASON_DELETE if kind == "delete" else REASON_LABEL,
                         f"pod detected as broken, but failed to {kind}: {_short(e)}",
                         REPAIR_COMPONENT)
             raise
-        self.metrics.repaired.labels(kind, "success").inc()
+        self.repaired.labels(kind, "success").inc()
         self.stats["repaired"] += 1
         log.warning("pod %s/%s (uid %s) runs without its rules (%s): %s", namespace, name,
                     uid, why, text.replace("pod detected as broken, ", ""))

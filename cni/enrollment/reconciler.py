@@ -94,7 +94,7 @@ class Enrollment(Component):
         self.retries = RetryQueue(self._retry, initial=BACKOFF_INITIAL, maximum=BACKOFF_MAX,
                                   name="enroll-retry")
         self._started = False
-        self.events = PodEvents(ctx, source)  # Kubernetes Events and repair (cni.kubeevents)
+        self.events = PodEvents(ctx, source, self.metrics.repaired)  # Kubernetes Events and repair (cni.kubeevents)
         self.recovery = recovery_mod.Recovery(
             self, dataplane=self.dataplane, config=cfg, store=self.store,
             pods_known=self._pod_objects_known, events=self.events,
