@@ -187,7 +187,10 @@ class Outputs:
 
 def _normal_ip_key(key: str) -> str:
     network, sep, ip = key.rpartition("/")
-    if not sep:
+    # a hostname (``namespace/name.ns.svc...``) is no IP: IPv4 text starts with a digit and
+    # IPv6 text holds a ':'; skipping the parse spares a raised ValueError per service
+    # lookup (the waypoint build looks up every bound service's members this way)
+    if not sep or not ip or (not ip[0].isdigit() and ":" not in ip):
         return key
     try:
         return f"{network}/{ipaddress.ip_address(ip)}"

@@ -19,7 +19,7 @@ import bisect
 import dataclasses
 import ipaddress
 import socket
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from ambient import workload_pb2 as wl
 from ambient.api import AmbientIndex, ObjectStore
@@ -76,11 +76,12 @@ def backend_subset(port: ServicePort) -> str:
     return "http" if port.http else "tcp"
 
 
-@dataclasses.dataclass(frozen=True)
-class Endpoint:
+class Endpoint(NamedTuple):
     """A healthy member workload: ``ip`` text, ``port`` the target port, ``uid``;
     ``hbone`` whether it is reached over HBONE (its workload's ``tunnel_protocol``, as
-    istiod's endpoint builder decides; a pod outside the mesh gets plaintext)."""
+    istiod's endpoint builder decides; a pod outside the mesh gets plaintext). A named
+    tuple: one is made per member and port on every build (a frozen dataclass costs
+    several times more to make)."""
 
     ip: str
     port: int
@@ -204,28 +205,31 @@ def _ports(kind: str, obj: dict | None, svc: wl.Service) -> tuple[ServicePort, .
 
 def _endpoints(index: AmbientIndex, svc: wl.Service) -> dict[int, tuple[Endpoint, ...]]:
     key = f"{svc.namespace}/{svc.hostname}"
-    members: list[wl.Workload] = []
+    # each healthy member once: (ip, uid, hbone, its target port per service port)
+    members: list[tuple[str, str, bool, dict[int, int]]] = []
     for name in sorted(index.lookup(key)):
+        if name == key:  # the service itself (lookup lists it first)
+            continue
         address = index.address(name)
-        if address is not None and address.WhichOneof("type") == "workload":
-            members.append(address.workload)
+        if address is None or address.WhichOneof("type") != "workload":
+            continue
+        w = address.workload
+        if w.status != wl.HEALTHY or not w.addresses:
+            continue
+        ip = _ip(w.addresses[0])
+        if ip is None:
+            continue
+        targets: dict[int, int] = {}
+        if key in w.services:
+            for p in w.services[key].ports:
+                targets.setdefault(p.service_port, p.target_port)
+        members.append((ip, w.uid, w.tunnel_protocol == wl.HBONE, targets))
     out: dict[int, tuple[Endpoint, ...]] = {}
     for sp in svc.ports:
-        eps = []
-        for w in members:
-            if w.status != wl.HEALTHY or not w.addresses:
-                continue
-            ip = _ip(w.addresses[0])
-            if ip is None:
-                continue
-            target = 0
-            plist = w.services.get(key)
-            if plist is not None:
-                target = next((p.target_port for p in plist.ports
-                               if p.service_port == sp.service_port), 0)
-            target = target or sp.target_port or sp.service_port
-            eps.append(Endpoint(ip, target, w.uid, w.tunnel_protocol == wl.HBONE))
-        out[sp.service_port] = tuple(eps)
+        number = sp.service_port
+        default = sp.target_port or number
+        out[number] = tuple(Endpoint(ip, targets.get(number) or default, uid, hbone)
+                            for ip, uid, hbone, targets in members)
     return out
 
 
