@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import ipaddress
 import socket
 from typing import Iterable, NamedTuple
@@ -102,8 +103,9 @@ class BoundService:
     ports: tuple[ServicePort, ...]
     endpoints: dict[int, tuple[Endpoint, ...]]  # service port -> members
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
+        # made once: every step of a build looks services up by it
         return f"{self.namespace}/{self.hostname}"
 
 
@@ -199,8 +201,23 @@ def _ports(kind: str, obj: dict | None, svc: wl.Service) -> tuple[ServicePort, .
         proto, name = declared.get(sp.service_port, ("UNSUPPORTED", ""))
         if proto == "UDP":
             continue  # waypoints carry no UDP (as istiod)
-        out.append(ServicePort(sp.service_port, proto, name))
+        out.append(_service_port(sp.service_port, proto, name))
     return tuple(out)
+
+
+_PORTS: dict[tuple[int, str, str], ServicePort] = {}
+
+
+def _service_port(number: int, protocol: str, name: str) -> ServicePort:
+    """The one :class:`ServicePort` of these values (immutable, so shared by every service
+    that has it: most services have the same few ports; bounded, 10,000 kept)."""
+    key = (number, protocol, name)
+    found = _PORTS.get(key)
+    if found is None:
+        if len(_PORTS) >= 10_000:
+            _PORTS.clear()
+        found = _PORTS[key] = ServicePort(number, protocol, name)
+    return found
 
 
 def _endpoints(index: AmbientIndex, svc: wl.Service) -> dict[int, tuple[Endpoint, ...]]:
@@ -281,8 +298,12 @@ def targeted_policies(store: ObjectStore, model: WaypointModel, root_namespace: 
     return out
 
 
-def _service(store: ObjectStore, index: AmbientIndex, key: str) -> BoundService | None:
-    address = index.address(key)
+def _service(store: ObjectStore, index: AmbientIndex, key: str,
+             address: wl.Address | None = None) -> BoundService | None:
+    """The bound service of index name ``key`` (``address``: its Address when the caller
+    already parsed it), or None when that is no service."""
+    if address is None:
+        address = index.address(key)
     if address is None or address.WhichOneof("type") != "service":
         return None
     svc = address.service
@@ -441,15 +462,16 @@ class ModelState:
         model.annotations = {str(k): str(v)
                              for k, v in (meta(gw).get("annotations") or {}).items()}
         bound = self.index.waypoint_resources(self.namespace, self.name)
-        todo: set[str] = set()
+        # service keys to re-read -> their Address when _refresh_name already parsed it
+        todo: dict[str, wl.Address | None] = {}
         backends_touched = False
         for res in (bound if changed is None else dirty_names):
             self._refresh_name(res, bound, todo)
             if old is not None and res in self._backend_names:
                 backends_touched = True
-        for key in todo:
-            self._set_service(key, _service(self.store, self.index, key) if key in bound
-                              else None)
+        for key, address in todo.items():
+            self._set_service(key, _service(self.store, self.index, key, address)
+                              if key in bound else None)
         membership = self._sorted is None
         if self._sorted is None:
             self._keys = sorted(self._services)
@@ -465,7 +487,7 @@ class ModelState:
         model.services = self._sorted
         model.workload_ips = [ip for k in sorted(self._workloads) for ip in self._workloads[k]]
         if changed is not None:
-            changed |= todo
+            changed.update(todo)
         if (old is None or changed is None or self._policies_dirty or self._routes_dirty
                 or membership or backends_touched):
             model.policies = targeted_policies(self.store, model, self.root_namespace,
@@ -491,14 +513,15 @@ class ModelState:
         self._model = model
         return model, changed
 
-    def _refresh_name(self, res: str, bound: set[str], todo_services: set[str]) -> None:
+    def _refresh_name(self, res: str, bound: set[str],
+                      todo_services: dict[str, wl.Address | None]) -> None:
         """Re-read one index name: a bound (or formerly bound) service goes to
         ``todo_services``; a workload updates the bound workload IPs and marks the
         services it is (or was) a member of."""
         if res in self._services:
-            todo_services.add(res)
+            todo_services.setdefault(res, None)
         for key in self._members.get(res, ()):
-            todo_services.add(key)
+            todo_services.setdefault(key, None)
         address = self.index.address(res)
         if address is None:
             self._workloads.pop(res, None)
@@ -506,7 +529,7 @@ class ModelState:
         kind = address.WhichOneof("type")
         if kind == "service":
             if res in bound:
-                todo_services.add(res)
+                todo_services[res] = address
         elif kind == "workload":
             if res in bound:
                 self._workloads[res] = tuple(
@@ -515,7 +538,7 @@ class ModelState:
                 self._workloads.pop(res, None)
             for key in address.workload.services:
                 if key in self._services:
-                    todo_services.add(key)
+                    todo_services.setdefault(key, None)
 
 
 def _scopes_changed(old: list[TargetedPolicy], new: list[TargetedPolicy]) -> set[str]:
