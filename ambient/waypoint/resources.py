@@ -44,7 +44,12 @@ route change is one small push; the filter state uses Envoy's ``envoy.string`` f
 Building: :class:`Assembler` keeps one waypoint's resources across changes and rebuilds
 only the services it is told changed; a service's resources are copies of per-shape
 prototypes (:meth:`ParseCache.shape`, parsed once from the dicts above) with their names
-set, so ``json_format`` runs once per shape, not per service.
+set, so ``json_format`` runs once per shape, not per service. A full build makes each
+service's chains and IP range entry inside ``main_internal``'s own listener and matcher
+(no second copy). Versions: a message parsed or assembled whole gets its content hash
+(:func:`version_of`); a prototype copy gets :func:`derived_version` of the prototype's
+content hash and the values set, and an endpoint assignment that of its endpoints, so a
+service's resources are not serialized once more just to be versioned.
 """
 
 from __future__ import annotations
@@ -554,12 +559,6 @@ def _set_chain_action(action: Message, name: str) -> None:
     typed.value = wrappers_pb2.StringValue(value=name).SerializeToString()
 
 
-def _chain_on_match(name: str) -> Message:
-    out = matcher_pb2.Matcher.OnMatch()
-    _set_chain_action(out.action, name)
-    return out
-
-
 def _named_http_chain(model: WaypointModel, opts: Options, svc: BoundService,
                       port: ServicePort, name: str, cache: "ParseCache", pkey: str,
                       problems: list[str], into: Any = None) -> Message:
@@ -615,10 +614,6 @@ def _named_tcp_chain(model: WaypointModel, opts: Options, svc: BoundService, nam
     return chain
 
 
-def _named_cluster(name: str, port: ServicePort, subset: str, cache: "ParseCache") -> Message:
-    return _named_cluster_v(name, port, subset, cache)[0]
-
-
 def _named_cluster_v(name: str, port: ServicePort, subset: str, cache: "ParseCache"
                      ) -> tuple[Message, str]:
     """The ``inbound-vip`` cluster ``name`` and its version: the shape's prototype with
@@ -665,11 +660,6 @@ def _endpoints_message_v(name: str, eps: Iterable) -> tuple[Message, str]:
     eps = tuple(eps)
     return _endpoints_message(name, eps), derived_version(
         _ENDPOINTS_SCHEME, name, repr([(e.ip, e.port, getattr(e, "hbone", True)) for e in eps]))
-
-
-def _route_message(name: str, port: ServicePort, model: WaypointModel, svc: BoundService,
-                   cache: "ParseCache", problems: list[str]) -> Message:
-    return _route_message_v(name, port, model, svc, cache, problems)[0]
 
 
 def _route_message_v(name: str, port: ServicePort, model: WaypointModel, svc: BoundService,
