@@ -747,7 +747,10 @@ def main_internal(model: WaypointModel, opts: Options, parts: list[_Parts],
     # the chains are the only repeated field both hold: merging keeps theirs, then the rest
     listener.MergeFrom(cache.parse(listener_pb2.Listener, out))
     if matcher.range_matchers:
-        listener.filter_chain_matcher.matcher_tree.custom_match.typed_config.Pack(matcher)
+        # deterministic: the map order inside would otherwise follow how the entries were
+        # made (staged or copied), and the listener's version hashes these bytes
+        listener.filter_chain_matcher.matcher_tree.custom_match.typed_config.Pack(
+            matcher, deterministic=True)
     listener.filter_chains.extend(direct)
     return listener
 
