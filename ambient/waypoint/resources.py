@@ -529,24 +529,41 @@ def _service_parts(model: WaypointModel, opts: Options, svc: BoundService,
     if port_map and svc.vips:
         entry = staged[1].range_matchers.add() if staged is not None \
             else ip_pb2.IPMatcher.IPRangeMatcher()
+        # the port matcher of this set of ports, chain names left out, copied in one call
+        fixed = tuple(key for key, on_match in port_map if isinstance(on_match, str))
+        entry.CopyFrom(cache.shape(("range", fixed), lambda: (_range_prototype(cache, fixed),
+                                                              []))[0])
         for v in svc.vips:
             r = entry.ranges.add(address_prefix=v)
             r.prefix_len.value = 128 if ":" in v else 32
-        tree = entry.on_match.matcher.matcher_tree
-        tree.input.CopyFrom(cache.shape(("port-input",), lambda: (cache.parse(
-            xds_extension_pb2.TypedExtensionConfig, {"name": "port", "typed_config": _any(
-                "envoy.extensions.matching.common_inputs.network.v3.DestinationPortInput")}),
-            []))[0])
-        entries = tree.exact_match_map.map
+        entries = entry.on_match.matcher.matcher_tree.exact_match_map.map
         for key, on_match in port_map:
             if isinstance(on_match, str):
-                _set_chain_action(entries[key].action, on_match)
+                action = entries[key].action
+                action.name = on_match
+                action.typed_config.value = wrappers_pb2.StringValue(
+                    value=on_match).SerializeToString()
             else:
                 entries[key].CopyFrom(on_match)
     return _Parts(chains, entry, sniffed, fixed_ports, res, problems)
 
 
 _STRING_VALUE_URL = _T + "google.protobuf.StringValue"
+
+
+def _range_prototype(cache: "ParseCache", fixed_ports: tuple[str, ...]) -> Message:
+    """An ``IPRangeMatcher`` without ranges whose ``on_match`` matches the destination port:
+    for each of ``fixed_ports`` an action with the chain name left empty (the packed
+    ``StringValue``'s type set); the caller adds the VIPs and names the chains."""
+    out = ip_pb2.IPMatcher.IPRangeMatcher()
+    tree = out.on_match.matcher.matcher_tree
+    tree.input.CopyFrom(cache.shape(("port-input",), lambda: (cache.parse(
+        xds_extension_pb2.TypedExtensionConfig, {"name": "port", "typed_config": _any(
+            "envoy.extensions.matching.common_inputs.network.v3.DestinationPortInput")}),
+        []))[0])
+    for key in fixed_ports:
+        _set_chain_action(tree.exact_match_map.map[key].action, "")
+    return out
 
 
 def _set_chain_action(action: Message, name: str) -> None:
