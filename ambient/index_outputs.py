@@ -164,30 +164,36 @@ class Outputs:
         if m is not None and m.kind == "workload":
             return [key]
         out: list[str] = []
-        seen: set[str] = set()
-
-        def add(name: str) -> None:
-            if name not in seen and name in self.addr_bytes:
-                seen.add(name)
-                out.append(name)
-
         names = self.by_ip.get(_normal_ip_key(key))
         if names:
+            seen: set[str] = set()
+
+            def add(name: str) -> None:
+                if name not in seen and name in self.addr_bytes:
+                    seen.add(name)
+                    out.append(name)
+
             for name in sorted(names):
                 add(name)
                 for member in sorted(self.members.get(name, ())):
                     add(member)
             return out
         if key in self.addr_bytes:
-            add(key)
-            for member in sorted(self.members.get(key, ())):
-                add(member)
+            # a service's name (the waypoint build asks this once per bound service)
+            members = self.members.get(key)
+            if not members:
+                return [key]
+            addr = self.addr_bytes
+            return [key, *sorted(n for n in members if n != key and n in addr)]
         return out
 
 
 def _normal_ip_key(key: str) -> str:
     network, sep, ip = key.rpartition("/")
-    if not sep:
+    # a hostname (``namespace/name.ns.svc...``) is no IP: IPv4 text starts with a digit and
+    # IPv6 text holds a ':'; skipping the parse spares a raised ValueError per service
+    # lookup (the waypoint build looks up every bound service's members this way)
+    if not sep or not ip or (not ip[0].isdigit() and ":" not in ip):
         return key
     try:
         return f"{network}/{ipaddress.ip_address(ip)}"

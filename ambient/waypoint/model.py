@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import ipaddress
 import socket
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from ambient import workload_pb2 as wl
 from ambient.api import AmbientIndex, ObjectStore
@@ -76,11 +77,12 @@ def backend_subset(port: ServicePort) -> str:
     return "http" if port.http else "tcp"
 
 
-@dataclasses.dataclass(frozen=True)
-class Endpoint:
+class Endpoint(NamedTuple):
     """A healthy member workload: ``ip`` text, ``port`` the target port, ``uid``;
     ``hbone`` whether it is reached over HBONE (its workload's ``tunnel_protocol``, as
-    istiod's endpoint builder decides; a pod outside the mesh gets plaintext)."""
+    istiod's endpoint builder decides; a pod outside the mesh gets plaintext). A named
+    tuple: one is made per member and port on every build (a frozen dataclass costs
+    several times more to make)."""
 
     ip: str
     port: int
@@ -101,8 +103,9 @@ class BoundService:
     ports: tuple[ServicePort, ...]
     endpoints: dict[int, tuple[Endpoint, ...]]  # service port -> members
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
+        # made once: every step of a build looks services up by it
         return f"{self.namespace}/{self.hostname}"
 
 
@@ -198,34 +201,52 @@ def _ports(kind: str, obj: dict | None, svc: wl.Service) -> tuple[ServicePort, .
         proto, name = declared.get(sp.service_port, ("UNSUPPORTED", ""))
         if proto == "UDP":
             continue  # waypoints carry no UDP (as istiod)
-        out.append(ServicePort(sp.service_port, proto, name))
+        out.append(_service_port(sp.service_port, proto, name))
     return tuple(out)
+
+
+_PORTS: dict[tuple[int, str, str], ServicePort] = {}
+
+
+def _service_port(number: int, protocol: str, name: str) -> ServicePort:
+    """The one :class:`ServicePort` of these values (immutable, so shared by every service
+    that has it: most services have the same few ports; bounded, 10,000 kept)."""
+    key = (number, protocol, name)
+    found = _PORTS.get(key)
+    if found is None:
+        if len(_PORTS) >= 10_000:
+            _PORTS.clear()
+        found = _PORTS[key] = ServicePort(number, protocol, name)
+    return found
 
 
 def _endpoints(index: AmbientIndex, svc: wl.Service) -> dict[int, tuple[Endpoint, ...]]:
     key = f"{svc.namespace}/{svc.hostname}"
-    members: list[wl.Workload] = []
+    # each healthy member once: (ip, uid, hbone, its target port per service port)
+    members: list[tuple[str, str, bool, dict[int, int]]] = []
     for name in sorted(index.lookup(key)):
+        if name == key:  # the service itself (lookup lists it first)
+            continue
         address = index.address(name)
-        if address is not None and address.WhichOneof("type") == "workload":
-            members.append(address.workload)
+        if address is None or address.WhichOneof("type") != "workload":
+            continue
+        w = address.workload
+        if w.status != wl.HEALTHY or not w.addresses:
+            continue
+        ip = _ip(w.addresses[0])
+        if ip is None:
+            continue
+        targets: dict[int, int] = {}
+        if key in w.services:
+            for p in w.services[key].ports:
+                targets.setdefault(p.service_port, p.target_port)
+        members.append((ip, w.uid, w.tunnel_protocol == wl.HBONE, targets))
     out: dict[int, tuple[Endpoint, ...]] = {}
     for sp in svc.ports:
-        eps = []
-        for w in members:
-            if w.status != wl.HEALTHY or not w.addresses:
-                continue
-            ip = _ip(w.addresses[0])
-            if ip is None:
-                continue
-            target = 0
-            plist = w.services.get(key)
-            if plist is not None:
-                target = next((p.target_port for p in plist.ports
-                               if p.service_port == sp.service_port), 0)
-            target = target or sp.target_port or sp.service_port
-            eps.append(Endpoint(ip, target, w.uid, w.tunnel_protocol == wl.HBONE))
-        out[sp.service_port] = tuple(eps)
+        number = sp.service_port
+        default = sp.target_port or number
+        out[number] = tuple(Endpoint(ip, targets.get(number) or default, uid, hbone)
+                            for ip, uid, hbone, targets in members)
     return out
 
 
@@ -277,8 +298,12 @@ def targeted_policies(store: ObjectStore, model: WaypointModel, root_namespace: 
     return out
 
 
-def _service(store: ObjectStore, index: AmbientIndex, key: str) -> BoundService | None:
-    address = index.address(key)
+def _service(store: ObjectStore, index: AmbientIndex, key: str,
+             address: wl.Address | None = None) -> BoundService | None:
+    """The bound service of index name ``key`` (``address``: its Address when the caller
+    already parsed it), or None when that is no service."""
+    if address is None:
+        address = index.address(key)
     if address is None or address.WhichOneof("type") != "service":
         return None
     svc = address.service
@@ -437,15 +462,16 @@ class ModelState:
         model.annotations = {str(k): str(v)
                              for k, v in (meta(gw).get("annotations") or {}).items()}
         bound = self.index.waypoint_resources(self.namespace, self.name)
-        todo: set[str] = set()
+        # service keys to re-read -> their Address when _refresh_name already parsed it
+        todo: dict[str, wl.Address | None] = {}
         backends_touched = False
         for res in (bound if changed is None else dirty_names):
             self._refresh_name(res, bound, todo)
             if old is not None and res in self._backend_names:
                 backends_touched = True
-        for key in todo:
-            self._set_service(key, _service(self.store, self.index, key) if key in bound
-                              else None)
+        for key, address in todo.items():
+            self._set_service(key, _service(self.store, self.index, key, address)
+                              if key in bound else None)
         membership = self._sorted is None
         if self._sorted is None:
             self._keys = sorted(self._services)
@@ -461,7 +487,7 @@ class ModelState:
         model.services = self._sorted
         model.workload_ips = [ip for k in sorted(self._workloads) for ip in self._workloads[k]]
         if changed is not None:
-            changed |= todo
+            changed.update(todo)
         if (old is None or changed is None or self._policies_dirty or self._routes_dirty
                 or membership or backends_touched):
             model.policies = targeted_policies(self.store, model, self.root_namespace,
@@ -487,14 +513,15 @@ class ModelState:
         self._model = model
         return model, changed
 
-    def _refresh_name(self, res: str, bound: set[str], todo_services: set[str]) -> None:
+    def _refresh_name(self, res: str, bound: set[str],
+                      todo_services: dict[str, wl.Address | None]) -> None:
         """Re-read one index name: a bound (or formerly bound) service goes to
         ``todo_services``; a workload updates the bound workload IPs and marks the
         services it is (or was) a member of."""
         if res in self._services:
-            todo_services.add(res)
+            todo_services.setdefault(res, None)
         for key in self._members.get(res, ()):
-            todo_services.add(key)
+            todo_services.setdefault(key, None)
         address = self.index.address(res)
         if address is None:
             self._workloads.pop(res, None)
@@ -502,7 +529,7 @@ class ModelState:
         kind = address.WhichOneof("type")
         if kind == "service":
             if res in bound:
-                todo_services.add(res)
+                todo_services[res] = address
         elif kind == "workload":
             if res in bound:
                 self._workloads[res] = tuple(
@@ -511,7 +538,7 @@ class ModelState:
                 self._workloads.pop(res, None)
             for key in address.workload.services:
                 if key in self._services:
-                    todo_services.add(key)
+                    todo_services.setdefault(key, None)
 
 
 def _scopes_changed(old: list[TargetedPolicy], new: list[TargetedPolicy]) -> set[str]:

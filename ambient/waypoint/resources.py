@@ -44,7 +44,12 @@ route change is one small push; the filter state uses Envoy's ``envoy.string`` f
 Building: :class:`Assembler` keeps one waypoint's resources across changes and rebuilds
 only the services it is told changed; a service's resources are copies of per-shape
 prototypes (:meth:`ParseCache.shape`, parsed once from the dicts above) with their names
-set, so ``json_format`` runs once per shape, not per service.
+set, so ``json_format`` runs once per shape, not per service. A full build makes each
+service's chains and IP range entry inside ``main_internal``'s own listener and matcher
+(no second copy). Versions: a message parsed or assembled whole gets its content hash
+(:func:`version_of`); a prototype copy gets :func:`derived_version` of the prototype's
+content hash and the values set, and an endpoint assignment that of its endpoints, so a
+service's resources are not serialized once more just to be versioned.
 """
 
 from __future__ import annotations
@@ -435,13 +440,14 @@ def _cidr(ip: str) -> dict:
 @dataclasses.dataclass
 class _Parts:
     """What one bound service contributes: its ``main_internal`` chains and IP range
-    entry, its clusters, endpoints and routes (messages), and the problems found."""
+    entry, its clusters, endpoints and routes (messages with their versions), and the
+    problems found."""
 
     chains: list[Message]
     range: Message | None  # xds.type.matcher.v3.IPMatcher.IPRangeMatcher
     sniffed: bool
     fixed_ports: set[int]
-    resources: list[tuple[str, str, Message]]  # (type URL, name, message)
+    resources: list[tuple[str, str, Message, str]]  # (type URL, name, message, version)
     problems: list[str]
 
 
@@ -460,82 +466,128 @@ def _hcm_tail(name: str) -> bytes:
     return hcm.SerializeToString()
 
 
+def derived_version(*parts: str) -> str:
+    """The version of a message made from a prototype by setting fields: hex BLAKE2b-64
+    of the prototype's own version (:func:`version_of`) and the values set, NUL-joined.
+    Equal inputs give equal versions and any differing input a different one, as the
+    content hash would, without serializing the message again (that costs as much as
+    the push's own serialization)."""
+    return hashlib.blake2b("\0".join(parts).encode(), digest_size=8).hexdigest()
+
+
 def _service_parts(model: WaypointModel, opts: Options, svc: BoundService,
-                   cache: "ParseCache", wide: str) -> _Parts:
+                   cache: "ParseCache", wide: str,
+                   staged: tuple[Message, Message] | None = None) -> _Parts:
     """One service's parts, built as messages from per-shape prototypes (the chain, the
     cluster and the default route of a port differ from service to service only by their
-    names: the shape is parsed once from its dict, then copied and named)."""
+    names: the shape is parsed once from its dict, then copied and named). ``staged``:
+    the ``(Listener, IPMatcher)`` the chains and the range entry are made in (see
+    :func:`main_internal`); else they are messages of their own."""
+    into = staged[0].filter_chains if staged is not None else None
     problems: list[str] = []
     chains: list[Message] = []
-    port_map: dict[str, Message] = {}
+    port_map: list[tuple[str, Message | str]] = []  # port -> OnMatch, or the chain's name
     sniffed, fixed_ports = False, set()
-    res: list[tuple[str, str, Message]] = []
+    res: list[tuple[str, str, Message, str]] = []
     pkey = _policies_key(model, svc, wide)
+    hostname = svc.hostname
     for port in svc.ports:
-        http_name = cluster_name("http", port.port, svc.hostname)
-        tcp_name = cluster_name("tcp", port.port, svc.hostname)
-        if port.protocol == "UNSUPPORTED":
+        number = port.port
+        http_name = f"inbound-vip|{number}|http|{hostname}"
+        tcp_name = f"inbound-vip|{number}|tcp|{hostname}"
+        http, tcp = port.http, port.tcp
+        if http and tcp:  # UNSUPPORTED: sniffed
             chains.append(_named_http_chain(model, opts, svc, port, http_name, cache, pkey,
-                                            problems))
+                                            problems, into))
             chains.append(_named_tcp_chain(model, opts, svc, tcp_name, cache, pkey, problems,
-                                           port.port))
-            port_map[str(port.port)] = cache.parse(
-                matcher_pb2.Matcher.OnMatch, _app_protocol_matcher(http_name, tcp_name))
+                                           number, into))
+            port_map.append((str(number), cache.parse(
+                matcher_pb2.Matcher.OnMatch, _app_protocol_matcher(http_name, tcp_name))))
             sniffed = True
-        elif port.http:
+        elif http:
             chains.append(_named_http_chain(model, opts, svc, port, http_name, cache, pkey,
-                                            problems))
-            port_map[str(port.port)] = _chain_on_match(http_name)
-            fixed_ports.add(port.port)
+                                            problems, into))
+            port_map.append((str(number), http_name))
+            fixed_ports.add(number)
         else:
             chains.append(_named_tcp_chain(model, opts, svc, tcp_name, cache, pkey, problems,
-                                           port.port))
-            port_map[str(port.port)] = _chain_on_match(tcp_name)
-            fixed_ports.add(port.port)
-        for subset in ("http", "tcp"):
-            if (subset == "http" and not port.http) or (subset == "tcp" and not port.tcp):
-                continue
-            name = cluster_name(subset, port.port, svc.hostname)
-            res.append((CLUSTER_TYPE, name, _named_cluster(name, port, subset, cache)))
-            res.append((ENDPOINT_TYPE, name,
-                        _endpoints_message(name, svc.endpoints.get(port.port, ()))))
-            if subset == "http":
-                res.append((ROUTE_TYPE, name, _route_message(name, port, model, svc, cache,
-                                                             problems)))
+                                           number, into))
+            port_map.append((str(number), tcp_name))
+            fixed_ports.add(number)
+        eps = svc.endpoints.get(number, ())
+        if http:
+            cluster, version = _named_cluster_v(http_name, port, "http", cache)
+            res.append((CLUSTER_TYPE, http_name, cluster, version))
+            res.append((ENDPOINT_TYPE, http_name, *_endpoints_message_v(http_name, eps)))
+            res.append((ROUTE_TYPE, http_name, *_route_message_v(http_name, port, model, svc,
+                                                                cache, problems)))
+        if tcp:
+            cluster, version = _named_cluster_v(tcp_name, port, "tcp", cache)
+            res.append((CLUSTER_TYPE, tcp_name, cluster, version))
+            res.append((ENDPOINT_TYPE, tcp_name, *_endpoints_message_v(tcp_name, eps)))
     entry = None
     if port_map and svc.vips:
-        entry = ip_pb2.IPMatcher.IPRangeMatcher()
+        entry = staged[1].range_matchers.add() if staged is not None \
+            else ip_pb2.IPMatcher.IPRangeMatcher()
+        # the port matcher of this set of ports, chain names left out, copied in one call
+        fixed = tuple(key for key, on_match in port_map if isinstance(on_match, str))
+        entry.CopyFrom(cache.shape(("range", fixed), lambda: (_range_prototype(cache, fixed),
+                                                              []))[0])
         for v in svc.vips:
             r = entry.ranges.add(address_prefix=v)
             r.prefix_len.value = 128 if ":" in v else 32
-        tree = entry.on_match.matcher.matcher_tree
-        tree.input.CopyFrom(cache.shape(("port-input",), lambda: (cache.parse(
-            xds_extension_pb2.TypedExtensionConfig, {"name": "port", "typed_config": _any(
-                "envoy.extensions.matching.common_inputs.network.v3.DestinationPortInput")}),
-            []))[0])
-        for key, on_match in port_map.items():
-            tree.exact_match_map.map[key].CopyFrom(on_match)
+        entries = entry.on_match.matcher.matcher_tree.exact_match_map.map
+        for key, on_match in port_map:
+            if isinstance(on_match, str):
+                action = entries[key].action
+                action.name = on_match
+                action.typed_config.value = wrappers_pb2.StringValue(
+                    value=on_match).SerializeToString()
+            else:
+                entries[key].CopyFrom(on_match)
     return _Parts(chains, entry, sniffed, fixed_ports, res, problems)
 
 
-def _chain_on_match(name: str) -> Message:
-    out = matcher_pb2.Matcher.OnMatch()
-    out.action.name = name
-    out.action.typed_config.Pack(wrappers_pb2.StringValue(value=name))
+_STRING_VALUE_URL = _T + "google.protobuf.StringValue"
+
+
+def _range_prototype(cache: "ParseCache", fixed_ports: tuple[str, ...]) -> Message:
+    """An ``IPRangeMatcher`` without ranges whose ``on_match`` matches the destination port:
+    for each of ``fixed_ports`` an action with the chain name left empty (the packed
+    ``StringValue``'s type set); the caller adds the VIPs and names the chains."""
+    out = ip_pb2.IPMatcher.IPRangeMatcher()
+    tree = out.on_match.matcher.matcher_tree
+    tree.input.CopyFrom(cache.shape(("port-input",), lambda: (cache.parse(
+        xds_extension_pb2.TypedExtensionConfig, {"name": "port", "typed_config": _any(
+            "envoy.extensions.matching.common_inputs.network.v3.DestinationPortInput")}),
+        []))[0])
+    for key in fixed_ports:
+        _set_chain_action(tree.exact_match_map.map[key].action, "")
     return out
+
+
+def _set_chain_action(action: Message, name: str) -> None:
+    """Set ``action`` (a ``TypedExtensionConfig``) to pick the filter chain ``name``: the
+    name, and a ``StringValue`` of it packed (what ``Any.Pack`` writes, without its
+    per-call Python work)."""
+    action.name = name
+    typed = action.typed_config
+    typed.type_url = _STRING_VALUE_URL
+    typed.value = wrappers_pb2.StringValue(value=name).SerializeToString()
 
 
 def _named_http_chain(model: WaypointModel, opts: Options, svc: BoundService,
                       port: ServicePort, name: str, cache: "ParseCache", pkey: str,
-                      problems: list[str]) -> Message:
+                      problems: list[str], into: Any = None) -> Message:
     def make() -> tuple[Message, list[str]]:
         found: list[str] = []
-        return cache.parse(listener_components_pb2.FilterChain,
-                           _http_chain(model, opts, svc, port, "", found)), found
+        proto = cache.parse(listener_components_pb2.FilterChain,
+                            _http_chain(model, opts, svc, port, "", found))
+        return proto, found
     proto, found = cache.shape(("http", port.port, port.http2, opts.xfcc, opts.access_log, pkey),
                                make)
     problems.extend(found)
-    chain = listener_components_pb2.FilterChain()
+    chain = into.add() if into is not None else listener_components_pb2.FilterChain()
     chain.CopyFrom(proto)
     chain.name = name
     typed = chain.filters[-1].typed_config
@@ -545,7 +597,8 @@ def _named_http_chain(model: WaypointModel, opts: Options, svc: BoundService,
 
 def _named_tcp_chain(model: WaypointModel, opts: Options, svc: BoundService, name: str,
                      cache: "ParseCache", pkey: str, problems: list[str],
-                     port: int = 0) -> Message:
+                     port: int = 0, into: Any = None) -> Message:
+    """One TCP chain (made in the repeated field ``into`` when given)."""
     attached = model.routes.get(svc.key)
     routed = tcproute.upstream(attached, port, model.backend_cluster, problems) \
         if attached else None
@@ -555,7 +608,12 @@ def _named_tcp_chain(model: WaypointModel, opts: Options, svc: BoundService, nam
         proxy = chain_dict["filters"][-1]["typed_config"]
         del proxy["cluster"]
         proxy.update(routed)
-        return cache.parse(listener_components_pb2.FilterChain, chain_dict)
+        parsed = cache.parse(listener_components_pb2.FilterChain, chain_dict)
+        if into is None:
+            return parsed
+        chain = into.add()
+        chain.CopyFrom(parsed)
+        return chain
 
     def make() -> tuple[Message, list[str]]:
         found: list[str] = []
@@ -563,7 +621,7 @@ def _named_tcp_chain(model: WaypointModel, opts: Options, svc: BoundService, nam
                            _tcp_chain(model, svc, "", "", found, opts)), found
     proto, found = cache.shape(("tcp", pkey, opts.access_log), make)
     problems.extend(found)
-    chain = listener_components_pb2.FilterChain()
+    chain = into.add() if into is not None else listener_components_pb2.FilterChain()
     chain.CopyFrom(proto)
     chain.name = name
     # the shape's TcpProxy with the names set (a scalar that occurs twice: the last wins)
@@ -573,15 +631,18 @@ def _named_tcp_chain(model: WaypointModel, opts: Options, svc: BoundService, nam
     return chain
 
 
-def _named_cluster(name: str, port: ServicePort, subset: str, cache: "ParseCache") -> Message:
-    proto, _ = cache.shape(("cluster", subset, port.http2), lambda: (cache.parse(
-        cluster_pb2.Cluster, _vip_cluster("", port, subset)), []))
+def _named_cluster_v(name: str, port: ServicePort, subset: str, cache: "ParseCache"
+                     ) -> tuple[Message, str]:
+    """The ``inbound-vip`` cluster ``name`` and its version: the shape's prototype with
+    the name, the EDS service name and the stat name set."""
+    proto, version = cache.shape_version(("cluster", subset, port.http2), lambda: (
+        cache.parse(cluster_pb2.Cluster, _vip_cluster("", port, subset)), []))
     out = cluster_pb2.Cluster()
     out.CopyFrom(proto)
     out.name = name
     out.eds_cluster_config.service_name = name
     out.alt_stat_name = name + ";"
-    return out
+    return out, derived_version(version, name)
 
 
 def _endpoints_message(name: str, eps: Iterable) -> Message:
@@ -607,34 +668,64 @@ def _endpoints_message(name: str, eps: Iterable) -> Message:
     return out
 
 
-def _route_message(name: str, port: ServicePort, model: WaypointModel, svc: BoundService,
-                   cache: "ParseCache", problems: list[str]) -> Message:
+_ENDPOINTS_SCHEME = "cla/1"  # bump when _endpoints_message changes what it writes
+
+
+def _endpoints_message_v(name: str, eps: Iterable) -> tuple[Message, str]:
+    """:func:`_endpoints_message` and its version (from the name and each endpoint's IP,
+    port and HBONE flag: all the message is made of)."""
+    eps = tuple(eps)
+    return _endpoints_message(name, eps), derived_version(
+        _ENDPOINTS_SCHEME, name, repr([(e.ip, e.port, getattr(e, "hbone", True)) for e in eps]))
+
+
+def _route_message_v(name: str, port: ServicePort, model: WaypointModel, svc: BoundService,
+                     cache: "ParseCache", problems: list[str]) -> tuple[Message, str]:
     attached = model.routes.get(svc.key)
     if attached and _http_routed(attached, port.port):
-        return cache.parse(route_pb2.RouteConfiguration,
-                           _route_config(name, name, port.port, model, svc, problems))
-    proto, _ = cache.shape(("route", port.port), lambda: (cache.parse(
+        msg = cache.parse(route_pb2.RouteConfiguration,
+                          _route_config(name, name, port.port, model, svc, problems))
+        return msg, version_of(msg)
+    proto, version = cache.shape_version(("route", port.port), lambda: (cache.parse(
         route_pb2.RouteConfiguration, _route_config("", "", port.port)), []))
     out = route_pb2.RouteConfiguration()
     out.CopyFrom(proto)
     out.name = name
     route = out.virtual_hosts[0].routes[0]
     route.route.cluster = name
-    route.decorator.operation = f"{svc.hostname}:{port.port}/*"
-    return out
+    operation = f"{svc.hostname}:{port.port}/*"
+    route.decorator.operation = operation
+    return out, derived_version(version, name, operation)
 
 
 def main_internal(model: WaypointModel, opts: Options, parts: list[_Parts],
-                  cache: "ParseCache", problems: list[str]) -> Message:
-    chains: list[Message] = [c for p in parts for c in p.chains]
+                  cache: "ParseCache", problems: list[str],
+                  staged: tuple[Message, Message] | None = None) -> Message:
+    """The ``main_internal`` listener of ``parts`` (in the services' order). ``staged``:
+    ``(listener, IPMatcher)`` already holding every part's chains and range entries (the
+    full build makes them there, saving a copy of each); else they are copied in, and
+    each part is pointed at its copies afterwards, so a part never keeps an older
+    listener alive."""
     sniffed = any(p.sniffed for p in parts)
     fixed_ports: set[int] = set().union(*(p.fixed_ports for p in parts))
-    chains.append(cache.parse(listener_components_pb2.FilterChain,
-                              _tcp_chain(model, None, ENCAP, "direct-tcp", problems, opts)))
-    chains.append(cache.parse(listener_components_pb2.FilterChain,
-                              _http_chain(model, opts, None, None, "direct-http", problems)))
-    matcher = ip_pb2.IPMatcher()
-    matcher.range_matchers.extend(p.range for p in parts if p.range is not None)
+    direct = [cache.parse(listener_components_pb2.FilterChain,
+                          _tcp_chain(model, None, ENCAP, "direct-tcp", problems, opts)),
+              cache.parse(listener_components_pb2.FilterChain,
+                          _http_chain(model, opts, None, None, "direct-http", problems))]
+    if staged is not None:
+        listener, matcher = staged
+    else:
+        listener, matcher = listener_pb2.Listener(), ip_pb2.IPMatcher()
+        listener.filter_chains.extend(c for p in parts for c in p.chains)
+        matcher.range_matchers.extend(p.range for p in parts if p.range is not None)
+        i = k = 0
+        for p in parts:
+            n = len(p.chains)
+            p.chains = list(listener.filter_chains[i:i + n])
+            i += n
+            if p.range is not None:
+                p.range = matcher.range_matchers[k]
+                k += 1
     if model.workload_ips:
         matcher.range_matchers.append(cache.parse(ip_pb2.IPMatcher.IPRangeMatcher, {
             "ranges": [_cidr(ip) for ip in sorted(set(model.workload_ips))],
@@ -670,11 +761,14 @@ def main_internal(model: WaypointModel, opts: Options, parts: list[_Parts],
             "input": {"name": "port", "typed_config": _any(
                 "envoy.extensions.matching.common_inputs.network.v3.DestinationPortInput")},
             "exact_match_map": {"map": {"0": _chain_action("direct-tcp")}}}}
-    listener = listener_pb2.Listener()
-    listener.CopyFrom(cache.parse(listener_pb2.Listener, out))
+    # the chains are the only repeated field both hold: merging keeps theirs, then the rest
+    listener.MergeFrom(cache.parse(listener_pb2.Listener, out))
     if matcher.range_matchers:
-        listener.filter_chain_matcher.matcher_tree.custom_match.typed_config.Pack(matcher)
-    listener.filter_chains.extend(chains)
+        # deterministic: the map order inside would otherwise follow how the entries were
+        # made (staged or copied), and the listener's version hashes these bytes
+        listener.filter_chain_matcher.matcher_tree.custom_match.typed_config.Pack(
+            matcher, deterministic=True)
+    listener.filter_chains.extend(direct)
     return listener
 
 
@@ -813,6 +907,7 @@ class ParseCache:
         self.limit = limit
         self._items: dict[tuple[type, str], Message] = {}
         self._shapes: dict[tuple, tuple[Message, list[str]]] = {}
+        self._versions: dict[tuple, tuple[Message, str]] = {}
         self.hits = self.misses = 0
         self.lock = threading.Lock()  # one build at a time (builds run on a worker thread)
 
@@ -839,6 +934,19 @@ class ParseCache:
             if len(self._shapes) >= self.limit // 10:
                 self._shapes.pop(next(iter(self._shapes)))
             self._shapes[key] = found
+        return found
+
+    def shape_version(self, key: tuple, make: Callable[[], tuple[Message, list[str]]]
+                      ) -> tuple[Message, str]:
+        """The prototype of ``key`` and its content hash (:func:`version_of`), made once;
+        what :func:`derived_version` starts from."""
+        found = self._versions.get(key)
+        if found is None:
+            proto = self.shape(key, make)[0]
+            found = (proto, version_of(proto))
+            if len(self._versions) >= self.limit // 10:
+                self._versions.pop(next(iter(self._versions)))
+            self._versions[key] = found
         return found
 
 
@@ -877,11 +985,12 @@ class Assembler:
             self._out[type_url] = dict(self._out[type_url])
         return self._out[type_url]
 
-    def _put(self, type_url: str, name: str, msg: Message) -> None:
+    def _put(self, type_url: str, name: str, msg: Message, version: str | None = None) -> None:
+        """Hold ``msg`` under ``name`` with ``version`` (None: its content hash)."""
         old = self._out[type_url].get(name)
         if old is not None and old[1] is msg:
             return
-        self._writable(type_url)[name] = (version_of(msg), msg)
+        self._writable(type_url)[name] = (version or version_of(msg), msg)
 
     def _drop(self, type_url: str, name: str) -> None:
         if name in self._out[type_url]:
@@ -918,22 +1027,26 @@ class Assembler:
             todo = sorted(changed)
             by_key = {s.key: s for s in _find(model.services, changed)}
         layout_changed = changed is None
+        # a full build makes the chains and range entries in main_internal's own messages
+        staged = (listener_pb2.Listener(), ip_pb2.IPMatcher()) if changed is None else None
         for key in todo:
             svc = by_key.get(key)
             old = self._parts.pop(key, None)
-            held = {(t, n): m for t, n, m in old.resources} if old is not None else {}
+            held = {(t, n): (m, v) for t, n, m, v in old.resources} \
+                if old is not None else {}
             self._with_problems.pop(key, None)
-            part = _service_parts(model, opts, svc, cache, wide) if svc is not None else None
+            part = _service_parts(model, opts, svc, cache, wide, staged) \
+                if svc is not None else None
             if part is not None:
                 self._parts[key] = part
                 if part.problems:
                     self._with_problems[key] = part.problems
-                for i, (type_url, name, msg) in enumerate(part.resources):
+                for i, (type_url, name, msg, version) in enumerate(part.resources):
                     before = held.pop((type_url, name), None)
-                    if before is not None and before == msg:  # unchanged: keep the held one
-                        part.resources[i] = (type_url, name, before)
+                    if before is not None and before[1] == version:  # unchanged: keep it
+                        part.resources[i] = (type_url, name, *before)
                     else:
-                        self._put(type_url, name, msg)
+                        self._put(type_url, name, msg, version)
             for type_url, name in held:  # what the service no longer has
                 self._drop(type_url, name)
             if part is None:
@@ -946,10 +1059,10 @@ class Assembler:
             self._main_key = main_key
             parts = [self._parts[s.key] for s in model.services if s.key in self._parts]
             self._put(LISTENER_TYPE, MAIN_INTERNAL,
-                      main_internal(model, opts, parts, cache, problems))
+                      main_internal(model, opts, parts, cache, problems, staged))
         # the clusters of route backends that are not bound here (few: rebuilt each time,
         # kept when equal so their versions and objects stay)
-        backends: dict[str, tuple[Message, Message]] = {}
+        backends: dict[str, tuple[tuple[Message, str], tuple[Message, str]]] = {}
         for backend in model.backends.values():
             # only the ports the routes name (all when a reference names none), as istiod
             wanted = model.backend_ports.get(backend.key)
@@ -961,16 +1074,17 @@ class Assembler:
                 if name in backends or (name not in self._backend_names
                                         and name in self._out[CLUSTER_TYPE]):
                     continue
-                backends[name] = (_named_cluster(name, port, subset, cache), _endpoints_message(
-                    name, backend.endpoints.get(port.port, ())))
+                backends[name] = (_named_cluster_v(name, port, subset, cache),
+                                  _endpoints_message_v(name, backend.endpoints.get(port.port,
+                                                                                   ())))
         for name in self._backend_names - set(backends):
             self._drop(CLUSTER_TYPE, name)
             self._drop(ENDPOINT_TYPE, name)
-        for name, (cluster, cla) in backends.items():
-            for type_url, msg in ((CLUSTER_TYPE, cluster), (ENDPOINT_TYPE, cla)):
+        for name, pair in backends.items():
+            for type_url, (msg, version) in zip((CLUSTER_TYPE, ENDPOINT_TYPE), pair):
                 current = self._out[type_url].get(name)
-                if current is None or current[1] != msg:
-                    self._put(type_url, name, msg)
+                if current is None or current[0] != version:
+                    self._put(type_url, name, msg, version)
         self._backend_names = set(backends)
         for found in self._with_problems.values():
             problems.extend(found)

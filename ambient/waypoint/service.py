@@ -2,7 +2,7 @@
 and the store, cached until the next change, and the waypoints' own certificates.
 
 - :meth:`WaypointConfigs.config` returns a :class:`Config` (resources by type URL and name,
-  each with its content-hash version) for one Gateway and :class:`~.resources.Options`;
+  each with its version, a hash of what it is made of) for one Gateway and :class:`~.resources.Options`;
   the cache is dropped by :meth:`WaypointConfigs.invalidate` (the server calls it on
   every index change) and by store events of the kinds the configuration reads that the
   index does not announce (AuthorizationPolicies with ``targetRefs``, Gateway annotations).

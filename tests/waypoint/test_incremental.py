@@ -1,7 +1,7 @@
 """The incremental waypoint build (``ModelState`` + ``Assembler``, driven by the index's
 changes and the store's events as the xDS server drives them) gives, after every change,
 exactly the resources a fresh full build of the same store and index gives: same names,
-same versions (content hashes), same messages. Real store and index, no Envoy."""
+same versions (hashes of what each is made of), same messages. Real store and index, no Envoy."""
 
 from __future__ import annotations
 
@@ -172,10 +172,13 @@ def test_every_change_gives_what_a_full_build_gives():
         ("gateway annotation (xfcc)", lambda: w.store.apply([(_gateway(
             {resources.XFCC_ANNOTATION: "true"}), "t")])),
     ]
+    before = w.incremental()
     for step, change in steps:
         change()
         got = w.incremental()
         _assert_same(got, w.fresh(), step)
+        _assert_versions_follow_content(before, got, step)
+        before = got
         _assert_istiod_fields(got, step)
         if step == "member pod leaves the mesh (plaintext endpoint)":
             assert _addresses(got, "s2") == [("socket", "10.150.0.3", 8080)], step
@@ -193,6 +196,16 @@ def test_every_change_gives_what_a_full_build_gives():
             cla = got[resources.ENDPOINT_TYPE][resources.cluster_name("http", 81, backend)][1]
             addr = cla.endpoints[0].lb_endpoints[0].endpoint.address.socket_address
             assert (addr.address, addr.port_value) == ("10.150.0.11", 8081), step
+
+
+def _assert_versions_follow_content(old: dict, new: dict, step: str) -> None:
+    """A resource kept by name has the same version exactly when its message is equal
+    (versions of prototype copies are derived from what was set, not serialized)."""
+    for type_url, items in new.items():
+        for name, (version, msg) in items.items():
+            if name in old.get(type_url, {}):
+                old_version, old_msg = old[type_url][name]
+                assert (old_version == version) == (old_msg == msg), (step, name)
 
 
 def _addresses(got: dict, svc: str) -> list[tuple[str, str, int]]:
