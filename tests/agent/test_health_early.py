@@ -53,7 +53,7 @@ def test_healthz_answers_while_the_api_server_is_unreachable(tmp_path):
     argv = [sys.executable, "-m", "agent.cli", "run", "--state-dir", str(state),
             "--config-source", "kubernetes", "--kubeconfig", str(kubeconfig),
             "--node-name", "n1", "--xds-port", str(free_port()), "--xds-tls-port", "0",
-            "--status-port", str(free_port()), "--health-port", str(health),
+            "--status-port", str(free_port()), "--health-port", str(health), "--monitoring-port", "0",
             "--host-rules-netns", f"/var/run/netns/{name}"]
     env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=str(state / "zt" / "ztunnel.sock"))
     env.pop("KUBECONFIG", None)

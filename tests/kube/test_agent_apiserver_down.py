@@ -64,7 +64,7 @@ async def test_liveness_from_start_and_one_warning_per_backoff_step_while_apiser
     argv = [sys.executable, "-m", "agent.cli", "run", "--state-dir", str(state),
             "--config-source", "kubernetes", "--kubeconfig", agent_kubeconfig,
             "--node-name", node, "--xds-port", str(free_port()), "--xds-tls-port", "0",
-            "--status-port", str(free_port()), "--health-port", str(health_port),
+            "--status-port", str(free_port()), "--health-port", str(health_port), "--monitoring-port", "0",
             "--host-rules-netns", node_netns, "--log-level", "info"]
     env = dict(os.environ, ZTUNNEL_UDS_ADDRESS=str(state / "ztunnel" / "ztunnel.sock"))
     env.pop("KUBECONFIG", None)

@@ -117,12 +117,16 @@ def test_ipv6_neighbour_discovery_is_left_alone(bridge6, backend):
                   / IPv6(src={src.ip6!r}, dst=inet_ntop(socket.AF_INET6, group), hlim=255)
                   / ICMPv6ND_NS(tgt=tgt) / ICMPv6NDOptSrcLLAddr(lladdr={macs[src.name]!r}))
             # the NA is unicast back to us, which scapy's request/answer matching of a
-            # multicast request does not pair up: sniff for it instead
+            # multicast request does not pair up: sniff for it instead. Only an NA carrying
+            # the target's link-layer address answers a multicast NS (RFC 4861 7.2.4):
+            # one without it answers the kernel's own unicast NUD probe of that address,
+            # which can cross ours under load (failed CI once: lladdr None)
             na = None
             for _ in range(3):
                 sniffer = AsyncSniffer(iface={src.pod_veth!r}, count=1,
                                        lfilter=lambda p: ICMPv6ND_NA in p
-                                       and p[ICMPv6ND_NA].tgt == tgt)
+                                       and p[ICMPv6ND_NA].tgt == tgt
+                                       and ICMPv6NDOptDstLLAddr in p)
                 sniffer.start()
                 time.sleep(0.3)
                 sendp(ns, iface={src.pod_veth!r})
