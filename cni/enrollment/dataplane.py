@@ -1,10 +1,12 @@
 """The enrollment pipeline for one pod: open netns -> in-pod rules -> ZDS add -> host probe
 set -> status, written once, with the failure policy as a parameter; and its inverse
-(rollback of a failed or cancelled ADD, removal of an enrolled pod).
+(rollback of a failed or cancelled ADD, removal of an enrolled pod). For a CNI ADD the
+record and the status run beside the rules and the ZDS add (:meth:`Dataplane.run`).
 
 Upstream: ``cni/pkg/nodeagent/net.go`` (``AddPodToMesh``: rules, then ztunnel, then
 the probe set; ``RemovePodFromMesh(pod, isDelete)``) and ``meshdataplane_linux.go``.
-Three callers, three policies (:data:`ADD`, :data:`RETRY`, :data:`RECOVER`):
+Three callers, three policies (:data:`ADD`, with its variant :data:`LIVE` for a running
+pod the watch enrolls; :data:`RETRY`, :data:`RECOVER`):
 
 ================  ===============================  ==============================
 policy            rules step fails                 a later step fails
@@ -19,7 +21,7 @@ policy            rules step fails                 a later step fails
                   later steps still run             already (no announce, no ack)
 ================  ===============================  ==============================
 
-Only ``ADD`` rolls back when cancelled (a CNI DEL during the ADD, or shutdown).
+Only ``ADD`` (and ``LIVE``) rolls back when cancelled (a CNI DEL during the ADD, or shutdown).
 Every blocking call runs on the agent's executor; a cancelled caller waits for the
 worker thread to finish first (a thread can't be stopped, and a rollback racing a
 half-applied ruleset in another thread would leave rules behind).
@@ -64,7 +66,10 @@ class FailurePolicy:
     netns vanished during the run; ``rollback_on_cancel``: undo every step when
     cancelled; ``rules_hint``: appended to a recorded rules failure;
     ``status_beside_zds``: persist the record and write the status while ztunnel's ACK
-    is awaited (see :meth:`Dataplane.remaining_steps`)."""
+    is awaited; ``status_beside_rules`` (with ``status_beside_zds``): start them before
+    the in-pod rules instead, so they run beside the rules and the ACK (see
+    :meth:`Dataplane.run`); ``timed``: observe each stage's duration
+    (``observe_stage``)."""
 
     name: str
     on_rules_failure: OnRulesFailure
@@ -74,10 +79,16 @@ class FailurePolicy:
     rollback_on_cancel: bool = False
     rules_hint: str = ""
     status_beside_zds: bool = False
+    status_beside_rules: bool = False
+    timed: bool = False
 
 
+# a CNI ADD: the runtime starts none of the pod's containers before it is answered
 ADD = FailurePolicy("add", OnRulesFailure.ROLLBACK, guard_netns=True, rollback_on_cancel=True,
-                    status_beside_zds=True)
+                    status_beside_zds=True, status_beside_rules=True, timed=True)
+# a running pod enrolled live (the watch): its traffic flows while it is enrolled, so the
+# status waits for its rules (see Dataplane.run)
+LIVE = dataclasses.replace(ADD, name="live", status_beside_rules=False)
 RETRY = FailurePolicy("retry", OnRulesFailure.FAIL)
 RECOVER = FailurePolicy("recover", OnRulesFailure.CONTINUE, announce=False, wait_ack=False,
                         rules_hint="; restart the pod")
@@ -91,7 +102,7 @@ class Dataplane:
     """The pipeline's steps over the injected parts. ``records`` is the reconciler's map
     (a rolled-back pod leaves it); ``status`` writes the redirection annotation;
     ``observe_stage(stage, seconds)``, when given, is told how long each stage of an
-    :data:`ADD` run took (``rules``, ``zds``, ``hostset``, ``state``, ``status``; the
+    :data:`ADD` (or :data:`LIVE`) run took (``rules``, ``zds``, ``hostset``, ``state``, ``status``; the
     ``ambient_agent_cni_add_stage_seconds`` histogram of :mod:`cni.enrollment.metrics`)."""
 
     def __init__(self, *, run_blocking: RunBlocking, netns: NetnsOps,
@@ -122,7 +133,7 @@ class Dataplane:
 
     def _timed(self, policy: FailurePolicy, stage: str, started: float) -> None:
         """Observe ``stage`` of an ADD run, begun at monotonic ``started``."""
-        if policy is ADD and self.observe_stage is not None:
+        if policy.timed and self.observe_stage is not None:
             self.observe_stage(stage, self.clock() - started)
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
@@ -146,7 +157,22 @@ class Dataplane:
         """Rules, then :meth:`remaining_steps`, in the netns ``fd`` (the caller closes
         it), under ``policy``. ``known``: the agent had a record of the pod (its netns
         is looked at for rules before applying). Raises :class:`EnrollmentError`
-        (``retryable`` set when a retry can fix it)."""
+        (``retryable`` set when a retry can fix it).
+
+        With ``policy.status_beside_rules`` (a CNI ADD) the record and the ``enabled``
+        status (:meth:`_persist_and_annotate`) start before the rules, so the ADD waits
+        for ``max(rules + ZDS, record + PATCH)`` rather than their sum. Upstream
+        annotates only after the rules, ztunnel's ACK and the probe set; the reason this
+        is safe for a CNI ADD (and only for one) is the one of :meth:`remaining_steps`:
+        no container of the pod runs before the ADD is answered, so nothing can act on
+        the annotation meanwhile, and the ADD is answered only after every step is
+        done, the status write included (a failed write still fails it, as upstream).
+        The write is awaited before anything is reported or rolled back, so a pod never
+        has two writes in flight; a rules failure then removes the annotation and the
+        record again (:meth:`_undo_early`), a cancellation's :meth:`rollback_all` does
+        too. A running pod enrolled live (:data:`LIVE`) keeps the status after its rules:
+        its traffic flows meanwhile, and peers that read ``enabled`` before its rules
+        are in would send it HBONE nothing listens for."""
         inode = self.netns.inode(fd)
         opts = self.options(rec)
         try:
@@ -158,20 +184,29 @@ class Dataplane:
 
     async def _run(self, rec: PodRecord, fd: int, opts: RuleOptions, inode: int,
                    policy: FailurePolicy, known: bool) -> None:
+        early: asyncio.Future | None = None
+        if policy.status_beside_rules and policy.status_beside_zds and policy.announce:
+            early = asyncio.ensure_future(self._persist_and_annotate(rec, policy))
         started = self.clock()
         try:
-            outcome = await self.blocking(self.netns.apply_rules, fd, self.rules, opts,
-                                          rec.netns, known)
-        except (LoopbackDown, RulesError, OSError) as e:
-            self._timed(policy, "rules", started)
-            await self._rules_failed(rec, fd, opts, policy, e)
-        else:
-            self._timed(policy, "rules", started)
-            rec.steps[Step.RULES] = True
-            (log.info if policy is ADD else log.debug)(
-                "%s: in-pod rules %s (%s)", rec.label(), outcome, self.rules.name)
+            try:
+                outcome = await self.blocking(self.netns.apply_rules, fd, self.rules, opts,
+                                              rec.netns, known)
+            except (LoopbackDown, RulesError, OSError) as e:
+                self._timed(policy, "rules", started)
+                await self._rules_failed(rec, fd, opts, policy, e, early)
+            else:
+                self._timed(policy, "rules", started)
+                rec.steps[Step.RULES] = True
+                (log.info if policy.timed else log.debug)(
+                    "%s: in-pod rules %s (%s)", rec.label(), outcome, self.rules.name)
+        except BaseException:
+            # cancelled (the rollback follows) or failed: the write beside the rules
+            # finishes first, so what it did is in rec.steps and no second write overlaps it
+            await settled(early)
+            raise
         try:
-            await self.remaining_steps(rec, fd, policy)
+            await self.remaining_steps(rec, fd, policy, early)
         except EnrollmentError as e:
             if policy.guard_netns and not self.netns.holds(rec.netns, inode):
                 problems = await self.rollback_all(rec, fd, opts)
@@ -185,8 +220,11 @@ class Dataplane:
                                   f"enrollment; {rollback_outcome(problems)}")
 
     async def _rules_failed(self, rec: PodRecord, fd: int, opts: RuleOptions,
-                            policy: FailurePolicy, e: Exception) -> None:
-        """Apply ``policy`` to a failed rules step: raise, or return to carry on."""
+                            policy: FailurePolicy, e: Exception,
+                            early: asyncio.Future | None = None) -> None:
+        """Apply ``policy`` to a failed rules step: raise, or return to carry on.
+        ``early``: the record and status write started beside the rules (undone when the
+        enrollment fails for good)."""
         if policy.on_rules_failure is OnRulesFailure.CONTINUE:
             rec.fail(Step.RULES, f"reconcile at start: {e}{policy.rules_hint}")
             return
@@ -194,18 +232,38 @@ class Dataplane:
             rec.fail(Step.RULES, str(e))
             raise EnrollmentError(f"{rec.label()}: in-pod rules failed: {e}", True) from None
         if isinstance(e, LoopbackDown):  # checked before any rule: nothing to roll back
+            undone = await self._undo_early(rec, early)
             rec.fail(Step.RULES, str(e))
-            raise EnrollmentError(f"{rec.label()}: {e}; nothing was applied") from None
+            raise EnrollmentError(f"{rec.label()}: {e}; nothing was applied"
+                                  + "".join(f"; {p}" for p in undone)) from None
         problems = await self.rollback_rules(fd, opts)
-        rec.fail(Step.RULES, str(e))
+        problems += await self._undo_early(rec, early)
+        rec.fail(Step.RULES, str(e))  # last: the rules failure is what the record says
         raise EnrollmentError(f"{rec.label()}: in-pod rules failed "
                               f"({rollback_outcome(problems)}): {e}") from None
 
+    async def _undo_early(self, rec: PodRecord, early: asyncio.Future | None) -> list[str]:
+        """The rules failed for good: once the record and status write started beside
+        them is done, the record goes and an ``enabled`` written is removed
+        (:meth:`_settle_status`: retried in the background if the removal fails).
+        Returns what is not undone yet (empty: all done)."""
+        if early is None:
+            return []
+        await settled(early)
+        if rec.steps.get(Step.STATE):
+            rec.steps[Step.STATE] = False
+            self.state.remove(rec.uid)
+        if rec.steps.get(Step.STATUS) and not await self._settle_status(rec, None):
+            return ["status annotation: not removed yet (retried in the background)"]
+        return []
+
     async def remaining_steps(self, rec: PodRecord, fd: int | None,
-                              policy: FailurePolicy) -> None:
+                              policy: FailurePolicy, early: asyncio.Future | None = None
+                              ) -> None:
         """ZDS add (when ``policy.announce``) and, side by side with it, the host probe
-        set entry and (``policy.status_beside_zds``) the record and the status; the
-        record is enabled once all succeeded. Raises retryable :class:`EnrollmentError`.
+        set entry and (``policy.status_beside_zds``) the record and the status (``early``:
+        that write, when :meth:`run` already started it beside the rules); the record is
+        enabled once all succeeded. Raises retryable :class:`EnrollmentError`.
 
         The probe set entry (host netns, an upsert) does not wait for ztunnel's ACK:
         neither depends on the other, and the entry only makes kubelet's probes of this
@@ -215,31 +273,28 @@ class Dataplane:
 
         The status: upstream writes it last, after the ACK and the probe set
         (``AnnotateEnrolledPod``). For a CNI ADD (:data:`ADD`) it is written while the
-        ACK is awaited instead, with the record persisted first (a pod whose record
-        can't be written is never annotated), because nothing can act on it before the
-        ADD is answered: the runtime starts none of the pod's containers before that, so
-        no traffic to or from the pod exists whose path the annotation (HBONE to it, in
-        the control plane and our own index) could change, and a failed ADD leaves no
-        running pod behind. (A running pod enrolled live, by the same policy, is
-        already redirected by then: until ztunnel holds it, its traffic fails with or
-        without the annotation.) Everything finishes before anything is reported or rolled
-        back, and a failure corrects what was written (:meth:`_settle_status`): a ZDS
-        failure writes ``pending`` after the ``enabled`` write is done (never the two in
-        flight at once), as upstream's partial enrollment; a probe set failure
+        ACK is awaited instead (started before the rules even, :meth:`run`), with the
+        record persisted first (a pod whose record can't be written is never annotated),
+        because nothing can act on it before the ADD is answered: the runtime starts
+        none of the pod's containers before that, so no traffic to or from the pod
+        exists whose path the annotation (HBONE to it, in the control plane and our own
+        index) could change, and a failed ADD leaves no running pod behind. A running
+        pod enrolled live (:data:`LIVE`) has it written here, after its rules: it is
+        redirected by then, and until ztunnel holds it its traffic fails with or
+        without the annotation. Everything finishes before anything is reported or
+        rolled back, and a failure corrects what was written (:meth:`_settle_status`):
+        a ZDS failure writes ``pending`` after the ``enabled`` write is done (never the
+        two in flight at once), as upstream's partial enrollment; a probe set failure
         ``pending`` too; a pod that can't be described to ZDS, or a rollback, removes
         it. Other policies (retries, restart recovery, where the pod may run) keep
         upstream's order: record, then status, after the ACK and the probe set."""
         hostset = asyncio.ensure_future(self._hostset(rec, policy))
-        early: asyncio.Future | None = None
-        if policy.status_beside_zds and policy.announce:
+        if early is None and policy.status_beside_zds and policy.announce:
             early = asyncio.ensure_future(self._persist_and_annotate(rec, policy))
         try:
             await self._zds_add(rec, fd, policy, early)
         except BaseException:
-            await asyncio.wait([t for t in (hostset, early) if t is not None])
-            for t in (hostset, early):
-                if t is not None and not t.cancelled():
-                    t.exception()  # retrieved: the ZDS failure is what is reported
+            await settled(hostset, early)  # the ZDS failure is what is reported
             if early is not None and not early.cancelled() and early.exception() is None \
                     and rec.steps.get(Step.STATUS) and not rec.steps.get(Step.ZDS):
                 # a pod ZDS can't describe fails for good: its annotation goes
@@ -249,7 +304,7 @@ class Dataplane:
         failure = await hostset
         if failure is not None:
             if early is not None:
-                await asyncio.wait([early])
+                await settled(early)  # the probe set failure is what is reported
                 if rec.steps.get(Step.STATUS):
                     await self._settle_status(rec, annotate.PENDING)
             rec.fail(Step.HOSTSET, str(failure), status=PodState.PENDING)
@@ -290,13 +345,16 @@ class Dataplane:
                                   "will retry", True)
         rec.steps[Step.STATUS] = True
 
-    async def _settle_status(self, rec: PodRecord, value: str | None) -> None:
-        """Correct an ``enabled`` written beside the ZDS hand-off after a later failure:
-        one attempt now, then retried in the background until written (the pod must not
-        stay annotated captured while it is not)."""
+    async def _settle_status(self, rec: PodRecord, value: str | None) -> bool:
+        """Correct an ``enabled`` written beside the rules or the ZDS hand-off after a
+        later failure: one attempt now, then retried in the background until written
+        (the pod must not stay annotated captured while it is not). True when the
+        attempt now wrote it."""
         rec.steps[Step.STATUS] = False
-        if not await self.set_status(rec, value):
-            self.status.ensure(pod_ref(rec), value)
+        if await self.set_status(rec, value):
+            return True
+        self.status.ensure(pod_ref(rec), value)
+        return False
 
     async def _zds_add(self, rec: PodRecord, fd: int | None, policy: FailurePolicy,
                        early: asyncio.Future | None = None) -> None:
@@ -339,9 +397,7 @@ class Dataplane:
         if early is None:
             await self.set_status(rec, "pending")
             return
-        await asyncio.wait([early])
-        if not early.cancelled():
-            early.exception()  # retrieved: the ZDS failure is what is reported
+        await settled(early)  # its failure, if any, is not what is reported
         await self._settle_status(rec, annotate.PENDING)
 
     async def _hostset(self, rec: PodRecord, policy: FailurePolicy) -> Exception | None:
@@ -458,6 +514,17 @@ class Dataplane:
             # CNI DEL: the pod is going away; one attempt, as upstream ignores the error
             await self.set_status(rec, None)
         return errors
+
+
+async def settled(*tasks: asyncio.Future | None) -> None:
+    """Wait until every task given (None: skipped) is done, whatever happened to it; their
+    exceptions are retrieved (the caller reports a failure of its own)."""
+    running = [t for t in tasks if t is not None]
+    if running:
+        await asyncio.wait(running)
+    for t in running:
+        if not t.cancelled():
+            t.exception()
 
 
 def time_left(deadline: float | None) -> float | None:

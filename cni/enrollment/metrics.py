@@ -19,9 +19,10 @@ waited for when the watch has not delivered it yet), ``netns`` (opening the pod 
 ``rules`` (the in-pod rules, on a worker thread), ``zds`` (handing the pod to ztunnel
 and waiting for its ACK), ``hostset`` (the host probe set entry), ``state`` (the record
 in the state dir), ``status`` (the ``ambient.istio.io/redirection`` annotation PATCH).
-``hostset``, ``state`` and ``status`` run while ``zds`` waits
-(:meth:`cni.enrollment.dataplane.Dataplane.remaining_steps`), so the stages' times
-overlap and do not add up to the ADD; each is the time of its own work. The whole ADD,
+``hostset`` runs while ``zds`` waits, ``state`` and ``status`` while ``rules`` and
+``zds`` run (:meth:`cni.enrollment.dataplane.Dataplane.run`; for a live enrollment
+beside ``zds`` only), so the stages' times overlap and do not add up to the ADD; each is
+the time of its own work. The whole ADD,
 as the plugin waits for it, is ``ambient_agent_cni_add_seconds`` of the CNI event
 server.
 """

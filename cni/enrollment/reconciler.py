@@ -31,7 +31,8 @@ from cni.enrollment import metrics as metrics_mod
 from cni.enrollment import recovery as recovery_mod
 from cni.enrollment.api import (HostNetnsRefused, NetnsOps, ProbeSet, RegisteredPods,
                                 ZdsChannel)
-from cni.enrollment.dataplane import ADD, RETRY, Dataplane, rollback_outcome
+from cni.enrollment.dataplane import ADD, LIVE, RETRY, Dataplane, FailurePolicy, \
+    rollback_outcome
 from cni.enrollment.kernel import KernelNetns, ipset_exists
 from cni.enrollment.records import PodRecord, PodState, PodStateStore, Step
 from agent.core.retryqueue import RetryQueue
@@ -333,10 +334,12 @@ class Enrollment(Component):
 
     # --- enroll ---------------------------------------------------------------------------
 
-    async def enroll(self, event: CniPodEvent) -> None:
+    async def enroll(self, event: CniPodEvent, *, live: bool = False) -> None:
         """Enroll one ambient pod; returns only when rules, ZDS ack, host probe set and
         status all succeeded. Raises :class:`EnrollmentError` naming the pod, the step
-        and the cause. Idempotent (a repeated ADD re-runs each step harmlessly)."""
+        and the cause. Idempotent (a repeated ADD re-runs each step harmlessly).
+        ``live``: the pod runs already (found by the watch, not its CNI ADD): the
+        :data:`~cni.enrollment.dataplane.LIVE` policy, whose status waits for the rules."""
         rec = self._record_from_event(event)
         if not rec.netns:
             raise EnrollmentError(f"{rec.label()}: field 'netns' is empty")
@@ -352,7 +355,7 @@ class Enrollment(Component):
         self._enrolling[rec.uid] = task
         rec.answer_by = _answer_deadline(event)
         try:
-            await self._enroll_locked(rec)
+            await self._enroll_locked(rec, LIVE if live else ADD)
         except asyncio.CancelledError:
             # our own cancel (abort_enroll) is turned into the ADD's answer; any other
             # cancellation (shutdown, a caller's timeout) stays a cancellation
@@ -384,7 +387,7 @@ class Enrollment(Component):
             task.cancel(msg="pod deleted during enrollment")
         return task
 
-    async def _enroll_locked(self, rec: PodRecord) -> None:
+    async def _enroll_locked(self, rec: PodRecord, policy: FailurePolicy) -> None:
         async with self.lock(rec.uid):
             self.retries.forget(rec.uid)
             old = self.records.get(rec.uid)
@@ -412,7 +415,7 @@ class Enrollment(Component):
                 raise EnrollmentError(f"{rec.label()}: netns path {rec.netns!r}: "
                                       f"{os.strerror(e.errno or 0)}{hint}") from None
             try:
-                await self.dataplane.run(rec, fd, ADD, known)
+                await self.dataplane.run(rec, fd, policy, known)
             except EnrollmentError as e:
                 if e.retryable:
                     self.retries.add(rec.uid)

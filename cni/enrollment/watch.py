@@ -62,7 +62,7 @@ BACKOFF_INITIAL, BACKOFF_MAX = 0.2, 30.0  # of live work the queue retries (seco
 class LiveEnrollment(Protocol):
     """What the watch asks of enrollment (:class:`cni.enrollment.reconciler.Enrollment`
     has it): the enrolled pods' records by UID (read only), enroll a pod found running
-    (an ADD-shaped event with the netns found), remove pod ``uid`` (as a CNI DEL does with
+    (an ADD-shaped event with the netns found, ``live=True``), remove pod ``uid`` (as a CNI DEL does with
     ``is_delete``), whether an enrollment of ``uid`` runs now, the sandbox a "not
     ambient" CNI ADD reported for ``uid`` (``(netns path, ips)``), and a known pod's
     current IPs (the probe set follows them)."""
@@ -70,7 +70,7 @@ class LiveEnrollment(Protocol):
     @property
     def records(self) -> Mapping[str, PodRecord]: ...
 
-    async def enroll(self, event: CniPodEvent) -> None: ...
+    async def enroll(self, event: CniPodEvent, *, live: bool = False) -> None: ...
 
     async def remove(self, uid: str, *, is_delete: bool) -> None: ...
 
@@ -378,7 +378,7 @@ class LivePods:
         label = f"{event.pod_namespace}/{event.pod_name} (uid {event.pod_uid})"
         log.info("%s: running pod is now ambient; enrolling it (netns %s)", label, event.netns)
         try:
-            await self.enrollment.enroll(event)
+            await self.enrollment.enroll(event, live=True)
             self.stats["enrolled_live"] += 1
             log.info("%s: enrolled live", label)
         except EnrollmentError as e:

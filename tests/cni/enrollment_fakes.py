@@ -14,6 +14,7 @@ import dataclasses
 import errno
 import itertools
 import os
+import threading
 from typing import Callable, Iterable, Mapping
 
 from agent.core.lifecycle import Component
@@ -26,7 +27,9 @@ class FakeNetns:
     """Netns paths -> inodes; rules held per inode. ``apply_error``/``delete_error``: an
     exception the next apply/delete raises; ``moved``: ``uid -> path`` the ``/proc``
     scan finds (a pod whose recorded path is gone); ``host_paths``: paths naming the
-    node's own netns (``open`` refuses them as :class:`KernelNetns` does)."""
+    node's own netns (``open`` refuses them as :class:`KernelNetns` does); ``hold``: an
+    apply (on its worker thread) sets ``applying`` and waits for this event before it
+    looks at ``apply_error`` (rules being applied)."""
 
     host_netns = (1, 1)
 
@@ -42,6 +45,8 @@ class FakeNetns:
         self.applied: list[tuple[str, bool]] = []  # (label, known)
         self.deleted: list[int | str] = []
         self.host_paths: set[str] = set()
+        self.hold: threading.Event | None = None
+        self.applying = threading.Event()
 
     def create(self, path: str) -> int:
         self.paths[path] = inode = next(self._inodes)
@@ -78,6 +83,10 @@ class FakeNetns:
     def apply_rules(self, fd: int, backend: object, opts: RuleOptions, label: str,
                     known: bool) -> str:
         self.applied.append((label, known))
+        if self.hold is not None:
+            self.applying.set()
+            if not self.hold.wait(30):
+                raise RulesError("test: rules held for 30 s and never released")
         error, self.apply_error = self.apply_error, None
         if error is not None:
             if not isinstance(error, LoopbackDown):

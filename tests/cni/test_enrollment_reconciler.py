@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 
 import pytest
 
 from agent.core.config import load
 from agent.core.lifecycle import AgentContext
 from cni.rules_nftables import NftablesBackend  # never run: the fake netns applies no rules
+from cni import annotate
 from cni.enrollment import Enrollment, EnrollmentError, PodState, Step
 from cni.enrollment import reconciler as reconciler_mod
 from cni.enrollment.kernel import LoopbackDown
@@ -717,17 +719,30 @@ async def test_recovery_needs_only_its_protocol(state_dir):
 
 class StatusWrites:
     """Replaces the dataplane's status write: records ``(value, ztunnel had acked)`` of
-    each write as it starts; a write of a value in ``hold`` waits for that event."""
+    each write as it starts; a write of a value in ``hold`` waits for that event; a
+    write of a value in ``fail`` fails (returns False, as a refused PATCH does).
+    ``in_flight_max``: the most writes of one pod in flight at once."""
 
     def __init__(self, rig):
         self.rig, self.writes, self.done = rig, [], []
         self.hold: dict[str | None, asyncio.Event] = {}
+        self.fail: set[str | None] = set()
+        self.in_flight = self.in_flight_max = 0
+        self.rules_in: list[bool] = []  # whether the in-pod rules were in at each write
         rig.enrollment.dataplane.set_status = self  # type: ignore[method-assign]
 
     async def __call__(self, rec, value):
         self.writes.append((value, rec.steps.get(Step.ZDS) is True))
-        if value in self.hold:
-            await self.hold[value].wait()
+        self.rules_in.append(rec.steps.get(Step.RULES) is True)
+        self.in_flight += 1
+        self.in_flight_max = max(self.in_flight_max, self.in_flight)
+        try:
+            if value in self.hold:
+                await self.hold[value].wait()
+        finally:
+            self.in_flight -= 1
+        if value in self.fail:
+            return False
         self.done.append(value)
         return True
 
@@ -797,4 +812,203 @@ async def test_status_written_beside_the_hand_off_is_removed_by_a_del_during_the
     with pytest.raises(EnrollmentError, match="pod deleted during enrollment"):
         await add
     assert writes.done[-1] is None
+    assert UID not in rig.enrollment.pods()
+
+
+def _held_rules(rig) -> threading.Event:
+    """Make the next in-pod rules apply wait (on its worker thread) for the event returned."""
+    release = threading.Event()
+    rig.netns.applying.clear()
+    rig.netns.hold = release
+    return release
+
+
+async def test_status_and_record_are_written_while_the_rules_are_applied(rig, state_dir):
+    """A CNI ADD starts the record and the ``enabled`` status beside the in-pod rules
+    (the runtime runs none of the pod's containers before the ADD is answered); the ADD
+    is answered only once the rules, the ACK and the write are all done."""
+    writes = StatusWrites(rig)
+    release = _held_rules(rig)
+    add = asyncio.create_task(rig.enrollment.enroll(event()))
+    try:
+        await until(lambda: rig.netns.applying.is_set() and writes.done == ["enabled"])
+        assert (state_dir / "pods" / f"{UID}.json").exists()  # the record came first
+        assert writes.rules_in == [False]  # written while the rules were being applied
+        assert rig.zds.adds == [] and not add.done()
+    finally:
+        release.set()
+    await add
+    assert rig.enrollment.pods()[UID].status is PodState.ENABLED
+    assert writes.writes == [("enabled", False)] and writes.in_flight_max == 1
+
+
+async def test_a_live_enrollment_writes_the_status_only_after_the_rules(rig):
+    """A running pod the watch enrolls (``live=True``) keeps the status after its rules
+    (its traffic flows meanwhile: peers must not see ``enabled`` before it is
+    redirected); it is still written while ztunnel's ACK is awaited."""
+    writes = StatusWrites(rig)
+    release = _held_rules(rig)
+    rig.zds.hold = asyncio.Event()
+    add = asyncio.create_task(rig.enrollment.enroll(event(), live=True))
+    try:
+        await until(rig.netns.applying.is_set)
+        await asyncio.sleep(0.05)
+        assert writes.writes == []
+    finally:
+        release.set()
+    await until(lambda: writes.done == ["enabled"])
+    assert writes.rules_in == [True] and writes.writes == [("enabled", False)]
+    rig.zds.hold.set()
+    await add
+    assert rig.enrollment.pods()[UID].status is PodState.ENABLED
+
+
+async def test_rules_failing_after_the_status_was_written_remove_it_and_the_record(
+        rig, state_dir):
+    """The rules fail once ``enabled`` and the record are written beside them: the
+    rules are rolled back, the annotation removed, the record deleted, the ADD fails
+    for good (as a rules failure does), and ztunnel never heard of the pod."""
+    writes = StatusWrites(rig)
+    release = _held_rules(rig)
+    add = asyncio.create_task(rig.enrollment.enroll(event()))
+    try:
+        await until(lambda: writes.done == ["enabled"])
+        assert (state_dir / "pods" / f"{UID}.json").exists()
+        rig.netns.apply_error = RulesError("iptables-restore: line 3 failed")
+    finally:
+        release.set()
+    with pytest.raises(EnrollmentError) as err:
+        await add
+    assert not err.value.retryable
+    assert "in-pod rules failed (rolled back): iptables-restore: line 3 failed" in str(err.value)
+    assert writes.done == ["enabled", None] and writes.in_flight_max == 1
+    assert not (state_dir / "pods" / f"{UID}.json").exists()
+    assert rig.netns.rules_at(NETNS) is None
+    rec = rig.enrollment.pods()[UID]
+    assert rec.status is PodState.FAILED and rec.error.startswith("rules: ")
+    assert rec.steps[Step.STATUS] is False and rec.steps[Step.STATE] is False
+    assert rig.zds.adds == [] and rig.probes.entries == {}
+    assert UID not in rig.enrollment.retries
+
+
+async def test_rules_failing_while_the_status_is_being_written_remove_it_after_the_write(
+        rig, state_dir):
+    """The rules fail while the ``enabled`` PATCH is still in flight: the removal waits
+    for that write (never two writes of one pod in flight), then the ADD fails."""
+    writes = StatusWrites(rig)
+    writes.hold["enabled"] = asyncio.Event()
+    rig.netns.apply_error = RulesError("restore failed")
+    add = asyncio.create_task(rig.enrollment.enroll(event()))
+    await until(lambda: rig.netns.rules_at(NETNS) is None and rig.netns.deleted)
+    await asyncio.sleep(0.05)  # rolled back: nothing else may be written meanwhile
+    assert writes.writes == [("enabled", False)] and not add.done()
+    writes.hold["enabled"].set()
+    with pytest.raises(EnrollmentError, match=r"in-pod rules failed \(rolled back\)"):
+        await add
+    assert writes.done == ["enabled", None] and writes.in_flight_max == 1
+    assert not (state_dir / "pods" / f"{UID}.json").exists()
+
+
+class RefusingAnnotator:
+    """A :class:`cni.annotate.PodAnnotator` holding the annotation per pod; a write of a
+    value in ``refuse`` fails with a 503 (the API server unavailable)."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, str], str | None] = {}
+        self.refuse: set[str | None] = set()
+
+    async def patch_pod_annotations(self, namespace, name, annotations):
+        value = annotations[annotate.REDIRECTION_ANNOTATION]
+        if value in self.refuse:
+            error = RuntimeError("service unavailable")
+            error.status = 503  # type: ignore[attr-defined]
+            raise error
+        self.values[namespace, name] = value
+        return {}
+
+    def current(self, ref) -> str | None:
+        return self.values.get((ref.namespace, ref.name))
+
+
+async def test_rules_failure_whose_status_removal_fails_says_so_and_retries_it(rig):
+    """The removal of an ``enabled`` written beside failed rules fails: the ADD's error
+    says so, and the removal is retried in the background until written."""
+    api = RefusingAnnotator()
+    status = annotate.RedirectionStatus(lambda: api, api.current)
+    status.retries.initial = 0.01
+    rig.enrollment.dataplane.status = status
+    api.refuse.add(None)
+    rig.netns.apply_error = RulesError("restore failed")
+    try:
+        with pytest.raises(EnrollmentError, match=r"rollback incomplete: status annotation: "
+                                                  r"not removed yet \(retried in the "
+                                                  r"background\)"):
+            await rig.enrollment.enroll(event())
+        assert api.values == {("shop", "web"): "enabled"}
+        assert status.pending_retries() == {UID: "retrying"}
+        api.refuse.clear()
+        await until(lambda: api.values == {("shop", "web"): None})
+        await until(lambda: status.pending_retries() == {})
+    finally:
+        await status.close()
+
+
+async def test_loopback_down_with_the_status_written_removes_it(rig, state_dir):
+    """``lo`` down (nothing applied) once the record and ``enabled`` were written beside
+    the rules: both are undone and the ADD fails, saying nothing was applied."""
+    writes = StatusWrites(rig)
+    release = _held_rules(rig)
+    add = asyncio.create_task(rig.enrollment.enroll(event()))
+    try:
+        await until(lambda: writes.done == ["enabled"])
+        rig.netns.apply_error = LoopbackDown("loopback interface 'lo' in the pod netns is down")
+    finally:
+        release.set()
+    with pytest.raises(EnrollmentError, match="is down; nothing was applied$"):
+        await add
+    assert writes.done == ["enabled", None]
+    assert not (state_dir / "pods" / f"{UID}.json").exists()
+    assert rig.netns.deleted == []
+
+
+async def test_status_write_failing_while_the_rules_succeed_fails_the_add_retryably(rig):
+    """The ``enabled`` PATCH beside the rules fails (an API error) while the rules and
+    ztunnel succeed: the ADD fails retryably, as upstream fails it when the annotation
+    can't be written; the rules stay (fail closed), the pod stays with ztunnel, pending,
+    and the retry writes the status."""
+    writes = StatusWrites(rig)
+    writes.fail.add("enabled")
+    with pytest.raises(EnrollmentError, match="could not write status annotation; will "
+                                              "retry") as err:
+        await rig.enrollment.enroll(event())
+    assert err.value.retryable
+    rec = rig.enrollment.pods()[UID]
+    assert rec.status is PodState.PENDING and rec.steps[Step.STATUS] is False
+    assert rec.steps[Step.RULES] and rec.steps[Step.ZDS]
+    assert rig.netns.rules_at(NETNS) is not None and UID in rig.zds.pods
+    writes.fail.clear()
+    await until(lambda: rig.enrollment.pods()[UID].status is PodState.ENABLED)
+    assert writes.done == ["enabled"] and writes.in_flight_max == 1
+
+
+async def test_del_while_the_rules_and_the_status_are_in_flight_undoes_both(rig, state_dir):
+    """A CNI DEL cancelling the ADD while its rules are applied and its ``enabled`` PATCH
+    is in flight: the rollback waits for both, then removes the rules, the annotation
+    and the record."""
+    writes = StatusWrites(rig)
+    writes.hold["enabled"] = asyncio.Event()
+    release = _held_rules(rig)
+    add = asyncio.create_task(rig.enrollment.enroll(event()))
+    await until(lambda: rig.netns.applying.is_set() and writes.writes)
+    task = rig.enrollment.abort_enroll(UID)
+    assert task is not None
+    release.set()
+    await asyncio.sleep(0.05)
+    assert not add.done() and writes.writes == [("enabled", False)]  # waits for the write
+    writes.hold["enabled"].set()
+    with pytest.raises(EnrollmentError, match="pod deleted during enrollment"):
+        await add
+    assert writes.done == ["enabled", None] and writes.in_flight_max == 1
+    assert rig.netns.rules_at(NETNS) is None
+    assert not (state_dir / "pods" / f"{UID}.json").exists()
     assert UID not in rig.enrollment.pods()

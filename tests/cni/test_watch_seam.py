@@ -23,8 +23,8 @@ class Recorder:
         self.calls: list[tuple] = []
         self.remove_gate: asyncio.Event | None = None
 
-    async def enroll(self, event: CniPodEvent) -> None:
-        self.calls.append(("enroll", event.key, event.netns))
+    async def enroll(self, event: CniPodEvent, *, live: bool = False) -> None:
+        self.calls.append(("enroll", event.key, event.netns, live))
 
     async def remove(self, uid: str, *, is_delete: bool) -> None:
         if self.remove_gate is not None:
