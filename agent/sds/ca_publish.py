@@ -155,19 +155,20 @@ class RootPublisher:
         """Every namespace, once: one LIST of the namespaces and one of the ConfigMaps
         (by name, all namespaces), then :meth:`publish` only where the ConfigMap is
         missing or holds another root. Upstream reads them from its informer's cache;
-        a GET per namespace (and its model decoding) held the event loop ~1.5 ms each,
+        a GET per namespace (and its model decoding) held the event loop 1-3 ms each (py-spy),
         for every namespace of the cluster, right while the agent's first xDS pushes
         and changes went out (issue 28: 50 namespaces at 5k pods)."""
         root = self._root()
         core = kclient.CoreV1Api(self._client())
-        namespaces = await _list(core.list_namespace(_request_timeout=REQUEST_TIMEOUT,
+        namespaces, _ = await _list(core.list_namespace(_request_timeout=REQUEST_TIMEOUT,
                                                      _preload_content=False))
         current = set()
         if root:
             text = root.decode()
-            for cm in await _list(core.list_config_map_for_all_namespaces(
-                    field_selector=f"metadata.name={CONFIGMAP}",
-                    _request_timeout=REQUEST_TIMEOUT, _preload_content=False)):
+            cms, _ = await _list(core.list_config_map_for_all_namespaces(
+                field_selector=f"metadata.name={CONFIGMAP}", _request_timeout=REQUEST_TIMEOUT,
+                _preload_content=False))
+            for cm in cms:
                 if (cm.get("data") or {}).get(DATA_KEY) == text:
                     current.add((cm.get("metadata") or {}).get("namespace"))
         for ns in namespaces:
@@ -231,9 +232,11 @@ class RootPublisher:
                 else:
                     lister = core.list_config_map_for_all_namespaces
                     kw = {"field_selector": f"metadata.name={CONFIGMAP}"}
-                listed = await lister(_request_timeout=REQUEST_TIMEOUT, **kw)
+                # the LIST only for its resourceVersion: read raw, no model per object
+                _, rv = await _list(lister(_request_timeout=REQUEST_TIMEOUT,
+                                           _preload_content=False, **kw))
                 async with kubewatch.Watch(api) as w:
-                    async for event in w.stream(lister, resource_version=listed.metadata.resource_version,
+                    async for event in w.stream(lister, resource_version=rv,
                                                 timeout_seconds=300, **kw):
                         retry.reset()
                         obj = event["object"]
@@ -253,10 +256,11 @@ class RootPublisher:
         return {**self.election.debug_state(), **self.writes}
 
 
-async def _list(request: Awaitable[Any]) -> list[dict]:
-    """The ``items`` of a LIST made with ``_preload_content=False`` (the raw aiohttp
-    response), as plain dicts: only names, phases and one data key are read here, so the
-    client's model classes are not built. Raises ApiException for a non-2xx answer."""
+async def _list(request: Awaitable[Any]) -> tuple[list[dict], str]:
+    """The ``items`` (plain dicts) and ``metadata.resourceVersion`` of a LIST made with
+    ``_preload_content=False`` (the raw aiohttp response): only names, phases, one data
+    key and the version are read here, so the client's model classes are not built.
+    Raises ApiException for a non-2xx answer."""
     resp = await request
     try:
         data = await resp.read()
@@ -265,5 +269,8 @@ async def _list(request: Awaitable[Any]) -> list[dict]:
     if not 200 <= resp.status <= 299:  # the client checks only what it decodes itself
         raise ApiException(status=resp.status, reason=f"{resp.reason}: {data[:200]!r}")
     body = json.loads(data)
-    items = body.get("items") if isinstance(body, dict) else None
-    return [i for i in items or () if isinstance(i, dict)]
+    if not isinstance(body, dict):
+        raise ApiException(status=0, reason="LIST answer is not a JSON object")
+    items = body.get("items")
+    rv = str((body.get("metadata") or {}).get("resourceVersion") or "")
+    return [i for i in items or () if isinstance(i, dict)], rv
