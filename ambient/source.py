@@ -33,6 +33,14 @@ class ConfigSource(Component):
         self.store = store
         self.backend = backend
 
+    async def begin(self) -> None:
+        """Start reading without waiting for the first load: the Kubernetes source's
+        LISTs go out (reads only: nothing on the node or in the cluster changes); a
+        no-op for the files source, whose first load is :meth:`start`'s. Errors
+        (credentials) raise as :meth:`start`'s would."""
+        if isinstance(self.backend, KubernetesSource):
+            await self.backend.begin()
+
     async def start(self) -> None:
         await self.backend.start()
 
@@ -69,11 +77,12 @@ class ConfigSource(Component):
 
     def when_connected(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` (on the loop) once the Kubernetes source has its API client
-        and its LISTs are under way, before :meth:`start` returns; never for the files
-        source. For reads that need the client but not the listed objects (the CA
-        Secret), so they overlap the LISTs."""
+        and its LISTs are under way (at once when :meth:`begin` was called already),
+        before :meth:`start` returns; never for the files source. For reads that need
+        the client but not the listed objects (the CA Secret), so they overlap the
+        LISTs."""
         if isinstance(self.backend, KubernetesSource):
-            self.backend.on_connected.append(callback)
+            self.backend.when_connected(callback)
 
     def kube_api(self) -> Any | None:
         """The Kubernetes source's API client once started; None for the files source."""

@@ -207,8 +207,14 @@ class KubernetesSource:
 
     # --- lifecycle ---
 
-    async def start(self) -> None:
-        """Start every reflector and wait (up to ``sync_timeout``) for their first LIST."""
+    async def begin(self) -> None:
+        """Build the API client (credentials as in the class docstring; their errors
+        raise here) and start every reflector, without waiting for any LIST; then call
+        the ``on_connected`` callbacks. Idempotent: once begun, a second call does
+        nothing. The agent calls it before it builds its other components, so the LISTs
+        (reads only) are under way while the rest of the agent is imported (issue 28)."""
+        if self._tasks:
+            return
         if self.api is None:
             cfg = kclient.Configuration()
             if self.kubeconfig:
@@ -220,10 +226,26 @@ class KubernetesSource:
         self._tasks = [asyncio.create_task(self._reflect(kind), name=f"kube-{kind}")
                        for kind in self.kinds]
         for callback in self.on_connected:
-            try:
-                callback()
-            except Exception:  # a consumer's bug must not stop the source
-                log.exception("kubernetes source: on_connected callback failed")
+            self._call(callback)
+
+    def when_connected(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once the API client exists and the LISTs are under way:
+        at :meth:`begin`, or at once when it has begun already."""
+        self.on_connected.append(callback)
+        if self._tasks:
+            self._call(callback)
+
+    @staticmethod
+    def _call(callback: Callable[[], None]) -> None:
+        try:
+            callback()
+        except Exception:  # a consumer's bug must not stop the source
+            log.exception("kubernetes source: on_connected callback failed")
+
+    async def start(self) -> None:
+        """:meth:`begin` (if not done yet), then wait (up to ``sync_timeout``) for every
+        kind's first LIST."""
+        await self.begin()
         try:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self.synced.values())),
                                    timeout=self.sync_timeout)

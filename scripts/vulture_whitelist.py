@@ -85,3 +85,5 @@ registered_at  # unused variable (cni/registration_record.py)
 # a reference held so the demo's socket stays open
 _.app_listener  # unused attribute (agent/demo/checks.py)
 _.app_listener  # unused attribute (agent/demo/state.py)
+# read by the library class our Watch subclasses (kubernetes_asyncio.watch.Watch)
+_._raw_return_type  # unused attribute (agent/core/kubewatch.py)

@@ -56,9 +56,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from kubernetes_asyncio import client as kclient
-from kubernetes_asyncio import watch as kwatch
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from agent.core import kubewatch
 from agent.core.backoff import Backoff
 from agent.sds import keys
 from agent.sds.ca_embedded import CAKey, EmbeddedCA, MaterialError, check_signing_material, create_root
@@ -489,7 +489,7 @@ class KubeCASecret:
                     self.namespace, field_selector=f"metadata.name={name}",
                     _request_timeout=REQUEST_TIMEOUT)
                 rv = listed.metadata.resource_version
-                async with kwatch.Watch() as w:
+                async with kubewatch.Watch(self._api()) as w:  # the client core uses
                     async for _event in w.stream(core.list_namespaced_secret, self.namespace,
                                                  field_selector=f"metadata.name={name}",
                                                  resource_version=rv, timeout_seconds=300):

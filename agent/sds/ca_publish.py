@@ -32,14 +32,15 @@ the same root anyway.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from kubernetes_asyncio import client as kclient
-from kubernetes_asyncio import watch as kwatch
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from agent.core import kubewatch
 from agent.core.backoff import Backoff
 from agent.core.kubelease import LEASE_SECONDS, IstiodLock, LeaseElection
 
@@ -151,14 +152,32 @@ class RootPublisher:
                 self._all.set()
 
     async def publish_all(self) -> None:
-        """Every namespace, once."""
+        """Every namespace, once: one LIST of the namespaces and one of the ConfigMaps
+        (by name, all namespaces), then :meth:`publish` only where the ConfigMap is
+        missing or holds another root. Upstream reads them from its informer's cache;
+        a GET per namespace (and its model decoding) held the event loop 1-3 ms each (py-spy),
+        for every namespace of the cluster, right while the agent's first xDS pushes
+        and changes went out (issue 28: 50 namespaces at 5k pods)."""
+        root = self._root()
         core = kclient.CoreV1Api(self._client())
-        namespaces = await core.list_namespace(_request_timeout=REQUEST_TIMEOUT)
-        for ns in namespaces.items:
-            if ns.status is not None and ns.status.phase == "Terminating":
+        namespaces, _ = await _list(core.list_namespace(_request_timeout=REQUEST_TIMEOUT,
+                                                     _preload_content=False))
+        current = set()
+        if root:
+            text = root.decode()
+            cms, _ = await _list(core.list_config_map_for_all_namespaces(
+                field_selector=f"metadata.name={CONFIGMAP}", _request_timeout=REQUEST_TIMEOUT,
+                _preload_content=False))
+            for cm in cms:
+                if (cm.get("data") or {}).get(DATA_KEY) == text:
+                    current.add((cm.get("metadata") or {}).get("namespace"))
+        for ns in namespaces:
+            meta = ns.get("metadata") or {}
+            if (ns.get("status") or {}).get("phase") == "Terminating" or \
+                    meta.get("name") in current or not isinstance(meta.get("name"), str):
                 continue
-            await self.publish(ns.metadata.name)
-        self._published_root = self._root()
+            await self.publish(meta["name"])
+        self._published_root = root
 
     async def publish(self, namespace: str) -> None:
         """Create or update the ConfigMap in ``namespace`` (upstream ``InsertDataToConfigMap``)."""
@@ -204,7 +223,8 @@ class RootPublisher:
         retry = Backoff(1.0, 30.0, jitter=(0.8, 1.2))
         while True:
             try:
-                core = kclient.CoreV1Api(self._client())
+                api = self._client()
+                core = kclient.CoreV1Api(api)
                 lister: Any
                 kw: dict[str, Any]
                 if kind == "namespaces":
@@ -212,9 +232,11 @@ class RootPublisher:
                 else:
                     lister = core.list_config_map_for_all_namespaces
                     kw = {"field_selector": f"metadata.name={CONFIGMAP}"}
-                listed = await lister(_request_timeout=REQUEST_TIMEOUT, **kw)
-                async with kwatch.Watch() as w:
-                    async for event in w.stream(lister, resource_version=listed.metadata.resource_version,
+                # the LIST only for its resourceVersion: read raw, no model per object
+                _, rv = await _list(lister(_request_timeout=REQUEST_TIMEOUT,
+                                           _preload_content=False, **kw))
+                async with kubewatch.Watch(api) as w:
+                    async for event in w.stream(lister, resource_version=rv,
                                                 timeout_seconds=300, **kw):
                         retry.reset()
                         obj = event["object"]
@@ -232,3 +254,23 @@ class RootPublisher:
 
     def debug_state(self) -> dict:
         return {**self.election.debug_state(), **self.writes}
+
+
+async def _list(request: Awaitable[Any]) -> tuple[list[dict], str]:
+    """The ``items`` (plain dicts) and ``metadata.resourceVersion`` of a LIST made with
+    ``_preload_content=False`` (the raw aiohttp response): only names, phases, one data
+    key and the version are read here, so the client's model classes are not built.
+    Raises ApiException for a non-2xx answer."""
+    resp = await request
+    try:
+        data = await resp.read()
+    finally:
+        resp.release()
+    if not 200 <= resp.status <= 299:  # the client checks only what it decodes itself
+        raise ApiException(status=resp.status, reason=f"{resp.reason}: {data[:200]!r}")
+    body = json.loads(data)
+    if not isinstance(body, dict):
+        raise ApiException(status=0, reason="LIST answer is not a JSON object")
+    items = body.get("items")
+    rv = str((body.get("metadata") or {}).get("resourceVersion") or "")
+    return [i for i in items or () if isinstance(i, dict)], rv
