@@ -46,6 +46,7 @@ import secrets
 import shutil
 import signal
 import sys
+from typing import TextIO, cast
 
 import yaml
 
@@ -77,7 +78,8 @@ class Demo(DemoPods, DemoChecks):
             if signum == signal.SIGHUP:
                 # the terminal may be gone (closed window, lost SSH): a write to it fails
                 # with EIO, which must not cut the teardown short
-                sys.stdout, sys.stderr = _Tolerant(sys.stdout), _Tolerant(sys.stderr)
+                sys.stdout = cast(TextIO, _Tolerant(sys.stdout))
+                sys.stderr = cast(TextIO, _Tolerant(sys.stderr))
                 self.progress.stream = sys.stdout
             if stop.is_set():  # a second Ctrl-C: the teardown runs to its end regardless
                 print("\nstill cleaning up, please wait", file=sys.stderr, flush=True)
