@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -316,6 +317,8 @@ class Demo(DemoPods, DemoChecks):
 
         config = agent_config.load(self.agent_flags())
         logsetup.setup(config.log_level, config.log_format)
+        for handler in logging.getLogger().handlers:  # log lines never land mid-step-line
+            handler.addFilter(self.progress.log_filter())
         self.config = config
         self.agent = daemon.Agent(config)
         self.on_cleanup("agent", self._stop_agent)
