@@ -366,7 +366,12 @@ def main(args: argparse.Namespace) -> int:
     for r in results:
         print(r.line())
     failed = [r for r in results if r.state == FAIL]
-    print(f"{len(results) - len(failed)}/{len(results)} checks passed"
+    warned = [r for r in results if r.state == WARN]
+    # a warning is not a pass: counted on its own, so "N/N passed" means all ok
+    passed = len(results) - len(failed) - len(warned)
+    print(f"{passed}/{len(results)} checks passed"
+          + (f"; {len(warned)} with warnings: {', '.join(r.name for r in warned)}"
+             if warned else "")
           + (f"; failed: {', '.join(r.name for r in failed)}" if failed else ""))
     sys.stdout.flush()
     return 1 if failed else 0

@@ -500,6 +500,11 @@ class DirectorySource:
             parsed = ParsedFile([], [])
             self.files.discard(path)
             self._chunks.pop(path, None)
+        # there, but not a regular file (a symlink to a device or FIFO): never read
+        refused = not os.path.isfile(path) and os.path.lexists(path)
+        if refused:
+            log.warning("config file %s refused: not a regular file (%s); its objects, if "
+                        "any, are dropped", path, _file_kind(path))
         objects, errors = parsed.objects, parsed.errors
         for where, error in errors:
             self.store.reject("invalid", where, error)
@@ -531,7 +536,8 @@ class DirectorySource:
             held = self.store.objects_of_origin(path)
             skipped = len(objects) - held + len(errors)
             log.info("config file %s %s: %d objects%s", path,
-                     "reloaded" if path in self.files else "removed", held,
+                     "reloaded" if path in self.files else "refused" if refused else "removed",
+                     held,
                      f", {skipped} skipped (reasons logged above)" if skipped else "")
 
     # --- annotations written by the agent (overlay) ---
@@ -626,3 +632,19 @@ class DirectorySource:
         for path in sorted(present | self.files):
             if path not in present or path not in self.files:
                 await self.reload(path)
+
+
+def _file_kind(path: str) -> str:
+    """What ``path`` is when it is not a regular file, in words (for a log line)."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "a dangling symlink"
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"

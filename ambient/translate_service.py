@@ -159,12 +159,15 @@ def k8s_service(svc: dict, mesh: Mesh, namespace_obj: dict | None) -> ServiceInf
     ns, name = m["namespace"], m["name"]
     host = f"{name}.{ns}.svc.{mesh.domain_suffix}"
     proto = wl.Service(name=name, namespace=ns, hostname=host)
-    ips = field(svc, "spec.clusterIPs", list) or (
-        [field(svc, "spec.clusterIP", str)] if s.get("clusterIP") else [])
-    for i, ip in enumerate(ips):
+    ips = field(svc, "spec.clusterIPs", list)
+    # each address is reported under the field it came from
+    named = ([(ip, f"spec.clusterIPs[{i}]") for i, ip in enumerate(ips)] if ips
+             else [(field(svc, "spec.clusterIP", str), "spec.clusterIP")]
+             if s.get("clusterIP") else [])
+    for ip, where in named:
         if not ip or ip == "None":
             continue
-        proto.addresses.append(_network_address(str(ip), mesh.network, f"spec.clusterIPs[{i}]"))
+        proto.addresses.append(_network_address(str(ip), mesh.network, where))
     proto.ip_families = ip_families(svc, proto.addresses)
     ports: list[PortInfo] = []
     for i, p in enumerate(field(svc, "spec.ports", list, [])):

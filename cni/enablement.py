@@ -11,7 +11,11 @@ its namespace does and the pod is not labelled ``istio.io/dataplane-mode=none``.
 Our addition: on a host without Kubernetes the pod is named by its container ID
 (:attr:`cni.events.CniPodEvent.key`); a Pod object whose ``metadata.uid`` is that
 container ID is the pod's object (see :func:`find_pod`). Without any Pod object the
-network's plugin config decides (``ambient_default``).
+network's plugin config decides (``ambient_default``), except in a namespace whose
+Namespace object says a pod without labels of its own is ambient: there the decision
+waits for the Pod object (:attr:`Decision.retry`), as upstream's plugin fails the ADD
+while it cannot get the Pod from the API server, so a lagging cache never lets an
+ambient pod start unmeshed.
 """
 
 from __future__ import annotations
@@ -36,11 +40,14 @@ DEFAULT_SELECTORS: list[dict[str, Any]] = [
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """``ambient``: enroll or not; ``reason``: one human line; ``pod``: the Pod object used."""
+    """``ambient``: enroll or not; ``reason``: one human line; ``pod``: the Pod object used;
+    ``retry``: undecided for now (no Pod object yet in an ambient namespace): the ADD
+    fails with "try again later" (``ambient`` is False then, nothing is enrolled)."""
 
     ambient: bool
     reason: str
     pod: dict | None = None
+    retry: bool = False
 
 
 def label_selector_matches(selector: dict | None, labels: dict | None) -> bool:
@@ -135,6 +142,15 @@ def decide(event: CniPodEvent, store: PodStore | None, exclude_namespaces: Itera
     if pod is None:
         if event.ambient_default:
             return Decision(True, "no Pod object; plugin config ambient_default is true")
+        if namespace and event.pod_name and store is not None \
+                and store.get("Namespace", "", namespace) is not None:
+            probe = {"metadata": {"namespace": namespace, "name": "", "labels": {}}}
+            if object_is_ambient(probe, store, excluded, selectors):
+                # its own labels may say otherwise, but only the Pod object can tell:
+                # wait for it rather than let an ambient pod start unmeshed
+                return Decision(False, f"Pod object {namespace}/{event.pod_name} is not known "
+                                       f"yet and namespace {namespace} is ambient; try again "
+                                       "later", retry=True)
         return Decision(False, "no Pod object and plugin config ambient_default is not true")
     ns_obj = store.get("Namespace", "", namespace) if (store is not None and namespace) else None
     ns_labels = ((ns_obj or {}).get("metadata") or {}).get("labels") or {}

@@ -11,8 +11,10 @@ Routes (the body is a :class:`cni.events.CniPodEvent` JSON):
   ``enrollment.enroll(event)`` and answer only when the pod is enrolled, so
   no pod starts outside the mesh by accident. 200 ``{"ambient": bool, "reason": str}``;
   400 malformed event (message names the field); 500 enrollment failed or impossible
-  (the reason becomes the plugin's CNI error); 503 the agent is shutting down or the
-  enrollment error is ``retryable`` (the plugin maps 503 to "try again later", code 11).
+  (the reason becomes the plugin's CNI error); 503 the agent is shutting down, the
+  enrollment error is ``retryable``, or the pod is in an ambient namespace but its Pod
+  object is not known yet after a short lookup (:attr:`cni.enablement.Decision.retry`;
+  the plugin maps 503 to "try again later", code 11, and the runtime retries).
 - ``POST /cmddel``: await ``enrollment.unenroll(event, is_delete=True)`` (best effort;
   the sandbox is being destroyed, so its in-pod rules go with its netns, as upstream's
   ``RemovePodFromMesh(pod, isDelete=true)``). 200 or 500.
@@ -109,7 +111,8 @@ class CniEventServer(Component):
         self._locks: dict[str, list] = {}  # key -> [lock, users]
         self._inflight: dict[str, str] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._stats = {"add": 0, "add_ambient": 0, "add_failed": 0, "del": 0, "bad": 0}
+        self._stats = {"add": 0, "add_ambient": 0, "add_failed": 0, "add_held": 0, "del": 0,
+                       "bad": 0}
         self.requests = Counter(
             "istio_cni_plugin_requests", "CNI plugin requests by command and HTTP response code",
             ["command", "response_code"], registry=ctx.registry)
@@ -281,6 +284,12 @@ class CniEventServer(Component):
     async def _enroll(self, event: CniPodEvent, name: str,
                       decision: enablement.Decision) -> tuple[int, dict | str]:
         enrollment = self.enrollment
+        if decision.retry:
+            # fail closed, retryable (code 11): the runtime re-creates the sandbox and a
+            # later ADD finds the Pod object; nothing was done to the netns
+            self._stats["add_held"] += 1
+            log.warning("pod %s held (try again later): %s", name, decision.reason)
+            return 503, f"pod {name} not decided yet: {decision.reason}"
         if not decision.ambient:
             log.info("pod %s is not ambient (%s): not enrolled", name, decision.reason)
             if enrollment is not None:  # found at once if it becomes ambient while running

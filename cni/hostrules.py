@@ -47,7 +47,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from agent.core import netns as netns_mod
 from cni.podips import normalize_ip
-from cni.rules_common import RulesError
+from cni.rules_common import RulesError, loaded_xtables
 from cni.rules_iptables_text import Rule, render_restore
 from cni.rules_nftables import list_tables, run_nft
 
@@ -319,7 +319,11 @@ class HostProbeRules:
 
     def _iptables_nat(self, v6: bool, flavor: str | None) -> tuple[list[str], bool, str]:
         """``(POSTROUTING rules jumping to our chain, whether our chain exists, the nat
-        table's save text)`` in ``flavor`` (None: ours)."""
+        table's save text)`` in ``flavor`` (None: ours). A legacy nat table that is not
+        loaded in the netns holds nothing, and is not read: the legacy tools would create
+        it (:func:`cni.rules_common.loaded_xtables`)."""
+        if (flavor or self.flavor) == "legacy" and "nat" not in (loaded_xtables(v6) or ()):
+            return [], False, ""
         p = subprocess.run([self._tool(v6, "save", flavor), "-t", "nat"], capture_output=True,
                            text=True, timeout=TOOL_TIMEOUT)
         save = p.stdout if p.returncode == 0 else ""

@@ -53,6 +53,22 @@ class RulesError(RuntimeError):
     """
 
 
+def loaded_xtables(ipv6: bool) -> list[str] | None:
+    """The legacy xtables tables loaded in the calling thread's netns (``nat``,
+    ``mangle``...), from ``/proc/thread-self/net/ip{,6}_tables_names`` (not
+    ``/proc/net``: that follows the process's first thread, not a thread that entered
+    another netns); None when the kernel has no x_tables for the family.
+
+    Look here before running ``iptables-legacy-save``/``-S``: reading a table through the
+    legacy tools loads it, so a mere look would leave an empty legacy ``nat`` table
+    behind (and every later ``iptables-save`` warns "iptables-legacy tables present")."""
+    try:
+        with open(f"/proc/thread-self/net/ip{'6' if ipv6 else ''}_tables_names") as f:
+            return f.read().split()
+    except OSError:
+        return None
+
+
 @dataclasses.dataclass(frozen=True)
 class RuleOptions:
     """Everything that shapes one pod's redirection ruleset.

@@ -182,13 +182,8 @@ def _legacy_holds(ipv6: bool) -> bool:
     ``/proc/thread-self/net`` (not ``/proc/net``, which follows the process's first
     thread) lists the tables loaded in this netns; none loaded means none of ours."""
     for v6 in ([False, True] if ipv6 else [False]):
-        names_file = f"/proc/thread-self/net/ip{'6' if v6 else ''}_tables_names"
-        try:
-            with open(names_file) as f:
-                loaded = f.read().split()
-        except OSError:
-            continue  # x_tables not available in this kernel: nothing of ours there
-        if not loaded:
+        loaded = rc.loaded_xtables(v6)
+        if not loaded:  # none loaded (or no x_tables in this kernel): nothing of ours
             continue
         tool = f"{'ip6tables' if v6 else 'iptables'}-legacy-save"
         if not shutil.which(tool):

@@ -35,7 +35,7 @@ cmd_build() {
   if [ -x "$bin" ]; then echo "$bin"; return; fi
   mkdir -p "$(cache_root)"
   exec 9>"$(cache_root)/.lock"
-  flock 9
+  lock_build 9 "$(cache_root)/.lock" helm
   if [ -x "$bin" ]; then echo "$bin"; return; fi
   work=$(mktemp -d "$(cache_root)/build.XXXXXX")
   trap 'rm -rf "$work"' RETURN

@@ -30,7 +30,7 @@ cmd_build() {
   if [ -x "$out" ]; then echo "$out"; return; fi
   mkdir -p "$(cache_root)"
   exec 9>/tmp/go-build-istio-cni.lock
-  flock 9
+  lock_build 9 /tmp/go-build-istio-cni.lock istio-cni
   if [ -x "$out" ]; then echo "$out"; return; fi
   work=$(mktemp -d "$(cache_root)/build.XXXXXX")
   trap 'rm -rf "$work"' RETURN

@@ -59,7 +59,7 @@ cmd_build() {
   if built "$bin"; then echo "$bin"; return; fi
   mkdir -p "$(cache_root)"
   exec 9>"$(cache_root)/.lock"
-  flock 9   # one build at a time; a second caller finds the first one's result
+  lock_build 9 "$(cache_root)/.lock" istiod   # one build at a time; a second caller finds the first one's result
   if built "$bin"; then echo "$bin"; return; fi
   work=$(mktemp -d "$(cache_root)/build.XXXXXX")
   trap 'rm -rf "$work"' RETURN

@@ -88,7 +88,7 @@ cmd_build() {
   if complete "$bin"; then echo "$bin"; return; fi
   mkdir -p "$(cache_root)"
   exec 9>"$LOCK"
-  flock 9
+  lock_build 9 "$LOCK" "the kubelet node"
   if complete "$bin"; then echo "$bin"; return; fi
   work=$(mktemp -d "$(cache_root)/node-build.XXXXXX")
   trap 'rm -rf "$work"' RETURN

@@ -46,3 +46,13 @@ k8s_gomod() {
     echo ")"
   } > "$dir/go.mod"
 }
+
+# lock_build FD LOCK WHAT: take the flock on FD (already opened on the file LOCK); when
+# another process holds it, say so on stderr in one line first, so a caller waiting
+# minutes for someone else's build knows why nothing happens
+lock_build() {
+  local fd=$1 lock=$2 what=$3
+  flock -n "$fd" && return 0
+  echo "waiting for $lock (another build of $what is running)" >&2
+  flock "$fd"
+}

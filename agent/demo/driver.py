@@ -41,11 +41,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shutil
 import signal
 import sys
+from typing import TextIO, cast
 
 import yaml
 
@@ -65,15 +67,28 @@ class Demo(DemoPods, DemoChecks):
             pods += f", image {self.image}{' (imported)' if self.import_image else ''}"
         print(f"ambient node in a box (workdir {self.root}, pods run with {pods}; netns and "
               f"interfaces named ambdemo*{self.suffix})")
+        earlier = await asyncio.to_thread(self.earlier_leftovers)
+        if earlier:
+            print(f"note: found what an earlier demo left (or another demo running now "
+                  f"uses): {'; '.join(earlier)}. If no other demo runs, remove them "
+                  "(ip netns del / ip link del / rm -rf; podman rm -f the containers "
+                  f"labelled {DEMO_LABEL})", file=sys.stderr)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        def on_signal() -> None:
+        def on_signal(signum: int) -> None:
+            if signum == signal.SIGHUP:
+                # the terminal may be gone (closed window, lost SSH): a write to it fails
+                # with EIO, which must not cut the teardown short
+                sys.stdout = cast(TextIO, _Tolerant(sys.stdout))
+                sys.stderr = cast(TextIO, _Tolerant(sys.stderr))
+                self.progress.stream = sys.stdout
             if stop.is_set():  # a second Ctrl-C: the teardown runs to its end regardless
                 print("\nstill cleaning up, please wait", file=sys.stderr, flush=True)
             stop.set()
 
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, on_signal)
+        # SIGHUP too: closing the terminal must tear down as Ctrl-C does
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(signum, on_signal, signum)
         failed = True
         incomplete = False
         self.progress.stop = stop
@@ -113,6 +128,28 @@ class Demo(DemoPods, DemoChecks):
             print("the teardown was incomplete (what is left is listed above)",
                   file=sys.stderr)
         return 1 if failed or incomplete else 0
+
+    def earlier_leftovers(self) -> list[str]:
+        """What looks like an earlier demo's (its naming: bridge ``ambdemo<4 hex>``, netns
+        ``ambdemo-*-<4 hex>``, workdir ``/run/ambient-demo-<6 hex>``): a demo killed
+        without its teardown (SIGKILL, a crash) leaves them. A demo running right now has
+        the same names, so they are reported, never removed here."""
+        import re
+
+        from pyroute2 import IPRoute
+
+        found = []
+        if os.path.isdir("/var/run/netns"):
+            found += [f"netns {n}" for n in sorted(os.listdir("/var/run/netns"))
+                      if re.fullmatch(r"ambdemo-[a-z]+-[0-9a-f]{4}", n)]
+        with IPRoute() as ipr:
+            found += sorted(f"bridge {link.get_attr('IFLA_IFNAME')}" for link in ipr.get_links()
+                            if re.fullmatch(r"ambdemo[0-9a-f]{4}",
+                                            link.get_attr("IFLA_IFNAME") or ""))
+        with contextlib.suppress(OSError):
+            found += [f"workdir /run/{d}" for d in sorted(os.listdir("/run"))
+                      if re.fullmatch(r"ambient-demo-[0-9a-f]{6}", d)]
+        return found
 
     async def bring_up(self) -> None:
         p = self.progress
@@ -280,6 +317,8 @@ class Demo(DemoPods, DemoChecks):
 
         config = agent_config.load(self.agent_flags())
         logsetup.setup(config.log_level, config.log_format)
+        for handler in logging.getLogger().handlers:  # log lines never land mid-step-line
+            handler.addFilter(self.progress.log_filter())
         self.config = config
         self.agent = daemon.Agent(config)
         self.on_cleanup("agent", self._stop_agent)
@@ -389,3 +428,26 @@ class Demo(DemoPods, DemoChecks):
                         await result
             except Exception as e:  # noqa: BLE001 - keep cleaning up, report what failed
                 print(f"  cleanup of {what} failed: {e}", file=sys.stderr)
+
+
+class _Tolerant:
+    """A text stream whose writes and flushes never raise ``OSError`` (after SIGHUP the
+    terminal may be gone: EIO); everything else is the wrapped stream's."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except (OSError, ValueError):
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import secrets
 import sys
 import time
@@ -78,6 +79,26 @@ class Progress:
     def __init__(self, stream: TextIO = sys.stdout) -> None:
         self.stream = stream
         self.stop: asyncio.Event | None = None
+        self._open: str | None = None  # the title of a step line not ended yet
+
+    def interrupt(self) -> None:
+        """End the step line now (its result follows on a line of its own), so another
+        writer's line (the agent's log) starts at the beginning of a line."""
+        if self._open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open = ""  # still in the step, its line broken
+
+    def log_filter(self) -> logging.Filter:
+        """A filter for log handlers writing to the same terminal: each record first ends
+        an open step line (:meth:`interrupt`); no record is dropped."""
+        progress = self
+
+        class _Break(logging.Filter):
+            def filter(self, record: logging.LogRecord) -> bool:
+                progress.interrupt()
+                return True
+        return _Break()
 
     def check_stop(self, before: str) -> None:
         if self.stop is not None and self.stop.is_set():
@@ -89,23 +110,30 @@ class Progress:
         t0 = time.monotonic()
         self.stream.write(f"  • {title} ...")
         self.stream.flush()
+        self._open = title
 
         async def ticker():
             while True:
                 await asyncio.sleep(1.0)
-                self.stream.write(".")
-                self.stream.flush()
+                if self._open == title:  # the line is still ours
+                    self.stream.write(".")
+                    self.stream.flush()
+
+        def end(result: str) -> None:
+            broken = self._open != title  # something else wrote a line meanwhile
+            self._open = None
+            self.stream.write((f"  • {title}: {result}" if broken else f" {result}") + "\n")
+            self.stream.flush()
 
         tick = asyncio.create_task(ticker())
         try:
             yield
         except BaseException:
-            self.stream.write(" failed\n")
+            end("failed")
             raise
         finally:
             tick.cancel()
-        self.stream.write(f" done ({time.monotonic() - t0:.1f}s)\n")
-        self.stream.flush()
+        end(f"done ({time.monotonic() - t0:.1f}s)")
 
 
 def resolve_runtime(choice: str) -> str:

@@ -29,6 +29,12 @@ def _hostport(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"must be a TCP port 1-65535, got {text!r}")
+    return int(text)
+
+
 def _ip(text: str) -> str:
     try:
         return str(ipaddress.ip_address(text))
@@ -47,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--token-file", help="bearer token sent as authorization on the stream")
     b.add_argument("--server-name", default="istiod.istio-system.svc",
                    help="name checked in the agent's certificate (default %(default)s)")
-    b.add_argument("--admin-port", type=int, default=15000, help="Envoy admin port on 127.0.0.1")
+    b.add_argument("--admin-port", type=_port, default=15000, help="Envoy admin port on 127.0.0.1")
     b.add_argument("--node-ip", type=_ip, default="127.0.0.1", help="IP in the node id")
     b.add_argument("--pod-name", default="", help="pod name in the node id (default NAME-0)")
     b.add_argument("--service-account", default="", help="SERVICE_ACCOUNT (default the "

@@ -46,6 +46,8 @@ from cni.rules_iptables import IptablesBackend, detect_flavor
 from cni.rules_nftables import NftablesBackend
 from cni.sourceapi import PodSource, PodStore
 
+PROBE_SET_V4 = "istio-inpod-probes-v4"  # HostProbeRules' default set: iptables host rules
+
 log = logging.getLogger(__name__)
 
 STATUS_ANNOTATION = annotate.REDIRECTION_ANNOTATION
@@ -101,6 +103,7 @@ class Enrollment(Component):
             pods_known=self._pod_objects_known, events=self.events,
             netns_missing=self.metrics.netns_missing.inc)
         self.live: LivePods | None = None  # running pods following their labels
+        self.backend_note = ""  # why the backend is not the configured one ("": it is)
         self._enrolling: dict[str, asyncio.Task] = {}  # uid -> task inside enroll()
         # sandboxes of running pods the CNI ADD found not ambient: key -> (netns, ips);
         # how a pod without IPs in its object (podman) is found when it becomes ambient
@@ -169,9 +172,16 @@ class Enrollment(Component):
         (stay on iptables until reboot); the iptables flavor is detected once and
         recorded in the state dir."""
         cfg = self.ctx.config
-        if cfg.native_nftables and not ipset_exists("istio-inpod-probes-v4",
-                                                    cfg.host_rules_netns or None):
-            return NftablesBackend()
+        if cfg.native_nftables:
+            netns = cfg.host_rules_netns or None
+            if not ipset_exists(PROBE_SET_V4, netns):
+                return NftablesBackend()
+            # said once, here and in debug_state: the setting reads true, pods get iptables
+            self.backend_note = (f"native_nftables is true but the agent stays on iptables: "
+                                 f"the iptables probe ipset {PROBE_SET_V4} exists in "
+                                 f"{netns or 'the host netns'} (iptables host rules of this "
+                                 "or another agent use it; docs/enrollment.md)")
+            log.warning("%s", self.backend_note)
         return IptablesBackend(detect_flavor(cfg.state_dir, holding=self._host_flavors))
 
     def _host_flavors(self) -> set[str]:
@@ -244,6 +254,7 @@ class Enrollment(Component):
         return {
             "backend": backend.name if backend is not None else None,
             "iptables_flavor": backend.flavor if isinstance(backend, IptablesBackend) else None,
+            "backend_note": self.backend_note,
             "pods": {uid: r.debug() for uid, r in self.records.items()},
             "live": dict(self.live.stats) if self.live is not None else None,
             "annotation_retries": self.status.pending_retries(),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Awaitable, Callable, Protocol
 
 from agent.core.config import Config
@@ -279,8 +280,8 @@ class Recovery:
                 if self._recorded_gone(rec):
                     await self._netns_missing(rec)
                 else:  # no record of ours, or IPs unknown: the scan's "no" is weak
-                    rec.fail(Step.NETNS, "netns not found (recorded path gone and no "
-                             "process of this pod in /proc)", status=PodState.NETNS_MISSING)
+                    rec.fail(Step.NETNS, f"netns not found ({self.not_found_why(rec)})",
+                             status=PodState.NETNS_MISSING)
                 return False
             try:
                 await self.dataplane.run(rec, fd, RECOVER)
@@ -292,6 +293,18 @@ class Recovery:
         finally:
             if fd is not None:
                 self.dataplane.netns.close(fd)
+
+    @staticmethod
+    def not_found_why(rec: PodRecord) -> str:
+        """Why a kept pod's netns counts as not found, in words: its recorded path is
+        gone, or it exists but holds none of the recorded IPs (a re-ADD with another IP,
+        or a name re-used by another sandbox); and no process of the pod in ``/proc``."""
+        if rec.netns and os.path.exists(rec.netns):
+            ips = ", ".join(rec.ips) or "none recorded"
+            where = f"recorded path {rec.netns} exists but holds none of the recorded IPs ({ips})"
+        else:
+            where = "recorded path gone"
+        return f"{where}, and no process of this pod in /proc"
 
     @staticmethod
     def _recorded_gone(rec: PodRecord) -> bool:
@@ -315,8 +328,8 @@ class Recovery:
         (upstream forgets the pod at its delete). Never raises: each step logs its own
         failure."""
         d = self.dataplane
-        why = (f"netns {rec.netns} not found at restart (recorded path "
-               "gone and no process of this pod in /proc): removed from the node's probe "
+        why = (f"netns {rec.netns} not found at restart ({self.not_found_why(rec)}): "
+               "removed from the node's probe "
                "set, status annotation removed; retried, and enrolled again when its "
                "sandbox appears")
         rec.fail(Step.NETNS, why, status=PodState.NETNS_MISSING)  # the one WARN line

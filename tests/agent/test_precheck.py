@@ -111,6 +111,12 @@ def test_command_lines_and_exit_code(tmp_path):
     text = out.getvalue()
     assert "ok    CNI config" in text
     assert code == (1 if "\nFAIL" in "\n" + text else 0)  # exit code follows the lines
+    # the summary counts warnings on their own: "N/N passed" only when every line is ok
+    states = [ln.split()[0] for ln in text.splitlines()[:-1]]
+    summary = text.splitlines()[-1]
+    assert summary.startswith(f"{states.count('ok')}/{len(states)} checks passed"), summary
+    if "warn" in states:
+        assert f"; {states.count('warn')} with warnings: " in summary, summary
 
 
 def test_crd_owner_from_installer_metadata():

@@ -90,8 +90,13 @@ async def test_store_decides_by_labels(cni_agent):
 
 
 async def test_missing_pod_object_falls_back_to_ambient_default(cni_agent):
-    cni_agent.set_store(DictStore([namespace("demo", {"istio.io/dataplane-mode": "ambient"})]))
+    cni_agent.set_store(DictStore([namespace("demo", {"istio.io/dataplane-mode": "ambient"}),
+                                   namespace("plain")]))
+    # an ambient namespace: held until the Pod object is known (503: try again later)
     status, text = await post(cni_agent, "/cmdadd", body=event(pod_uid=""))
+    assert status == 503 and "Pod object demo/web-0 is not known yet" in text, text
+    status, text = await post(cni_agent, "/cmdadd", body=event(pod_uid="",
+                                                               pod_namespace="plain"))
     assert status == 200 and '"ambient": false' in text
     status, text = await post(cni_agent, "/cmdadd", body=event(pod_uid="", pod_name="",
                                                                pod_namespace="",

@@ -14,6 +14,7 @@ import fcntl
 import io
 import json
 import os
+import shutil
 import subprocess
 from contextlib import redirect_stderr, redirect_stdout
 
@@ -157,3 +158,61 @@ def test_bad_flags_are_one_line(tmp_path):
     code, out, err = cleanup("--state-dir", str(tmp_path), "--ambient-ipv6", "perhaps",
                              "--config-file", str(tmp_path / "none.yaml"))
     assert code == 2 and out == "" and "ambient_ipv6" in err and len(err.splitlines()) == 1
+
+
+def _xtables_names(netns: str) -> tuple[str, str]:
+    """The legacy xtables tables loaded in ``netns`` (IPv4, IPv6), as the kernel lists them."""
+    out = []
+    for v in ("", "6"):
+        p = subprocess.run(["nsenter", f"--net={netns}", "cat", f"/proc/net/ip{v}_tables_names"],
+                           capture_output=True, text=True)
+        out.append(p.stdout)
+    return out[0], out[1]
+
+
+@pytest.mark.skipif(not shutil.which("iptables-legacy-save"),
+                    reason="iptables-legacy not installed")
+def test_looking_creates_no_legacy_tables(tmp_path, node):
+    """A newuser finding: `cleanup --dry-run` and the agent's start (remove_stale_flavor)
+    read the legacy nat table with iptables-legacy-save, which creates it: an empty
+    legacy nat table stayed, and every iptables-save then warned "iptables-legacy tables
+    present". Only loaded tables are read now; a fresh netns keeps none."""
+    before = _xtables_names(node)
+    assert before == ("", ""), before  # a fresh netns: nothing loaded
+    (tmp_path / "none.yaml").write_text("")
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    code, out, err = cleanup("--state-dir", str(state), "--config-file",
+                             str(tmp_path / "none.yaml"), "--cni-conf-dir", str(tmp_path / "c"),
+                             "--cni-bin-dir", str(tmp_path / "b"), "--host-rules-netns", node,
+                             "--ambient-ipv6", "true", "--ztunnel-uds-address",
+                             str(tmp_path / "ztunnel.sock"), "--dry-run")
+    assert code == 0, (out, err)
+    assert _xtables_names(node) == before
+    # the agent's start on iptables-nft: its rules written, the other flavor looked at
+    rules = HostProbeRules(backend="iptables", flavor="nft", ipv6=True, netns=node)
+    try:
+        rules.setup()
+        assert rules.remove_stale_flavor() == []
+        assert _xtables_names(node) == before
+    finally:
+        rules.teardown()
+    assert _xtables_names(node) == before
+    # a legacy table that does exist is still read: a stale legacy copy of our chain is
+    # found and removed by the nft agent's start
+    legacy = HostProbeRules(backend="iptables", flavor="legacy", ipv6=False, netns=node)
+    nft = HostProbeRules(backend="iptables", flavor="nft", ipv6=False, netns=node)
+    try:
+        legacy.setup()
+        assert "nat" in _xtables_names(node)[0].split()
+
+        def legacy_nat() -> str:
+            return subprocess.run(["nsenter", f"--net={node}", "iptables-legacy-save", "-t",
+                                   "nat"], capture_output=True, text=True, check=True).stdout
+
+        assert f":{legacy.chain} " in legacy_nat()
+        nft.setup()  # ends with remove_stale_flavor
+        assert f":{legacy.chain} " not in legacy_nat()
+    finally:
+        nft.teardown()
+        legacy.teardown()

@@ -453,3 +453,28 @@ async def test_pod_that_stops_being_ambient_is_unenrolled(bridge, state_dir, nod
         assert h.enrollment.debug_state()["pods"][keeper.uid]["status"] == "enabled"
     finally:
         await h.stop()
+
+
+async def test_native_nftables_kept_on_iptables_says_why_once(state_dir, node_netns, caplog):
+    """A newuser finding: with native_nftables true and our iptables probe ipset present
+    in the node netns (documented: the agent stays on iptables), nothing said why."""
+    import logging
+
+    from cni.hostrules import HostProbeRules
+
+    other = HostProbeRules(backend="iptables", ipv6=False, netns=node_netns)
+    await asyncio.to_thread(other.setup)  # an iptables agent's host rules and probe set
+    h = Harness(state_dir, node_netns)
+    h.config = h.config.replace(native_nftables=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="cni.enrollment.reconciler"):
+            await h.start()
+        state = h.enrollment.debug_state()
+        assert state["backend"] != "nftables"
+        notes = [r.getMessage() for r in caplog.records
+                 if "native_nftables is true but the agent stays on iptables" in r.getMessage()]
+        assert len(notes) == 1 and "istio-inpod-probes-v4" in notes[0], notes
+        assert state["backend_note"] == notes[0]
+    finally:
+        await h.stop()
+        await asyncio.to_thread(other.teardown)

@@ -337,3 +337,53 @@ def test_demo_double_ctrl_c_at_the_terminal_still_cleans_up(tmp_path):
             proc.kill()
             proc.wait()
     _assert_nothing_left(workdir, out, _imported_image(out))
+
+
+def test_demo_hangup_tears_down_like_ctrl_c(tmp_path):
+    """A newuser finding: SIGHUP (the terminal closed, SSH lost) killed the demo with no
+    teardown: containers, image, Envoy, bridge, netns and workdir stayed. The whole group
+    gets it, as a terminal's hangup delivers it."""
+    workdir = tmp_path / "demo"
+    proc = subprocess.Popen(_argv(workdir, "--runtime", "netns"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines, out = [], ""
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "press Ctrl-C" in line:
+                break
+        assert any("press Ctrl-C" in seen for seen in lines), "".join(lines)
+        os.killpg(proc.pid, signal.SIGHUP)
+        rest, _ = proc.communicate(timeout=90)
+        out = "".join(lines) + rest
+        assert proc.returncode == 0, out
+        assert "tearing down" in out and "clean: no netns" in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    _assert_nothing_left(workdir, out)
+
+
+def test_earlier_demos_leftovers_are_noticed(tmp_path):
+    """What a demo killed without its teardown left is named by the next demo (its
+    naming: netns ambdemo-*-<hex4>, bridge ambdemo<hex4>)."""
+    import argparse
+    import secrets
+
+    from pyroute2 import netns as pr_netns
+
+    from agent.demo.driver import Demo
+
+    demo = Demo(argparse.Namespace(workdir=str(tmp_path / "demo"), runtime="netns", image=""))
+    name = f"ambdemo-left-{secrets.token_hex(2)}"
+    pr_netns.create(name)
+    try:
+        assert f"netns {name}" in demo.earlier_leftovers()
+    finally:
+        pr_netns.remove(name)
+    assert f"netns {name}" not in demo.earlier_leftovers()

@@ -67,6 +67,9 @@ def test_real_envoy_accepts_the_bootstrap(capsys, tmp_path):
     (["--gateway", "demo"], "--gateway must be NAMESPACE/NAME"),
     (["--gateway", "demo/wp", "--xds-address", "nohost"], "--xds-address must be HOST:PORT"),
     (["--gateway", "demo/wp", "--hbone-bind", "x"], "not an IP address: 'x'"),
+    (["--gateway", "demo/wp", "--admin-port", "99999"],
+     "argument --admin-port: must be a TCP port 1-65535, got '99999'"),
+    (["--gateway", "demo/wp", "--admin-port", "0"], "argument --admin-port: must be a TCP port"),
 ])
 def test_bad_arguments_name_the_option(capsys, argv, needle):
     with pytest.raises(SystemExit) as e:
