@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from agent.core.yamlsafe import short_text
 from ambient import authorization_pb2 as az
 from ambient import localconfig
 from ambient import translate_authz as tz
@@ -98,13 +99,19 @@ class Policies:
                     # counted as rejected parts: the policy itself is still enforced,
                     # closed on the side that is safe for its action
                     base.rejected.labels("AuthorizationPolicy").inc()
-                    for problem in translated.problems:
-                        log.warning("AuthorizationPolicy %s: %s", key, problem)
+                    log.warning("AuthorizationPolicy %s: %s", key,
+                                short_text("; ".join(translated.problems)))
                 if translated.note:
                     log.info("AuthorizationPolicy %s: %s", key, translated.note)
             except BAD_OBJECT as e:
-                base.reject("AuthorizationPolicy", ns, name, e)
-                result = None
+                # the translator reads every field defensively, so this is a bug; still
+                # nothing fails open: the policy denies its whole namespace
+                base.rejected.labels("AuthorizationPolicy").inc()
+                log.warning("AuthorizationPolicy %s: can't be translated (%s); enforced as a "
+                            "DENY of every connection in its namespace", key,
+                            short_text(str(e)))
+                result = tz.deny_everything(obj, base.base_mesh.root_namespace)
+                variant = None
         if obj is not None and result is not None and result.scope == az.WORKLOAD_SELECTOR:
             self._ap_selectors.setdefault(ns, {})[key] = dict(
                 (spec(obj).get("selector") or {}).get("matchLabels") or {})

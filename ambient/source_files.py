@@ -282,8 +282,9 @@ def _label(obj: Any) -> str:
 
 
 def _shown(value: Any) -> str:
-    """A name for a log line: a string cut short, anything else as a bounded repr."""
-    if isinstance(value, str):
+    """A name for a log line: a printable string cut short, anything else (a string with a
+    control byte such as ESC or a newline included) as a bounded repr."""
+    if isinstance(value, str) and value.isprintable():
         return yamlsafe.short_text(value, 253)
     return "" if value is None else yamlsafe.short_repr(value, 80)
 
@@ -358,24 +359,77 @@ _NAME_RULES = {
 }
 
 
+# apimachinery's IsQualifiedName (label keys) and IsValidLabelValue
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_LABEL_KEY_RULE = ("a qualified name: an optional DNS-1123 subdomain prefix and '/', then at "
+                   "most 63 of [A-Za-z0-9._-], beginning and ending alphanumeric")
+_LABEL_VALUE_RULE = ("empty or at most 63 of [A-Za-z0-9._-], beginning and ending "
+                     "alphanumeric")
+
+
+def _label_key_ok(key: str) -> bool:
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix)):
+        return False
+    return 0 < len(name) <= 63 and bool(_LABEL_NAME.fullmatch(name))
+
+
+def _labels_problem(value: Any, path: str) -> str:
+    """Why a label map would be refused (apimachinery ValidateLabels), "" if it would not;
+    a map that is not of strings is the store's to name."""
+    if not isinstance(value, dict):
+        return ""
+    for key, val in value.items():
+        if not isinstance(key, str) or not isinstance(val, str):
+            continue
+        if not _label_key_ok(key):
+            return f"field '{path}' key {_shown_repr(key)} is not valid ({_LABEL_KEY_RULE})"
+        if val and (len(val) > 63 or not _LABEL_NAME.fullmatch(val)):
+            return (f"field '{path}.{_shown(key)}' value {_shown_repr(val)} is not valid "
+                    f"({_LABEL_VALUE_RULE})")
+    return ""
+
+
+def _shown_repr(value: Any) -> str:
+    return yamlsafe.short_repr(value, 80)
+
+
 def name_problem(obj: Any) -> str:
-    """Why a hand-written object's name would be refused by a Kubernetes API server ("" if
-    it would not): ``metadata.name`` of a Pod, Namespace or Service, and any object's
-    ``metadata.namespace`` (a DNS-1123 label). Other shapes are the store's to check."""
+    """Why a hand-written object would be refused by a Kubernetes API server ("" if it
+    would not): ``metadata.name`` (a Namespace's a DNS-1123 label, a Service's a DNS-1035
+    label, any other kind's a DNS-1123 subdomain), any object's
+    ``metadata.namespace`` (a DNS-1123 label) and ``metadata.labels`` (qualified-name keys,
+    values of at most 63 of [A-Za-z0-9._-] beginning and ending alphanumeric), a Pod's
+    ``spec.serviceAccountName`` (a DNS-1123 subdomain, ValidateServiceAccountName) and a
+    WorkloadEntry's ``spec.labels`` (Istio validates them as labels). Other shapes are the
+    store's to check. Values are named as bounded reprs (control bytes escaped)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("metadata"), dict):
         return ""
     meta = obj["metadata"]
-    rule = _NAME_RULES.get(obj.get("kind"))  # type: ignore[arg-type]
+    kind = obj.get("kind")
+    # every other kind an API server stores is named by a DNS-1123 subdomain (generic
+    # object-meta validation, custom resources included)
+    rule = _NAME_RULES.get(kind, _NAME_RULES["Pod"]) if isinstance(kind, str) else None
     name = meta.get("name")
     if rule is not None and isinstance(name, str) and name:
         pattern, longest, text = rule
         if len(name) > longest or not pattern.fullmatch(name):
-            return f"field 'metadata.name' {name!r} is not a valid {obj['kind']} name ({text})"
+            return (f"field 'metadata.name' {_shown_repr(name)} is not a valid "
+                    f"{_shown(kind)} name ({text})")
     ns = meta.get("namespace")
     if isinstance(ns, str) and ns and (len(ns) > 63 or not _DNS_LABEL.fullmatch(ns)):
-        return (f"field 'metadata.namespace' {ns!r} is not a valid namespace name "
+        return (f"field 'metadata.namespace' {_shown_repr(ns)} is not a valid namespace name "
                 f"({_NAME_RULES['Namespace'][2]})")
-    return ""
+    problem = _labels_problem(meta.get("labels"), "metadata.labels")
+    spec = obj.get("spec")
+    if not problem and kind == "WorkloadEntry" and isinstance(spec, dict):
+        problem = _labels_problem(spec.get("labels"), "spec.labels")
+    if not problem and kind == "Pod" and isinstance(spec, dict):
+        sa = spec.get("serviceAccountName")
+        if isinstance(sa, str) and sa and (len(sa) > 253 or not _DNS_SUBDOMAIN.fullmatch(sa)):
+            problem = (f"field 'spec.serviceAccountName' {_shown_repr(sa)} is not a valid "
+                       f"ServiceAccount name ({_NAME_RULES['Pod'][2]})")
+    return problem
 
 
 def _add_checked(objects: list, errors: list, obj: Any, where: str) -> None:

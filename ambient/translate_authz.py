@@ -6,25 +6,32 @@ source/destination IP, destination port) and the cut always errs on the closed s
 
 - ALLOW allows *less*: a rule with any condition ztunnel cannot check (an HTTP attribute
   such as ``methods``/``paths``/``requestPrincipals``/``request.headers[...]``, a
-  ``trustDomains`` list, a key this translator does not know, a field of the wrong shape)
-  is dropped whole. An ALLOW left without rules still exists and matches nothing, so the
-  workloads it selects accept nothing (istiod does the same).
-- DENY denies *more*: such conditions are taken as true, the L4 conditions of the rule
-  are kept, and a rule whose conditions were all of that kind denies every connection the
-  policy selects. This is the Envoy TCP-filter semantics istiod's validation warns about
-  ("will deny all traffic to TCP ports under its scope due to the use of only HTTP
-  attributes in a DENY rule"). istiod's ambient translation instead sends empty matches,
-  which ztunnel skips, so there the DENY never fires; we do not copy that fail-open.
+  ``trustDomains`` list, a key this translator does not know, a field of the wrong shape,
+  a value that does not convert such as ``ports: ["eighty"]``) is dropped whole. An ALLOW
+  left without rules still exists and matches nothing, so the workloads it selects accept
+  nothing (istiod does the same).
+- DENY denies *more*: such conditions are taken as true (a positive list holding a value
+  that does not convert imposes nothing; such a value is left out of a negative list), the
+  L4 conditions of the rule are kept, and a rule whose conditions were all of that kind
+  denies every connection the policy selects. This is the Envoy TCP-filter semantics
+  istiod's validation warns about ("will deny all traffic to TCP ports under its scope due
+  to the use of only HTTP attributes in a DENY rule"). istiod's ambient translation
+  instead sends empty matches, which ztunnel skips, so there the DENY never fires; we do
+  not copy that fail-open.
+- A policy that can't be read at the top still exists, closed: ``spec.rules`` that is not
+  a list makes an ALLOW match nothing and a DENY match every connection; an ``action``
+  that is not ALLOW/DENY/AUDIT/CUSTOM is a DENY of every connection; a ``spec.selector``
+  that is not a mapping of strings widens the policy to its namespace (the mesh in the
+  root namespace). A schema-checking API server refuses such objects; the files source
+  and schema-less CRDs do not, and dropping the policy would allow what it should stop.
 
 How ztunnel evaluates what we send (src/rbac.rs ``Authorization::matches``): a policy
 with no groups matches nothing; a group matches when every clause does; a group with no
 clauses matches everything; a clause matches when any of its matches does, and a clause
 with no matches matches; an empty ``Match`` is skipped (matches nothing); inside a match
 every attribute must hold, an empty list imposes nothing. So an unconstrained clause is
-left out (an empty match would make it match nothing), and a rule that can never hold
-(every value of a positive list is invalid: ``ports: ["http"]``) is left out of the policy.
-Each translation returns the reason text to log once, as istiod writes it into the
-policy's status.
+left out (an empty match would make it match nothing). Each translation returns the
+reason text to log once, as istiod writes it into the policy's status.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ from typing import Any, Iterator
 from google.protobuf import empty_pb2
 
 from ambient import authorization_pb2 as az
-from ambient.objects import TranslateError, annotations_of, field, meta, spec, str_map
+from agent.core.yamlsafe import short_repr
+from ambient.objects import TranslateError, annotations_of, field, meta, spec
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +115,9 @@ def _identity_match(value: str) -> az.StringMatch | None:
 
 
 HTTP, UNSENT, UNKNOWN, MALFORMED = "http", "unsent", "unknown", "malformed"
+# what a value of each L4 list must be (named in the MALFORMED reason)
+NAME, IP, SA = "a non-empty string", "an IP address or CIDR", "'namespace/name' or 'name'"
+PORT = "a port number 1-65535"
 
 
 @dataclasses.dataclass
@@ -116,17 +127,15 @@ class _Entry:
     ``unchecked`` lists the conditions ztunnel cannot check as ``(kind, name)``: kind
     HTTP (name: the attribute, ``methods``, ``request.headers[x]``), UNSENT (identity
     attributes istiod does not send: ``trustDomains``), UNKNOWN (name: the field's path)
-    or MALFORMED (name: ``path: reason``). ``never`` is set when a positive L4 list holds
-    only values that match no connection, so the entry can never hold.
+    or MALFORMED (name: ``path must be ..., got value``).
     """
 
     match: az.Match = dataclasses.field(default_factory=az.Match)
     unchecked: list[tuple[str, str]] = dataclasses.field(default_factory=list)
-    never: bool = False
 
 
 def _malformed(where: str, what: str, value: Any) -> _Entry:
-    return _Entry(unchecked=[(MALFORMED, f"{where} must be {what}, got {value!r}")])
+    return _Entry(unchecked=[(MALFORMED, f"{where} must be {what}, got {short_repr(value)}")])
 
 
 class _Reader:
@@ -143,21 +152,28 @@ class _Reader:
         if value is None:
             return None
         if not isinstance(value, list):
-            entry.unchecked.append((MALFORMED, f"{path}.{key} must be a list, got {value!r}"))
+            entry.unchecked.append((MALFORMED, f"{path}.{key} must be a list, got "
+                                               f"{short_repr(value)}"))
             return None
         return [str(v) for v in value]
 
     def _fill(self, entry: _Entry, container: dict, path: str, fields: tuple) -> None:
-        """Convert each ``(key, target, convert, positive)``; a positive list with no
-        valid value can never match."""
-        for key, target, convert, positive in fields:
+        """Convert each ``(key, target, convert, positive, what)``. A value that does not
+        convert is MALFORMED (the ALLOW rule is dropped); a positive list holding one is
+        left unconstrained and a negative list keeps its other values, so what a DENY
+        keeps matches at least every connection the policy names."""
+        for key, target, convert, positive, what in fields:
             values = self._values(container, key, path, entry)
             if not values:
                 continue
-            converted = [c for c in map(convert, values) if c is not None]
-            target.extend(converted)
-            if positive and not converted:
-                entry.never = True
+            converted = [convert(v) for v in values]
+            bad = [(j, v) for j, (v, c) in enumerate(zip(values, converted)) if c is None]
+            for j, v in bad:
+                entry.unchecked.append((MALFORMED, f"{path}.{key}[{j}] must be {what}, "
+                                                   f"got {short_repr(v)}"))
+            if bad and positive:
+                continue
+            target.extend(c for c in converted if c is not None)
 
     @staticmethod
     def _extra_keys(entry: _Entry, container: dict, path: str, l4: tuple, http: tuple,
@@ -178,14 +194,14 @@ class _Reader:
         self._extra_keys(entry, src, path, L4_SOURCE, L7_SOURCE, UNSENT_SOURCE)
         sa = lambda v: service_account(v, self.policy_ns)  # noqa: E731
         self._fill(entry, src, path, (
-            ("principals", m.principals, _identity_match, True),
-            ("notPrincipals", m.not_principals, _identity_match, False),
-            ("namespaces", m.namespaces, _identity_match, True),
-            ("notNamespaces", m.not_namespaces, _identity_match, False),
-            ("ipBlocks", m.source_ips, cidr, True),
-            ("notIpBlocks", m.not_source_ips, cidr, False),
-            ("serviceAccounts", m.service_accounts, sa, True),
-            ("notServiceAccounts", m.not_service_accounts, sa, False)))
+            ("principals", m.principals, _identity_match, True, NAME),
+            ("notPrincipals", m.not_principals, _identity_match, False, NAME),
+            ("namespaces", m.namespaces, _identity_match, True, NAME),
+            ("notNamespaces", m.not_namespaces, _identity_match, False, NAME),
+            ("ipBlocks", m.source_ips, cidr, True, IP),
+            ("notIpBlocks", m.not_source_ips, cidr, False, IP),
+            ("serviceAccounts", m.service_accounts, sa, True, SA),
+            ("notServiceAccounts", m.not_service_accounts, sa, False, SA)))
         return entry
 
     def operation(self, op: Any, path: str) -> _Entry:
@@ -196,8 +212,8 @@ class _Reader:
         entry = _Entry()
         self._extra_keys(entry, op, path, L4_OPERATION, L7_OPERATION)
         self._fill(entry, op, path, (
-            ("ports", entry.match.destination_ports, port, True),
-            ("notPorts", entry.match.not_destination_ports, port, False)))
+            ("ports", entry.match.destination_ports, port, True, PORT),
+            ("notPorts", entry.match.not_destination_ports, port, False, PORT)))
         return entry
 
     def condition(self, cond: Any, path: str) -> _Entry:
@@ -218,15 +234,15 @@ class _Reader:
                                                "notValues"))
             return entry
         m = entry.match
-        pos, neg, convert = {
-            "source.namespace": (m.namespaces, m.not_namespaces, _identity_match),
-            "source.principal": (m.principals, m.not_principals, _identity_match),
-            "source.ip": (m.source_ips, m.not_source_ips, cidr),
-            "destination.ip": (m.destination_ips, m.not_destination_ips, cidr),
-            "destination.port": (m.destination_ports, m.not_destination_ports, port),
+        pos, neg, convert, what = {
+            "source.namespace": (m.namespaces, m.not_namespaces, _identity_match, NAME),
+            "source.principal": (m.principals, m.not_principals, _identity_match, NAME),
+            "source.ip": (m.source_ips, m.not_source_ips, cidr, IP),
+            "destination.ip": (m.destination_ips, m.not_destination_ips, cidr, IP),
+            "destination.port": (m.destination_ports, m.not_destination_ports, port, PORT),
         }[key]
-        self._fill(entry, cond, path, (("values", pos, convert, True),
-                                       ("notValues", neg, convert, False)))
+        self._fill(entry, cond, path, (("values", pos, convert, True, what),
+                                       ("notValues", neg, convert, False, what)))
         return entry
 
     def _clause(self, rule: dict, key: str, read: Any, inner: str) -> list[_Entry] | None:
@@ -278,12 +294,9 @@ def _group(clauses: list[list[_Entry]], action: str) -> az.Group | None:
         return None
     group = az.Group()
     for clause in clauses:
-        live = [e for e in clause if not e.never]
-        if not live:
-            return None  # this clause never holds, so neither does the rule
-        if any(e.match.ByteSize() == 0 for e in live):
+        if any(e.match.ByteSize() == 0 for e in clause):
             continue  # some entry holds (for DENY: may hold) for every connection
-        group.rules.add().matches.extend(e.match for e in live)
+        group.rules.add().matches.extend(e.match for e in clause)
     return group
 
 
@@ -310,40 +323,66 @@ class PolicyTranslation:
         return iter((self.policy, self.note))
 
 
+def _selector_scope(s: dict, ns: str, root_ns: str, problems: list[str]) -> az.Scope:
+    """WORKLOAD_SELECTOR for a readable ``spec.selector``; without one, or when it can't be
+    read (a problem is recorded), NAMESPACE, or GLOBAL in the root namespace."""
+    wide = az.GLOBAL if ns == root_ns else az.NAMESPACE
+    if "selector" not in s or s["selector"] is None:
+        return wide
+    selector = s["selector"]
+    labels = selector.get("matchLabels") if isinstance(selector, dict) else None
+    if isinstance(selector, dict) and (labels is None or (isinstance(labels, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in labels.items()))):
+        return az.WORKLOAD_SELECTOR
+    where, value = (("spec.selector.matchLabels", labels) if isinstance(selector, dict)
+                    else ("spec.selector", selector))
+    problems.append(f"field {where!r} must map strings to strings, got {short_repr(value)} "
+                    "(applied to every workload of " +
+                    ("the mesh)" if wide == az.GLOBAL else f"namespace {ns})"))
+    return wide
+
+
 def authorization_policy(policy: dict, root_ns: str) -> PolicyTranslation:
     """One AuthorizationPolicy -> :class:`PolicyTranslation`.
 
     Nothing is sent when the policy is for waypoints (``targetRef(s)``), has action
-    AUDIT/CUSTOM, or is a dry-run policy (not enabled here, as Istio's default). Raises
-    TranslateError naming the field for an action that is not ALLOW/DENY/AUDIT/CUSTOM,
-    a malformed selector, or ``rules`` that is not a list. Unknown or malformed parts of
-    a rule fail closed as the module docstring says and are listed in ``problems``.
+    AUDIT/CUSTOM, or is a dry-run policy (not enabled here, as Istio's default). Never
+    raises on a bad field: an unreadable ``action``, ``spec.selector`` or ``spec.rules``,
+    and unknown or malformed parts of a rule, fail closed as the module docstring says
+    and are listed in ``problems`` (one text per rule or top-level field).
     """
     m, s = meta(policy), spec(policy)
     ns, name = m["namespace"], m["name"]
     if s.get("targetRef") or s.get("targetRefs"):
         return PolicyTranslation(None, "targets a waypoint: enforced there, not by ztunnel")
-    action = s.get("action") or "ALLOW"
+    action = s.get("action")
+    action = "ALLOW" if action is None or action == "" else action
     if action in ("AUDIT", "CUSTOM"):
         return PolicyTranslation(None, f"ztunnel does not support the {action} action")
-    if action not in ("ALLOW", "DENY"):
-        raise TranslateError(f"field 'spec.action' must be one of ALLOW, DENY, AUDIT, "
-                             f"CUSTOM, got {action!r}")
     if annotations_of(policy).get("istio.io/dry-run", "").lower() == "true":
         return PolicyTranslation(None, "dry-run policies are not supported (UnsupportedValue)")
-    selector = field(policy, "spec.selector", dict)
-    if selector is not None:
-        str_map(selector.get("matchLabels"), "spec.selector.matchLabels")
-        scope = az.WORKLOAD_SELECTOR
-    else:
-        scope = az.GLOBAL if ns == root_ns else az.NAMESPACE
+    problems: list[str] = []
+    scope = _selector_scope(s, ns, root_ns, problems)
+    if action not in ("ALLOW", "DENY"):
+        problems.append(f"field 'spec.action' must be one of ALLOW, DENY, AUDIT, CUSTOM, "
+                        f"got {short_repr(action)} (enforced as a DENY of every connection)")
+        out = az.Authorization(name=name, namespace=ns, scope=scope, action=az.DENY)
+        out.groups.add()  # a group with no clauses matches every connection
+        return PolicyTranslation(out, "", problems)
     out = az.Authorization(name=name, namespace=ns, scope=scope,
                            action=az.ALLOW if action == "ALLOW" else az.DENY)
+    rules = s.get("rules")
+    if rules is not None and not isinstance(rules, list):
+        problems.append(f"field 'spec.rules' must be a list, got {short_repr(rules)} " + (
+            "(this ALLOW allows nothing)" if action == "ALLOW" else
+            "(this DENY denies every connection)"))
+        if action == "DENY":
+            out.groups.add()
+        return PolicyTranslation(out, "", problems)
     http: set[str] = set()
-    problems: list[str] = []
     widened = False  # some DENY rule lost every condition and now matches everything
     widened_groups: list[int] = []
-    for i, rule in enumerate(field(policy, "spec.rules", list, [])):
+    for i, rule in enumerate(rules or []):
         clauses = _Reader(ns, f"spec.rules[{i}]").rule(rule)
         unchecked = [u for c in clauses for e in c for u in e.unchecked]
         http.update(name for kind, name in unchecked if kind in (HTTP, UNSENT))
@@ -382,6 +421,16 @@ def authorization_policy(policy: dict, root_ns: str) -> PolicyTranslation:
         del variant.groups[:]
         variant.groups.extend(g for i, g in enumerate(out.groups) if i not in widened_groups)
     return PolicyTranslation(out, note, problems, variant)
+
+
+def deny_everything(policy: dict, root_ns: str) -> az.Authorization:
+    """A DENY of every connection in the policy's namespace (the mesh in ``root_ns``): what
+    stands for a policy whose translation failed unexpectedly."""
+    ns = meta(policy)["namespace"]
+    out = az.Authorization(name=meta(policy)["name"], namespace=ns, action=az.DENY,
+                           scope=az.GLOBAL if ns == root_ns else az.NAMESPACE)
+    out.groups.add()
+    return out
 
 
 # --- PeerAuthentication ---

@@ -10,9 +10,12 @@ a field ORed, ``notX`` negates, ``from``/``to`` need one matching entry, every `
 must hold; AUDIT never changes the decision), restricted to what ztunnel sees of a
 connection: the peer's SPIFFE identity, source IP, destination IP and port. Conditions
 outside that (HTTP attributes, trust domains, which the workload API's ``Match`` cannot
-carry, unknown keys, fields of the wrong shape) follow the L4-enforcement rule: a DENY takes
-them as true (denies more), an ALLOW rule having any never matches (allows less).
-Invalid values (``ports: ["http"]``, ``ipBlocks: ["nope"]``) never match, as in Envoy.
+carry, unknown keys, fields of the wrong shape, values that do not convert such as
+``ports: ["http"]`` or ``ipBlocks: ["nope"]``) follow the L4-enforcement rule: a DENY takes
+them as true (denies more), an ALLOW rule having any never matches (allows less). A policy
+that can't be read at the top fails closed as a whole: ``rules`` that is not a list makes
+an ALLOW match nothing and a DENY match everything, an unknown ``action`` denies everything,
+an unreadable selector selects the whole namespace.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import itertools
+import logging
 from typing import Any
 
 import pytest
@@ -50,8 +54,10 @@ HTTP_OPERATION = {"hosts", "notHosts", "methods", "notMethods", "paths", "notPat
 UNKNOWN = None  # a condition ztunnel cannot evaluate
 
 
-def _str_match(pattern: str, value: str | None) -> bool:
-    if value is None or pattern == "":
+def _str_match(pattern: str, value: str | None) -> bool | None:
+    if pattern == "":
+        return UNKNOWN  # names no peer: a value that does not convert
+    if value is None:
         return False
     if pattern == "*":
         return value != ""
@@ -62,28 +68,40 @@ def _str_match(pattern: str, value: str | None) -> bool:
     return value == pattern
 
 
-def _ip_match(pattern: str, ip: str) -> bool:
+def _ip_match(pattern: str, ip: str) -> bool | None:
     try:
         net = ipaddress.ip_network(pattern, strict=False)
     except ValueError:
-        return False
+        return UNKNOWN
     addr = ipaddress.ip_address(ip)
     return addr.version == net.version and addr in net
 
 
-def _port_match(pattern: str, port: int) -> bool:
-    return pattern.isdigit() and int(pattern) == port
+def _port_match(pattern: str, port: int) -> bool | None:
+    if not (pattern.isdigit() and 0 < int(pattern) <= 65535):
+        return UNKNOWN
+    return int(pattern) == port
 
 
-def _sa_match(pattern: str, policy_ns: str, ident: Identity | None) -> bool:
+def _sa_match(pattern: str, policy_ns: str, ident: Identity | None) -> bool | None:
     ns, sep, sa = pattern.partition("/")
     if not sep:
         ns, sa = policy_ns, pattern
-    return bool(ns and sa) and ident is not None and \
-        (ident.namespace, ident.service_account) == (ns, sa)
+    if not (ns and sa):
+        return UNKNOWN
+    return ident is not None and (ident.namespace, ident.service_account) == (ns, sa)
 
 
-def _field(key: str, values: Any, tests: dict, http: set[str]) -> bool | None:
+def _any(a: dict, results: list[bool | None]) -> bool | None:
+    """Some value of a list matches (Kleene OR; sticky for ALLOW)."""
+    return _or(a, results)
+
+
+def _not(value: bool | None) -> bool | None:
+    return UNKNOWN if value is UNKNOWN else not value
+
+
+def _field(a: dict, key: str, values: Any, tests: dict, http: set[str]) -> bool | None:
     """One source/operation field: ``tests`` maps a positive field name to its test."""
     if key in http:
         return UNKNOWN if values else True
@@ -93,8 +111,8 @@ def _field(key: str, values: Any, tests: dict, http: set[str]) -> bool | None:
         return UNKNOWN
     if not values:
         return True
-    hit = any(tests[base](str(v)) for v in values)
-    return not hit if negative else hit
+    hit = _any(a, [tests[base](str(v)) for v in values])
+    return _not(hit) if negative else hit
 
 
 def _and(a: dict, *parts: bool | None) -> bool | None:
@@ -130,14 +148,14 @@ def _source(src: Any, a: dict, policy_ns: str) -> bool | None:
              "namespaces": lambda v: _str_match(v, a["namespace"]),
              "ipBlocks": lambda v: _ip_match(v, a["src"]),
              "serviceAccounts": lambda v: _sa_match(v, policy_ns, a["ident"])}
-    return _and(a, *(_field(k, v, tests, HTTP_SOURCE) for k, v in src.items()))
+    return _and(a, *(_field(a, k, v, tests, HTTP_SOURCE) for k, v in src.items()))
 
 
 def _operation(op: Any, a: dict) -> bool | None:
     if not isinstance(op, dict) or not op:
         return UNKNOWN
     tests = {"ports": lambda v: _port_match(v, a["port"])}
-    return _and(a, *(_field(k, v, tests, HTTP_OPERATION) for k, v in op.items()))
+    return _and(a, *(_field(a, k, v, tests, HTTP_OPERATION) for k, v in op.items()))
 
 
 def _condition(cond: Any, a: dict) -> bool | None:
@@ -155,8 +173,8 @@ def _condition(cond: Any, a: dict) -> bool | None:
     if not isinstance(values, (list, type(None))) or \
             not isinstance(not_values, (list, type(None))):
         return UNKNOWN
-    return _and(a, any(test(str(v)) for v in values) if values else True,
-                not any(test(str(v)) for v in not_values) if not_values else True)
+    return _and(a, _any(a, [test(str(v)) for v in values]) if values else True,
+                _not(_any(a, [test(str(v)) for v in not_values])) if not_values else True)
 
 
 def _entries(a: dict, rule: dict, key: str, inner: str, evaluate) -> bool | None:
@@ -187,7 +205,10 @@ def rule_matches(rule: Any, conn: Connection, policy_ns: str, sticky: bool) -> b
 
 
 def policy_matches(spec: dict, conn: Connection, policy_ns: str, action: str) -> bool:
-    for rule in spec.get("rules") or []:
+    rules = spec.get("rules") or []
+    if not isinstance(rules, list):
+        return action == "DENY"  # unreadable rules: an ALLOW allows nothing, a DENY all
+    for rule in rules:
         hit = rule_matches(rule, conn, policy_ns, sticky=action == "ALLOW")
         if action == "DENY" and hit is not False:
             return True  # an unknown condition may hold: deny more
@@ -200,8 +221,12 @@ def applies(obj: dict, namespace: str, labels: dict) -> bool:
     ns = obj["metadata"]["namespace"]
     if ns not in (namespace, ROOT):
         return False
-    selector = (obj["spec"].get("selector") or {}).get("matchLabels")
-    return selector is None or all(labels.get(k) == v for k, v in selector.items())
+    selector = obj["spec"].get("selector")
+    match_labels = selector.get("matchLabels") if isinstance(selector, dict) else selector
+    if not isinstance(match_labels, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in match_labels.items()):
+        return True  # none, or one that can't be read: the whole namespace
+    return all(labels.get(k) == v for k, v in match_labels.items())
 
 
 def kube_allows(policies: list[dict], conn: Connection) -> bool:
@@ -209,6 +234,9 @@ def kube_allows(policies: list[dict], conn: Connection) -> bool:
     mine = [p for p in policies if applies(p, POD_NS, POD_LABELS)]
     by_action = {a: [p for p in mine if (p["spec"].get("action") or "ALLOW") == a]
                  for a in ("ALLOW", "DENY", "AUDIT")}
+    if any((p["spec"].get("action") or "ALLOW") not in ("ALLOW", "DENY", "AUDIT", "CUSTOM")
+           for p in mine):
+        return False  # an action that can't be read denies everything
     ns_of = lambda p: p["metadata"]["namespace"]  # noqa: E731
     if any(policy_matches(p["spec"], conn, ns_of(p), "DENY") for p in by_action["DENY"]):
         return False
@@ -318,7 +346,27 @@ CASES = [
          "to": [{"operation": {"notPorts": ["80"]}}]}])]),
     Case("deny-when-destination-ip", [ap("d", "DENY", rules=[
         {"when": [{"key": "destination.ip", "values": ["1.2.3.9/32"]}]}])]),
-    Case("deny-invalid-port-never", [ap("d", "DENY", rules=[{"to": [{"operation": {"ports": ["http"]}}]}])]),
+    Case("deny-invalid-port-denies-all", [ap("d", "DENY", rules=[{"to": [{"operation": {"ports": ["http"]}}]}])]),
+    Case("deny-invalid-values-widen", [ap("d", "DENY", rules=[
+        {"to": [{"operation": {"ports": ["8080", "eighty"]}}],
+         "from": [{"source": {"namespaces": ["ns-b"]}}]},
+        {"from": [{"source": {"ipBlocks": ["not-an-ip"], "principals": [P_B]}}]},
+        {"from": [{"source": {"notNamespaces": ["ns-a", ""]}}], "to": [{"operation": {"notPorts": ["x", "80"]}}]},
+        {"when": [{"key": "destination.port", "values": ["99999"]},
+                  {"key": "source.ip", "values": ["10.0.0.0/8"]}]}])]),
+    # a policy that can't be read at the top: closed, never dropped
+    Case("allow-rules-mapping-allows-nothing", [ap("a", selector={"app": "web"}, rules={
+        "from": [{"source": {"principals": [P_B]}}]})]),
+    Case("allow-rules-string-beside-good-allow", [ap("a", rules="x"), ap("b", rules=[{}])]),
+    Case("deny-rules-string-denies-all", [ap("d", "DENY", rules="x"), ap("a", rules=[{}])]),
+    Case("deny-rules-mapping-denies-all", [ap("d", "DENY", selector={"app": "web"},
+                                              rules={"to": [{"operation": {"ports": ["80"]}}]})]),
+    Case("unknown-action-denies-all", [ap("x", "DENNY", rules=[{"to": [{"operation": {"ports": ["80"]}}]}]),
+                                       ap("a", rules=[{}])]),
+    Case("deny-bad-selector-widens-to-namespace", [ap("d", "DENY", selector={"app": 3}, rules=[
+        {"to": [{"operation": {"ports": ["80"]}}]}])]),
+    Case("allow-bad-selector-widens-to-namespace", [
+        ap("a", selector={"app": ["db"]}, rules=[{"from": [{"source": {"namespaces": ["ns-a"]}}]}])]),
     # DENY with HTTP attributes: deny more
     Case("deny-l7-only-denies-all", [ap("d", "DENY", rules=[{"to": [GET]}])]),
     Case("deny-issue-example", [ap("d", "DENY", rules=[
@@ -376,7 +424,7 @@ def _ztunnel_view(h: Harness) -> tuple[PolicyStore, list[str]]:
 def test_case_table_is_big_enough():
     policies = [p for c in CASES for p in c.policies]
     actions = {p["spec"]["action"] for p in policies}
-    assert len(policies) >= 40 and actions == {"ALLOW", "DENY", "AUDIT"}
+    assert len(policies) >= 40 and actions == {"ALLOW", "DENY", "AUDIT", "DENNY"}
     assert len({c.id for c in CASES}) == len(CASES)
 
 
@@ -404,7 +452,7 @@ def test_table_exercises_both_outcomes_per_action():
             decisions = {kube_allows(case.policies, c) for c in CONNECTIONS}
             outcomes.setdefault(p["spec"]["action"], set()).update(decisions)
     assert outcomes == {"ALLOW": {True, False}, "DENY": {True, False},
-                        "AUDIT": {True, False}}
+                        "AUDIT": {True, False}, "DENNY": {False}}
     l7_only = next(c for c in CASES if c.id == "deny-l7-only-denies-all")
     assert not any(kube_allows(l7_only.policies, c) for c in CONNECTIONS)
 
@@ -441,5 +489,41 @@ def test_problems_are_reported_and_http_note_names_the_widening():
                              ROOT)
     assert len(t.policy.groups) == 0 and "unknown field spec.rules[0].from[0].source" \
         ".principalz" in t.problems[0] and "allows less" in t.problems[0]
-    with pytest.raises(ValueError, match="spec.action"):
-        authorization_policy(ap("x", "DENNY"), ROOT)
+    t = authorization_policy(ap("x", "DENNY"), ROOT)
+    assert t.policy.action == az.DENY and "field 'spec.action'" in t.problems[0] and \
+        "'DENNY'" in t.problems[0]
+
+
+@pytest.mark.parametrize("policy, field, value, groups", [
+    (ap("allow-only-a", selector={"app": "web"},
+        rules={"from": [{"source": {"principals": ["cluster.local/ns/demo/sa/sa-1"]}}]}),
+     "spec.rules", "{'from': [", 0),
+    (ap("deny-x", "DENY", rules="x"), "spec.rules", "'x'", 1),
+    (ap("deny-eighty", "DENY", rules=[{"to": [{"operation": {"ports": ["eighty"]}}]}]),
+     "spec.rules[0].to[0].operation.ports[0]", "'eighty'", 1),
+    (ap("sel", "DENY", selector={"app": 3}), "spec.selector.matchLabels", "{'app': 3}", 0),
+    (ap("act", "DENNY"), "spec.action", "'DENNY'", 1),
+])
+def test_unreadable_policy_is_sent_closed_with_one_warning(caplog, policy, field, value, groups):
+    """The reported fail-open: a policy whose rules are a mapping (or a string, or a DENY
+    whose only port is not a number) was skipped or sent denying nothing. It is sent, closed,
+    and one WARN names the policy, the field and the value."""
+    caplog.set_level(logging.INFO, logger="ambient")
+    h = Harness(pod("web", POD_NS, labels=POD_LABELS, sa="web"), policy)
+    key = f"{POD_NS}/{policy['metadata']['name']}"
+    sent = h.index.authorizations()[key]
+    assert len(sent.groups) == groups and all(not g.rules for g in sent.groups)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert warned[0].startswith(f"AuthorizationPolicy {key}: ") and field in warned[0] and \
+        value in warned[0], warned[0]
+    if policy["spec"].get("selector", {}).get("matchLabels") == {"app": "web"}:
+        assert key in h.workload(POD_UID).authorization_policies  # default-deny for it
+
+
+def test_logged_values_are_escaped_and_bounded(caplog):
+    caplog.set_level(logging.WARNING, logger="ambient")
+    Harness(pod("web", POD_NS, labels=POD_LABELS, sa="web"),
+            ap("d", "DENY", rules=[{"to": [{"operation": {"ports": ["\x1b[31m" + "9" * 5000]}}]}]))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "\x1b" not in line and len(line) < 1200

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from ambient import authorization_pb2 as az
 from ambient import workload_pb2 as wl
 from tests.ambient.builders import Harness, ns, pod, policy, service, waypoint
 
@@ -104,7 +105,8 @@ def test_bad_input_is_skipped_with_reason_and_counter(caplog):
     assert "ns/nothing.ns.svc.domain.suffix" in change.addresses_changed
     assert h.index.address("cluster0//Pod/ns/bad") is None
     assert h.index.address("ns/bad.ns.svc.domain.suffix") is None
-    assert h.index.authorization("ns/bad") is None
+    bad = h.index.authorization("ns/bad")  # sent closed, never dropped: an ALLOW of nothing
+    assert bad is not None and bad.action == az.ALLOW and not bad.groups
     assert h.index.authorization("ns/odd") is not None  # unknown field: ignored, logged
     text = caplog.text
     assert "Pod ns/bad" in text and "999.1.1.1" in text

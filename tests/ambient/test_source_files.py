@@ -279,3 +279,50 @@ async def test_names_kubernetes_would_refuse_are_skipped_with_one_warning(tmp_pa
         assert sum("'metadata.namespace' 'Demo'" in w for w in warnings) == 1
     finally:
         await src.stop()
+
+
+async def test_labels_and_service_accounts_kubernetes_would_refuse_are_skipped(tmp_path, caplog):
+    """A Pod with ``labels: {app: "x\\ny"}`` and a serviceAccountName carrying a forged log
+    line was served to ztunnel (newuser finding 9), and an invalid name's ESC bytes reached
+    the log raw. Such objects are skipped with one WARN each; nothing logged is raw."""
+    directory = tmp_path / "cluster"
+    directory.mkdir()
+
+    def pod(name: str, uid: str, labels: dict, sa: str = "sa") -> dict:
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "namespace": "demo", "uid": uid, "labels": labels},
+                "spec": {"nodeName": "n1", "serviceAccountName": sa},
+                "status": {"podIP": "10.0.0.7", "phase": "Running"}}
+    objs = [pod("nl-value", "u1", {"app": "x\ny"}),
+            pod("forged-sa", "u2", {"app": "x"}, "sa\nFAKE 2026-12-02 INFO forged line"),
+            pod("long-value", "u3", {"app": "v" * 64}),
+            pod("bad-key", "u4", {"-app": "x"}),
+            pod("bad-prefix", "u5", {"Example.com/app": "x"}),
+            pod("evil\x1b[2J", "u6", {}),
+            {"apiVersion": "networking.istio.io/v1", "kind": "WorkloadEntry",
+             "metadata": {"name": "we", "namespace": "demo"},
+             "spec": {"address": "10.0.0.9", "labels": {"app": "a b"}}},
+            pod("ok", "u-ok", {"app": "x", "example.com/tier": "front-1.0", "e": ""},
+                "sa.v1-x")]
+    (directory / "pods.yaml").write_text("\n---\n".join(json.dumps(o) for o in objs))
+    store = ObjectStore(CollectorRegistry())
+    src = DirectorySource(store, str(directory), run_blocking, debounce_ms=10)
+    caplog.set_level(logging.WARNING)
+    try:
+        await src.start()
+        assert store.pod_by_uid("u-ok") is not None
+        assert [store.pod_by_uid(f"u{i}") for i in range(1, 7)] == [None] * 6
+        assert store.get("WorkloadEntry", "demo", "we") is None
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 7, warnings
+        for w in warnings:
+            assert "\x1b" not in w and "\n" not in w and len(w) < 2000, w
+        one = lambda needle: [w for w in warnings if needle in w]  # noqa: E731
+        assert len(one("'metadata.labels.app' value 'x\\ny'")) == 1
+        assert len(one("'spec.serviceAccountName' 'sa\\nFAKE")) == 1
+        assert len(one("'metadata.labels' key '-app'")) == 1
+        assert len(one("'metadata.labels' key 'Example.com/app'")) == 1
+        assert len(one("'spec.labels.app' value 'a b'")) == 1
+        assert len(one("Pod demo/'evil\\x1b[2J'")) == 1
+    finally:
+        await src.stop()
