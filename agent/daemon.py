@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import logging
 import os
@@ -206,7 +207,15 @@ class StateDirLock:
 
     def acquire(self, origin: str = "") -> None:
         """Raises :class:`ConfigError` naming ``state_dir`` when another agent holds it."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            # O_NOFOLLOW: a symlink planted at agent.lock is refused, never written through
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
+        except OSError as e:
+            why = "is a symlink (refused, not followed)" if e.errno == errno.ELOOP else \
+                e.strerror or str(e)
+            raise ConfigError("state_dir", str(self.path.parent),
+                              f"lock file {self.path} {why}", origin) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -27,6 +27,7 @@ listed was removed (or nothing was there), 1 when a step failed (the others stil
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import functools
 import json
@@ -89,7 +90,13 @@ def hold_lock(state_dir: str, create: bool) -> int | None:
     path = os.path.join(state_dir, LOCK_NAME)
     if not create and not os.path.exists(path):
         return None
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        # O_NOFOLLOW: a symlink planted at the lock's name is refused, never written through
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise Refused(f"lock file {path} is a symlink: refused, not followed") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

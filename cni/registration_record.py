@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.core.annotations import REGISTERED_BY
+from agent.core.files import write_atomic
 from cni.events import CniPodEvent
 
 log = logging.getLogger(__name__)
@@ -172,8 +173,7 @@ class RegistrationFile:
 
     def save(self, regs: list[Registration]) -> None:
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"registrations": [r.to_json() for r in regs]}, f, indent=1)
-        os.replace(tmp, self.path)
+        # a fresh O_EXCL temporary renamed over the file: a symlink there is replaced,
+        # never written through
+        write_atomic(self.path, json.dumps({"registrations": [r.to_json() for r in regs]},
+                                           indent=1), 0o600)

@@ -24,6 +24,7 @@ that file matches the table. The parsers live in :mod:`agent.core.config_values`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import ipaddress
@@ -35,7 +36,7 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from agent.core import config_checks, yamlsafe
+from agent.core import config_checks, trusted, yamlsafe
 from agent.core.config_fields import Settings
 from agent.core.config_values import (
     choice, ip_of, parse_account_list, parse_app_probers, parse_bind_address, parse_bool,
@@ -525,20 +526,39 @@ def prepare_state_dir(config: Config) -> Path:
     ours that is exactly 0700 (as earlier versions made it) is widened to 0711; any other
     mode is the operator's and kept.
 
-    Raises :class:`ConfigError` naming ``state_dir`` when it can't be created or written.
+    Refuses (:mod:`agent.core.trusted`) a state dir, or an existing ``ca_dir``, that is
+    not owned by the agent's euid or is writable by group or others: its owner could swap
+    the lock, sockets or CA files, or plant symlinks for root to write through.
+
+    Raises :class:`ConfigError` naming ``state_dir`` (or ``ca_dir``) with the path, owner
+    and mode, or when it can't be created or written.
     """
     path = Path(config.state_dir)
+    origin = config.origins.get("state_dir", "")
     try:
         path.mkdir(mode=STATE_DIR_MODE, parents=True, exist_ok=True)
+        problem = trusted.dir_problem(path)
+        if problem:
+            raise ConfigError("state_dir", str(path), problem + ": the agent keeps its lock, "
+                              "sockets and keys there", origin)
         st = path.stat()
-        if st.st_uid == os.geteuid() and st.st_mode & 0o7777 == 0o700:
+        if st.st_mode & 0o7777 == 0o700:
             os.chmod(path, STATE_DIR_MODE)
+        ca_dir = Path(config.ca_dir)
+        if ca_dir.exists():
+            problem = trusted.dir_problem(ca_dir)
+            if problem:
+                raise ConfigError("ca_dir", str(ca_dir), problem + ": it holds the CA's key",
+                                  config.origins.get("ca_dir", ""))
+        # O_EXCL|O_NOFOLLOW: a planted symlink at the probe's name is refused, not followed
         probe = path / f".probe-{os.getpid()}"
-        probe.touch()
+        with contextlib.suppress(FileNotFoundError):
+            probe.unlink()  # a stale one (same pid, a crashed run); unlink never follows
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600))
         probe.unlink()
     except OSError as e:
-        raise ConfigError("state_dir", str(path), e.strerror or str(e),
-                          config.origins.get("state_dir", "")) from None
+        raise ConfigError("state_dir", str(path), e.strerror or str(e), origin) from None
     return path
 
 
