@@ -195,8 +195,11 @@ def pods(data: dict, now: float) -> list[str]:
     retries = data.get("annotation_retries")
     if isinstance(retries, dict) and retries:
         out.append("  annotation writes being retried: " + ", ".join(short(u) for u in retries))
+    note = data.get("backend_note")
+    if note:  # why the rules backend is not the configured one
+        out.append(f"  backend: {cell(note, None)}")
     return out + leftovers(data, {"backend", "iptables_flavor", "pods", "live",
-                                  "annotation_retries"})
+                                  "annotation_retries", "backend_note"})
 
 
 def pod_name(uid: str, record: dict) -> str:
