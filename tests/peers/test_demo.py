@@ -112,6 +112,19 @@ def _assert_nothing_left(workdir, out: str, image: str = "") -> None:
     assert procs.strip() == "", procs
 
 
+def _read_until_running(proc: subprocess.Popen, lines: list[str]) -> None:
+    """Append ``proc``'s output lines to ``lines`` until the demo says it is up ("press
+    Ctrl-C"), its output ends, or 180 s pass; the caller asserts which it was."""
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "press Ctrl-C" in line:
+            break
+
+
 def _rows_ok(out: str) -> None:
     for subject, check in ROWS:
         line = next((row for row in out.splitlines()
@@ -184,14 +197,7 @@ def test_demo_ctrl_c_cleans_up(tmp_path):
                             text=True)
     lines, out = [], ""
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "press Ctrl-C" in line:
-                break
+        _read_until_running(proc, lines)
         assert any("press Ctrl-C" in seen for seen in lines), "".join(lines)
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
@@ -310,14 +316,7 @@ def test_demo_double_ctrl_c_at_the_terminal_still_cleans_up(tmp_path):
                             text=True, start_new_session=True)  # its own group, as a shell's job
     lines, out = [], ""
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "press Ctrl-C" in line:
-                break
+        _read_until_running(proc, lines)
         assert any("press Ctrl-C" in seen for seen in lines), "".join(lines)
         os.killpg(proc.pid, signal.SIGINT)
         while True:  # the second Ctrl-C lands in the teardown
@@ -348,14 +347,7 @@ def test_demo_hangup_tears_down_like_ctrl_c(tmp_path):
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines, out = [], ""
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "press Ctrl-C" in line:
-                break
+        _read_until_running(proc, lines)
         assert any("press Ctrl-C" in seen for seen in lines), "".join(lines)
         os.killpg(proc.pid, signal.SIGHUP)
         rest, _ = proc.communicate(timeout=90)
