@@ -232,34 +232,110 @@ async def wait_crds_established(api: kclient.ApiClient, names: list[str],
         await asyncio.sleep(0.1)
 
 
-async def apply_crds(api: kclient.ApiClient) -> None:
-    """Apply deploy/crds/crds.yaml and wait until the kinds are served."""
-    docs = await apply_manifest(api, CRDS)
-    await wait_crds_established(api, [d["metadata"]["name"] for d in docs])
+_CRD_BASE = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 
 
-async def delete_crds(api: kclient.ApiClient, timeout: float = 60.0) -> None:
-    """Delete the CRDs of deploy/crds/crds.yaml and wait until they are gone."""
-    names = [d["metadata"]["name"] for d in manifest(CRDS)]
-    base = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-    for name in names:
+def _reinitializing(e: ApiException) -> bool:
+    """A 429 "storage is (re)initializing": the API server's CRD storage right after a
+    restart or a CRD change; the call is retried, not failed."""
+    return e.status == 429
+
+
+async def _crd_request(api: kclient.ApiClient, method: str, path: str,
+                       deadline: float, **kw: Any) -> dict:
+    """:func:`request`, retrying 429 "storage is (re)initializing" until ``deadline``
+    (time.monotonic()); other errors are raised."""
+    while True:
         try:
-            await request(api, "DELETE", f"{base}/{name}")
+            return await request(api, method, path, **kw)
+        except ApiException as e:
+            if not _reinitializing(e) or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.2)
+
+
+async def _wait_crd_gone(api: kclient.ApiClient, name: str, deadline: float,
+                         timeout: float) -> None:
+    """Wait until CRD ``name`` is gone (404); TimeoutError names it with its conditions
+    (a CRD stays Terminating while its objects are removed)."""
+    while True:
+        try:
+            crd = await _crd_request(api, "GET", f"{_CRD_BASE}/{name}", deadline)
+        except ApiException as e:
+            if e.status == 404:
+                return
+            raise
+        if time.monotonic() > deadline:
+            conds = [(c.get("type"), c.get("status"), c.get("message"))
+                     for c in (crd.get("status") or {}).get("conditions", [])]
+            raise TimeoutError(f"CRD {name} still present after {timeout:g}s: {conds}")
+        await asyncio.sleep(0.2)
+
+
+async def apply_crds(api: kclient.ApiClient, timeout: float = 180.0) -> None:
+    """Apply deploy/crds/crds.yaml and wait until the kinds are served. A CRD still
+    Terminating from :func:`delete_crds` is waited out first (applying over it would be
+    refused or deleted with it)."""
+    deadline = time.monotonic() + timeout
+    docs = manifest(CRDS)
+    for d in docs:
+        name = d["metadata"]["name"]
+        try:
+            crd = await _crd_request(api, "GET", f"{_CRD_BASE}/{name}", deadline)
         except ApiException as e:
             if e.status != 404:
                 raise
-    deadline = time.monotonic() + timeout
-    for name in names:
+            continue
+        if (crd.get("metadata") or {}).get("deletionTimestamp"):
+            await _wait_crd_gone(api, name, deadline, timeout)
+    for d in docs:
         while True:
             try:
-                await request(api, "GET", f"{base}/{name}")
+                await apply(api, d)
+                break
             except ApiException as e:
-                if e.status == 404:
-                    break
+                if not _reinitializing(e) or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.2)
+    await wait_crds_established(api, [d["metadata"]["name"] for d in docs],
+                                timeout=max(30.0, deadline - time.monotonic()))
+
+
+async def delete_crds(api: kclient.ApiClient, timeout: float = 180.0) -> None:
+    """Delete the CRDs of deploy/crds/crds.yaml and wait until they are gone. Their objects
+    (left by other tests) are deleted first, cluster-wide, so the CRDs' own cleanup has
+    nothing to do: under load that cleanup kept a CRD Terminating for over a minute."""
+    deadline = time.monotonic() + timeout
+    docs = manifest(CRDS)
+    for d in docs:
+        spec = d["spec"]
+        version = next(v["name"] for v in spec["versions"] if v.get("storage"))
+        path = f"/apis/{spec['group']}/{version}/{spec['names']['plural']}"
+        try:
+            found = await _crd_request(api, "GET", path, deadline)
+        except ApiException as e:
+            if e.status == 404:
+                continue
+            raise
+        for obj in found.get("items", []):
+            meta = obj["metadata"]
+            ns = meta.get("namespace")
+            obj_path = (f"/apis/{spec['group']}/{version}/namespaces/{ns}/"
+                        f"{spec['names']['plural']}/{meta['name']}" if ns
+                        else f"{path}/{meta['name']}")
+            try:
+                await _crd_request(api, "DELETE", obj_path, deadline)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+    for d in docs:
+        try:
+            await _crd_request(api, "DELETE", f"{_CRD_BASE}/{d['metadata']['name']}", deadline)
+        except ApiException as e:
+            if e.status != 404:
                 raise
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"CRD {name} still present after {timeout:g}s")
-            await asyncio.sleep(0.1)
+    for d in docs:
+        await _wait_crd_gone(api, d["metadata"]["name"], deadline, timeout)
 
 
 # --- identities ---
