@@ -250,16 +250,21 @@ class KubernetesSource:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self.synced.values())),
                                    timeout=self.sync_timeout)
         except asyncio.TimeoutError:
-            by_reason: dict[str, list[str]] = {}
-            for k, e in self.synced.items():
-                if not e.is_set():
-                    by_reason.setdefault(self.errors.get(k, "no answer"), []).append(k)
             log.warning("kubernetes source not synced after %.0fs (still retrying): %s",
-                        self.sync_timeout, "; ".join(f"{', '.join(kinds)}: {reason}"
-                                                     for reason, kinds in by_reason.items()))
+                        self.sync_timeout, self.unsynced())
 
     def is_synced(self) -> bool:
         return all(e.is_set() for e in self.synced.values())
+
+    def unsynced(self) -> str:
+        """The kinds not listed yet grouped by their last error, ``Pod, Service:
+        ClientConnectorError: ...; Node: 403 Forbidden`` (``no answer yet`` for a kind
+        whose first LIST is still out); "" when every kind is synced."""
+        by_reason: dict[str, list[str]] = {}
+        for k, e in self.synced.items():
+            if not e.is_set():
+                by_reason.setdefault(self.errors.get(k, "no answer yet"), []).append(k)
+        return "; ".join(f"{', '.join(kinds)}: {reason}" for reason, kinds in by_reason.items())
 
     async def stop(self) -> None:
         for t in self._tasks:
