@@ -12,8 +12,8 @@ Other errors back off exponentially (0.5 s doubling to 30 s, never less than a 4
 ``Retry-After``). A long backoff does not outlast an outage: while a kind waits more than
 ``PROBE_INTERVAL`` after the API server could not be reached (a connection error, a
 timeout, a 5xx), one probe per source asks ``/readyz`` every ``PROBE_INTERVAL`` seconds
-(jittered); once it has seen the server down and then answering, every such wait ends
-and the kinds list again at once, so the source resumes within about
+(jittered); once the server answers it 200, every such wait ends and the kinds list
+again at once, so the source resumes within about
 ``PROBE_INTERVAL`` x 1.2 + one LIST of the server answering again (:meth:`_sleep_until_up`;
 ``WAKE_SPACING`` bounds the early retries when the server answers /readyz but not the
 kinds). A wait after an answer (401, 403, 429) is not cut short. Every kind fails
@@ -216,6 +216,7 @@ class KubernetesSource:
         self._back = asyncio.Event()
         self._probe: asyncio.Task | None = None
         self._last_wake = float("-inf")  # loop time of the probe's last wake
+        self._waiting = 0                # kinds in a wait the probe may end
         self.probes = 0        # /readyz probes sent
         self.next_retry: dict[str, float] = {}  # kind -> loop time of its next attempt
         # called (on the loop) once the API client exists and every LIST is under way;
@@ -421,7 +422,7 @@ class KubernetesSource:
             self.next_retry.pop(kind, None)
 
     async def _sleep_until_up(self, delay: float) -> None:
-        """Sleep ``delay`` seconds, or less when the API server answers again: a delay
+        """Sleep ``delay`` seconds, or less when the API server is ready again: a delay
         longer than ``PROBE_INTERVAL`` starts the probe (one per source,
         :meth:`_probe_until_up`) if none runs, and ends when it reports the server back."""
         if delay <= PROBE_INTERVAL:
@@ -430,41 +431,47 @@ class KubernetesSource:
         back = self._back
         if self._probe is None or self._probe.done():
             self._probe = asyncio.create_task(self._probe_until_up(back), name="kube-probe")
+        self._waiting += 1
         try:
             await asyncio.wait_for(back.wait(), delay)
         except asyncio.TimeoutError:
             pass
+        finally:
+            self._waiting -= 1
 
     async def _probe_until_up(self, back: asyncio.Event) -> None:
-        """GET ``/readyz`` every ``PROBE_INTERVAL`` s (x 0.8-1.2) until the API server
-        answers (any status below 500: a 401/403 is an answer too), then set ``back``
-        (every wait of :meth:`_sleep_until_up` ends; a fresh event replaces it for the
-        next outage). After a probe that failed (connection error, timeout, 5xx) the
-        wake is at once; when every probe answered (the failure that started it was a
-        blip, or the server answers /readyz but fails the LISTs) not before
-        ``WAKE_SPACING`` s since the last wake, so a server that keeps failing the kinds
-        gets no request loop: at most one early retry per kind per ``WAKE_SPACING``."""
+        """GET ``/readyz`` every ``PROBE_INTERVAL`` s (x 0.8-1.2) while some kind waits
+        in :meth:`_sleep_until_up`, until the API server answers it 200 with the agent's
+        credentials; then set ``back`` (every such wait ends; a fresh event replaces it
+        for the next outage). Anything else is "not back yet": no connection, a timeout,
+        a 5xx (not ready), and also a 401/403: a restarted server answers 403 until its
+        RBAC caches are filled, and a kind woken then would get the same 403 and wait
+        its whole backoff (``/readyz`` is granted to every authenticated user by the
+        default ``system:public-info-viewer`` binding; where it is not, the probe never
+        wakes anyone and the backoff runs as without it). After a probe that was not
+        answered 200 the wake is at once; when the first probe is answered (the failure
+        that started it was a blip, or the server is ready but fails the LISTs) not
+        before ``WAKE_SPACING`` s since the last wake, so a server that keeps failing
+        the kinds gets no request loop: at most one early retry per kind per
+        ``WAKE_SPACING``. Ends, waking nobody, once no kind waits any more."""
         loop = asyncio.get_running_loop()
         seen_down = False
         while True:
             await asyncio.sleep(PROBE_INTERVAL * random.uniform(0.8, 1.2))
+            if not self._waiting:
+                return  # every wait ran out meanwhile (or the server was never ready)
             self.probes += 1
             try:
                 await kubecall.read(self._client("GET /readyz"), "GET", "/readyz",
                                     timeout=aiohttp.ClientTimeout(
                                         total=PROBE_TIMEOUT, sock_connect=PROBE_TIMEOUT))
-                answered = True
-            except KubeError as e:
-                answered = e.status < 500
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - unreachable: refused, reset, timeout
-                answered = False
-            if not answered:
+            except Exception:  # noqa: BLE001 - refused, reset, timeout, any non-2xx answer
                 seen_down = True
                 continue
             if seen_down:
-                log.info("kubernetes API server answers again: retrying every kind now")
+                log.info("kubernetes API server is ready again: retrying every kind now")
             else:
                 await asyncio.sleep(max(self._last_wake + WAKE_SPACING - loop.time(), 0.0))
             self._last_wake = loop.time()

@@ -3,7 +3,9 @@ server answering again, not after its backoff (up to 30 s x 1.2 in production) h
 out: ambient/source_kube.py's outage probe (``/readyz`` every ``PROBE_INTERVAL`` s while
 the kinds wait) ends the waits. Faults are real: kube-apiserver stopped and started again
 on the same port (tests/kube/cluster.py), the source authenticated as the DaemonSet's
-ServiceAccount."""
+ServiceAccount. The probe makes no request loop either: a server that answers /readyz
+but fails a kind's LISTs (503 from a proxy in front of it, tests/kube/proxy.py) gets one
+early retry per ``WAKE_SPACING``, not one per probe."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from ambient.source_kube import KubernetesSource
 from ambient.store import ObjectStore
 from tests.helpers import eventually
 from tests.kube import cluster as kc
+from tests.kube.proxy import SlowApiProxy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -78,3 +81,34 @@ async def test_source_resumes_within_seconds_of_the_server_answering_after_a_lon
                          timeout=30, what="the pod made after the outage")
     finally:
         await src.stop()
+
+
+async def test_no_request_loop_when_readyz_answers_but_the_lists_fail(
+        kube_cluster, kube_admin, tmp_path, monkeypatch):
+    monkeypatch.setattr(source_kube, "BACKOFF_START", 60.0)
+    monkeypatch.setattr(source_kube, "BACKOFF_MAX", 60.0)
+    proxy = await SlowApiProxy(kube_cluster.url, kube_cluster.ca_file,
+                               unavailable=frozenset({"/api/v1/pods"})).start()
+    try:
+        token = await kc.service_account_token(kube_admin, kc.AGENT_NAMESPACE,
+                                                kc.AGENT_SERVICE_ACCOUNT)
+        kubeconfig = kc.kubeconfig_for_token(kube_cluster, token, str(tmp_path / "p.kubeconfig"),
+                                             server=proxy.url)
+        src = KubernetesSource(ObjectStore(), kubeconfig, kinds=["Pod", "Service"],
+                               sync_timeout=1)
+        loop = asyncio.get_running_loop()
+        await src.start()
+        try:
+            began = loop.time()
+            await eventually(lambda: loop.time() - began > 25, timeout=60,
+                             what="25 s of a failing Pod LIST")
+            lists = proxy.refused["/api/v1/pods"]
+            # the first LIST, the first wake (the probe never saw the server down: it
+            # answered), then one per WAKE_SPACING (10 s): not one per 1 s probe
+            assert 2 <= lists <= 5, lists
+            assert src.errors["Pod"].startswith("503"), src.errors
+            assert src.synced["Service"].is_set() and "Service" not in src.errors
+        finally:
+            await src.stop()
+    finally:
+        await proxy.stop()
