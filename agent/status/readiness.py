@@ -11,8 +11,8 @@ Shutting down is checked between the two and is never latched.
 
 What the readiness endpoints answer and log when not ready (``/healthz/ready`` on the
 status port, ``/readyz`` on the health port; ``docs/status.md``): every part not ready
-(:class:`NotReady`: a component by its name, ``envoy``, ``agent`` for draining or
-shutting down, ``ztunnel`` for an ambient ADD that would block) with its last error,
+(:class:`NotReady`: a component by its name, ``envoy``, ``agent`` for shutting down,
+``drain`` for draining, ``ztunnel`` for an ambient ADD that would block) with its last error,
 each reason cleaned by :func:`clean_reason` (secrets redacted, control characters
 escaped, at most :data:`MAX_REASON_CHARS`) and the whole by :func:`summary` (at most
 :data:`MAX_BODY_CHARS`). :class:`ReadinessLog` logs the transitions: one line when a
@@ -144,7 +144,7 @@ MAX_BODY_CHARS = 2000    # the whole reason line (kubelet keeps ~10 KiB of a pro
 @dataclasses.dataclass(frozen=True)
 class NotReady:
     """One part that is not ready: ``name`` (a component's name, ``envoy``, ``agent``,
-    ``ztunnel``) and ``reason`` (its last error, as the part reports it)."""
+    ``drain``, ``ztunnel``) and ``reason`` (its last error, as the part reports it)."""
 
     name: str
     reason: str

@@ -285,7 +285,7 @@ class StatusServer(Component):
     async def not_ready(self) -> list[NotReady]:
         """Every part the status port's readiness checks that is not ready, in this
         order: ``envoy`` (with ``envoy_admin_port``: upstream's stats checks), ``agent``
-        (shutting down, draining), each component not ready (by name, with its reason),
+        (shutting down) or ``drain`` (draining), each component not ready (by name, with its reason),
         ``ztunnel`` (an ambient CNI ADD would block for want of one). ``[]``: ready."""
         parts: list[NotReady] = []
         if self.envoy_ready is not None:
@@ -300,21 +300,22 @@ class StatusServer(Component):
         return parts
 
     def _agent_parts(self, draining: bool) -> list[NotReady]:
-        """``agent`` (shutting down; draining too when ``draining``) and each component
-        not ready."""
+        """``agent`` (shutting down), ``drain`` (draining, when ``draining``) and each
+        component not ready."""
         parts: list[NotReady] = []
         cause = self._terminated()
         if cause:
             parts.append(NotReady("agent", f"server is terminated: {cause}"))
         elif draining and self.ctx.draining:
-            parts.append(NotReady("agent", "draining"))
+            # its own name: only the status port checks it (ReadinessLog's scopes)
+            parts.append(NotReady("drain", "the agent is draining (POST /drain)"))
         parts += [NotReady(name, why) for name, why in self.ctx.not_ready()]
         return parts
 
     def _scope(self, status_port: bool) -> set[str]:
         """The part names one endpoint's readiness checks (:class:`ReadinessLog`)."""
         names = {"agent", *self.ctx.components}
-        return names | {"envoy", "ztunnel"} if status_port else names
+        return names | {"envoy", "drain", "ztunnel"} if status_port else names
 
     async def _ready(self, request: web.Request) -> web.Response:
         parts = await self.not_ready()

@@ -119,6 +119,22 @@ async def test_transitions_logged_once_per_change_not_per_probe(tmp_path, caplog
             "agent is ready (config-source ready again)"]
 
 
+async def test_draining_is_logged_once_though_only_the_status_port_checks_it(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    async with running_status(tmp_path) as (ctx, server):
+        ready = f"http://127.0.0.1:{server.port}/healthz/ready"
+        readyz = f"http://127.0.0.1:{server.health_port}/readyz"
+        assert (await _get(ready))[0] == 200
+        ctx.draining = True
+        for _ in range(3):
+            assert (await _get(ready)) == (503, "drain: the agent is draining (POST /drain)\n")
+            assert (await _get(readyz))[0] == 200  # istio-cni's readiness ignores a drain
+        messages = [r.getMessage() for r in caplog.records if r.name == LOGGER
+                    and "ready" in r.getMessage()]
+        assert messages == ["agent is ready",
+                            "agent not ready: drain: the agent is draining (POST /drain)"]
+
+
 def test_readiness_log_keeps_one_state_across_scopes():
     log = logging.getLogger("test.readiness")
     rl = ReadinessLog(log)

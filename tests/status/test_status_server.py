@@ -55,7 +55,7 @@ async def test_readiness_follows_components_and_shutdown(tmp_path):
         assert (await request("GET", health + "/readyz"))[0] == 503
         zds.ok = True
         ctx.draining = True
-        assert (await request("GET", url))[2] == b"agent: draining\n"
+        assert (await request("GET", url))[2] == b"drain: the agent is draining (POST /drain)\n"
         ctx.draining = False
         ctx.request_shutdown("test")
         status, _, body = await request("GET", url)
