@@ -18,6 +18,7 @@ import json
 import os
 import sys
 from importlib import metadata
+from typing import Any
 
 from agent.core import config as agent_config
 from agent.core.errors import ComponentStartError
@@ -72,26 +73,52 @@ def setting_metavar(s: agent_config.Setting) -> str:
     return _TYPE_NAMES.get(name, "VALUE")
 
 
-def setting_default(s: agent_config.Setting) -> str:
-    if callable(s.default):
-        return "hostname" if s.name == "node_name" else "derived from other settings"
-    if s.default in (None, "", ()):
-        return "none"
-    if isinstance(s.default, tuple):
-        return ",".join(str(v) for v in s.default)
-    if isinstance(s.default, bool):
-        return "true" if s.default else "false"
-    return str(s.default)
-
-
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per setting; values stay raw strings until :func:`agent.core.config.load`.
     The help names the value's kind or choices, the default and the environment variable."""
     group = parser.add_argument_group("settings (flag > env > config file > default)")
     for s in agent_config.SETTINGS:
         group.add_argument(s.flag, dest=s.name, default=None, metavar=setting_metavar(s),
-                           help=f"{s.help} (default: {setting_default(s)}; "
+                           help=f"{s.help} (default: {s.shown_default}; "
                                 f"env {s.env_name})".replace("%", "%%"))
+
+
+def shown_default(value: object) -> str:
+    """A flag's default as ``--help`` shows it: ``none`` for None, "" or an empty list,
+    ``a,b`` for a list or tuple, ``true``/``false`` for a bool, else ``str(value)``."""
+    if value is None or value == "" or (isinstance(value, (list, tuple)) and not value):
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` with every value-taking flag's default: a help text that does not name
+    its default already (``default:`` or ``%(default)s``) gets `` (default: X)``
+    appended (:func:`shown_default`). Switches (``store_true``...) take no value and are
+    left as written. Unlike ``argparse.ArgumentDefaultsHelpFormatter`` it shows ``none``
+    rather than ``None`` and does not repeat a default the text states."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.nargs == 0 or "default:" in text
+                or "%(default)" in text or action.default is argparse.SUPPRESS):
+            return text
+        # the text is a %-template already (its own % doubled); the default is not
+        return text + f" (default: {shown_default(action.default)})".replace("%", "%%")
+
+
+class Parser(argparse.ArgumentParser):
+    """The CLI's parser class: :class:`DefaultsHelpFormatter` unless told otherwise.
+    Subparsers (``add_subparsers``) are of the parser's own class, so every subcommand,
+    nested ones too (``xds dump``, ``cni install``), shows its flags' defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def load_config(args: argparse.Namespace) -> agent_config.Config:
@@ -131,7 +158,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     other subcommands in :data:`SUBCOMMANDS` are not imported (their parsers are listed,
     empty): ``run`` then starts without the status and xDS clients' imports (~15 % of a
     5k-pod cold start's samples at load ~20, py-spy)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="ambient-agent",
         description="Istio ambient-mode node agent: CNI, ZDS, SDS, status and workload xDS.")
     parser.add_argument("--version", action="version",
@@ -142,7 +169,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
     cfg = sub.add_parser("config", help="print the effective configuration and its sources")
     add_setting_flags(cfg)
-    cfg.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    cfg.add_argument("-o", "--output", choices=["text", "json"], default="text",
+                     help="text: one line per setting with its value and source; json: an "
+                          "object of {value, source} per setting")
     cfg.set_defaults(func=cmd_config)
     ver = sub.add_parser("version", help="print the version")
     ver.set_defaults(func=cmd_version)

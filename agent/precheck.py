@@ -23,6 +23,15 @@ settings they read (flags, env and config file as for ``run``):
   no live server answers on the socket (another agent).
 - ``ztunnel``: a ztunnel answers its readiness port (``http://127.0.0.1:15021/healthz/ready``);
   a warning when none does (ztunnel usually starts after the agent).
+- ``Kubernetes API`` (``config_source: kubernetes``; credentials as ``run``): the API
+  server answers and lets the agent do what its config source does for every kind it
+  reads (:data:`ambient.source_kube.RESOURCES`): a ``list`` (``?limit=1``) and a
+  ``watch`` from that list's resourceVersion (closed once the server has accepted it),
+  the very requests of ``run``, all kinds at once. FAIL, in one line: the server
+  unreachable (naming its URL and the error), 401 (the credentials are refused: which
+  ones), 403 (each refused ``verb Kind``, with the server's message for the first), a
+  kubeconfig that cannot be loaded. A kind that is not served (404: its CRD is missing)
+  is left to the next check.
 - ``Istio CRDs`` (``config_source: kubernetes``; credentials as ``run``: ``kubeconfig``,
   else in-cluster): for each custom kind the index reads (Istio's ServiceEntry,
   WorkloadEntry, AuthorizationPolicy, PeerAuthentication; the Gateway API's Gateway,
@@ -41,6 +50,7 @@ removed).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import os
 import platform
@@ -50,7 +60,7 @@ import socket
 import sys
 import urllib.error
 import urllib.request
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agent.core import unixsocket
 
@@ -273,16 +283,119 @@ def crd_owner(crd: dict) -> str:
     return "unknown"
 
 
-async def _get_crds(config: Config, names: list[str], timeout: float
-                    ) -> dict[str, dict | None]:
+async def _client_config(config: Config) -> Any:
+    """The ``kubernetes_asyncio`` Configuration ``run`` would use: ``kubeconfig`` when set,
+    else in-cluster. Raises what the loader raises (missing file, no in-cluster env)."""
     from kubernetes_asyncio import client as kclient, config as kconfig
-    from kubernetes_asyncio.client.exceptions import ApiException
 
     cfg = kclient.Configuration()
     if config.kubeconfig:
         await kconfig.load_kube_config(config_file=config.kubeconfig, client_configuration=cfg)
     else:
         kconfig.load_incluster_config(client_configuration=cfg)
+    return cfg
+
+
+def _error(e: BaseException) -> str:
+    """``Type: message`` (``TimeoutError`` alone when there is no message)."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _credentials(config: Config) -> str:
+    return (f"the token or certificate of kubeconfig {config.kubeconfig}" if config.kubeconfig
+            else "the in-cluster service account token")
+
+
+async def _may_list_and_watch(api: Any, kind: str, timeout: float) -> list[tuple[str, str]]:
+    """``list`` then ``watch`` ``kind`` as the config source does; returns the refused
+    verbs with the server's message (``[]``: both allowed, or the kind is not served).
+    Raises KubeError for any other error answer, aiohttp/OSError/timeouts when
+    unreachable. ``timeout``: seconds per request."""
+    import aiohttp
+
+    from agent.core import kubecall
+    from ambient.source_kube import RESOURCES
+
+    _, group, version, plural = RESOURCES[kind]
+    path = f"/api/{version}/{plural}" if not group else f"/apis/{group}/{version}/{plural}"
+    bounds = aiohttp.ClientTimeout(total=timeout, sock_connect=timeout)
+    try:
+        body = await kubecall.call(api, "GET", path, query=[("limit", 1)], timeout=bounds)
+    except kubecall.KubeError as e:
+        if e.forbidden:
+            return [("list", e.reason)]  # a watch needs the list's version: not asked
+        if e.not_found:
+            return []  # not served: the CRD check reports it
+        raise
+    rv = str(((body or {}).get("metadata") or {}).get("resourceVersion") or "")
+    try:
+        # accepted once the answer's status is 200: nothing of the stream is read
+        async with kubecall.stream(api, path, query=[("watch", "true"), ("resourceVersion", rv),
+                                                     ("timeoutSeconds", 1)], timeout=bounds):
+            pass
+    except kubecall.KubeError as e:
+        if e.forbidden:
+            return [("watch", e.reason)]
+        raise
+    return []
+
+
+async def _api_access(config: Config, timeout: float) -> Check:
+    from kubernetes_asyncio import client as kclient
+
+    from agent.core import kubecall
+    from ambient.source_kube import RESOURCES
+
+    name = "Kubernetes API"
+    try:
+        cfg = await _client_config(config)
+    except Exception as e:  # noqa: BLE001 - a bad kubeconfig, no in-cluster environment
+        where = f"kubeconfig {config.kubeconfig}" if config.kubeconfig else "in-cluster config"
+        return Check(name, FAIL, f"cannot load {where}: {type(e).__name__}: {e}")
+    url = cfg.host
+    kinds = list(RESOURCES)
+    async with kclient.ApiClient(cfg) as api:
+        results = await asyncio.gather(*(_may_list_and_watch(api, k, timeout) for k in kinds),
+                                       return_exceptions=True)
+    refused = [(f"{verb} {kind}", why) for kind, r in zip(kinds, results)
+               if isinstance(r, list) for verb, why in r]
+    errors = [(kind, r) for kind, r in zip(kinds, results) if isinstance(r, BaseException)]
+    unauthorized = [e for _, e in errors if isinstance(e, kubecall.KubeError) and e.status == 401]
+    if unauthorized:
+        return Check(name, FAIL, f"{url} answered 401 {unauthorized[0].reason}: it refuses "
+                                 f"{_credentials(config)}")
+    answers = [(k, e) for k, e in errors if isinstance(e, kubecall.KubeError)]
+    unreachable = [(k, e) for k, e in errors if not isinstance(e, kubecall.KubeError)]
+    if unreachable and len(unreachable) == len(kinds):
+        first = unreachable[0][1]
+        return Check(name, FAIL, f"cannot reach the API server at {url}: {_error(first)}")
+    problems = []
+    if refused:
+        problems.append(f"refused (403): {', '.join(v for v, _ in refused)} (the agent's "
+                        "ClusterRole needs list and watch on each, deploy/kubernetes/rbac.yaml;"
+                        f" the server said: {refused[0][1]})")
+    problems += [f"{kind}: {e}" for kind, e in answers]
+    problems += [f"{kind}: no answer ({_error(e)})" for kind, e in unreachable]
+    if problems:
+        return Check(name, FAIL, f"{url}: " + "; ".join(problems))
+    return Check(name, OK, f"{url}: list and watch allowed for all {len(kinds)} kinds the "
+                           "agent reads")
+
+
+def check_kube_api(config: Config, timeout: float = 5.0) -> Check:
+    """The ``Kubernetes API`` line (module docstring); OK without asking anything when
+    ``config_source`` is not ``kubernetes``."""
+    if config.config_source != "kubernetes":
+        return Check("Kubernetes API", OK, f"not asked (config_source {config.config_source})")
+    return asyncio.run(asyncio.wait_for(_api_access(config, timeout), timeout * 3 + 5))
+
+
+async def _get_crds(config: Config, names: list[str], timeout: float
+                    ) -> dict[str, dict | None]:
+    from kubernetes_asyncio import client as kclient
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    cfg = await _client_config(config)
     out: dict[str, dict | None] = {}
     async with kclient.ApiClient(cfg) as api:
         ext = kclient.ApiextensionsV1Api(api)
@@ -298,8 +411,6 @@ async def _get_crds(config: Config, names: list[str], timeout: float
 
 
 def check_istio_crds(config: Config, timeout: float = 5.0) -> Check:
-    import asyncio
-
     from ambient.source_kube import RESOURCES
 
     if config.config_source != "kubernetes":
@@ -340,9 +451,9 @@ def run_checks(config: Config) -> list[Check]:
     checks = [lambda: check_modules(config), lambda: check_iptables(config), check_ipset,
               lambda: check_cni_config(config), lambda: check_istio_cni(config),
               lambda: check_ports(config), lambda: check_zds(config), check_ztunnel,
-              lambda: check_istio_crds(config)]
+              lambda: check_kube_api(config), lambda: check_istio_crds(config)]
     names = ["kernel modules", "iptables", "ipset", "CNI config", "istio-cni", "ports",
-             "ZDS socket", "ztunnel", "Istio CRDs"]
+             "ZDS socket", "ztunnel", "Kubernetes API", "Istio CRDs"]
     out = []
     for name, fn in zip(names, checks):
         try:

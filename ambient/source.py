@@ -50,7 +50,7 @@ class ConfigSource(Component):
     def ready(self) -> tuple[bool, str]:
         if isinstance(self.backend, KubernetesSource):
             if not self.backend.is_synced():
-                return False, "kubernetes source not synced"
+                return False, f"kubernetes source not synced: {self.backend.unsynced()}"
             return True, ""
         return (True, "") if self.backend.loaded else (False, "config directory not loaded")
 

@@ -9,7 +9,15 @@ than what the API server or etcd still holds: a compaction, an API server restar
 fresh LIST whose result *replaces* what the store held for that kind, so changes and deletes
 missed while away are neither lost nor repeated (unchanged objects produce no store event).
 Other errors back off exponentially (0.5 s doubling to 30 s, never less than a 429's
-``Retry-After``). Every kind fails alike while the API server is unreachable, so the
+``Retry-After``). A long backoff does not outlast an outage: while a kind waits more than
+``PROBE_INTERVAL`` after the API server could not be reached (a connection error, a
+timeout, a 5xx), one probe per source asks ``/readyz`` every ``PROBE_INTERVAL`` seconds
+(jittered); once the server answers it 200, every such wait ends and the kinds list
+again at once, so the source resumes within about
+``PROBE_INTERVAL`` x 1.2 + one LIST of the server answering again (:meth:`_sleep_until_up`;
+``WAKE_SPACING`` bounds the early retries when the server answers /readyz but not the
+kinds). A wait after an answer (401, 403, 429) is not cut short. Every kind fails
+alike while the API server is unreachable, so the
 failures are logged per reason, not per kind (:class:`RetryLog`): one WARNING per backoff
 step naming the kinds, the reason and the next delay, and one INFO when every kind is
 listed again. A kind whose API is not served (404: Istio or Gateway API CRDs not
@@ -86,6 +94,9 @@ CONNECT_TIMEOUT = 10.0      # s to connect (TCP + TLS)
 WATCH_IDLE_GRACE = 60.0     # s of silence beyond the server's watch timeout = dead stream
 MAX_EVENT_BYTES = 16 << 20  # one watch event (etcd refuses objects over 1.5 MiB by default)
 MIN_WATCH_SECONDS = 1.0     # a watch that ends sooner is followed by the backoff delay
+PROBE_INTERVAL = 1.0        # s between /readyz probes while kinds wait out an outage
+PROBE_TIMEOUT = 2.0         # s for one probe, connect to last byte
+WAKE_SPACING = 10.0         # s between wakes when no probe saw the server down
 
 
 @dataclasses.dataclass
@@ -201,6 +212,13 @@ class KubernetesSource:
         self.stats: dict[str, KindStats] = {k: KindStats() for k in self.kinds}
         self.retry_log = RetryLog(log)
         self._tasks: list[asyncio.Task] = []
+        # the outage probe (_sleep_until_up): set when the server answers again
+        self._back = asyncio.Event()
+        self._probe: asyncio.Task | None = None
+        self._last_wake = float("-inf")  # loop time of the probe's last wake
+        self._waiting = 0                # kinds in a wait the probe may end
+        self.probes = 0        # /readyz probes sent
+        self.next_retry: dict[str, float] = {}  # kind -> loop time of its next attempt
         # called (on the loop) once the API client exists and every LIST is under way;
         # the agent begins its CA Secret read there (issue 28)
         self.on_connected: list[Callable[[], None]] = []
@@ -250,21 +268,28 @@ class KubernetesSource:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self.synced.values())),
                                    timeout=self.sync_timeout)
         except asyncio.TimeoutError:
-            by_reason: dict[str, list[str]] = {}
-            for k, e in self.synced.items():
-                if not e.is_set():
-                    by_reason.setdefault(self.errors.get(k, "no answer"), []).append(k)
             log.warning("kubernetes source not synced after %.0fs (still retrying): %s",
-                        self.sync_timeout, "; ".join(f"{', '.join(kinds)}: {reason}"
-                                                     for reason, kinds in by_reason.items()))
+                        self.sync_timeout, self.unsynced())
 
     def is_synced(self) -> bool:
         return all(e.is_set() for e in self.synced.values())
 
+    def unsynced(self) -> str:
+        """The kinds not listed yet grouped by their last error, ``Pod, Service:
+        ClientConnectorError: ...; Node: 403 Forbidden`` (``no answer yet`` for a kind
+        whose first LIST is still out); "" when every kind is synced."""
+        by_reason: dict[str, list[str]] = {}
+        for k, e in self.synced.items():
+            if not e.is_set():
+                by_reason.setdefault(self.errors.get(k, "no answer yet"), []).append(k)
+        return "; ".join(f"{', '.join(kinds)}: {reason}" for reason, kinds in by_reason.items())
+
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = self._tasks + ([self._probe] if self._probe is not None else [])
+        self._probe = None
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             try:
                 await t
             except (asyncio.CancelledError, Exception):
@@ -369,13 +394,90 @@ class KubernetesSource:
                     delay = max(delay, e.retry_after * backoff.rand(*backoff.jitter))
                 self.retry_log.failed(kind, "watch" if rv else "list",
                                       f"{e.status} {e.reason}", delay)
-                await asyncio.sleep(delay)
+                # 5xx: the server (or a proxy before it) is not serving; the probe may end
+                # the wait. An answer (401, 403, 429) is waited out.
+                await self._retry_after(kind, delay, wakeable=e.status >= 500)
             except Exception as e:  # connection refused/reset, timeout, malformed stream...
                 self.errors[kind] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 delay = backoff.next()
                 self.retry_log.failed(kind, "watch" if rv else "list", self.errors[kind],
                                       delay)
+                # a malformed stream is an answer (nonsense): waited out like one
+                await self._retry_after(kind, delay,
+                                        wakeable=not isinstance(e, MalformedStream))
+
+    # --- outage probe ---
+
+    async def _retry_after(self, kind: str, delay: float, wakeable: bool) -> None:
+        """Wait ``delay`` s before ``kind``'s next attempt (``next_retry`` says when, in
+        loop time); ``wakeable``: the server could not be reached, so the wait ends
+        early when it answers again (:meth:`_sleep_until_up`)."""
+        self.next_retry[kind] = asyncio.get_running_loop().time() + delay
+        try:
+            if wakeable:
+                await self._sleep_until_up(delay)
+            else:
                 await asyncio.sleep(delay)
+        finally:
+            self.next_retry.pop(kind, None)
+
+    async def _sleep_until_up(self, delay: float) -> None:
+        """Sleep ``delay`` seconds, or less when the API server is ready again: a delay
+        longer than ``PROBE_INTERVAL`` starts the probe (one per source,
+        :meth:`_probe_until_up`) if none runs, and ends when it reports the server back."""
+        if delay <= PROBE_INTERVAL:
+            await asyncio.sleep(delay)
+            return
+        back = self._back
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._probe_until_up(back), name="kube-probe")
+        self._waiting += 1
+        try:
+            await asyncio.wait_for(back.wait(), delay)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._waiting -= 1
+
+    async def _probe_until_up(self, back: asyncio.Event) -> None:
+        """GET ``/readyz`` every ``PROBE_INTERVAL`` s (x 0.8-1.2) while some kind waits
+        in :meth:`_sleep_until_up`, until the API server answers it 200 with the agent's
+        credentials; then set ``back`` (every such wait ends; a fresh event replaces it
+        for the next outage). Anything else is "not back yet": no connection, a timeout,
+        a 5xx (not ready), and also a 401/403: a restarted server answers 403 until its
+        RBAC caches are filled, and a kind woken then would get the same 403 and wait
+        its whole backoff (``/readyz`` is granted to every authenticated user by the
+        default ``system:public-info-viewer`` binding; where it is not, the probe never
+        wakes anyone and the backoff runs as without it). After a probe that was not
+        answered 200 the wake is at once; when the first probe is answered (the failure
+        that started it was a blip, or the server is ready but fails the LISTs) not
+        before ``WAKE_SPACING`` s since the last wake, so a server that keeps failing
+        the kinds gets no request loop: at most one early retry per kind per
+        ``WAKE_SPACING``. Ends, waking nobody, once no kind waits any more."""
+        loop = asyncio.get_running_loop()
+        seen_down = False
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL * random.uniform(0.8, 1.2))
+            if not self._waiting:
+                return  # every wait ran out meanwhile (or the server was never ready)
+            self.probes += 1
+            try:
+                await kubecall.read(self._client("GET /readyz"), "GET", "/readyz",
+                                    timeout=aiohttp.ClientTimeout(
+                                        total=PROBE_TIMEOUT, sock_connect=PROBE_TIMEOUT))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - refused, reset, timeout, any non-2xx answer
+                seen_down = True
+                continue
+            if seen_down:
+                log.info("kubernetes API server is ready again: retrying every kind now")
+            else:
+                await asyncio.sleep(max(self._last_wake + WAKE_SPACING - loop.time(), 0.0))
+            self._last_wake = loop.time()
+            self._back = asyncio.Event()
+            back.set()
+            return
 
     async def _watch_once(self, kind: str, origin: str, rv: str) -> str:
         """Follow one watch from ``rv`` until the server ends it; returns the last

@@ -67,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name in CLI_SETTINGS:
         s = SETTINGS_BY_NAME[name]
         group.add_argument(s.flag, dest=name, default=None, metavar="VALUE",
-                           help=f"{s.help} [env {s.env_name}]".replace("%", "%%"))
+                           help=f"{s.help} (default: {s.shown_default}; env {s.env_name})"
+                           .replace("%", "%%"))
 
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Any:

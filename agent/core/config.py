@@ -85,6 +85,21 @@ class Setting:
     def env_name(self) -> str:
         return self.env or "AMBIENT_AGENT_" + self.name.upper()
 
+    @property
+    def shown_default(self) -> str:
+        """The default as ``--help`` shows it: ``none`` for an empty one, ``a,b`` for a
+        tuple, ``true``/``false``, ``hostname`` for ``node_name``, ``derived from other
+        settings`` for the other computed ones."""
+        if callable(self.default):
+            return "hostname" if self.name == "node_name" else "derived from other settings"
+        if self.default in (None, "", ()):
+            return "none"
+        if isinstance(self.default, tuple):
+            return ",".join(str(v) for v in self.default)
+        if isinstance(self.default, bool):
+            return "true" if self.default else "false"
+        return str(self.default)
+
 
 def _under_state(*parts: str) -> Callable[[dict], str]:
     return lambda values: os.path.join(values["state_dir"], *parts)

@@ -98,13 +98,25 @@ class AgentContext:
         log.info("shutdown requested: %s", reason)
         self.shutdown.set()
 
-    def ready(self) -> tuple[bool, str]:
-        """Ready when every component is; the reason names the first that is not."""
+    def not_ready(self) -> list[tuple[str, str]]:
+        """``(component name, reason)`` for every component that is not ready, in start
+        order; ``[]`` when all are. A component whose ``ready()`` raises is not ready,
+        the reason naming the exception (readiness never fails for one broken part)."""
+        out = []
         for name, component in self.components.items():
-            ok, why = component.ready()
+            try:
+                ok, why = component.ready()
+            except Exception as e:  # noqa: BLE001 - one broken component is one reason
+                ok, why = False, f"ready() raised {type(e).__name__}: {e}"
             if not ok:
-                return False, f"{name}: {why or 'not ready'}"
-        return True, ""
+                out.append((name, why or "not ready"))
+        return out
+
+    def ready(self) -> tuple[bool, str]:
+        """Ready when every component is; the reason names each that is not
+        (``name: reason``, joined with ``; ``)."""
+        parts = self.not_ready()
+        return not parts, "; ".join(f"{name}: {why}" for name, why in parts)
 
 
 class Supervisor:

@@ -8,15 +8,28 @@ result once it succeeds (so a later admin outage does not flip readiness):
 2. Envoy live: ``server.state`` is 0 (LIVE) and ``listener_manager.workers_started`` is 1.
 
 Shutting down is checked between the two and is never latched.
+
+What the readiness endpoints answer and log when not ready (``/healthz/ready`` on the
+status port, ``/readyz`` on the health port; ``docs/status.md``): every part not ready
+(:class:`NotReady`: a component by its name, ``envoy``, ``agent`` for shutting down,
+``drain`` for draining, ``ztunnel`` for an ambient ADD that would block) with its last error,
+each reason cleaned by :func:`clean_reason` (secrets redacted, control characters
+escaped, at most :data:`MAX_REASON_CHARS`) and the whole by :func:`summary` (at most
+:data:`MAX_BODY_CHARS`). :class:`ReadinessLog` logs the transitions: one line when a
+part becomes not ready (with its reason) or ready again, none per probe.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 import aiohttp
+
+from agent.core.logsetup import redact
 
 CONFIG_QUERY = (r"/stats?usedonly&filter=^(cluster_manager\.cds|listener_manager\.lds)"
                 r"\.(update_success|update_rejected)$")
@@ -122,3 +135,94 @@ class EnvoyReadiness:
         except ValueError as e:  # it answered, with something that is not its stats text
             return (f"Envoy admin answered something that is not Envoy's stats "
                     f"({type(e).__name__}: {str(e)[:120]})")
+
+
+MAX_REASON_CHARS = 300   # one part's reason in a readiness body or log line
+MAX_BODY_CHARS = 2000    # the whole reason line (kubelet keeps ~10 KiB of a probe's body)
+
+
+@dataclasses.dataclass(frozen=True)
+class NotReady:
+    """One part that is not ready: ``name`` (a component's name, ``envoy``, ``agent``,
+    ``drain``, ``ztunnel``) and ``reason`` (its last error, as the part reports it)."""
+
+    name: str
+    reason: str
+
+
+def clean_reason(text: str, limit: int = MAX_REASON_CHARS) -> str:
+    """``text`` fit for a probe body and a log line: private keys and tokens replaced
+    (:func:`agent.core.logsetup.redact`), every non-printable character (newlines, ANSI
+    escapes, NUL, U+2028...) written as its ``\\xNN``/``\\uNNNN`` escape, then cut to
+    ``limit`` characters with ``...`` and how many were left off."""
+    text = redact(str(text))
+    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                  for c in text)
+    if len(out) > limit:
+        cut = out[:limit]
+        out = f"{cut}... ({len(out) - len(cut)} more characters)"
+    return out
+
+
+def summary(parts: Iterable[NotReady], limit: int = MAX_BODY_CHARS) -> str:
+    """``name: reason; name: reason`` for ``parts`` (each cleaned by
+    :func:`clean_reason`), the reasons within ``limit`` characters: the parts that do
+    not fit are still named, at the end (``; and N more not ready: a, b``)."""
+    parts = list(parts)
+    text = ""
+    for i, p in enumerate(parts):
+        item = f"{clean_reason(p.name, 60)}: {clean_reason(p.reason)}"
+        if text and len(text) + 2 + len(item) > limit:
+            rest = [clean_reason(q.name, 60) for q in parts[i:]]
+            return f"{text}; and {len(rest)} more not ready: {', '.join(rest)}"
+        text = f"{text}; {item}" if text else item
+    return text
+
+
+class ReadinessLog:
+    """Logs readiness transitions, once per change and not per probe.
+
+    Each evaluation calls :meth:`observe` with the names it checked (``scope``) and the
+    parts of that scope not ready. The two endpoints check overlapping scopes (the status
+    port's includes Envoy and ztunnel, the health port's does not), so the log keeps one
+    state per part: a part that turns not ready is logged once (WARNING after the agent
+    had been ready, INFO while it is still starting), with its reason; parts that turn
+    ready again are logged at INFO, and ``agent is ready`` once every part is. A reason
+    that changes while its part stays not ready is not a transition (the body of each
+    probe has it). Returns the lines written (for tests)."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.log = logger
+        self.failing: dict[str, str] = {}  # part -> its reason when it turned not ready
+        self.was_ready = False             # the agent has been ready at least once
+        self._ready_logged = False         # "agent is ready" is the last line written
+
+    def observe(self, scope: Iterable[str], parts: list[NotReady]) -> list[str]:
+        lines: list[str] = []
+        now_failing = {p.name: p for p in parts}
+        new = [p for p in parts if p.name not in self.failing]
+        back = sorted(name for name in self.failing
+                      if name in scope and name not in now_failing)
+        for name in back:
+            del self.failing[name]
+        for p in new:
+            self.failing[p.name] = p.reason
+        if new:
+            line = "agent not ready: " + summary(new)
+            if self.was_ready:
+                self.log.warning("%s", line)
+            else:
+                self.log.info("%s", line)
+            lines.append(line)
+            self._ready_logged = False
+        if back and self.failing:
+            line = (f"ready again: {', '.join(back)} (still not ready: "
+                    f"{', '.join(sorted(self.failing))})")
+            self.log.info("%s", line)
+            lines.append(line)
+        if not self.failing and not self._ready_logged and not parts:
+            line = "agent is ready" + (f" ({', '.join(back)} ready again)" if back else "")
+            self.log.info("%s", line)
+            lines.append(line)
+            self.was_ready = self._ready_logged = True
+        return lines

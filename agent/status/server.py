@@ -7,7 +7,9 @@ Three aiohttp listeners (``docs/status.md``):
 - ``/healthz/ready`` — 200 (empty) when every component is ready, the agent is not
   shutting down or draining, a ztunnel is connected when enrollment runs (else an ambient
   pod's CNI ADD would block) and, with ``envoy_admin_port`` set, Envoy's admin stats say
-  config received and LIVE; else 503 with a one-line reason.
+  config received and LIVE; else 503 with one line naming every part not ready and its
+  last error (``zds: ...; config-source: ...``; :mod:`agent.status.readiness`: bounded,
+  escaped, secrets redacted). Transitions are logged once per change, not per probe.
 - ``/app-health/<container>/{livez,readyz,startupz}``, ``/app-lifecycle/<container>/
   {prestopz,poststartz}`` — the rewritten kubelet probes from ``ISTIO_KUBE_APP_PROBERS``
   (:mod:`agent.status.probes`); an unknown path → 400.
@@ -22,7 +24,7 @@ Three aiohttp listeners (``docs/status.md``):
 node-agent families under upstream's names only (:mod:`agent.status.monitoring`).
 
 ``health_port`` (8000): ``/healthz`` always 200; ``/readyz`` 200 when every component is
-ready, else 503 ``Service Unavailable: <reason>`` (not latched). It listens from the start
+ready, else 503 ``Service Unavailable: <reasons>`` in the same form (not latched). It listens from the start
 of the process (:meth:`StatusServer.start_health`, before any component starts), so
 liveness holds through a slow start while readiness stays false.
 
@@ -64,7 +66,7 @@ from agent.core.scrapetargets import AnnotationsError, ScrapeTarget, parse_annot
 from agent.status import debug, metrics_merge, monitoring, probes
 from agent.status.access import is_loopback
 from agent.status.compression import compress_large
-from agent.status.readiness import EnvoyReadiness
+from agent.status.readiness import EnvoyReadiness, NotReady, ReadinessLog, summary
 from agent.status.mesh import DebugState, EnrolledPods, MeshIndex, MeshParts, WaypointStatus
 
 log = logging.getLogger(__name__)
@@ -113,7 +115,7 @@ class StatusServer(Component):
             ctx.registry, f"{self.envoy_admin}/stats/prometheus" if self.envoy_admin else None,
             [], self.probe_target.host, ctx.run_blocking)
         self.shutdown_cause = ""
-        self._was_ready = False
+        self.readiness_log = ReadinessLog(log)  # transitions of both endpoints
         self._runners: list[web.AppRunner] = []
         self.sites: dict[str, listeners.BoundedTCPSite] = {}
         listeners.ListenerMetrics.of(ctx.registry)  # registered at build, like every metric
@@ -280,33 +282,46 @@ class StatusServer(Component):
             return self.shutdown_cause or "agent is shutting down"
         return ""
 
-    async def readiness_reason(self) -> str:
-        """"" when ready, else the first failing check's reason."""
+    async def not_ready(self) -> list[NotReady]:
+        """Every part the status port's readiness checks that is not ready, in this
+        order: ``envoy`` (with ``envoy_admin_port``: upstream's stats checks), ``agent``
+        (shutting down) or ``drain`` (draining), each component not ready (by name, with its reason),
+        ``ztunnel`` (an ambient CNI ADD would block for want of one). ``[]``: ready."""
+        parts: list[NotReady] = []
         if self.envoy_ready is not None:
             reason = await self.envoy_ready.check(self._client())
             if reason:
-                return reason
+                parts.append(NotReady("envoy", reason))
+        parts += self._agent_parts(draining=True)
+        # what a new pod needs: an ambient CNI ADD must not block for want of a ztunnel
+        blocker = self.enrollment.add_blocker() if self.enrollment is not None else ""
+        if blocker:
+            parts.append(NotReady("ztunnel", blocker))
+        return parts
+
+    def _agent_parts(self, draining: bool) -> list[NotReady]:
+        """``agent`` (shutting down), ``drain`` (draining, when ``draining``) and each
+        component not ready."""
+        parts: list[NotReady] = []
         cause = self._terminated()
         if cause:
-            return f"server is terminated: {cause}"
-        if self.ctx.draining:
-            return "agent is draining"
-        ok, why = self.ctx.ready()
-        if not ok:
-            return why
-        # what a new pod needs: an ambient CNI ADD must not block for want of a ztunnel
-        return self.enrollment.add_blocker() if self.enrollment is not None else ""
+            parts.append(NotReady("agent", f"server is terminated: {cause}"))
+        elif draining and self.ctx.draining:
+            # its own name: only the status port checks it (ReadinessLog's scopes)
+            parts.append(NotReady("drain", "the agent is draining (POST /drain)"))
+        parts += [NotReady(name, why) for name, why in self.ctx.not_ready()]
+        return parts
+
+    def _scope(self, status_port: bool) -> set[str]:
+        """The part names one endpoint's readiness checks (:class:`ReadinessLog`)."""
+        names = {"agent", *self.ctx.components}
+        return names | {"envoy", "drain", "ztunnel"} if status_port else names
 
     async def _ready(self, request: web.Request) -> web.Response:
-        reason = await self.readiness_reason()
-        if reason:
-            if self._was_ready:
-                log.info("agent no longer ready: %s", reason)
-            self._was_ready = False
-            return web.Response(status=503, text=reason + "\n")
-        if not self._was_ready:
-            log.info("agent is ready")
-            self._was_ready = True
+        parts = await self.not_ready()
+        self.readiness_log.observe(self._scope(status_port=True), parts)
+        if parts:
+            return web.Response(status=503, text=summary(parts) + "\n")
         return web.Response(status=200)
 
     # --- handlers --------------------------------------------------------------------
@@ -418,12 +433,11 @@ class StatusServer(Component):
         return web.Response(text="OK\n")
 
     async def _readyz(self, request: web.Request) -> web.Response:
-        ok, why = self.ctx.ready()
-        if self._terminated():
-            ok, why = False, "agent is shutting down"
-        if ok:
+        parts = self._agent_parts(draining=False)  # istio-cni's: components, not drain
+        self.readiness_log.observe(self._scope(status_port=False), parts)
+        if not parts:
             return web.Response(text="OK\n")
-        return web.Response(status=503, text=f"Service Unavailable: {why}\n")
+        return web.Response(status=503, text=f"Service Unavailable: {summary(parts)}\n")
 
     def _health_app(self) -> web.Application:
         app = web.Application()

@@ -99,13 +99,19 @@ class SlowApiProxy:
     LIST page). Counters: :attr:`lists` such GETs forwarded, :attr:`throttled` answered
     429, :attr:`gets` the forwarded ones per path, :attr:`together` for each such GET the
     set of paths held or forwarded at the moment it came (itself included: whether a
-    client asks one after the other).
+    client asks one after the other). ``unavailable``: paths whose GETs (without
+    ``watch=true``) are answered ``503 Service Unavailable`` (a load balancer whose
+    backends fail them) while the rest, ``/readyz`` too, is forwarded; :attr:`refused`
+    counts those answers per path.
     """
 
     def __init__(self, upstream: str, ca_file: str, list_delay: float = 0.0,
-                 throttle: int = 0, retry_after: int = 1):
+                 throttle: int = 0, retry_after: int = 1,
+                 unavailable: frozenset[str] = frozenset()):
         self.upstream = upstream.rstrip("/")
         self.list_delay, self.throttle, self.retry_after = list_delay, throttle, retry_after
+        self.unavailable = unavailable
+        self.refused: dict[str, int] = {}
         self.lists = 0
         self.throttled = 0
         self._throttled_per_path: dict[str, int] = {}
@@ -144,6 +150,13 @@ class SlowApiProxy:
         # kubernetes_asyncio's generated API sends watch=True
         is_list = (request.method == "GET"
                    and request.query.get("watch", "").lower() not in ("true", "1"))
+        if is_list and request.path in self.unavailable:
+            self.refused[request.path] = self.refused.get(request.path, 0) + 1
+            body = {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                    "reason": "ServiceUnavailable", "code": 503,
+                    "message": "no healthy upstream"}
+            return web.Response(status=503, text=json.dumps(body),
+                                content_type="application/json")
         if is_list:
             done = self._throttled_per_path.get(request.path, 0)
             if done < self.throttle:

@@ -151,7 +151,7 @@ async def test_readiness_from_real_envoy_admin_stats(tmp_path, envoy_admin_port)
             async with c.get(f"http://127.0.0.1:{server.port}/healthz/ready") as r:
                 status, body = r.status, await r.text()
     assert status == 503
-    assert body == ("config not received from XDS server (is Istiod running?): cds updates: "
+    assert body == ("envoy: config not received from XDS server (is Istiod running?): cds updates: "
                     "0 successful, 0 rejected; lds updates: 0 successful, 0 rejected\n")
 
 

@@ -55,11 +55,11 @@ async def test_readiness_follows_components_and_shutdown(tmp_path):
         assert (await request("GET", health + "/readyz"))[0] == 503
         zds.ok = True
         ctx.draining = True
-        assert (await request("GET", url))[2] == b"agent is draining\n"
+        assert (await request("GET", url))[2] == b"drain: the agent is draining (POST /drain)\n"
         ctx.draining = False
         ctx.request_shutdown("test")
         status, _, body = await request("GET", url)
-        assert status == 503 and body.startswith(b"server is terminated")
+        assert status == 503 and body.startswith(b"agent: server is terminated")
 
 
 async def test_quit_and_drain_only_on_the_admin_socket(tmp_path):

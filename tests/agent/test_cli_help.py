@@ -1,0 +1,76 @@
+"""Every flag of every subcommand (nested ones too: ``xds dump``, ``cni install``,
+``waypoint bootstrap``) has help text, and ``--help`` shows the default of every flag
+that takes a value: the test walks argparse's parsers as ``ambient-agent`` builds them."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from agent import cli
+
+
+def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
+    """(command path, parser) for the top level and every subcommand, depth first."""
+    out: list[tuple[str, argparse.ArgumentParser]] = []
+
+    def walk(path: str, parser: argparse.ArgumentParser) -> None:
+        out.append((path, parser))
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(f"{path} {name}", sub)
+
+    walk("ambient-agent", cli.build_parser())
+    return out
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions
+            if not isinstance(a, (argparse._HelpAction, argparse._VersionAction,
+                                  argparse._SubParsersAction))]
+
+
+PARSERS = _parsers()
+
+
+def test_every_subcommand_is_walked():
+    paths = {p for p, _ in PARSERS}
+    assert {f"ambient-agent {name}" for name in cli.SUBCOMMANDS} <= paths
+    assert {"ambient-agent run", "ambient-agent config", "ambient-agent xds dump",
+            "ambient-agent cni install", "ambient-agent waypoint bootstrap"} <= paths
+
+
+@pytest.mark.parametrize("path,parser", PARSERS, ids=[p for p, _ in PARSERS])
+def test_every_flag_has_help_and_shows_its_default(path, parser):
+    formatter = parser._get_formatter()
+    without_help, without_default = [], []
+    for action in _flags(parser):
+        name = "/".join(action.option_strings) or action.dest
+        if not (action.help or "").strip() or action.help == argparse.SUPPRESS:
+            without_help.append(name)
+            continue
+        shown = formatter._expand_help(action)  # what --help prints for it
+        if action.option_strings and action.nargs != 0 and "default" not in shown:
+            without_default.append(f"{name}: {shown!r}")
+        if action.option_strings and action.nargs != 0 and "%(default)" not in action.help \
+                and "default:" not in action.help:
+            # appended by the formatter: the real default, in the CLI's words
+            assert f"(default: {cli.shown_default(action.default)})" in shown, (name, shown)
+    assert not without_help, f"{path}: flags without help: {without_help}"
+    assert not without_default, f"{path}: flags whose --help hides the default: " \
+                                f"{without_default}"
+    parser.format_help()  # renders (no stray % in a help text)
+
+
+def test_shown_default_forms():
+    assert cli.shown_default(None) == cli.shown_default("") == cli.shown_default([]) == "none"
+    assert cli.shown_default(["a", "b"]) == "a,b"
+    assert cli.shown_default(True) == "true" and cli.shown_default(10.0) == "10.0"
+
+
+def test_appended_default_is_escaped_for_argparse():
+    parser = cli.Parser(prog="t")
+    parser.add_argument("--ratio", default="50%", help="share in %% of the total")
+    assert "share in % of the total (default: 50%)" in " ".join(parser.format_help().split())
