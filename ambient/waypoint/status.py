@@ -54,7 +54,7 @@ from typing import Any
 
 from ambient.api import ObjectStore
 from ambient.objects import meta, spec
-from ambient.waypoint import tcproute
+from ambient.waypoint import gwvalues, tcproute
 from ambient.waypoint.httproute import Attached, RouteBuilder
 
 CONTROLLER = "istio.io/gateway-controller"
@@ -96,11 +96,14 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
     """``{"parents": [...]}`` for one HTTPRoute, GRPCRoute or TCPRoute (its ``kind``;
     parents of kind Service only; others are another controller's and are not listed)."""
     ns = meta(route).get("namespace", "")
-    generation = int(meta(route).get("generation") or 0)
-    refs = spec(route).get("parentRefs")
+    generation = _generation(route)
+    # values the CRD refuses or Envoy would NACK: the route is not accepted (and not built)
+    errors = gwvalues.route_errors(route)
+    body = spec(route) if isinstance(spec(route), dict) else {}
+    refs = body.get("parentRefs")
     # backend references, as istiod resolves them (the first failure is reported)
     ref_error: tuple[str, str] | None = None
-    rules = spec(route).get("rules")
+    rules = body.get("rules")
     # a filter type istiod does not know is a hard conversion error there: reported under
     # ResolvedRefs (InvalidFilter), not as the route's acceptance
     hard_error: tuple[str, str] | None = None
@@ -114,7 +117,8 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
                 unknown_filters.add(f"spec.rules[{r}].filters[{f}].type'")
                 hard_error = hard_error or ("InvalidFilter", f'unsupported filter type "{ftype}"')
     for rule in rules if isinstance(rules, list) else []:
-        for ref in (rule.get("backendRefs") or []) if isinstance(rule, dict) else []:
+        found = rule.get("backendRefs") if isinstance(rule, dict) else None
+        for ref in found if isinstance(found, list) else []:
             if not isinstance(ref, dict) or ref_error is not None:
                 continue
             kind, group = ref.get("kind") or "Service", ref.get("group") or ""
@@ -139,9 +143,14 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
         if key in seen:
             continue
         seen.add(key)
-        svc = store.get("Service", pns, pname)
+        svc = store.get("Service", pns, pname) if pname else None
         waypoints = "All waypoints resolved"
-        if svc is None:
+        if errors:
+            accepted = _cond("Accepted", False, "UnsupportedValue", gwvalues.message(errors),
+                             generation)
+            if svc is None:
+                waypoints = "parent not found"
+        elif svc is None:
             accepted = _cond("Accepted", False, "NoMatchingParent",
                              f'parent service: "{pname}" not found', generation)
             waypoints = "parent not found"
@@ -162,9 +171,9 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
             accepted = _cond("Accepted", False, "UnsupportedValue", "; ".join(unsupported),
                              generation) if unsupported else _cond(
                 "Accepted", True, "Accepted", "Route was valid", generation)
-            if not _uses_waypoint(svc) and not _uses_waypoint(store.get("Namespace", "", pns),
-                                                              absent=True):
-                waypoints = MISSING_WAYPOINT_LABEL
+        if svc is not None and not _uses_waypoint(svc) and not _uses_waypoint(
+                store.get("Namespace", "", pns), absent=True):
+            waypoints = MISSING_WAYPOINT_LABEL
         error = hard_error or ref_error
         resolved = _cond("ResolvedRefs", False, error[0], error[1], generation) \
             if error else _cond("ResolvedRefs", True, "ResolvedRefs",
@@ -177,6 +186,11 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
             "conditions": [accepted, resolved, _cond(
                 "ResolvedWaypoints", True, "ResolvedWaypoints", waypoints, generation)]})
     return {"parents": parents}
+
+
+def _generation(obj: dict) -> int:
+    value = meta(obj).get("generation")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _has_instances(store: ObjectStore, ns: str, name: str) -> bool:
@@ -206,7 +220,8 @@ def _listener_status(listener: dict, valid: bool) -> dict:
 def gateway_status(store: ObjectStore, gateway: dict, domain: str = "cluster.local") -> dict:
     """``{"conditions", "addresses", "listeners"}`` for one ``istio-waypoint`` Gateway."""
     ns, name = meta(gateway).get("namespace", ""), meta(gateway).get("name", "")
-    generation = int(meta(gateway).get("generation") or 0)
+    generation = _generation(gateway)
+    errors = gwvalues.gateway_errors(gateway)
     host = f"{name}.{ns}.svc.{domain}"
     svc = store.get("Service", ns, name)
     addresses: list[dict] = []
@@ -230,7 +245,8 @@ def gateway_status(store: ObjectStore, gateway: dict, domain: str = "cluster.loc
                      for ip in (s.get("clusterIPs") or [s.get("clusterIP")])
                      if isinstance(ip, str) and ip and ip != "None"]
         addresses.append({"type": "Hostname", "value": host})
-    listeners = [x for x in spec(gateway).get("listeners") or [] if isinstance(x, dict)]
+    found = spec(gateway).get("listeners") if isinstance(spec(gateway), dict) else None
+    listeners = [x for x in found if isinstance(x, dict)] if isinstance(found, list) else []
     hbone = [x for x in listeners if x.get("port") == HBONE_PORT and x.get("protocol") == "HBONE"]
     out_listeners = []
     for x in listeners:
@@ -238,7 +254,13 @@ def gateway_status(store: ObjectStore, gateway: dict, domain: str = "cluster.loc
         for c in st["conditions"]:
             c["observedGeneration"] = generation
         out_listeners.append(st)
-    return {"conditions": [_cond("Accepted", True, "Accepted", "Resource accepted", generation),
+    if errors:  # served as a missing Gateway (model.accepted_gateway): nothing programmed
+        addresses = []
+        programmed = _cond("Programmed", False, "Invalid", "Gateway is not accepted",
+                           generation)
+    accepted = _cond("Accepted", False, "Invalid", gwvalues.message(errors), generation) \
+        if errors else _cond("Accepted", True, "Accepted", "Resource accepted", generation)
+    return {"conditions": [accepted,
                            programmed,
                            _cond("ResolvedRefs", True, "ResolvedRefs", "All references resolved",
                                  generation)],
@@ -259,14 +281,30 @@ def statuses(store: ObjectStore, domain: str = "cluster.local") -> dict[str, Any
             gateways[f"{meta(gw).get('namespace')}/{meta(gw).get('name')}"] = \
                 gateway_status(store, gw, domain)
     out: dict[str, Any] = {"gateways": dict(sorted(gateways.items()))}
+    invalid: dict[str, str] = {}
     for kind, section in ROUTE_SECTIONS.items():
         routes = {}
         for route in store.list(kind):
+            nsname = f"{meta(route).get('namespace')}/{meta(route).get('name')}"
             st = route_status(store, route, domain)
             if st["parents"]:
-                routes[f"{meta(route).get('namespace')}/{meta(route).get('name')}"] = st
+                routes[nsname] = st
+            elif _unattributable(route):
+                errors = gwvalues.route_errors(route)
+                if errors:
+                    invalid[f"{kind} {nsname}"] = gwvalues.message(errors)
         out[section] = dict(sorted(routes.items()))
+    out["invalid"] = dict(sorted(invalid.items()))
     return out
+
+
+def _unattributable(route: dict) -> bool:
+    """True when the route's ``parentRefs`` are too malformed to tell whether it is
+    attached to a Service (not a list, or an entry not a map): its errors cannot be
+    written as a parent status, so :func:`statuses` lists them under ``invalid``."""
+    body = spec(route) if isinstance(spec(route), dict) else {}
+    refs = body.get("parentRefs")
+    return not isinstance(refs, list) or any(not isinstance(r, dict) for r in refs)
 
 
 def summary(conditions: list[dict]) -> str:
