@@ -21,7 +21,7 @@ type is an error like any other.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, TypeGuard
 
 from ambient.waypoint import regex
 
@@ -132,7 +132,7 @@ def check_path(ptype: Any, value: Any, where: str, errors: list[str]) -> None:
         errors.append(_err(f"{where}.value", value, "must not end with '/..' or '/.'"))
 
 
-def check_header_name(name: Any, where: str, errors: list[str]) -> bool:
+def check_header_name(name: Any, where: str, errors: list[str]) -> TypeGuard[str]:
     """``HTTPHeaderName``: 1-256 characters of an RFC 7230 ``token`` (``tchar``: letters,
     digits and ``!#$%&'*+-.^_`|~``); Envoy validates header matcher and mutation names
     against the same rule (``HTTP_HEADER_NAME``) and NACKs the route otherwise. Pseudo
