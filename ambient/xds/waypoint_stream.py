@@ -123,21 +123,22 @@ class WaypointStream:
         recent response still marks its rejected resources, see the module docstring)."""
         nack = bool(detail.error_detail.code or detail.error_detail.message)
         sent = ts.sent_versions.pop(nonce, None)
-        if nack and sent is not None:
-            self._reject(ts, sent, detail.error_detail.message)
-        if nonce != ts.last_nonce:
-            ts.stale += 1
-            return False
-        if nack:
+        newest = nonce == ts.last_nonce
+        if nack and (newest or sent is not None):
+            if sent is not None:
+                self._reject(ts, sent, detail.error_detail.message)
             ts.nack_count += 1
-            names = nacked_names(sent or {}, detail.error_detail.message) if sent else \
+            names = nacked_names(sent, detail.error_detail.message) if sent else \
                 sorted(ts.held)
             ts.nacks.append({"nonce": nonce, "detail": short_text(detail.error_detail.message, 1000),
                              "at": time.time(), "names": names[:MAX_NACK_NAMES],
                              "count": len(names)})
             del ts.nacks[:-_NACK_HISTORY]
-        else:
+        elif newest:
             ts.acks += 1
+        if not newest:
+            ts.stale += 1
+            return False
         return True
 
     @staticmethod
