@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ambient import waypoints as wpmod
 from ambient.api import ObjectStore
 from ambient.objects import meta, spec
 from ambient.waypoint import gwvalues, tcproute
@@ -267,6 +268,81 @@ def gateway_status(store: ObjectStore, gateway: dict, domain: str = "cluster.loc
             "addresses": addresses, "listeners": out_listeners}
 
 
+#: the condition istiod's ambient index writes on a Service bound (or failing to bind) to a
+#: waypoint (``pilot/pkg/model/service.go`` ``WaypointBound``)
+WAYPOINT_BOUND = "istio.io/WaypointBound"
+INGRESS_USE_WAYPOINT = "istio.io/ingress-use-waypoint"
+
+
+def service_waypoint_condition(store: ObjectStore, svc: dict) -> dict | None:
+    """The ``istio.io/WaypointBound`` condition of one Service, as istiod's
+    ``ServiceInfo.GetConditions`` and ``fetchWaypointForTarget`` decide it, or None when the
+    Service asks for no waypoint (no ``istio.io/use-waypoint`` on it or its namespace, or
+    ``none``; or it is a waypoint / east-west gateway itself):
+
+    - the named Gateway is no waypoint (it does not exist, or has no ``status.addresses``
+      yet): False / ``WaypointIsNotReady`` / ``waypoint "<ns>/<name>" is not ready``;
+    - its allowed namespaces exclude the Service's: False / ``AttachmentDenied``;
+    - it does not take service traffic (``istio.io/waypoint-for``): False /
+      ``UnsupportedTrafficType``;
+    - else True / ``WaypointAccepted`` / ``Successfully attached to waypoint <ns>/<name>``
+      (and istiod's sentence on ``istio.io/ingress-use-waypoint``).
+
+    ``status`` is ``"True"``/``"False"``; ``observedGeneration`` the Service's, left out
+    when it has none (the API server drops a zero ``observedGeneration`` of a
+    ``metav1.Condition``, and Services carry no ``generation``: a zero would make the
+    written status differ from the desired one on every pass)."""
+    cond = _service_waypoint_condition(store, svc)
+    if cond is not None and not cond["observedGeneration"]:
+        del cond["observedGeneration"]
+    return cond
+
+
+def _service_waypoint_condition(store: ObjectStore, svc: dict) -> dict | None:
+    labels_ = meta(svc).get("labels")
+    labels_ = labels_ if isinstance(labels_, dict) else {}
+    if labels_.get(wpmod.MANAGED) in wpmod.MANAGED_NO_WAYPOINT:
+        return None
+    ns = str(meta(svc).get("namespace") or "")
+    ns_obj = store.get("Namespace", "", ns)
+    ref = wpmod.use_waypoint_ref(labels_, ns, ns_obj)
+    if ref is None:
+        return None
+    key = f"{ref[0]}/{ref[1]}"
+    generation = _generation(svc)
+    gw = store.get("Gateway", ref[0], ref[1])
+    wp = None
+    if gw is not None:
+        cls = spec(gw).get("gatewayClassName") if isinstance(spec(gw), dict) else None
+        try:
+            wp = wpmod.waypoint_from_gateway(
+                gw, store.get("GatewayClass", "", str(cls)) if cls else None, "")
+        except (TypeError, ValueError, AttributeError, KeyError):
+            wp = None  # a malformed Gateway is no waypoint (its own status says why)
+    if wp is None:
+        return _cond(WAYPOINT_BOUND, False, "WaypointIsNotReady",
+                     f'waypoint "{key}" is not ready', generation)
+    if not wp.allows(ns, ns_obj):
+        return _cond(WAYPOINT_BOUND, False, "AttachmentDenied",
+                     f'we are not permitted to attach to waypoint "{key}" (missing '
+                     f'allowedRoutes?)', generation)
+    if not wp.accepts("service"):
+        return _cond(WAYPOINT_BOUND, False, "UnsupportedTrafficType",
+                     f'attempting to bind to traffic type "service" which the waypoint '
+                     f'"{key}" does not support', generation)
+    message = f"Successfully attached to waypoint {key}"
+    ingress = labels_.get(INGRESS_USE_WAYPOINT)
+    if ingress is None and ns_obj is not None:
+        ns_labels = meta(ns_obj).get("labels") or {}
+        ingress = ns_labels.get(INGRESS_USE_WAYPOINT) if isinstance(ns_labels, dict) else None
+    if ingress is not None and str(ingress).lower() == "true":
+        message += ". Ingress traffic will traverse the waypoint"
+    elif ingress is not None:
+        message += (". Ingress traffic is not using the waypoint, set the "
+                    "istio.io/ingress-use-waypoint label to true if desired.")
+    return _cond(WAYPOINT_BOUND, True, "WaypointAccepted", message, generation)
+
+
 #: route kind -> its key in :func:`statuses`
 ROUTE_SECTIONS = {"HTTPRoute": "httproutes", "GRPCRoute": "grpcroutes", "TCPRoute": "tcproutes"}
 
@@ -274,7 +350,10 @@ ROUTE_SECTIONS = {"HTTPRoute": "httproutes", "GRPCRoute": "grpcroutes", "TCPRout
 def statuses(store: ObjectStore, domain: str = "cluster.local") -> dict[str, Any]:
     """Every waypoint Gateway's and Service-attached route's status:
     ``{"gateways": {"ns/name": status}, "httproutes": {"ns/name": status},
-    "grpcroutes": {...}, "tcproutes": {...}}``."""
+    "grpcroutes": {...}, "tcproutes": {...}, "invalid": {"Kind ns/name": errors},
+    "services": {"ns/name": {"conditions": [istio.io/WaypointBound]}}}`` (``invalid``:
+    routes too malformed to have a parent status; ``services``: every Service asking
+    for a waypoint, :func:`service_waypoint_condition`)."""
     gateways = {}
     for gw in store.list("Gateway"):
         if spec(gw).get("gatewayClassName") == WAYPOINT_CLASS:
@@ -295,6 +374,13 @@ def statuses(store: ObjectStore, domain: str = "cluster.local") -> dict[str, Any
                     invalid[f"{kind} {nsname}"] = gwvalues.message(errors)
         out[section] = dict(sorted(routes.items()))
     out["invalid"] = dict(sorted(invalid.items()))
+    services = {}
+    for svc in store.list("Service"):
+        cond = service_waypoint_condition(store, svc)
+        if cond is not None:
+            services[f"{meta(svc).get('namespace')}/{meta(svc).get('name')}"] = {
+                "conditions": [cond]}
+    out["services"] = dict(sorted(services.items()))
     return out
 
 

@@ -10,7 +10,10 @@ per-revision Lease ``istio-gateway-status-leader-<revision>`` or the older Confi
 agents never write the same status at once.
 
 What: for each Gateway of class ``istio-waypoint``, ``status.conditions``, ``addresses``
-and ``listeners``; for each route attached to a Service, the ``status.parents`` entries
+and ``listeners``; for each Service asking for a waypoint (``istio.io/use-waypoint``),
+the ``istio.io/WaypointBound`` condition istiod's ambient index writes
+(:func:`ambient.waypoint.status.service_waypoint_condition`; other conditions kept, ours
+removed when the Service no longer asks); for each route attached to a Service, the ``status.parents`` entries
 whose ``controllerName`` is ``istio.io/gateway-controller`` (entries of other controllers
 are kept as they are; ours for parents no longer referenced are removed, as istiod's
 ``createRouteStatus`` does). A condition whose ``status`` did not change keeps its
@@ -61,6 +64,7 @@ WRITTEN: dict[str, tuple[str, str, str]] = {
     "httproutes": ("HTTPRoute", f"{GATEWAY_API}/v1", "httproutes"),
     "grpcroutes": ("GRPCRoute", f"{GATEWAY_API}/v1", "grpcroutes"),
     "tcproutes": ("TCPRoute", f"{GATEWAY_API}/v1alpha2", "tcproutes"),
+    "services": ("Service", "/api/v1", "services"),
 }
 #: kinds whose change can change a status
 WATCHED = frozenset({"Gateway", "HTTPRoute", "GRPCRoute", "TCPRoute", "Service", "Namespace",
@@ -102,6 +106,22 @@ def merged_gateway_status(current: Any, desired: dict, now: str) -> dict:
     out["listeners"] = [{**x, "conditions": _with_times(
         x["conditions"], (old_listeners.get(x["name"]) or {}).get("conditions"), now)}
         for x in desired["listeners"]]
+    return out
+
+
+def merged_service_status(current: Any, desired: dict, now: str) -> dict:
+    """The Service ``status`` to hold: everything of ``current`` (``loadBalancer``, other
+    conditions) with our ``istio.io/WaypointBound`` condition replaced by
+    ``desired["conditions"]`` (none: removed, as istiod prunes it)."""
+    cur = current if isinstance(current, dict) else {}
+    out = copy.deepcopy(cur)
+    old = [c for c in cur.get("conditions") or [] if isinstance(c, dict)]
+    theirs = [c for c in old if c.get("type") != wstatus.WAYPOINT_BOUND]
+    mine = _with_times(desired["conditions"], old, now)
+    if theirs or mine:
+        out["conditions"] = theirs + mine
+    else:
+        out.pop("conditions", None)
     return out
 
 
@@ -235,6 +255,14 @@ class StatusWriter(Component):
                         isinstance(p, dict) and p.get("controllerName") == wstatus.CONTROLLER
                         for p in parents):
                     desired[key][nsname] = {"parents": []}
+        # Services that still carry our WaypointBound condition but ask for no waypoint
+        for svc in self.store.list("Service"):
+            nsname = f"{meta(svc).get('namespace')}/{meta(svc).get('name')}"
+            conds = (svc.get("status") or {}).get("conditions") or []
+            if nsname not in desired.setdefault("services", {}) and any(
+                    isinstance(c, dict) and c.get("type") == wstatus.WAYPOINT_BOUND
+                    for c in conds):
+                desired["services"][nsname] = {"conditions": []}
         failed = 0
         for key, objects in desired.items():
             if key not in WRITTEN:
@@ -262,6 +290,8 @@ class StatusWriter(Component):
     def _merge(self, key: str, current: Any, want: dict) -> dict:
         if key == "gateways":
             return merged_gateway_status(current, want, _now())
+        if key == "services":
+            return merged_service_status(current, want, _now())
         return merged_route_status(current, want, _now())
 
     async def _write(self, key: str, ns: str, name: str, want: dict, obj: dict | None) -> None:
