@@ -5,6 +5,9 @@ same client/type/detail at most once per window; the NACK counter by type URL.""
 from __future__ import annotations
 
 import logging
+import time
+
+from agent.status.report import xds as xds_report
 
 from ambient.xds import server as xds_server
 from ambient.xds.generators import ADDRESS_TYPE
@@ -45,6 +48,9 @@ async def test_nack_logged_once_with_names_bounded_detail_and_counted(connect, i
     assert f"[{', '.join(named)} and 3 more]" in line, line
     assert len(line) < 1500, len(line)  # 5,000-character reasons x 8 are cut short
     assert _counted(server) == 1
+    # ambient-agent status: the NACK line names the rejected resources too
+    text = "\n".join(xds_report(server.debug_state(), time.time()))
+    assert "NACK of nonce" in text and f"[{', '.join(named)} and 3 more]" in text, text
 
     # the same rejection again (the rejected pods change, so they are sent again and
     # NACKed again): counted every time, logged once in the window
