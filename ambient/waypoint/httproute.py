@@ -87,11 +87,17 @@ def attached_routes(store: ObjectStore, services: dict[tuple[str, str], str],
         rkind = str(route.get("kind") or "HTTPRoute")
         ns, name = meta(route).get("namespace", ""), meta(route).get("name", "")
         errors = gwvalues.route_errors(route)
+        refs = spec(route).get("parentRefs") if isinstance(spec(route), dict) else None
         if errors:
-            problems.append(f"{rkind} {ns}/{name}: not accepted, not served: "
-                            f"{gwvalues.message(errors)}")
+            # named by this waypoint when it would have attached here (or cannot tell)
+            if not isinstance(refs, list) or any(
+                    not isinstance(r, dict) or not isinstance(r.get("name"), str)
+                    or services.get(
+                        (str(r.get("namespace") or ns), str(r.get("name")))) is not None
+                    for r in refs):
+                problems.append(f"{rkind} {ns}/{name}: not accepted, not served: "
+                                f"{gwvalues.message(errors)}")
             continue
-        refs = spec(route).get("parentRefs")
         for i, ref in enumerate(refs if isinstance(refs, list) else []):
             if not isinstance(ref, dict):
                 continue

@@ -279,6 +279,17 @@ def test_malformed_gateway_is_not_accepted_and_serves_nothing_routed(case, gatew
     index.stop()
 
 
+def test_bad_route_of_another_parent_is_not_warned_by_this_waypoint():
+    """A route attached elsewhere (a Service not bound here) is not this waypoint's to
+    report: its status says it, the waypoint's log does not."""
+    store, index = _world(_route("elsewhere", _rule(retry={"attempts": -1}), parent="b"))
+    model = build_model(store, index, NS, "wp")
+    assert not [p for p in model.problems if "elsewhere" in p], model.problems
+    accepted = statuses(store)["httproutes"][f"{NS}/elsewhere"]["parents"][0]["conditions"][0]
+    assert (accepted["status"], accepted["reason"]) == ("False", "UnsupportedValue")
+    index.stop()
+
+
 def test_message_is_bounded():
     errors = [f"field 'spec.rules[{i}].x' value {'v' * 60!r}: why" for i in range(100)]
     text = gwvalues.message(errors)
