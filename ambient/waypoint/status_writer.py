@@ -13,7 +13,8 @@ What: for each Gateway of class ``istio-waypoint``, ``status.conditions``, ``add
 and ``listeners``; for each Service asking for a waypoint (``istio.io/use-waypoint``),
 the ``istio.io/WaypointBound`` condition istiod's ambient index writes
 (:func:`ambient.waypoint.status.service_waypoint_condition`; other conditions kept, ours
-removed when the Service no longer asks); for each route attached to a Service, the ``status.parents`` entries
+removed when the Service no longer asks; not while istiod's own ambient status writer
+holds its Lease ``istio-status-leader[-<revision>]``); for each route attached to a Service, the ``status.parents`` entries
 whose ``controllerName`` is ``istio.io/gateway-controller`` (entries of other controllers
 are kept as they are; ours for parents no longer referenced are removed, as istiod's
 ``createRouteStatus`` does). A condition whose ``status`` did not change keeps its
@@ -57,6 +58,10 @@ log = logging.getLogger(__name__)
 LEASE_NAME = "ambient-agent-gateway-status"
 ISTIOD_LOCK = IstiodLock(configmap="istio-gateway-status-leader",
                          lease_prefix="istio-gateway-status-leader")
+#: istiod's ambient status writer (``AMBIENT_ENABLE_STATUS``, ``pilot/pkg/bootstrap/
+#: configcontroller.go``: the ``StatusController`` Lease election), which writes the
+#: Services' ``istio.io/WaypointBound``: while it is held the agent writes no Service
+AMBIENT_STATUS_LOCK = IstiodLock(lease_prefix="istio-status-leader")
 GATEWAY_API = "/apis/gateway.networking.k8s.io"
 #: key of :func:`ambient.waypoint.status.statuses` -> (kind, API path prefix, plural)
 WRITTEN: dict[str, tuple[str, str, str]] = {
@@ -164,6 +169,7 @@ class StatusWriter(Component):
                  identity: str, *, domain: str = "cluster.local", lease_seconds: int = 15,
                  resync: float = 300.0):
         self.store, self._api, self.domain, self.resync = store, api, domain, resync
+        self.namespace = namespace
         self.election = LeaseElection(api, namespace, LEASE_NAME, identity,
                                       on_lead=self._lead, on_lose=self._step_down,
                                       istiod=ISTIOD_LOCK, lease_seconds=lease_seconds,
@@ -263,6 +269,8 @@ class StatusWriter(Component):
                     isinstance(c, dict) and c.get("type") == wstatus.WAYPOINT_BOUND
                     for c in conds):
                 desired["services"][nsname] = {"conditions": []}
+        if desired["services"] and await self._istiod_writes_services():
+            del desired["services"]
         failed = 0
         for key, objects in desired.items():
             if key not in WRITTEN:
@@ -286,6 +294,19 @@ class StatusWriter(Component):
                     self._failing[where] = reason
                     log.log(level, "writing status of %s: %s (retried)", where, reason)
         return failed
+
+    async def _istiod_writes_services(self) -> bool:
+        """True while istiod's ambient status Lease (:data:`AMBIENT_STATUS_LOCK`) is held,
+        or when that cannot be read (an API error: no Service is written this pass rather
+        than racing istiod)."""
+        api = self._api()
+        if api is None:
+            return True
+        try:
+            return await AMBIENT_STATUS_LOCK.held(api, self.namespace)
+        except Exception as e:  # noqa: BLE001 - decided again on the next pass
+            log.debug("reading istiod's ambient status lock: %s", e)
+            return True
 
     def _merge(self, key: str, current: Any, want: dict) -> dict:
         if key == "gateways":

@@ -486,6 +486,42 @@ async def test_service_naming_a_missing_waypoint_gets_istiods_condition(
     await until(pruned, 30, "the condition removed with the label")
 
 
+async def test_no_service_condition_while_istiods_ambient_status_lease_is_held(
+        agents, system_ns, kube_admin, kube_namespace):
+    """istiod writes WaypointBound itself under its ``istio-status-leader`` Lease: while
+    that is held the agent writes Gateway and route status but no Service condition."""
+    ns = kube_namespace
+    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    lease = f"/apis/coordination.k8s.io/v1/namespaces/{system_ns}/leases"
+    await kc.request(kube_admin, "POST", lease, body={
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": "istio-status-leader-default"},
+        "spec": {"holderIdentity": "istiod-1", "leaseDurationSeconds": 300,
+                 "acquireTime": now, "renewTime": now}})
+    await waypoint_objects(kube_admin, ns)
+    agent = await agents(system_ns, kc.unique("node"))
+
+    async def gateway_held() -> bool:  # written, and back in the agent's store
+        gw = agent.source.store.get("Gateway", ns, "wp")
+        return bool(gw and (gw.get("status") or {}).get("addresses"))
+
+    await until(gateway_held, 30, "the Gateway's status written and seen")
+    assert await agent.writer.sync() == 0  # a whole pass, done when it returns
+    web = await get(kube_admin, f"/api/v1/namespaces/{ns}/services/web")
+    assert WAYPOINT_BOUND not in by_type((web.get("status") or {}).get("conditions") or [])
+
+    # istiod's Lease goes: the agent writes the condition
+    await kc.request(kube_admin, "DELETE", f"{lease}/istio-status-leader-default")
+    await kc.apply(kube_admin, service(ns, "web", 80, {"istio.io/use-waypoint": "wp",
+                                                       "touch": "1"}))
+
+    async def written() -> bool:
+        obj = await get(kube_admin, f"/api/v1/namespaces/{ns}/services/web")
+        return WAYPOINT_BOUND in by_type((obj.get("status") or {}).get("conditions") or [])
+
+    await until(written, 30, "WaypointBound written once istiod's Lease is gone")
+
+
 async def test_unsupported_listener_and_missing_service_as_istiod(
         agents, system_ns, kube_admin, kube_namespace):
     """istiod's testdata/waypoint.yaml "invalid" case: a listener other than HBONE on 15008
