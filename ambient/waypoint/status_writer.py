@@ -15,9 +15,10 @@ the ``istio.io/WaypointBound`` condition istiod's ambient index writes
 (:func:`ambient.waypoint.status.service_waypoint_condition`; other conditions kept, ours
 removed when the Service no longer asks; not while istiod's own ambient status writer
 holds its Lease ``istio-status-leader[-<revision>]``); for each route attached to a
-Service, the ``status.parents`` entries whose ``controllerName`` is ``istio.io/gateway-controller`` (entries of other controllers
-are kept as they are; ours for parents no longer referenced are removed, as istiod's
-``createRouteStatus`` does). A condition whose ``status`` did not change keeps its
+Service, the ``status.parents`` entries whose ``controllerName`` is
+``istio.io/gateway-controller`` (entries of other controllers are kept as they are;
+ours for parents no longer referenced are removed, as istiod's ``createRouteStatus``
+does). A condition whose ``status`` did not change keeps its
 ``lastTransitionTime``; a changed or new one gets the current time
 (``metav1.Condition`` semantics).
 
