@@ -11,6 +11,7 @@ WorkloadEntries, ServiceEntries and EndpointSlices dirty, since their workloads 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from ambient import localconfig
 from ambient import translate_service as ts
@@ -24,6 +25,9 @@ from ambient.objects import ip_text, labels, meta, spec
 from ambient.store import StoreEvent
 
 _RANK = {"Service": 0, "LocalService": 1, "ServiceEntry": 2}
+log = logging.getLogger(__name__)
+#: services whose missing waypoint was warned about, kept at most (oldest forgotten)
+MAX_UNBOUND_WARNED = 10_000
 
 
 def selector_of(obj: dict) -> dict[str, str] | None:
@@ -51,6 +55,8 @@ class Services:
         self._host_keys: dict[str, set[str]] = {}
         self._hosts_by_ns: dict[str, set[str]] = {}
         self._sel_by_label: dict[str, dict[tuple[str, str], set[str]]] = {}
+        #: service key -> the waypoint key it names that does not exist (warned once)
+        self._unbound_warned: dict[str, str] = {}
 
     # ------------------------------------------------------------------ marks
 
@@ -213,6 +219,7 @@ class Services:
         ns_obj = self.base.store.get("Namespace", "", info.namespace)
         ref = wpmod.use_waypoint_ref(info.labels, info.namespace, ns_obj)
         wp = wpmod.resolve(ref, "service", info.namespace, ns_obj, waypoints)
+        self._warn_missing_waypoint(info, ref, waypoints)
         if wp is None:
             return ()
         proto.waypoint.CopyFrom(wp.gateway_address())
@@ -228,6 +235,29 @@ class Services:
             ingress = labels(ns_obj).get("istio.io/ingress-use-waypoint")
         proto.ingress_use_waypoint = ingress is not None and ingress.lower() == "true"
         return tuple(keys)
+
+    def _warn_missing_waypoint(self, info: ts.ServiceInfo, ref: tuple[str, str] | None,
+                               waypoints: dict[str, wpmod.Waypoint]) -> None:
+        """One WARNING when ``istio.io/use-waypoint`` (the service's or its namespace's)
+        names a Gateway that is not a waypoint: none of that name, or one without
+        ``status.addresses`` (not ready). The service is then bound to no waypoint (its
+        traffic goes straight to its endpoints), as istiod leaves it, whose
+        ``istio.io/WaypointBound`` condition says ``WaypointIsNotReady``. Warned again
+        only after the binding worked or the label changed."""
+        key = f"{info.namespace}/{info.name}"
+        wanted = f"{ref[0]}/{ref[1]}" if ref is not None else ""
+        if not wanted or wanted in waypoints:
+            self._unbound_warned.pop(key, None)
+            return
+        if self._unbound_warned.get(key) == wanted:
+            return
+        if len(self._unbound_warned) >= MAX_UNBOUND_WARNED:
+            self._unbound_warned.pop(next(iter(self._unbound_warned)))
+        self._unbound_warned[key] = wanted
+        gw = self.base.store.get("Gateway", ref[0], ref[1]) if ref is not None else None
+        why = "does not exist" if gw is None else "is not ready (no status.addresses)"
+        log.warning("%s %s: label %s names waypoint %s, which %s: not bound to a waypoint",
+                    info.source, key, wpmod.USE_WAYPOINT, wanted, why)
 
     # ------------------------------------------------------------------ reads
 

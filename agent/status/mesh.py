@@ -224,6 +224,12 @@ def _waypoints(index: MeshIndex, workloads: list[dict], services: list[dict],
                                       f"{_conditions(parent.get('conditions') or [])}")
         row["routes"] = routes
         out.append(row)
+    # routes whose parentRefs are too malformed to belong to any waypoint: one row each
+    for rkey, text in sorted((status.get("invalid") or {}).items()):
+        kind, _, nsname = rkey.partition(" ")
+        out.append({"namespace": nsname.split("/", 1)[0], "name": "(no parent)", "ips": [],
+                    "bound": [], "gateway": "",
+                    "routes": [f"{kind} {nsname}: Accepted=False(UnsupportedValue) {text}"]})
     return out
 
 

@@ -303,7 +303,7 @@ XDS_KNOWN = {"plaintext", "tls", "tls_port", "authn", "token_required", "debounc
 CLIENT_KNOWN = {"stream", "peer", "identity", "protocol", "node_id", "proxy_type", "node_name",
                 "connected_at", "types"}
 TYPE_KNOWN = {"wildcard", "subscribed", "subscribed_sample", "held", "last_nonce", "responses",
-              "acks", "stale_nonces", "nacks", "last_nacks"}
+              "acks", "stale_nonces", "nacks", "last_nacks", "rejected"}
 
 
 def xds(data: dict, now: float) -> list[str]:
@@ -336,8 +336,13 @@ def xds(data: dict, now: float) -> list[str]:
     for c in clients:
         for t, s in (c.get("types") or {}).items():
             for n in s.get("last_nacks") or []:
+                names = n.get("names") or []
+                more = int(n.get("count") or len(names)) - len(names)
+                listed = (f" [{', '.join(map(str, names))}"
+                          f"{f' and {more} more' if more > 0 else ''}]") if names else ""
                 out.append(f"  stream {c.get('stream')} {type_name(t)} NACK of nonce "
-                           f"{n.get('nonce')} {when(n.get('at'), now)}: {n.get('detail')}")
+                           f"{n.get('nonce')}{listed} {when(n.get('at'), now)}: "
+                           f"{n.get('detail')}")
     return out + leftovers(data, XDS_KNOWN)
 
 

@@ -34,12 +34,11 @@ the ``TCPRoute`` s (:mod:`ambient.waypoint.tcproute` reads them for the TCP chai
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Callable
 
 from ambient.api import ObjectStore
 from ambient.objects import meta, spec
-from ambient.waypoint import grpcroute, regex
+from ambient.waypoint import grpcroute, gwvalues, regex
 
 #: the route kinds a waypoint reads, attached to a Service by ``parentRefs``
 ROUTE_KINDS = ("HTTPRoute", "GRPCRoute", "TCPRoute")
@@ -78,13 +77,27 @@ def attached_routes(store: ObjectStore, services: dict[tuple[str, str], str],
                     problems: list[str]) -> dict[str, list[Attached]]:
     """``{service key: [Attached]}`` for the routes (:data:`ROUTE_KINDS`) whose
     ``parentRefs`` name a Service in ``services`` (``(namespace, name) -> key``), oldest
-    first (kinds mixed; :attr:`Attached.kind` tells them apart)."""
+    first (kinds mixed; :attr:`Attached.kind` tells them apart). A route with a value the
+    Gateway API CRD refuses or Envoy would NACK (:func:`ambient.waypoint.gwvalues.route_errors`)
+    attaches nowhere: one problem names the field and the value, its status says
+    ``Accepted=False``, and the other routes are built as if it did not exist."""
     out: dict[str, list[Attached]] = {}
     routes = [r for kind in ROUTE_KINDS for r in store.list(kind)]
     for route in sorted(routes, key=_key):
         rkind = str(route.get("kind") or "HTTPRoute")
         ns, name = meta(route).get("namespace", ""), meta(route).get("name", "")
-        refs = spec(route).get("parentRefs")
+        errors = gwvalues.route_errors(route)
+        refs = spec(route).get("parentRefs") if isinstance(spec(route), dict) else None
+        if errors:
+            # named by this waypoint when it would have attached here (or cannot tell)
+            if not isinstance(refs, list) or any(
+                    not isinstance(r, dict) or not isinstance(r.get("name"), str)
+                    or services.get(
+                        (str(r.get("namespace") or ns), str(r.get("name")))) is not None
+                    for r in refs):
+                problems.append(f"{rkind} {ns}/{name}: not accepted, not served: "
+                                f"{gwvalues.message(errors)}")
+            continue
         for i, ref in enumerate(refs if isinstance(refs, list) else []):
             if not isinstance(ref, dict):
                 continue
@@ -314,17 +327,14 @@ def _headers(mod: dict, out: dict, side: str) -> None:
         out.setdefault(f"{side}_headers_to_remove", []).extend(remove)
 
 
-_DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m(?!s))?(?:(\d+)s)?(?:(\d+)ms)?$")
-
-
 def _duration(value: Any, where: str, problems: list[str]) -> str | None:
-    """A Gateway API duration (``1h2m3s4ms``) as protobuf JSON seconds, or None."""
+    """A Gateway API duration (``1h2m3s4ms``, :func:`ambient.waypoint.gwvalues.parse_duration`)
+    as protobuf JSON seconds, or None (absent; one that does not parse is a problem, though
+    :func:`attached_routes` already left such a route out)."""
     if value is None or value == "":
         return None
-    m = _DURATION.match(str(value))
-    if not m or not any(m.groups()):
+    total = gwvalues.parse_duration(value)
+    if total is None:
         problems.append(f"{where}' {value!r} is not a Gateway API duration: ignored")
         return None
-    h, mi, s, ms = (int(g or 0) for g in m.groups())
-    total = h * 3600 + mi * 60 + s + ms / 1000
     return f"{total:.3f}s"

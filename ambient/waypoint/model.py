@@ -25,6 +25,7 @@ from typing import Iterable, NamedTuple
 from ambient import workload_pb2 as wl
 from ambient.api import AmbientIndex, ObjectStore
 from ambient.objects import meta, spec
+from ambient.waypoint import gwvalues
 from ambient.waypoint.httproute import Attached, attached_routes
 
 HTTP_PROTOCOLS = frozenset({"HTTP", "HTTP2", "GRPC", "GRPC-WEB"})
@@ -123,7 +124,8 @@ class TargetedPolicy:
 class WaypointModel:
     """Everything the Envoy resources of one waypoint are built from.
 
-    ``found`` is False when no Gateway ``namespace/name`` exists (the config is then
+    ``found`` is False when no Gateway ``namespace/name`` exists or it is not accepted
+    (:func:`accepted_gateway`; the config is then
     the fixed listeners and clusters only); ``problems`` are the warnings to log, each
     naming the object and the field.
     """
@@ -335,6 +337,30 @@ def _route_backends(store: ObjectStore, index: AmbientIndex, model: WaypointMode
                         model.backends[key] = svc
 
 
+def accepted_gateway(store: ObjectStore, namespace: str, name: str,
+                     problems: list[str]) -> dict | None:
+    """Gateway ``namespace/name`` when it exists and its ``spec`` is one the Gateway API
+    CRD accepts (:func:`ambient.waypoint.gwvalues.gateway_errors`); else None and one
+    problem: a Gateway the API server would refuse is served as a missing one (the fixed
+    listeners and clusters only, nothing routed), and its status says why."""
+    gw = store.get("Gateway", namespace, name)
+    if gw is None:
+        problems.append(f"Gateway {namespace}/{name} does not exist: serving an empty "
+                        f"waypoint configuration")
+        return None
+    errors = gwvalues.gateway_errors(gw)
+    if errors:
+        problems.append(f"Gateway {namespace}/{name} is not accepted ({gwvalues.message(errors)})"
+                        f": serving an empty waypoint configuration")
+        return None
+    return gw
+
+
+def _annotations(gw: dict) -> dict[str, str]:
+    found = meta(gw).get("annotations")
+    return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
+
+
 def build_model(store: ObjectStore, index: AmbientIndex, namespace: str, name: str, *,
                 trust_domain: str = "cluster.local",
                 root_namespace: str = "istio-system",
@@ -342,13 +368,11 @@ def build_model(store: ObjectStore, index: AmbientIndex, namespace: str, name: s
     """The :class:`WaypointModel` of Gateway ``namespace/name`` (never raises for bad
     objects: they become ``problems``)."""
     model = WaypointModel(namespace, name, trust_domain, domain=domain)
-    gw = store.get("Gateway", namespace, name)
+    gw = accepted_gateway(store, namespace, name, model.problems)
     if gw is None:
-        model.problems.append(f"Gateway {namespace}/{name} does not exist: serving an empty "
-                              f"waypoint configuration")
         return model
     model.found = True
-    model.annotations = {str(k): str(v) for k, v in (meta(gw).get("annotations") or {}).items()}
+    model.annotations = _annotations(gw)
     bound = sorted(index.waypoint_resources(namespace, name))
     for res in bound:
         address = index.address(res)
@@ -443,7 +467,8 @@ class ModelState:
             return self._model, set()
         old = self._model
         model = WaypointModel(self.namespace, self.name, self.trust_domain, domain=self.domain)
-        gw = self.store.get("Gateway", self.namespace, self.name)
+        problems: list[str] = []
+        gw = accepted_gateway(self.store, self.namespace, self.name, problems)
         changed: set[str] | None = set()
         dirty_names: Iterable[str] = self._dirty
         if gw is None or self._full or old is None or not old.found:
@@ -454,13 +479,11 @@ class ModelState:
             self._sorted = None
         self._full, self._dirty = False, set()
         if gw is None:
-            model.problems.append(f"Gateway {self.namespace}/{self.name} does not exist: "
-                                  f"serving an empty waypoint configuration")
+            model.problems.extend(problems)
             self._model = model
             return model, None
         model.found = True
-        model.annotations = {str(k): str(v)
-                             for k, v in (meta(gw).get("annotations") or {}).items()}
+        model.annotations = _annotations(gw)
         bound = self.index.waypoint_resources(self.namespace, self.name)
         # service keys to re-read -> their Address when _refresh_name already parsed it
         todo: dict[str, wl.Address | None] = {}

@@ -52,9 +52,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ambient import waypoints as wpmod
 from ambient.api import ObjectStore
 from ambient.objects import meta, spec
-from ambient.waypoint import tcproute
+from ambient.waypoint import gwvalues, tcproute
 from ambient.waypoint.httproute import Attached, RouteBuilder
 
 CONTROLLER = "istio.io/gateway-controller"
@@ -96,11 +97,14 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
     """``{"parents": [...]}`` for one HTTPRoute, GRPCRoute or TCPRoute (its ``kind``;
     parents of kind Service only; others are another controller's and are not listed)."""
     ns = meta(route).get("namespace", "")
-    generation = int(meta(route).get("generation") or 0)
-    refs = spec(route).get("parentRefs")
+    generation = _generation(route)
+    # values the CRD refuses or Envoy would NACK: the route is not accepted (and not built)
+    errors = gwvalues.route_errors(route)
+    body = spec(route) if isinstance(spec(route), dict) else {}
+    refs = body.get("parentRefs")
     # backend references, as istiod resolves them (the first failure is reported)
     ref_error: tuple[str, str] | None = None
-    rules = spec(route).get("rules")
+    rules = body.get("rules")
     # a filter type istiod does not know is a hard conversion error there: reported under
     # ResolvedRefs (InvalidFilter), not as the route's acceptance
     hard_error: tuple[str, str] | None = None
@@ -114,7 +118,8 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
                 unknown_filters.add(f"spec.rules[{r}].filters[{f}].type'")
                 hard_error = hard_error or ("InvalidFilter", f'unsupported filter type "{ftype}"')
     for rule in rules if isinstance(rules, list) else []:
-        for ref in (rule.get("backendRefs") or []) if isinstance(rule, dict) else []:
+        found = rule.get("backendRefs") if isinstance(rule, dict) else None
+        for ref in found if isinstance(found, list) else []:
             if not isinstance(ref, dict) or ref_error is not None:
                 continue
             kind, group = ref.get("kind") or "Service", ref.get("group") or ""
@@ -139,9 +144,14 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
         if key in seen:
             continue
         seen.add(key)
-        svc = store.get("Service", pns, pname)
+        svc = store.get("Service", pns, pname) if pname else None
         waypoints = "All waypoints resolved"
-        if svc is None:
+        if errors:
+            accepted = _cond("Accepted", False, "UnsupportedValue", gwvalues.message(errors),
+                             generation)
+            if svc is None:
+                waypoints = "parent not found"
+        elif svc is None:
             accepted = _cond("Accepted", False, "NoMatchingParent",
                              f'parent service: "{pname}" not found', generation)
             waypoints = "parent not found"
@@ -162,9 +172,9 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
             accepted = _cond("Accepted", False, "UnsupportedValue", "; ".join(unsupported),
                              generation) if unsupported else _cond(
                 "Accepted", True, "Accepted", "Route was valid", generation)
-            if not _uses_waypoint(svc) and not _uses_waypoint(store.get("Namespace", "", pns),
-                                                              absent=True):
-                waypoints = MISSING_WAYPOINT_LABEL
+        if svc is not None and not _uses_waypoint(svc) and not _uses_waypoint(
+                store.get("Namespace", "", pns), absent=True):
+            waypoints = MISSING_WAYPOINT_LABEL
         error = hard_error or ref_error
         resolved = _cond("ResolvedRefs", False, error[0], error[1], generation) \
             if error else _cond("ResolvedRefs", True, "ResolvedRefs",
@@ -177,6 +187,11 @@ def route_status(store: ObjectStore, route: dict, domain: str = "cluster.local")
             "conditions": [accepted, resolved, _cond(
                 "ResolvedWaypoints", True, "ResolvedWaypoints", waypoints, generation)]})
     return {"parents": parents}
+
+
+def _generation(obj: dict) -> int:
+    value = meta(obj).get("generation")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _has_instances(store: ObjectStore, ns: str, name: str) -> bool:
@@ -206,7 +221,8 @@ def _listener_status(listener: dict, valid: bool) -> dict:
 def gateway_status(store: ObjectStore, gateway: dict, domain: str = "cluster.local") -> dict:
     """``{"conditions", "addresses", "listeners"}`` for one ``istio-waypoint`` Gateway."""
     ns, name = meta(gateway).get("namespace", ""), meta(gateway).get("name", "")
-    generation = int(meta(gateway).get("generation") or 0)
+    generation = _generation(gateway)
+    errors = gwvalues.gateway_errors(gateway)
     host = f"{name}.{ns}.svc.{domain}"
     svc = store.get("Service", ns, name)
     addresses: list[dict] = []
@@ -230,7 +246,8 @@ def gateway_status(store: ObjectStore, gateway: dict, domain: str = "cluster.loc
                      for ip in (s.get("clusterIPs") or [s.get("clusterIP")])
                      if isinstance(ip, str) and ip and ip != "None"]
         addresses.append({"type": "Hostname", "value": host})
-    listeners = [x for x in spec(gateway).get("listeners") or [] if isinstance(x, dict)]
+    found = spec(gateway).get("listeners") if isinstance(spec(gateway), dict) else None
+    listeners = [x for x in found if isinstance(x, dict)] if isinstance(found, list) else []
     hbone = [x for x in listeners if x.get("port") == HBONE_PORT and x.get("protocol") == "HBONE"]
     out_listeners = []
     for x in listeners:
@@ -238,11 +255,92 @@ def gateway_status(store: ObjectStore, gateway: dict, domain: str = "cluster.loc
         for c in st["conditions"]:
             c["observedGeneration"] = generation
         out_listeners.append(st)
-    return {"conditions": [_cond("Accepted", True, "Accepted", "Resource accepted", generation),
+    if errors:  # served as a missing Gateway (model.accepted_gateway): nothing programmed
+        addresses = []
+        programmed = _cond("Programmed", False, "Invalid", "Gateway is not accepted",
+                           generation)
+    accepted = _cond("Accepted", False, "Invalid", gwvalues.message(errors), generation) \
+        if errors else _cond("Accepted", True, "Accepted", "Resource accepted", generation)
+    return {"conditions": [accepted,
                            programmed,
                            _cond("ResolvedRefs", True, "ResolvedRefs", "All references resolved",
                                  generation)],
             "addresses": addresses, "listeners": out_listeners}
+
+
+#: the condition istiod's ambient index writes on a Service bound (or failing to bind) to a
+#: waypoint (``pilot/pkg/model/service.go`` ``WaypointBound``)
+WAYPOINT_BOUND = "istio.io/WaypointBound"
+INGRESS_USE_WAYPOINT = "istio.io/ingress-use-waypoint"
+
+
+def service_waypoint_condition(store: ObjectStore, svc: dict) -> dict | None:
+    """The ``istio.io/WaypointBound`` condition of one Service, as istiod's
+    ``ServiceInfo.GetConditions`` and ``fetchWaypointForTarget`` decide it, or None when the
+    Service asks for no waypoint (no ``istio.io/use-waypoint`` on it or its namespace, or
+    ``none``; or it is a waypoint / east-west gateway itself):
+
+    - the named Gateway is no waypoint (it does not exist, or has no ``status.addresses``
+      yet): False / ``WaypointIsNotReady`` / ``waypoint "<ns>/<name>" is not ready``;
+    - its allowed namespaces exclude the Service's: False / ``AttachmentDenied``;
+    - it does not take service traffic (``istio.io/waypoint-for``): False /
+      ``UnsupportedTrafficType``;
+    - else True / ``WaypointAccepted`` / ``Successfully attached to waypoint <ns>/<name>``
+      (and istiod's sentence on ``istio.io/ingress-use-waypoint``).
+
+    ``status`` is ``"True"``/``"False"``; ``observedGeneration`` the Service's, left out
+    when it has none (the API server drops a zero ``observedGeneration`` of a
+    ``metav1.Condition``, and Services carry no ``generation``: a zero would make the
+    written status differ from the desired one on every pass)."""
+    cond = _service_waypoint_condition(store, svc)
+    if cond is not None and not cond["observedGeneration"]:
+        del cond["observedGeneration"]
+    return cond
+
+
+def _service_waypoint_condition(store: ObjectStore, svc: dict) -> dict | None:
+    labels_ = meta(svc).get("labels")
+    labels_ = labels_ if isinstance(labels_, dict) else {}
+    if labels_.get(wpmod.MANAGED) in wpmod.MANAGED_NO_WAYPOINT:
+        return None
+    ns = str(meta(svc).get("namespace") or "")
+    ns_obj = store.get("Namespace", "", ns)
+    ref = wpmod.use_waypoint_ref(labels_, ns, ns_obj)
+    if ref is None:
+        return None
+    key = f"{ref[0]}/{ref[1]}"
+    generation = _generation(svc)
+    gw = store.get("Gateway", ref[0], ref[1])
+    wp = None
+    if gw is not None:
+        cls = spec(gw).get("gatewayClassName") if isinstance(spec(gw), dict) else None
+        try:
+            wp = wpmod.waypoint_from_gateway(
+                gw, store.get("GatewayClass", "", str(cls)) if cls else None, "")
+        except (TypeError, ValueError, AttributeError, KeyError):
+            wp = None  # a malformed Gateway is no waypoint (its own status says why)
+    if wp is None:
+        return _cond(WAYPOINT_BOUND, False, "WaypointIsNotReady",
+                     f'waypoint "{key}" is not ready', generation)
+    if not wp.allows(ns, ns_obj):
+        return _cond(WAYPOINT_BOUND, False, "AttachmentDenied",
+                     f'we are not permitted to attach to waypoint "{key}" (missing '
+                     f'allowedRoutes?)', generation)
+    if not wp.accepts("service"):
+        return _cond(WAYPOINT_BOUND, False, "UnsupportedTrafficType",
+                     f'attempting to bind to traffic type "service" which the waypoint '
+                     f'"{key}" does not support', generation)
+    message = f"Successfully attached to waypoint {key}"
+    ingress = labels_.get(INGRESS_USE_WAYPOINT)
+    if ingress is None and ns_obj is not None:
+        ns_labels = meta(ns_obj).get("labels") or {}
+        ingress = ns_labels.get(INGRESS_USE_WAYPOINT) if isinstance(ns_labels, dict) else None
+    if ingress is not None and str(ingress).lower() == "true":
+        message += ". Ingress traffic will traverse the waypoint"
+    elif ingress is not None:
+        message += (". Ingress traffic is not using the waypoint, set the "
+                    "istio.io/ingress-use-waypoint label to true if desired.")
+    return _cond(WAYPOINT_BOUND, True, "WaypointAccepted", message, generation)
 
 
 #: route kind -> its key in :func:`statuses`
@@ -252,21 +350,47 @@ ROUTE_SECTIONS = {"HTTPRoute": "httproutes", "GRPCRoute": "grpcroutes", "TCPRout
 def statuses(store: ObjectStore, domain: str = "cluster.local") -> dict[str, Any]:
     """Every waypoint Gateway's and Service-attached route's status:
     ``{"gateways": {"ns/name": status}, "httproutes": {"ns/name": status},
-    "grpcroutes": {...}, "tcproutes": {...}}``."""
+    "grpcroutes": {...}, "tcproutes": {...}, "invalid": {"Kind ns/name": errors},
+    "services": {"ns/name": {"conditions": [istio.io/WaypointBound]}}}`` (``invalid``:
+    routes too malformed to have a parent status; ``services``: every Service asking
+    for a waypoint, :func:`service_waypoint_condition`)."""
     gateways = {}
     for gw in store.list("Gateway"):
         if spec(gw).get("gatewayClassName") == WAYPOINT_CLASS:
             gateways[f"{meta(gw).get('namespace')}/{meta(gw).get('name')}"] = \
                 gateway_status(store, gw, domain)
     out: dict[str, Any] = {"gateways": dict(sorted(gateways.items()))}
+    invalid: dict[str, str] = {}
     for kind, section in ROUTE_SECTIONS.items():
         routes = {}
         for route in store.list(kind):
+            nsname = f"{meta(route).get('namespace')}/{meta(route).get('name')}"
             st = route_status(store, route, domain)
             if st["parents"]:
-                routes[f"{meta(route).get('namespace')}/{meta(route).get('name')}"] = st
+                routes[nsname] = st
+            elif _unattributable(route):
+                errors = gwvalues.route_errors(route)
+                if errors:
+                    invalid[f"{kind} {nsname}"] = gwvalues.message(errors)
         out[section] = dict(sorted(routes.items()))
+    out["invalid"] = dict(sorted(invalid.items()))
+    services = {}
+    for svc in store.list("Service"):
+        cond = service_waypoint_condition(store, svc)
+        if cond is not None:
+            services[f"{meta(svc).get('namespace')}/{meta(svc).get('name')}"] = {
+                "conditions": [cond]}
+    out["services"] = dict(sorted(services.items()))
     return out
+
+
+def _unattributable(route: dict) -> bool:
+    """True when the route's ``parentRefs`` are too malformed to tell whether it is
+    attached to a Service (not a list, or an entry not a map): its errors cannot be
+    written as a parent status, so :func:`statuses` lists them under ``invalid``."""
+    body = spec(route) if isinstance(spec(route), dict) else {}
+    refs = body.get("parentRefs")
+    return not isinstance(refs, list) or any(not isinstance(r, dict) for r in refs)
 
 
 def summary(conditions: list[dict]) -> str:

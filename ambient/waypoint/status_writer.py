@@ -10,10 +10,15 @@ per-revision Lease ``istio-gateway-status-leader-<revision>`` or the older Confi
 agents never write the same status at once.
 
 What: for each Gateway of class ``istio-waypoint``, ``status.conditions``, ``addresses``
-and ``listeners``; for each route attached to a Service, the ``status.parents`` entries
-whose ``controllerName`` is ``istio.io/gateway-controller`` (entries of other controllers
-are kept as they are; ours for parents no longer referenced are removed, as istiod's
-``createRouteStatus`` does). A condition whose ``status`` did not change keeps its
+and ``listeners``; for each Service asking for a waypoint (``istio.io/use-waypoint``),
+the ``istio.io/WaypointBound`` condition istiod's ambient index writes
+(:func:`ambient.waypoint.status.service_waypoint_condition`; other conditions kept, ours
+removed when the Service no longer asks; not while istiod's own ambient status writer
+holds its Lease ``istio-status-leader[-<revision>]``); for each route attached to a
+Service, the ``status.parents`` entries whose ``controllerName`` is
+``istio.io/gateway-controller`` (entries of other controllers are kept as they are;
+ours for parents no longer referenced are removed, as istiod's ``createRouteStatus``
+does). A condition whose ``status`` did not change keeps its
 ``lastTransitionTime``; a changed or new one gets the current time
 (``metav1.Condition`` semantics).
 
@@ -54,6 +59,10 @@ log = logging.getLogger(__name__)
 LEASE_NAME = "ambient-agent-gateway-status"
 ISTIOD_LOCK = IstiodLock(configmap="istio-gateway-status-leader",
                          lease_prefix="istio-gateway-status-leader")
+#: istiod's ambient status writer (``AMBIENT_ENABLE_STATUS``, ``pilot/pkg/bootstrap/
+#: configcontroller.go``: the ``StatusController`` Lease election), which writes the
+#: Services' ``istio.io/WaypointBound``: while it is held the agent writes no Service
+AMBIENT_STATUS_LOCK = IstiodLock(lease_prefix="istio-status-leader")
 GATEWAY_API = "/apis/gateway.networking.k8s.io"
 #: key of :func:`ambient.waypoint.status.statuses` -> (kind, API path prefix, plural)
 WRITTEN: dict[str, tuple[str, str, str]] = {
@@ -61,6 +70,7 @@ WRITTEN: dict[str, tuple[str, str, str]] = {
     "httproutes": ("HTTPRoute", f"{GATEWAY_API}/v1", "httproutes"),
     "grpcroutes": ("GRPCRoute", f"{GATEWAY_API}/v1", "grpcroutes"),
     "tcproutes": ("TCPRoute", f"{GATEWAY_API}/v1alpha2", "tcproutes"),
+    "services": ("Service", "/api/v1", "services"),
 }
 #: kinds whose change can change a status
 WATCHED = frozenset({"Gateway", "HTTPRoute", "GRPCRoute", "TCPRoute", "Service", "Namespace",
@@ -105,6 +115,22 @@ def merged_gateway_status(current: Any, desired: dict, now: str) -> dict:
     return out
 
 
+def merged_service_status(current: Any, desired: dict, now: str) -> dict:
+    """The Service ``status`` to hold: everything of ``current`` (``loadBalancer``, other
+    conditions) with our ``istio.io/WaypointBound`` condition replaced by
+    ``desired["conditions"]`` (none: removed, as istiod prunes it)."""
+    cur = current if isinstance(current, dict) else {}
+    out = copy.deepcopy(cur)
+    old = [c for c in cur.get("conditions") or [] if isinstance(c, dict)]
+    theirs = [c for c in old if c.get("type") != wstatus.WAYPOINT_BOUND]
+    mine = _with_times(desired["conditions"], old, now)
+    if theirs or mine:
+        out["conditions"] = theirs + mine
+    else:
+        out.pop("conditions", None)
+    return out
+
+
 def _ref_key(ref: Any) -> str:
     return json.dumps(ref, sort_keys=True) if isinstance(ref, dict) else ""
 
@@ -144,6 +170,7 @@ class StatusWriter(Component):
                  identity: str, *, domain: str = "cluster.local", lease_seconds: int = 15,
                  resync: float = 300.0):
         self.store, self._api, self.domain, self.resync = store, api, domain, resync
+        self.namespace = namespace
         self.election = LeaseElection(api, namespace, LEASE_NAME, identity,
                                       on_lead=self._lead, on_lose=self._step_down,
                                       istiod=ISTIOD_LOCK, lease_seconds=lease_seconds,
@@ -235,6 +262,16 @@ class StatusWriter(Component):
                         isinstance(p, dict) and p.get("controllerName") == wstatus.CONTROLLER
                         for p in parents):
                     desired[key][nsname] = {"parents": []}
+        # Services that still carry our WaypointBound condition but ask for no waypoint
+        for svc in self.store.list("Service"):
+            nsname = f"{meta(svc).get('namespace')}/{meta(svc).get('name')}"
+            conds = (svc.get("status") or {}).get("conditions") or []
+            if nsname not in desired.setdefault("services", {}) and any(
+                    isinstance(c, dict) and c.get("type") == wstatus.WAYPOINT_BOUND
+                    for c in conds):
+                desired["services"][nsname] = {"conditions": []}
+        if desired["services"] and await self._istiod_writes_services():
+            del desired["services"]
         failed = 0
         for key, objects in desired.items():
             if key not in WRITTEN:
@@ -259,9 +296,24 @@ class StatusWriter(Component):
                     log.log(level, "writing status of %s: %s (retried)", where, reason)
         return failed
 
+    async def _istiod_writes_services(self) -> bool:
+        """True while istiod's ambient status Lease (:data:`AMBIENT_STATUS_LOCK`) is held,
+        or when that cannot be read (an API error: no Service is written this pass rather
+        than racing istiod)."""
+        api = self._api()
+        if api is None:
+            return True
+        try:
+            return await AMBIENT_STATUS_LOCK.held(api, self.namespace)
+        except Exception as e:  # noqa: BLE001 - decided again on the next pass
+            log.debug("reading istiod's ambient status lock: %s", e)
+            return True
+
     def _merge(self, key: str, current: Any, want: dict) -> dict:
         if key == "gateways":
             return merged_gateway_status(current, want, _now())
+        if key == "services":
+            return merged_service_status(current, want, _now())
         return merged_route_status(current, want, _now())
 
     async def _write(self, key: str, ns: str, name: str, want: dict, obj: dict | None) -> None:

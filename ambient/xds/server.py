@@ -43,6 +43,7 @@ from prometheus_client import CollectorRegistry
 from agent.tlsport import frontdoor
 from agent.tlsport.authn import AuthenticationError, Authenticator
 from agent.core import unixsocket
+from agent.core.ratelimit import RepeatLimiter
 from agent.core.config import ConfigError, ensure_tcp_port_free
 from agent.core.fdbudget import listener_caps
 from agent.core.grpc_closed import CLOSED_STREAM_ERRORS, retrieve_later
@@ -68,6 +69,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = ads_pb2.DESCRIPTOR.services_by_name["AggregatedDiscoveryService"].full_name
 MAX_MESSAGE = 200 * 1024 * 1024  # ztunnel's max decode size
 STALL_TIMEOUT = 30.0  # seconds a response may wait for a client that does not read
+NACK_LOG_WINDOW = 60.0  # seconds: one NACK line per client, type and detail
 
 
 
@@ -146,6 +148,7 @@ class XdsServer(Component):
         self.debounce, self.debounce_max = debounce, debounce_max
         self.registry = registry or CollectorRegistry()
         self.metrics = XdsMetrics(self.registry)
+        self._nack_log = RepeatLimiter(NACK_LOG_WINDOW)
         self.generators: dict[str, Generator] = {}
         self.connections: dict[int, Connection] = {}
         self._server: grpc.aio.Server | None = None
@@ -410,6 +413,29 @@ class XdsServer(Component):
             for key in conn.counted:
                 self.metrics.clients.labels(*key.split("|", 1)).dec()
 
+    def _log_nack(self, state: XdsStream | WaypointStream, req: Request) -> None:
+        """Count a NACK (``ambient_agent_xds_nacks`` by type URL) and log it in one line:
+        the client, the type URL, the rejected resource names (at most MAX_NACK_NAMES,
+        then how many more) and the error detail cut to ``2 * MAX_LOGGED`` characters.
+        The same client, type and detail are logged once per ``NACK_LOG_WINDOW``
+        seconds (a client that keeps NACKing does not flood the log); the next line let
+        through says how many were held back."""
+        self.metrics.nacks.labels(req.type_url).inc()
+        ts = state.types.get(req.type_url)
+        last = ts.nacks[-1] if ts is not None and ts.nacks else {}
+        names = [short_text(n, MAX_LOGGED) for n in last.get("names") or []]
+        more = int(last.get("count") or len(names)) - len(names)
+        listed = ", ".join(names) + (f" and {more} more" if more > 0 else "")
+        client = short_text(state.node.id if state.node else state.peer, MAX_LOGGED)
+        detail = short_text(req.error_detail.message, MAX_LOGGED * 2)
+        allowed, held = self._nack_log.check(f"{client}\0{req.type_url}\0{detail}",
+                                              time.monotonic())
+        if not allowed:
+            return
+        log.warning("xds: %s NACKed %s [%s]: %s%s", client, short_text(req.type_url, MAX_LOGGED),
+                    listed or "-", detail,
+                    f" ({held} more like it in the last {NACK_LOG_WINDOW:g}s)" if held else "")
+
     def _handle_request(self, state: XdsStream | WaypointStream, conn: Connection,
                         req: Request) -> list[Response] | None:
         nacks = sum(t.nack_count for t in state.types.values())
@@ -421,11 +447,7 @@ class XdsServer(Component):
                         conn.error)
             return None
         if sum(t.nack_count for t in state.types.values()) > nacks:
-            self.metrics.nacks.labels(req.type_url).inc()
-            log.warning("xds: %s NACKed %s: %s",
-                        short_text(state.node.id if state.node else state.peer, MAX_LOGGED),
-                        short_text(req.type_url, MAX_LOGGED),
-                        short_text(req.error_detail.message, MAX_LOGGED * 2))
+            self._log_nack(state, req)
         if state.identity and state.node and state.node.namespace:
             ns = spiffe_namespace(state.identity)
             if ns is not None and ns != state.node.namespace:

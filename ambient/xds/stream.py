@@ -79,13 +79,18 @@ class TypeState:
     nacks: list[dict] = dataclasses.field(default_factory=list)
     nack_count: int = 0
     sotw_version: int = 0
+    #: waypoint delta streams: nonce -> {name: (version sent, version held before)} of the
+    #: last SENT_HISTORY responses, and name -> the version the client NACKed
+    sent_versions: dict[str, dict[str, tuple[str, str | None]]] = dataclasses.field(
+        default_factory=dict)
+    rejected: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def debug(self) -> dict:
         return {"wildcard": self.wildcard, "subscribed": len(self.names),
                 "subscribed_sample": sorted(self.names)[:20], "held": len(self.held),
                 "last_nonce": self.last_nonce, "responses": self.responses, "acks": self.acks,
                 "stale_nonces": self.stale, "nacks": self.nack_count,
-                "last_nacks": self.nacks[-3:]}
+                "last_nacks": self.nacks[-3:], "rejected": len(self.rejected)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +115,25 @@ Response: TypeAlias = "DeltaResponse | SotwResponse | PreparedResponse"
 
 
 _ids = itertools.count(1)
+
+
+#: resource names kept (and logged) per NACK
+MAX_NACK_NAMES = 5
+#: responses per type whose resource versions a waypoint delta stream remembers
+SENT_HISTORY = 16
+
+
+def nacked_names(sent: Iterable[str], message: str) -> list[str]:
+    """The names of ``sent`` (the resources of the NACKed response) that the NACK's
+    ``message`` names: Envoy's text is ``Error adding/updating cluster(s) <name>: ...``
+    or ``<name>: <reason>`` per resource, ztunnel's ``name: reason; ...``; a name counts
+    when it is followed by ``:``, ``,``, a space or the end. When it names none of them
+    (another wording), all of ``sent``: the client rejected that response as a whole.
+    Sorted."""
+    sent = sorted(sent)
+    found = [n for n in sent if n and any(
+        f"{n}{end}" in message for end in (":", ",", " ")) or (n and message.endswith(n))]
+    return found or sent
 
 
 def check_bounds(req: Request) -> None:
@@ -218,7 +242,9 @@ class XdsStream:
 
     def _record_nack(self, ts: TypeState, nonce: str, message: str, sent: list[str]) -> None:
         ts.nack_count += 1
-        ts.nacks.append({"nonce": nonce, "detail": short_text(message, 1000), "at": time.time()})
+        names = nacked_names(sent, message)
+        ts.nacks.append({"nonce": nonce, "detail": short_text(message, 1000), "at": time.time(),
+                         "names": names[:MAX_NACK_NAMES], "count": len(names)})
         del ts.nacks[:-_NACK_HISTORY]
         # ztunnel does not remember rejected resources as held: forget the names
         # its detail ("name: reason; ...") mentions, so a later change resends them.

@@ -12,10 +12,17 @@ Rules (istiod's and Envoy's xDS protocol):
 - the first request of every type is answered, empty or not; the Gateway is the node's
   (:meth:`ambient.xds.node.NodeInfo.waypoint_name`) in the node's namespace;
 - SotW: LDS and CDS are wildcard, EDS/RDS/SDS named; an ACK with unchanged names gets
-  nothing; a NACK is recorded (``nack_count``, detail) and nothing is resent until the
-  configuration changes; a stale nonce is ignored;
+  nothing; a NACK is recorded (``nack_count``, detail, the names) and nothing is resent
+  until the configuration changes; a stale nonce is ignored;
 - delta: per-resource versions (content hashes), ``initial_resource_versions`` honoured,
-  removals sent for held names no longer present;
+  removals sent for held names no longer present. A NACK of one of the last
+  ``SENT_HISTORY`` responses (also one that is no longer the newest: Envoy NACKs each
+  delta response on its own) marks the rejected resources (those its detail names, else
+  all of that response, :func:`~ambient.xds.stream.nacked_names`): the stream again
+  holds, for them, the version the client had before, and remembers the rejected
+  version. A later push sends a rejected resource as soon as its version differs from the
+  rejected one (the fix, or a revert to an earlier version), never the same rejected
+  version again (no NACK loop); an explicit subscription resends it;
 - pushes go in the order CDS, EDS, LDS, RDS, SDS; a changed cluster's endpoints are sent
   again after it (Envoy re-warms an updated EDS cluster);
 - SDS ``default``/``ROOTCA`` carry the certificate of ``identity`` (the caller's SPIFFE ID),
@@ -36,8 +43,9 @@ from ambient.api import IndexChange
 from ambient.waypoint import resources as wr
 from ambient.waypoint.service import WaypointConfigs
 from ambient.xds.node import NodeInfo, RequestError, parse_node
-from ambient.xds.stream import (_NACK_HISTORY, Request, Response, TypeState, XdsStream,
-                                check_bounds, check_subscribed)
+from ambient.xds.stream import (_NACK_HISTORY, MAX_NACK_NAMES, SENT_HISTORY, Request,
+                                Response, TypeState, XdsStream, check_bounds,
+                                check_subscribed, nacked_names)
 
 WILDCARD_TYPES = (wr.LISTENER_TYPE, wr.CLUSTER_TYPE)
 BIND_METADATA = "AMBIENT_HBONE_BIND_ADDRESS"
@@ -111,18 +119,41 @@ class WaypointStream:
         return self._sotw_request(ts, req, first)
 
     def _ack_or_nack(self, ts: TypeState, nonce: str, detail: Request) -> bool:
-        """Apply a response nonce; False when stale (ignore the request)."""
-        if nonce != ts.last_nonce:
+        """Apply a response nonce; False when stale (ignore the request; a delta NACK of a
+        recent response still marks its rejected resources, see the module docstring)."""
+        nack = bool(detail.error_detail.code or detail.error_detail.message)
+        sent = ts.sent_versions.pop(nonce, None)
+        newest = nonce == ts.last_nonce
+        if nack and (newest or sent is not None):
+            if sent is not None:
+                self._reject(ts, sent, detail.error_detail.message)
+            ts.nack_count += 1
+            names = nacked_names(sent, detail.error_detail.message) if sent else \
+                sorted(ts.held)
+            ts.nacks.append({"nonce": nonce, "detail": short_text(detail.error_detail.message, 1000),
+                             "at": time.time(), "names": names[:MAX_NACK_NAMES],
+                             "count": len(names)})
+            del ts.nacks[:-_NACK_HISTORY]
+        elif newest:
+            ts.acks += 1
+        if not newest:
             ts.stale += 1
             return False
-        if detail.error_detail.code or detail.error_detail.message:
-            ts.nack_count += 1
-            ts.nacks.append({"nonce": nonce, "detail": short_text(detail.error_detail.message, 1000),
-                             "at": time.time()})
-            del ts.nacks[:-_NACK_HISTORY]
-        else:
-            ts.acks += 1
         return True
+
+    @staticmethod
+    def _reject(ts: TypeState, sent: dict[str, tuple[str, str | None]], message: str) -> None:
+        """The client rejected (some of) ``sent``: for each rejected name still held at the
+        rejected version, hold again what it had before and remember the rejected version."""
+        for name in nacked_names(sent, message):
+            version, before = sent[name]
+            if ts.held.get(name) != version:
+                continue  # sent again since: that response decides
+            ts.rejected[name] = version
+            if before is None:
+                ts.held.pop(name, None)
+            else:
+                ts.held[name] = before
 
     def _sotw_request(self, ts: TypeState, req: discovery_pb2.DiscoveryRequest,
                       first: bool) -> list[Response]:
@@ -193,6 +224,7 @@ class WaypointStream:
         current = self._current(type_url)
         resp = discovery_pb2.DeltaDiscoveryResponse(type_url=type_url, nonce=self._nonce(),
                                                     system_version_info=str(self.push_version))
+        sent: dict[str, tuple[str, str | None]] = {}
         for name in sorted(names):
             entry = current.get(name)
             if entry is None:
@@ -202,7 +234,10 @@ class WaypointStream:
                 continue
             res = resp.resources.add(name=name, version=version)
             res.resource.Pack(msg)
+            sent[name] = (version, ts.held.get(name))
             ts.held[name] = version
+            ts.rejected.pop(name, None)
+        self._remember(ts, resp.nonce, sent)
         visible = set(current) if ts.wildcard else ts.names
         gone = sorted(n for n in ts.held if n not in current or n not in visible)
         if removed_ok:
@@ -212,6 +247,13 @@ class WaypointStream:
         ts.last_nonce = resp.nonce
         ts.responses += 1
         return resp
+
+    @staticmethod
+    def _remember(ts: TypeState, nonce: str, sent: dict[str, tuple[str, str | None]]) -> None:
+        """Keep what response ``nonce`` carried (bounded: the last SENT_HISTORY)."""
+        ts.sent_versions[nonce] = sent
+        while len(ts.sent_versions) > SENT_HISTORY:
+            ts.sent_versions.pop(next(iter(ts.sent_versions)))
 
     # ---------------------------------------------------------------- pushes
     def handle_push(self, change: IndexChange) -> list[Response]:
@@ -254,18 +296,25 @@ class WaypointStream:
         resend = set()
         if type_url == wr.ENDPOINT_TYPE and changed_clusters:
             resend = names if "*" in changed_clusters else names & changed_clusters
-        pending = {n for n in names if n in current and ts.held.get(n) != current[n][0]}
+        for name in [n for n in ts.rejected if n not in current]:
+            del ts.rejected[name]  # gone from the configuration: nothing to remember
+        # a rejected version is not sent again (the client would NACK it again)
+        pending = {n for n in names if n in current and ts.held.get(n) != current[n][0]
+                   and ts.rejected.get(n) != current[n][0]}
         visible = set(current) if ts.wildcard else ts.names
         gone = [n for n in ts.held if n not in current or n not in visible]
         if not pending and not gone and not resend:
             return None
         resp = self._delta_response(type_url, ts, pending | resend, resend=False)
+        extra = ts.sent_versions.setdefault(resp.nonce, {})
         for name in sorted(resend - pending):
             entry = current.get(name)
             if entry is not None:
                 res = resp.resources.add(name=name, version=entry[0])
                 res.resource.Pack(entry[1])
+                extra[name] = (entry[0], ts.held.get(name))
                 ts.held[name] = entry[0]
+                ts.rejected.pop(name, None)
         return resp
 
     # ---------------------------------------------------------------- debug

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from ambient.source_kube import KubernetesSource
 from ambient.store import ObjectStore
-from ambient.waypoint.status import CONTROLLER
+from ambient.waypoint.status import CONTROLLER, WAYPOINT_BOUND
 from ambient.waypoint.status_writer import LEASE_NAME, StatusWriter
 from tests.kube import cluster as kc
 
@@ -250,10 +250,22 @@ async def test_status_written_as_istiod_writes_it_and_not_rewritten_when_unchang
                         obj["metadata"]["resourceVersion"]:
                     return False
             held = agent.source.store.get("Gateway", ns, "wp")
-            return held is not None and held["metadata"]["resourceVersion"] == \
-                gw["metadata"]["resourceVersion"]
+            if held is None or held["metadata"]["resourceVersion"] != \
+                    gw["metadata"]["resourceVersion"]:
+                return False
+            # the Service using the waypoint carries istiod's WaypointBound, bound
+            web = await get(kube_admin, f"/api/v1/namespaces/{ns}/services/web")
+            bound = by_type((web.get("status") or {}).get("conditions") or []).get(
+                WAYPOINT_BOUND) or {}
+            held = agent.source.store.get("Service", ns, "web")
+            return bound.get("status") == "True" and held is not None and \
+                held["metadata"]["resourceVersion"] == web["metadata"]["resourceVersion"]
 
-        await until(synced_store, 20, "the agent's store holding the written versions")
+        await until(synced_store, 30, "the agent's store holding the written versions")
+        web = await get(kube_admin, f"/api/v1/namespaces/{ns}/services/web")
+        bound = by_type(web["status"]["conditions"])[WAYPOINT_BOUND]
+        assert (bound["reason"], bound["message"]) == (
+            "WaypointAccepted", f"Successfully attached to waypoint {ns}/wp")
         patched = agent.writer.writes["patched"]
         assert await agent.writer.sync() == 0
         assert agent.writer.writes["patched"] == patched
@@ -418,6 +430,96 @@ async def test_conflicting_change_is_reread_not_overwritten(
     assert agent.writer.writes["conflicts"] == conflicts + 1
     now = await get(kube_admin, f"{GW}/namespaces/{ns}/httproutes/r")
     assert theirs in now["status"]["parents"] and len(ours(now)) == 1
+
+
+async def test_service_naming_a_missing_waypoint_gets_istiods_condition(
+        agents, system_ns, kube_admin, kube_namespace):
+    """istiod's ``WaypointIsNotReady`` on a Service whose ``istio.io/use-waypoint`` names no
+    Gateway; ``WaypointAccepted`` once that Gateway is a waypoint (has an address); the
+    condition removed (others kept) when the label goes."""
+    ns = kube_namespace
+    await kc.apply(kube_admin, service(ns, "lost", 80, {"istio.io/use-waypoint": "ghost"}))
+    await agents(system_ns, kc.unique("node"))
+    path = f"/api/v1/namespaces/{ns}/services/lost"
+
+    async def condition() -> dict:
+        obj = await get(kube_admin, path)
+        return by_type((obj.get("status") or {}).get("conditions") or []).get(
+            WAYPOINT_BOUND) or {}
+
+    async def not_ready() -> bool:
+        return (await condition()).get("reason") == "WaypointIsNotReady"
+
+    await until(not_ready, 30, "WaypointBound=False on the Service")
+    c = await condition()
+    assert (c["status"], c["message"]) == ("False", f'waypoint "{ns}/ghost" is not ready')
+    assert c["lastTransitionTime"]
+
+    # the waypoint appears (its Service with 15008 and endpoints: the writer gives the
+    # Gateway its addresses, which makes it a waypoint)
+    await kc.apply(kube_admin, service(ns, "ghost", 15008))
+    await kc.apply(kube_admin, {
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": "ghost-1", "namespace": ns,
+                     "labels": {"kubernetes.io/service-name": "ghost"}},
+        "addressType": "IPv4", "ports": [{"name": "p", "port": 15008}],
+        "endpoints": [{"addresses": ["10.0.9.8"]}]})
+    await kc.apply(kube_admin, {
+        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+        "metadata": {"name": "ghost", "namespace": ns},
+        "spec": {"gatewayClassName": "istio-waypoint",
+                 "listeners": [{"name": "mesh", "port": 15008, "protocol": "HBONE"}]}})
+
+    async def accepted() -> bool:
+        return (await condition()).get("status") == "True"
+
+    await until(accepted, 40, "WaypointBound=True once the waypoint exists")
+    assert (await condition())["message"] == f"Successfully attached to waypoint {ns}/ghost"
+
+    # the label goes: our condition is removed
+    await kc.apply(kube_admin, service(ns, "lost", 80))
+
+    async def pruned() -> bool:
+        obj = await get(kube_admin, path)
+        return WAYPOINT_BOUND not in by_type((obj.get("status") or {}).get("conditions") or [])
+
+    await until(pruned, 30, "the condition removed with the label")
+
+
+async def test_no_service_condition_while_istiods_ambient_status_lease_is_held(
+        agents, system_ns, kube_admin, kube_namespace):
+    """istiod writes WaypointBound itself under its ``istio-status-leader`` Lease: while
+    that is held the agent writes Gateway and route status but no Service condition."""
+    ns = kube_namespace
+    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    lease = f"/apis/coordination.k8s.io/v1/namespaces/{system_ns}/leases"
+    await kc.request(kube_admin, "POST", lease, body={
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": "istio-status-leader-default"},
+        "spec": {"holderIdentity": "istiod-1", "leaseDurationSeconds": 300,
+                 "acquireTime": now, "renewTime": now}})
+    await waypoint_objects(kube_admin, ns)
+    agent = await agents(system_ns, kc.unique("node"))
+
+    async def gateway_held() -> bool:  # written, and back in the agent's store
+        gw = agent.source.store.get("Gateway", ns, "wp")
+        return bool(gw and (gw.get("status") or {}).get("addresses"))
+
+    await until(gateway_held, 30, "the Gateway's status written and seen")
+    assert await agent.writer.sync() == 0  # a whole pass, done when it returns
+    web = await get(kube_admin, f"/api/v1/namespaces/{ns}/services/web")
+    assert WAYPOINT_BOUND not in by_type((web.get("status") or {}).get("conditions") or [])
+
+    # istiod's Lease goes: the agent writes the condition
+    await kc.request(kube_admin, "DELETE", f"{lease}/istio-status-leader-default")
+    await kc.apply(kube_admin, service(ns, "web", 80, {"istio.io/use-waypoint": "wp",
+                                                       "touch": "1"}))
+
+    async def written() -> bool:
+        obj = await get(kube_admin, f"/api/v1/namespaces/{ns}/services/web")
+        return WAYPOINT_BOUND in by_type((obj.get("status") or {}).get("conditions") or [])
+
+    await until(written, 30, "WaypointBound written once istiod's Lease is gone")
 
 
 async def test_unsupported_listener_and_missing_service_as_istiod(

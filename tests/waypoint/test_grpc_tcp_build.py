@@ -181,14 +181,13 @@ def test_grpc_unsupported_fields_warned_and_not_accepted():
          "backendRefs": _to(("a", 50051, 1))}])
     route["spec"]["rules"].append({"matches": [
         {"method": {"type": "RegularExpression", "service": "(?P<x>a)(?P=x)"}},
-        {"method": {"method": "Get"}, "headers": [{"name": "h", "type": "RegularExpression",
-                                                    "value": "[" + "a" * 200 + "]{200}"}]}],
+        {"method": {"type": "RegularExpression", "method": "G(?=e)t"}}],
         "backendRefs": _to(("a", 50051, 1))})
     out, problems, store = _build(route)
     assert any("spec.rules[2].matches[0].method' regex '/(?P<x>a)(?P=x)/.+' is not "
                "supported: it is not an RE2 regular expression" in p for p in problems), problems
-    assert any("spec.rules[2].matches[1].headers.value' regex" in p and
-               "more than Envoy's limit of 100" in p for p in problems), problems
+    assert any("spec.rules[2].matches[1].method' regex '/[^/]+/G(?=e)t'" in p
+               for p in problems), problems
     assert any("spec.rules[0].matches[0].method' needs 'service' or 'method'" in p
                for p in problems), problems
     assert any("spec.rules[1].filters[0].type' 'RequestMirror'" in p for p in problems)
@@ -261,18 +260,31 @@ def test_tcproute_oldest_route_first_rule_and_bad_backends(caplog):
 
     bad = _tcp("bad", [{"backendRefs": [
         {"name": "x", "kind": "Backend", "group": "example.com", "port": 9000},
-        {"name": "missing", "port": 9000}, {"name": "a"}, {"name": "b", "port": 9000,
-                                                           "weight": -1}]}])
+        {"name": "missing", "port": 9000}]}])
     out, problems, store = _build(bad)
     assert _tcp_proxy(out, 9000)["cluster"] == tcproute.ZERO_WEIGHT_CLUSTER
     for text in ("backendRefs[0]' kind 'Backend' is not supported",
-                 "backendRefs[1]' Service 'missing' port 9000 does not resolve",
-                 "backendRefs[2].port' is required", "backendRefs[3].weight' -1"):
+                 "backendRefs[1]' Service 'missing' port 9000 does not resolve"):
         assert any(text in p for p in problems), (text, problems)
     conds = {c["type"]: c for c in
              statuses(store)["tcproutes"][f"{NS}/bad"]["parents"][0]["conditions"]}
     assert (conds["ResolvedRefs"]["status"], conds["ResolvedRefs"]["reason"]) == (
         "False", "InvalidKind")
+    # values the CRD refuses (no port for a Service, a negative weight): not served at all
+    base, _, _ = _build()
+    invalid = _tcp("invalid", [{"backendRefs": [
+        {"name": "a"}, {"name": "b", "port": 9000, "weight": -1}]}])
+    out, problems, store = _build(invalid)
+    assert _tcp_proxy(out, 9000) == _tcp_proxy(base, 9000)
+    (warning,) = [p for p in problems if f"TCPRoute {NS}/invalid" in p]
+    for text in ("field 'spec.rules[0].backendRefs[0].port' value None: is required",
+                 "field 'spec.rules[0].backendRefs[1].weight' value -1: must be an integer"):
+        assert text in warning, (text, warning)
+    conds = {c["type"]: c for c in
+             statuses(store)["tcproutes"][f"{NS}/invalid"]["parents"][0]["conditions"]}
+    assert (conds["Accepted"]["status"], conds["Accepted"]["reason"]) == (
+        "False", "UnsupportedValue")
+    assert "backendRefs[1].weight' value -1" in conds["Accepted"]["message"]
 
 
 @pytest.mark.parametrize("kind", ["GRPCRoute", "TCPRoute"])
@@ -290,9 +302,11 @@ def test_route_to_a_service_not_bound_or_missing_changes_nothing(kind, caplog):
     assert (cond["status"], cond["reason"]) == ("False", "NoMatchingParent")
 
 
-def test_httproute_regexes_envoy_would_reject_are_skipped():
-    """The same RE2 check guards HTTPRoute's path, header and query regexes (one bad
-    regex would make Envoy reject the whole route table)."""
+def test_route_regexes_envoy_would_reject_leave_the_route_out():
+    """The same RE2 check guards HTTPRoute's path, header and query regexes and
+    GRPCRoute's header regexes (one bad regex would make Envoy reject the whole route
+    table): such a route is not accepted and not served, every bad field is named, and
+    the chain keeps its default route (as if the API server had refused the object)."""
     def rule(match: dict) -> dict:
         return {"matches": [match], "backendRefs": _to(("a", 80, 1))}
     http = {"apiVersion": GW, "kind": "HTTPRoute", "metadata": {"name": "h", "namespace": NS},
@@ -305,15 +319,29 @@ def test_httproute_regexes_envoy_would_reject_are_skipped():
                          rule({"queryParams": [{"name": "q", "type": "RegularExpression",
                                                 "value": "(unclosed"}]}),
                          rule({"path": {"type": "RegularExpression", "value": "/ok/[0-9]+"}})]}}
-    out, problems, store = _build(http)
-    for text in ("spec.rules[0].matches[0].path.value' '/a(?=b)' is not supported",
-                 "spec.rules[1].matches[0].headers[0].value'",
-                 "spec.rules[2].matches[0].queryParams[0].value' '(unclosed' is not supported"):
-        assert any(text in p for p in problems), (text, problems)
-    assert [r["match"] for r in _routes(out, 80)] == [{"safe_regex": {"regex": "/ok/[0-9]+"}},
-                                                      {"prefix": "/"}]
-    accepted = statuses(store)["httproutes"][f"{NS}/h"]["parents"][0]["conditions"][0]
-    assert (accepted["status"], accepted["reason"]) == ("False", "UnsupportedValue")
+    grpc = _grpc("g", [{"matches": [{"headers": [{"name": "h", "type": "RegularExpression",
+                                                   "value": "[" + "a" * 200 + "]{200}"}]}],
+                        "backendRefs": _to(("a", 50051, 1))}])
+    baseline, _, _ = _build()
+    out, problems, store = _build(http, grpc)
+    texts = ("field 'spec.rules[0].matches[0].path.value' value '/a(?=b)': is not an RE2",
+             "field 'spec.rules[1].matches[0].headers[0].value' value 'xxx",
+             "field 'spec.rules[2].matches[0].queryParams[0].value' value '(unclosed': is not")
+    (warning,) = [p for p in problems if f"HTTPRoute {NS}/h" in p]
+    assert "not accepted, not served" in warning
+    for text in texts:
+        assert text in warning, (text, warning)
+    (warning,) = [p for p in problems if f"GRPCRoute {NS}/g" in p]
+    assert "field 'spec.rules[0].matches[0].headers[0].value'" in warning
+    assert "more than Envoy's limit of 100" in warning
+    assert _routes(out, 80) == _routes(baseline, 80)
+    assert _routes(out, 50051) == _routes(baseline, 50051)
+    st = statuses(store)
+    for section, name in (("httproutes", "h"), ("grpcroutes", "g")):
+        accepted = st[section][f"{NS}/{name}"]["parents"][0]["conditions"][0]
+        assert (accepted["status"], accepted["reason"]) == ("False", "UnsupportedValue")
+    message = st["httproutes"][f"{NS}/h"]["parents"][0]["conditions"][0]["message"]
+    assert all(t in message for t in texts), message
 
 
 def test_http_only_allow_is_enforced_on_http_chains_and_named_on_tcp_chains():
