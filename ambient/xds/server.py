@@ -52,7 +52,7 @@ from agent.core.yamlsafe import MAX_LOGGED, short_text
 from agent.core.listeners import grpc_server_bounds
 from agent.tlsport.servercert import ServerCertificate
 from ambient.api import AmbientIndex, IndexChange, ObjectStore
-from ambient.xds.generators import Generator, default_generators
+from ambient.xds.generators import ADDRESS_TYPE, Generator, default_generators
 from ambient.xds.auth import AuthError, PlaintextAuth, spiffe_namespace
 from ambient.xds.connection import Connection, merge_changes
 from ambient.xds.metrics import XdsMetrics
@@ -157,6 +157,10 @@ class XdsServer(Component):
         self.front_door: frontdoor.TlsFrontDoor | None = None
         self._tls_note = "disabled"
         self.pushes = 0
+        #: set once a client was sent its complete initial Address response (every
+        #: response answering that request written): the cold start's first push.
+        #: ``agent.daemon`` starts the components that push does not need after it.
+        self.first_push = asyncio.Event()
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -400,6 +404,9 @@ class XdsServer(Component):
                     self._count(resp, since)
                     if not await self._write(context, conn, resp):
                         return
+                if since is None and not self.first_push.is_set() and any(
+                        resp.type_url == ADDRESS_TYPE for resp in responses):
+                    self.first_push.set()
         finally:
             reader.cancel()
             self.connections.pop(state.id, None)
