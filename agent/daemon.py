@@ -3,7 +3,8 @@
 Start order follows the data flow: config source and ambient index first,
 then the servers that read from them, then the entry points that accept work.
 Stop order is the reverse, so nothing accepts work that its dependencies can no
-longer do.
+longer do. The components after xDS start once its first push is out (or 0.5 s after
+xDS started): :data:`FIRST_PUSH_PATH_ENDS`.
 
 Signals: the first SIGTERM/SIGINT starts a graceful stop (each component gets
 ``shutdown_grace`` seconds to finish in-flight work, sockets are closed and
