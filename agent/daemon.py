@@ -3,7 +3,8 @@
 Start order follows the data flow: config source and ambient index first,
 then the servers that read from them, then the entry points that accept work.
 Stop order is the reverse, so nothing accepts work that its dependencies can no
-longer do.
+longer do. The components after xDS start once its first push is out (or 0.5 s after
+xDS started): :data:`FIRST_PUSH_PATH_ENDS`.
 
 Signals: the first SIGTERM/SIGINT starts a graceful stop (each component gets
 ``shutdown_grace`` seconds to finish in-flight work, sockets are closed and
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 from agent.core import config as agent_config, fdbudget, sdnotify, unixsocket
 from agent.core.config import Config, ConfigError, prepare_state_dir
 from agent.core.errors import ComponentStartError
-from agent.core.lifecycle import AgentContext, Component, Supervisor
+from agent.core.lifecycle import AgentContext, Component, StartPause, Supervisor
 
 if TYPE_CHECKING:  # imported by build() when the agent starts
     import grpc
@@ -64,10 +65,11 @@ class Components:
     index: IndexComponent
     authn: AuthnComponent
     sds: SdsServer
-    zds: ZdsServer
-    # xDS before enrollment: it serves from the index alone, so a cold start's first push
-    # never waits behind restart recovery (issue 28)
+    # xDS before ZDS and enrollment: it serves from the index alone, so a cold start's
+    # first push never waits behind restart recovery (issue 28). The components after it
+    # start after that push (FIRST_PUSH_PATH_ENDS, FIRST_PUSH_WAIT)
     xds: XdsServer
+    zds: ZdsServer
     # Kubernetes mode: the waypoint Gateway/route status, written by the Lease holder
     waypoint_status: StatusWriter | None
     enrollment: Enrollment
@@ -80,6 +82,15 @@ class Components:
         """Every enabled component, in the order of the fields (= start order)."""
         parts = (getattr(self, f.name) for f in dataclasses.fields(self))
         return [part for part in parts if part is not None]
+
+
+#: the last component on the path to a cold start's first xDS push: the ones after it
+#: (ZDS, enrollment and its restart recovery, the CNI parts, the waypoint status writer,
+#: the status server's ports) start once a client holds its complete initial Address
+#: response, or FIRST_PUSH_WAIT seconds after it started, whichever comes first. The
+#: agent is ready (``/readyz``, sd_notify) only when all have started.
+FIRST_PUSH_PATH_ENDS = "xds"
+FIRST_PUSH_WAIT = 0.5  # seconds
 
 
 def import_components() -> types.SimpleNamespace:
@@ -130,10 +141,11 @@ def build(ctx: AgentContext, source: ConfigSource | None = None) -> Components:
     :func:`build_source` (and begun), else made here.
 
     Start order follows the data flow: the config source (and the registration that
-    writes pods into it) and the index first; caller authentication, SDS and ZDS; xDS
-    (it needs only the index and SDS, so the first push does not wait for restart
-    recovery); then enrollment and the CNI parts that hand it work; status last, as it
-    reports the others' readiness. A builder that rejects a setting raises :class:`ConfigError`; any
+    writes pods into it) and the index first; caller authentication and SDS; xDS (it
+    needs only the index and SDS, so the first push does not wait for restart
+    recovery); then ZDS, enrollment and the CNI parts that hand it work, which
+    :class:`Agent` starts after the first push (:data:`FIRST_PUSH_PATH_ENDS`); status
+    last, as it reports the others' readiness. A builder that rejects a setting raises :class:`ConfigError`; any
     other failure is wrapped in :class:`ComponentStartError` naming the component.
     """
     m = import_components()
@@ -318,9 +330,12 @@ class Agent:
             self._components = build(self.ctx, source=early) if early else build(self.ctx)
             # liveness from the start: /healthz answers while components start (a slow
             # API server), /readyz says which one is not ready yet
+            pause = None
             if self._components is not None:  # (tests replace build with their own)
                 await self._components.status.start_health()
-            await self.supervisor.start()
+                pause = StartPause(FIRST_PUSH_PATH_ENDS, self._components.xds.first_push,
+                                   FIRST_PUSH_WAIT)
+            await self.supervisor.start(pause)
         except BaseException:
             # Started components were stopped by the supervisor (the early health port
             # too); free the state dir, so a caller that does not call stop() can start

@@ -39,17 +39,18 @@ import shutil
 import socket
 import subprocess
 import threading
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import psutil
-from pyroute2 import IPSet
-from pyroute2.netlink.exceptions import NetlinkError
 
 from agent.core import netns as netns_mod
 from cni.podips import normalize_ip
 from cni.rules_common import RulesError, loaded_xtables
 from cni.rules_iptables_text import Rule, render_restore
 from cni.rules_nftables import list_tables, run_nft
+
+if TYPE_CHECKING:  # imported where used: pyroute2 is slow to import (cni.rules_common)
+    from pyroute2 import IPSet
 
 log = logging.getLogger(__name__)
 TOOL_TIMEOUT = 60.0
@@ -133,6 +134,9 @@ class HostProbeRules:
     def _ipset(self) -> Iterator[IPSet]:
         """One netlink socket, opened in the node netns on first use and kept (it stays
         in that netns), serialised by a lock: saves a socket setup per pod."""
+        from pyroute2 import IPSet
+        from pyroute2.netlink.exceptions import NetlinkError
+
         with self._ipset_lock:
             if self._ipset_sock is None:
                 with self._in_netns():
@@ -184,6 +188,8 @@ class HostProbeRules:
         each in one atomic step. Set entries are kept: a restarted agent reconciles them in
         place (:meth:`sync`), so an enrolled pod's entry is never absent (kubelet probes
         would fail in that window; upstream flushes here). Nothing is duplicated."""
+        from pyroute2.netlink.exceptions import NetlinkError
+
         with self._in_netns():
             if self.backend == "nftables":
                 uid = self.kubelet_uid if self.kubelet_uid is not None else find_kubelet_uid()
@@ -252,6 +258,8 @@ class HostProbeRules:
 
     def teardown(self) -> None:
         """Remove the rules and the sets (clean shutdown). Idempotent."""
+        from pyroute2.netlink.exceptions import NetlinkError
+
         with self._in_netns():
             if self.backend == "nftables":
                 run_nft(f"add table inet {self.nft_table}\ndelete table inet {self.nft_table}\n",
@@ -270,6 +278,8 @@ class HostProbeRules:
         """What of ours exists now in the node netns, one line each (``ambient-agent
         cleanup --dry-run``): the nftables table, else the iptables chain, its jumps and
         the ipsets. Empty when nothing is there. Raises RulesError."""
+        from pyroute2.netlink.exceptions import NetlinkError
+
         found: list[str] = []
         with self._in_netns():
             if self.backend == "nftables":
@@ -355,6 +365,8 @@ class HostProbeRules:
     def add_pod(self, uid: str, ips: Iterable[str]) -> None:
         """Upsert each IP with comment ``uid`` (an IP reused by a new pod changes owner).
         IPv6 addresses are skipped when IPv6 is off. Raises RulesError."""
+        from pyroute2.netlink.exceptions import NetlinkError
+
         # unmapped first (upstream's Unmap() in ipset.AddIP): "::ffff:10.0.0.19" is an
         # IPv4 entry, and the kernel's IPv4 set only takes the dotted form
         normalized = [normalize_ip(ip) for ip in ips]
@@ -398,6 +410,8 @@ class HostProbeRules:
         return removed
 
     def _delete_entries(self, ips: list[str]) -> None:
+        from pyroute2.netlink.exceptions import NetlinkError
+
         with self._in_netns():
             if self.backend == "nftables":
                 t = f"inet {self.nft_table}"
@@ -420,6 +434,8 @@ class HostProbeRules:
         """``{ip: owner pod uid}`` for every entry of the probe sets; a set that does not
         exist has none. Raises RulesError when a set can't be read (a removal or prune
         must never act on a listing that silently came back empty)."""
+        from pyroute2.netlink.exceptions import NetlinkError
+
         result: dict[str, str] = {}
         with self._in_netns():
             if self.backend == "nftables":

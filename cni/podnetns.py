@@ -29,7 +29,6 @@ import os
 import socket
 import struct
 
-from pyroute2 import IPRoute
 
 from agent.core import netns as netns_mod
 from agent.core.podcgroup import canonical_uid, parse_cgroup
@@ -91,6 +90,8 @@ def netns_addresses() -> set[str]:
         return {_unmap(a) for a in _ipv4_addresses() | _ipv6_addresses()}
     except (OSError, ValueError) as e:
         log.debug("address listing by ioctl/procfs failed (%s); asking netlink", e)
+    from pyroute2 import IPRoute  # here: slow to import (cni.rules_common)
+
     out: set[str] = set()
     with IPRoute() as ipr:
         for msg in ipr.get_addr():

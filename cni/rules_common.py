@@ -15,15 +15,13 @@ import dataclasses
 import errno
 import os
 import socket
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
-from pyroute2 import IPRoute
-from pyroute2.netlink import (NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE,
-                              NLM_F_REQUEST, NLMSG_ERROR, nlmsg, nlmsgerr)
-from pyroute2.netlink.exceptions import NetlinkError
-from pyroute2.netlink.rtnl import RTM_NEWROUTE, RTM_NEWRULE
-from pyroute2.netlink.rtnl.fibmsg import FR_ACT_TO_TBL, fibmsg
-from pyroute2.netlink.rtnl.rtmsg import rtmsg
+# pyroute2 is imported where it is used: importing it costs ~150-250 ms of CPU, and the
+# modules that build the enrollment are imported before the agent's first xDS push
+# (issue 28; tests/agent/test_start_order.py checks that nothing there loads it)
+if TYPE_CHECKING:
+    from pyroute2.netlink import nlmsg
 
 INPOD_MARK = 0x539
 INPOD_MASK = 0xFFF
@@ -155,6 +153,11 @@ def add_routing(ipv6: bool) -> bool:
     Python per request) cost ~6 ms of the agent's CPU here, where its message classes
     alone encode the same requests in well under 1 ms.
     """
+    from pyroute2.netlink import NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE
+    from pyroute2.netlink.rtnl import RTM_NEWROUTE, RTM_NEWRULE
+    from pyroute2.netlink.rtnl.fibmsg import FR_ACT_TO_TBL, fibmsg
+    from pyroute2.netlink.rtnl.rtmsg import rtmsg
+
     lo = _loopback_index()
     if lo is None:
         raise RulesError("no loopback interface in the pod netns")
@@ -194,6 +197,8 @@ def _netlink_batch(requests: list[tuple[int, int, nlmsg]]) -> list[int]:
     returns each one's errno (0 = done), in order. The kernel handles them one after the
     other and ACKs each. Raises :class:`RulesError` when the socket fails or an answer
     is missing."""
+    from pyroute2.netlink import NLM_F_ACK, NLM_F_REQUEST, NLMSG_ERROR, nlmsgerr
+
     pending: dict[int, int] = {}
     payload = bytearray()
     for seq, (kind, flags, msg) in enumerate(requests, start=1):
@@ -227,6 +232,9 @@ def _netlink_batch(requests: list[tuple[int, int, nlmsg]]) -> list[int]:
 
 def delete_routing(ipv6: bool) -> None:
     """Remove what :func:`add_routing` added; missing entries are fine (idempotent)."""
+    from pyroute2 import IPRoute
+    from pyroute2.netlink.exceptions import NetlinkError
+
     lo = _loopback_index()
     with IPRoute() as ipr:
         for family in _families(ipv6):

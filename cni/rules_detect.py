@@ -30,11 +30,11 @@ import dataclasses
 import logging
 import shutil
 import subprocess
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from pyroute2.netlink import nlmsg
-from pyroute2.netlink.exceptions import NetlinkError
-from pyroute2.nftables.main import NFTables
+if TYPE_CHECKING:  # imported where used: pyroute2 is slow to import (cni.rules_common)
+    from pyroute2.netlink import nlmsg
+    from pyroute2.nftables.main import NFTables
 
 from cni import rules_common as rc
 from cni.rules_common import RuleOptions, RulesError
@@ -107,6 +107,9 @@ def _nf_tables_look(tables: bool) -> Holdings:
     """iptables-nft and/or nftables, from one nf_tables dump of the calling thread's
     netns (chains; with ``tables`` also the tables and rules of the ``ip``/``ip6``
     tables holding ``ISTIO_*`` chains). Raises RulesError when the dump fails."""
+    from pyroute2.netlink.exceptions import NetlinkError
+    from pyroute2.nftables.main import NFTables
+
     held: set[str] = set()
     chains: dict[tuple[str, str], list] = {}
     try:

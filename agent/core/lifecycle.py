@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from typing import Any, Callable, TypeVar
@@ -119,19 +120,37 @@ class AgentContext:
         return not parts, "; ".join(f"{name}: {why}" for name, why in parts)
 
 
+@dataclasses.dataclass(frozen=True)
+class StartPause:
+    """A pause in :meth:`Supervisor.start`: once the component named ``after`` has
+    started, the next one starts when ``until`` is set or ``at_most`` seconds have
+    passed, whichever comes first. The daemon pauses after ``xds`` until its first
+    complete push (issue 28: what that push does not need does not compete with it for
+    the one CPU the interpreter gets)."""
+
+    after: str
+    until: asyncio.Event
+    at_most: float
+
+
 class Supervisor:
     """Starts components in order and stops them in reverse.
 
     If a component's ``start`` raises, the ones already started are stopped and the
     error propagates as :class:`ComponentStartError` (a :class:`ConfigError` as is); the
-    CLI prints it as one line and exits non-zero.
+    CLI prints it as one line and exits non-zero. The same happens when the start is
+    cancelled, also during a :class:`StartPause`.
     """
 
     def __init__(self, ctx: AgentContext):
         self.ctx = ctx
         self.started: list[Component] = []
 
-    async def start(self) -> None:
+    async def start(self, pause: StartPause | None = None) -> None:
+        """Start every component of ``ctx.components`` in order (each ``start`` awaited
+        before the next one's); returns once all have started. ``pause``: where to wait
+        and for what (:class:`StartPause`); a ``pause.after`` naming no component never
+        pauses."""
         for component in self.ctx.components.values():
             log.debug("starting %s", component.name)
             try:
@@ -148,6 +167,21 @@ class Supervisor:
                 raise
             self.started.append(component)
             log.info("started %s", component.name)
+            if pause is not None and component.name == pause.after:
+                await self._pause(pause)
+
+    async def _pause(self, pause: StartPause) -> None:
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(pause.until.wait(), pause.at_most)
+            log.debug("after %s: waited %.0f ms for the event, starting the rest",
+                      pause.after, (time.monotonic() - t0) * 1e3)
+        except asyncio.TimeoutError:
+            log.debug("after %s: not set within %.2f s, starting the rest", pause.after,
+                      pause.at_most)
+        except BaseException:
+            await self.stop(grace=1.0)
+            raise
 
     async def stop(self, grace: float) -> None:
         """Stop started components in reverse order; each gets ``grace`` seconds at most."""

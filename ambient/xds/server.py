@@ -53,7 +53,7 @@ from agent.core.yamlsafe import MAX_LOGGED, short_text
 from agent.core.listeners import grpc_server_bounds
 from agent.tlsport.servercert import ServerCertificate
 from ambient.api import AmbientIndex, IndexChange, ObjectStore
-from ambient.xds.generators import Generator, default_generators
+from ambient.xds.generators import ADDRESS_TYPE, Generator, default_generators
 from ambient.xds.auth import AuthError, PlaintextAuth, spiffe_namespace
 from ambient.xds.connection import Connection, merge_changes
 from ambient.xds.metrics import XdsMetrics
@@ -155,11 +155,16 @@ class XdsServer(Component):
         self._unsubscribe: Callable[[], None] | None = None
         self._pending: IndexChange | None = None
         self._first_change = 0.0
+        self._last_change = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self.certificate: ServerCertificate | None = None
         self.front_door: frontdoor.TlsFrontDoor | None = None
         self._tls_note = "disabled"
         self.pushes = 0
+        #: set once a client was sent its complete initial Address response (every
+        #: response answering that request written): the cold start's first push.
+        #: ``agent.daemon`` starts the components that push does not need after it.
+        self.first_push = asyncio.Event()
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -311,15 +316,38 @@ class XdsServer(Component):
         self._schedule(now)
 
     def _schedule(self, now: float) -> None:
-        if self._timer:
-            self._timer.cancel()
-        delay = max(0.0, min(self.debounce, self._first_change + self.debounce_max - now))
-        self._timer = asyncio.get_running_loop().call_later(delay, self._flush)
+        """A change at ``now`` (monotonic seconds): the fan-out happens once ``debounce``
+        seconds passed without a change, or ``debounce_max`` seconds after the first
+        change since the last fan-out, whichever comes first. istiod's debounce
+        (pilot/pkg/xds/discovery.go): the first change arms one timer; a later change only
+        moves the last-change time; when the timer fires (:meth:`_on_timer`) it fans out,
+        or re-arms for what is left of the quiet time. One timer per burst, not one
+        cancelled and made again per change (CPU per change burst, issue 28)."""
+        self._last_change = now
+        if self._timer is None:
+            self._arm(now)
+
+    def _arm(self, now: float) -> None:
+        due = min(self._last_change + self.debounce, self._first_change + self.debounce_max)
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, due - now),
+                                                             self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        now = time.monotonic()
+        if (now - self._last_change >= self.debounce
+                or now - self._first_change >= self.debounce_max):
+            self._flush()
+        else:  # changes came after the timer was armed: the rest of the quiet time
+            self._arm(now)
 
     def _flush(self) -> None:
         change, since = self._pending, self._first_change
         waypoints, self._waypoints_dirty = self._waypoints_dirty, False
-        self._pending, self._timer = None, None
+        self._pending = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if change is None and not waypoints:
             return
         self.pushes += 1
@@ -403,6 +431,9 @@ class XdsServer(Component):
                     self._count(resp, since)
                     if not await self._write(context, conn, resp):
                         return
+                if since is None and not self.first_push.is_set() and any(
+                        resp.type_url == ADDRESS_TYPE for resp in responses):
+                    self.first_push.set()
         finally:
             reader.cancel()
             self.connections.pop(state.id, None)

@@ -191,3 +191,116 @@ def _run_non_root(base):
     assert "cannot start enrollment: this process lacks CAP_NET_ADMIN" in r.stderr, r.stderr
     assert "started sds" not in r.stderr and "xds: serving" not in r.stderr, r.stderr
     assert sorted(p.name for p in (base / "s").iterdir()) == []
+
+
+# ---------------------------------------------------------------- StartPause (issue 28)
+async def _started(log, name, timeout=30.0):
+    async def until():
+        while ("start", name) not in log:
+            await asyncio.sleep(0.005)
+    await asyncio.wait_for(until(), timeout)
+
+
+async def test_pause_holds_the_rest_until_the_event(tmp_path):
+    """After the component the pause names, the next starts only once the event is set;
+    start() returns only when every component started."""
+    from agent.core.lifecycle import StartPause
+
+    ctx, log, event = _ctx(tmp_path), [], asyncio.Event()
+    for n in ("a", "b", "c", "d"):
+        ctx.add(Recorder(n, log))
+    sup = Supervisor(ctx)
+    task = asyncio.create_task(sup.start(StartPause("b", event, at_most=60.0)))
+    try:
+        await _started(log, "b")
+        for _ in range(20):  # the loop runs on; c still waits for the event
+            await asyncio.sleep(0)
+        assert log == [("start", "a"), ("start", "b")] and not task.done()
+        event.set()
+        await asyncio.wait_for(task, 30)
+        assert log == [("start", n) for n in "abcd"]
+        assert [c.name for c in sup.started] == ["a", "b", "c", "d"]
+    finally:
+        task.cancel()
+        await sup.stop(grace=1)
+
+
+async def test_pause_ends_after_at_most_without_the_event(tmp_path):
+    from agent.core.lifecycle import StartPause
+
+    ctx, log = _ctx(tmp_path), []
+    for n in ("a", "b", "c"):
+        ctx.add(Recorder(n, log))
+    sup = Supervisor(ctx)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    try:
+        await asyncio.wait_for(sup.start(StartPause("a", asyncio.Event(), at_most=0.2)), 30)
+        assert loop.time() - t0 >= 0.2
+        assert log == [("start", "a"), ("start", "b"), ("start", "c")]
+    finally:
+        await sup.stop(grace=1)
+
+
+async def test_pause_naming_no_component_never_waits(tmp_path):
+    from agent.core.lifecycle import StartPause
+
+    ctx, log = _ctx(tmp_path), []
+    for n in ("a", "b"):
+        ctx.add(Recorder(n, log))
+    sup = Supervisor(ctx)
+    try:  # at_most an hour: a pause here would hit wait_for's 30 s
+        await asyncio.wait_for(sup.start(StartPause("zz", asyncio.Event(), 3600.0)), 30)
+        assert log == [("start", "a"), ("start", "b")]
+    finally:
+        await sup.stop(grace=1)
+
+
+async def test_cancelled_during_the_pause_stops_what_started(tmp_path):
+    """A stop signal while the agent waits for its first push: the components started so
+    far are stopped, in reverse, and the rest never start."""
+    from agent.core.lifecycle import StartPause
+
+    ctx, log = _ctx(tmp_path), []
+    for n in ("a", "b", "c"):
+        ctx.add(Recorder(n, log))
+    sup = Supervisor(ctx)
+    task = asyncio.create_task(sup.start(StartPause("b", asyncio.Event(), at_most=3600.0)))
+    await _started(log, "b")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 30)
+    assert log == [("start", "a"), ("start", "b"), ("stop", "b"), ("stop", "a")]
+    assert sup.started == []
+
+
+def test_the_first_push_path_ends_at_xds():
+    """The daemon's start order: what a cold start's first xDS push needs (source,
+    registration, index, authn, SDS, xDS), then the pause, then the rest (ZDS before
+    enrollment, status last)."""
+    import dataclasses
+
+    from agent import daemon
+
+    names = [f.name for f in dataclasses.fields(daemon.Components)]
+    path_end = names.index(daemon.FIRST_PUSH_PATH_ENDS)
+    assert names[:path_end + 1] == ["source", "registration", "index", "authn", "sds", "xds"]
+    assert names[path_end + 1:] == ["zds", "waypoint_status", "enrollment", "snapshot",
+                                    "installer", "events", "status"]
+    assert 0 < daemon.FIRST_PUSH_WAIT <= 1.0
+
+
+def test_the_components_import_no_pyroute2():
+    """What the daemon imports before its first push (every component's module:
+    ``import_components``, as ``Agent.start`` calls it) loads no pyroute2: ~150-250 ms
+    of CPU, which enrollment's start pays instead, after the push (issue 28)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import sys, agent.cli, agent.daemon as d; d.import_components(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'pyroute2'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=root, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout

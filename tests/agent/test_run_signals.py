@@ -226,3 +226,84 @@ def test_second_sigterm_exits_143_and_leaves_nothing(tmp_path, node_netns):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _read_until(proc: subprocess.Popen, needle: str, timeout: float = 60.0) -> list[str]:
+    """The agent's output lines up to the first one containing ``needle`` (a reader
+    thread, so a quiet agent never blocks the test past ``timeout``)."""
+    import queue
+    import threading
+
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            if proc.poll() is not None:
+                break
+            continue
+        seen.append(line)
+        if needle in line:
+            return seen
+    raise AssertionError(f"no {needle!r} in the agent's output: {''.join(seen)[-3000:]}")
+
+
+def _index(lines: list[str], text: str) -> int:
+    return next(i for i, line in enumerate(lines) if text in line)
+
+
+@ROOT_ONLY
+@pytest.mark.parametrize("client", [False, True])
+def test_components_after_xds_start_after_its_first_push(tmp_path, node_netns, client):
+    """Issue 28: ZDS, enrollment, the CNI parts and status start only once xDS sent a
+    client its complete initial Address response, or 0.5 s after xDS started when no
+    client comes; the agent is ready only after all of them."""
+    import asyncio
+
+    from ambient.xds.client import DeltaXdsClient
+
+    state = tmp_path / "state"
+    argv, env = agent_argv(state, node_netns)
+    argv[argv.index("warn")] = "debug"
+    xds_port = argv[argv.index("--xds-port") + 1]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    xds_client = None
+    try:
+        if client:
+            async def connect() -> DeltaXdsClient:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    with socket.socket() as s:
+                        if s.connect_ex(("127.0.0.1", int(xds_port))) == 0:
+                            break
+                    await asyncio.sleep(0.01)
+                c = DeltaXdsClient(f"127.0.0.1:{xds_port}", metadata={"NODE_NAME": "n1"})
+                await c.connect()
+                await c.wait_synced(timeout=60)
+                return c
+
+            loop = asyncio.new_event_loop()
+            xds_client = loop.run_until_complete(connect())
+        lines = _read_until(proc, "agent ready")
+        pause = _index(lines, "after xds:")
+        assert _index(lines, "started xds") < pause < _index(lines, "starting zds")
+        assert _index(lines, "starting zds") < _index(lines, "starting enrollment") \
+            < _index(lines, "started status") < _index(lines, "agent ready")
+        if not client:  # nobody to push to: the pause ends at its bound
+            assert "not set within 0.50 s" in lines[pause], lines[pause]
+        elif "waited" in lines[pause]:  # (a client slower than 0.5 s under load: bound)
+            assert _index(lines, "xds: client connected") < pause
+    finally:
+        if xds_client is not None:
+            loop.run_until_complete(xds_client.close())
+            loop.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -14,6 +14,7 @@ client (``src/xds/client.rs``) expects.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -221,3 +222,14 @@ def test_the_stream_and_its_generators_import_no_grpc():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+async def test_first_push_is_set_by_a_complete_initial_address_response(server, connect):
+    """``XdsServer.first_push`` (the daemon starts what the first push does not need
+    after it, issue 28): unset while no client has been answered, set once a client was
+    sent its initial Address response and holds every workload of it."""
+    assert not server.first_push.is_set()
+    client = await connect()
+    await asyncio.wait_for(server.first_push.wait(), 30)
+    await client.wait_for("Kubernetes//Pod/default/a", timeout=30)
+    await client.wait_for("Kubernetes//Pod/default/b", timeout=30)
