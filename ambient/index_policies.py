@@ -32,6 +32,8 @@ class Policies:
         self._pa_converted: dict[PodKey, str] = {}
         # (mesh-wide mode, namespace -> mode) of selector-less PeerAuthentications
         self._pa_modes: tuple[str, dict[str, str]] = ("UNSET", {})
+        # PeerAuthentication -> the problems last warned about (one WARN per change)
+        self._pa_warned: dict[PodKey, str] = {}
         # keys of selector policies that have a variant for waypoint-bound workloads
         self._variants: set[str] = set()
 
@@ -58,7 +60,7 @@ class Policies:
         for o in (ev.old, ev.new):
             if o is None:
                 continue
-            sel = policy_selector(o)
+            sel = tz.read_peer_authentication(o).selector
             if sel is None:
                 if ns == root:
                     base.dirty.full = True
@@ -137,25 +139,40 @@ class Policies:
         root = base.base_mesh.root_namespace
         pas = sorted(base.store.list("PeerAuthentication"), key=_by_age)
         mesh_mode, ns_modes = "UNSET", dict[str, str]()
+        forced: set[str] = set()
+        warned: dict[PodKey, str] = {}
         for pa in pas:
-            ns = meta(pa)["namespace"]
-            if policy_selector(pa) is not None:
+            ns, name = meta(pa)["namespace"], meta(pa)["name"]
+            read = tz.read_peer_authentication(pa)
+            if read.problems:
+                # unreadable parts are STRICT for what they cover (never dropped, never
+                # PERMISSIVE/DISABLE): one bounded warning per object and change
+                text = short_text("; ".join(read.problems))
+                warned[(ns, name)] = text
+                if self._pa_warned.get((ns, name)) != text:
+                    base.rejected.labels("PeerAuthentication").inc()
+                    log.warning("PeerAuthentication %s/%s: %s", ns, name, text)
+            if read.forced:
+                forced.add(ns)
                 continue
-            try:
-                mode = tz.pa_top_mode(pa)
-            except TranslateError as e:
-                base.reject("PeerAuthentication", ns, meta(pa)["name"], e)
+            if read.selector is not None:
                 continue
             if ns == root:
-                mesh_mode = mesh_mode if mesh_mode != "UNSET" else mode
+                mesh_mode = mesh_mode if mesh_mode != "UNSET" else read.mode
             else:
-                ns_modes.setdefault(ns, mode)
+                ns_modes.setdefault(ns, read.mode)
+        self._pa_warned = warned
+        for ns in forced:
+            if ns == root:
+                mesh_mode = "STRICT"
+            else:
+                ns_modes[ns] = "STRICT"
         self._pa_modes = (mesh_mode, ns_modes)
         converted: dict[PodKey, str] = {}
         wanted: dict[str, az.Authorization] = {}
         for pa in pas:
             ns, name = meta(pa)["namespace"], meta(pa)["name"]
-            if ns == root or policy_selector(pa) is None:
+            if ns == root or tz.read_peer_authentication(pa).selector is None:
                 continue
             inherited = ns_modes.get(ns, "UNSET")
             inherited = inherited if inherited != "UNSET" else mesh_mode
@@ -202,15 +219,12 @@ class Policies:
         effective = effective if effective != "UNSET" else mesh_mode
         workload_pa = None
         for pa in sorted(self.base.store.list("PeerAuthentication", ns), key=_by_age):
-            sel = policy_selector(pa)
+            sel = tz.read_peer_authentication(pa).selector
             if sel is not None and ns != root and subset(sel, lbls):
                 workload_pa = pa
                 break
         if workload_pa is not None:
-            try:
-                mode = tz.pa_top_mode(workload_pa)
-            except TranslateError:
-                mode = "UNSET"
+            mode = tz.pa_top_mode(workload_pa)
             if mode != "UNSET":
                 effective = mode
             converted = self._pa_converted.get((ns, meta(workload_pa)["name"]))

@@ -500,6 +500,8 @@ class DirectorySource:
             registry=registry)
         # (namespace, name) -> (uid, {annotation: value or None = removed})
         self._overlay: dict[tuple[str, str], tuple[str, dict[str, str | None]]] = {}
+        # the directory was removed while running (warned once; objects kept)
+        self.directory_missing = False
 
     async def start(self) -> None:
         """Create the directory if missing (0750) and start watching it. Raises
@@ -646,8 +648,10 @@ class DirectorySource:
 
     async def _watch(self) -> None:
         """Follow the directory; when the watch ends (the directory itself was removed,
-        whose inotify watch then never fires again) or fails (inotify limits...), recreate
-        the directory as :meth:`start` does, reconcile, and watch again."""
+        whose inotify watch then never fires again) or fails (inotify limits...), wait for
+        the directory to be there (it is not re-created: a removed config dir is the
+        operator's doing, and an empty one would look like "no objects"), reconcile, and
+        watch again. While it is gone the store keeps the objects last read from it."""
         while not self._stop.is_set():
             try:
                 await self._follow()
@@ -657,27 +661,50 @@ class DirectorySource:
                 log.exception("watching %s failed; retrying", self.directory)
             if self._stop.is_set():
                 return
-            await asyncio.sleep(1.0)
-            try:
-                os.makedirs(self.directory, mode=0o750, exist_ok=True)
-            except OSError as e:  # e.g. a file now sits at the path: retry later
-                log.warning("cannot create %s: %s", self.directory, e)
-                continue
+            if not await self._wait_for_directory():
+                return
             await self._rescan()
 
+    async def _wait_for_directory(self) -> bool:
+        """Poll (1 s) until :attr:`directory` is a directory again; False on stop."""
+        while not os.path.isdir(self.directory):
+            try:
+                await asyncio.wait_for(self._stop.wait(), 1.0)
+                return False
+            except asyncio.TimeoutError:
+                pass
+        if self.directory_missing:
+            self.directory_missing = False
+            log.info("config directory %s is back; reading it again", self.directory)
+        return not self._stop.is_set()
+
+    def _directory_gone(self) -> bool:
+        """Whether the directory is gone; the first time, one WARN."""
+        if os.path.isdir(self.directory):
+            return False
+        if not self.directory_missing:
+            self.directory_missing = True
+            log.warning("config directory %s was removed (or is no longer a directory); "
+                        "keeping the %d objects last read from it until it is back (it is "
+                        "not re-created)", self.directory, len(self.store))
+        return True
+
     async def _follow(self) -> None:
-        """Apply file events until the stop event or the removal of the directory."""
+        """Apply file events until the stop event or the removal of the directory. The
+        deletions a directory removal reports are not applied (its files' objects stay)."""
         async for changes in watchfiles.awatch(self.directory, recursive=True,
                                                debounce=self.debounce_ms, step=20,
                                                stop_event=self._stop):
+            if self._directory_gone():
+                return
             for path in sorted({p for _, p in changes}):
+                if not os.path.lexists(path) and self._directory_gone():
+                    return
                 if wanted(path) or path in self.files:
                     await self.reload(path)
                 elif os.path.isdir(path) or path == self.directory:
                     await self._rescan()
-            if not os.path.isdir(self.directory):
-                log.warning("config directory %s was removed; its objects are dropped "
-                            "until it is back", self.directory)
+            if self._directory_gone():
                 return
 
     async def _rescan(self) -> None:

@@ -44,8 +44,8 @@ from typing import Any, Iterator
 from google.protobuf import empty_pb2
 
 from ambient import authorization_pb2 as az
-from agent.core.yamlsafe import short_repr
-from ambient.objects import TranslateError, annotations_of, field, meta, spec
+from agent.core.yamlsafe import short_repr, short_text
+from ambient.objects import annotations_of, meta, spec
 
 log = logging.getLogger(__name__)
 
@@ -438,28 +438,102 @@ def deny_everything(policy: dict, root_ns: str) -> az.Authorization:
 MODES = ("UNSET", "STRICT", "PERMISSIVE", "DISABLE")
 
 
-def pa_mode(value: Any, path: str = "spec.mtls.mode") -> str:
-    mode = value or "UNSET"
-    if mode not in MODES:
-        raise TranslateError(f"field {path!r} must be one of {', '.join(MODES)}, got {value!r}")
-    return mode
+@dataclasses.dataclass
+class PeerAuthn:
+    """A PeerAuthentication as the index uses it, read so that nothing fails open.
+
+    ``selector``: None for a namespace-wide (mesh-wide in the root namespace) object, else
+    its ``matchLabels`` (``{}`` selects every workload). ``mode``: one of :data:`MODES`.
+    ``ports``: port (1-65535) -> mode. ``forced``: the selector could not be read, so the
+    object is a STRICT namespace-wide policy that beats the readable ones there.
+    ``problems``: one text per unreadable field, naming it and its value (escaped, bounded).
+
+    istiod never sees such objects (its CRD schema and webhook reject them); the CRDs in
+    ``deploy/crds/`` carry no schema and the files source has none, so here an unreadable
+    value is treated as STRICT for what it covers: a bad ``spec.mtls`` -> top mode STRICT; a
+    bad port entry's mode -> that port STRICT; a ``portLevelMtls`` that is not a map or has
+    a key that is not a port (its coverage unknown) -> STRICT on every port; a bad selector
+    -> STRICT for the whole namespace.
+    """
+
+    selector: dict[str, str] | None
+    mode: str
+    ports: dict[int, str]
+    forced: bool = False
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+
+def _shown(value: Any) -> str:
+    return short_text(repr(value), 120)
+
+
+def _read_mode(container: Any, path: str, problems: list[str]) -> str:
+    if container is None:
+        return "UNSET"
+    if not isinstance(container, dict):
+        problems.append(f"field {path!r} must be a mapping, got {_shown(container)}; "
+                        "read as STRICT")
+        return "STRICT"
+    value = container.get("mode")
+    if value is None or value == "":
+        return "UNSET"
+    if value not in MODES:
+        problems.append(f"field '{path}.mode' must be one of {', '.join(MODES)}, got "
+                        f"{_shown(value)}; read as STRICT")
+        return "STRICT"
+    return str(value)
+
+
+def read_peer_authentication(pa: dict) -> PeerAuthn:
+    """``pa`` -> :class:`PeerAuthn`; never raises for any shape of ``spec``."""
+    problems: list[str] = []
+    raw_spec = pa.get("spec")
+    sp = raw_spec if isinstance(raw_spec, dict) else {}
+    if raw_spec is not None and not isinstance(raw_spec, dict):
+        problems.append(f"field 'spec' must be a mapping, got {_shown(raw_spec)}; read as "
+                        "STRICT for its namespace")
+        return PeerAuthn(None, "STRICT", {}, True, problems)
+    selector: dict[str, str] | None = None
+    forced = False
+    sel = sp.get("selector")
+    if sel is not None:
+        labels = sel.get("matchLabels") if isinstance(sel, dict) else None
+        if not isinstance(sel, dict) or (labels is not None and not (
+                isinstance(labels, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in labels.items()))):
+            bad = ("spec.selector", sel) if not isinstance(sel, dict) else \
+                ("spec.selector.matchLabels", labels)
+            problems.append(f"field {bad[0]!r} must map strings to strings, got "
+                            f"{_shown(bad[1])}; read as STRICT for its namespace")
+            forced = True
+        else:
+            selector = dict(labels or {})
+    mode = _read_mode(sp.get("mtls"), "spec.mtls", problems)
+    ports: dict[int, str] = {}
+    every_port = False
+    raw = sp.get("portLevelMtls")
+    if raw is not None and not isinstance(raw, dict):
+        problems.append(f"field 'spec.portLevelMtls' must map ports to {{mode}}, got "
+                        f"{_shown(raw)}; read as STRICT on every port")
+        every_port = True
+    for port, entry in (raw.items() if isinstance(raw, dict) else ()):
+        text = str(port)
+        if isinstance(port, bool) or not text.isdigit() or not 0 < int(text) <= 65535:
+            problems.append(f"field 'spec.portLevelMtls' key must be a port (1-65535), got "
+                            f"{_shown(port)}; read as STRICT on every port")
+            every_port = True
+            continue
+        ports[int(text)] = _read_mode(entry, f"spec.portLevelMtls.{text}", problems)
+    if forced:
+        return PeerAuthn(None, "STRICT", {}, True, problems)
+    if every_port:
+        return PeerAuthn(selector, "STRICT", {}, False, problems)
+    return PeerAuthn(selector, mode, ports, False, problems)
 
 
 def pa_top_mode(pa: dict) -> str:
-    return pa_mode(field(pa, "spec.mtls.mode", str))
-
-
-def pa_port_modes(pa: dict) -> dict[int, str]:
-    raw = field(pa, "spec.portLevelMtls", dict, {})
-    out = {}
-    for port, entry in raw.items():
-        text = str(port)
-        if not text.isdigit() or not 0 < int(text) <= 65535:
-            raise TranslateError(f"field 'spec.portLevelMtls' key must be a port, got {port!r}")
-        mode = pa_mode((entry or {}).get("mode") if isinstance(entry, dict) else None,
-                       f"spec.portLevelMtls.{port}.mode")
-        out[int(text)] = mode
-    return out
+    """The top mode of ``pa`` (:func:`read_peer_authentication`: unreadable -> STRICT)."""
+    return read_peer_authentication(pa).mode
 
 
 def static_strict(root_ns: str) -> az.Authorization:
@@ -475,12 +549,13 @@ def converted_peer_authentication(pa: dict, inherited: str) -> az.Authorization 
 
     ``inherited`` is the namespace mode, else the mesh mode, for a top mode of UNSET.
     """
-    if field(pa, "spec.selector", dict) is None:
+    read = read_peer_authentication(pa)
+    if read.selector is None:
         return None
-    port_modes = pa_port_modes(pa)
+    port_modes = read.ports
     if not port_modes:
         return None
-    top = pa_top_mode(pa)
+    top = read.mode
     presence = az.StringMatch(presence=empty_pb2.Empty())
     groups: list[az.Group] = []
     if top == "STRICT" or (top == "UNSET" and inherited == "STRICT"):

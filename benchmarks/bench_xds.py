@@ -144,6 +144,7 @@ async def tls_push(idx: FakeIndex, tmp: str) -> dict[str, float]:
     tokens = os.path.join(tmp, "tokens.yaml")
     with open(tokens, "w") as f:
         f.write("bench-token: istio-system/ztunnel\n")
+    os.chmod(tokens, 0o600)
     chain, key = ca.issue(["localhost", "127.0.0.1"], "ECDSA", 3600)
 
     async def provide() -> TlsMaterial:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Iterator, Mapping
 
+from agent.core import trusted
 from agent.core.config_values import parse_existing_file
 from agent.core.scrapetargets import parse_annotations
 
@@ -59,6 +60,15 @@ def problems(values: Mapping[str, Any], origins: Mapping[str, str]) -> Iterator[
             parse_existing_file(values["kubeconfig"])
         except ValueError as e:
             yield "kubeconfig", str(e)
+    if values["tokens_file"]:
+        # the TLS ports accept whatever the file maps: a file another user can write
+        # (or read) hands out identities (agent.core.trusted; the target of a symlink)
+        try:
+            problem = trusted.secret_file_path_problem(values["tokens_file"])
+        except OSError as e:
+            problem = e.strerror or str(e)
+        if problem:
+            yield "tokens_file", problem + ": it holds bearer tokens"
     yield from _operator_checks(values, origins)
 
 

@@ -39,17 +39,32 @@ LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING,
 _PEM_KEY = re.compile(r"-----BEGIN ([A-Z ]*)PRIVATE KEY-----.*?(-----END \1PRIVATE KEY-----|$)",
                       re.S)
 _BEARER = re.compile(r"(?i)(bearer\s+)[A-Za-z0-9\-._~+/]+=*")
+# A JWT on its own (header.payload.signature, base64url; the header is always a JSON
+# object, so it starts "eyJ"), wherever it appears.
+_JWT = re.compile(r"\beyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]*")
+_FIELD = r'"?(?:token|private_key|authorization)"?\s*[:=]\s*'
 # The value of a token-like field, unless it is the auth scheme word itself ("Bearer",
 # whose token _BEARER has already replaced; "no 'authorization: Bearer' token" keeps
-# its meaning) or an earlier replacement.
-_TOKEN_FIELD = re.compile(r'(?i)("?(?:token|private_key|authorization)"?\s*[:=]\s*"?)'
-                          r'(?!bearer\b|\[REDACTED)[^",\s}]+')
+# its meaning) or an earlier replacement. A quoted value is replaced up to its closing
+# quote (spaces included); an unquoted authorization value with another scheme
+# ("Basic <credentials>") loses the scheme and the credentials.
+_TOKEN_QUOTED = re.compile(r"(?i)(" + _FIELD + r"([\"']))(?!bearer\b|\[REDACTED)"
+                           r"(?:\\.|(?!\2).)*\2")
+_AUTH_SCHEME = re.compile(r"(?i)(authorization\s*[:=]\s*)(?!bearer\b|\[REDACTED)"
+                          r"[A-Za-z][A-Za-z0-9-]*\s+[^\",\s}]+")
+_TOKEN_FIELD = re.compile(r"(?i)(" + _FIELD + r")(?!bearer\b|\[REDACTED)[^\",\s}]+")
 
 
 def redact(text: str) -> str:
-    """Replace private keys and tokens in ``text`` with ``[REDACTED]``."""
+    """Replace private keys and tokens in ``text`` with ``[REDACTED]``: PEM private key
+    blocks (also one cut short), ``Bearer <token>``, a JWT anywhere, and the value of a
+    ``token`` / ``private_key`` / ``authorization`` field (``k=v``, ``k: v``, JSON
+    ``"k": "v"``, quoted values whole)."""
     text = _PEM_KEY.sub("[REDACTED PRIVATE KEY]", text)
     text = _BEARER.sub(r"\1[REDACTED]", text)
+    text = _JWT.sub("[REDACTED]", text)
+    text = _TOKEN_QUOTED.sub(r"\1[REDACTED]\2", text)
+    text = _AUTH_SCHEME.sub(r"\1[REDACTED]", text)
     return _TOKEN_FIELD.sub(r"\1[REDACTED]", text)
 
 

@@ -71,3 +71,41 @@ class RepeatFilter(logging.Filter):
                           f"held back in the last {self.limiter.window:g}s)")
             record.args = None
         return allowed
+
+
+def source_of(peer: str) -> str:
+    """The caller's host in a gRPC peer string, for rate-limiting per source:
+    ``ipv4:10.0.0.1:5678`` -> ``10.0.0.1``, ``ipv6:[::1]:5678`` -> ``::1``; anything else
+    (``unix:...``, ``unix-abstract:...``) as it is."""
+    text = peer
+    for prefix in ("ipv4:", "ipv6:"):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+            if text.startswith("[") and "]" in text:
+                return text[1:text.index("]")]
+            return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+    return text
+
+
+class RefusalLog:
+    """Refused calls (xDS, CA) logged at WARNING once per source (:func:`source_of`) per
+    ``window`` seconds: a client retrying with a bad or missing token writes one line per
+    window, the next one saying how many were held back. The caller's gRPC status carries
+    the reason every time; only the log is limited. Memory bounded as
+    :class:`RepeatLimiter`."""
+
+    def __init__(self, logger: logging.Logger, what: str, window: float = DEFAULT_WINDOW,
+                 clock=time.monotonic):
+        self.logger = logger
+        self.what = what
+        self.limiter = RepeatLimiter(window)
+        self.clock = clock
+
+    def refused(self, peer: str, reason: object) -> None:
+        source = source_of(peer)
+        allowed, held = self.limiter.check(source, self.clock())
+        if allowed:
+            self.logger.warning(
+                "%s: refused %s: %s%s", self.what, peer, reason,
+                f" ({held} more refused from {source} in the last "
+                f"{self.limiter.window:g}s, not logged)" if held else "")

@@ -40,3 +40,29 @@ def dir_problem(path: str | os.PathLike[str]) -> str:
         who = {0o022: "group and others", 0o020: "group", 0o002: "others"}[mode & 0o022]
         return f"is writable by {who} (mode {mode:04o}, owner {_owner(st.st_uid)})"
     return ""
+
+
+def secret_file_problem(st: os.stat_result) -> str:
+    """Why a file the agent reads secrets from (``tokens_file``), given its ``stat`` (of
+    the symlink's target when the path is one: the target is judged), can't be trusted
+    ("" when it can): not a regular file, owned by neither the agent's euid nor root,
+    writable by group or others (they could add a token of their own), or readable by
+    others (they could take one). The mode ssh wants for a key: 0600 or 0640/0400."""
+    mode = stat.S_IMODE(st.st_mode)
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid not in (os.geteuid(), 0):
+        return (f"is owned by {_owner(st.st_uid)}, not by the agent's {_owner(os.geteuid())} "
+                f"or root (mode {mode:04o})")
+    if mode & 0o022:
+        who = {0o022: "group and others", 0o020: "group", 0o002: "others"}[mode & 0o022]
+        return f"is writable by {who} (mode {mode:04o}, owner {_owner(st.st_uid)})"
+    if mode & 0o004:
+        return f"is readable by others (mode {mode:04o}, owner {_owner(st.st_uid)})"
+    return ""
+
+
+def secret_file_path_problem(path: str | os.PathLike[str]) -> str:
+    """:func:`secret_file_problem` of ``path`` (symlinks followed); raises OSError when it
+    can't be stat'ed."""
+    return secret_file_problem(os.stat(path))

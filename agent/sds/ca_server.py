@@ -38,6 +38,7 @@ from grpc_reflection.v1alpha import reflection
 
 from agent.core import unixsocket
 from agent.core.annotations import REGISTERED_BY
+from agent.core.ratelimit import RefusalLog
 from agent.core.spiffe import Identity
 from agent.tlsport.authn import AuthenticationError, Authenticator, Caller, bearer_token
 from agent.tlsport.frontdoor import TlsFrontDoor, remove_private_socket
@@ -93,6 +94,8 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
         self.store = store_getter
         self.node_name = node_name
         self.issued = 0
+        # a client retrying with a bad or missing token: one line per source per minute
+        self._refusal_log = RefusalLog(log, "CA")
 
     @property
     def authenticator(self) -> Authenticator | None:
@@ -157,7 +160,10 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
                 raise AuthenticationError("no caller authentication configured")
             caller = await authenticator.authenticate(context)
         except AuthenticationError as e:
-            log.info("CA: refused %s: %s", context.peer(), e)
+            # on the TLS port gRPC sees the front door's per-connection socket; the front
+            # door knows the TCP peer, which is the source the log is limited by
+            tls = authenticator.tls_peer(context) if authenticator is not None else None
+            self._refusal_log.refused(tls.remote if tls is not None else context.peer(), e)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 f"request authenticate failure: {e}")
         ids = list(caller.identities)

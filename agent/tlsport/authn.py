@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 import yaml
 
-from agent.core import yamlsafe
+from agent.core import trusted, yamlsafe
 from agent.core.lifecycle import AgentContext, Component
 from agent.core.spiffe import Identity
 
@@ -106,12 +106,20 @@ def header(metadata: Iterable[tuple[str, Any]] | None, name: str) -> str:
     return ""
 
 
+class UntrustedFileError(ValueError):
+    """The tokens file fails :func:`agent.core.trusted.secret_file_problem`."""
+
+
 class TokensFile:
     """Bearer tokens → identity from a YAML mapping file (setting ``tokens_file``).
 
     Values are ``namespace/serviceaccount`` (in ``trust_domain``) or a SPIFFE ID. The file
     is re-read when its mtime changes; an unusable file logs its problem (never a token)
-    and accepts nobody until fixed.
+    and accepts nobody until fixed. A file that can't be trusted (owned by neither the
+    agent's euid nor root, writable by group/others, readable by others: judged on the
+    opened file, so a symlink counts by its target) is refused: at start a
+    :class:`agent.core.config.ConfigError`; on a reload one WARN per problem, and the
+    previous tokens stay in use until the file is fixed.
     """
 
     source = "tokens file"
@@ -133,6 +141,12 @@ class TokensFile:
                 self._tokens = self._load()
                 self._mtime = mtime
                 self.error = ""
+        except UntrustedFileError as e:
+            # keep what was loaded before; _mtime stays, so each call re-checks the file
+            if str(e) != self.error:
+                log.warning("tokens_file=%s refused: %s; the previous tokens stay in use",
+                            self.path, e)
+            self.error = str(e)
         except (OSError, ValueError) as e:
             if str(e) != self.error:
                 log.warning("tokens_file=%s unusable: %s", self.path, e)
@@ -142,7 +156,12 @@ class TokensFile:
         return self._tokens.get(token)
 
     def _load(self) -> dict[str, Identity]:
+        """The file's tokens. Raises :class:`UntrustedFileError` (checked on the opened
+        file, no race with a swap), OSError, or ValueError naming an entry by position."""
         with open(self.path, encoding="utf-8") as f:
+            problem = trusted.secret_file_problem(os.fstat(f.fileno()))
+            if problem:
+                raise UntrustedFileError(problem + ": it holds bearer tokens")
             try:
                 data = yamlsafe.load(f.read()) or {}
             except yaml.YAMLError as e:

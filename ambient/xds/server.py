@@ -43,7 +43,7 @@ from prometheus_client import CollectorRegistry
 from agent.tlsport import frontdoor
 from agent.tlsport.authn import AuthenticationError, Authenticator
 from agent.core import unixsocket
-from agent.core.ratelimit import RepeatLimiter
+from agent.core.ratelimit import RefusalLog, RepeatLimiter
 from agent.core.config import ConfigError, ensure_tcp_port_free
 from agent.core.fdbudget import listener_caps
 from agent.core.grpc_closed import CLOSED_STREAM_ERRORS, retrieve_later
@@ -149,6 +149,8 @@ class XdsServer(Component):
         self.registry = registry or CollectorRegistry()
         self.metrics = XdsMetrics(self.registry)
         self._nack_log = RepeatLimiter(NACK_LOG_WINDOW)
+        # a client retrying with a bad or missing token: one line per source per minute
+        self._refusal_log = RefusalLog(log, "xds")
         self.generators: dict[str, Generator] = {}
         self.connections: dict[int, Connection] = {}
         self._server: grpc.aio.Server | None = None
@@ -372,7 +374,7 @@ class XdsServer(Component):
         try:
             identity = await self._authenticate(context)
         except AuthError as e:
-            log.warning("xds: refused %s: %s", self._peer(context), e)
+            self._refusal_log.refused(self._peer(context), e)
             # Answer after the client's first request: a gRPC client still writing its
             # initial requests would otherwise see a local write failure (INTERNAL)
             # instead of this status.

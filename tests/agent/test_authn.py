@@ -73,6 +73,7 @@ async def test_client_certificate_first_then_tokens_file(tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text(f"{SECRET}: istio-system/ztunnel\nother: spiffe://td2/ns/a/sa/b\n")
+    tokens.chmod(0o600)
     chain = Authenticator("cluster.local", TokensFile(str(tokens), "cluster.local"))
     chain.add_front_door(Door({"unix-abstract:cert": tls_peer("spiffe://cluster.local/ns/x/sa/y"),
                                "unix-abstract:nocert": tls_peer()}))

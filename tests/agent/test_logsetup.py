@@ -47,6 +47,35 @@ def test_private_keys_and_tokens_redacted(capture):
     assert out.count("REDACTED") >= 4
 
 
+JWT = "eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJzcGlmZmUifQ.c2lnbmF0dXJlLXZhbHVl"
+
+
+@pytest.mark.parametrize("text,secret", [
+    (f"Authorization: Bearer {JWT}", JWT),
+    ("token=s3cr3tv4lue", "s3cr3tv4lue"),
+    ("token: s3cr3tv4lue", "s3cr3tv4lue"),
+    ("token: onlyletters", "onlyletters"),
+    ("X-Token:abcdef", "abcdef"),
+    ('{"token": "s3cr3tv4lue"}', "s3cr3tv4lue"),
+    ('{"token": "two words"}', "words"),
+    ("token='quoted value'", "value"),
+    (f"peer sent {JWT} as its credential", "eyJzdWIiOiJzcGlmZmUifQ"),
+    ("Authorization: Basic dXNlcjpwYXNz", "dXNlcjpwYXNz"),
+    (KEY, "secret+material"),
+    ("-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBg\n-----END PRIVATE KEY-----", "MIIEvQIBADANBg"),
+    ("-----BEGIN RSA PRIVATE KEY-----\nMIIEcut-short", "MIIEcut-short"),
+])
+def test_redact_removes_each_secret_form(text, secret):
+    out = logsetup.redact(text)
+    assert secret not in out and "REDACTED" in out, out
+
+
+def test_redact_keeps_plain_words():
+    for text in ("no 'authorization: Bearer' token", "refused: bad token",
+                 "tokens_file /etc/agent/tokens reloaded"):
+        assert logsetup.redact(text) == text
+
+
 def test_bad_level_names_the_part():
     with pytest.raises(ValueError, match="'loud'"):
         logsetup.parse_levels("info,zds:loud")

@@ -172,9 +172,14 @@ async def test_oddly_shaped_entries_are_skipped_and_the_source_still_starts(tmp_
 
 
 @pytest.mark.asyncio
-async def test_watch_survives_the_directory_being_removed_and_recreated(tmp_path):
-    """The removed directory's inotify watch never fires again: the source used to stay
-    deaf after ``rm -r config_dir`` (now it re-watches), even with a file at the path."""
+async def test_removed_directory_keeps_its_objects_and_is_resumed_not_recreated(tmp_path,
+                                                                                  caplog):
+    """``rm -r config_dir`` while running used to drop every object (unmeshing the pods)
+    and re-create the directory empty. Now the objects stay, one WARN names the directory,
+    nothing is created at the path (not even over a file sitting there), and once the
+    directory is back it is read again (the removed inotify watch never fires again, so
+    the source re-watches)."""
+    caplog.set_level(logging.INFO, logger="ambient.source_files")
     directory = tmp_path / "cluster"
     store = ObjectStore()
     src = DirectorySource(store, str(directory), run_blocking, debounce_ms=10)
@@ -183,14 +188,28 @@ async def test_watch_survives_the_directory_being_removed_and_recreated(tmp_path
         (directory / "a.yaml").write_text(POD % ("a", "u-a", "10.0.0.1"))
         await eventually(lambda: store.get("Pod", "demo", "a") is not None)
         shutil.rmtree(directory)
-        await eventually(lambda: store.get("Pod", "demo", "a") is None)
+        await eventually(lambda: src.directory_missing, timeout=30)
+        assert store.get("Pod", "demo", "a") is not None
+        removed = [r for r in caplog.records if "was removed" in r.getMessage()]
+        assert len(removed) == 1 and removed[0].levelno == logging.WARNING
+        assert str(directory) in removed[0].getMessage()
         directory.write_text("a file where the directory was")
-        await asyncio.sleep(1.2)  # one failed recreation attempt
+        # the source polls once a second: after three polls the file is still a file
+        await asyncio.sleep(3.5)
+        assert directory.is_file() and store.get("Pod", "demo", "a") is not None
         directory.unlink()
-        directory.mkdir(exist_ok=True)
+        await asyncio.sleep(1.5)
+        assert not directory.exists()
+        directory.mkdir()
         (directory / "b.yaml").write_text(POD % ("b", "u-b", "10.0.0.2"))
-        await eventually(lambda: store.get("Pod", "demo", "b") is not None)
-        assert not src._task.done()
+        await eventually(lambda: store.get("Pod", "demo", "b") is not None, timeout=30)
+        # the directory that came back is the truth: a.yaml is not in it
+        await eventually(lambda: store.get("Pod", "demo", "a") is None, timeout=30)
+        assert not src._task.done() and not src.directory_missing
+        assert len([r for r in caplog.records if "was removed" in r.getMessage()]) == 1
+        # and it is watched again
+        (directory / "c.yaml").write_text(POD % ("c", "u-c", "10.0.0.3"))
+        await eventually(lambda: store.get("Pod", "demo", "c") is not None, timeout=30)
     finally:
         await src.stop()
 

@@ -159,6 +159,7 @@ def test_the_config_file_and_the_tokens_file_refuse_a_bomb(tmp_path):
     assert len(str(e.value)) < 500
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text(f"t1: {bomb(8)}\n")
+    tokens.chmod(0o600)
     tf = TokensFile(str(tokens), "cluster.local")
     assert tf.lookup("t1") is None  # refused, accepting nobody
     assert "alias bomb" in tf.error and len(tf.error) < 300

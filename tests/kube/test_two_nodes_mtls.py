@@ -84,6 +84,7 @@ async def two_nodes(kube_cluster, kube_admin, namespace: str, tmp_path, clock=No
     t = TwoNodes(namespace, system_ns)
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text(f"{ZTUNNEL_TOKEN}: istio-system/ztunnel\n")
+    tokens.chmod(0o600)
     try:
         for d in _ca_role_documents(system_ns):
             await kc.apply(kube_admin, d)

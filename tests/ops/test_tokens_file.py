@@ -23,6 +23,7 @@ SECRET = "s3cret-token-value"
 async def test_malformed_tokens_file_stops_start(tmp_path, text, reason):
     path = tmp_path / "tokens.yaml"
     path.write_text(text)
+    path.chmod(0o600)
     tokens = TokensFile(str(path), "cluster.local")
     component = AuthnComponent(Authenticator("cluster.local", tokens))
     with pytest.raises(ConfigError, match=reason) as e:
@@ -36,6 +37,7 @@ async def test_malformed_tokens_file_stops_start(tmp_path, text, reason):
 async def test_good_tokens_file_starts(tmp_path):
     path = tmp_path / "tokens.yaml"
     path.write_text(f"{SECRET}: istio-system/ztunnel\n'12345': spiffe://td/ns/a/sa/b\n")
+    path.chmod(0o600)
     tokens = TokensFile(str(path), "cluster.local")
     component = AuthnComponent(Authenticator("cluster.local", tokens))
     await component.start()

@@ -33,6 +33,7 @@ CART = "spiffe://cluster.local/ns/shop/sa/cart"
 async def ca_env(state_dir, tmp_path):
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text("tok-cart: shop/cart\ntok-ztunnel: istio-system/ztunnel\n")
+    tokens.chmod(0o600)
     store = DictStore([pod("u1", "bank", "ledger", node="node-a"),
                        pod("u2", "far", "away", node="node-b")])
     run = executor_runner()

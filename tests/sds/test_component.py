@@ -24,6 +24,7 @@ async def test_component_lifecycle_api_and_no_secrets_in_logs(state_dir, tmp_pat
     caplog.set_level(logging.DEBUG)
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text("s3cr3t-token-value: shop/cart\n")
+    tokens.chmod(0o600)
     ctx = AgentContext(make_config(state_dir, service_account="cart", pod_namespace="shop",
                                    ca_port=free_port(), ca_listen_address="127.0.0.1",
                                    tokens_file=str(tokens), ecc_signature_algorithm="ECDSA"))

@@ -169,6 +169,7 @@ async def _ca_agent(state: str, port: int) -> tuple[AgentContext, SdsServer]:
     tokens = os.path.join(state, "tokens.yaml")
     with open(tokens, "w") as f:
         f.write("t0k3n: shop/cart\n")
+    os.chmod(tokens, 0o600)
     ctx = AgentContext(make_config(__import__("pathlib").Path(state), service_account="ca",
                                    pod_namespace="istio-system", ca_port=port,
                                    ca_listen_address="127.0.0.1", tokens_file=tokens,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry
@@ -139,3 +141,26 @@ async def test_cli_against_the_tls_port_says_what_is_missing(tls_server, tmp_pat
     refused = [r.getMessage() for r in caplog.records if "xds: refused" in r.getMessage()]
     assert refused and all(m.startswith("xds: refused ipv4:127.0.0.1:") for m in refused), \
         refused
+
+
+async def test_xds_refusals_are_rate_limited_per_source(index, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="ambient.xds.server")
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    srv = XdsServer(index, port=0, token_file=str(token), registry=CollectorRegistry())
+    await srv.start()
+    try:
+        for bad_token in (None, "wrong", "wrong", None):
+            bad = DeltaXdsClient(f"127.0.0.1:{srv.port}", token=bad_token)
+            await bad.connect()
+            try:
+                with pytest.raises(grpc.RpcError) as e:
+                    await bad.wait_synced()
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert e.value.details()
+            finally:
+                await bad.close()
+    finally:
+        await srv.stop(0.5)
+    refused = [r.getMessage() for r in caplog.records if "xds: refused" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].startswith("xds: refused ipv4:127.0.0.1:"), refused

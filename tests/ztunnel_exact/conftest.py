@@ -114,6 +114,7 @@ async def make_agent(agent_dir):
             (cluster / "extra.yaml").write_text(extra_objects)
         tokens = agent_dir / "tokens.yaml"
         tokens.write_text(f"{ZTUNNEL_TOKEN}: istio-system/ztunnel\n")
+        tokens.chmod(0o600)
         values = {"state_dir": str(state), "config_dir": str(cluster),
                   "node_name": NODE, "tokens_file": str(tokens),
                   "xds_port": str(free_port()), "xds_tls_port": str(free_port()),

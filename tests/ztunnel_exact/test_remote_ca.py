@@ -24,6 +24,7 @@ async def test_no_key_on_the_node_certificates_from_the_remote_ca(make_agent, ag
     tokens = agent_dir / "remote-tokens.yaml"
     tokens.write_text(f"{ZTUNNEL_TOKEN}: istio-system/ztunnel\n"
                       f"{NODE_AGENT_TOKEN}: istio-system/ambient-agent\n")
+    tokens.chmod(0o600)
     remote = await make_agent(tokens_file=str(tokens), ca_trusted_node_accounts=(
         "istio-system/ztunnel,istio-system/ambient-agent"))
     remote_root = remote.root_pem
