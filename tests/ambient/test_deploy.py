@@ -86,9 +86,10 @@ def test_cluster_role_grants_exactly_what_the_agent_uses():
     wanted |= {("", "configmaps", v) for v in ("get", "list", "watch", "patch", "create")}
     # ambient/waypoint/status_writer.py: a merge patch of each written kind's status, and a
     # read of the object after a 409
-    for _, _, plural in WRITTEN.values():
-        wanted |= {("gateway.networking.k8s.io", plural, "get"),
-                   ("gateway.networking.k8s.io", f"{plural}/status", "patch")}
+    # (Services: the istio.io/WaypointBound condition, core group)
+    for _, api_version, plural in WRITTEN.values():
+        group = "" if api_version == "/api/v1" else "gateway.networking.k8s.io"
+        wanted |= {(group, plural, "get"), (group, f"{plural}/status", "patch")}
     assert granted == wanted
     [crd_rule] = [r for r in role["rules"] if r["apiGroups"] == ["apiextensions.k8s.io"]]
     assert set(crd_rule["resourceNames"]) == {
