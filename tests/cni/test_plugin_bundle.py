@@ -129,6 +129,8 @@ def test_damaged_build_is_refused_and_changes_nothing(bundle, tmp_path):
 
 
 def test_cli_install_with_plugin_bundle(bundle, tmp_path):
+    """``cni install`` with a bundle; its install record goes to the test's own state dir
+    (without --state-dir it was added to the host's /var/run/ambient-agent record)."""
     conf = tmp_path / "net.d"
     conf.mkdir()
     (conf / "10-br.conflist").write_text(json.dumps(
@@ -137,7 +139,7 @@ def test_cli_install_with_plugin_bundle(bundle, tmp_path):
     env = {"PATH": os.environ["PATH"], "AMBIENT_AGENT_CNI_PLUGIN_BUNDLE": str(bundle)}
     r = subprocess.run([sys.executable, "-m", "agent.cli", "cni", "install", "--conf-dir",
                         str(conf), "--bin-dir", str(tmp_path / "bin"), "--config-file",
-                        os.devnull], capture_output=True, text=True, env=env)
+                        os.devnull, "--state-dir", str(tmp_path / "state")], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "bin" / BUNDLE_DIR / read_bundle(str(bundle))[0]).is_dir()
 
