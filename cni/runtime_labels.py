@@ -286,15 +286,24 @@ def _clean(raw: Any) -> dict[str, str]:
 
 def _die_with_parent(parent: int):
     """A ``preexec_fn``: the child gets SIGKILL when the agent's thread that forked it
-    dies (``prctl(PR_SET_PDEATHSIG)``), and exits at once if the agent is already gone."""
-    def preexec() -> None:
-        import ctypes
-        import signal
+    dies (``prctl(PR_SET_PDEATHSIG)``), and exits at once if the agent is already gone.
+    libc and its ``prctl`` are looked up here, in the parent: the child of a process with
+    other threads (gRPC's) may only do what needs no lock another thread could hold at the
+    fork, and a ``dlopen`` or an import in the child can hang or abort it (a
+    ``podman events`` that died of SIGABRT under load once)."""
+    import ctypes
+    import signal
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:
-            os._exit(1)
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    args = (ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(int(signal.SIGKILL)),
+            ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    getppid = os.getppid
+    exit_now = os._exit
+
+    def preexec() -> None:
+        prctl(*args)
+        if getppid() != parent:
+            exit_now(1)
     return preexec
 
 
