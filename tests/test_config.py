@@ -142,6 +142,7 @@ def test_good_values_are_accepted_and_normalised(tmp_path):
     cert, key = tmp_path / "root.pem", tmp_path / "key.pem"
     cert.write_text("x")
     key.write_text("x")
+    key.chmod(0o600)
     c = cfg.load({"state_dir": str(tmp_path), "ca_cert_file": str(cert),
                   "ca_key_file": str(key), "xds_address": "localhost",
                   "xds_tls_address": "[::1]", "status_address": "", "ca_listen_address": "::",
@@ -290,6 +291,7 @@ async def test_embedded_ca_names_the_bad_root_file(tmp_path):
     cert, key = tmp_path / "root.pem", tmp_path / "key.pem"
     cert.write_text("not a certificate")
     key.write_text("not a key")
+    key.chmod(0o600)
     config = cfg.load({"state_dir": str(tmp_path / "state"), "ca_cert_file": str(cert),
                        "ca_key_file": str(key), "workload_certs_dir": str(tmp_path / "none")},
                       env={})

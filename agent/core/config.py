@@ -30,6 +30,7 @@ import errno
 import ipaddress
 import os
 import socket
+import stat
 import types
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -423,9 +424,24 @@ class Config(Settings):
         return {n: {"value": v, "source": self.origins[n]} for n, v in self.values.items()}
 
 
+def _is_null_device(st: os.stat_result) -> bool:
+    """Whether ``st`` is the null device's (``/dev/null``, every read empty)."""
+    try:
+        null = os.stat(os.devnull)
+    except OSError:
+        return False
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == null.st_rdev
+
+
 def _read_config_file(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
+            # judged on the opened file (a symlink by its target), no race with a swap;
+            # the null device (``--config-file /dev/null``: no file) holds nothing to trust
+            st = os.fstat(f.fileno())
+            problem = "" if _is_null_device(st) else trusted.public_file_problem(st)
+            if problem:
+                raise ConfigError("config_file", path, problem + ": it sets every setting")
             data = yamlsafe.load(f.read())
     except FileNotFoundError:
         raise

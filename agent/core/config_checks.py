@@ -69,7 +69,41 @@ def problems(values: Mapping[str, Any], origins: Mapping[str, str]) -> Iterator[
             problem = e.strerror or str(e)
         if problem:
             yield "tokens_file", problem + ": it holds bearer tokens"
+    yield from _file_trust_checks(values)
     yield from _operator_checks(values, origins)
+
+
+# files holding a private key: no other user may write or read them (agent.core.trusted)
+_SECRET_FILES = {"ca_key_file": "it holds the mesh CA's signing key"}
+# certificates and trust bundles: public, but no other user may write them
+_PUBLIC_FILES = {"ca_cert_file": "it is the mesh CA's root",
+                 "ca_root_cert": "it verifies the Istio CA",
+                 "trust_anchors_file": "it adds roots every workload trusts"}
+
+
+def _file_trust_checks(values: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    """Key files another user owns, may write or read, certificate files and
+    ``config_dir`` another user owns or may write (:mod:`agent.core.trusted`; a symlink
+    is judged by its target, a path's parents are not judged)."""
+    for table, judge in ((_SECRET_FILES, trusted.secret_file_path_problem),
+                         (_PUBLIC_FILES, trusted.public_file_path_problem)):
+        for name, why in table.items():
+            if not values[name]:
+                continue
+            try:
+                problem = judge(values[name])
+            except OSError as e:
+                problem = e.strerror or str(e)
+            if problem:
+                yield name, f"{problem}: {why}"
+    if values["config_source"] == "files" and os.path.isdir(values["config_dir"]):
+        # the files source applies what the directory holds: a writer of it writes policy
+        try:
+            problem = trusted.dir_problem(values["config_dir"], root_ok=True)
+        except OSError as e:
+            problem = e.strerror or str(e)
+        if problem:
+            yield "config_dir", problem + ": its files are the mesh's configuration"
 
 
 # --- issue 27 "what failed as written": checks an operator met late or as a raw error ---

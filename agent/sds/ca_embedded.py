@@ -48,6 +48,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from agent.sds import keys
+from agent.core import trusted
 from agent.core.files import write_atomic
 
 log = logging.getLogger(__name__)
@@ -335,13 +336,27 @@ class EmbeddedCA:
 
     @classmethod
     def _load(cls, cert_path: Path, key_path: Path) -> "EmbeddedCA":
+        """The root in ``cert_path`` + ``key_path``. Each is judged on the opened file
+        (:mod:`agent.core.trusted`; a symlink by its target): a key another user owns, may
+        write or read, a certificate another user owns or may write is refused with a
+        :class:`CAError` naming path, owner and mode."""
         try:
-            bundle = cert_path.read_bytes()
+            with open(cert_path, "rb") as f:
+                problem = trusted.public_file_problem(os.fstat(f.fileno()))
+                if problem:
+                    raise CAError("INTERNAL", f"CA root certificate {cert_path} {problem}")
+                bundle = f.read()
             cert = keys.load_certs(bundle, f"CA root {cert_path}")[0]
         except (OSError, ValueError) as e:
             raise CAError("INTERNAL", f"CA root certificate {cert_path}: {e}") from None
         try:
-            key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+            with open(key_path, "rb") as f:
+                problem = trusted.secret_file_problem(os.fstat(f.fileno()))
+                if problem:
+                    raise CAError("INTERNAL", f"CA key {key_path} {problem}: it holds the "
+                                  "mesh CA's signing key")
+                pem = f.read()
+            key = serialization.load_pem_private_key(pem, password=None)
         except (OSError, ValueError, TypeError) as e:
             # Never include the file's bytes: it holds a private key.
             raise CAError("INTERNAL", f"CA key {key_path}: unreadable or not a PEM private key "

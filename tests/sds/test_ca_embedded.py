@@ -85,6 +85,7 @@ def test_user_root_and_bad_root_files(tmp_path):
     from cryptography.hazmat.primitives import serialization
     (tmp_path / "c.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     (tmp_path / "k.pem").write_bytes(keys.key_pem(key))
+    (tmp_path / "k.pem").chmod(0o600)
     ca = EmbeddedCA.load_or_create(tmp_path / "unused", "cluster.local",
                                    str(tmp_path / "c.pem"), str(tmp_path / "k.pem"))
     assert ca.cert.serial_number == cert.serial_number
@@ -120,6 +121,7 @@ def test_root_key_of_another_kind_is_refused_naming_the_file(tmp_path):
     key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
                                            serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
+    key_path.chmod(0o600)
     with pytest.raises(CAError) as e:
         EmbeddedCA.load_or_create(tmp_path, "td", str(cert_path), str(key_path))
     assert e.value.code == "INTERNAL" and str(key_path) in str(e.value)
@@ -155,6 +157,7 @@ def test_root_not_yet_valid_is_refused_naming_the_file(tmp_path):
     cert_path, key_path = tmp_path / "c.pem", tmp_path / "k.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_path.write_bytes(keys.key_pem(key))
+    key_path.chmod(0o600)
     with pytest.raises(CAError) as e:
         EmbeddedCA.load_or_create(tmp_path / "unused", "cluster.local", str(cert_path),
                                   str(key_path))
