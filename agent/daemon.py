@@ -235,15 +235,31 @@ class StateDirLock:
             os.close(fd)
             raise ConfigError("state_dir", str(self.path.parent),
                               f"another ambient-agent (pid {holder}) is using it", origin) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError as e:  # ENOSPC/EDQUOT/EIO: a full state dir; leave nothing behind
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            os.close(fd)
+            raise ConfigError("state_dir", str(self.path.parent),
+                              f"cannot write lock file {self.path}: "
+                              f"{errno.errorcode.get(e.errno or 0, '?')} "
+                              f"({e.strerror or e})", origin) from None
         self.fd = fd
 
     def release(self) -> None:
+        """Unlinks and closes the lock; an unlink refused (EPERM on an immutable dir,
+        EROFS) is one WARN naming the file, never an exception: shutdown goes on."""
         if self.fd is None:
             return
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("cannot remove lock file %s: %s (%s); the lock itself is released",
+                        self.path, errno.errorcode.get(e.errno or 0, '?'), e.strerror or e)
         os.close(self.fd)
         self.fd = None
 
