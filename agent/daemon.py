@@ -235,17 +235,108 @@ class StateDirLock:
             os.close(fd)
             raise ConfigError("state_dir", str(self.path.parent),
                               f"another ambient-agent (pid {holder}) is using it", origin) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError as e:  # ENOSPC/EDQUOT/EIO: a full state dir; leave nothing behind
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            os.close(fd)
+            raise ConfigError("state_dir", str(self.path.parent),
+                              f"cannot write lock file {self.path}: "
+                              f"{errno.errorcode.get(e.errno or 0, '?')} "
+                              f"({e.strerror or e})", origin) from None
         self.fd = fd
 
     def release(self) -> None:
+        """Unlinks and closes the lock; an unlink refused (EPERM on an immutable dir,
+        EROFS) is one WARN naming the file, never an exception: shutdown goes on."""
         if self.fd is None:
             return
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("cannot remove lock file %s: %s (%s); the lock itself is released",
+                        self.path, errno.errorcode.get(e.errno or 0, '?'), e.strerror or e)
         os.close(self.fd)
         self.fd = None
+
+
+class StateDirWatch(Component):
+    """Notices the state dir or its ``agent.lock`` vanishing or being replaced under a
+    running agent (``rm -rf`` of it: the sockets and the lock are gone, every pod ADD
+    would fail while /readyz said 200). Once a second it compares ``stat`` of the dir and
+    of ``agent.lock`` with the inodes held at start (two syscalls); on a change it is not
+    ready, naming the dir and what is missing, with one ERROR line per transition, and
+    ready again (one INFO) when both reappear as the same inodes. It does not recreate
+    anything: a fresh lock file would not be the one we hold."""
+
+    name = "statedir"
+    INTERVAL = 1.0  # seconds between checks
+
+    def __init__(self, lock: StateDirLock):
+        self.lock = lock
+        self.dir = lock.path.parent
+        self._want: tuple[tuple[int, int], tuple[int, int]] | None = None
+        self._problem = ""
+        self._task: asyncio.Task[None] | None = None
+
+    def _check(self) -> str:
+        """``""`` when intact, else what is missing or replaced."""
+        assert self._want is not None
+        wd, wl = self._want
+        try:
+            st = os.stat(self.dir)
+        except OSError as e:
+            return f"state dir {self.dir} is gone ({e.strerror})"
+        if (st.st_dev, st.st_ino) != wd:
+            return f"state dir {self.dir} was replaced (not the directory the agent started on)"
+        try:
+            sl = os.lstat(self.lock.path)
+        except OSError as e:
+            return f"lock file {self.lock.path} is gone ({e.strerror})"
+        if (sl.st_dev, sl.st_ino) != wl:
+            return f"lock file {self.lock.path} was replaced"
+        return ""
+
+    def poll(self) -> None:
+        """One check; logs on a transition only."""
+        problem = self._check()
+        if problem and problem != self._problem:
+            log.error("%s: the agent's sockets and lock live there; pod ADDs fail until "
+                      "it is restored (restart the agent)", problem)
+        elif not problem and self._problem:
+            log.info("state dir %s is intact again", self.dir)
+        self._problem = problem
+
+    async def start(self) -> None:
+        assert self.lock.fd is not None
+        st, sl = os.stat(self.dir), os.fstat(self.lock.fd)
+        self._want = ((st.st_dev, st.st_ino), (sl.st_dev, sl.st_ino))
+        self._task = asyncio.create_task(self._run(), name="statedir-watch")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.INTERVAL)
+            try:
+                self.poll()
+            except Exception:  # never dies: a check that fails says so
+                log.exception("state dir check failed")
+
+    async def stop(self, grace: float) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def ready(self) -> tuple[bool, str]:
+        return (not self._problem, self._problem)
+
+    def debug_state(self) -> dict[str, str]:
+        return {"state_dir": str(self.dir), "problem": self._problem}
 
 
 def set_created_series(enabled: bool) -> None:
@@ -335,6 +426,7 @@ class Agent:
                 await self._components.status.start_health()
                 pause = StartPause(FIRST_PUSH_PATH_ENDS, self._components.xds.first_push,
                                    FIRST_PUSH_WAIT)
+            self.ctx.add(StateDirWatch(self._lock))
             await self.supervisor.start(pause)
         except BaseException:
             # Started components were stopped by the supervisor (the early health port
