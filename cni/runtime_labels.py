@@ -34,6 +34,7 @@ import collections
 import json
 import logging
 import os
+import shutil
 from typing import Any
 
 from agent.core.backoff import Backoff
@@ -228,10 +229,11 @@ class PodmanLabels:
                 env = self._env()
                 if self.owner:
                     env[OWNER_ENV] = self.owner
+                argv, preexec = _dying_with_agent(
+                    [self.command, "events", "--format", "json", "--filter", "type=container"])
                 self._proc = await asyncio.create_subprocess_exec(
-                    self.command, "events", "--format", "json", "--filter", "type=container",
-                    env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                    limit=1 << 20, preexec_fn=_die_with_parent(os.getpid()))
+                    *argv, env=env, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE, limit=1 << 20, preexec_fn=preexec)
             except OSError as e:
                 log.error("cannot run %s events: %s; container labels come from inspect only",
                           self.command, e)
@@ -282,6 +284,20 @@ def _clean(raw: Any) -> dict[str, str]:
         return {}
     return {k: v for k, v in raw.items() if isinstance(k, str) and isinstance(v, str)
             and k not in _IGNORED}
+
+
+def _dying_with_agent(argv: list[str]) -> tuple[list[str], Any]:
+    """``(argv, preexec_fn)`` for a child that gets SIGKILL when the agent's thread that
+    started it dies (``PR_SET_PDEATHSIG``). With util-linux's ``setpriv`` (Debian's, in
+    the image) the argv is prefixed with ``setpriv --pdeathsig KILL --`` and there is no
+    ``preexec_fn``: a ``preexec_fn`` makes Python fork() and run the at-fork handlers in
+    the child, and gRPC's child handler then aborted it (SIGABRT, "epoll_wait error: Bad
+    file descriptor" on its stderr; it failed a CI run under load). Without ``setpriv``,
+    :func:`_die_with_parent` is the ``preexec_fn``."""
+    setpriv = shutil.which("setpriv")
+    if setpriv:
+        return [setpriv, "--pdeathsig", "KILL", "--", *argv], None
+    return argv, _die_with_parent(os.getpid())
 
 
 def _die_with_parent(parent: int):
