@@ -52,6 +52,8 @@ from cni.sourceapi import PodSource, PodStore, StoreChange
 log = logging.getLogger(__name__)
 
 DEBOUNCE = 0.1  # seconds: a burst of store events is written once
+RETRY_FIRST = 1.0  # seconds before the first retry of a failed write; doubled per failure
+RETRY_MAX = 30.0  # seconds: the longest wait between retries
 
 
 def snapshot_path(cni_event_socket: str) -> str:
@@ -120,6 +122,9 @@ class SnapshotWriter(Component):
         self._dirty = False
         self.writes = 0
         self.error = ""
+        self._failing = False  # the last write (or build) failed: the file is stale
+        self._retry_delay = RETRY_FIRST
+        self._wake = asyncio.Event()  # set by a relevant change: ends a retry wait early
 
     def _store(self) -> PodStore:
         return self.source.store
@@ -144,8 +149,14 @@ class SnapshotWriter(Component):
             return False
 
     async def start(self) -> None:
-        """Write the first snapshot and follow the store. A failed write is logged and
-        retried with the next change (the plugin keeps using the previous file).
+        """Write the first snapshot and follow the store.
+
+        A failed write (OSError, e.g. ENOSPC; or a store the snapshot can't be built
+        from) leaves the previous file in place (the plugin keeps using it) and is
+        retried after ``RETRY_FIRST`` seconds, doubling to ``RETRY_MAX``, or at the next
+        relevant change, whichever comes first, until a write succeeds. Meanwhile
+        :meth:`ready` is ``False`` with the file and the error as reason. Logged once as
+        ERROR when writes start failing and once as INFO when the file is current again.
 
         While the config source has not finished its first load, nothing is written:
         a snapshot of a partial store would tell the plugin that ambient pods of the
@@ -155,7 +166,10 @@ class SnapshotWriter(Component):
         os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
         self._unsubscribe = self._store().subscribe(self._on_events)
         if self._source_ready():
-            await self._write()
+            if not await self._write():
+                self._dirty = True
+                self._task = asyncio.get_running_loop().create_task(
+                    self._debounced(retry_first=True), name="cni-snapshot-write")
         else:
             self.error = "waiting for the config source's first load"
             self._dirty = True
@@ -178,11 +192,16 @@ class SnapshotWriter(Component):
                 pass
 
     def ready(self) -> tuple[bool, str]:
-        return (True, "") if self._written is not None else (False, self.error or "not written")
+        """``(False, reason)`` until the first write, and while the file is stale (the
+        last write failed; the reason names the file and the error)."""
+        if self._written is not None and not self._failing:
+            return True, ""
+        return False, self.error or "not written"
 
     def debug_state(self) -> Any:
         w = self._written or {}
         return {"path": self.path, "writes": self.writes, "error": self.error,
+                "stale": self._failing, "retry_delay": self._retry_delay,
                 "pods": len(w.get("pods") or {}), "namespaces": len(w.get("namespaces") or {})}
 
     def _relevant(self, ev) -> bool:
@@ -202,37 +221,71 @@ class SnapshotWriter(Component):
     def _on_events(self, events: Sequence[StoreChange]) -> None:
         if any(self._relevant(ev) for ev in events):
             self._dirty = True
+            self._wake.set()
             if self._task is None or self._task.done():
                 self._task = asyncio.get_running_loop().create_task(
                     self._debounced(), name="cni-snapshot-write")
 
-    async def _debounced(self) -> None:
+    async def _debounced(self, retry_first: bool = False) -> None:
+        """Write while dirty (debounced); after a failed write wait for the backoff or
+        the next relevant change (``_wake``), then try again. ``retry_first``: the
+        caller's write just failed, wait before the first attempt."""
         while self._dirty:
+            if retry_first:
+                retry_first = False
+                await self._retry_wait()
             await asyncio.sleep(DEBOUNCE)
             if not self._source_ready():
                 continue  # stays dirty: written once the source is loaded
             self._dirty = False
-            await self._write()
+            if not await self._write():
+                self._dirty = True
+                await self._retry_wait()
 
-    async def _write(self) -> None:
+    async def _retry_wait(self) -> None:
+        """Sleep ``_retry_delay`` seconds or until a relevant change, then double the
+        delay (at most ``RETRY_MAX``)."""
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), self._retry_delay)
+        except asyncio.TimeoutError:
+            pass
+        self._retry_delay = min(self._retry_delay * 2, RETRY_MAX)
+
+    def _failed(self, error: str) -> None:
+        """Record a failed build or write: ERROR once when failing starts, then DEBUG."""
+        self.error = error
+        if not self._failing:
+            self._failing = True
+            log.error("%s; the plugin keeps the previous snapshot; retrying", error)
+        else:
+            log.debug("%s (retry in %gs)", error, self._retry_delay)
+
+    async def _write(self) -> bool:
+        """Write the snapshot if it differs from the file's; whether the file is now
+        current (False: see :meth:`_failed`)."""
         try:
             content = self._content()
         except Exception as e:  # noqa: BLE001 - a broken store must not stop the agent
-            self.error = f"cannot build the snapshot: {e}"
-            log.error("%s", self.error)
-            return
-        if content == self._written:
-            return
-        try:
-            await self.ctx.run_blocking(write_snapshot, self.path, content)
-        except OSError as e:
-            self.error = f"cannot write {self.path}: {e}"
-            log.error("%s; the plugin keeps the previous snapshot", self.error)
-            return
-        self._written, self.error = content, ""
-        self.writes += 1
-        log.debug("enablement snapshot written: %d pods, %d namespaces",
-                  len(content["pods"]), len(content["namespaces"]))
+            self._failed(f"cannot build the snapshot for {self.path}: {e}")
+            return False
+        if content != self._written:
+            try:
+                await self.ctx.run_blocking(write_snapshot, self.path, content)
+            except OSError as e:
+                self._failed(f"cannot write {self.path}: {e}")
+                return False
+            self._written = content
+            self.writes += 1
+            log.debug("enablement snapshot written: %d pods, %d namespaces",
+                      len(content["pods"]), len(content["namespaces"]))
+        # equal to what was last written: a failed write left that file in place
+        self.error = ""
+        self._retry_delay = RETRY_FIRST
+        if self._failing:
+            self._failing = False
+            log.info("enablement snapshot %s is current again", self.path)
+        return True
 
 
 def build(ctx: AgentContext, source: PodSource) -> SnapshotWriter:

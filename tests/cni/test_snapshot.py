@@ -159,3 +159,99 @@ async def test_previous_snapshot_kept_until_the_source_has_loaded(tmp_path):
         await writer.stop(1)
         await source.stop(1)
         ctx.executor.shutdown(wait=False)
+
+
+def _records(caplog, level):
+    return [r for r in caplog.records if r.name == "cni.snapshot" and r.levelno == level]
+
+
+async def _stale_then_caught_up(tmp_path, caplog, cluster, writer, block, unblock):
+    """Shared body: after a good write, ``block()`` makes writes fail; a change then
+    leaves the file stale (not ready, reason naming file and error, one ERROR);
+    ``unblock()`` and, with no further change, the file catches up (one INFO)."""
+    import logging
+    caplog.set_level(logging.DEBUG, logger="cni.snapshot")
+    await eventually(lambda: writer.ready() == (True, ""))
+    assert read(writer)["namespaces"] == {"shop": False}
+    block()
+    write(cluster / "all.yaml", *objects(AMBIENT))
+    await eventually(lambda: not writer.ready()[0], timeout=20, what="not ready while stale")
+    ok, why = writer.ready()
+    assert "cannot write" in why and writer.path in why, why
+    assert writer.debug_state()["stale"] is True
+    # retried with backoff meanwhile, logged as ERROR only once
+    await eventually(lambda: writer.debug_state()["retry_delay"] >= 4, timeout=30,
+                     what="two retries")
+    assert len(_records(caplog, logging.ERROR)) == 1
+    assert not writer.ready()[0]
+    unblock()
+    # no change: the retry alone catches the file up
+    await eventually(lambda: writer.ready() == (True, ""), timeout=40, what="caught up")
+    assert read(writer)["namespaces"] == {"shop": True}
+    assert read(writer)["pods"] == {"u-cart": True}
+    infos = [r for r in _records(caplog, logging.INFO) if "current again" in r.getMessage()]
+    assert len(infos) == 1 and len(_records(caplog, logging.ERROR)) == 1
+    assert writer.debug_state()["retry_delay"] == snapshot.RETRY_FIRST
+
+
+async def test_stale_snapshot_is_not_ready_and_retried_until_written(tmp_path, caplog):
+    """A write failing after a good one (here: a directory where the file goes, rename
+    fails) was logged once and never retried, and ``ready`` stayed True."""
+    cluster = tmp_path / "cluster"
+    cluster.mkdir()
+    write(cluster / "all.yaml", *objects({}))
+    ctx, source, writer, _ = await start(tmp_path)
+
+    def block():
+        os.unlink(writer.path)
+        os.mkdir(writer.path)
+        open(os.path.join(writer.path, "keep"), "w").close()  # rename over it fails
+
+    def unblock():
+        os.unlink(os.path.join(writer.path, "keep"))
+        os.rmdir(writer.path)
+
+    try:
+        await _stale_then_caught_up(tmp_path, caplog, cluster, writer, block, unblock)
+    finally:
+        await writer.stop(1)
+        await source.stop(1)
+        ctx.executor.shutdown(wait=False)
+
+
+async def test_enospc_snapshot_is_not_ready_and_caught_up_after_space_freed(tmp_path, caplog):
+    """The tester's case: the state dir is a small tmpfs, filled (ENOSPC), then freed."""
+    import errno
+    import subprocess
+    import pytest
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    state = tmp_path / "state"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700",
+                    f"snaptest-{os.getpid()}", str(state)], check=True)
+    filler = state / "filler"
+    try:
+        cluster = tmp_path / "cluster"
+        cluster.mkdir()
+        write(cluster / "all.yaml", *objects({}))
+        ctx, source, writer, _ = await start(tmp_path)
+
+        def block():
+            with open(filler, "wb", buffering=0) as f:
+                try:
+                    while True:
+                        f.write(b"x" * 4096)
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC
+
+        try:
+            await _stale_then_caught_up(tmp_path, caplog, cluster, writer, block,
+                                        lambda: os.unlink(filler))
+            assert "No space left" in caplog.text
+        finally:
+            await writer.stop(1)
+            await source.stop(1)
+            ctx.executor.shutdown(wait=False)
+    finally:
+        subprocess.run(["umount", str(state)], check=False)
