@@ -10,11 +10,14 @@ host-network pod; the status port faces the network):
 - **body timeout** (:func:`read_body`): a request whose body does not arrive in full within
   ``BODY_TIMEOUT`` seconds gets 408 and the connection is closed.
 - **connection cap** (:class:`BoundedTCPSite`): past ``max_connections`` open connections,
-  or ``max_per_source`` from one client address, a new one is answered ``503`` and closed
-  at once, so it never holds an fd (on the health port it instead replaces the least
-  recently active connection, so the liveness probe is never starved); the refusals
-  are counted (``ambient_agent_listener_connections_refused_total{listener}``) and logged at most
-  once a minute. Open connections: ``ambient_agent_listener_connections{listener}``.
+  or ``max_per_source`` from one client address, a new connection takes the place of the
+  least recently active one that has no request in progress (the health port: of any
+  one), so connections that sit idle never starve a probe; only when every candidate is
+  serving a request is the newcomer answered ``503`` and closed at once, so it never holds
+  an fd. Evictions and refusals are counted
+  (``ambient_agent_listener_connections_evicted_total{listener}``,
+  ``ambient_agent_listener_connections_refused_total{listener}``); refusals are logged at
+  most once a minute. Open connections: ``ambient_agent_listener_connections{listener}``.
 - **malformed HTTP** (:class:`HttpErrorLog`): aiohttp logs a bad request line or header
   with a full traceback at ERROR; here it is one DEBUG line per connection.
 - **gRPC servers** (:func:`grpc_server_bounds`): gRPC core's own connection cap, a
@@ -158,6 +161,10 @@ class ListenerMetrics:
         self.refused = Counter("ambient_agent_listener_connections_refused",
                                "connections refused because the listener was at its cap",
                                ["listener"], registry=registry)
+        self.evicted = Counter("ambient_agent_listener_connections_evicted",
+                               "least recently active connections closed to make room for "
+                               "a new one at the listener's cap", ["listener"],
+                               registry=registry)
 
     @classmethod
     def of(cls, registry: CollectorRegistry) -> "ListenerMetrics":
@@ -209,6 +216,14 @@ class _Counted(asyncio.Protocol):
         if self._inner is not None:
             self._inner.resume_writing()
 
+    def busy(self) -> bool:
+        """A request of this connection is being handled (its headers were read and the
+        handler has not answered yet). aiohttp has no public accessor: its
+        ``RequestHandler`` keeps this flag for graceful shutdown;
+        tests/status/test_health_starvation.py fails if an upgrade drops it."""
+        inner = self._inner
+        return isinstance(inner, web_protocol.RequestHandler) and inner._request_in_progress
+
     def connection_lost(self, exc) -> None:
         if self._inner is not None:
             self._site._release(self)
@@ -223,23 +238,29 @@ class BoundedTCPSite(web.TCPSite):
     accepts a batch before any of them is set up, so aiohttp's own connection list would
     let a burst overshoot).
 
-    ``evict_idle`` (the health port, whose client that matters is kubelet's liveness
-    probe: one short request per connection): a connection past a cap is not refused but
-    takes the place of the least recently active connection (no bytes received for the
-    longest) of its own address (per-source cap) or of anyone (global cap), so idle
-    connections held by other peers, or by another process on the prober's own address,
-    never starve the probe. Otherwise the newcomer is answered 503 and closed.
+    ``evict`` says what a connection past a cap does, so that idle connections held by
+    other peers, or by another process on the prober's own address, never starve
+    kubelet's probes: ``"quiet"`` (the status and monitoring ports) takes the place of the
+    least recently active connection (no bytes received for the longest) that has no
+    request in progress, of its own address (per-source cap) or of anyone (global cap),
+    and is answered 503 and closed only when all of those are serving a request;
+    ``"any"`` (the health port: one short request per connection) takes the place of the
+    least recently active one whatever it is doing; ``""`` always refuses.
     """
+
+    EVICT_MODES = ("", "quiet", "any")
 
     def __init__(self, runner: web.AppRunner, host: str | None, port: int, *,
                  listener: str, max_connections: int, max_per_source: int = 0,
-                 evict_idle: bool = False,
+                 evict: str = "",
                  registry: CollectorRegistry | None = None, **kwargs: Any):
         super().__init__(runner, host, port, **kwargs)
         self.listener = listener
         self.max_connections = max_connections
         self.max_per_source = max_per_source
-        self.evict_idle = evict_idle
+        if evict not in self.EVICT_MODES:
+            raise ValueError(f"evict must be one of {self.EVICT_MODES}, got {evict!r}")
+        self.evict = evict
         self.open_connections = 0
         self.refused = 0
         self.evicted = 0
@@ -248,6 +269,7 @@ class BoundedTCPSite(web.TCPSite):
         metrics = ListenerMetrics.of(registry if registry is not None else CollectorRegistry())
         self._open_gauge = metrics.open.labels(listener)
         self._refused_counter = metrics.refused.labels(listener)
+        self._evicted_counter = metrics.evicted.labels(listener)
         self._limiter = RepeatLimiter()
 
     def _factory(self) -> asyncio.Protocol:
@@ -257,12 +279,14 @@ class BoundedTCPSite(web.TCPSite):
         """aiohttp's protocol for ``conn`` once it holds a slot, or None (refused)."""
         source = conn.source
         if self.max_per_source and self._per_source.get(source, 0) >= self.max_per_source:
-            if not self._evict(source):
+            if not self._evict(source, f"{self._per_source[source]} connections open from "
+                                       f"{source}, the per-source cap ({self.max_per_source})"):
                 self._refuse(f"{self._per_source[source]} connections open from "
                              f"{source}, the per-source cap ({self.max_per_source})")
                 return None
         if (self.max_connections and self.open_connections >= self.max_connections
-                and not self._evict(None)):
+                and not self._evict(None, f"{self.open_connections} connections open, "
+                                          f"the cap ({self.max_connections})")):
             self._refuse(f"{self.open_connections} connections open, the cap "
                          f"({self.max_connections})")
             return None
@@ -283,19 +307,31 @@ class BoundedTCPSite(web.TCPSite):
             log.warning("%s: %s: refusing new ones%s", self.listener, why,
                         f" ({held} refused since the last warning)" if held else "")
 
-    def _evict(self, source: str | None) -> bool:
-        """With ``evict_idle``: close the least recently active connection (of ``source``,
-        or of anyone for None) and give its slot back now. False when not evicting."""
-        if not self.evict_idle:
+    def _evict(self, source: str | None, why: str) -> bool:
+        """Per ``evict``: close the least recently active connection (of ``source``, or of
+        anyone for None; with ``"quiet"`` only one with no request in progress) and give
+        its slot back now; ``why`` (the cap reached) is logged at most once a minute.
+        False when nothing may be evicted. O(open connections): runs only at a cap."""
+        if not self.evict:
             return False
-        candidates = [c for c in self._open if source is None or c.source == source]
-        if not candidates:
+        quiet = self.evict == "quiet"
+        victim: _Counted | None = None
+        for c in self._open:
+            if ((source is None or c.source == source) and not (quiet and c.busy())
+                    and (victim is None or c.active < victim.active)):
+                victim = c
+        if victim is None:
             return False
-        victim = min(candidates, key=lambda c: c.active)
         self._release(victim)
         if victim.transport is not None:
             victim.transport.close()
         self.evicted += 1
+        self._evicted_counter.inc()
+        allowed, held = self._limiter.check("evict", time.monotonic())
+        if allowed:
+            log.warning("%s: %s: closing the least recently active connection for each new "
+                        "one%s", self.listener, why,
+                        f" ({held} closed since the last warning)" if held else "")
         return True
 
     def _release(self, conn: _Counted) -> None:

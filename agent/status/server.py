@@ -38,9 +38,11 @@ list, change or reset the log levels without a restart; :func:`agent.core.logset
 Every listener is bounded (:mod:`agent.core.listeners`): ``status_idle_timeout`` for idle
 connections and unfinished headers; the TCP ports hold at most ``status_max_connections`` /
 ``health_max_connections`` connections (fitted to the open-files limit by
-:mod:`agent.core.fdbudget`) and ``max_connections_per_source`` from one address, more are
-answered 503 and closed (the health port instead closes its least recently active
-connection, so kubelet's liveness probe always gets in); malformed HTTP is one DEBUG line.
+:mod:`agent.core.fdbudget`) and ``max_connections_per_source`` from one address; past a cap
+a new connection takes the place of the least recently active one with no request in
+progress (the health port: of any one), so idle connections never keep kubelet's probes
+out, and only when every candidate is serving a request is it answered 503 and closed;
+malformed HTTP is one DEBUG line.
 
 ``start()`` raises :class:`agent.core.config.ConfigError` naming ``kube_app_probers`` or
 ``prometheus_annotations`` when those values are invalid, so the CLI prints one line.
@@ -205,7 +207,7 @@ class StatusServer(Component):
         site = listeners.BoundedTCPSite(runner, host, port, listener=listener,
                                         max_connections=max_connections,
                                         max_per_source=self.ctx.config.max_connections_per_source,
-                                        evict_idle=listener == "health",
+                                        evict="any" if listener == "health" else "quiet",
                                         registry=self.ctx.registry, reuse_address=True)
         await site.start()
         self.sites[listener] = site
@@ -258,7 +260,7 @@ class StatusServer(Component):
             "admin_socket": self.admin_socket,
             "connections": {name: {"open": site.open_connections,
                                    "cap": site.max_connections, "refused": site.refused,
-                                   **({"evicted": site.evicted} if site.evict_idle else {})}
+                                   "evicted": site.evicted}
                             for name, site in self.sites.items()},
             "app_probes": {path: vars(p) for path, p in self.probes.items()},
             "probe_destination": self.probe_target.host,

@@ -38,32 +38,36 @@ async def test_idle_and_half_sent_connections_are_closed(tmp_path):
             w.close()
 
 
-async def test_connection_cap_refuses_the_extra_ones_and_counts_them(tmp_path):
+async def test_connection_cap_closes_the_oldest_idle_one_and_counts_it(tmp_path):
+    """At the cap a new connection takes the least recently active idle one's place
+    (refusal when all are busy: tests/status/test_health_starvation.py)."""
     async with running_status(tmp_path, status_max_connections=5,
                               status_idle_timeout=60) as (ctx, server):
-        held = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(5)]
-        await asyncio.sleep(0.05)
+        held = []
+        for _ in range(5):
+            held.append(await asyncio.open_connection("127.0.0.1", server.port))
+            await asyncio.sleep(0.01)  # distinct accept times: held[0] is the oldest
+        deadline = asyncio.get_running_loop().time() + 5
+        while server.sites["status"].open_connections < 5:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
         extra_r, extra_w = await asyncio.open_connection("127.0.0.1", server.port)
-        answer = await until_closed(extra_r, 5)
-        assert answer.startswith(b"HTTP/1.1 503 ") and b"too many connections" in answer
-        extra_w.close()
-        # the held connections are still served
-        r, w = held[0]
+        extra_w.write(b"GET /healthz/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(extra_r.readline(), 5)).startswith(b"HTTP/1.1 200")
+        # the oldest was closed by the agent; the others are still served
+        assert await until_closed(held[0][0], 5) == b""
+        r, w = held[1]
         w.write(b"GET /healthz/ready HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (await asyncio.wait_for(r.readline(), 5)).startswith(b"HTTP/1.1 200")
         sample = ctx.registry.get_sample_value
-        assert sample("ambient_agent_listener_connections_refused_total", {"listener": "status"}) == 1
+        assert sample("ambient_agent_listener_connections_evicted_total", {"listener": "status"}) == 1
+        assert sample("ambient_agent_listener_connections_refused_total", {"listener": "status"}) == 0
         assert sample("ambient_agent_listener_connections", {"listener": "status"}) == 5
         assert server.debug_state()["connections"]["status"] == {"open": 5, "cap": 5,
-                                                                 "refused": 1}
-        # closing one frees its slot
+                                                                 "refused": 0, "evicted": 1}
+        extra_w.close()
         for _, w in held:
             w.close()
-        await asyncio.sleep(0.1)
-        r, w = await asyncio.open_connection("127.0.0.1", server.port)
-        w.write(b"GET /healthz/ready HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert (await asyncio.wait_for(r.readline(), 5)).startswith(b"HTTP/1.1 200")
-        w.close()
 
 
 async def test_malformed_http_on_the_status_port_is_one_debug_line(tmp_path, caplog):
