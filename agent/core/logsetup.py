@@ -112,6 +112,16 @@ THIRD_PARTY = ("asyncio", "aiohttp", "aiohttp.access", "pyroute2", "watchfiles",
                "kubernetes_asyncio", "urllib3")
 
 
+LEVEL_SPEC_MAX = 1024  # characters of a level spec: the agent's scopes fit many times over
+_QUOTE_MAX = 60  # characters of a bad clause quoted back in an error
+
+
+def _quoted(text: str) -> str:
+    """``repr`` of ``text``, cut to :data:`_QUOTE_MAX` characters (an error names the part,
+    never echoes kilobytes)."""
+    return repr(text if len(text) <= _QUOTE_MAX else text[:_QUOTE_MAX] + "...")
+
+
 def logger_name(scope: str) -> str:
     """The logger a scope controls: ``"sds"`` -> ``"agent.sds"``, ``"zds.server"`` ->
     ``"zds.server"``. Raises ValueError naming the scope when it is none of ours nor a
@@ -121,19 +131,24 @@ def logger_name(scope: str) -> str:
     if top in PACKAGES or name in THIRD_PARTY or top in THIRD_PARTY:
         return name
     known = ", ".join([*PACKAGES, *SCOPE_ALIASES, *THIRD_PARTY])
-    raise ValueError(f"unknown log scope {scope!r} (use one of {known}, or a module path below one)")
+    raise ValueError(f"unknown log scope {_quoted(scope)} (use one of {known}, or a module path below one)")
 
 
 def parse_levels(spec: str, default: int = logging.INFO) -> tuple[int, dict[str, int]]:
     """``"info,sds:debug"`` -> ``(INFO, {"agent.sds": DEBUG})``: the default level and the
     level per logger name (aliases resolved). A clause is ``LEVEL`` (the default) or
     ``SCOPE:LEVEL``; ``SCOPE=LEVEL`` (ztunnel's form) is the same. ``default`` is the
-    level when the spec names none. Raises ValueError naming the bad part."""
+    level when the spec names none. Raises ValueError naming the bad part (quoted at most
+    60 characters), or the length when the spec is over :data:`LEVEL_SPEC_MAX` characters."""
+    if len(spec) > LEVEL_SPEC_MAX:
+        raise ValueError(f"level spec is {len(spec)} characters, more than the "
+                         f"{LEVEL_SPEC_MAX} allowed")
     per: dict[str, int] = {}
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         name, _, level = part.replace("=", ":").rpartition(":")
         if level.lower() not in LEVELS:
-            raise ValueError(f"unknown level {level!r} in {part!r} (use debug, info, warn, error, none)")
+            raise ValueError(f"unknown level {_quoted(level)} in {_quoted(part)} "
+                             f"(use debug, info, warn, error, none)")
         if name:
             per[logger_name(name.strip())] = LEVELS[level.lower()]
         else:

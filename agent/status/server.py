@@ -423,7 +423,7 @@ class StatusServer(Component):
             try:
                 levels = logsetup.change_levels(spec, reset=reset)
             except ValueError as e:
-                return web.Response(status=400, text=f"invalid level {spec!r}: {e}\n")
+                return web.Response(status=400, text=f"invalid level spec: {e}\n")
             log.info("log levels now %s (admin socket)", logsetup.format_levels(levels))
         else:
             levels = logsetup.current_levels()
