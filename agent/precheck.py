@@ -18,7 +18,9 @@ settings they read (flags, env and config file as for ``run``):
 - ``istio-cni``: no other istio-cni is installed: the ``istio-cni`` binary in
   ``cni_bin_dir`` is ours (our launcher, or a standalone build we installed) and no
   upstream istio-cni node agent answers on ``/var/run/istio-cni/pluginevent.sock``.
-- ``ports``: every TCP port the agent listens on can be bound now.
+- ``ports``: every TCP port the agent listens on can be bound now; a busy one names who
+  listens on it (the running agent of this state dir, from its ``agent.lock``, or a pid and
+  process name).
 - ``ZDS socket``: the directory of ``ztunnel_uds_address`` is (or can be made) writable and
   no live server answers on the socket (another agent).
 - ``ztunnel``: a ztunnel answers its readiness port (``http://127.0.0.1:15021/healthz/ready``);
@@ -216,18 +218,88 @@ def check_istio_cni(config: Config) -> Check:
     return Check("istio-cni", OK, f"no other istio-cni; {binary} {state}")
 
 
+def running_agent(state_dir: str) -> int | None:
+    """The pid of the agent holding ``<state_dir>/agent.lock`` (its ``flock`` is taken,
+    the file holds the pid), or None when no agent runs on that state dir."""
+    import fcntl
+
+    path = os.path.join(state_dir, "agent.lock")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.read(fd, 32).decode(errors="replace").strip()
+            return int(text) if text.isdigit() else 0
+        except OSError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def port_holders(ports: set[int]) -> dict[int, list[tuple[int, str]]]:
+    """Listening TCP ``port -> [(pid, process name)]`` for ``ports``, from the kernel's
+    socket table (psutil). Sockets of processes we may not inspect have no pid (0)."""
+    import psutil
+
+    out: dict[int, list[tuple[int, str]]] = {}
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return out
+    for c in conns:
+        if c.status != psutil.CONN_LISTEN or not c.laddr or c.laddr.port not in ports:
+            continue
+        pid = c.pid or 0
+        try:
+            name = psutil.Process(pid).name() if pid else "?"
+        except psutil.Error:
+            name = "?"
+        if (pid, name) not in out.setdefault(c.laddr.port, []):
+            out[c.laddr.port].append((pid, name))
+    return out
+
+
+def _held_by(port: int, holders: dict[int, list[tuple[int, str]]], agent_pid: int | None,
+             state_dir: str) -> str:
+    """`` (held by ...)`` naming who listens on ``port``: the running agent of
+    ``state_dir`` when its pid is the listener, else each listener's pid and name."""
+    who = holders.get(port, [])
+    if agent_pid and any(pid == agent_pid for pid, _ in who):
+        return f" (held by the running agent, pid {agent_pid}, of {state_dir})"
+    if who:
+        return " (held by " + ", ".join(f"pid {pid} {name}" if pid else "a process not "
+                                        "visible to this user" for pid, name in who) + ")"
+    return ""
+
+
 def check_ports(config: Config) -> Check:
+    """Each of the agent's TCP ports can be bound now; a busy one names its holder (the
+    running agent of this state dir, or the pid and name of whoever listens), since a
+    port held by our own running agent is a different finding from a foreign process."""
     from agent.core.config import ConfigError, ensure_tcp_port_free
 
     from agent.core.config import tcp_listeners
 
-    busy, free = [], []
+    taken: list[tuple[int, str]] = []
+    free = []
     for setting, host, port in tcp_listeners(config):
         try:
             ensure_tcp_port_free(setting, host, port)
             free.append(str(port))
         except ConfigError as e:
-            busy.append(str(e))
+            taken.append((port, str(e)))
+    busy = []
+    if taken:
+        holders = port_holders({p for p, _ in taken})
+        agent_pid = running_agent(config.state_dir)
+        busy = [text + _held_by(port, holders, agent_pid, config.state_dir)
+                for port, text in taken]
     if busy:
         return Check("ports", FAIL, "; ".join(busy))
     return Check("ports", OK, f"free: {', '.join(free)}")

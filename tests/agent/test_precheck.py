@@ -81,6 +81,8 @@ def test_busy_port_and_live_zds_socket(tmp_path):
         cfg = config(tmp_path, xds_port=str(busy.getsockname()[1]))
         c = precheck.check_ports(cfg)
         assert c.state == precheck.FAIL and "xds_port" in c.detail
+        # who holds it is named (a tester saw FAIL with no holder beside a running agent)
+        assert f"held by pid {os.getpid()} " in c.detail, c.detail
         c = precheck.check_zds(cfg)
         assert c.state == precheck.FAIL and "live server" in c.detail
     finally:
@@ -154,3 +156,28 @@ def test_istio_crds_unreachable_api_server_is_a_warning(tmp_path):
     c = precheck.check_istio_crds(config(tmp_path, config_source="kubernetes",
                                          kubeconfig=str(kubeconfig)), timeout=2)
     assert c.state == precheck.WARN and "cannot read the CRDs" in c.detail, c
+
+
+def test_a_port_held_by_the_running_agent_says_so(tmp_path):
+    """Beside a running agent its ports are busy: precheck still FAILs them (the agent
+    cannot start twice) but names the agent's pid and state dir, read from the lock the
+    agent holds (here this process holds it, as ``run`` does, and listens)."""
+    from agent.daemon import StateDirLock
+
+    state = tmp_path / "state"
+    state.mkdir()
+    lock = StateDirLock(state)
+    lock.acquire()
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        assert precheck.running_agent(str(state)) == os.getpid()
+        cfg = config(tmp_path, xds_port=str(busy.getsockname()[1]), state_dir=str(state))
+        c = precheck.check_ports(cfg)
+        assert c.state == precheck.FAIL
+        assert f"held by the running agent, pid {os.getpid()}, of {state}" in c.detail, c.detail
+    finally:
+        busy.close()
+        lock.release()
+    assert precheck.running_agent(str(state)) is None
