@@ -20,8 +20,11 @@ the state dir (its ``agent.lock`` is held, which names the pid, or its admin, CN
 or ZDS socket answers); when the plugin in ``cni_bin_dir`` or an ``istio-cni`` conflist entry is not
 this agent's (another istio-cni, e.g. upstream's: a binary without our launcher's mark,
 an entry whose ``cni_agent_run_dir`` is not this agent's) unless ``--force``.
-``--dry-run`` prints what would be removed and changes nothing. Exit 0 when everything
-listed was removed (or nothing was there), 1 when a step failed (the others still ran).
+``--dry-run`` prints what would be removed and changes nothing, also where a real run
+would refuse: it then lists the plan all the same, after one line on stderr saying why the
+real run would refuse now (the running agent's pid, the answering socket, the foreign
+plugin), and exits 1. Exit 0 when everything listed was removed (or nothing was there),
+1 when a step failed (the others still ran).
 """
 
 from __future__ import annotations
@@ -106,6 +109,26 @@ def hold_lock(state_dir: str, create: bool) -> int | None:
         raise Refused(f"an ambient-agent (pid {holder}) is running on state dir {state_dir}: "
                       "stop it first (cleanup is for a node whose agent is gone)") from None
     return fd
+
+
+def lock_holder(state_dir: str) -> str | None:
+    """The pid (text) of the agent holding ``<state_dir>/agent.lock``, or None when it is
+    free or absent. Takes no lock that outlives the call (a dry run must not keep an agent
+    from starting)."""
+    path = os.path.join(state_dir, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.read(fd, 32).decode(errors="replace").strip() or "?"
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # closing drops a shared lock we got
+    return None
 
 
 def check_no_agent(config: Any) -> None:
@@ -266,6 +289,8 @@ def run(config: Any, dry_run: bool, force: bool, out: Any = None) -> int:
     if os.geteuid() != 0:
         raise Refused("cleanup must run as root (it removes rules in network namespaces)")
     state_dir = config.state_dir
+    if dry_run:
+        return _dry_run(config, force, out)
     fd = hold_lock(state_dir, create=False)
     try:
         check_no_agent(config)
@@ -279,10 +304,6 @@ def run(config: Any, dry_run: bool, force: bool, out: Any = None) -> int:
             return 0
         failed = 0
         for desc, action in steps:
-            if dry_run:
-                print(f"would {desc}" if desc.startswith(("remove ", "restore "))
-                      else f"would remove {desc}", file=out)
-                continue
             if action is None:
                 continue
             try:
@@ -293,14 +314,43 @@ def run(config: Any, dry_run: bool, force: bool, out: Any = None) -> int:
                 continue
             for line in said if isinstance(said, list) and said else [f"removed {desc}"]:
                 print(line, file=out)
-        if not dry_run:
-            lock = os.path.join(state_dir, LOCK_NAME)
-            if os.path.exists(lock):
-                os.unlink(lock)
+        lock = os.path.join(state_dir, LOCK_NAME)
+        if os.path.exists(lock):
+            os.unlink(lock)
         return 1 if failed else 0
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def _dry_run(config: Any, force: bool, out: Any) -> int:
+    """``--dry-run``: the plan, changing nothing and holding no lock. Where a real run
+    would refuse now (an agent running, a foreign plugin without ``force``) one line on
+    stderr says why, the plan is printed all the same, and the exit code is 1."""
+    refusals = []
+    holder = lock_holder(config.state_dir)
+    if holder is not None:
+        refusals.append(f"an ambient-agent (pid {holder}) is running on state dir "
+                        f"{config.state_dir}")
+    else:
+        try:
+            check_no_agent(config)
+        except Refused as e:
+            refusals.append(str(e))
+    installs = installers(config)
+    problems = [p for installer in installs for p in foreign(installer)]
+    if problems and not force:
+        refusals.append("; ".join(problems) + " (--force removes it too)")
+    if refusals:
+        print(f"ambient-agent cleanup: a real run would refuse now: {'; '.join(refusals)}; "
+              "what it would remove once it can:", file=sys.stderr)
+    steps = plan(config, installs)
+    if not steps:
+        print("nothing to clean up", file=out)
+    for desc, _ in steps:
+        print(f"would {desc}" if desc.startswith(("remove ", "restore "))
+              else f"would remove {desc}", file=out)
+    return 1 if refusals else 0
 
 
 def main(args: argparse.Namespace) -> int:

@@ -134,6 +134,13 @@ def test_running_agent_and_foreign_plugin_refused(decommissioned, node):
         code, out, err = cleanup(*argv)
         assert code == 1 and out == "" and "(pid 4242) is running" in err
         assert len(err.splitlines()) == 1
+        # a dry run beside the running agent still says what cleanup would remove (a
+        # tester found it refused too), names the agent, exits 1, and takes no lock
+        code, out, err = cleanup(*argv, "--dry-run")
+        assert code == 1 and "a real run would refuse now" in err and "(pid 4242)" in err
+        assert len(err.splitlines()) == 1
+        assert f"would remove in-pod rules of shop/web (uid {pod.uid})" in out, out
+        assert snapshot(pod) == pod_before and node_rules(node) == node_before
     finally:
         os.close(lock)
     import socket
@@ -146,6 +153,10 @@ def test_running_agent_and_foreign_plugin_refused(decommissioned, node):
     code, out, err = cleanup(*argv)
     assert code == 1 and out == "" and "was not installed by this agent" in err
     assert len(err.splitlines()) == 1
+    code, out, err = cleanup(*argv, "--dry-run")
+    assert code == 1 and "was not installed by this agent" in err and "would remove" in out
+    code, out, err = cleanup(*argv, "--dry-run", "--force")
+    assert code == 0 and err == "" and f"would remove {bindir / 'istio-cni'}" in out
     assert snapshot(pod) == pod_before and node_rules(node) == node_before
     assert (bindir / "istio-cni").read_bytes() == b"\x7fELF upstream binary"
     code, out, err = cleanup(*argv, "--force")
