@@ -71,7 +71,7 @@ def agent_argv(state, node_netns: str, **ports: str) -> tuple[list[str], dict]:
     return argv, env
 
 
-PORT_FLAGS = ("--status-port", "--health-port", "--xds-port")
+PORT_FLAGS = ("--status-port", "--health-port", "--xds-port", "--monitoring-port")
 
 
 def start_agent(argv: list[str], env: dict, state) -> subprocess.Popen:
@@ -94,6 +94,8 @@ def start_agent(argv: list[str], env: dict, state) -> subprocess.Popen:
         proc.wait()
         if "Address already in use" in out and attempt < 2:
             for flag in PORT_FLAGS:
+                if flag not in argv:
+                    continue
                 i = argv.index(flag) + 1
                 if argv[i] != "0":
                     argv[i] = str(free_port())
