@@ -78,7 +78,12 @@ _SECRET_FILES = {"ca_key_file": "it holds the mesh CA's signing key"}
 # certificates and trust bundles: public, but no other user may write them
 _PUBLIC_FILES = {"ca_cert_file": "it is the mesh CA's root",
                  "ca_root_cert": "it verifies the Istio CA",
-                 "trust_anchors_file": "it adds roots every workload trusts"}
+                 "trust_anchors_file": "it adds roots every workload trusts",
+                 # bearer tokens: Kubernetes projects them root-owned 0644, so only a
+                 # foreign owner or group/other write is refused (a writer could swap in
+                 # a token of their choosing)
+                 "ca_token_file": "it is the agent's credential to the Istio CA",
+                 "xds_token_file": "it is the token plaintext xDS clients must present"}
 
 
 def _file_trust_checks(values: Mapping[str, Any]) -> Iterator[tuple[str, str]]:

@@ -26,6 +26,7 @@ from typing import Callable
 import watchfiles
 from cryptography.hazmat.primitives.serialization import Encoding
 
+from agent.core import trusted
 from agent.core.backoff import Backoff
 from agent.sds import keys
 
@@ -77,8 +78,17 @@ def parse(name: str) -> FileResource | None:
 
 
 def _read(path: str) -> bytes:
+    """The bytes of a certificate, key or root file the agent serves. Refused
+    (:class:`FileSecretError` naming path, owner and mode) when the file, as opened (a
+    symlink's target), is owned by neither the agent's euid nor root or is writable by
+    group or others (:func:`agent.core.trusted.public_file_problem`): its writer could
+    make the agent hand out a key pair or roots of their choosing. Readable by others is
+    allowed, as Kubernetes mounts Secrets 0644 by default."""
     try:
         with open(path, "rb") as f:
+            problem = trusted.public_file_problem(os.fstat(f.fileno()))
+            if problem:
+                raise FileSecretError(f"{path} {problem}: refused, not served")
             return f.read()
     except OSError as e:
         raise FileSecretError(f"{path}: {e.strerror or e}") from None

@@ -182,3 +182,36 @@ def test_config_file_dev_null_means_no_file(tmp_path):
     # /dev/null is 0666 but every read is empty: "no config file", as before
     assert cfg.load({"config_file": os.devnull, "state_dir": str(tmp_path / "s")},
                     env={}).config_file == os.devnull
+
+
+@pytest.mark.parametrize("setting", ["ca_token_file", "xds_token_file"])
+@pytest.mark.parametrize("mode,uid,why", [
+    (0o664, None, "is writable by group (mode 0664"),
+    (0o646, None, "is writable by others (mode 0646"),
+    (0o644, NOBODY, f"(uid {NOBODY}), not by the agent's"),
+])
+def test_config_refuses_token_files_another_user_can_write(tmp_path, setting, mode, uid, why):
+    """A token file a foreign user owns or anybody else may write lets them choose the
+    agent's credential to the CA, or the token xDS clients must present."""
+    _need_root(uid)
+    token = _file(tmp_path / "token", mode, uid, text="tok3n-s3cret")
+    with pytest.raises(cfg.ConfigError) as e:
+        cfg.load({"state_dir": str(tmp_path / "s"), setting: str(token)}, env={})
+    assert e.value.setting == setting and str(token) in str(e.value) and why in str(e.value)
+    assert "\n" not in str(e.value) and "tok3n-s3cret" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("setting", ["ca_token_file", "xds_token_file"])
+def test_projected_token_files_as_kubernetes_mounts_them_are_accepted(tmp_path, setting):
+    """Kubernetes projects a service account token as ``token -> ..data/token``, the
+    target 0644 (or 0600) and owned by root or the pod's user: readable by others is
+    fine for a token file, unlike a key."""
+    data = tmp_path / "..2026_12_02" / "token"
+    data.parent.mkdir()
+    for mode in (0o644, 0o600, 0o640):
+        _file(data, mode, text="a-token")
+        link = tmp_path / "token"
+        link.unlink(missing_ok=True)
+        link.symlink_to(data)
+        c = cfg.load({"state_dir": str(tmp_path / "s"), setting: str(link)}, env={})
+        assert getattr(c, setting) == str(link)

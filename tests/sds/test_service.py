@@ -275,6 +275,31 @@ async def test_mounted_workload_certs_win_in_fixed_mode(sds, channel_for, tmp_pa
     shutil.rmtree(d)
 
 
+async def test_mounted_key_another_user_could_write_is_not_served(sds, channel_for, tmp_path):
+    """A ``key.pem`` (or certificate) in ``workload_certs_dir`` that group or others may
+    write is refused, naming path and mode: its writer could make the agent hand out a
+    key pair of their choosing. Nothing is served for the name until the file is
+    fixed; then it is. A 0644 file (Kubernetes' default Secret mode) is fine."""
+    d = tmp_path / "etc-certs"
+    d.mkdir()
+    server = await sds(workload_certs_dir=str(d))
+    pair = await server.certificate_for([ID])
+    (d / "key.pem").write_bytes(pair.key)
+    (d / "cert-chain.pem").write_bytes(pair.chain)
+    os.chmod(d / "key.pem", 0o666)
+    os.chmod(d / "cert-chain.pem", 0o644)
+    st = Stream(channel_for(server))
+    await st.send(request(["default"]))
+    assert await st.silent(1.0)
+    (conn,) = server.service.connections.values()
+    why = str(conn.failed["default"])
+    assert f"{d / 'key.pem'} is writable by group and others (mode 0666" in why, why
+    assert server.resolver.file_failures >= 1
+    os.chmod(d / "key.pem", 0o644)
+    got = secrets_of(await st.recv(10))
+    assert got["default"].tls_certificate.certificate_chain.inline_bytes == pair.chain
+
+
 async def test_too_many_names_in_one_request_are_refused_naming_count_and_cap(sds,
                                                                            channel_for):
     """5,000 names used to produce a 20 MB answer (one certificate per name)."""
