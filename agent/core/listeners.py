@@ -279,17 +279,16 @@ class BoundedTCPSite(web.TCPSite):
         """aiohttp's protocol for ``conn`` once it holds a slot, or None (refused)."""
         source = conn.source
         if self.max_per_source and self._per_source.get(source, 0) >= self.max_per_source:
-            if not self._evict(source, f"{self._per_source[source]} connections open from "
-                                       f"{source}, the per-source cap ({self.max_per_source})"):
-                self._refuse(f"{self._per_source[source]} connections open from "
-                             f"{source}, the per-source cap ({self.max_per_source})")
+            why = (f"{self._per_source[source]} connections open from {source}, the "
+                   f"per-source cap ({self.max_per_source})")
+            if not self._evict(source, why):
+                self._refuse(why)
                 return None
-        if (self.max_connections and self.open_connections >= self.max_connections
-                and not self._evict(None, f"{self.open_connections} connections open, "
-                                          f"the cap ({self.max_connections})")):
-            self._refuse(f"{self.open_connections} connections open, the cap "
-                         f"({self.max_connections})")
-            return None
+        if self.max_connections and self.open_connections >= self.max_connections:
+            why = f"{self.open_connections} connections open, the cap ({self.max_connections})"
+            if not self._evict(None, why):
+                self._refuse(why)
+                return None
         server = self._runner.server
         if server is None:  # runner.setup() creates it before any site starts
             raise RuntimeError(f"{self.listener}: connection accepted before the runner was set up")
