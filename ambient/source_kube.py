@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import random
 from typing import Any, Callable
@@ -55,7 +54,7 @@ import aiohttp
 from kubernetes_asyncio import client as kclient
 from kubernetes_asyncio import config as kconfig
 
-from agent.core import gcpause, kubecall
+from agent.core import gcpause, jsondecode, kubecall
 from agent.core.backoff import Backoff
 from agent.core.kubecall import KubeError
 from ambient.store import CLUSTER_KINDS, ObjectStore
@@ -108,6 +107,7 @@ class KindStats:
     listed_bytes: int = 0
     watches: int = 0
     watch_events: int = 0
+    watch_reads: int = 0  # reads of watch bodies: watch_events / watch_reads events per read
     watch_bytes: int = 0
     bookmarks: int = 0
 
@@ -324,7 +324,7 @@ class KubernetesSource:
                                    timeout=aiohttp.ClientTimeout(total=LIST_TIMEOUT,
                                                                  sock_connect=CONNECT_TIMEOUT))
         with gcpause.paused():  # a LIST is millions of objects at once (agent/core/gcpause.py)
-            body = json.loads(data)
+            body = jsondecode.loads(data)
         if not isinstance(body, dict):
             raise MalformedStream(f"LIST {kind}: body is not an object")
         api_version = RESOURCES[kind][0]
@@ -496,27 +496,49 @@ class KubernetesSource:
             buf = bytearray()
             async for chunk in resp.content.iter_any():
                 st.watch_bytes += len(chunk)
+                st.watch_reads += 1
                 buf += chunk
                 start = 0
+                lines: list[bytes] = []
                 while (end := buf.find(b"\n", start)) >= 0:
                     if end - start > MAX_EVENT_BYTES:
                         break
                     line = bytes(buf[start:end])
                     start = end + 1
                     if line.strip():
-                        rv = self._event(kind, origin, line, rv)
+                        lines.append(line)
                 del buf[:start]
+                if lines:
+                    rv = self._events(kind, origin, lines, rv)
                 if len(buf) > MAX_EVENT_BYTES:
                     raise MalformedStream(f"watch {kind}: event larger than {MAX_EVENT_BYTES} "
                                           "bytes")
             if bytes(buf).strip():
-                rv = self._event(kind, origin, bytes(buf), rv)
+                rv = self._events(kind, origin, [bytes(buf)], rv)
         return rv
 
-    def _event(self, kind: str, origin: str, line: bytes, rv: str) -> str:
-        """Apply one watch event line; returns the resourceVersion after it."""
+    def _events(self, kind: str, origin: str, lines: list[bytes], rv: str) -> str:
+        """Apply the watch event lines of one read, in order; returns the resourceVersion
+        after them. Consecutive ADDED/MODIFIED events go to the store as one transaction
+        (the index then recomputes and announces once for them: under a burst of changes
+        one read carries several events); a DELETED event, and a malformed line or an
+        ERROR event (which raise), first apply the upserts before them."""
+        pending: list[tuple[dict, str]] = []
         try:
-            event = json.loads(line)
+            for line in lines:
+                rv = self._event(kind, origin, line, rv, pending)
+        finally:
+            if pending:
+                self.store.apply(pending, origin=origin)
+        return rv
+
+    def _event(self, kind: str, origin: str, line: bytes, rv: str,
+               pending: list[tuple[dict, str]]) -> str:
+        """Decode one watch event line; an ADDED/MODIFIED object is appended to
+        ``pending`` (the caller applies it), anything else is applied now, after
+        ``pending``. Returns the resourceVersion after it."""
+        try:
+            event = jsondecode.loads(line)
         except ValueError as e:
             raise MalformedStream(f"watch {kind}: not JSON ({e})") from None
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
@@ -535,8 +557,11 @@ class KubernetesSource:
             obj.setdefault("kind", kind)
             obj.setdefault("apiVersion", RESOURCES[kind][0])
             if etype in ("ADDED", "MODIFIED"):
-                self.store.apply([(obj, f"watch {kind}")], origin=origin)
+                pending.append((obj, f"watch {kind}"))
             elif etype == "DELETED":
+                if pending:
+                    self.store.apply(pending, origin=origin)
+                    pending.clear()
                 ns = "" if kind in CLUSTER_KINDS else str(meta.get("namespace") or "")
                 self.store.apply(deletes=[(kind, ns, str(meta.get("name")))])
             else:

@@ -43,6 +43,10 @@ class EnrollmentMetrics:
         self.reconcile_events = Counter(
             "nodeagent_reconcile_events", "The total number of node agent reconcile events.",
             ["type"], registry=registry)
+        # each type's child looked up once (on first use, so a type never seen has no
+        # series, as before): event() runs for every object change of the cluster, and
+        # labels() takes a lock and builds a key each time
+        self._event_children: dict[str, Counter] = {}
         self.repaired = Counter(
             "istio_cni_repair_pods_repaired", "Total number of pods repaired by repair "
             "controller", ["type", "result"], registry=registry)
@@ -57,7 +61,10 @@ class EnrollmentMetrics:
     def event(self, old: object, new: object) -> None:
         """Count one store change: no old object → add, no new one → delete."""
         kind = "add" if old is None else "delete" if new is None else "update"
-        self.reconcile_events.labels(kind).inc()
+        child = self._event_children.get(kind)
+        if child is None:
+            child = self._event_children[kind] = self.reconcile_events.labels(kind)
+        child.inc()
 
     def stage(self, name: str, seconds: float) -> None:
         """Observe one ADD stage (``name`` one of :data:`ADD_STAGES`) that took ``seconds``."""

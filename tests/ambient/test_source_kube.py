@@ -8,6 +8,7 @@ kube-apiserver in tests/kube/test_source_kube.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from kubernetes_asyncio import client as kclient
@@ -129,6 +130,49 @@ async def test_watches_that_end_at_once_are_spaced_by_the_backoff(fake, monkeypa
         await asyncio.sleep(2.0)
         n = src.stats["Pod"].watches
         assert 3 <= n <= 12, n  # 0.05+0.1+0.2+0.4+0.4+... (x1.0-1.2 jitter) within 2 s
+    finally:
+        await src.stop()
+        await src.api.close()
+
+
+async def test_one_read_of_events_is_applied_in_order_with_upserts_batched(fake, monkeypatch):
+    """Events that arrive in one read: consecutive ADDED/MODIFIED ones are one store
+    transaction; a DELETED one applies them first and is its own; a malformed line after
+    them ends the watch only once the events before it are in the store."""
+    await fake.put("/api/v1/pods", pod("a", "demo"))
+    await fake.put("/api/v1/pods", pod("b", "demo", ip="1.2.3.5"))
+    store = ObjectStore()
+    src = make_source(fake, store, monkeypatch, kinds=("Pod",))
+    transactions: list[list[tuple[str, str]]] = []
+    store.subscribe(lambda events: transactions.append(
+        [(e.name, "del" if e.new is None else e.new["metadata"]["labels"].get("v", ""))
+         for e in events]))
+    try:
+        await src.start()
+        await eventually(lambda: src.stats["Pod"].watches == 1, what="the watch")
+        transactions.clear()  # the LIST's
+        watches, reads = src.stats["Pod"].watches, src.stats["Pod"].watch_reads
+        rv = str(fake.rv)
+
+        def event(etype: str, name: str, v: str) -> bytes:
+            obj = pod(name, "demo", labels={"v": v})
+            obj["metadata"]["resourceVersion"] = rv
+            return json.dumps({"type": etype, "object": obj}).encode() + b"\n"
+
+        fake.inject = (event("MODIFIED", "a", "1") + event("MODIFIED", "b", "1")
+                       + event("DELETED", "a", "1") + event("ADDED", "c", "1")
+                       + event("MODIFIED", "c", "2") + b"not json\n")
+        await eventually(lambda: src.stats["Pod"].watches > watches, timeout=5,
+                         what="a new watch after the malformed line")
+        assert [t for tx in transactions for t in tx] == [
+            ("a", "1"), ("b", "1"), ("a", "del"), ("c", "1"), ("c", "2")]
+        # the delete alone; the upserts around it batched (one write of the fake is one
+        # read here: [[a, b], [del a], [c, c]]; a read split in two would still batch some)
+        assert [("a", "del")] in transactions and len(transactions) < 5, transactions
+        assert src.stats["Pod"].watch_reads > reads
+        assert store.get("Pod", "demo", "a") is None
+        assert store.get("Pod", "demo", "b")["metadata"]["labels"] == {"v": "1"}
+        assert store.get("Pod", "demo", "c")["metadata"]["labels"] == {"v": "2"}
     finally:
         await src.stop()
         await src.api.close()

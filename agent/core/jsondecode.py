@@ -1,0 +1,49 @@
+"""Decoding the API server's JSON (LIST bodies and watch event lines) with ``orjson``,
+answering exactly what the standard library's ``json.loads`` answers.
+
+Why: the Kubernetes source decodes every object of the cluster at start (a LIST of 5,000
+pods is ~20 MB) and every watch event after; ``json.loads`` was ~17 % of the agent's CPU
+per change burst (benchmarks/README.md, issue 28). With ``orjson`` (a well-kept Rust
+decoder) and the check below, a 4 KB watch event line decodes in ~55 % less time and a
+4 MB LIST body in ~20 % less (its decode is mostly making the Python objects).
+
+Same answers: ``orjson`` refuses some documents the standard library accepts (``NaN``/
+``Infinity``, a lone surrogate escape, UTF-16/32 input), and turns an integer outside 64
+bits into a float where the standard library keeps it exact. So a document with a run of
+19 or more digits anywhere (found by one ``bytes.translate`` and a substring search: ~2 ms
+per MB, where decoding takes ~15-20 ms per MB) and whatever ``orjson`` refuses are
+decoded with ``json.loads``: an object with a 100-digit integer is still one object the
+store validates and names, never a failed LIST, a broken watch or a silently rounded
+number. For every document, the result (or the error) equals ``json.loads``'s
+(``tests/agent/test_jsondecode.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+try:
+    import orjson
+except ImportError:  # pragma: no cover - a declared dependency; json alone still works
+    orjson = None  # type: ignore[assignment]
+
+
+# every byte to b" " except the digits, to b"0": a run of 19 zeros is a run of 19 digits
+_DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_LONG_RUN = b"0" * 19  # the shortest integer that may not fit orjson's 64 bits
+
+
+def loads(data: bytes | bytearray | memoryview | str) -> Any:
+    """Decode one JSON document (the API server's bytes; a ``str`` goes to ``json.loads``
+    as is). Raises ``ValueError`` (``json.JSONDecodeError`` or ``UnicodeDecodeError``) for
+    a document ``json.loads`` refuses, with its message."""
+    if isinstance(data, str):
+        return json.loads(data)
+    raw = bytes(data) if isinstance(data, memoryview) else data
+    if orjson is not None and _LONG_RUN not in raw.translate(_DIGITS):
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass  # refused: the standard library decides (and words the error)
+    return json.loads(raw)
