@@ -207,14 +207,44 @@ class Node:
 
 
 def _shared_dir(node: Node, path: str) -> None:
-    """A host dir shared with the container (DirectoryOrCreate); refuse one in use."""
+    """A host dir shared with the container (DirectoryOrCreate); refuse one in use. A dir
+    that was there already is put back as it was at the end: what the test's agent added
+    is removed, the files it rewrote get their old bytes back."""
     p = Path(path)
     if p.exists():
         if any(f.is_socket() for f in p.iterdir()):
             pytest.skip(f"{path} is in use on this host (sockets present)")
+        node.later(_restore_dir, p, _dir_contents(p))
         return
     p.mkdir(parents=True)
     node.later(shutil.rmtree, str(p), True)
+
+
+def _dir_contents(root: Path) -> dict[Path, bytes | None]:
+    """Every entry under ``root``: a regular file's bytes, None for anything else."""
+    out: dict[Path, bytes | None] = {}
+    for d, dirs, files in os.walk(root):
+        for name in dirs:
+            out[Path(d, name)] = None
+        for name in files:
+            f = Path(d, name)
+            out[f] = f.read_bytes() if f.is_file() and not f.is_symlink() else None
+    return out
+
+
+def _restore_dir(root: Path, before: dict[Path, bytes | None]) -> None:
+    """Remove what is under ``root`` and not in ``before`` (deepest first); rewrite the
+    regular files of ``before`` whose bytes changed."""
+    for entry in sorted(_dir_contents(root), key=lambda e: len(e.parts), reverse=True):
+        if entry in before:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    for entry, data in before.items():
+        if data is not None and entry.is_file() and entry.read_bytes() != data:
+            entry.write_bytes(data)
 
 
 def _ipt_rules(netns_path: str) -> str:

@@ -322,7 +322,10 @@ async def test_reconnecting_ztunnel_gets_fresh_snapshot_and_agent_restart(nsfd):
             await second.add(pod("a", nsfd), wait_ack=False)  # restart path: pods still known
             await second.add(pod("k", None), wait_ack=False)
             await client.wait_snapshot(timeout=5, count=2)
-            assert client.sessions == 2
+            # a new session got the second snapshot; under load a reconnect can also land
+            # in the stopping server's backlog first and be reset (one more session, no
+            # snapshot), as a real ztunnel's would
+            assert client.sessions >= 2
             assert set(client.pods) == {"a"}  # reconcile drained the pod not in the snapshot
             assert client.snapshot_set == {"a", "k"}
         finally:
