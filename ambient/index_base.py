@@ -72,9 +72,12 @@ class Dirty:
                     or self.policies or self.local or self.pa)
 
     def reset(self) -> None:
-        fresh = Dirty()
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(fresh, f.name))
+        # field by field, not through dataclasses.fields() and a fresh Dirty: this runs
+        # after every flush, i.e. once per watch read (tests/ambient/test_index_dirty.py
+        # checks that every field is reset)
+        self.full = self.everything = self.pa = False
+        self.hosts, self.pods, self.wes, self.ses = set(), set(), set(), set()
+        self.slices, self.policies, self.local = set(), set(), set()
 
 
 @dataclasses.dataclass
