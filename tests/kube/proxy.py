@@ -187,6 +187,8 @@ class SlowApiProxy:
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "content-type", "accept")}
         assert self._session is not None
+        if self._session.closed:  # a request still held (list_delay) when stop() ran
+            return web.Response(status=503, text="proxy stopping")
         async with self._session.request(
                 request.method, self.upstream + request.path_qs, headers=headers,
                 data=await request.read() if request.can_read_body else None,
