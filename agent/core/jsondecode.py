@@ -4,7 +4,7 @@ answering exactly what the standard library's ``json.loads`` answers.
 Why: the Kubernetes source decodes every object of the cluster at start (a LIST of 5,000
 pods is ~20 MB) and every watch event after; ``json.loads`` was ~17 % of the agent's CPU
 per change burst (benchmarks/README.md, issue 28). With ``orjson`` (a well-kept Rust
-decoder) and the check below, a 4 KB watch event line decodes in ~55 % less time and a
+decoder) and the check below, a 4 KB watch event line decodes in ~45 % less time and a
 4 MB LIST body in ~20 % less (its decode is mostly making the Python objects).
 
 Same answers: ``orjson`` refuses some documents the standard library accepts (``NaN``/
