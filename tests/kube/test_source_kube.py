@@ -316,7 +316,7 @@ async def watch_once(api, path: str, rv: str) -> None:
                                query=[("watch", "true"), ("resourceVersion", rv),
                                       ("timeoutSeconds", 2)]) as resp:
         line = await resp.content.readline()
-    KubernetesSource(ObjectStore(), kinds=["Pod"])._event("Pod", "probe", line, rv)
+    KubernetesSource(ObjectStore(), kinds=["Pod"])._events("Pod", "probe", [line], rv)
 
 
 async def test_changes_while_the_source_is_down_are_reconciled_at_start(
