@@ -29,6 +29,7 @@ server.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -46,7 +47,7 @@ class EnrollmentMetrics:
         # each type's child looked up once (on first use, so a type never seen has no
         # series, as before): event() runs for every object change of the cluster, and
         # labels() takes a lock and builds a key each time
-        self._event_children: dict[str, Counter] = {}
+        self._event_child = functools.cache(self.reconcile_events.labels)
         self.repaired = Counter(
             "istio_cni_repair_pods_repaired", "Total number of pods repaired by repair "
             "controller", ["type", "result"], registry=registry)
@@ -61,10 +62,7 @@ class EnrollmentMetrics:
     def event(self, old: object, new: object) -> None:
         """Count one store change: no old object → add, no new one → delete."""
         kind = "add" if old is None else "delete" if new is None else "update"
-        child = self._event_children.get(kind)
-        if child is None:
-            child = self._event_children[kind] = self.reconcile_events.labels(kind)
-        child.inc()
+        self._event_child(kind).inc()
 
     def stage(self, name: str, seconds: float) -> None:
         """Observe one ADD stage (``name`` one of :data:`ADD_STAGES`) that took ``seconds``."""
