@@ -17,7 +17,6 @@ import importlib
 import json
 import os
 import sys
-from importlib import metadata
 from typing import Any
 
 from agent.core import config as agent_config
@@ -43,10 +42,29 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def version_string() -> str:
+    """The installed distribution's version (``0+unknown`` when not installed).
+    ``importlib.metadata`` is imported here, not at the top: importing it costs ~50 ms,
+    which every ``run`` would otherwise pay before its first LIST (issue 28)."""
+    from importlib import metadata
     try:
         return metadata.version("ambient-node-agent")
     except metadata.PackageNotFoundError:
         return "0+unknown"
+
+
+class VersionAction(argparse.Action):
+    """``--version``: print ``ambient-agent <version>`` to stdout and exit 0, as
+    argparse's own ``version`` action does, with the version looked up only when the flag
+    is given (that action takes the string when the parser is built, at every start)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 default: Any = argparse.SUPPRESS, help: str = "show the version and exit"):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, _option_string: str | None = None) -> None:
+        print(f"ambient-agent {version_string()}")
+        parser.exit()
 
 
 # What each parser accepts, as `run --help` names it (the metavar).
@@ -161,8 +179,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = Parser(
         prog="ambient-agent",
         description="Istio ambient-mode node agent: CNI, ZDS, SDS, status and workload xDS.")
-    parser.add_argument("--version", action="version",
-                        version=f"ambient-agent {version_string()}")
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="run the node agent daemon")
     add_setting_flags(run)

@@ -26,6 +26,20 @@ def test_version_flag(capsys):
     assert capsys.readouterr().out.startswith(f"ambient-agent {cli.version_string()}")
 
 
+def test_run_parser_does_not_import_importlib_metadata():
+    """Building ``run``'s parser leaves ``importlib.metadata`` unimported (~50 ms at every
+    start before the first LIST, issue 28): the version is looked up only for
+    ``--version``. A fresh ``-S`` interpreter, as the image runs the agent (the
+    development install's ``.pth`` imports it at every start)."""
+    import sysconfig
+    code = (f"import sys; sys.path[1:1] = [{ROOT!r}, {sysconfig.get_paths()['purelib']!r}]; "
+            "from agent import cli; cli.build_parser('run').parse_args(['run']); "
+            "print('importlib.metadata' in sys.modules)")
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.strip() == "False", out
+
+
 def test_run_help_types_defaults_choices():
     out = io.StringIO()
     with redirect_stdout(out), pytest.raises(SystemExit):
