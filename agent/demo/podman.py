@@ -35,7 +35,13 @@ DEFAULT_TIMEOUT = 120.0  # seconds; a CNI ADD waits for the agent's enrollment
 
 
 class PodmanError(RuntimeError):
-    """A podman command failed; the message has the command and podman's stderr."""
+    """A podman command failed; the message has the command and podman's stderr.
+    ``returncode``: podman's exit status (negative: killed by that signal; None: timed
+    out)."""
+
+    def __init__(self, message: str, returncode: int | None = None):
+        super().__init__(message)
+        self.returncode = returncode
 
 
 def available() -> bool:
@@ -111,7 +117,7 @@ class Podman:
             raise PodmanError(f"{' '.join(cmd)}: timed out after {timeout:.0f}s") from None
         if check and r.returncode != 0:
             err = r.stderr.decode(errors="replace").strip()
-            raise PodmanError(f"{' '.join(cmd)}: exit {r.returncode}: {err}")
+            raise PodmanError(f"{' '.join(cmd)}: exit {r.returncode}: {err}", r.returncode)
         return r.stdout.decode(errors="replace").strip()
 
     def import_busybox(self, image: str) -> None:
@@ -152,8 +158,16 @@ class Podman:
 
     def remove(self, container: str) -> None:
         """``podman rm -f -t 0``: kill at once (busybox as PID 1 ignores SIGTERM), CNI
-        DEL, remove. A container that is already gone is not an error."""
-        self.run("rm", "-f", "-t", "0", "--ignore", container)
+        DEL, remove. A container that is already gone is not an error. A ``podman rm``
+        killed by a signal is run once more: the teardown's ``rm`` runs in a session of
+        its own, yet one was seen killed by SIGINT (exit -2) when a second Ctrl-C reached
+        the demo during its teardown, which left the container and its image behind."""
+        try:
+            self.run("rm", "-f", "-t", "0", "--ignore", container)
+        except PodmanError as e:
+            if e.returncode is None or e.returncode >= 0:
+                raise
+            self.run("rm", "-f", "-t", "0", "--ignore", container)
 
     def remove_image(self, image: str) -> None:
         self.run("rmi", image)
