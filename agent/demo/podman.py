@@ -104,9 +104,24 @@ class Podman:
             self.env["CONTAINERS_CONF"] = self.conf
 
     def run(self, *args: str, input: bytes | None = None,
-            timeout: float = DEFAULT_TIMEOUT, check: bool = True) -> str:
+            timeout: float = DEFAULT_TIMEOUT, check: bool = True,
+            idempotent: bool = False) -> str:
         """``podman <args>``; returns stdout (stripped). Raises PodmanError with podman's
-        stderr when it exits non-zero (unless ``check`` is false) or times out."""
+        stderr when it exits non-zero (unless ``check`` is false) or times out.
+        ``idempotent``: a command killed by a signal is run once more. Each command gets
+        a session of its own, but a Ctrl-C sent to the demo's group between the fork and
+        the child's ``setsid`` can stay pending in the child and kill it once it runs
+        (seen: a teardown's ``podman rm`` exited -2 on a second Ctrl-C, leaving the
+        container and its image behind)."""
+        try:
+            return self._run_once(args, input, timeout, check)
+        except PodmanError as e:
+            if not idempotent or e.returncode is None or e.returncode >= 0:
+                raise
+        return self._run_once(args, input, timeout, check)
+
+    def _run_once(self, args: tuple[str, ...], input: bytes | None, timeout: float,
+                  check: bool) -> str:
         cmd = ["podman", *args]
         try:
             # a session of its own: a Ctrl-C at the terminal (SIGINT to the whole
@@ -158,19 +173,11 @@ class Podman:
 
     def remove(self, container: str) -> None:
         """``podman rm -f -t 0``: kill at once (busybox as PID 1 ignores SIGTERM), CNI
-        DEL, remove. A container that is already gone is not an error. A ``podman rm``
-        killed by a signal is run once more: the teardown's ``rm`` runs in a session of
-        its own, yet one was seen killed by SIGINT (exit -2) when a second Ctrl-C reached
-        the demo during its teardown, which left the container and its image behind."""
-        try:
-            self.run("rm", "-f", "-t", "0", "--ignore", container)
-        except PodmanError as e:
-            if e.returncode is None or e.returncode >= 0:
-                raise
-            self.run("rm", "-f", "-t", "0", "--ignore", container)
+        DEL, remove. A container that is already gone is not an error."""
+        self.run("rm", "-f", "-t", "0", "--ignore", container, idempotent=True)
 
     def remove_image(self, image: str) -> None:
-        self.run("rmi", image)
+        self.run("rmi", image, idempotent=True)
 
     def containers(self, label: str) -> list[str]:
         """Names of every container (any state) carrying ``label`` (``key=value``)."""
