@@ -34,6 +34,15 @@ Figures, each as agent / istiod (target <= 1.0), at every size:
   ticks, so a single one was decided by one tick), after one warm-up burst not counted
   (as the change latency has warm-up samples: first-use work is not per change).
 
+Reported beside the debounce-cut cold start, the **import floor**: the median of
+:data:`FLOOR_RUNS` interpreters started as the agent is (:func:`_as_installed`) that only
+import the libraries any Python agent needs before its first push here (grpcio's asyncio
+server, protobuf with the generated Address and Authorization types, aiohttp: the
+Kubernetes client's transport) and exit, measured in the same run just before the agent's
+cut cold start. It is what the language and its mandated libraries cost before one line
+of the agent's own runs, so ``floor / istiod`` is the least ratio a Python agent could
+reach on this machine, and ``agent / floor`` is what the agent adds on top.
+
 Bad input (issue 28), the agent only, reported beside its clean cold start, not judged:
 the cold start (shipped debounce) on the state dir its clean run left, damaged by
 :func:`corrupt` (every file cut in half, a garbage and a half-written pod record); through
@@ -71,6 +80,8 @@ from tests.kube import cluster as kc
 AGENT_NODE = "bench-agent-node"
 SAMPLES, WARMUP, BURST = 20, 3, 100
 BURSTS = 10  # change bursts averaged for the CPU figure
+FLOOR_RUNS = 7  # interpreters timed for the import floor (median)
+FLOOR_IMPORTS = "import grpc.aio, aiohttp, ambient.workload_pb2, ambient.authorization_pb2"
 POD_NS, POD_NAME = "x00", "pod0"
 POD_UID = f"Kubernetes//Pod/{POD_NS}/{POD_NAME}"
 SHIPPED, CUT = "shipped", "cut"
@@ -127,6 +138,22 @@ def _as_installed() -> list[str]:
     code = (f"import sys; sys.path[1:1] = [{kc.ROOT!r}, {purelib!r}]; "
             "from agent.cli import main; sys.exit(main())")
     return [sys.executable, "-S", "-c", code]
+
+
+def import_floor(runs: int = FLOOR_RUNS) -> float:
+    """Median seconds (wall, ``Popen`` -> exit) of ``runs`` interpreters started as
+    :func:`_as_installed` starts the agent, each running only :data:`FLOOR_IMPORTS`;
+    byte-compiled as the agent is (:func:`_compile`). Raises ``CalledProcessError`` if
+    the imports fail."""
+    purelib = sysconfig.get_paths()["purelib"]
+    code = f"import sys; sys.path[1:1] = [{kc.ROOT!r}, {purelib!r}]; {FLOOR_IMPORTS}"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-S", "-c", code], check=True, env=env, cwd=kc.ROOT)
+        times.append(time.perf_counter() - t0)
+    return percentile(times, 50)
 
 
 def _accepts(address: str) -> bool:
@@ -363,6 +390,8 @@ async def measure_side(side, api, pods: int, out: dict, round_: int,
     """The figures of one side into ``out``; ``keep_state``: where the agent's state dir
     of its first (shipped) run is kept, for :func:`bad_input`."""
     for debounce in (SHIPPED, CUT):
+        if debounce == CUT and side.name == "agent":  # just before the figure it floors
+            out["import_floor"] = await asyncio.to_thread(import_floor)
         cold, client = await cold_start(side, pods, debounce)
         try:
             if debounce == SHIPPED:
@@ -503,6 +532,13 @@ def rows(pods: int, a: dict, i: dict) -> list[Result]:
                      i["cold"], "s", 1.0, note + "; process start -> client holds every pod"),
         ratio_result(f"vs istiod: cold start, debounce cut, at {k}", a["cold_cut"],
                      i["cold_cut"], "s", 1.0, note),
+        Result(f"import floor (Python + grpcio, protobuf, aiohttp) vs istiod's cut cold "
+               f"start, at {k}", a["import_floor"], "s", i["cold_cut"], "report", None,
+               f"median of {FLOOR_RUNS} interpreters only importing ({FLOOR_IMPORTS}); the "
+               "least ratio a Python agent could reach here"),
+        Result(f"agent's cut cold start vs the import floor, at {k}", a["cold_cut"], "s",
+               a["import_floor"], "report", None, "what the agent adds to the imports "
+               "(its own imports, LISTs, index, authn/SDS, first push)"),
         ratio_result(f"vs istiod: initial push (warm server), at {k}", a["initial"],
                      i["initial"], "s", 1.0, note + "; a second client connects"),
     ]

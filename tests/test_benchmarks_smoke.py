@@ -57,6 +57,24 @@ def test_istiod_bad_input_corrupts_a_state_dir(tmp_path):
         "bench-garbage.json", "bench-partial.json", "uid1.json"]
 
 
+def test_istiod_import_floor_and_its_rows():
+    """The floor's interpreter really imports its libraries (an ImportError would raise),
+    and both of its rows are built from a run's figures."""
+    from benchmarks import bench_istiod
+    floor = bench_istiod.import_floor(runs=1)
+    assert 0 < floor < 60
+    side = {"cold": 2.0, "cold_cut": 1.0, "initial": 0.01, "rss": 100.0, "cpu": 0.05,
+            "burst_wall": 0.5, "latency_shipped": [0.1], "latency_cut": [0.01]}
+    agent = dict(side, import_floor=floor, corrupt_files=1, slow_lists=1, throttled_429s=1,
+                 **{f"{k}_{what}": v for what in ("corrupt", "slow", "throttled")
+                    for k, v in (("cold", 2.0), ("why", ""))})
+    rows = {r.figure: r for r in bench_istiod.rows(1000, agent, side)}
+    floor_row = rows["import floor (Python + grpcio, protobuf, aiohttp) vs istiod's cut cold "
+                     "start, at 1k"]
+    assert (floor_row.value, floor_row.floor) == (floor, 1.0)
+    assert rows["agent's cut cold start vs the import floor, at 1k"].ratio == 1.0 / floor
+
+
 @pytest.mark.envoy
 def test_waypoint_throughput_row_runs_end_to_end():
     """Both waypoints (agent's xDS and the static bootstrap) carry wrk's requests: wrk_rps
