@@ -407,7 +407,7 @@ class Agent:
             agent_config.ensure_ports_free(self.config)
             # so is the ZDS socket: found served only when the zds component started,
             # after the CA, the mesh root and SDS had been set up (and left behind)
-            from zds.server import refuse_if_served
+            from zds.served import refuse_if_served  # light: zds.server loads later
             await asyncio.get_running_loop().run_in_executor(
                 None, refuse_if_served, self.config.ztunnel_uds_address)
             # enrollment (always built) needs CAP_NET_ADMIN for the host and in-pod rules:

@@ -11,17 +11,21 @@ The cni side sees it through its own protocol, ``cni.sourceapi.PodSource``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from agent.core.lifecycle import AgentContext, Component
-from ambient.source_files import DirectorySource, PodNotFound
 from ambient.source_kube import KubernetesSource
 from ambient.store import ObjectStore
+
+if TYPE_CHECKING:
+    # imported by build() only for the files source: watchfiles, the YAML loaders and
+    # localconfig's protobuf are not on the Kubernetes source's path to its first LIST
+    from ambient.source_files import DirectorySource
 
 log = logging.getLogger(__name__)
 
 
-__all__ = ["ConfigSource", "PodNotFound", "build"]
+__all__ = ["ConfigSource", "build"]
 
 
 class ConfigSource(Component):
@@ -62,7 +66,8 @@ class ConfigSource(Component):
         also updated at once, so the index sees the change without waiting for it); API
         errors raise ``ApiException`` (``status`` 403, 404, 409, ...).
         Files: an overlay on the stored Pod that survives reloads of its file (the file
-        is the operator's; it is not rewritten); raises :class:`PodNotFound` when the
+        is the operator's; it is not rewritten); raises
+        :class:`ambient.source_files.PodNotFound` (a ``LookupError``) when the
         files source has no such pod.
         """
         if isinstance(self.backend, KubernetesSource):
@@ -117,6 +122,7 @@ def build(ctx: AgentContext) -> ConfigSource:
     if cfg.config_source == "kubernetes":
         backend: DirectorySource | KubernetesSource = KubernetesSource(store, cfg.kubeconfig)
     else:
+        from ambient.source_files import DirectorySource
         backend = DirectorySource(store, cfg.config_dir, ctx.run_blocking,
                                   registry=ctx.registry)
     return ConfigSource(store, backend)

@@ -39,7 +39,6 @@ import time
 from prometheus_client import CollectorRegistry
 
 from agent.core import unixsocket
-from agent.core.config import ConfigError
 from agent.core.lifecycle import AgentContext, Component
 from agent.core.peercred import peer_cred
 from agent.core.ratelimit import RepeatLimiter
@@ -47,6 +46,7 @@ from zds.api import NoZtunnel, PodInfo, ZdsError, ZdsNack, ZdsTimeout
 from zds.connection import ZdsConnection
 from zds.metrics import ZdsMetrics
 from zds.pods import PodRecord, PodTable
+from zds.served import refuse_if_served
 from zds.session import (ACK_TIMEOUT, HELLO_TIMEOUT, KEEPALIVE_INTERVAL, NotSent,
                          SessionSet, Update, ZdsSession)
 
@@ -64,23 +64,6 @@ def _peer_pid(sock: socket.socket) -> int | None:
         return peer_cred(sock)[0]
     except OSError:
         return None
-
-
-def refuse_if_served(path: str) -> None:
-    """Raise :class:`ConfigError` if a live server answers on ``path``.
-
-    Upstream unlinks whatever is there; a second agent doing that would silently cut the
-    first one off from ztunnel. A socket nobody accepts on (ECONNREFUSED) is stale.
-    """
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except OSError:
-        return  # missing, stale or not a socket: ours to replace
-    finally:
-        probe.close()
-    raise ConfigError("ztunnel_uds_address", path, "another ZDS server (agent) is serving on it")
 
 
 def _bind_listener(path: str) -> tuple[socket.socket, int]:
