@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from agent.core import config as agent_config, fdbudget, sdnotify, unixsocket
+from agent.core.uptime import process_age
 from agent.core.config import Config, ConfigError, prepare_state_dir
 from agent.core.errors import ComponentStartError
 from agent.core.lifecycle import AgentContext, Component, StartPause, Supervisor
@@ -439,7 +440,8 @@ class Agent:
                 await self._early.stop(0.5)  # its LISTs and watches
             self._lock.release()
             raise
-        log.info("agent ready: %s", ", ".join(self.ctx.components) or "no components")
+        log.info("agent ready %.2fs after the process started: %s", process_age(),
+                 ", ".join(self.ctx.components) or "no components")
         return self
 
     async def _begin_source(self) -> ConfigSource | None:
@@ -457,10 +459,12 @@ class Agent:
             await source.begin()
         except Exception as e:
             raise ComponentStartError("config-source", e) from e
+        log.debug("start: LISTs sent %.3fs after the process started", process_age())
         try:
             await self.ctx.run_blocking(import_components)
         except Exception:  # noqa: BLE001 - build() imports again and raises it
             log.debug("importing the components on a worker thread failed", exc_info=True)
+        log.debug("start: components imported at %.3fs", process_age())
         return source
 
     async def stop(self) -> None:

@@ -57,6 +57,7 @@ from kubernetes_asyncio import config as kconfig
 from agent.core import gcpause, jsondecode, kubecall
 from agent.core.backoff import Backoff
 from agent.core.kubecall import KubeError
+from agent.core.uptime import process_age
 from ambient.store import CLUSTER_KINDS, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -267,6 +268,8 @@ class KubernetesSource:
         try:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self.synced.values())),
                                    timeout=self.sync_timeout)
+            log.debug("kubernetes source: every kind listed %.3fs after the process started",
+                      process_age())
         except asyncio.TimeoutError:
             log.warning("kubernetes source not synced after %.0fs (still retrying): %s",
                         self.sync_timeout, self.unsynced())

@@ -90,29 +90,6 @@ cmd_build() {
 
 # --- start / stop ---
 
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-
-pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
-
-# stop_pid PIDFILE: SIGTERM, up to 15 s, then SIGKILL; waits until gone
-stop_pid() {
-  local f=$1 pid i
-  [ -f "$f" ] || return 0
-  pid=$(cat "$f")
-  if kill -0 "$pid" 2>/dev/null; then
-    kill -TERM "$pid" 2>/dev/null || true
-    for i in $(seq 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    if kill -0 "$pid" 2>/dev/null; then
-      log "istiod (pid $pid) ignored SIGTERM for 15s; killing it"
-      kill -KILL "$pid" 2>/dev/null || true
-      for i in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    fi
-  fi
-  rm -f "$f"
-}
-
 # kubectl-free apply of the CRDs: server-side apply of each document through curl with the
 # kubeconfig's client certificate or token (python3 + PyYAML split the file).
 install_crds() {
@@ -269,7 +246,7 @@ ENV
       log "ready: xDS 127.0.0.1:$grpc (plaintext), debug http://127.0.0.1:$http"
       return 0
     fi
-    stop_pid "$d/istiod.pid"
+    stop_pid "$d/istiod.pid" istiod
     grep -q "address already in use" "$d/istiod.log" || break
   done
   cmd_stop "$d" >/dev/null 2>&1 || true
@@ -281,7 +258,7 @@ cmd_stop() {
   [ -n "$d" ] || die "usage: $0 stop DIR"
   [ -e "$d" ] || return 0
   [ -f "$d/$MARKER" ] || die "$d is not a directory made by '$0 start'; not touching it"
-  stop_pid "$d/istiod.pid"
+  stop_pid "$d/istiod.pid" istiod
   if [ -f "$d/watchdog.pid" ] && [ "$(cat "$d/watchdog.pid")" != "$$" ]; then
     kill "$(cat "$d/watchdog.pid")" 2>/dev/null || true
   fi

@@ -100,30 +100,6 @@ cmd_build() {
 
 # --- start / stop ---
 
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-
-# pid_alive PIDFILE
-pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
-
-# stop_pid PIDFILE NAME: SIGTERM, up to 15 s, then SIGKILL; waits until gone
-stop_pid() {
-  local f=$1 pid i
-  [ -f "$f" ] || return 0
-  pid=$(cat "$f")
-  if kill -0 "$pid" 2>/dev/null; then
-    kill -TERM "$pid" 2>/dev/null || true
-    for i in $(seq 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    if kill -0 "$pid" 2>/dev/null; then
-      log "$2 (pid $pid) ignored SIGTERM for 15s; killing it"
-      kill -KILL "$pid" 2>/dev/null || true
-      for i in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    fi
-  fi
-  rm -f "$f"
-}
-
 gen_certs() {
   local d=$1
   (

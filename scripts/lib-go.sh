@@ -1,6 +1,7 @@
 # Helpers shared by the scripts that build a Go peer from its modules and cache it
 # (kube-test-apiserver.sh, kube-test-node.sh, istiod-test.sh, istio-cni-test.sh,
-# helm-build.sh). Sourced, never run; the sourcing script defines die() first.
+# helm-build.sh), and those that start and stop what they built. Sourced, never run; the
+# sourcing script defines die() and log() first.
 # Every cache path is computed here, so two scripts that share a cache (the API server's
 # and the node's, both under ambient-agent-kube) name it the same way.
 
@@ -55,4 +56,32 @@ lock_build() {
   flock -n "$fd" && return 0
   echo "waiting for $lock (another build of $what is running)" >&2
   flock "$fd"
+}
+
+# --- the peers' processes (kube-test-apiserver.sh, istiod-test.sh) ---
+
+# free_port -> a TCP port on 127.0.0.1 that nothing listens on right now
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# pid_alive PIDFILE: status 0 when the file names a live process
+pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+# stop_pid PIDFILE NAME: SIGTERM, up to 15 s, then SIGKILL (logged with NAME); waits until
+# gone, then removes PIDFILE
+stop_pid() {
+  local f=$1 pid i
+  [ -f "$f" ] || return 0
+  pid=$(cat "$f")
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM "$pid" 2>/dev/null || true
+    for i in $(seq 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    if kill -0 "$pid" 2>/dev/null; then
+      log "$2 (pid $pid) ignored SIGTERM for 15s; killing it"
+      kill -KILL "$pid" 2>/dev/null || true
+      for i in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    fi
+  fi
+  rm -f "$f"
 }

@@ -44,6 +44,7 @@ from agent.tlsport import frontdoor
 from agent.tlsport.authn import AuthenticationError, Authenticator
 from agent.core import unixsocket
 from agent.core.ratelimit import RefusalLog, RepeatLimiter
+from agent.core.uptime import process_age
 from agent.core.config import ConfigError, ensure_tcp_port_free
 from agent.core.fdbudget import listener_caps
 from agent.core.grpc_closed import CLOSED_STREAM_ERRORS, retrieve_later
@@ -436,6 +437,8 @@ class XdsServer(Component):
                 if since is None and not self.first_push.is_set() and any(
                         resp.type_url == ADDRESS_TYPE for resp in responses):
                     self.first_push.set()
+                    log.debug("xds: first complete push (stream %d) %.3fs after the process "
+                              "started", state.id, process_age())
         finally:
             reader.cancel()
             self.connections.pop(state.id, None)

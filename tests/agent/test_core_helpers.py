@@ -76,3 +76,16 @@ async def test_publish_a_grpc_server_socket(tmp_path, monkeypatch, open_umask):
             await channel.channel_ready()
     finally:
         await server.stop(0)
+
+
+def test_process_age_counts_from_the_process_start():
+    """A fresh interpreter that sleeps 0.5 s before asking reports at least that much
+    (its start is the kernel's, not the module's import), and not minutes."""
+    import subprocess
+    import sys
+    code = ("import time; time.sleep(0.5); import sys; sys.path.insert(0, %r); "
+            "from agent.core.uptime import process_age; print(process_age())"
+            % os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               check=True, timeout=60).stdout)
+    assert 0.5 <= age < 60
