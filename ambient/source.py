@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from agent.core.lifecycle import AgentContext, Component
-from ambient.source_kube import KubernetesSource
+from ambient.source_kube import KubernetesSource, strip_unused
 from ambient.store import ObjectStore
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ class ConfigSource(Component):
             pod = await self.backend.patch_pod_annotations(namespace, name, dict(annotations))
             if isinstance(pod, dict) and pod.get("metadata") and not _older(
                     pod, self.store.get("Pod", namespace, name)):
+                strip_unused(pod)  # as the watch stores it
                 pod.setdefault("kind", "Pod")
                 pod.setdefault("apiVersion", "v1")
                 self.store.apply([(pod, "patch")], origin="kubernetes:Pod")

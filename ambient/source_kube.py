@@ -186,6 +186,20 @@ class RetryLog:
         self._quiet_until.clear()
 
 
+def strip_unused(obj: dict) -> dict:
+    """``obj`` without ``metadata.managedFields`` (in place; returns it), as istiod does
+    to every object its informers cache (its default transform, ``stripUnusedFields``:
+    "ManagedFields is large and we never use it"). Nothing in the agent reads them, and
+    they were ~60 % of the dicts and lists of a stored Pod (one entry per field manager,
+    one nested dict per field path): each of those is walked by the cyclic collector
+    again and again while the Pod lives (issue 28, CPU per change burst) and held in
+    memory."""
+    meta = obj.get("metadata")
+    if isinstance(meta, dict):
+        meta.pop("managedFields", None)
+    return obj
+
+
 class KubernetesSource:
     """Fills an :class:`ObjectStore` from the Kubernetes API.
 
@@ -334,6 +348,7 @@ class KubernetesSource:
         items = []
         for item in body.get("items") or []:
             if isinstance(item, dict):
+                strip_unused(item)
                 item.setdefault("kind", kind)
                 item.setdefault("apiVersion", api_version)
                 items.append(item)
@@ -557,6 +572,7 @@ class KubernetesSource:
             self.store.reject("invalid", f"watch {kind}", f"{etype} event object {obj!r:.200}")
         else:
             self.stats[kind].watch_events += 1
+            strip_unused(obj)
             obj.setdefault("kind", kind)
             obj.setdefault("apiVersion", RESOURCES[kind][0])
             if etype in ("ADDED", "MODIFIED"):

@@ -166,6 +166,12 @@ async def test_initial_list_and_watch_of_every_kind(kube_admin, kube_namespace, 
             pod = store.get(*pod_key)
             assert pod["kind"] == "Pod" and pod["apiVersion"] == "v1"
             assert pod["status"]["podIPs"] == [{"ip": "10.250.0.9"}]
+            # managedFields are dropped, as istiod's informers drop them (the server has them)
+            served = await kc.request(kube_admin, "GET",
+                                      f"/api/v1/namespaces/{kube_namespace}/pods/pod-a")
+            assert served["metadata"]["managedFields"]
+            assert not [o["metadata"]["name"] for kind in RESOURCES for o in store.list(kind)
+                        if "managedFields" in o["metadata"]]
 
             # WATCH: adds
             for o in after:
@@ -176,6 +182,7 @@ async def test_initial_list_and_watch_of_every_kind(kube_admin, kube_namespace, 
                              timeout=30, what="watched adds")
             await eventually(lambda: (store.get("Pod", kube_namespace, "pod-b") or {})
                              .get("status", {}).get("podIP") == "10.250.0.10", timeout=30)
+            assert "managedFields" not in store.get("Pod", kube_namespace, "pod-b")["metadata"]
             # changes
             for o in before:
                 changed = {**o, "metadata": {**o["metadata"], "labels": {
