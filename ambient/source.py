@@ -74,7 +74,7 @@ class ConfigSource(Component):
             pod = await self.backend.patch_pod_annotations(namespace, name, dict(annotations))
             if isinstance(pod, dict) and pod.get("metadata") and not _older(
                     pod, self.store.get("Pod", namespace, name)):
-                strip_unused(pod)  # as the watch stores it
+                strip_unused(pod, "Pod")  # as the watch stores it
                 pod.setdefault("kind", "Pod")
                 pod.setdefault("apiVersion", "v1")
                 self.store.apply([(pod, "patch")], origin="kubernetes:Pod")

@@ -186,18 +186,81 @@ class RetryLog:
         self._quiet_until.clear()
 
 
-def strip_unused(obj: dict) -> dict:
-    """``obj`` without ``metadata.managedFields`` (in place; returns it), as istiod does
-    to every object its informers cache (its default transform, ``stripUnusedFields``:
-    "ManagedFields is large and we never use it"). Nothing in the agent reads them, and
-    they were ~60 % of the dicts and lists of a stored Pod (one entry per field manager,
-    one nested dict per field path): each of those is walked by the cyclic collector
-    again and again while the Pod lives (issue 28, CPU per change burst) and held in
-    memory."""
+#: the Pod ``spec`` fields the agent reads (besides the containers' ports): istiod's
+#: ``StripPodUnusedFields`` keeps these (``serviceAccount``, the deprecated alias of
+#: ``serviceAccountName``, too: SDS attestation falls back to it)
+POD_SPEC_KEPT = ("serviceAccountName", "serviceAccount", "nodeName", "hostNetwork",
+                 "hostname", "subdomain")
+#: the Node ``status`` fields istiod's ``StripNodeUnusedFields`` drops (the agent reads a
+#: Node's labels only: locality)
+NODE_STATUS_DROPPED = ("allocatable", "capacity", "images", "conditions")
+PROXY_OVERRIDES_ANNOTATION = "proxy.istio.io/overrides"
+
+
+def strip_unused(obj: dict, kind: str = "") -> dict:
+    """``obj`` (of ``kind``) without what nothing in the agent reads, in place; returns
+    it. As istiod's informers store objects (its default transform
+    ``stripUnusedFields``, and ``StripPodUnusedFields`` / ``StripNodeUnusedFields`` for
+    Pods and Nodes):
+
+    - every kind: no ``metadata.managedFields`` (one entry per field manager, one
+      nested dict per field path: ~60 % of the dicts and lists of a small Pod);
+    - Pod: ``spec`` keeps :data:`POD_SPEC_KEPT`, the containers that have ports (their
+      ``name`` and ``ports``) and the native-sidecar init containers that have ports
+      (``restartPolicy: Always``); ``status`` loses the container statuses; the
+      ``proxy.istio.io/overrides`` annotation (a whole container spec) goes;
+    - Node: no annotations or ownerReferences, and no ``status`` allocatable, capacity,
+      images or conditions.
+
+    Why: every dict and list a stored object holds is walked again and again by the
+    cyclic collector while the object lives (issue 28: CPU per change burst) and held
+    in memory. A field of the wrong type is left as it is, so the translator still
+    rejects the object naming that field."""
     meta = obj.get("metadata")
     if isinstance(meta, dict):
         meta.pop("managedFields", None)
+    if kind == "Pod":
+        _strip_pod(obj, meta if isinstance(meta, dict) else {})
+    elif kind == "Node":
+        if isinstance(meta, dict):
+            meta.pop("annotations", None)
+            meta.pop("ownerReferences", None)
+        status = obj.get("status")
+        if isinstance(status, dict):
+            for key in NODE_STATUS_DROPPED:
+                status.pop(key, None)
     return obj
+
+
+def _strip_pod(pod: dict, meta: dict) -> None:
+    annotations = meta.get("annotations")
+    if isinstance(annotations, dict):
+        annotations.pop(PROXY_OVERRIDES_ANNOTATION, None)
+    spec = pod.get("spec")
+    if isinstance(spec, dict):
+        kept = {k: spec[k] for k in POD_SPEC_KEPT if k in spec}
+        for key, native_only in (("containers", False), ("initContainers", True)):
+            value = spec.get(key)
+            if not isinstance(value, list):
+                if value is not None:
+                    kept[key] = value  # the translator names it
+                continue
+            chosen = []
+            for c in value:
+                if not isinstance(c, dict) or not c.get("ports"):
+                    continue  # the translator reads only containers with ports
+                if native_only and c.get("restartPolicy") != "Always":
+                    continue
+                slim = {"name": c.get("name"), "ports": c["ports"]}
+                if native_only:
+                    slim["restartPolicy"] = "Always"
+                chosen.append(slim)
+            kept[key] = chosen
+        pod["spec"] = kept
+    status = pod.get("status")
+    if isinstance(status, dict):
+        status.pop("containerStatuses", None)
+        status.pop("initContainerStatuses", None)
 
 
 class KubernetesSource:
@@ -348,7 +411,7 @@ class KubernetesSource:
         items = []
         for item in body.get("items") or []:
             if isinstance(item, dict):
-                strip_unused(item)
+                strip_unused(item, kind)
                 item.setdefault("kind", kind)
                 item.setdefault("apiVersion", api_version)
                 items.append(item)
@@ -572,7 +635,7 @@ class KubernetesSource:
             self.store.reject("invalid", f"watch {kind}", f"{etype} event object {obj!r:.200}")
         else:
             self.stats[kind].watch_events += 1
-            strip_unused(obj)
+            strip_unused(obj, kind)
             obj.setdefault("kind", kind)
             obj.setdefault("apiVersion", RESOURCES[kind][0])
             if etype in ("ADDED", "MODIFIED"):
