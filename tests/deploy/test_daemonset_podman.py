@@ -221,14 +221,17 @@ def _shared_dir(node: Node, path: str) -> None:
 
 
 def _dir_contents(root: Path) -> dict[Path, bytes | None]:
-    """Every entry under ``root``: a regular file's bytes, None for anything else."""
+    """Every entry under ``root``: a regular file's bytes, None for anything else. A
+    file that is a mount point (a network namespace someone else bound under
+    ``/var/run/netns``: reading it is EINVAL) is not the test's to read or rewrite."""
     out: dict[Path, bytes | None] = {}
     for d, dirs, files in os.walk(root):
         for name in dirs:
             out[Path(d, name)] = None
         for name in files:
             f = Path(d, name)
-            out[f] = f.read_bytes() if f.is_file() and not f.is_symlink() else None
+            regular = f.is_file() and not f.is_symlink() and not os.path.ismount(f)
+            out[f] = f.read_bytes() if regular else None
     return out
 
 
