@@ -14,6 +14,30 @@ import sys
 from agent.demo.model import RUNTIMES, DemoError
 
 
+def _checked(parse):
+    """An argparse ``type`` from one of the agent's setting parsers (a ValueError names
+    the problem): a bad value is a usage error naming the flag and the value, before
+    anything is set up, the same refusal ``run`` gives."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    convert.__name__ = parse.__name__  # argparse names the type in some messages
+    return convert
+
+
+def _port(text: str) -> int:
+    from agent.core.config_values import parse_port
+    return parse_port(text)
+
+
+def _levels(text: str) -> str:
+    from agent.core.logsetup import parse_levels
+    parse_levels(text)  # raises ValueError naming the bad part
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--once", action="store_true",
                         help="run the checks, print the table, tear down; exit 1 on any failure")
@@ -31,15 +55,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default="",
                         help="directory for every file the demo creates (default: a new "
                         "/run/ambient-demo-<random>)")
-    parser.add_argument("--status-port", type=int, default=0, metavar="PORT",
+    parser.add_argument("--status-port", type=_checked(_port), default=0, metavar="PORT",
                         help="the demo agent's status port (default 0: a free port, so an "
                         "agent already on 15020 is not in the way)")
-    parser.add_argument("--health-port", type=int, default=0, metavar="PORT",
+    parser.add_argument("--health-port", type=_checked(_port), default=0, metavar="PORT",
                         help="the demo agent's /healthz port (default 0: a free port)")
-    parser.add_argument("--xds-port", type=int, default=0, metavar="PORT",
+    parser.add_argument("--xds-port", type=_checked(_port), default=0, metavar="PORT",
                         help="the demo agent's plaintext xDS port on 127.0.0.1 (default 0: a "
                         "free port)")
-    parser.add_argument("--log-level", default="warn", help="agent log level while the demo runs")
+    parser.add_argument("--log-level", type=_checked(_levels), default="warn",
+                        help="agent log level while the demo runs (as run's --log-level: "
+                        "debug, info, warn, error, none, or SCOPE:LEVEL,...)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -54,3 +54,20 @@ def test_demo_port_flags_have_help():
     r = subprocess.run([sys.executable, "-m", "agent.cli", "status", "--help"],
                        capture_output=True, text=True, timeout=60)
     assert "(default 5.0)" in " ".join(r.stdout.split())
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--status-port", "99999"], "argument --status-port: '99999': port must be between 0 and 65535"),
+    (["--xds-port", "-5"], "argument --xds-port: '-5': port must be between 0 and 65535"),
+    (["--health-port", "abc"], "argument --health-port: 'abc': expected a port number"),
+    (["--log-level", "loud"], "argument --log-level: 'loud': unknown level 'loud'"),
+])
+def test_demo_refuses_a_bad_port_or_level_as_a_usage_error(argv, named):
+    """A fresh-eyes run found ``demo --status-port 99999`` ending in an OverflowError
+    traceback from the port probe (and a bad ``--log-level`` refused only after the
+    network and image were set up): both are now refused by the parser, exit 2, one
+    line naming the flag and the value, before anything is touched."""
+    p = subprocess.run([sys.executable, "-m", "agent.cli", "demo", *argv],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert named in p.stderr and "Traceback" not in p.stderr, p.stderr
