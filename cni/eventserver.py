@@ -68,6 +68,12 @@ log = logging.getLogger(__name__)
 POD_LOOKUP_RETRIES = 10  # Istio: a just-created pod may be missing from a stale cache
 POD_LOOKUP_INTERVAL = 0.01
 IDLE_TIMEOUT = 30.0  # seconds a connection may stay open without a request in progress
+#: seconds after an ADD before a hand-written Pod object is looked at for what the index
+#: needs (a tool writing status.podIP right after the ADD, as a kubelet does and as the
+#: demo does, is not warned about); at most UNSERVABLE_CHECKS_MAX wait at once (more are
+#: looked at right away)
+UNSERVABLE_GRACE = 5.0
+UNSERVABLE_CHECKS_MAX = 1024
 LOG_BODY_MAX = 128 * 1024  # bytes of one /log request
 LOG_LINES_MAX = 64  # lines of one /log request logged; more are counted
 LOG_MSG_MAX = 4096  # characters of one logged plugin message
@@ -111,6 +117,7 @@ class CniEventServer(Component):
         self._locks: dict[str, list] = {}  # key -> [lock, users]
         self._inflight: dict[str, str] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._checks: set[asyncio.TimerHandle] = set()  # pending _warn_unservable calls
         self._stats = {"add": 0, "add_ambient": 0, "add_failed": 0, "add_held": 0, "del": 0,
                        "bad": 0}
         self.requests = Counter(
@@ -142,6 +149,9 @@ class CniEventServer(Component):
         log.info("CNI event server listening on %s", self.socket_path)
 
     async def stop(self, grace: float) -> None:
+        for handle in self._checks:
+            handle.cancel()
+        self._checks.clear()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=grace)
         if self._runner is not None:
@@ -315,15 +325,31 @@ class CniEventServer(Component):
             return status, f"enrollment of pod {name} failed: {reason}"
         self._stats["add_ambient"] += 1
         log.info("pod %s enrolled (%s)", name, decision.reason)
-        self._warn_unservable(event, name)
+        self._check_servable_later(event, name)
         return 200, {"ambient": True, "reason": decision.reason}
+
+    def _check_servable_later(self, event: CniPodEvent, name: str) -> None:
+        """:meth:`_warn_unservable` :data:`UNSERVABLE_GRACE` seconds from now (at once
+        when :data:`UNSERVABLE_CHECKS_MAX` checks are waiting already)."""
+        if len(self._checks) >= UNSERVABLE_CHECKS_MAX:
+            self._warn_unservable(event, name)
+            return
+        handle: asyncio.TimerHandle
+
+        def due() -> None:
+            self._checks.discard(handle)
+            self._warn_unservable(event, name)
+
+        handle = asyncio.get_running_loop().call_later(UNSERVABLE_GRACE, due)
+        self._checks.add(handle)
 
     def _warn_unservable(self, event: CniPodEvent, name: str) -> None:
         """One WARN when the enrolled pod is a hand-written Pod of the config directory
-        the ambient index can't serve as it is: without ``status.podIP`` it has no
-        address (the index does not take the CNI's IPs), without a Ready condition True
-        it is served Unhealthy. In Kubernetes the kubelet fills both after the ADD, so
-        only objects from files are looked at."""
+        the ambient index can't serve as it is (looked at :data:`UNSERVABLE_GRACE`
+        seconds after its ADD): without ``status.podIP`` it has no address (the index
+        does not take the CNI's IPs), without a Ready condition True it is served
+        Unhealthy. In Kubernetes the kubelet fills both after the ADD, so only objects
+        from files are looked at."""
         store = self.store
         pod = enablement.find_pod(store, event)
         origin_of = getattr(store, "origin_of", None)

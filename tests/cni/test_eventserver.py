@@ -233,15 +233,19 @@ async def test_names_are_validated_as_kubernetes_does(cni_agent):
         assert status == 200, (fields, text)
 
 
-async def test_hand_written_pod_without_ip_or_ready_is_warned_about(cni_agent, caplog):
+async def test_hand_written_pod_without_ip_or_ready_is_warned_about(cni_agent, caplog,
+                                                                   monkeypatch):
     """A Pod from a config file with no status (newuser finding 5) was enrolled and then
-    silently absent from xDS: the ADD now logs one warning naming what is missing. A
-    complete Pod, and one from Kubernetes (its kubelet fills status later), get none."""
+    silently absent from xDS: the ADD now logs one warning naming what is missing (once
+    UNSERVABLE_GRACE has passed). A complete Pod, and one from Kubernetes (its kubelet
+    fills status later), get none."""
     import logging
 
     from prometheus_client import CollectorRegistry
 
     from ambient.store import ObjectStore
+    from cni import eventserver
+    monkeypatch.setattr(eventserver, "UNSERVABLE_GRACE", 0.05)
 
     store = ObjectStore(CollectorRegistry())
     ready = {"podIP": "10.199.0.3", "conditions": [{"type": "Ready", "status": "True"}]}
@@ -262,8 +266,48 @@ async def test_hand_written_pod_without_ip_or_ready_is_warned_about(cni_agent, c
             pod_uid=uid, pod_name=name, pod_namespace="nu", container_id=uid,
             ips=["10.199.0.2"]))
         assert status == 200 and '"ambient": true' in text, text
+    await asyncio.sleep(0.3)
     said = [r.getMessage() for r in caplog.records if "lacks" in r.getMessage()]
     assert len(said) == 2, said
     assert "nu/web" in said[0] and "status.podIP" in said[0] and "Ready" in said[0]
     assert "/etc/cluster/nu.yaml" in said[0]
     assert "nu/unready" in said[1] and "status.podIP" not in said[1] and "Ready" in said[1]
+
+
+class FileStore(DictStore):
+    """Pods as the files source holds them: each from a config file."""
+
+    def origin_of(self, key):
+        return f"/etc/ambient/cluster/{key[2]}.yaml"
+
+
+async def test_a_hand_written_pod_is_looked_at_after_a_grace(cni_agent, caplog, monkeypatch):
+    """A fresh-eyes run of the demo saw a WARN for each of its pods on a healthy run: the
+    demo (as a kubelet does) writes status.podIP and Ready right after the ADD, and the
+    check ran at the ADD. It now runs UNSERVABLE_GRACE seconds later against the object
+    as it is then: filled in meanwhile -> nothing; still missing -> one WARN; the agent
+    stopped first -> nothing."""
+    from cni import eventserver
+    monkeypatch.setattr(eventserver, "UNSERVABLE_GRACE", 0.3)
+    ns = namespace("demo", {"istio.io/dataplane-mode": "ambient"})
+    filled, bare = pod("web-0", uid="uid-1"), pod("web-1", uid="uid-2")
+    cni_agent.set_store(FileStore([ns, filled, bare]))
+    for p in (filled, bare):
+        status, _ = await post(cni_agent, "/cmdadd", body=event(
+            pod_name=p["metadata"]["name"], pod_uid=p["metadata"]["uid"]))
+        assert status == 200
+    assert not [r for r in caplog.records if "is enrolled but" in r.getMessage()]
+    filled["status"] = {"podIP": "10.1.1.5",
+                        "conditions": [{"type": "Ready", "status": "True"}]}
+    await asyncio.sleep(0.6)
+    warned = [r.getMessage() for r in caplog.records if "is enrolled but" in r.getMessage()]
+    assert len(warned) == 1 and "demo/web-1" in warned[0] and "status.podIP" in warned[0]
+
+    caplog.clear()
+    late = pod("web-2", uid="uid-3")
+    cni_agent.server.store.objects.append(late)
+    assert (await post(cni_agent, "/cmdadd", body=event(pod_name="web-2",
+                                                        pod_uid="uid-3")))[0] == 200
+    await cni_agent.server.stop(1)
+    await asyncio.sleep(0.5)
+    assert not [r for r in caplog.records if "is enrolled but" in r.getMessage()]
