@@ -138,6 +138,29 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
 
+    def parse_args(  # type: ignore[override]
+            self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        """As argparse's, but an unknown flag is reported by the subcommand it was given
+        to (``ambient-agent run --bogus`` prints ``run``'s usage and names ``run``), not
+        by the top-level parser, whose usage lists no subcommand's flags."""
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self.innermost(ns).error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns
+
+    def innermost(self, ns: argparse.Namespace) -> argparse.ArgumentParser:
+        """The (sub)parser that parsed the last subcommand named in ``ns``; this parser
+        when none was (or a subparsers group has no ``dest`` to tell which)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = getattr(ns, action.dest, None) if action.dest else None
+                parser = action.choices.get(chosen) if chosen else None
+                if isinstance(parser, Parser):
+                    return parser.innermost(ns)
+                if parser is not None:
+                    return parser
+        return self
+
 
 def load_config(args: argparse.Namespace) -> agent_config.Config:
     flags = {s.name: getattr(args, s.name, None) for s in agent_config.SETTINGS}

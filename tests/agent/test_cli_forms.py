@@ -120,3 +120,22 @@ def test_run_builds_its_parser_without_importing_the_other_subcommands():
     # the full parser (help, the other subcommands) still has every subcommand's flags
     from agent import cli
     assert callable(cli.build_parser().parse_args(["precheck"]).func)
+
+
+@pytest.mark.parametrize("argv,usage", [
+    (["run", "--bogus"], "usage: ambient-agent run "),
+    (["xds", "dump", "--bogus"], "usage: ambient-agent xds dump "),
+    (["status", "--bogus"], "usage: ambient-agent status "),
+    (["--bogus"], "usage: ambient-agent [-h]"),
+])
+def test_an_unknown_flag_is_reported_by_its_subcommand(argv, usage, capsys):
+    """A fresh-eyes run: ``run --bogus`` printed the top-level usage (no ``run`` flags in
+    it) and ``ambient-agent: error``; the subcommand given now reports it, with its own
+    usage and name. Exit 2 either way."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert err.startswith(usage), err
+    prog = usage[len("usage: "):].split(" [")[0].strip()
+    assert f"{prog}: error: unrecognized arguments: --bogus" in err, err
