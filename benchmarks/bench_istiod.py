@@ -72,6 +72,7 @@ import sysconfig
 import tempfile
 import time
 
+from agent.core.uptime import start_time
 from benchmarks.bench_kube import _available, _gather_limited, on_private_api_server
 from benchmarks.bench_kube_xds import NODES, PODS_PER_NS, populate
 from benchmarks.common import Result, percentile, ratio_result
@@ -103,13 +104,6 @@ def _boot_now() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
-def _proc_start(pid: int) -> float:
-    """A process's start, in CLOCK_BOOTTIME seconds (10 ms resolution)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[19]) / os.sysconf("SC_CLK_TCK")
-
-
 def _cpu(pid: int) -> float:
     """utime + stime of ``pid`` and its reaped children, seconds."""
     with open(f"/proc/{pid}/stat") as f:
@@ -134,10 +128,15 @@ def _as_installed() -> list[str]:
     that no deployed agent pays; so ``-S`` (no site: no ``.pth``) with the checkout and
     the venv's site-packages put on ``sys.path`` by hand (they hold no other ``.pth``
     file the agent needs). ``cwd`` is still the checkout (:data:`kc.ROOT`)."""
+    return _installed_python("from agent.cli import main; sys.exit(main())")
+
+
+def _installed_python(code: str) -> list[str]:
+    """``python -S -c`` running ``code`` with the checkout and the venv's site-packages
+    put on ``sys.path`` by hand, as :func:`_as_installed` explains."""
     purelib = sysconfig.get_paths()["purelib"]
-    code = (f"import sys; sys.path[1:1] = [{kc.ROOT!r}, {purelib!r}]; "
-            "from agent.cli import main; sys.exit(main())")
-    return [sys.executable, "-S", "-c", code]
+    return [sys.executable, "-S", "-c",
+            f"import sys; sys.path[1:1] = [{kc.ROOT!r}, {purelib!r}]; {code}"]
 
 
 def import_floor(runs: int = FLOOR_RUNS) -> float:
@@ -145,13 +144,12 @@ def import_floor(runs: int = FLOOR_RUNS) -> float:
     :func:`_as_installed` starts the agent, each running only :data:`FLOOR_IMPORTS`;
     byte-compiled as the agent is (:func:`_compile`). Raises ``CalledProcessError`` if
     the imports fail."""
-    purelib = sysconfig.get_paths()["purelib"]
-    code = f"import sys; sys.path[1:1] = [{kc.ROOT!r}, {purelib!r}]; {FLOOR_IMPORTS}"
+    argv = _installed_python(FLOOR_IMPORTS)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-S", "-c", code], check=True, env=env, cwd=kc.ROOT)
+        subprocess.run(argv, check=True, env=env, cwd=kc.ROOT)
         times.append(time.perf_counter() - t0)
     return percentile(times, 50)
 
@@ -218,7 +216,7 @@ class Istiod:
                 env_file = kc.read_env(self.dir)
                 self.address = env_file["ISTIOD_XDS_ADDR"]
                 self.pid = int(env_file["ISTIOD_PID"])
-                return _proc_start(self.pid)
+                return start_time(self.pid)
             if self.proc.poll() is not None:
                 raise RuntimeError(f"istiod-test.sh start failed: "
                                    f"{self.proc.stderr.read().decode()[-2000:]}")

@@ -8,15 +8,23 @@ import os
 import time
 
 
-def process_age() -> float:
-    """Seconds since this process started: the kernel's start time of the process
-    (``/proc/self/stat`` field 22, clock ticks since boot) against CLOCK_BOOTTIME.
-    Resolution one clock tick (10 ms); NaN when ``/proc`` can't be read."""
+def start_time(pid: int | str = "self") -> float:
+    """When process ``pid`` started, in CLOCK_BOOTTIME seconds: ``/proc/<pid>/stat``
+    field 22 (clock ticks since boot). Resolution one clock tick (10 ms). Raises
+    OSError (no such process) or ValueError (an unreadable stat line)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        # the command name (field 2) may hold spaces: fields are counted after ")"
+        fields = f.read().rsplit(b")", 1)[-1].split()
     try:
-        with open("/proc/self/stat", "rb") as f:
-            # the command name (field 2) may hold spaces: fields are counted after ")"
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return (time.clock_gettime(time.CLOCK_BOOTTIME)
-                - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
+        return int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except IndexError:
+        raise ValueError(f"/proc/{pid}/stat has {len(fields) + 2} fields") from None
+
+
+def process_age() -> float:
+    """Seconds since this process started (:func:`start_time` against CLOCK_BOOTTIME);
+    NaN when ``/proc`` can't be read."""
+    try:
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_time()
+    except (OSError, ValueError):
         return float("nan")
