@@ -356,7 +356,9 @@ class EmbeddedCA:
                     raise CAError("INTERNAL", f"CA key {key_path} {problem}: it holds the "
                                   "mesh CA's signing key")
                 pem = f.read()
-            key = serialization.load_pem_private_key(pem, password=None)
+            key = keys.load_private_key(pem)
+        except keys.InconsistentKey as e:
+            raise CAError("INTERNAL", f"CA key {key_path}: {e}") from None
         except (OSError, ValueError, TypeError) as e:
             # Never include the file's bytes: it holds a private key.
             raise CAError("INTERNAL", f"CA key {key_path}: unreadable or not a PEM private key "

@@ -131,7 +131,9 @@ def material_from_secret(namespace: str, name: str, data: dict[str, bytes],
         raise CASecretError(where, cert_key, f"not a PEM certificate ({e})") from None
     cert = signing[0]
     try:
-        key = serialization.load_pem_private_key(data[key_key], password=None)
+        key = keys.load_private_key(data[key_key])
+    except keys.InconsistentKey as e:
+        raise CASecretError(where, key_key, str(e)) from None
     except (ValueError, TypeError) as e:  # never the bytes: a private key
         raise CASecretError(where, key_key, f"not a PEM private key ({type(e).__name__})") from None
     if not isinstance(key, (rsa.RSAPrivateKey, ec.EllipticCurvePrivateKey)):

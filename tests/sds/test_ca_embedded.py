@@ -106,6 +106,24 @@ def test_user_root_and_bad_root_files(tmp_path):
     assert "secret" not in str(e.value)
 
 
+def test_inconsistent_rsa_root_key_is_refused_naming_the_file(tmp_path):
+    """The CA key's numbers are checked as Go's crypto/rsa does (OpenSSL's slower check on
+    load is skipped): a tampered CRT value is refused with the file named, no bytes."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    cert, key = create_root("cluster.local")
+    n = key.private_numbers()
+    bad = rsa.RSAPrivateNumbers(n.p, n.q, n.d, n.dmp1 ^ 2, n.dmq1, n.iqmp, n.public_numbers)
+    (tmp_path / "c.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "k.pem").write_bytes(keys.key_pem(bad.private_key(
+        unsafe_skip_rsa_key_validation=True)))
+    (tmp_path / "k.pem").chmod(0o600)
+    with pytest.raises(CAError) as e:
+        EmbeddedCA.load_or_create(tmp_path, "td", str(tmp_path / "c.pem"), str(tmp_path / "k.pem"))
+    assert str(tmp_path / "k.pem") in str(e.value) and "CRT values" in str(e.value)
+    assert "PRIVATE KEY" not in str(e.value)
+
+
 def test_root_key_of_another_kind_is_refused_naming_the_file(tmp_path):
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ed25519

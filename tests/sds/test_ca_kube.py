@@ -102,12 +102,27 @@ def _bad_cases(pki):
                         "not a PEM private key"),
         "garbage cert": ({**plugin(inter, inter_key, root), "ca-cert.pem": b"hello"},
                          "ca-cert.pem", "not a PEM certificate"),
+        # OpenSSL's check on load is skipped (its primality tests cost 40-100 ms on the
+        # start path); the numbers are checked as Go's crypto/rsa checks them
+        "inconsistent RSA key": ({**plugin(root, root_key, root),
+                                  "ca-key.pem": _tampered_rsa_pem(root_key)}, "ca-key.pem",
+                                 "inconsistent RSA private key: the CRT values"),
     }
+
+
+def _tampered_rsa_pem(key) -> bytes:
+    """``key`` (RSA) with its CRT coefficient q^-1 mod p off by one: it parses, and
+    signing with it would give wrong signatures (the fault attacks the check is for)."""
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    n = key.private_numbers()
+    bad = rsa.RSAPrivateNumbers(n.p, n.q, n.d, n.dmp1, n.dmq1, (n.iqmp + 1) % n.p,
+                                n.public_numbers).private_key(unsafe_skip_rsa_key_validation=True)
+    return keys.key_pem(bad)
 
 
 @pytest.mark.parametrize("case", ["key does not match", "cert not a CA", "chain not to the root",
                                   "expired", "not yet valid", "incomplete", "garbage key",
-                                  "garbage cert"])
+                                  "garbage cert", "inconsistent RSA key"])
 def test_bad_secret_is_refused_naming_the_secret_and_key(pki, case):
     data, key, why = _bad_cases(pki)[case]
     with pytest.raises(CASecretError) as e:
@@ -115,3 +130,24 @@ def test_bad_secret_is_refused_naming_the_secret_and_key(pki, case):
     assert e.value.secret == "istio-system/cacerts" and e.value.key == key, str(e.value)
     assert str(e.value).startswith(f"Secret istio-system/cacerts key {key}: ") and why in str(e.value)
     assert "c2VjcmV0" not in str(e.value)  # never a key's bytes
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda n: dict(p=n.p + 2), "p*q is not the modulus"),
+    (lambda n: dict(d=n.d + 1), "d is not the inverse of e"),
+    (lambda n: dict(dmp1=n.dmp1 ^ 2), "CRT values"),
+    (lambda n: dict(dmq1=n.dmq1 ^ 2), "CRT values"),
+    (lambda n: dict(p=1, q=n.p * n.q), "a prime is <= 1"),
+])
+def test_rsa_numbers_checked_as_go_checks_them(pki, change, why):
+    """:func:`keys.rsa_numbers_problem` (what :func:`keys.load_private_key` runs instead of
+    OpenSSL's slow check): each inconsistency named; a good key passes."""
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    _, root_key, *_ = pki
+    n = root_key.private_numbers()
+    assert keys.rsa_numbers_problem(n) == ""
+    fields = dict(p=n.p, q=n.q, d=n.d, dmp1=n.dmp1, dmq1=n.dmq1, iqmp=n.iqmp,
+                  public_numbers=n.public_numbers)
+    fields.update(change(n))
+    assert why in keys.rsa_numbers_problem(rsa.RSAPrivateNumbers(**fields))
+    assert keys.load_private_key(keys.key_pem(root_key)).private_numbers() == n
