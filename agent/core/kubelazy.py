@@ -18,6 +18,15 @@ lines), so ``kclient.CoreV1Api``, ``kubernetes_asyncio.client.models.V1Pod`` (ho
 ``ApiClient`` deserializes) and ``from kubernetes_asyncio import watch`` give the same
 objects as an eager import. Submodules load through the packages' real ``__path__``.
 
+``urllib3`` too: ``kubernetes_asyncio.client.configuration`` imports it at the top for
+one helper (``urllib3.util.make_headers``, HTTP basic auth, which the agent never uses),
+and importing urllib3 (its URL regexes, ``importlib.metadata`` and ``zipfile``) was
+40-160 ms of the path to the first LIST. :func:`install` registers a
+:class:`_DeferredModule` for it: the module object with its spec, file and path set, whose
+body runs on the first access to any other attribute. The standard library's
+``importlib.util.LazyLoader`` cannot do this on Python 3.11: an ``import urllib3``
+statement reads the module's ``__spec__``, which runs its body there.
+
 Nothing is installed when the library was imported already, is not installed, or its
 ``__init__`` does not have that shape (a future layout): the eager import then happens
 as before. Idempotent; not undoable (call it once, early, in the process that runs the
@@ -32,6 +41,7 @@ import importlib.util
 import os
 import re
 import sys
+import threading
 import types
 from typing import Any
 
@@ -75,6 +85,49 @@ def _lazy_package(name: str, path: str, names: dict[str, str],
     return mod
 
 
+LAZY_DEPENDENCIES = ("urllib3",)
+_DEFERRED_LOCK = threading.RLock()
+
+
+class _DeferredModule(types.ModuleType):
+    """A module whose body has not run yet: :func:`importlib.util.module_from_spec` set
+    its ``__spec__``, ``__file__``, ``__path__`` and ``__loader__``; the first lookup of
+    any other attribute runs the body into this very object (once, under a lock: another
+    thread asking meanwhile waits for it) and from then on it is a plain module. A
+    submodule import (``import urllib3.util``) works before that without running it."""
+
+    def __getattr__(self, attr: str) -> Any:
+        with _DEFERRED_LOCK:
+            if type(self) is _DeferredModule:
+                if self.__dict__.get("_ambient_running"):
+                    # the body itself asking (``from . import x``) before it set ``attr``
+                    raise AttributeError(f"module {self.__name__!r} has no attribute {attr!r}")
+                self.__dict__["_ambient_running"] = True
+                try:
+                    self.__spec__.loader.exec_module(self)  # type: ignore[union-attr]
+                except BaseException:
+                    sys.modules.pop(self.__name__, None)  # the next import tries afresh
+                    raise
+                finally:
+                    del self.__dict__["_ambient_running"]
+                # only now: a thread that found the lock taken waited for the whole body
+                self.__class__ = types.ModuleType
+        return getattr(self, attr)
+
+
+def _defer(name: str) -> None:
+    """Register top-level module ``name`` as a :class:`_DeferredModule`; nothing when it
+    is loaded already, absent, or not loaded from source or bytecode."""
+    if name in sys.modules:
+        return
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        return
+    module = importlib.util.module_from_spec(spec)
+    module.__class__ = _DeferredModule
+    sys.modules[name] = module
+
+
 def install() -> bool:
     """Install the lazy packages (see the module docstring). Returns whether they are
     in place (False: the library loads eagerly, as without this call)."""
@@ -112,6 +165,8 @@ def install() -> bool:
                            under(f"{PACKAGE}.client.models"))
     client.api, client.models = api, models  # type: ignore[attr-defined]
     top.client = client  # type: ignore[attr-defined]
+    for dependency in LAZY_DEPENDENCIES:
+        _defer(dependency)
     sys.modules.update({PACKAGE: top, client.__name__: client, api.__name__: api,
                         models.__name__: models})
     return True

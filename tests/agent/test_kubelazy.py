@@ -64,3 +64,41 @@ def test_lazy_packages_give_the_eager_import_objects_and_load_far_fewer_modules(
     assert lazy["missing"] == eager["missing"] == "AttributeError"
     assert eager["loaded"] > 500  # every API group and model module
     assert lazy["loaded"] < 100, lazy["loaded"]
+
+
+DEFERRED = r"""
+import sys, threading
+from agent.core import kubelazy
+assert kubelazy.install()
+from kubernetes_asyncio.client import configuration  # imports urllib3 at its top
+import urllib3
+before = type(urllib3).__name__, "urllib3.util" in sys.modules
+got, errors = [], []
+start = threading.Barrier(8)
+
+def use():
+    start.wait()
+    try:
+        got.append(urllib3.util.make_headers(basic_auth="a:b")["authorization"])
+    except Exception as e:  # noqa: BLE001
+        errors.append(repr(e))
+
+threads = [threading.Thread(target=use) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+from urllib3 import PoolManager
+import urllib3.exceptions
+print(before, type(urllib3).__name__, sorted(set(got)), errors,
+      PoolManager.__module__, urllib3.exceptions.HTTPError.__module__)
+"""
+
+
+def test_urllib3_body_runs_on_first_use_once_under_eight_threads():
+    """``kubelazy`` defers urllib3 (kubernetes_asyncio's configuration imports it for one
+    helper the agent never calls): importing it runs nothing; eight threads using it at
+    once all get the real module, and ``from urllib3 import ...`` works afterwards."""
+    out = subprocess.run([sys.executable, "-c", DEFERRED], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[0] == ("('_DeferredModule', False) module ['Basic YTpi'] [] "
+                                          "urllib3.poolmanager urllib3.exceptions"), out.stdout

@@ -25,15 +25,16 @@ def test_kubernetes_source_path_leaves_the_files_source_and_zds_server_unimporte
     imports the files source (watchfiles, localconfig's protobuf), and the daemon's
     "is a ZDS server already answering" check no longer imports ``zds.server``: both
     load later, on the worker thread beside the LISTs. The files source itself still
-    builds (its module is imported by ``ambient.source.build``)."""
+    builds (its module is imported by ``ambient.source.build``). Nor is urllib3's body
+    run (``kubelazy`` defers it: kubernetes_asyncio imports it for one unused helper)."""
     loaded = _loaded_after(
         "from agent.core import kubelazy; kubelazy.install(); import ambient.source; "
         "from zds.served import refuse_if_served",
         ["ambient.source_files", "watchfiles", "ambient.localconfig", "zds.server",
-         "ambient.source_kube"])
+         "ambient.source_kube", "urllib3.util"])
     assert loaded == {"ambient.source_files": False, "watchfiles": False,
                       "ambient.localconfig": False, "zds.server": False,
-                      "ambient.source_kube": True}, loaded
+                      "ambient.source_kube": True, "urllib3.util": False}, loaded
 
 
 def test_refuse_if_served_is_still_what_zds_server_uses():
