@@ -111,7 +111,7 @@ class _DeferredModule(types.ModuleType):
                 finally:
                     del self.__dict__["_ambient_running"]
                 # only now: a thread that found the lock taken waited for the whole body
-                self.__class__ = types.ModuleType
+                self.__class__ = types.ModuleType  # type: ignore[assignment]
         return getattr(self, attr)
 
 
