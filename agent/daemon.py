@@ -3,8 +3,9 @@
 Start order follows the data flow: config source and ambient index first,
 then the servers that read from them, then the entry points that accept work.
 Stop order is the reverse, so nothing accepts work that its dependencies can no
-longer do. The components after xDS start once its first push is out (or 0.5 s after
-xDS started): :data:`FIRST_PUSH_PATH_ENDS`.
+longer do. The components after xDS are imported, built and started once its first
+push is out (or 0.5 s after xDS started): :data:`FIRST_PUSH_PATH_ENDS`,
+:func:`build_first_path`, :func:`build_rest`.
 
 Signals: the first SIGTERM/SIGINT starts a graceful stop (each component gets
 ``shutdown_grace`` seconds to finish in-flight work, sockets are closed and
@@ -87,38 +88,49 @@ class Components:
 
 #: the last component on the path to a cold start's first xDS push: the ones after it
 #: (ZDS, enrollment and its restart recovery, the CNI parts, the waypoint status writer,
-#: the status server's ports) start once a client holds its complete initial Address
-#: response, or FIRST_PUSH_WAIT seconds after it started, whichever comes first. The
-#: agent is ready (``/readyz``, sd_notify) only when all have started.
+#: the status server's ports) are imported, built and started once a client holds its
+#: complete initial Address response, or FIRST_PUSH_WAIT seconds after it started,
+#: whichever comes first. The agent is ready (``/readyz``, sd_notify) only when all
+#: have started.
 FIRST_PUSH_PATH_ENDS = "xds"
 FIRST_PUSH_WAIT = 0.5  # seconds
 
 
-def import_components() -> types.SimpleNamespace:
-    """Import every component's module (blocking: ~0.6 s of CPU); returns them by the
-    names :func:`build` uses. :class:`Agent` calls it on a worker thread while the
-    Kubernetes source's LISTs are under way, so the API server prepares them while the
-    agent imports (issue 28); :func:`build` calls it again and finds them loaded.
-    Imports are here, not at the top, so that ``ambient-agent config`` and ``version``
-    stay fast."""
+def import_first_path() -> types.SimpleNamespace:
+    """Import the modules of the components on the path to the first push (and the
+    status server's, for the early health port); blocking, ~0.4 s of CPU. Returns them
+    by the names :func:`build_first_path` uses. :class:`Agent` calls it on a worker
+    thread while the Kubernetes source's LISTs are under way, so the API server prepares
+    them while the agent imports (issue 28); :func:`build_first_path` calls it again and
+    finds them loaded. Imports are here, not at the top, so that ``ambient-agent
+    config`` and ``version`` stay fast."""
     # before any component imports kubernetes_asyncio: its ~800 modules load on use
     from agent.core import kubelazy
     kubelazy.install()
-    from agent import enrollment_zds
     from agent.sds import server as sds_server
     from agent.status import server as status_server
     from agent.tlsport import authn as tls_authn
     from ambient import index as ambient_index, source as ambient_source
-    from ambient.waypoint import status_writer
     from ambient.xds import server as xds_server
-    from cni import eventserver, install, registration, snapshot
+    from cni import registration
+    return types.SimpleNamespace(
+        sds_server=sds_server, status_server=status_server, tls_authn=tls_authn,
+        ambient_index=ambient_index, ambient_source=ambient_source, xds_server=xds_server,
+        registration=registration)
+
+
+def import_rest() -> types.SimpleNamespace:
+    """Import the modules of the components that start after the first push (ZDS,
+    enrollment, the CNI parts, the waypoint status writer); blocking, ~0.25 s of CPU.
+    :class:`Agent` calls it on a worker thread once the first push is out, so they never
+    delay it; :func:`build_rest` calls it again and finds them loaded."""
+    from agent import enrollment_zds
+    from ambient.waypoint import status_writer
+    from cni import eventserver, install, snapshot
     from zds import server as zds_server
     return types.SimpleNamespace(
-        enrollment_zds=enrollment_zds, sds_server=sds_server, status_server=status_server,
-        tls_authn=tls_authn, ambient_index=ambient_index, ambient_source=ambient_source,
-        status_writer=status_writer, xds_server=xds_server, eventserver=eventserver,
-        install=install, registration=registration, snapshot=snapshot,
-        zds_server=zds_server)
+        enrollment_zds=enrollment_zds, status_writer=status_writer, eventserver=eventserver,
+        install=install, snapshot=snapshot, zds_server=zds_server)
 
 
 def build_source(ctx: AgentContext) -> ConfigSource:
@@ -136,59 +148,96 @@ def build_source(ctx: AgentContext) -> ConfigSource:
         raise ComponentStartError("config-source", e) from e
 
 
-def build(ctx: AgentContext, source: ConfigSource | None = None) -> Components:
-    """Construct every enabled component, each handed the ones it uses, and add them to
-    ``ctx`` in start order; ``source``: the ``config-source`` already made by
-    :func:`build_source` (and begun), else made here.
+@dataclasses.dataclass(frozen=True)
+class FirstPath:
+    """What :func:`build_first_path` made: the components on the path to the first
+    push (in the context, in start order) and the status server (built, not yet in the
+    context: it is started last, by :func:`build_rest`)."""
 
-    Start order follows the data flow: the config source (and the registration that
-    writes pods into it) and the index first; caller authentication and SDS; xDS (it
-    needs only the index and SDS, so the first push does not wait for restart
-    recovery); then ZDS, enrollment and the CNI parts that hand it work, which
-    :class:`Agent` starts after the first push (:data:`FIRST_PUSH_PATH_ENDS`); status
-    last, as it reports the others' readiness. A builder that rejects a setting raises :class:`ConfigError`; any
-    other failure is wrapped in :class:`ComponentStartError` naming the component.
-    """
-    m = import_components()
+    source: ConfigSource
+    registration: WorkloadRegistrar | None
+    index: IndexComponent
+    authn: AuthnComponent
+    sds: SdsServer
+    xds: XdsServer
+    status: StatusServer
 
-    def made(name: str, builder: Callable[[], T]) -> T:
-        try:
-            return builder()
-        except ConfigError:
-            raise
-        except Exception as e:
-            log.debug("building %s failed", name, exc_info=True)
-            raise ComponentStartError(name, e) from e
 
+def _made(name: str, builder: Callable[[], T]) -> T:
+    """``builder()``; a :class:`ConfigError` as it is, any other failure wrapped in
+    :class:`ComponentStartError` naming component ``name``."""
+    try:
+        return builder()
+    except ConfigError:
+        raise
+    except Exception as e:
+        log.debug("building %s failed", name, exc_info=True)
+        raise ComponentStartError(name, e) from e
+
+
+def build_first_path(ctx: AgentContext, source: ConfigSource | None = None) -> FirstPath:
+    """Construct the components a cold start's first xDS push needs and add them to
+    ``ctx`` in start order: the config source (``source``: the one :func:`build_source`
+    already made and began, else made here) and the registration that writes pods into
+    it, the index, caller authentication, SDS and xDS (it needs only the index and SDS,
+    so the first push never waits for restart recovery); and the status server, not
+    added (its health port opens before anything starts; it starts last). Raises as
+    :func:`_made` says."""
+    m = import_first_path()
     if source is None:
-        source = made("config-source", lambda: m.ambient_source.build(ctx))
-    registrar = made("registration", lambda: m.registration.build(ctx, source))
-    index = made("ambient-index", lambda: m.ambient_index.build(ctx, source.store))
-    authn = made("authn", lambda: m.tls_authn.build(ctx))
-    sds = made("sds", lambda: m.sds_server.build(ctx, source.store, authn.authenticator,
-                                               kube_api=source.kube_api))
+        source = _made("config-source", lambda: m.ambient_source.build(ctx))
+    registrar = _made("registration", lambda: m.registration.build(ctx, source))
+    index = _made("ambient-index", lambda: m.ambient_index.build(ctx, source.store))
+    authn = _made("authn", lambda: m.tls_authn.build(ctx))
+    sds = _made("sds", lambda: m.sds_server.build(ctx, source.store, authn.authenticator,
+                                                kube_api=source.kube_api))
     # the CA Secret's first read overlaps the LISTs and the first index build (issue 28)
     source.when_connected(sds.prefetch_ca)
-    zds = made("zds", lambda: m.zds_server.build(ctx))
-    enrollment = made("enrollment",
-                      lambda: m.enrollment_zds.build(ctx, zds, source, registrar))
-    xds = made("xds", lambda: m.xds_server.build(ctx, index.index, sds, authn.authenticator,
-                                               tls_services=mount_ca(sds), store=source.store))
+    xds = _made("xds", lambda: m.xds_server.build(ctx, index.index, sds, authn.authenticator,
+                                                tls_services=mount_ca(sds), store=source.store))
+    for component in (source, registrar, index, authn, sds, xds):
+        if component is not None:
+            ctx.add(component)
+    status = _made("status", lambda: m.status_server.build(
+        ctx, None, index.index, None, waypoints=xds.waypoints))
+    return FirstPath(source=source, registration=registrar, index=index, authn=authn,
+                     sds=sds, xds=xds, status=status)
+
+
+def build_rest(ctx: AgentContext, first: FirstPath) -> Components:
+    """Construct the components after the first push (ZDS, the waypoint status writer,
+    enrollment and the CNI parts that hand it work), each handed the ones it uses, hand
+    enrollment and ZDS to the status server, and add them and then status (last: it
+    reports the others' readiness) to ``ctx``. Returns every component. Raises as
+    :func:`_made` says."""
+    m = import_rest()
+    source, registrar = first.source, first.registration
+    zds = _made("zds", lambda: m.zds_server.build(ctx))
+    enrollment = _made("enrollment",
+                       lambda: m.enrollment_zds.build(ctx, zds, source, registrar))
     components = Components(
-        source=source, registration=registrar, index=index, authn=authn, sds=sds, zds=zds,
-        enrollment=enrollment,
-        snapshot=made("cni-snapshot", lambda: m.snapshot.build(ctx, source)),
-        installer=made("cni-installer", lambda: m.install.build(ctx)),
-        events=made("cni-events",
-                    lambda: m.eventserver.build(ctx, source, enrollment, registrar)),
-        xds=xds,
-        waypoint_status=made("waypoint-status", lambda: m.status_writer.build(
+        source=source, registration=registrar, index=first.index, authn=first.authn,
+        sds=first.sds, zds=zds, enrollment=enrollment,
+        snapshot=_made("cni-snapshot", lambda: m.snapshot.build(ctx, source)),
+        installer=_made("cni-installer", lambda: m.install.build(ctx)),
+        events=_made("cni-events",
+                     lambda: m.eventserver.build(ctx, source, enrollment, registrar)),
+        xds=first.xds,
+        waypoint_status=_made("waypoint-status", lambda: m.status_writer.build(
             ctx, source.store, source.kube_api)),
-        status=made("status", lambda: m.status_server.build(ctx, enrollment, index.index, zds,
-                                                          waypoints=xds.waypoints)))
+        status=first.status)
+    first.status.attach(enrollment, zds)
     for component in components.in_start_order():
-        ctx.add(component)
+        if component.name not in ctx.components:
+            ctx.add(component)
     return components
+
+
+def build(ctx: AgentContext, source: ConfigSource | None = None) -> Components:
+    """Every enabled component at once (:func:`build_first_path` then
+    :func:`build_rest`), in ``ctx`` in start order; for callers that start them together
+    (tests, the metrics table). Raises as :func:`_made` says."""
+    return build_rest(ctx, build_first_path(ctx, source))
 
 
 def mount_ca(sds: SdsServer) -> Callable[[grpc.aio.Server], list[str]]:
@@ -364,12 +413,14 @@ class Agent:
         self.supervisor = Supervisor(self.ctx)
         self._stopped = False
         self._lock: StateDirLock | None = None
-        self._components: Components | None = None
-        self._early: ConfigSource | None = None  # the source begun before build()
+        self._components: Components | None = None  # once every component is built
+        self._first: FirstPath | None = None  # the first push's path, built first
+        self._early: ConfigSource | None = None  # the source begun before it
 
     @property
     def components(self) -> Components:
-        """The components :func:`build` made; RuntimeError before :meth:`start` built them."""
+        """Every component, as :func:`build_rest` returned them; RuntimeError before
+        :meth:`start` built them all (they are, once it returned)."""
         if self._components is None:
             raise RuntimeError("the agent's components are built by start()")
         return self._components
@@ -396,8 +447,8 @@ class Agent:
 
     async def start(self) -> "Agent":
         state = prepare_state_dir(self.config)
-        self._lock = StateDirLock(state)
-        self._lock.acquire(self.config.origins.get("state_dir", ""))
+        lock = self._lock = StateDirLock(state)
+        lock.acquire(self.config.origins.get("state_dir", ""))
         # the whole open-files allowance, and the listener caps fitted inside it
         note = fdbudget.describe(self.config, fdbudget.raise_soft_limit())
         if note:
@@ -419,39 +470,56 @@ class Agent:
                     "and CAP_SYS_ADMIN): the host probe rules and in-pod rules need it"))
             set_created_series(self.config.metrics_created_series)
             early = await self._begin_source()
-            self._components = build(self.ctx, source=early) if early else build(self.ctx)
-            # liveness from the start: /healthz answers while components start (a slow
-            # API server), /readyz says which one is not ready yet
+            first = self._first = build_first_path(self.ctx, source=early)
             pause = None
-            if self._components is not None:  # (tests replace build with their own)
-                await self._components.status.start_health()
-                pause = StartPause(FIRST_PUSH_PATH_ENDS, self._components.xds.first_push,
-                                   FIRST_PUSH_WAIT)
-            self.ctx.add(StateDirWatch(self._lock))
+            if first is not None:  # (tests replace build_first_path with their own)
+                # liveness from the start: /healthz answers while components start (a
+                # slow API server), /readyz says which one is not ready yet
+                await first.status.start_health()
+                self.ctx.pending = "the components after the first push are not built yet"
+                pause = StartPause(FIRST_PUSH_PATH_ENDS, first.xds.first_push,
+                                   FIRST_PUSH_WAIT, then=lambda: self._build_rest(first, lock))
+            else:
+                self.ctx.add(StateDirWatch(lock))
             await self.supervisor.start(pause)
         except BaseException:
             # Started components were stopped by the supervisor (the early health port
             # too); free the state dir, so a caller that does not call stop() can start
             # another agent on it.
-            if self._components is not None and \
-                    self._components.status not in self.supervisor.started:
-                await self._components.status.stop(0.5)
+            if self._first is not None and \
+                    self._first.status not in self.supervisor.started:
+                await self._first.status.stop(0.5)
             if self._early is not None and self._early not in self.supervisor.started:
                 await self._early.stop(0.5)  # its LISTs and watches
-            self._lock.release()
+            lock.release()
             raise
         log.info("agent ready %.2fs after the process started: %s", process_age(),
                  ", ".join(self.ctx.components) or "no components")
         return self
 
+    async def _build_rest(self, first: FirstPath, lock: StateDirLock) -> None:
+        """The pause's ``then``: import the modules of the components after the first
+        push on a worker thread (the loop keeps serving xDS meanwhile), build them
+        (:func:`build_rest`) and the state dir watch over ``lock``, for the supervisor
+        to start."""
+        try:
+            await self.ctx.run_blocking(import_rest)
+        except Exception:  # noqa: BLE001 - build_rest() imports again and raises it
+            log.debug("importing the components on a worker thread failed", exc_info=True)
+        log.debug("start: the rest imported at %.3fs", process_age())
+        self._components = build_rest(self.ctx, first)
+        self.ctx.add(StateDirWatch(lock))
+        self.ctx.pending = ""
+
     async def _begin_source(self) -> ConfigSource | None:
         """With the Kubernetes config source: build it and send its LISTs (reads only:
         nothing on the node or in the cluster changes before every component is built),
-        then import the other components' modules on a worker thread while the loop
-        receives the lists (the API server prepares them meanwhile; at 1k pods the
-        imports and the LISTs took ~0.6 s and ~0.3 s one after the other). Returns the
-        begun source for :func:`build`, or None (files source: built there as before).
-        An import error is left to :func:`build`, which raises it as it always did."""
+        then import the first path's other modules (:func:`import_first_path`) on a
+        worker thread while the loop receives the lists (the API server prepares them
+        meanwhile; at 1k pods the imports and the LISTs took ~0.6 s and ~0.3 s one after
+        the other). Returns the begun source for :func:`build_first_path`, or None
+        (files source: built there as before). An import error is left to
+        :func:`build_first_path`, which raises it as it always did."""
         if self.config.config_source != "kubernetes":
             return None
         source = self._early = build_source(self.ctx)
@@ -461,10 +529,10 @@ class Agent:
             raise ComponentStartError("config-source", e) from e
         log.debug("start: LISTs sent %.3fs after the process started", process_age())
         try:
-            await self.ctx.run_blocking(import_components)
-        except Exception:  # noqa: BLE001 - build() imports again and raises it
+            await self.ctx.run_blocking(import_first_path)
+        except Exception:  # noqa: BLE001 - build_first_path() imports again and raises it
             log.debug("importing the components on a worker thread failed", exc_info=True)
-        log.debug("start: components imported at %.3fs", process_age())
+        log.debug("start: the first path imported at %.3fs", process_age())
         return source
 
     async def stop(self) -> None:

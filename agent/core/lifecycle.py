@@ -23,7 +23,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 
@@ -82,6 +82,9 @@ class AgentContext:
             max_workers=max_workers, thread_name_prefix="agent-blocking")
         self.shutdown = asyncio.Event()
         self.draining = False
+        # set while components are still to be built (the daemon builds the ones after
+        # the first push during the start): readiness says so, as a part named "start"
+        self.pending = ""
 
     def add(self, component: C) -> C:
         """Append ``component`` to the start order; returns it. ValueError on a duplicate
@@ -102,8 +105,10 @@ class AgentContext:
     def not_ready(self) -> list[tuple[str, str]]:
         """``(component name, reason)`` for every component that is not ready, in start
         order; ``[]`` when all are. A component whose ``ready()`` raises is not ready,
-        the reason naming the exception (readiness never fails for one broken part)."""
-        out = []
+        the reason naming the exception (readiness never fails for one broken part).
+        While :attr:`pending` is set, ``("start", pending)`` comes first: components
+        not built yet cannot say they are not ready."""
+        out = [("start", self.pending)] if self.pending else []
         for name, component in self.components.items():
             try:
                 ok, why = component.ready()
@@ -124,13 +129,16 @@ class AgentContext:
 class StartPause:
     """A pause in :meth:`Supervisor.start`: once the component named ``after`` has
     started, the next one starts when ``until`` is set or ``at_most`` seconds have
-    passed, whichever comes first. The daemon pauses after ``xds`` until its first
-    complete push (issue 28: what that push does not need does not compete with it for
-    the one CPU the interpreter gets)."""
+    passed, whichever comes first; then ``then`` (when given) is awaited, and the
+    components it adds to the context start after it, in order. The daemon pauses after
+    ``xds`` until its first complete push and builds the rest in ``then`` (issue 28:
+    what that push does not need neither competes with it for the one CPU the
+    interpreter gets, nor is imported before it)."""
 
     after: str
     until: asyncio.Event
     at_most: float
+    then: Callable[[], Awaitable[None]] | None = None
 
 
 class Supervisor:
@@ -150,8 +158,14 @@ class Supervisor:
         """Start every component of ``ctx.components`` in order (each ``start`` awaited
         before the next one's); returns once all have started. ``pause``: where to wait
         and for what (:class:`StartPause`); a ``pause.after`` naming no component never
-        pauses."""
-        for component in self.ctx.components.values():
+        pauses. Components already started (an earlier call) are skipped; those a
+        ``pause.then`` adds start in their turn."""
+        position = 0
+        while position < len(self.ctx.components):
+            component = list(self.ctx.components.values())[position]
+            position += 1
+            if component in self.started:
+                continue
             log.debug("starting %s", component.name)
             try:
                 await component.start()
@@ -180,6 +194,13 @@ class Supervisor:
             log.debug("after %s: not set within %.2f s, starting the rest", pause.after,
                       pause.at_most)
         except BaseException:
+            await self.stop(grace=1.0)
+            raise
+        if pause.then is None:
+            return
+        try:
+            await pause.then()
+        except BaseException:  # a build error is raised as it is, once the started stopped
             await self.stop(grace=1.0)
             raise
 

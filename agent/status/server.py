@@ -51,6 +51,7 @@ malformed HTTP is one DEBUG line.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from typing import Any, Awaitable, Callable, Protocol
@@ -124,6 +125,13 @@ class StatusServer(Component):
         self.admin_socket = ""
         self.monitoring_port = 0  # bound port of istio-cni's /metrics (0: off)
         self._session: aiohttp.ClientSession | None = None
+
+    def attach(self, enrollment: PodEnrollment | None, zds: DebugState | None) -> None:
+        """Hand over the components built after this one (``agent.daemon`` builds the
+        status server before the first push, for its early health port, and enrollment
+        and ZDS after it): readiness and ``/debug/mesh`` read them from now on."""
+        self.enrollment = enrollment
+        self.mesh = dataclasses.replace(self.mesh, enrollment=enrollment, zds=zds)
 
     # --- configuration ---------------------------------------------------------------
 
@@ -316,7 +324,7 @@ class StatusServer(Component):
 
     def _scope(self, status_port: bool) -> set[str]:
         """The part names one endpoint's readiness checks (:class:`ReadinessLog`)."""
-        names = {"agent", *self.ctx.components}
+        names = {"agent", "start", *self.ctx.components}
         return names | {"envoy", "drain", "ztunnel"} if status_port else names
 
     async def _ready(self, request: web.Request) -> web.Response:

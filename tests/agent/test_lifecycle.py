@@ -82,9 +82,9 @@ def test_duplicate_component_names_rejected(tmp_path):
         ctx.add(Recorder("a", []))
 
 
-def _failing_build(ctx):
-    """Stands in for ``agent.daemon.build`` (see test below): one component whose start
-    fails."""
+def _failing_build(ctx, source=None):
+    """Stands in for ``agent.daemon.build_first_path`` (see test below): one component
+    whose start fails."""
     ctx.add(Recorder("broken", [], fail=True))
 
 
@@ -94,7 +94,7 @@ async def test_failed_agent_start_frees_the_state_dir(tmp_path, monkeypatch):
     from agent import daemon
     from agent.core.errors import ComponentStartError
 
-    monkeypatch.setattr(daemon, "build", _failing_build)
+    monkeypatch.setattr(daemon, "build_first_path", _failing_build)
     config = cfg.load({"state_dir": str(tmp_path)}, env={})
     for _ in range(2):
         with pytest.raises(ComponentStartError, match="broken: broken cannot start"):
@@ -119,7 +119,7 @@ async def test_served_zds_socket_refused_before_anything_is_built(tmp_path):
             monitoring_port=0, xds_port=0, xds_tls_port=0, ca_port=0)
         built = []
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(daemon, "build", lambda ctx: built.append(ctx))
+            mp.setattr(daemon, "build_first_path", lambda ctx, source=None: built.append(ctx))
             with pytest.raises(cfg.ConfigError, match="another ZDS server") as e:
                 await daemon.Agent(config).start()
         assert e.value.setting == "ztunnel_uds_address" and built == []
@@ -274,6 +274,81 @@ async def test_cancelled_during_the_pause_stops_what_started(tmp_path):
     assert sup.started == []
 
 
+async def test_pause_then_builds_components_that_start_after_it_in_order(tmp_path):
+    """``StartPause.then`` (how the daemon builds the components after the first push):
+    awaited after the wait; what it adds to the context starts next, in order, and what
+    started before is not started twice. Readiness names ``start`` while
+    ``ctx.pending`` is set."""
+    from agent.core.lifecycle import StartPause
+
+    ctx, log, event = _ctx(tmp_path), [], asyncio.Event()
+    for n in ("a", "b"):
+        ctx.add(Recorder(n, log))
+    ctx.pending = "the rest is not built yet"
+    seen: list = []
+
+    async def then():
+        seen.append(ctx.not_ready())
+        await asyncio.sleep(0)
+        for n in ("c", "d"):
+            ctx.add(Recorder(n, log))
+        ctx.pending = ""
+
+    sup = Supervisor(ctx)
+    task = asyncio.create_task(sup.start(StartPause("a", event, 60.0, then=then)))
+    try:
+        await _started(log, "a")
+        assert ctx.not_ready() == [("start", "the rest is not built yet")]
+        event.set()
+        await asyncio.wait_for(task, 30)
+        assert seen == [[("start", "the rest is not built yet")]]
+        assert log == [("start", n) for n in "abcd"] and ctx.not_ready() == []
+        await sup.start()  # a second call starts nothing again
+        assert log == [("start", n) for n in "abcd"]
+    finally:
+        task.cancel()
+        await sup.stop(grace=1)
+    assert log[4:] == [("stop", n) for n in "dcba"]
+
+
+async def test_pause_then_failing_stops_what_started(tmp_path):
+    """A setting the second half rejects: the error is raised as it is, after the
+    components already started were stopped in reverse."""
+    from agent.core.lifecycle import StartPause
+
+    ctx, log = _ctx(tmp_path), []
+    for n in ("a", "b"):
+        ctx.add(Recorder(n, log))
+
+    async def then():
+        raise cfg.ConfigError("zds_setting", "x", "bad")
+
+    sup = Supervisor(ctx)
+    with pytest.raises(cfg.ConfigError, match="zds_setting"):
+        await asyncio.wait_for(sup.start(StartPause("b", asyncio.Event(), 0.01, then=then)), 30)
+    assert log == [("start", "a"), ("start", "b"), ("stop", "b"), ("stop", "a")]
+    assert sup.started == []
+
+
+def test_the_first_push_path_imports_nothing_of_the_rest():
+    """``import_first_path`` (what the daemon imports beside the LISTs) loads none of the
+    modules only the components after the first push use: they are imported after it
+    (``import_rest``, issue 28)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    rest = ["agent.enrollment_zds", "zds.server", "cni.enrollment", "cni.eventserver",
+            "cni.install", "cni.snapshot", "ambient.waypoint.status_writer"]
+    code = ("import sys, agent.cli, agent.daemon as d; d.import_first_path(); "
+            f"print([m for m in {rest!r} if m in sys.modules]); d.import_rest(); "
+            f"print([m for m in {rest!r} if m not in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=root, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["[]", "[]"], r.stdout
+
+
 def test_the_first_push_path_ends_at_xds():
     """The daemon's start order: what a cold start's first xDS push needs (source,
     registration, index, authn, SDS, xDS), then the pause, then the rest (ZDS before
@@ -291,14 +366,14 @@ def test_the_first_push_path_ends_at_xds():
 
 
 def test_the_components_import_no_pyroute2():
-    """What the daemon imports before its first push (every component's module:
-    ``import_components``, as ``Agent.start`` calls it) loads no pyroute2: ~150-250 ms
-    of CPU, which enrollment's start pays instead, after the push (issue 28)."""
+    """What the daemon imports to build its components (``import_first_path`` beside
+    the LISTs, ``import_rest`` after the first push) loads no pyroute2: ~150-250 ms of
+    CPU, which enrollment's start pays instead (issue 28)."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = ("import sys, agent.cli, agent.daemon as d; d.import_components(); "
+    code = ("import sys, agent.cli, agent.daemon as d; d.import_first_path(); d.import_rest(); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'pyroute2'))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=root, timeout=120)
