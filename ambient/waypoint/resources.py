@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import ipaddress
 import threading
 import hashlib
 from typing import Any, Callable, Iterable
@@ -92,17 +91,15 @@ from google.protobuf.message import Message
 from xds.core.v3 import extension_pb2 as xds_extension_pb2
 from xds.type.matcher.v3 import ip_pb2, matcher_pb2  # noqa: F401
 
+from ambient.waypoint.options import (  # noqa: F401 - re-exported: resources.Options etc.
+    CLUSTER_TYPE, DEFAULT_ACCESS_LOG_FORMAT, DEFAULT_ACCESS_LOG_JSON, ENDPOINT_TYPE,
+    ENVOY_TYPES, LISTENER_TYPE, ROUTE_TYPE, SECRET_TYPE, XFCC_ANNOTATION, AccessLog, Options,
+    any_of as _any, valid_ip)
 from ambient.waypoint import tcproute
 from ambient.waypoint.httproute import DEFAULT_RETRY, HTTP_KINDS, RouteBuilder
 from ambient.waypoint.model import BoundService, ServicePort, WaypointModel, backend_subset
 from ambient.waypoint.rbac import rbac_filters
 
-LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
-CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
-ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
-ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
-SECRET_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
-ENVOY_TYPES = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, SECRET_TYPE)
 
 CONNECT_TERMINATE = "connect_terminate"
 MAIN_INTERNAL = "main_internal"
@@ -111,7 +108,6 @@ ENCAP = "encap"
 HBONE_PORT = 15008
 ORIGINAL_DST_KEY = "envoy.filters.listener.original_dst"
 LOCAL_IP_STATE = "envoy.filters.listener.original_dst.local_ip"
-XFCC_ANNOTATION = "ambient.istio.io/xfcc-include-client-identity"
 CERT_SECRET, ROOT_SECRET = "default", "ROOTCA"
 
 _T = "type.googleapis.com/"
@@ -119,107 +115,8 @@ _MAX = 4294967295
 _HEALTHY = 1  # envoy.config.core.v3.HealthStatus.HEALTHY
 
 
-@dataclasses.dataclass
-class Options:
-    """Per-proxy choices: ``bind`` the address ``connect_terminate`` listens on (istiod:
-    the wildcard), ``xfcc`` whether the HTTP chains add ``x-forwarded-client-cert`` with
-    the caller's identity (the ``ambient.istio.io/xfcc-include-client-identity`` annotation)."""
-
-    bind: str = "0.0.0.0"
-    xfcc: bool = False
-    access_log: "AccessLog | None" = None
 
 
-#: istiod's default text access-log format (``EnvoyTextLogFormat``, Istio 1.9 onwards)
-DEFAULT_ACCESS_LOG_FORMAT = (
-    '[%START_TIME%] "%REQ(:METHOD)% %REQ(X-ENVOY-ORIGINAL-PATH?:PATH)% %PROTOCOL%" '
-    '%RESPONSE_CODE% %RESPONSE_FLAGS% %RESPONSE_CODE_DETAILS% '
-    '%CONNECTION_TERMINATION_DETAILS% "%UPSTREAM_TRANSPORT_FAILURE_REASON%" '
-    '%BYTES_RECEIVED% %BYTES_SENT% %DURATION% %RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)% '
-    '"%REQ(X-FORWARDED-FOR)%" "%REQ(USER-AGENT)%" "%REQ(X-REQUEST-ID)%" '
-    '"%REQ(:AUTHORITY)%" "%UPSTREAM_HOST%" %UPSTREAM_CLUSTER_RAW% %UPSTREAM_LOCAL_ADDRESS% '
-    '%DOWNSTREAM_LOCAL_ADDRESS% %DOWNSTREAM_REMOTE_ADDRESS% %REQUESTED_SERVER_NAME% '
-    '%ROUTE_NAME%\n')
-
-#: istiod's default JSON access-log fields (``EnvoyJSONLogFormatIstio``)
-DEFAULT_ACCESS_LOG_JSON = {
-    "start_time": "%START_TIME%", "route_name": "%ROUTE_NAME%", "method": "%REQ(:METHOD)%",
-    "path": "%REQ(X-ENVOY-ORIGINAL-PATH?:PATH)%", "protocol": "%PROTOCOL%",
-    "response_code": "%RESPONSE_CODE%", "response_flags": "%RESPONSE_FLAGS%",
-    "response_code_details": "%RESPONSE_CODE_DETAILS%",
-    "connection_termination_details": "%CONNECTION_TERMINATION_DETAILS%",
-    "bytes_received": "%BYTES_RECEIVED%", "bytes_sent": "%BYTES_SENT%",
-    "duration": "%DURATION%", "upstream_service_time": "%RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)%",
-    "x_forwarded_for": "%REQ(X-FORWARDED-FOR)%", "user_agent": "%REQ(USER-AGENT)%",
-    "request_id": "%REQ(X-REQUEST-ID)%", "authority": "%REQ(:AUTHORITY)%",
-    "upstream_host": "%UPSTREAM_HOST%", "upstream_cluster": "%UPSTREAM_CLUSTER_RAW%",
-    "upstream_local_address": "%UPSTREAM_LOCAL_ADDRESS%",
-    "downstream_local_address": "%DOWNSTREAM_LOCAL_ADDRESS%",
-    "downstream_remote_address": "%DOWNSTREAM_REMOTE_ADDRESS%",
-    "requested_server_name": "%REQUESTED_SERVER_NAME%",
-    "upstream_transport_failure_reason": "%UPSTREAM_TRANSPORT_FAILURE_REASON%",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class AccessLog:
-    """The file access log istiod configures from meshConfig when no Telemetry resource
-    applies: ``path`` (meshConfig ``accessLogFile``; empty: no access log, istiod's
-    default), ``encoding`` ``TEXT`` or ``JSON`` (``accessLogEncoding``), ``format``
-    (``accessLogFormat``: the text format, a newline added when missing, or a JSON object
-    of field -> command; empty: istiod's default of that encoding).
-
-    Where (as ``buildWaypointInbound`` does): every HTTP connection manager and TCP proxy of
-    ``main_internal``'s chains, unfiltered; ``connect_terminate``'s HTTP connection manager
-    for responses >= 400; ``connect_originate``'s TCP proxy for upstream connect failures
-    (``UF``); each listener for connections no chain matched (``NR``).
-    Raises ``ValueError`` naming the field for an unknown encoding or a JSON format that
-    is not a JSON object of strings."""
-
-    path: str = ""
-    encoding: str = "TEXT"
-    format: str = ""
-
-    def __post_init__(self) -> None:
-        if self.encoding.upper() not in ("TEXT", "JSON"):
-            raise ValueError(f"access log encoding {self.encoding!r}: expected TEXT or JSON")
-        if self.encoding.upper() == "JSON" and self.format:
-            import json
-
-            try:
-                value = json.loads(self.format)
-            except ValueError as e:
-                raise ValueError(f"access log format (JSON encoding): not JSON: {e}") from None
-            if not isinstance(value, dict) or not all(isinstance(v, str)
-                                                      for v in value.values()):
-                raise ValueError("access log format (JSON encoding): expected a JSON object "
-                                 "of field name -> format command strings")
-
-    def entries(self, flt: dict | None = None) -> list[dict]:
-        """The ``access_log`` entries (``[]`` when off), with the AccessLogFilter ``flt``."""
-        if not self.path:
-            return []
-        cfg: dict[str, Any] = {"path": self.path}
-        if self.encoding.upper() == "JSON":
-            import json
-
-            fields = json.loads(self.format) if self.format else DEFAULT_ACCESS_LOG_JSON
-            cfg["log_format"] = {"json_format": fields,
-                                 "json_format_options": {"sort_properties": False}}
-        else:
-            text = self.format or DEFAULT_ACCESS_LOG_FORMAT
-            if not text.endswith("\n"):
-                text += "\n"
-            cfg["log_format"] = {"text_format_source": {"inline_string": text}}
-            if "%REQ_WITHOUT_QUERY" in text:
-                cfg["log_format"]["formatters"] = [{
-                    "name": "envoy.formatter.req_without_query", "typed_config": _any(
-                        "envoy.extensions.formatter.req_without_query.v3.ReqWithoutQuery")}]
-        out: dict[str, Any] = {"name": "envoy.access_loggers.file", "typed_config": _any(
-            "envoy.extensions.access_loggers.file.v3.FileAccessLog", **cfg)}
-        if flt is not None:
-            out["filter"] = flt
-        return [out]
 
 
 NO_ROUTE_FILTER = {"response_flag_filter": {"flags": ["NR"]}}
@@ -237,8 +134,6 @@ def cluster_name(subset: str, port: int, hostname: str) -> str:
     return f"inbound-vip|{port}|{subset}|{hostname}"
 
 
-def _any(type_name: str, **fields: Any) -> dict:
-    return {"@type": _T + type_name, **fields}
 
 
 def _sds(name: str) -> dict:
@@ -1128,9 +1023,3 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-def valid_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-        return True
-    except ValueError:
-        return False

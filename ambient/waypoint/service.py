@@ -20,15 +20,17 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from cryptography import x509
 from google.protobuf.message import Message
 
 from ambient.api import AmbientIndex, IndexChange, ObjectStore
-from ambient.waypoint import resources
-from ambient.waypoint import status as waypoint_status
-from ambient.waypoint.model import ModelState
+from ambient.waypoint.options import XFCC_ANNOTATION, AccessLog, Options
+
+if TYPE_CHECKING:  # loaded by _resources() with the first build
+    from ambient.waypoint import resources
+    from ambient.waypoint.model import ModelState
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,17 @@ class CertificateIssuer(Protocol):
         """A fresh bundle with ``chain``, ``key`` and ``root`` PEM for ``sans``."""
 
 
-version_of = resources.version_of
+def _resources() -> Any:
+    """``ambient.waypoint.resources``, imported on first use: its Envoy message types
+    (~0.1-0.2 s of imports) wait for the first waypoint, off a cold start's path to
+    its first Address push (issue 28)."""
+    from ambient.waypoint import resources
+    return resources
+
+
+def version_of(msg: Message) -> str:
+    """:func:`ambient.waypoint.resources.version_of`."""
+    return _resources().version_of(msg)
 
 
 @dataclasses.dataclass
@@ -75,7 +87,7 @@ class WaypointConfigs:
     def __init__(self, store: ObjectStore, index: AmbientIndex, *,
                  issuer: CertificateIssuer | None = None, trust_domain: str = "cluster.local",
                  root_namespace: str = "istio-system", clock: Callable[[], float] = time.time,
-                 access_log: resources.AccessLog | None = None):
+                 access_log: AccessLog | None = None):
         self.store, self.index, self.issuer = store, index, issuer
         self.access_log = access_log
         self.trust_domain, self.root_namespace = trust_domain, root_namespace
@@ -88,7 +100,7 @@ class WaypointConfigs:
         self._listeners: list[Callable[[], None]] = []
         self._unsubscribe: Callable[[], None] | None = None
         self.builds = 0
-        self.parse_cache = resources.ParseCache()
+        self._parse_cache: resources.ParseCache | None = None  # made with the first build
         self._states: dict[tuple[str, str], ModelState] = {}
         self._assemblers: dict[tuple, resources.Assembler] = {}
         #: per assembler: the service keys changed since it last built (None: all)
@@ -154,7 +166,14 @@ class WaypointConfigs:
                 state.mark(change.addresses_removed)
 
     # ------------------------------------------------------------ resources
-    def config(self, namespace: str, name: str, opts: resources.Options) -> Config:
+    @property
+    def parse_cache(self) -> resources.ParseCache:
+        """The prototypes' parse cache all of this server's assemblers share."""
+        if self._parse_cache is None:
+            self._parse_cache = _resources().ParseCache()
+        return self._parse_cache
+
+    def config(self, namespace: str, name: str, opts: Options) -> Config:
         """The configuration of Gateway ``namespace/name`` (built here when
         :meth:`prepare_config` did not already)."""
         key = (namespace, name, opts.bind, opts.xfcc)
@@ -164,7 +183,7 @@ class WaypointConfigs:
         model, changed, opts, akey = self._model(namespace, name, opts)
         return self._store(key, model, *self._assembler(akey, opts).update(model, changed))
 
-    async def prepare_config(self, namespace: str, name: str, opts: resources.Options) -> None:
+    async def prepare_config(self, namespace: str, name: str, opts: Options) -> None:
         """Build the configuration off the event loop unless it is cached (the model is
         read on the loop: the store and index change there)."""
         key = (namespace, name, opts.bind, opts.xfcc)
@@ -180,7 +199,7 @@ class WaypointConfigs:
             if generation == self.generation:  # else: changed meanwhile, build again
                 self._store(key, model, built, problems)
 
-    def _assembler(self, akey: tuple[str, str, str, bool], opts: resources.Options
+    def _assembler(self, akey: tuple[str, str, str, bool], opts: Options
                    ) -> resources.Assembler:
         """The assembler of one Gateway and options (bounded: 64, oldest out)."""
         asm = self._assemblers.get(akey)
@@ -189,17 +208,18 @@ class WaypointConfigs:
                 old = next(iter(self._assemblers))
                 self._assemblers.pop(old)
                 self._pending.pop(old, None)
-            asm = self._assemblers[akey] = resources.Assembler(opts, self.parse_cache)
+            asm = self._assemblers[akey] = _resources().Assembler(opts, self.parse_cache)
         return asm
 
-    def _model(self, namespace: str, name: str, opts: resources.Options
-               ) -> tuple[Any, set[str] | None, resources.Options, tuple[str, str, str, bool]]:
+    def _model(self, namespace: str, name: str, opts: Options
+               ) -> tuple[Any, set[str] | None, Options, tuple[str, str, str, bool]]:
         """The Gateway's model, the service keys changed since the assembler for these
         options last built (None: build all), the options the model implies, and that
         assembler's key."""
         self.builds += 1
         state = self._states.get((namespace, name))
         if state is None:
+            from ambient.waypoint.model import ModelState
             state = self._states[(namespace, name)] = ModelState(
                 self.store, self.index, namespace, name, trust_domain=self.trust_domain,
                 root_namespace=self.root_namespace)
@@ -211,7 +231,7 @@ class WaypointConfigs:
                 if other[:2] == (namespace, name):
                     self._pending[other] = None if (pending is None or changed is None) \
                         else pending | changed
-        if model.annotations.get(resources.XFCC_ANNOTATION, "").lower() == "true":
+        if model.annotations.get(XFCC_ANNOTATION, "").lower() == "true":
             opts = dataclasses.replace(opts, xfcc=True)
         if self.access_log is not None and opts.access_log is None:
             opts = dataclasses.replace(opts, access_log=self.access_log)
@@ -278,7 +298,7 @@ class WaypointConfigs:
         cert = x509.load_pem_x509_certificate(chain)
         start = cert.not_valid_before_utc.timestamp()
         end = cert.not_valid_after_utc.timestamp()
-        made = resources.secrets(chain, key, root)
+        made = _resources().secrets(chain, key, root)
         self._issued[spiffe_id] = _Issued({n: (version_of(m), m) for n, m in made.items()},
                                           start + (end - start) / 2)
         log.info("waypoint: issued a certificate for %s (valid until %s)", spiffe_id,
@@ -291,12 +311,14 @@ class WaypointConfigs:
     def status_view(self) -> dict:
         """The status istiod would write for the waypoint Gateways and the HTTPRoutes
         attached to Services (:func:`ambient.waypoint.status.statuses`)."""
+        from ambient.waypoint import status as waypoint_status
         return waypoint_status.statuses(self.store)
 
     def debug_state(self) -> dict:
         return {"generation": self.generation, "builds": self.builds,
-                "parse_cache": {"hits": self.parse_cache.hits,
-                                "misses": self.parse_cache.misses},
+                "parse_cache": {"hits": self._parse_cache.hits if self._parse_cache else 0,
+                                "misses": self._parse_cache.misses if self._parse_cache
+                                else 0},
                 "cached": sorted("/".join(k[:2]) for k in self._cache),
                 "certificates": {k: v.renew_at for k, v in self._issued.items()}}
 

@@ -62,7 +62,7 @@ from ambient.xds.node import RequestError, parse_node
 from ambient.xds.stream import PreparedResponse, Request, Response, XdsStream, check_bounds
 from ambient.xds.tls import TlsProvider, WorkloadCertificates, sds_tls_provider
 from ambient.xds.waypoint_stream import WaypointStream, is_waypoint_request
-from ambient.waypoint.resources import AccessLog
+from ambient.waypoint.options import AccessLog
 from ambient.waypoint.service import WaypointConfigs
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 
 from agent.core.yamlsafe import short_text
 from ambient.api import IndexChange
-from ambient.waypoint import resources as wr
+from ambient.waypoint import options as wr
 from ambient.waypoint.service import WaypointConfigs
 from ambient.xds.node import NodeInfo, RequestError, parse_node
 from ambient.xds.stream import (_NACK_HISTORY, MAX_NACK_NAMES, SENT_HISTORY, Request,

@@ -333,15 +333,18 @@ async def test_pause_then_failing_stops_what_started(tmp_path):
 def test_the_first_push_path_imports_nothing_of_the_rest():
     """``import_first_path`` (what the daemon imports beside the LISTs) loads none of the
     modules only the components after the first push use: they are imported after it
-    (``import_rest``, issue 28)."""
+    (``import_rest``, issue 28); nor the waypoint resources' Envoy types."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     rest = ["agent.enrollment_zds", "zds.server", "cni.enrollment", "cni.eventserver",
             "cni.install", "cni.snapshot", "ambient.waypoint.status_writer"]
+    # nor the waypoint's Envoy resources: they load with the first waypoint stream
+    rest += ["ambient.waypoint.resources", "envoy.config.listener.v3.listener_pb2"]
     code = ("import sys, agent.cli, agent.daemon as d; d.import_first_path(); "
             f"print([m for m in {rest!r} if m in sys.modules]); d.import_rest(); "
+            "import ambient.waypoint.resources; "
             f"print([m for m in {rest!r} if m not in sys.modules])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=root, timeout=120)
