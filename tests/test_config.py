@@ -217,6 +217,33 @@ def test_malformed_yaml_and_unknown_keys(tmp_path):
     assert e.value.setting == "config_file"
 
 
+@pytest.mark.parametrize("line,setting,reason", [
+    ("node_name: on", "node_name", "the boolean true"),
+    ("network: no", "network", "the boolean false"),
+    ("cluster_id: 0777", "cluster_id", "the number 511"),
+    ("repair_broken_pod_label_value: true", "repair_broken_pod_label_value", "boolean true"),
+    ("sds_socket_mode: 0600", "sds_socket_mode", "the number 384: quote it"),
+    ("sds_socket_mode: 666", "sds_socket_mode", "the number 666: quote it"),
+    ("exclude_namespaces: [kube-system, off]", "exclude_namespaces", "the boolean false"),
+    ("config_file: /etc/other.yaml", "config_file", "cannot name another one"),
+])
+def test_yaml_values_whose_text_yaml_changed_are_refused(tmp_path, line, setting, reason):
+    """Newuser finding: unquoted YAML scalars reached string settings converted
+    (``node_name: on`` ran as node "True", ``cluster_id: 0777`` as "511") and an unquoted
+    ``sds_socket_mode: 666`` made the socket world-writable. Each is now refused, naming
+    the setting and asking for quotes; quoted, the same values load."""
+    f = tmp_path / "c.yaml"
+    f.write_text(line + "\n")
+    with pytest.raises(cfg.ConfigError) as e:
+        cfg.load({"config_file": str(f)}, env={})
+    assert e.value.setting == setting and reason in str(e.value), str(e.value)
+    key, _, value = line.partition(": ")
+    if key != "config_file" and not value.startswith("["):
+        f.write_text(f"{key}: '{value}'\n")
+        if key in ("node_name", "network", "cluster_id", "repair_broken_pod_label_value"):
+            assert getattr(cfg.load({"config_file": str(f)}, env={}), key) == value
+
+
 @pytest.mark.parametrize("flag,value,reason", [
     ("status_port", "abc", "expected a port number"),
     ("secret_grace_ratio", "half", "expected a number between 0 and 1"),

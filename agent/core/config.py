@@ -497,6 +497,10 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
     except FileNotFoundError:
         if path_origin != "default":
             raise ConfigError("config_file", path, "file not found", path_origin) from None
+    if "config_file" in file_values:  # it would be reported as the file read, and is not
+        raise ConfigError("config_file", file_values["config_file"], "a config file cannot "
+                          "name another one (give it with --config-file or "
+                          "AMBIENT_AGENT_CONFIG_FILE)", file_origin)
 
     values: dict[str, Any] = {}
     origins: dict[str, str] = {}

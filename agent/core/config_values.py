@@ -93,9 +93,19 @@ def parse_count(value: Any) -> int:
 
 
 def parse_str(value: Any) -> str:
-    """Any scalar as text (None: empty); a YAML list or mapping is rejected."""
-    if isinstance(value, (dict, list)):
+    """A string as it is (None: empty). A YAML list or mapping is rejected, and so is a
+    YAML boolean or number: an unquoted ``on``, ``no`` or ``true`` in a config file is
+    read as a boolean, ``0777`` as the number 511, so the text the user wrote is gone
+    (``node_name: on`` became ``"True"``); the error says to quote it."""
+    if isinstance(value, (dict, list, tuple)):
         raise ValueError("expected a string")
+    if isinstance(value, bool):
+        raise ValueError(f"expected a string: YAML read the unquoted value as the boolean "
+                         f"{str(value).lower()} (it does so with on/off/yes/no/true/false); "
+                         "quote it")
+    if isinstance(value, (int, float)):
+        raise ValueError(f"expected a string: YAML read the unquoted value as the number "
+                         f"{value} (a leading 0 is octal there: 0777 is 511); quote it")
     return "" if value is None else str(value)
 
 
@@ -109,7 +119,8 @@ def parse_list(value: Any) -> tuple[str, ...]:
     """A comma-separated string or a YAML list of strings; a tuple, so a loaded
     :class:`agent.core.config.Config` can't be changed through it."""
     if isinstance(value, (list, tuple)):
-        return tuple(str(v).strip() for v in value if str(v).strip())
+        items = [parse_str(v).strip() for v in value]
+        return tuple(item for item in items if item)
     return tuple(p.strip() for p in parse_str(value).split(",") if p.strip())
 
 
@@ -202,7 +213,7 @@ def parse_namespace_list(value: Any) -> tuple[str, ...]:
     turned ``,,`` into "no namespaces" (e.g. kube-system no longer excluded). An empty
     value (``""``, ``[]``) is the explicit "none"."""
     if isinstance(value, (list, tuple)):
-        items = [str(v).strip() for v in value]
+        items = [parse_str(v).strip() for v in value]
     else:
         text = parse_str(value)
         items = [p.strip() for p in text.split(",")] if text.strip() else []
@@ -350,7 +361,12 @@ def parse_ratio(value: Any) -> float:
 
 
 def parse_file_mode(value: Any) -> str:
-    """An octal permission mode such as ``0600``; kept as the string given."""
+    """An octal permission mode such as ``0600``; kept as the string given. A YAML number
+    is refused (an unquoted ``0600`` is read as 384, ``660`` as six hundred and sixty:
+    which one was meant cannot be told), asking for the quoted form."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise ValueError(f"YAML read the unquoted mode as the number {value}: quote it, "
+                         "such as '0600'")
     text = parse_str(value).strip()
     try:
         mode = int(text, 8)
