@@ -16,6 +16,7 @@ import asyncio
 import importlib
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -122,11 +123,16 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (not action.option_strings or action.nargs == 0 or "default:" in text
-                or "%(default)" in text or action.default is argparse.SUPPRESS):
+        if (not action.option_strings or action.nargs == 0 or action.required
+                or _STATES_DEFAULT.search(text) or "%(default)" in text
+                or action.default is argparse.SUPPRESS):
             return text
         # the text is a %-template already (its own % doubled); the default is not
         return text + f" (default: {shown_default(action.default)})".replace("%", "%%")
+
+
+#: a help text that names its default in words ("default 15010", "(default)", "default:")
+_STATES_DEFAULT = re.compile(r"\bdefault\b", re.IGNORECASE)
 
 
 class Parser(argparse.ArgumentParser):
