@@ -427,7 +427,14 @@ def main(args: argparse.Namespace) -> int:
     installer.force = installer.force or bool(getattr(args, "force", False))
     try:
         if args.cni_command == "install":
+            # the agent's installer creates a missing bin dir (a fresh node's hostPath);
+            # by hand it is more often a typo: said, as the runtime will not look there
+            created = not os.path.isdir(installer.bin_dir)
             path = installer.install()
+            if created:
+                print(f"ambient-agent cni install: created --bin-dir {installer.bin_dir}, which "
+                      "did not exist: the container runtime must run CNI plugins from there "
+                      "(else pod sandboxes fail: plugin istio-cni not found)", file=sys.stderr)
             print(f"installed {installer.binary_path}; istio-cni chained into {path}")
         else:
             for line in installer.uninstall() or ["nothing to remove"]:

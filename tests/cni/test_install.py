@@ -110,6 +110,20 @@ def test_cli_install_failure_leaves_nothing(dirs):
     assert not os.path.exists(bin_)
 
 
+def test_cli_install_says_it_created_a_missing_bin_dir(dirs, tmp_path):
+    """Newuser: a typo in --bin-dir made a new directory silently. It is still made (the
+    agent's own installer makes it on a fresh node), and said, once, on stderr."""
+    conf, bin_ = dirs
+    shutil.copy(os.path.join(DATA, "bridge.conf"), conf / "10-bridge.conf")
+    flags = ["--conf-dir", str(conf), "--bin-dir", str(bin_), "--state-dir", str(tmp_path)]
+    r = cli("install", *flags)
+    assert r.returncode == 0, r.stderr
+    assert f"created --bin-dir {bin_}, which did not exist" in r.stderr, r.stderr
+    r = cli("install", *flags)
+    assert r.returncode == 0 and "created" not in r.stderr, r.stderr
+    assert cli("uninstall", *flags).returncode == 0
+
+
 def cli(*args, env=None, config_file=os.devnull):
     extra = ["--config-file", config_file] if config_file else []
     return subprocess.run([sys.executable, "-m", "agent.cli", "cni", *args, *extra],
