@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import ssl
+import sys
 import time
 
 from agent.demo.model import APP_PORT, DemoPod, ZtunnelWorkload
@@ -240,7 +242,9 @@ class DemoChecks(DemoState):
             ok, detail = False, str(e)
         self.add("status server", "status --workloads", ok, detail)
 
-    def print_table(self) -> None:
+    def print_table(self, footer: bool = True) -> None:
+        """The checks as a table; ``footer``: then how to look at the running demo (not
+        with ``--once``, which tears it all down right after)."""
         rows = [(c.subject, c.what, "ok" if c.ok else "FAIL", c.detail) for c in self.checks]
         widths = [max(len(r[i]) for r in rows + [("subject", "check", "result", "")])
                   for i in range(3)]
@@ -249,8 +253,20 @@ class DemoChecks(DemoState):
         print("-" * (sum(widths) + 6 + 40))
         for r in rows:
             print(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}")
+        if not footer:
+            return
         port = self.agent_port("status")
         admin = self.agent.ctx.config.admin_socket
         print(f"\nmetrics: http://127.0.0.1:{port}/stats/prometheus   "
               f"debug: curl --unix-socket {admin} http://localhost/debug   "
-              f"status: ambient-agent status --socket {admin}")
+              f"status: {own_command()} status --socket {admin}")
+
+
+def own_command() -> str:
+    """How to run this ``ambient-agent`` again from another shell: the path it was started
+    by (``.venv/bin/ambient-agent`` is not on PATH after the README's install), or
+    ``python -m agent.cli`` with this interpreter."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if os.path.basename(argv0) == "ambient-agent":
+        return os.path.abspath(argv0)
+    return f"{sys.executable} -m agent.cli"

@@ -96,7 +96,7 @@ class Demo(DemoPods, DemoChecks):
             await self.bring_up()
             self.progress.check_stop("the checks")
             await self.verify()
-            self.print_table()
+            self.print_table(footer=not self.args.once)
             failed = any(not c.ok for c in self.checks)
             if not self.args.once and not stop.is_set():
                 print("\nrunning; press Ctrl-C to stop and clean up")
@@ -106,7 +106,10 @@ class Demo(DemoPods, DemoChecks):
         except DemoError as e:
             print(f"\ndemo failed: {e}", file=sys.stderr)
         except (ComponentStartError, agent_config.ConfigError) as e:
-            print(f"\ndemo failed: the agent cannot start: {e}", file=sys.stderr)
+            hint = ""
+            if "state_dir" in str(e):  # the demo's agent keeps its state in <workdir>/state
+                hint = " (the demo's state dir is <workdir>/state: choose a shorter --workdir)"
+            print(f"\ndemo failed: the agent cannot start: {e}{hint}", file=sys.stderr)
         except Exception as e:  # noqa: BLE001 - any failure still tears everything down
             import traceback
 
