@@ -33,8 +33,11 @@ def parse_addr(text: str, default_port: int) -> tuple[str, int]:
         port = int(port)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--addr {raw!r}: port {port!r} is not a number") from None
-    if not host or not 0 < port < 65536:
+    if not host:
         raise argparse.ArgumentTypeError(f"--addr {raw!r}: expected HOST:PORT")
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"--addr {raw!r}: port {port} is not between 1 and "
+                                         "65535")
     return host, port
 
 

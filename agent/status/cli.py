@@ -17,6 +17,7 @@ import sys
 from typing import Any, Mapping
 
 
+from agent.core.argtypes import positive_seconds
 from agent.status import adminclient
 from agent.status.report import render
 
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", default=None,
                         help="the agent's state dir (default: $AMBIENT_AGENT_STATE_DIR, else "
                              f"{DEFAULT_STATE_DIR})")
-    parser.add_argument("--timeout", type=float, default=5.0,
+    parser.add_argument("--timeout", type=positive_seconds, default=5.0,
                         help="seconds to wait for the agent (default %(default)s)")
     parser.add_argument("-o", "--output", choices=["table", "json"], default="table",
                         help="table (default) or the raw JSON document")

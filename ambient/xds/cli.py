@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from agent.core.argtypes import positive_seconds
 from ambient.xds.client import DEFAULT_NODE_ID, ClientTls, DeltaXdsClient
 from ambient.xds.generators import SHORT_NAMES
 
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     dump.add_argument("--key", help="client private key PEM (mTLS)")
     dump.add_argument("--server-name", help="TLS name to verify instead of the address host")
     dump.add_argument("--token-file", help="send 'authorization: Bearer <file content>'")
-    dump.add_argument("--timeout", type=float, default=10.0,
+    dump.add_argument("--timeout", type=positive_seconds, default=10.0,
                       help="seconds to wait for the server (default %(default)s)")
 
 

@@ -81,3 +81,21 @@ def test_appended_default_is_escaped_for_argparse():
     parser = cli.Parser(prog="t")
     parser.add_argument("--ratio", default="50%", help="share in %% of the total")
     assert "share in % of the total (default: 50%)" in " ".join(parser.format_help().split())
+
+
+@pytest.mark.parametrize("command", [["xds", "dump"], ["status"], ["log-level"],
+                                     ["ztunnel-config"]])
+def test_timeouts_must_be_positive_seconds(command, capsys):
+    """Newuser: ``xds dump --timeout -5`` was taken and reported "no response within
+    -5.0s"; every client's ``--timeout`` is now a usage error unless it is > 0."""
+    for bad, why in (("-5", "expected seconds > 0"), ("0", "expected seconds > 0"),
+                     ("nan", "expected seconds > 0"), ("soon", "is not a number of seconds")):
+        with pytest.raises(SystemExit) as e:
+            cli.build_parser().parse_args([*command, "--timeout", bad])
+        assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_addr_port_out_of_range_is_named():
+    from agent.core.hostport import parse_addr
+    with pytest.raises(argparse.ArgumentTypeError, match="port 99999 is not between 1 and 65535"):
+        parse_addr("127.0.0.1:99999", 15010)
