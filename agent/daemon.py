@@ -446,9 +446,15 @@ class Agent:
         return self.components.xds
 
     async def start(self) -> "Agent":
+        made_state_dir = not os.path.isdir(self.config.state_dir)
         state = prepare_state_dir(self.config)
         lock = self._lock = StateDirLock(state)
-        lock.acquire(self.config.origins.get("state_dir", ""))
+        try:
+            lock.acquire(self.config.origins.get("state_dir", ""))
+        except BaseException:
+            if made_state_dir:
+                _remove_if_empty(state)
+            raise
         # the whole open-files allowance, and the listener caps fitted inside it
         note = fdbudget.describe(self.config, fdbudget.raise_soft_limit())
         if note:
@@ -492,6 +498,8 @@ class Agent:
             if self._early is not None and self._early not in self.supervisor.started:
                 await self._early.stop(0.5)  # its LISTs and watches
             lock.release()
+            if made_state_dir:  # a refused start leaves no empty state dir behind
+                _remove_if_empty(state)
             raise
         log.info("agent ready %.2fs after the process started: %s", process_age(),
                  ", ".join(self.ctx.components) or "no components")
@@ -547,6 +555,13 @@ class Agent:
 
     async def wait(self) -> None:
         await self.ctx.shutdown.wait()
+
+
+def _remove_if_empty(path: Path) -> None:
+    """``rmdir`` ``path`` when it is empty (a start refused before writing anything, in a
+    state dir it created); anything in it (CA files, a socket) keeps it."""
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -123,9 +123,16 @@ async def test_served_zds_socket_refused_before_anything_is_built(tmp_path):
             with pytest.raises(cfg.ConfigError, match="another ZDS server") as e:
                 await daemon.Agent(config).start()
         assert e.value.setting == "ztunnel_uds_address" and built == []
-        left = sorted(p.name for p in state.iterdir())
-        assert left == [], left  # no CA, mesh root, SDS socket, lock
+        # no CA, mesh root, SDS socket, lock: nothing, so the state dir this start made
+        # is gone too (newuser: a refused start left an empty one)
+        assert not state.exists(), sorted(p.name for p in state.iterdir())
         assert os.path.exists(first.path)
+        state.mkdir(mode=0o711)  # one that was there before the start stays
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(daemon, "build_first_path", lambda ctx, source=None: built.append(ctx))
+            with pytest.raises(cfg.ConfigError, match="another ZDS server"):
+                await daemon.Agent(config).start()
+        assert state.is_dir() and list(state.iterdir()) == []
     finally:
         await first.stop(0.5)
 
@@ -190,7 +197,7 @@ def _run_non_root(base):
     assert r.returncode == 1, r.stderr
     assert "cannot start enrollment: this process lacks CAP_NET_ADMIN" in r.stderr, r.stderr
     assert "started sds" not in r.stderr and "xds: serving" not in r.stderr, r.stderr
-    assert sorted(p.name for p in (base / "s").iterdir()) == []
+    assert not (base / "s").exists()  # nothing in it: the state dir it made is gone too
 
 
 # ---------------------------------------------------------------- StartPause (issue 28)
