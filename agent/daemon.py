@@ -533,6 +533,8 @@ class Agent:
         source = self._early = build_source(self.ctx)
         try:
             await source.begin()
+        except ConfigError:  # no kubeconfig and not in a pod: a usage error, as it is
+            raise
         except Exception as e:
             raise ComponentStartError("config-source", e) from e
         log.debug("start: LISTs sent %.3fs after the process started", process_age())

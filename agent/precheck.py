@@ -358,14 +358,9 @@ def crd_owner(crd: dict) -> str:
 async def _client_config(config: Config) -> Any:
     """The ``kubernetes_asyncio`` Configuration ``run`` would use: ``kubeconfig`` when set,
     else in-cluster. Raises what the loader raises (missing file, no in-cluster env)."""
-    from kubernetes_asyncio import client as kclient, config as kconfig
+    from agent.core.kubeclient import client_configuration
 
-    cfg = kclient.Configuration()
-    if config.kubeconfig:
-        await kconfig.load_kube_config(config_file=config.kubeconfig, client_configuration=cfg)
-    else:
-        kconfig.load_incluster_config(client_configuration=cfg)
-    return cfg
+    return await client_configuration(config.kubeconfig)
 
 
 def _error(e: BaseException) -> str:

@@ -52,11 +52,11 @@ from typing import Any, Callable
 
 import aiohttp
 from kubernetes_asyncio import client as kclient
-from kubernetes_asyncio import config as kconfig
 
 from agent.core import gcpause, jsondecode, kubecall
 from agent.core.backoff import Backoff
 from agent.core.kubecall import KubeError
+from agent.core.kubeclient import client_configuration
 from agent.core.uptime import process_age
 from ambient.store import CLUSTER_KINDS, ObjectStore
 
@@ -312,12 +312,7 @@ class KubernetesSource:
         if self._tasks:
             return
         if self.api is None:
-            cfg = kclient.Configuration()
-            if self.kubeconfig:
-                await kconfig.load_kube_config(config_file=self.kubeconfig,
-                                               client_configuration=cfg)
-            else:
-                kconfig.load_incluster_config(client_configuration=cfg)
+            cfg = await client_configuration(self.kubeconfig)
             self.api = kclient.ApiClient(cfg)
         self._tasks = [asyncio.create_task(self._reflect(kind), name=f"kube-{kind}")
                        for kind in self.kinds]

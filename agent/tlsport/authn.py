@@ -439,14 +439,9 @@ class AuthnComponent(Component):
         if self.kubeconfig is None or self.authenticator.token_review is None:
             return
         from kubernetes_asyncio import client as kclient
-        from kubernetes_asyncio import config as kconfig
 
-        cfg = kclient.Configuration()
-        if self.kubeconfig:
-            await kconfig.load_kube_config(config_file=self.kubeconfig, client_configuration=cfg)
-        else:
-            kconfig.load_incluster_config(client_configuration=cfg)
-        self.api = kclient.ApiClient(cfg)
+        from agent.core.kubeclient import client_configuration
+        self.api = kclient.ApiClient(await client_configuration(self.kubeconfig))
 
     async def stop(self, grace: float) -> None:
         if self.api is not None:
