@@ -44,6 +44,7 @@ RETRY_CODES = {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
                grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE}
 MAX_RETRIES = 5
+CALL_TIMEOUT = 10.0  # seconds, one CreateCertificate call to the remote CA
 ISTIOD_SAN = "istiod.istio-system.svc"
 
 
@@ -218,17 +219,21 @@ class IstioCAClient:
         return await issue_by_csr(self.sign, identity, algorithm, ttl_seconds, run_blocking,
                                   on_csr)
 
-    async def forward(self, request: ca_pb2.IstioCertificateRequest, token: str) -> list[str]:
+    async def forward(self, request: ca_pb2.IstioCertificateRequest, token: str,
+                      within: float | None = None) -> list[str]:
         """Pass a caller's ``CreateCertificate`` on to the remote CA unchanged (its CSR,
         ``validity_duration`` and ``metadata``, e.g. ``ImpersonatedIdentity``), sent with the
         caller's own bearer ``token`` and ``clusterid``, so the remote CA authenticates the
         caller and runs its own impersonation checks (istiod: the caller's service account
         in ``CA_TRUSTED_NODE_ACCOUNTS``, the identity running on the caller pod's node).
-        Same retries and errors as :meth:`sign`; ValueError when ``token`` is empty."""
+        Same retries and errors as :meth:`sign`, but all within ``within`` seconds (the
+        caller's own deadline, ``context.time_remaining()``; None: no bound), so the caller
+        gets the remote CA's error (a ``ca_root_cert`` that does not verify it) and not
+        its own DEADLINE_EXCEEDED; ValueError when ``token`` is empty."""
         if not token:
             raise ValueError("forward: the caller's bearer token is required")
         headers = (("clusterid", self.cluster_id), ("authorization", f"Bearer {token}"))
-        return await self._call(request, headers)
+        return await self._call(request, headers, within)
 
     def _explain(self, code: grpc.StatusCode, details: str) -> str:
         """The remote CA's error with what to check: ``ca_addr`` and, for a TLS failure
@@ -242,21 +247,34 @@ class IstioCAClient:
         return text
 
     async def _call(self, req: ca_pb2.IstioCertificateRequest,
-                    headers: tuple[tuple[str, str], ...]) -> list[str]:
+                    headers: tuple[tuple[str, str], ...], within: float | None = None
+                    ) -> list[str]:
         attempt = 0
         # retry_base doubling, ±10 %; at most MAX_RETRIES retries, so the step never caps
         retry = Backoff(self.retry_base, self.retry_base * 2 ** MAX_RETRIES, jitter=(0.9, 1.1))
+        loop = asyncio.get_running_loop()
+        # the answer must reach the caller before its deadline: keep a fifth (<= 1 s) of it
+        end = None if within is None else loop.time() + within - min(1.0, within / 5)
+        last: grpc.aio.AioRpcError | None = None  # the error before a cut-short last try
         while True:
+            timeout = CALL_TIMEOUT if end is None else \
+                max(0.05, min(CALL_TIMEOUT, end - loop.time()))
             try:
                 if self._channel is None:
                     self._channel = self._build_channel()
                 stub = ca_pb2_grpc.IstioCertificateServiceStub(self._channel)
-                resp = await stub.CreateCertificate(req, metadata=headers, timeout=10.0)
+                resp = await stub.CreateCertificate(req, metadata=headers, timeout=timeout)
                 break
-            except grpc.aio.AioRpcError as e:
+            except grpc.aio.AioRpcError as error:
                 await self._reset()
-                if e.code() in RETRY_CODES and attempt < MAX_RETRIES:
-                    delay = retry.next()
+                e = error
+                if (e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and end is not None
+                        and last is not None):
+                    e = last  # our own bound ran out: say why the tries before failed
+                last = e
+                delay = retry.next() if e.code() in RETRY_CODES and attempt < MAX_RETRIES \
+                    else None
+                if delay is not None and (end is None or loop.time() + delay < end):
                     attempt += 1
                     self.retries += 1
                     log.debug("CA %s: %s, retry %d in %.2fs", self.address, e.code().name,

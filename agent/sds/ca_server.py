@@ -242,7 +242,7 @@ class ForwardingCertificateService(CertificateService):
         token = bearer_token(context.invocation_metadata())
         try:
             if token:
-                chain = await self.remote.forward(request, token)
+                chain = await self.remote.forward(request, token, context.time_remaining())
             else:
                 ttl = int(request.validity_duration) or 24 * 3600
                 chain = await self.remote.sign(request.csr.encode(), ttl, sans[0])
