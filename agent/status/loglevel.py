@@ -16,7 +16,6 @@ import argparse
 import sys
 from urllib.parse import urlencode
 
-from agent.core.argtypes import positive_seconds
 from agent.status.cli import socket_path
 
 
@@ -33,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", default=None,
                         help="the agent's state dir (default: $AMBIENT_AGENT_STATE_DIR, else "
                              "/var/run/ambient-agent)")
-    parser.add_argument("--timeout", type=positive_seconds, default=5.0,
+    parser.add_argument("--timeout", type=float, default=5.0,
                         help="seconds to wait for the agent (default: 5)")
 
 

@@ -196,9 +196,12 @@ class ReadinessLog:
         self.failing: dict[str, str] = {}  # part -> its reason when it turned not ready
         self.was_ready = False             # the agent has been ready at least once
         self._ready_logged = False         # "agent is ready" is the last line written
+        self._observed: set[str] = set()   # parts some evaluation has checked
+        self._ready_once: set[str] = set()  # parts seen ready at least once
 
     def observe(self, scope: Iterable[str], parts: list[NotReady]) -> list[str]:
         lines: list[str] = []
+        scope = set(scope)
         now_failing = {p.name: p for p in parts}
         new = [p for p in parts if p.name not in self.failing]
         back = sorted(name for name in self.failing
@@ -207,21 +210,29 @@ class ReadinessLog:
             del self.failing[name]
         for p in new:
             self.failing[p.name] = p.reason
-        if new:
-            line = "agent not ready: " + summary(new)
-            if self.was_ready:
-                self.log.warning("%s", line)
-            else:
-                self.log.info("%s", line)
-            lines.append(line)
-            self._ready_logged = False
+        # a part that was ready and is not: WARNING once the agent had been ready; a part
+        # never ready yet (a first look at ztunnel by the status port after the health
+        # port said ready, or a component still starting): INFO
+        regressed = [p for p in new if self.was_ready and p.name in self._ready_once]
+        starting = [p for p in new if p not in regressed]
+        for group, level in ((regressed, logging.WARNING), (starting, logging.INFO)):
+            if group:
+                line = "agent not ready: " + summary(group)
+                self.log.log(level, "%s", line)
+                lines.append(line)
+                self._ready_logged = False
+        again = [n for n in back if n in self._ready_once]
+        first = [n for n in back if n not in self._ready_once]
+        self._observed |= scope
+        self._ready_once |= {n for n in scope if n not in now_failing}
         if back and self.failing:
-            line = (f"ready again: {', '.join(back)} (still not ready: "
-                    f"{', '.join(sorted(self.failing))})")
+            said = [f"ready again: {', '.join(again)}"] if again else []
+            said += [f"ready: {', '.join(first)}"] if first else []
+            line = f"{'; '.join(said)} (still not ready: {', '.join(sorted(self.failing))})"
             self.log.info("%s", line)
             lines.append(line)
         if not self.failing and not self._ready_logged and not parts:
-            line = "agent is ready" + (f" ({', '.join(back)} ready again)" if back else "")
+            line = "agent is ready" + (f" ({', '.join(again)} ready again)" if again else "")
             self.log.info("%s", line)
             lines.append(line)
             self.was_ready = self._ready_logged = True

@@ -103,8 +103,7 @@ async def test_transitions_logged_once_per_change_not_per_probe(tmp_path, caplog
         for _ in range(5):
             assert (await _get(ready))[0] == 200
             assert (await _get(readyz))[0] == 200
-        assert [r.getMessage() for r in lines()][1:] == [
-            "agent is ready (config-source ready again)"]
+        assert [r.getMessage() for r in lines()][1:] == ["agent is ready"]  # first time
         source.ok, source.why = False, "kubernetes source not synced: Pod: 401 Unauthorized"
         for _ in range(3):
             await _get(readyz)
@@ -142,10 +141,30 @@ def test_readiness_log_keeps_one_state_across_scopes():
     assert rl.observe({"envoy", "zds"}, [envoy, zds]) == [
         "agent not ready: envoy: config not received; zds: no socket"]
     # the health port does not check Envoy: its answer says nothing about it
-    assert rl.observe({"zds"}, []) == ["ready again: zds (still not ready: envoy)"]
+    assert rl.observe({"zds"}, []) == ["ready: zds (still not ready: envoy)"]
     assert rl.observe({"zds"}, []) == []
-    assert rl.observe({"envoy", "zds"}, []) == ["agent is ready (envoy ready again)"]
+    assert rl.observe({"envoy", "zds"}, []) == ["agent is ready"]
     assert rl.observe({"envoy", "zds"}, []) == []
+    assert rl.observe({"envoy", "zds"}, [zds]) == ["agent not ready: zds: no socket"]
+    assert rl.observe({"envoy", "zds"}, []) == ["agent is ready (zds ready again)"]
+
+
+def test_a_part_first_seen_after_ready_is_not_a_regression(caplog):
+    """Newuser: the health port's /readyz (no ztunnel in its scope) said "agent is
+    ready", then the status port's first look logged WARNING "agent not ready:
+    ztunnel" on every normal start. A part never ready yet is INFO; one that was
+    ready and is not is the WARNING."""
+    rl = ReadinessLog(logging.getLogger(LOGGER))
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    ztunnel = NotReady("ztunnel", "no ztunnel connected")
+    assert rl.observe({"agent", "zds"}, []) == ["agent is ready"]
+    assert rl.observe({"agent", "zds", "ztunnel"}, [ztunnel]) == [
+        "agent not ready: ztunnel: no ztunnel connected"]
+    assert rl.observe({"agent", "zds", "ztunnel"}, []) == ["agent is ready"]
+    assert rl.observe({"agent", "zds", "ztunnel"}, [ztunnel]) == [
+        "agent not ready: ztunnel: no ztunnel connected"]
+    levels = [r.levelname for r in caplog.records if "not ready" in r.getMessage()]
+    assert levels == ["INFO", "WARNING"], levels
 
 
 async def test_kubernetes_source_reason_names_kinds_and_last_error():
