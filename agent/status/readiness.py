@@ -196,7 +196,6 @@ class ReadinessLog:
         self.failing: dict[str, str] = {}  # part -> its reason when it turned not ready
         self.was_ready = False             # the agent has been ready at least once
         self._ready_logged = False         # "agent is ready" is the last line written
-        self._observed: set[str] = set()   # parts some evaluation has checked
         self._ready_once: set[str] = set()  # parts seen ready at least once
 
     def observe(self, scope: Iterable[str], parts: list[NotReady]) -> list[str]:
@@ -223,7 +222,6 @@ class ReadinessLog:
                 self._ready_logged = False
         again = [n for n in back if n in self._ready_once]
         first = [n for n in back if n not in self._ready_once]
-        self._observed |= scope
         self._ready_once |= {n for n in scope if n not in now_failing}
         if back and self.failing:
             said = [f"ready again: {', '.join(again)}"] if again else []
