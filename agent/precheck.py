@@ -317,8 +317,10 @@ def check_zds(config: Config) -> Check:
     if not os.access(probe_dir, os.W_OK | os.X_OK):
         return Check("ZDS socket", FAIL, f"{probe_dir} is not writable (for {path})")
     if os.path.exists(path) and unixsocket.answers(path, socket.SOCK_SEQPACKET):
-        return Check("ZDS socket", FAIL, f"a live server already answers on {path} (another "
-                     "agent?)")
+        agent_pid = running_agent(config.state_dir)
+        who = (f"the running agent, pid {agent_pid}, of {config.state_dir}" if agent_pid
+               else "another agent?")
+        return Check("ZDS socket", FAIL, f"a live server already answers on {path} ({who})")
     where = parent if os.path.isdir(parent) else f"{probe_dir} (creates {parent})"
     return Check("ZDS socket", OK, f"{path}: {where} writable")
 

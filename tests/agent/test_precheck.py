@@ -177,6 +177,17 @@ def test_a_port_held_by_the_running_agent_says_so(tmp_path):
         c = precheck.check_ports(cfg)
         assert c.state == precheck.FAIL
         assert f"held by the running agent, pid {os.getpid()}, of {state}" in c.detail, c.detail
+        # its ZDS socket too (newuser: it said "another agent?" beside its own agent)
+        zds = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        (tmp_path / "zt").mkdir()
+        zds.bind(str(tmp_path / "zt" / "zds.sock"))
+        zds.listen()
+        try:
+            c = precheck.check_zds(cfg)
+        finally:
+            zds.close()
+        assert c.state == precheck.FAIL
+        assert f"(the running agent, pid {os.getpid()}, of {state})" in c.detail, c.detail
     finally:
         busy.close()
         lock.release()
