@@ -59,7 +59,7 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class Components:
-    """The agent's components as :func:`build` wired them, typed for tests and the demo
+    """The agent's components as :func:`build_rest` returns them, typed for tests and the demo
     (``agent.components.enrollment``); None where configuration turns one off."""
 
     source: ConfigSource
