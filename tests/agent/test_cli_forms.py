@@ -61,7 +61,8 @@ def test_addr_forms(text, want):
 
 
 @pytest.mark.parametrize("text,why", [("h:x", "not a number"), ("::1:80", "[ADDR]:PORT"),
-                                      ("[::1", "missing ']'"), ("h:0", "HOST:PORT")])
+                                      ("[::1", "missing ']'"), ("h:0", "port 0 is not between"),
+                                      (":80", "HOST:PORT")])
 def test_addr_errors(text, why):
     with pytest.raises(argparse.ArgumentTypeError, match=why.replace("[", r"\[")):
         parse_addr(text, 99)

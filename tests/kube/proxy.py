@@ -132,8 +132,11 @@ class SlowApiProxy:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         app = web.Application(client_max_size=64 << 20)
         app.router.add_route("*", "/{tail:.*}", self._serve)
-        # stop() cuts off open watches at once (aiohttp would wait 60 s for their handlers)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        # stop() cuts off open watches at once (aiohttp would wait 60 s for their handlers);
+        # a client that hangs up has its handler cancelled (aiohttp's default leaves it
+        # awaiting the API server: "Task was destroyed but it is pending" at loop close)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0,
+                                     handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
