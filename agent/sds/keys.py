@@ -178,10 +178,9 @@ class InconsistentKey(ValueError):
 
 def load_private_key(pem: bytes) -> PrivateKeyTypes:
     """Parse an unencrypted PEM private key, checking an RSA key's numbers as Go's
-    ``crypto/rsa`` does when istiod loads its CA key (``PrivateKey.Validate`` and the
-    FIPS module's ``checkPrivateKey``: n = p*q with p and q of one length, e odd and
-    > 1, d*e = 1 mod p-1 and mod q-1, the CRT values d mod p-1, d mod q-1 and
-    q^-1 mod p). OpenSSL's own check on load adds primality tests of p and q, 40-100 ms
+    ``crypto/rsa`` does when istiod loads its CA key (``PrivateKey.Validate``: n = p*q,
+    e odd and > 1, d*e = 1 mod p-1 and mod q-1, the CRT values d mod p-1, d mod q-1 and
+    q^-1 mod p; not the FIPS rule that p and q be of one length). OpenSSL's own check on load adds primality tests of p and q, 40-100 ms
     for a 2048-bit key on a loaded 2-CPU node, on the agent's start path; Go dropped
     them from ``Validate`` for the same cost. Raises :class:`InconsistentKey`, or
     ValueError/TypeError (not PEM, encrypted) whose text may quote the input: callers
@@ -204,8 +203,6 @@ def rsa_numbers_problem(n: rsa.RSAPrivateNumbers) -> str:
         return "a prime is <= 1"
     if p * q != modulus:
         return "p*q is not the modulus"
-    if p.bit_length() != q.bit_length():
-        return "p and q have different lengths"
     if e < 3 or e % 2 == 0 or modulus % 2 == 0:
         return "the public exponent or the modulus is even or too small"
     if (d * e) % (p - 1) != 1 or (d * e) % (q - 1) != 1:
