@@ -180,9 +180,10 @@ def load_private_key(pem: bytes) -> PrivateKeyTypes:
     """Parse an unencrypted PEM private key, checking an RSA key's numbers as Go's
     ``crypto/rsa`` does when istiod loads its CA key (``PrivateKey.Validate``: n = p*q,
     e odd and > 1, d*e = 1 mod p-1 and mod q-1, the CRT values d mod p-1, d mod q-1 and
-    q^-1 mod p; not the FIPS rule that p and q be of one length). OpenSSL's own check on load adds primality tests of p and q, 40-100 ms
-    for a 2048-bit key on a loaded 2-CPU node, on the agent's start path; Go dropped
-    them from ``Validate`` for the same cost. Raises :class:`InconsistentKey`, or
+    q^-1 mod p; not the FIPS rule that p and q be of one length). OpenSSL's own check
+    on load adds primality tests of p and q, 40-100 ms for a 2048-bit key on a loaded
+    2-CPU node, on the agent's start path; Go dropped them from ``Validate`` for the
+    same cost. Raises :class:`InconsistentKey`, or
     ValueError/TypeError (not PEM, encrypted) whose text may quote the input: callers
     name only the exception's type for those."""
     key = serialization.load_pem_private_key(pem, password=None,
