@@ -1,6 +1,7 @@
-"""argparse ``type=`` converters shared by the client subcommands (``status``,
-``log-level``, ``xds dump``, ``ztunnel-config``): each raises
-``argparse.ArgumentTypeError`` naming the value, which argparse prints as one usage line."""
+"""argparse ``type=`` converters shared by the client subcommands (``status`` and ``xds
+dump`` take their ``--timeout`` through one; ``log-level`` and ``ztunnel-config`` check
+theirs in one line of their own): each raises ``argparse.ArgumentTypeError`` naming the
+value, which argparse prints under the usage."""
 
 from __future__ import annotations
 
