@@ -451,15 +451,10 @@ class Agent:
         lock = self._lock = StateDirLock(state)
         try:
             lock.acquire(self.config.origins.get("state_dir", ""))
-        except BaseException:
-            if made_state_dir:
-                _remove_if_empty(state)
-            raise
-        # the whole open-files allowance, and the listener caps fitted inside it
-        note = fdbudget.describe(self.config, fdbudget.raise_soft_limit())
-        if note:
-            log.warning("%s", note)
-        try:
+            # the whole open-files allowance, and the listener caps fitted inside it
+            note = fdbudget.describe(self.config, fdbudget.raise_soft_limit())
+            if note:
+                log.warning("%s", note)
             # every TCP port checked before any component touches the node (host probe
             # rules, the CNI conflist), so a busy port leaves nothing behind
             agent_config.ensure_ports_free(self.config)
@@ -498,8 +493,9 @@ class Agent:
             if self._early is not None and self._early not in self.supervisor.started:
                 await self._early.stop(0.5)  # its LISTs and watches
             lock.release()
-            if made_state_dir:  # a refused start leaves no empty state dir behind
-                _remove_if_empty(state)
+            if made_state_dir:  # a refused start leaves no empty state dir behind: rmdir
+                with contextlib.suppress(OSError):  # fails when anything is in it
+                    os.rmdir(state)
             raise
         log.info("agent ready %.2fs after the process started: %s", process_age(),
                  ", ".join(self.ctx.components) or "no components")
@@ -557,13 +553,6 @@ class Agent:
 
     async def wait(self) -> None:
         await self.ctx.shutdown.wait()
-
-
-def _remove_if_empty(path: Path) -> None:
-    """``rmdir`` ``path`` when it is empty (a start refused before writing anything, in a
-    state dir it created); anything in it (CA files, a socket) keeps it."""
-    with contextlib.suppress(OSError):
-        os.rmdir(path)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -65,6 +65,7 @@ import urllib.request
 from typing import TYPE_CHECKING, Any
 
 from agent.core import unixsocket
+from agent.core.kubeclient import client_configuration
 
 if TYPE_CHECKING:
     from agent.core.config import Config
@@ -357,14 +358,6 @@ def crd_owner(crd: dict) -> str:
     return "unknown"
 
 
-async def _client_config(config: Config) -> Any:
-    """The ``kubernetes_asyncio`` Configuration ``run`` would use: ``kubeconfig`` when set,
-    else in-cluster. Raises what the loader raises (missing file, no in-cluster env)."""
-    from agent.core.kubeclient import client_configuration
-
-    return await client_configuration(config.kubeconfig)
-
-
 def _error(e: BaseException) -> str:
     """``Type: message`` (``TimeoutError`` alone when there is no message)."""
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
@@ -417,7 +410,7 @@ async def _api_access(config: Config, timeout: float) -> Check:
 
     name = "Kubernetes API"
     try:
-        cfg = await _client_config(config)
+        cfg = await client_configuration(config.kubeconfig)
     except Exception as e:  # noqa: BLE001 - a bad kubeconfig, no in-cluster environment
         where = f"kubeconfig {config.kubeconfig}" if config.kubeconfig else "in-cluster config"
         return Check(name, FAIL, f"cannot load {where}: {type(e).__name__}: {e}")
@@ -464,7 +457,7 @@ async def _get_crds(config: Config, names: list[str], timeout: float
     from kubernetes_asyncio import client as kclient
     from kubernetes_asyncio.client.exceptions import ApiException
 
-    cfg = await _client_config(config)
+    cfg = await client_configuration(config.kubeconfig)
     out: dict[str, dict | None] = {}
     async with kclient.ApiClient(cfg) as api:
         ext = kclient.ApiextensionsV1Api(api)

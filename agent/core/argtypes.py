@@ -1,12 +1,27 @@
-"""argparse ``type=`` converters shared by the client subcommands (``status`` and ``xds
-dump`` take their ``--timeout`` through one; ``log-level`` and ``ztunnel-config`` check
-theirs in one line of their own): each raises ``argparse.ArgumentTypeError`` naming the
-value, which argparse prints under the usage."""
+"""argparse ``type=`` converters of the subcommands: :func:`checked` turns one of the
+agent's setting parsers into one (``demo``'s port and log-level flags), and
+:func:`positive_seconds` is ``status``'s and ``xds dump``'s ``--timeout`` (``log-level``
+and ``ztunnel-config`` check theirs in one line of their own). Each raises
+``argparse.ArgumentTypeError`` naming the value, which argparse prints under the usage."""
 
 from __future__ import annotations
 
 import argparse
 import math
+from typing import Any, Callable
+
+
+def checked(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type`` from one of the agent's setting parsers (a ValueError names
+    the problem): a bad value is a usage error naming the flag and the value, before
+    anything is set up, the same refusal ``run`` gives."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    convert.__name__ = parse.__name__  # argparse names the type in some messages
+    return convert
 
 
 def positive_seconds(text: str) -> float:

@@ -11,20 +11,8 @@ import asyncio
 import os
 import sys
 
+from agent.core.argtypes import checked as _checked
 from agent.demo.model import RUNTIMES, DemoError
-
-
-def _checked(parse):
-    """An argparse ``type`` from one of the agent's setting parsers (a ValueError names
-    the problem): a bad value is a usage error naming the flag and the value, before
-    anything is set up, the same refusal ``run`` gives."""
-    def convert(text: str):
-        try:
-            return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
-    convert.__name__ = parse.__name__  # argparse names the type in some messages
-    return convert
 
 
 def _port(text: str) -> int:

@@ -20,7 +20,7 @@ ENVOY_TYPES = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, SECRET_TY
 
 XFCC_ANNOTATION = "ambient.istio.io/xfcc-include-client-identity"
 
-_T = "type.googleapis.com/"
+TYPE_URL_PREFIX = "type.googleapis.com/"
 
 
 @dataclasses.dataclass
@@ -128,7 +128,7 @@ class AccessLog:
 
 def any_of(type_name: str, **fields: Any) -> dict:
     """A protobuf-JSON ``Any``: ``{"@type": type URL of ``type_name``, **fields}``."""
-    return {"@type": _T + type_name, **fields}
+    return {"@type": TYPE_URL_PREFIX + type_name, **fields}
 
 
 def valid_ip(text: str) -> bool:

@@ -93,8 +93,8 @@ from xds.type.matcher.v3 import ip_pb2, matcher_pb2  # noqa: F401
 
 from ambient.waypoint.options import (  # noqa: F401 - re-exported: resources.Options etc.
     CLUSTER_TYPE, DEFAULT_ACCESS_LOG_FORMAT, DEFAULT_ACCESS_LOG_JSON, ENDPOINT_TYPE,
-    ENVOY_TYPES, LISTENER_TYPE, ROUTE_TYPE, SECRET_TYPE, XFCC_ANNOTATION, AccessLog, Options,
-    any_of as _any, valid_ip)
+    ENVOY_TYPES, LISTENER_TYPE, ROUTE_TYPE, SECRET_TYPE, TYPE_URL_PREFIX, XFCC_ANNOTATION,
+    AccessLog, Options, any_of as _any, valid_ip)
 from ambient.waypoint import tcproute
 from ambient.waypoint.httproute import DEFAULT_RETRY, HTTP_KINDS, RouteBuilder
 from ambient.waypoint.model import BoundService, ServicePort, WaypointModel, backend_subset
@@ -110,7 +110,7 @@ ORIGINAL_DST_KEY = "envoy.filters.listener.original_dst"
 LOCAL_IP_STATE = "envoy.filters.listener.original_dst.local_ip"
 CERT_SECRET, ROOT_SECRET = "default", "ROOTCA"
 
-_T = "type.googleapis.com/"
+_T = TYPE_URL_PREFIX
 _MAX = 4294967295
 _HEALTHY = 1  # envoy.config.core.v3.HealthStatus.HEALTHY
 
