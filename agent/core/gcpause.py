@@ -18,29 +18,44 @@ over all 2 million objects at once (~1.3 s of a 5k-pod cold start at load ~20, p
 0.31 s CPU for 400k small dicts in isolation, 0 with the move). They are still walked by
 the next full collection, as any long-lived object is; nothing is left frozen.
 
-Single-threaded use only matters for the pause's length, not its correctness: another
-thread allocating meanwhile is simply not collected until :func:`paused` exits.
+Pauses on several threads at once are counted: the collector comes back when the last
+one ends, so the imports' pause on a worker thread ending cannot turn it on in the middle
+of the LIST parse's on the loop. Another thread allocating meanwhile is simply not
+collected until then.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from typing import Iterator
+
+
+_LOCK = threading.Lock()
+_holders = 0  # bodies inside paused() now, on any thread
+_restore = False  # whether the first of them found the collector on
 
 
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
-    """Disable the cyclic collector for the ``with`` body if it was on; after it (also
-    on an exception) move what is tracked to the oldest generation and re-enable. Nested
-    use is fine: only the outermost one does that."""
-    was_on = gc.isenabled()
-    if was_on:
-        gc.disable()
+    """Disable the cyclic collector for the ``with`` body if it was on; when the last
+    body still inside :func:`paused` on any thread leaves (also on an exception), move
+    what is tracked to the oldest generation and re-enable it. Nested and overlapping
+    use (the LIST parse on the loop beside the imports on a worker thread) is fine:
+    one body leaving never turns the collector back on under another."""
+    global _holders, _restore
+    with _LOCK:
+        if _holders == 0:
+            _restore = gc.isenabled()
+            gc.disable()
+        _holders += 1
     try:
         yield
     finally:
-        if was_on:
-            gc.freeze()
-            gc.unfreeze()
-            gc.enable()
+        with _LOCK:
+            _holders -= 1
+            if _holders == 0 and _restore:
+                gc.freeze()
+                gc.unfreeze()
+                gc.enable()

@@ -48,3 +48,35 @@ def test_what_the_step_made_is_old_and_nothing_stays_frozen():
         c.me = c  # cyclic garbage made inside is still collected by a full collection
         del c
     assert gc.collect() >= 1
+
+
+def test_overlapping_pauses_on_two_threads_end_with_the_last():
+    """The imports' pause on a worker thread ending must not turn the collector on under
+    the LIST parse's pause on the loop (the order the daemon's cold start makes)."""
+    import threading
+
+    inside, leave = threading.Event(), threading.Event()
+
+    def worker():
+        with gcpause.paused():
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=worker)
+    with gcpause.paused():  # first in: this one saw the collector on
+        t.start()
+        assert inside.wait(10)
+    assert not gc.isenabled()  # the worker's pause still holds it off
+    leave.set()
+    t.join(10)
+    assert gc.isenabled()
+
+    t = threading.Thread(target=worker)
+    inside.clear(), leave.clear()
+    t.start()
+    assert inside.wait(10)
+    with gcpause.paused():
+        leave.set()
+        t.join(10)
+        assert not gc.isenabled()  # the worker left first: still off for this body
+    assert gc.isenabled()
