@@ -5,7 +5,7 @@ When ``aiohttp.connector`` is imported it builds two module-level ``SSLContext``
 with ``set_default_verify_paths()``), the ones a request gets when its caller passes no
 context of its own. Each reads and parses the system CA bundle: ~36 ms apiece with
 OpenSSL 3.0 on this project's 2-CPU box, ~72 ms of the path to the Kubernetes source's
-first LIST (benchmarks/README.md, "Morning of 2026-12-05"). The agent never uses either:
+first LIST (benchmarks/README.md, "Night of 2026-12-04"). The agent never uses either:
 kubernetes_asyncio passes the context it builds from the kubeconfig's CA, and the agent's
 other aiohttp clients speak plain HTTP to local ports or pass ``ssl=False``.
 
