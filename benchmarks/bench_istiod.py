@@ -179,10 +179,20 @@ def _in_service(client, svc: str) -> bool:
 
 
 async def _wait(client, pred, timeout: float) -> None:
+    """Until ``pred()``; TimeoutError after ``timeout`` seconds, RuntimeError as soon as
+    the client's stream task has ended (it reconnects by itself, so that is a crash),
+    each naming the stream's terminations so far."""
     deadline = time.monotonic() + timeout
     while not pred():
+        task = client._task
+        if task is not None and task.done():
+            error = None if task.cancelled() else task.exception()
+            raise RuntimeError(f"the xDS client's stream task ended ({error!r}); "
+                               f"terminations {client.terminations[-5:]}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"client never held the expected state ({pred})")
+            raise TimeoutError(f"client never held the expected state ({pred}); "
+                               f"{client.connections} connection(s), terminations "
+                               f"{client.terminations[-5:]}")
         client._changed.clear()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(client._changed.wait(), 0.5)
@@ -230,7 +240,10 @@ class Istiod:
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
+        """Stop the last start's istiod (none started: nothing); again: harmless."""
         from tests.oracle.harness import ISTIOD_SCRIPT
+        if not self.dir:
+            return
         if self.proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(600)
@@ -295,8 +308,11 @@ class Agent:
     async def stop(self, keep_state: str = "") -> None:
         """SIGTERM (SIGKILL after 30 s), then remove the run's files. ``keep_state``: a
         path (not existing yet, same filesystem) the state dir is moved to first. A state
-        dir given to :meth:`start` is the caller's to remove."""
-        if self.proc is not None and self.proc.poll() is None:
+        dir given to :meth:`start` is the caller's to remove. Never started: nothing;
+        again: harmless."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=30)
@@ -499,6 +515,10 @@ async def measure(cluster: kc.KubeCluster, workdir: str) -> list[Result]:
     ns_name = "bia" + os.urandom(3).hex()
     pnetns.create(ns_name)
     results: list[Result] = []
+    istiod = Istiod(cluster, workdir)
+    agent = Agent(cluster, api, workdir, ns_name)
+    kept_dirs: list[str] = []  # the agent's kept state dirs (bad_input removes each)
+    kept = ""
     try:
         await kc.apply_crds(api)
         await kc.create_namespace(api, kc.AGENT_NAMESPACE)
@@ -506,8 +526,6 @@ async def measure(cluster: kc.KubeCluster, workdir: str) -> list[Result]:
         await _gather_limited(kc.create_node(api, f"node-{n}", ip=f"127.2.0.{n + 1}")
                               for n in range(NODES))
         await kc.create_node(api, AGENT_NODE, ip="127.2.1.1")
-        istiod = Istiod(cluster, workdir)
-        agent = Agent(cluster, api, workdir, ns_name)
         made = 0
         round_ = 0
         for pods in _sizes():
@@ -519,15 +537,25 @@ async def measure(cluster: kc.KubeCluster, workdir: str) -> list[Result]:
             figures: dict[str, dict] = {"istiod": {}, "agent": {}}
             for side in (istiod, agent):
                 round_ += 1
-                kept = (os.path.join(tempfile.mkdtemp(prefix="bia-kept-"), "state")
-                        if side is agent else "")
-                await measure_side(side, api, pods, figures[side.name], round_, kept)
+                if side is agent:
+                    kept = os.path.join(tempfile.mkdtemp(prefix="bia-kept-"), "state")
+                    kept_dirs.append(os.path.dirname(kept))
+                await measure_side(side, api, pods, figures[side.name], round_,
+                                   kept if side is agent else "")
                 print(f"bench_istiod: {pods} {side.name} {figures[side.name]['cold']:.2f} s "
                       f"cold", file=sys.stderr, flush=True)
             await bad_input(agent, cluster, pods, kept, figures["agent"])
             print(f"bench_istiod: {pods} bad input done", file=sys.stderr, flush=True)
             results += rows(pods, figures["agent"], figures["istiod"])
     finally:
+        # a failed or cancelled figure leaves its side running: stop both while the
+        # workdir still holds their state (its removal ends istiod's owner watchdog
+        # without a stop, and the agent has none)
+        for side in (agent, istiod):
+            with contextlib.suppress(Exception):
+                await side.stop()
+        for directory in kept_dirs:
+            shutil.rmtree(directory, ignore_errors=True)
         await api.close()
         with contextlib.suppress(Exception):
             pnetns.remove(ns_name)
