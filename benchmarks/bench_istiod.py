@@ -360,15 +360,30 @@ async def initial_push(side, pods: int) -> float:
         await client.close()
 
 
+def _membership(client) -> frozenset[str]:
+    """The services (``svc0``, ``svc1``) the client's Workload of :data:`POD_UID` is in."""
+    return frozenset(svc for svc in ("svc0", "svc1") if _in_service(client, svc))
+
+
 async def change_latency(api, client) -> list[float]:
+    """Seconds from a label PATCH moving :data:`POD_UID` from one service to the other
+    to the client holding exactly the new membership (in the new service and no longer
+    in the old one), :data:`SAMPLES` times after :data:`WARMUP`. Waiting only for the new
+    service would end at once for a server that keeps the old one listed, measuring the
+    PATCH's round trip; a Workload in both, or neither, before a PATCH raises
+    RuntimeError."""
     out = []
     for _ in range(SAMPLES + WARMUP):
-        app, svc = ("app1", "svc1") if not _in_service(client, "svc1") else ("app0", "svc0")
+        held = _membership(client)
+        if len(held) != 1:
+            raise RuntimeError(f"{POD_UID} is in {sorted(held) or 'no service'} before the "
+                               "PATCH (expected exactly one of svc0, svc1)")
+        app, svc = ("app1", "svc1") if held == {"svc0"} else ("app0", "svc0")
         t0 = time.perf_counter()
         await kc.request(api, "PATCH", f"/api/v1/namespaces/{POD_NS}/pods/{POD_NAME}",
                          body={"metadata": {"labels": {"app": app}}},
                          content_type="application/merge-patch+json")
-        await _wait(client, lambda svc=svc: _in_service(client, svc), 60)
+        await _wait(client, lambda svc=svc: _membership(client) == {svc}, 60)
         out.append(time.perf_counter() - t0)
     return out[WARMUP:]
 
