@@ -27,8 +27,8 @@ Figures, each as agent / istiod (target <= 1.0), at every size:
 - **initial push**: a second client connecting to the warm server -> it holds every pod's
   Address.
 - **change latency** p50 (debounced and debounce cut): a label PATCH of one pod that moves
-  it between two Services -> the client holds the workload in the new Service; 20
-  samples after 3 warm-up ones.
+  it between two Services -> the client holds the workload in the new Service and no
+  longer in the old one (:func:`change_latency`); 20 samples after 3 warm-up ones.
 - **RSS** after the initial push (VmRSS of the server process).
 - **CPU per change burst**: 100 pods' labels PATCHed at once -> the client holds all 100
   changes; the server process's utime+stime over that window, the mean of
