@@ -369,9 +369,9 @@ async def change_latency(api, client) -> list[float]:
     """Seconds from a label PATCH moving :data:`POD_UID` from one service to the other
     to the client holding exactly the new membership (in the new service and no longer
     in the old one), :data:`SAMPLES` times after :data:`WARMUP`. Waiting only for the new
-    service would end at once for a server that keeps the old one listed, measuring the
-    PATCH's round trip; a Workload in both, or neither, before a PATCH raises
-    RuntimeError."""
+    service ended a sample at once when the Workload still listed it from the update
+    before (both listed), measuring the PATCH's round trip; a Workload in both, or in
+    neither, before a PATCH raises RuntimeError."""
     out = []
     for _ in range(SAMPLES + WARMUP):
         held = _membership(client)
