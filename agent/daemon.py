@@ -107,7 +107,8 @@ def _defer_library_start_up() -> None:
 
 def import_first_path() -> types.SimpleNamespace:
     """Import the modules of the components on the path to the first push (and the
-    status server's, for the early health port); blocking, ~0.4 s of CPU. Returns them
+    status server's, for the early health port); blocking, ~0.15 s of CPU on a quiet box
+    (benchmarks/README.md, "Night of 2026-12-04"; more under load). Returns them
     by the names :func:`build_first_path` uses. :class:`Agent` calls it on a worker
     thread while the Kubernetes source's LISTs are under way, so the API server prepares
     them while the agent imports (issue 28); :func:`build_first_path` calls it again and

@@ -85,7 +85,7 @@ def install() -> bool:
     or is not installed). Re-raises whatever the import raises (unpatched first)."""
     global _DEFERRING_THREAD
     if "aiohttp.connector" in sys.modules or importlib.util.find_spec("aiohttp") is None:
-        return _deferred_already()
+        return _contexts_deferred()
     with _LOCK:
         _DEFERRING_THREAD = threading.get_ident()
         ssl.SSLContext.set_default_verify_paths = (  # type: ignore[method-assign]
@@ -98,10 +98,10 @@ def install() -> bool:
             for context in _DEFERRED:
                 context.__class__ = DeferredRootsContext
             _DEFERRED.clear()
-    return _deferred_already()
+    return _contexts_deferred()
 
 
-def _deferred_already() -> bool:
+def _contexts_deferred() -> bool:
     connector = sys.modules.get("aiohttp.connector")
     context = getattr(connector, "_SSL_CONTEXT_VERIFIED", None)
     return isinstance(context, DeferredRootsContext)
