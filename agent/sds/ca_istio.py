@@ -158,6 +158,11 @@ class IstioCAClient:
         self.plaintext = address.endswith(":15010")
         self.retries = 0
         self._channel: grpc.aio.Channel | None = None
+        # calls in flight per channel: a channel is closed only when none uses it, because
+        # closing a grpc.aio channel cancels its calls with asyncio.CancelledError (not an
+        # AioRpcError), which would end a concurrent caller's task (the SDS readiness check
+        # and a forwarded ztunnel request share this client) instead of being retried
+        self._users: dict[grpc.aio.Channel, int] = {}
 
     def _build_channel(self) -> grpc.aio.Channel:
         if self.plaintext:
@@ -259,14 +264,13 @@ class IstioCAClient:
         while True:
             timeout = CALL_TIMEOUT if end is None else \
                 max(0.05, min(CALL_TIMEOUT, end - loop.time()))
+            channel: grpc.aio.Channel | None = None
             try:
-                if self._channel is None:
-                    self._channel = self._build_channel()
-                stub = ca_pb2_grpc.IstioCertificateServiceStub(self._channel)
+                channel = self._acquire()
+                stub = ca_pb2_grpc.IstioCertificateServiceStub(channel)
                 resp = await stub.CreateCertificate(req, metadata=headers, timeout=timeout)
-                break
             except grpc.aio.AioRpcError as error:
-                await self._reset()
+                await self._release(channel, failed=True)
                 e = error
                 if (e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and end is not None
                         and last is not None):
@@ -284,8 +288,15 @@ class IstioCAClient:
                 raise CAClientError(e.code().name, self._explain(e.code(), e.details() or "")
                                     ) from None
             except CAClientError:
-                await self._reset()
+                await self._release(channel, failed=True)
                 raise
+            except BaseException:  # our own task cancelled: the channel stays usable
+                if channel is not None:
+                    await asyncio.shield(self._release(channel, failed=False))
+                raise
+            else:
+                await self._release(channel, failed=False)
+                break
         chain = list(resp.cert_chain)
         if len(chain) < 2:
             raise CAClientError("INTERNAL", "invalid empty CertChain")
@@ -295,10 +306,37 @@ class IstioCAClient:
         """Drop the channel; the next call builds a new one, re-reading ``root_cert``."""
         await self._reset()
 
+    def _acquire(self) -> grpc.aio.Channel:
+        """The current channel (built on first use; raises CAClientError from
+        ``_build_channel``), counted as in use until :meth:`_release`."""
+        if self._channel is None:
+            self._channel = self._build_channel()
+            self._users[self._channel] = 0
+        self._users[self._channel] += 1
+        return self._channel
+
+    async def _release(self, channel: grpc.aio.Channel | None, failed: bool) -> None:
+        """One call done with ``channel``. ``failed``: the next call builds a new channel
+        (re-reading ``root_cert``). A channel no longer current is closed by its last user."""
+        if failed and self._channel is channel:
+            self._channel = None
+        if channel is None:
+            return
+        self._users[channel] -= 1
+        if self._channel is not channel and self._users[channel] == 0:
+            del self._users[channel]
+            await channel.close()
+
     async def _reset(self) -> None:
-        if self._channel is not None:
-            channel, self._channel = self._channel, None
+        """Make the next call build a new channel; the current one closes when idle."""
+        channel, self._channel = self._channel, None
+        if channel is not None and self._users.get(channel) == 0:
+            del self._users[channel]
             await channel.close()
 
     async def close(self) -> None:
-        await self._reset()
+        """Close every channel, cancelling calls still in flight (shutdown)."""
+        self._channel = None
+        channels, self._users = list(self._users), {}
+        for channel in channels:
+            await channel.close()

@@ -157,6 +157,43 @@ async def test_ca_returning_one_element_is_invalid_empty_certchain(tmp_path):
         await server.stop(0)
 
 
+async def test_one_callers_failure_never_cancels_anothers_call(tmp_path):
+    """Two calls share the client's channel (the SDS readiness check and a forwarded ztunnel
+    request do): one failing and retrying while the other's answer is still on its way must
+    not close the channel under it. grpc.aio cancels a closed channel's calls with
+    asyncio.CancelledError, which used to end the other caller's task with no answer (a fresh
+    CI run: ztunnel's request DEADLINE_EXCEEDED instead of the remote CA's error). The CA is
+    a faithful stand-in answering CreateCertificate: slowly for one CSR, UNAVAILABLE for the
+    other."""
+    slow_started = asyncio.Event()
+
+    class Split(ca_pb2_grpc.IstioCertificateServiceServicer):
+        async def CreateCertificate(self, request, context):
+            if request.validity_duration == 111:
+                slow_started.set()
+                await asyncio.sleep(0.6)
+                return ca_pb2.IstioCertificateResponse(cert_chain=["leaf", "root"])
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "not now")
+
+    server = grpc.aio.server()
+    ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(Split(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    c = IstioCAClient(f"127.0.0.1:{port}", "", "", retry_base=0.02)
+    c.plaintext = True
+    try:
+        slow = asyncio.create_task(c.sign(csr(), 111))
+        await asyncio.wait_for(slow_started.wait(), 10)
+        with pytest.raises(CAClientError) as e:  # 6 tries, each dropping the channel
+            await c.sign(csr(), 222)
+        assert e.value.code == "UNAVAILABLE" and "not now" in str(e.value)
+        assert await asyncio.wait_for(slow, 10) == ["leaf", "root"]
+        assert list(c._users.values()) in ([], [0])  # nothing in flight, old channels closed
+    finally:
+        await c.close()
+        await server.stop(0)
+
+
 def grpcurl(*args: str, data: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([GRPCURL, *args], input=data, capture_output=True, text=True,
                           timeout=30)
