@@ -22,6 +22,9 @@ Istio CA protocol (``docs/sds.md``; upstream
 - retry CANCELLED, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, INTERNAL, UNAVAILABLE
   up to 5 times, 100 ms doubling with ±10 % jitter; rebuild the channel after any
   failure (re-reading the root file) so a rotated istiod root is picked up;
+- calls may overlap (the readiness check and forwarded ztunnel requests share one
+  client): a failed call's channel stops being handed out and is closed by its last
+  user, never under another call;
 - fewer than 2 chain elements → ``invalid empty CertChain``.
 """
 
