@@ -40,6 +40,7 @@ from ambient.waypoint.service import WaypointConfigs
 from ambient.waypoint.status import statuses
 from ambient.xds.server import XdsServer
 from tests.waypoint.hbone import HboneForwarder, HboneTerminator
+from tests.waypoint.split import check_split
 from tests.waypoint.test_envoy_waypoint import (CA, CLIENT_ID, config_dump, dump_errors, nacks,
                                                 objects, until)
 
@@ -276,11 +277,11 @@ async def test_tcproute_weighted_split_and_change(routed):
     async def one() -> str:
         async with gate:
             return await _tcp_answer(env["tcp"])
-    answers = await asyncio.gather(*(one() for _ in range(200)))
-    counts = {v: answers.count(v) for v in ("v1", "v2")}
-    assert counts["v1"] + counts["v2"] == 200, answers
-    print(f"TCPRoute 80/20 over 200 connections: {counts}")
-    assert 144 <= counts["v1"] <= 176, counts  # 80 % +- 8 points of 200 connections
+
+    async def draw(n: int) -> list[str]:
+        return list(await asyncio.gather(*(one() for _ in range(n))))
+    counts = await check_split(draw, "v1", "v2")  # 80 % +- 8 points of 200 connections
+    print(f"TCPRoute 80/20: {counts}")
 
     dump = await config_dump(env["envoy"])
     chain = f"inbound-vip|{TCP_PORT}|tcp|db.demo.svc.cluster.local"

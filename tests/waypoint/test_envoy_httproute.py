@@ -21,6 +21,7 @@ from ambient.waypoint.bootstrap import BootstrapOptions, bootstrap
 from ambient.waypoint.service import WaypointConfigs
 from ambient.xds.server import XdsServer
 from tests.waypoint.hbone import HboneTerminator, hbone_request
+from tests.waypoint.split import check_split
 from tests.waypoint.test_envoy_waypoint import (CA, CLIENT_ID, config_dump, dump_errors, nacks,
                                                 objects, status_of, until)
 
@@ -155,12 +156,14 @@ async def test_httproute_matches_weights_and_404(routed, caplog):
     assert sum("spec.rules[3].filters[0].type' 'RequestMirror'" in r.getMessage()
                for r in caplog.records if r.levelname == "WARNING") == 1
 
-    counts = {"v1": 0, "v2": 0}
-    for _ in range(200):
-        status, body = await env["get"]("/split")
-        assert status == 200
-        counts[body["pod"]] += 1
-    assert 144 <= counts["v1"] <= 176, counts  # 80 % +- 8 points of 200
+    async def draw(n: int) -> list[str]:
+        pods = []
+        for _ in range(n):
+            status, body = await env["get"]("/split")
+            assert status == 200
+            pods.append(body["pod"])
+        return pods
+    await check_split(draw, "v1", "v2")  # 80 % +- 8 points of 200
 
     dump = await config_dump(env["envoy"])
     assert dump_errors(dump) == []
