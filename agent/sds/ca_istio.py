@@ -323,7 +323,7 @@ class IstioCAClient:
         (re-reading ``root_cert``). A channel no longer current is closed by its last user."""
         if failed and self._channel is channel:
             self._channel = None
-        if channel is None:
+        if channel is None or channel not in self._users:  # none, or closed by close()
             return
         self._users[channel] -= 1
         if self._channel is not channel and self._users[channel] == 0:

@@ -194,6 +194,38 @@ async def test_one_callers_failure_never_cancels_anothers_call(tmp_path):
         await server.stop(0)
 
 
+async def test_close_with_a_call_in_flight_ends_it_and_nothing_else(tmp_path):
+    """The agent stopping (``close``) while a call waits on the CA: that call ends
+    (cancelled by the closed channel), the client holds no channel afterwards, and a
+    later call builds a new one and is answered."""
+    started = asyncio.Event()
+
+    class Slow(ca_pb2_grpc.IstioCertificateServiceServicer):
+        async def CreateCertificate(self, request, context):
+            if request.validity_duration == 111:
+                started.set()
+                await asyncio.sleep(30)
+            return ca_pb2.IstioCertificateResponse(cert_chain=["leaf", "root"])
+
+    server = grpc.aio.server()
+    ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(Slow(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    c = IstioCAClient(f"127.0.0.1:{port}", "", "", retry_base=0.02)
+    c.plaintext = True
+    try:
+        waiting = asyncio.create_task(c.sign(csr(), 111))
+        await asyncio.wait_for(started.wait(), 10)
+        await c.close()
+        with pytest.raises((asyncio.CancelledError, CAClientError)):
+            await asyncio.wait_for(waiting, 10)
+        assert c._users == {} and c._channel is None
+        assert await c.sign(csr(), 222) == ["leaf", "root"]
+    finally:
+        await c.close()
+        await server.stop(0)
+
+
 def grpcurl(*args: str, data: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([GRPCURL, *args], input=data, capture_output=True, text=True,
                           timeout=30)
