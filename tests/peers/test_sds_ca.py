@@ -6,6 +6,7 @@ both the CA port and the SDS socket."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -157,6 +158,23 @@ async def test_ca_returning_one_element_is_invalid_empty_certchain(tmp_path):
         await server.stop(0)
 
 
+@contextlib.asynccontextmanager
+async def stand_in_ca(servicer: ca_pb2_grpc.IstioCertificateServiceServicer):
+    """A plaintext gRPC server answering with ``servicer``, and an IstioCAClient of it
+    (20 ms retry base); both closed at the end."""
+    server = grpc.aio.server()
+    ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    c = IstioCAClient(f"127.0.0.1:{port}", "", "", retry_base=0.02)
+    c.plaintext = True
+    try:
+        yield c
+    finally:
+        await c.close()
+        await server.stop(0)
+
+
 async def test_one_callers_failure_never_cancels_anothers_call(tmp_path):
     """Two calls share the client's channel (the SDS readiness check and a forwarded ztunnel
     request do): one failing and retrying while the other's answer is still on its way must
@@ -175,13 +193,7 @@ async def test_one_callers_failure_never_cancels_anothers_call(tmp_path):
                 return ca_pb2.IstioCertificateResponse(cert_chain=["leaf", "root"])
             await context.abort(grpc.StatusCode.UNAVAILABLE, "not now")
 
-    server = grpc.aio.server()
-    ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(Split(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    c = IstioCAClient(f"127.0.0.1:{port}", "", "", retry_base=0.02)
-    c.plaintext = True
-    try:
+    async with stand_in_ca(Split()) as c:
         slow = asyncio.create_task(c.sign(csr(), 111))
         await asyncio.wait_for(slow_started.wait(), 10)
         with pytest.raises(CAClientError) as e:  # 6 tries, each dropping the channel
@@ -189,9 +201,6 @@ async def test_one_callers_failure_never_cancels_anothers_call(tmp_path):
         assert e.value.code == "UNAVAILABLE" and "not now" in str(e.value)
         assert await asyncio.wait_for(slow, 10) == ["leaf", "root"]
         assert list(c._users.values()) in ([], [0])  # nothing in flight, old channels closed
-    finally:
-        await c.close()
-        await server.stop(0)
 
 
 async def test_close_with_a_call_in_flight_ends_it_and_nothing_else(tmp_path):
@@ -207,13 +216,7 @@ async def test_close_with_a_call_in_flight_ends_it_and_nothing_else(tmp_path):
                 await asyncio.sleep(30)
             return ca_pb2.IstioCertificateResponse(cert_chain=["leaf", "root"])
 
-    server = grpc.aio.server()
-    ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(Slow(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    c = IstioCAClient(f"127.0.0.1:{port}", "", "", retry_base=0.02)
-    c.plaintext = True
-    try:
+    async with stand_in_ca(Slow()) as c:
         waiting = asyncio.create_task(c.sign(csr(), 111))
         await asyncio.wait_for(started.wait(), 10)
         await c.close()
@@ -221,9 +224,6 @@ async def test_close_with_a_call_in_flight_ends_it_and_nothing_else(tmp_path):
             await asyncio.wait_for(waiting, 10)
         assert c._users == {} and c._channel is None
         assert await c.sign(csr(), 222) == ["leaf", "root"]
-    finally:
-        await c.close()
-        await server.stop(0)
 
 
 def grpcurl(*args: str, data: str | None = None) -> subprocess.CompletedProcess:
