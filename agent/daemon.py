@@ -10,8 +10,8 @@ push is out (or 0.5 s after xDS started): :data:`FIRST_PUSH_PATH_ENDS`,
 Signals: the first SIGTERM/SIGINT starts a graceful stop (each component gets
 ``shutdown_grace`` seconds to finish in-flight work, sockets are closed and
 unlinked, exit 0); a second one (at any time until the process ends) removes the
-socket files and the state dir lock and exits at once with 128+signal. SIGHUP and
-SIGUSR1 are ignored with one log line: the configuration is read once, at start
+socket files and the state dir lock and exits at once with 128+signal. SIGHUP,
+SIGUSR1 and SIGUSR2 are ignored with one log line: the configuration is read once, at start
 (``docs/operating.md``).
 """
 
@@ -570,7 +570,9 @@ class Agent:
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-IGNORED_SIGNALS = (signal.SIGHUP, signal.SIGUSR1)
+# Signals whose default action would kill the process with no stop at all (sockets and
+# the lock left behind): a stray `kill -USR2` or a log rotator's HUP must not do that.
+IGNORED_SIGNALS = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def exit_now(signum: int, agent: "Agent | None" = None) -> None:

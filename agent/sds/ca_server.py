@@ -38,6 +38,7 @@ from grpc_reflection.v1alpha import reflection
 
 from agent.core import unixsocket
 from agent.core.annotations import REGISTERED_BY
+from agent.core.grpc_decode import UndecodableRequest, add_service, decoding
 from agent.core.ratelimit import RefusalLog
 from agent.core.spiffe import Identity
 from agent.tlsport.authn import AuthenticationError, Authenticator, Caller, bearer_token
@@ -155,15 +156,15 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
             self, request: ca_pb2.IstioCertificateRequest, context: grpc.aio.ServicerContext
             ) -> ca_pb2.IstioCertificateResponse:
         authenticator = self.authenticator
+        if isinstance(request, UndecodableRequest):
+            self._refusal_log.refused(self._source(authenticator, context), request)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
         try:
             if authenticator is None:
                 raise AuthenticationError("no caller authentication configured")
             caller = await authenticator.authenticate(context)
         except AuthenticationError as e:
-            # on the TLS port gRPC sees the front door's per-connection socket; the front
-            # door knows the TCP peer, which is the source the log is limited by
-            tls = authenticator.tls_peer(context) if authenticator is not None else None
-            self._refusal_log.refused(tls.remote if tls is not None else context.peer(), e)
+            self._refusal_log.refused(self._source(authenticator, context), e)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 f"request authenticate failure: {e}")
         ids = list(caller.identities)
@@ -187,6 +188,14 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
         log.info("CA: issued certificate for %s", ",".join(sans))
         return ca_pb2.IstioCertificateResponse(cert_chain=chain)
 
+    @staticmethod
+    def _source(authenticator: Authenticator | None, context: grpc.aio.ServicerContext) -> str:
+        """The caller's address for the refusal log. On the TLS port gRPC sees the front
+        door's per-connection socket; the front door knows the TCP peer, which is the
+        source the log is limited by."""
+        tls = authenticator.tls_peer(context) if authenticator is not None else None
+        return tls.remote if tls is not None else context.peer()
+
     async def _issue(self, request: ca_pb2.IstioCertificateRequest,
                      context: grpc.aio.ServicerContext, caller: Caller, sans: list[str]
                      ) -> list[str]:
@@ -205,8 +214,14 @@ class CertificateService(ca_pb2_grpc.IstioCertificateServiceServicer):
     def add_to_server(self, server: grpc.aio.Server) -> str:
         """Register this service on ``server`` (another component's gRPC server, e.g. the
         xDS TLS port, which thus never imports this package); returns the service's full
-        name (:data:`CA_SERVICE`) for server reflection."""
-        ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(self, server)
+        name (:data:`CA_SERVICE`) for server reflection. The method is registered as the
+        generated code does, with :func:`decoding` as its deserializer (bytes that are not
+        an ``IstioCertificateRequest`` end ``INVALID_ARGUMENT``, logged once)."""
+        add_service(server, CA_SERVICE, {
+            "CreateCertificate": grpc.unary_unary_rpc_method_handler(
+                self.CreateCertificate,
+                request_deserializer=decoding(ca_pb2.IstioCertificateRequest),
+                response_serializer=ca_pb2.IstioCertificateResponse.SerializeToString)})
         return CA_SERVICE
 
 

@@ -35,7 +35,6 @@ import time
 from typing import Any, Awaitable, Callable
 
 import grpc
-from envoy.service.secret.v3 import sds_pb2, sds_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from agent.core import unixsocket
@@ -54,13 +53,12 @@ from agent.sds.ca_publish import RootPublisher
 from agent.sds.metrics import SdsCollector
 from agent.sds.cache import DEFAULT, ROOTCA, SecretCache
 from agent.sds.resolve import MOUNTED_ROOT, MOUNTED_WORKLOAD, SecretResolver, is_workload_name
-from agent.sds.service import GenerateError, IdentityError, SdsService
+from agent.sds.service import SDS_SERVICE, GenerateError, IdentityError, SdsService
 from agent.sds.signer import SignerCAClient, SignerProcess
 from agent.sds.trustfiles import publish_root, read_pem_bundle, read_trust_anchors
 
 log = logging.getLogger(__name__)
 
-SDS_SERVICE = sds_pb2.DESCRIPTOR.services_by_name["SecretDiscoveryService"].full_name
 _TRUST_ANCHORS = "@trust-anchors"  # watcher tokens for trust_anchors_file and ca_root_cert
 _CA_ROOT = "@ca-root"
 
@@ -289,7 +287,8 @@ class SdsServer(Component):
         path = self.config.sds_socket
         _make_traversable(os.path.dirname(path), self.socket_mode)
         server = grpc.aio.server(options=[("grpc.max_concurrent_streams", 100000)])
-        sds_pb2_grpc.add_SecretDiscoveryServiceServicer_to_server(self.service, server)
+        assert self.service is not None  # built in _start(), before this is called
+        self.service.add_to_server(server)
         reflection.enable_server_reflection((SDS_SERVICE, reflection.SERVICE_NAME), server)
         if self.fixed or self._custom_identify:
             bind = path

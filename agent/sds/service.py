@@ -53,15 +53,18 @@ import grpc
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2, secret_pb2
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
-from envoy.service.secret.v3 import sds_pb2_grpc
+from envoy.service.secret.v3 import sds_pb2, sds_pb2_grpc
 from google.protobuf import any_pb2
 
 from agent.core.backoff import Backoff
 from agent.core.grpc_closed import CLOSED_STREAM_ERRORS
+from agent.core.grpc_decode import UndecodableRequest, add_service, decoding
 from agent.core.spiffe import Identity
 from agent.core.yamlsafe import MAX_LOGGED, short_repr, short_text
 
 log = logging.getLogger(__name__)
+
+SDS_SERVICE = sds_pb2.DESCRIPTOR.services_by_name["SecretDiscoveryService"].full_name
 
 
 class _StreamEnded(Exception):
@@ -300,6 +303,9 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
                 req = await context.read()
                 if req is grpc.aio.EOF:
                     break
+                if isinstance(req, UndecodableRequest):
+                    queue.put_nowait(("undecodable", req))
+                    return  # nothing after it is read: the stream ends with this
                 queue.put_nowait(("req", req))
         except Exception as e:  # noqa: BLE001 - a reset stream just ends
             log.debug("SDS stream read ended: %s", e)
@@ -326,6 +332,8 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
                 if kind == "push":
                     await on_push(item)
                     continue
+                if kind == "undecodable":
+                    await self._refuse_undecodable(conn.peer, item, context)
                 if first:
                     if not await first_request(item):
                         continue
@@ -341,6 +349,14 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         finally:
             reader.cancel()
             self._unregister(conn, watched)
+
+    @staticmethod
+    async def _refuse_undecodable(peer: str, request: UndecodableRequest,
+                                  context: Context) -> None:
+        """End the call ``INVALID_ARGUMENT`` for bytes that are not the method's message,
+        with one WARNING (grpcio's default would log a traceback and end the stream OK)."""
+        log.warning("SDS: call from %s refused: %s", short_text(peer, MAX_LOGGED), request)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
 
     @staticmethod
     async def _send(conn: Connection, context: Context,
@@ -507,6 +523,8 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
     async def FetchSecrets(  # noqa: N802 - gRPC name
             self, request: discovery_pb2.DiscoveryRequest, context: Context
             ) -> discovery_pb2.DiscoveryResponse:
+        if isinstance(request, UndecodableRequest):
+            await self._refuse_undecodable(context.peer(), request, context)
         identity = await self._identify(context)
         await self._check_type(request.type_url, context)
         names = list(dict.fromkeys(request.resource_names))
@@ -521,6 +539,23 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         return discovery_pb2.DiscoveryResponse(
             type_url=SECRET_TYPE, version_info=next_version(), nonce=str(uuid.uuid4()),
             resources=[_pack(s) for s in secrets])
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Register the three methods on ``server`` as generated code does, with
+        :func:`~agent.core.grpc_decode.decoding` as the request deserializer."""
+        add_service(server, SDS_SERVICE, {
+            "StreamSecrets": grpc.stream_stream_rpc_method_handler(
+                self.StreamSecrets,
+                request_deserializer=decoding(discovery_pb2.DiscoveryRequest),
+                response_serializer=discovery_pb2.DiscoveryResponse.SerializeToString),
+            "DeltaSecrets": grpc.stream_stream_rpc_method_handler(
+                self.DeltaSecrets,
+                request_deserializer=decoding(discovery_pb2.DeltaDiscoveryRequest),
+                response_serializer=discovery_pb2.DeltaDiscoveryResponse.SerializeToString),
+            "FetchSecrets": grpc.unary_unary_rpc_method_handler(
+                self.FetchSecrets,
+                request_deserializer=decoding(discovery_pb2.DiscoveryRequest),
+                response_serializer=discovery_pb2.DiscoveryResponse.SerializeToString)})
 
     def debug_state(self) -> list[dict]:
         return [c.debug() for c in self.connections.values()]

@@ -36,7 +36,6 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2, ads_pb2_grpc, discovery_pb2
-from google.protobuf.message import DecodeError
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
@@ -48,6 +47,7 @@ from agent.core.uptime import process_age
 from agent.core.config import ConfigError, ensure_tcp_port_free
 from agent.core.fdbudget import listener_caps
 from agent.core.grpc_closed import CLOSED_STREAM_ERRORS, retrieve_later
+from agent.core.grpc_decode import UndecodableRequest, add_service, decoding
 from agent.core.grpc_options import KEEPALIVE_SERVER_OPTIONS
 from agent.core.lifecycle import AgentContext, Component
 from agent.core.yamlsafe import MAX_LOGGED, short_text
@@ -190,7 +190,7 @@ class XdsServer(Component):
                                           ("grpc.so_reuseport", 0),
                                           *KEEPALIVE_SERVER_OPTIONS,
                                           *grpc_server_bounds(self.max_connections)])
-        server.add_generic_rpc_handlers((_handler(_Servicer(self)),))
+        add_service(server, SERVICE_NAME, _handlers(_Servicer(self)))
         services = [SERVICE_NAME, reflection.SERVICE_NAME]
         tls = self.tls_port is not None and self.tls_provider is not None
         if tls and self.tls_services is not None:
@@ -605,42 +605,19 @@ def _serialize(resp: Response) -> bytes:
     return resp.data if isinstance(resp, PreparedResponse) else resp.SerializeToString()
 
 
-class UndecodableRequest(Exception):
-    """A request message that is not the stream's protobuf type: ``size`` bytes and the
-    decoder's reason (bounded). The stream ends INVALID_ARGUMENT, logged once."""
-
-    def __init__(self, type_name: str, size: int, reason: str):
-        super().__init__(f"request is not a valid {type_name} ({size} bytes): "
-                         f"{short_text(reason, MAX_LOGGED)}")
-
-
-def _deserializer(cls: Any) -> Callable[[bytes], Any]:
-    """``cls.FromString`` that hands a decode failure to the handler as an
-    :class:`UndecodableRequest` (grpc's own wrapper would log a traceback and yield None,
-    which ended the stream with status OK)."""
-    name = cls.DESCRIPTOR.name
-
-    def parse(data: bytes) -> Any:
-        try:
-            return cls.FromString(data)
-        except (DecodeError, ValueError) as e:
-            return UndecodableRequest(name, len(data), str(e) or type(e).__name__)
-    return parse
-
-
-def _handler(servicer: _Servicer) -> grpc.GenericRpcHandler:
-    """The ADS service as generated code registers it, with :func:`_serialize` as the
-    response serializer."""
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+def _handlers(servicer: _Servicer) -> dict[str, grpc.RpcMethodHandler]:
+    """The ADS methods as generated code builds them, with :func:`decoding` as the request
+    deserializer and :func:`_serialize` as the response serializer."""
+    return {
         "DeltaAggregatedResources": grpc.stream_stream_rpc_method_handler(
             servicer.DeltaAggregatedResources,
-            request_deserializer=_deserializer(discovery_pb2.DeltaDiscoveryRequest),
+            request_deserializer=decoding(discovery_pb2.DeltaDiscoveryRequest),
             response_serializer=_serialize),
         "StreamAggregatedResources": grpc.stream_stream_rpc_method_handler(
             servicer.StreamAggregatedResources,
-            request_deserializer=_deserializer(discovery_pb2.DiscoveryRequest),
+            request_deserializer=decoding(discovery_pb2.DiscoveryRequest),
             response_serializer=_serialize),
-    })
+    }
 
 
 def _host(address: str) -> str:

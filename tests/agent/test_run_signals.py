@@ -1,5 +1,5 @@
 """`ambient-agent run` as a real process: starts on defaults, SIGTERM exits 0 and leaves
-no socket files behind; SIGHUP/SIGUSR1 are ignored; a second SIGTERM exits 128+15 and
+no socket files behind; SIGHUP/SIGUSR1/SIGUSR2 are ignored; a second SIGTERM exits 128+15 and
 leaves nothing behind either (``docs/operating.md`` "Signals")."""
 
 from __future__ import annotations
@@ -177,13 +177,13 @@ def stop_stalled(state) -> socket.socket:
 
 
 @ROOT_ONLY
-def test_sighup_and_sigusr1_are_ignored(tmp_path, node_netns):
+def test_sighup_sigusr1_and_sigusr2_are_ignored(tmp_path, node_netns):
     state = tmp_path / "state"
     argv, env = agent_argv(state, node_netns)
     proc = start_agent(argv, env, state)
     try:
         before = sockets_under(str(state))
-        for signum in (signal.SIGHUP, signal.SIGUSR1, signal.SIGHUP):
+        for signum in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
             proc.send_signal(signum)
         # the agent answers on its event socket after the signals: it is alive, serving
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
@@ -199,6 +199,7 @@ def test_sighup_and_sigusr1_are_ignored(tmp_path, node_netns):
         # (two pending SIGHUPs may be delivered as one: the kernel does not queue them)
         assert "SIGHUP ignored: the configuration is read once" in out, out
         assert "SIGUSR1 ignored: the configuration is read once" in out, out
+        assert "SIGUSR2 ignored: the configuration is read once" in out, out
         assert sockets_under(str(state)) == set(), out
     finally:
         if proc.poll() is None:
