@@ -106,6 +106,14 @@ def _under_state(*parts: str) -> Callable[[dict], str]:
     return lambda values: os.path.join(values["state_dir"], *parts)
 
 
+# What the three listener caps share (agent.core.fdbudget): the caps together may use the
+# open-files limit less the fds kept for the node-local sockets pods depend on.
+_FD_BUDGET = ("; 0: as many as the open-files limit allows. The status, health and xDS "
+              "caps are scaled down together when their sum would leave fewer than a "
+              "quarter of the open-files limit (at least 256 fds) for node-local sockets "
+              "(one log line at start)")
+
+
 SETTINGS: list[Setting] = [
     # --- process ---
     Setting("state_dir", "/var/run/ambient-agent", parse_dir_path,
@@ -317,12 +325,11 @@ SETTINGS: list[Setting] = [
             "listeners close a connection idle (or stuck in its headers) this long",
             component="status"),
     Setting("status_max_connections", 256, parse_count, "open connections the status port "
-            "accepts (more are answered 503 and closed); lowered to fit the open-files limit",
-            component="status"),
+            f"accepts (more are answered 503 and closed){_FD_BUDGET}", component="status"),
     Setting("health_max_connections", 64, parse_count, "open connections the health port "
-            "accepts; lowered to fit the open-files limit", component="status"),
-    Setting("xds_max_connections", 256, parse_count, "connections each xDS port accepts; "
-            "lowered to fit the open-files limit", component="status"),
+            f"accepts{_FD_BUDGET}", component="status"),
+    Setting("xds_max_connections", 256, parse_count, "connections each xDS port accepts"
+            f"{_FD_BUDGET}", component="status"),
     # --- per-source connection caps (hardening) ---
     Setting("max_connections_per_source", 16, parse_count, "connections one client address "
             "may hold on each TCP listener (status, health, monitoring, the TLS xDS port); "

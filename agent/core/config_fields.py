@@ -200,12 +200,20 @@ class Settings:
     #: status, health and admin listeners close a connection idle (or stuck in its headers)
     #: this long
     status_idle_timeout: float
-    #: open connections the status port accepts (more are answered 503 and closed); lowered
-    #: to fit the open-files limit
+    #: open connections the status port accepts (more are answered 503 and closed); 0: as
+    #: many as the open-files limit allows. The status, health and xDS caps are scaled down
+    #: together when their sum would leave fewer than a quarter of the open-files limit (at
+    #: least 256 fds) for node-local sockets (one log line at start)
     status_max_connections: int
-    #: open connections the health port accepts; lowered to fit the open-files limit
+    #: open connections the health port accepts; 0: as many as the open-files limit allows.
+    #: The status, health and xDS caps are scaled down together when their sum would leave
+    #: fewer than a quarter of the open-files limit (at least 256 fds) for node-local
+    #: sockets (one log line at start)
     health_max_connections: int
-    #: connections each xDS port accepts; lowered to fit the open-files limit
+    #: connections each xDS port accepts; 0: as many as the open-files limit allows. The
+    #: status, health and xDS caps are scaled down together when their sum would leave
+    #: fewer than a quarter of the open-files limit (at least 256 fds) for node-local
+    #: sockets (one log line at start)
     xds_max_connections: int
     #: connections one client address may hold on each TCP listener (status, health,
     #: monitoring, the TLS xDS port); past it a newcomer replaces that address's oldest

@@ -145,7 +145,12 @@ def parse_levels(spec: str, default: int = logging.INFO) -> tuple[int, dict[str,
                          f"{LEVEL_SPEC_MAX} allowed")
     per: dict[str, int] = {}
     for part in (p.strip() for p in spec.split(",") if p.strip()):
-        name, _, level = part.replace("=", ":").rpartition(":")
+        name, sep, level = part.replace("=", ":").rpartition(":")
+        if sep and not name.strip():
+            # "=debug" or ":debug" is a typo for a scope, not the default level: say so
+            which = "=" if "=" in part else ":"
+            raise ValueError(f"no scope before {which!r} in "
+                             f"{_quoted(part)} (write LEVEL or SCOPE:LEVEL)")
         if level.lower() not in LEVELS:
             raise ValueError(f"unknown level {_quoted(level)} in {_quoted(part)} "
                              f"(use debug, info, warn, error, none)")

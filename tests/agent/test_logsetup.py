@@ -84,6 +84,13 @@ def test_bad_level_names_the_part():
         logsetup.parse_levels("info,sdss:debug")
 
 
+@pytest.mark.parametrize("spec", ["=debug", ":debug", "info, =warn", " :error"])
+def test_clause_with_a_separator_and_no_scope_is_refused(spec):
+    """It used to set the default level, silently, as if the scope had not been typed."""
+    with pytest.raises(ValueError, match="no scope before"):
+        logsetup.parse_levels(spec)
+
+
 def _our_modules():
     for package in logsetup.PACKAGES:
         root = importlib.import_module(package)
