@@ -20,6 +20,11 @@ lock whose leader record is the annotation ``control-plane.alpha.kubernetes.io/l
 ``<election>-<revision>``. :class:`IstiodLock` reads those; while one is held (renewed within
 its duration) no agent leads, so the two never write the same objects at once.
 
+Each round's calls are plain JSON through :mod:`agent.core.kubecall`: building
+kubernetes_asyncio's model objects for a Lease (dateutil parsing its times) held the event
+loop a few milliseconds per round, every ``lease_seconds / 3`` per election, and an xDS
+change arriving meanwhile waited behind it.
+
 API errors while electing count as "not leading" (an agent that cannot reach the API
 server must not keep writing on an old belief) and are retried at the next round.
 """
@@ -33,14 +38,16 @@ import json
 import logging
 from typing import Any, Awaitable, Callable
 
-from kubernetes_asyncio import client as kclient
 from kubernetes_asyncio.client.exceptions import ApiException
+
+from agent.core import kubecall
 
 log = logging.getLogger(__name__)
 
 LEADER_ANNOTATION = "control-plane.alpha.kubernetes.io/leader"
 LEASE_SECONDS = 15
 REQUEST_TIMEOUT = 10.0  # s for one API call of the election
+LEASES = "/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
 
 
 def _now() -> dt.datetime:
@@ -68,6 +75,19 @@ def parse_time(value: Any) -> dt.datetime | None:
 def _held(holder: Any, renewed: dt.datetime | None, duration: float) -> bool:
     return bool(holder) and renewed is not None and renewed + dt.timedelta(
         seconds=duration) > _now()
+
+
+def _dict(value: Any) -> dict:
+    """``value`` when it is a JSON object, else an empty one (a field the API server left
+    out, or a body of another shape: read as "nothing there", never a crash)."""
+    return value if isinstance(value, dict) else {}
+
+
+def _number(value: Any) -> float:
+    """A JSON number field (``leaseDurationSeconds``, ``leaseTransitions``); 0 when absent
+    or not a number."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        else 0.0
 
 
 def _client(api: Callable[[], Any]) -> Any:
@@ -104,13 +124,15 @@ class IstiodLock:
 
     async def _configmap_held(self, api: Any, namespace: str) -> bool:
         try:
-            cm = await kclient.CoreV1Api(api).read_namespaced_config_map(
-                self.configmap, namespace, _request_timeout=REQUEST_TIMEOUT)
+            cm = await kubecall.call(
+                api, "GET", f"/api/v1/namespaces/{namespace}/configmaps/{self.configmap}",
+                timeout=REQUEST_TIMEOUT)
         except ApiException as e:
             if e.status in (404, 403):
                 return False
             raise
-        record = (cm.metadata.annotations or {}).get(LEADER_ANNOTATION)
+        record = (_dict(_dict(cm).get("metadata")).get("annotations") or {}).get(
+            LEADER_ANNOTATION)
         try:
             rec = json.loads(record) if record else {}
         except ValueError:
@@ -122,19 +144,19 @@ class IstiodLock:
 
     async def _lease_held(self, api: Any, namespace: str) -> bool:
         try:
-            leases = await kclient.CoordinationV1Api(api).list_namespaced_lease(
-                namespace, _request_timeout=REQUEST_TIMEOUT)
+            leases = await kubecall.call(api, "GET", LEASES.format(namespace=namespace),
+                                         timeout=REQUEST_TIMEOUT)
         except ApiException as e:
             if e.status in (404, 403):
                 return False
             raise
-        for lease in leases.items:
-            name = lease.metadata.name or ""
+        for lease in _dict(leases).get("items") or []:
+            name = str(_dict(_dict(lease).get("metadata")).get("name") or "")
             if name != self.lease_prefix and not name.startswith(self.lease_prefix + "-"):
                 continue
-            spec = lease.spec
-            if spec is not None and _held(spec.holder_identity, parse_time(spec.renew_time),
-                                          float(spec.lease_duration_seconds or 0)):
+            spec = _dict(lease.get("spec"))
+            if _held(spec.get("holderIdentity"), parse_time(spec.get("renewTime")),
+                     _number(spec.get("leaseDurationSeconds"))):
                 return True
         return False
 
@@ -185,6 +207,9 @@ class LeaseElection:
 
     # --- one round ---
 
+    def _path(self) -> str:
+        return f"{LEASES.format(namespace=self.namespace)}/{self.name}"
+
     def _body(self, spec: dict, resource_version: str | None = None) -> Any:
         meta: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
         if resource_version:
@@ -195,11 +220,11 @@ class LeaseElection:
     async def acquire_or_renew(self) -> bool:
         """One election round; True when this agent holds the Lease afterwards. Raises
         ``ApiException`` / RuntimeError when the API cannot be asked."""
-        coord = kclient.CoordinationV1Api(_client(self._api))
+        api = _client(self._api)
         now = _now()
         try:
-            lease = await coord.read_namespaced_lease(self.name, self.namespace,
-                                                      _request_timeout=REQUEST_TIMEOUT)
+            lease = _dict(await kubecall.call(api, "GET", self._path(),
+                                              timeout=REQUEST_TIMEOUT))
         except ApiException as e:
             if e.status != 404:
                 raise
@@ -208,29 +233,28 @@ class LeaseElection:
                                "acquireTime": micro_time(now), "renewTime": micro_time(now),
                                "leaseTransitions": 0})
             try:
-                await coord.create_namespaced_lease(self.namespace, body,
-                                                    _request_timeout=REQUEST_TIMEOUT)
+                await kubecall.call(api, "POST", LEASES.format(namespace=self.namespace),
+                                    body=body, timeout=REQUEST_TIMEOUT)
             except ApiException as e2:
                 if e2.status == 409:
                     return False  # another agent created it first
                 raise
             return True
-        spec = lease.spec
-        holder = spec.holder_identity or ""
-        renewed = parse_time(spec.renew_time)
-        duration = spec.lease_duration_seconds or self.lease_seconds
+        spec = _dict(lease.get("spec"))
+        holder = str(spec.get("holderIdentity") or "")
+        renewed = parse_time(spec.get("renewTime"))
+        duration = _number(spec.get("leaseDurationSeconds")) or self.lease_seconds
         if holder != self.identity and _held(holder, renewed, duration):
             return False
         mine = holder == self.identity
+        acquired = (parse_time(spec.get("acquireTime")) or now) if mine else now
         body = self._body({
             "holderIdentity": self.identity, "leaseDurationSeconds": self.lease_seconds,
-            "acquireTime": micro_time((parse_time(spec.acquire_time) or now) if mine else now),
-            "renewTime": micro_time(now),
-            "leaseTransitions": (spec.lease_transitions or 0) + (0 if mine else 1)},
-            lease.metadata.resource_version)
+            "acquireTime": micro_time(acquired), "renewTime": micro_time(now),
+            "leaseTransitions": int(_number(spec.get("leaseTransitions"))) + (0 if mine else 1)},
+            _dict(lease.get("metadata")).get("resourceVersion"))
         try:
-            await coord.replace_namespaced_lease(self.name, self.namespace, body,
-                                                 _request_timeout=REQUEST_TIMEOUT)
+            await kubecall.call(api, "PUT", self._path(), body=body, timeout=REQUEST_TIMEOUT)
         except ApiException as e:
             if e.status == 409:
                 return False  # someone else renewed or took it meanwhile
@@ -239,15 +263,16 @@ class LeaseElection:
 
     async def _release(self) -> None:
         try:
-            coord = kclient.CoordinationV1Api(_client(self._api))
-            lease = await coord.read_namespaced_lease(self.name, self.namespace,
-                                                      _request_timeout=REQUEST_TIMEOUT)
-            if lease.spec.holder_identity != self.identity:
+            api = _client(self._api)
+            lease = _dict(await kubecall.call(api, "GET", self._path(),
+                                              timeout=REQUEST_TIMEOUT))
+            spec = _dict(lease.get("spec"))
+            if spec.get("holderIdentity") != self.identity:
                 return
-            await coord.replace_namespaced_lease(self.name, self.namespace, self._body(
+            await kubecall.call(api, "PUT", self._path(), body=self._body(
                 {"holderIdentity": "", "leaseDurationSeconds": 1,
-                 "leaseTransitions": lease.spec.lease_transitions or 0},
-                lease.metadata.resource_version), _request_timeout=REQUEST_TIMEOUT)
+                 "leaseTransitions": int(_number(spec.get("leaseTransitions")))},
+                _dict(lease.get("metadata")).get("resourceVersion")), timeout=REQUEST_TIMEOUT)
         except Exception as e:  # noqa: BLE001 - best effort at stop; the Lease expires anyway
             log.debug("releasing Lease %s/%s: %s", self.namespace, self.name, e)
 
