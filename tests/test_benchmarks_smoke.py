@@ -64,7 +64,8 @@ def test_istiod_import_floor_and_its_rows():
     floor = bench_istiod.import_floor(runs=1)
     assert 0 < floor < 60
     side = {"cold": 2.0, "cold_cut": 1.0, "initial": 0.01, "rss": 100.0, "cpu": 0.05,
-            "burst_wall": 0.5, "latency_shipped": [0.1], "latency_cut": [0.01]}
+            "burst_wall": 0.5, "latency_shipped": [0.1], "latency_cut": [0.01],
+            "latency_cut_at_start": [0.02]}
     agent = dict(side, import_floor=floor, corrupt_files=1, slow_lists=1, throttled_429s=1,
                  **{f"{k}_{what}": v for what in ("corrupt", "slow", "throttled")
                     for k, v in (("cold", 2.0), ("why", ""))})
@@ -73,6 +74,9 @@ def test_istiod_import_floor_and_its_rows():
                      "start, at 1k"]
     assert (floor_row.value, floor_row.floor) == (floor, 1.0)
     assert rows["agent's cut cold start vs the import floor, at 1k"].ratio == 1.0 / floor
+    early = rows["vs istiod: change latency p50, cut debounce, at once after the cold start, "
+                 "at 1k"]
+    assert (early.value, early.floor) == (20.0, 20.0)
 
 
 @pytest.mark.envoy
