@@ -368,7 +368,7 @@ async def initial_push(side, pods: int) -> float:
         t0 = time.perf_counter()
         client = await _client(side.address)
         try:
-            await _wait(client, lambda: _pod_count(client) >= pods, 300)
+            await _wait(client, lambda client=client: _pod_count(client) >= pods, 300)
             times.append(time.perf_counter() - t0)
         finally:
             await client.close()
