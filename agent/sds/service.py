@@ -47,7 +47,7 @@ import hashlib
 import itertools
 import logging
 import uuid
-from typing import AsyncIterator, Awaitable, Callable, Collection, TypeAlias, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Collection, NoReturn, TypeAlias, TypeVar
 
 import grpc
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2, secret_pb2
@@ -352,11 +352,13 @@ class SdsService(sds_pb2_grpc.SecretDiscoveryServiceServicer):
 
     @staticmethod
     async def _refuse_undecodable(peer: str, request: UndecodableRequest,
-                                  context: Context) -> None:
+                                  context: Context) -> NoReturn:
         """End the call ``INVALID_ARGUMENT`` for bytes that are not the method's message,
-        with one WARNING (grpcio's default would log a traceback and end the stream OK)."""
+        with one WARNING (grpcio's default would log a traceback and end the stream OK).
+        Raises what ``context.abort`` raises."""
         log.warning("SDS: call from %s refused: %s", short_text(peer, MAX_LOGGED), request)
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
+        raise AssertionError("context.abort returned")  # not reached: abort raises
 
     @staticmethod
     async def _send(conn: Connection, context: Context,
