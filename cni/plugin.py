@@ -49,7 +49,7 @@ to send is ignored (the line is still on stderr).
 Plugin config keys (Istio's): ``plugin_log_level``, ``cni_agent_run_dir``,
 ``ambient_enabled``, ``exclude_namespaces``, ``pod_namespace``, plus ours:
 ``ambient_default`` (bool, decides for pods the agent has no object for) and
-``agent_timeout`` (seconds, default 5 like Istio's client). Unknown keys are ignored.
+``agent_timeout`` (seconds, default 5 like Istio's client, at most 3600). Unknown keys are ignored.
 """
 
 import posix  # built in: os.environ without importing os

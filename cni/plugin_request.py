@@ -10,7 +10,7 @@ key and the value. Stdlib-only, like the rest of the plugin's start-up path.
 
 import sys
 
-from cni.plugin_wire import DEFAULT_TIMEOUT, json_dumps, json_loads
+from cni.plugin_wire import DEFAULT_TIMEOUT, MAX_TIMEOUT, json_dumps, json_loads
 
 SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
 LATEST_VERSION = SUPPORTED_VERSIONS[-1]
@@ -153,9 +153,10 @@ def plugin_settings(conf):
     if not settings["run_dir"].startswith("/"):
         raise CniError(ERR_INVALID_CONFIG, "invalid network config: cni_agent_run_dir must be an "
                        "absolute path, got %r" % settings["run_dir"])
-    if settings["timeout"] <= 0:
-        raise CniError(ERR_INVALID_CONFIG, "invalid network config: agent_timeout must be > 0, "
-                       "got %r" % settings["timeout"])
+    # not (0 < t <= max) also refuses NaN; past the max, socket timeouts overflow time_t
+    if not 0 < settings["timeout"] <= MAX_TIMEOUT:
+        raise CniError(ERR_INVALID_CONFIG, "invalid network config: agent_timeout must be > 0 "
+                       "and at most %d seconds, got %r" % (MAX_TIMEOUT, settings["timeout"]))
     if settings["log_level"].lower() not in LEVELS:
         raise CniError(ERR_INVALID_CONFIG, "invalid network config: plugin_log_level must be one "
                        "of debug, info, warn, error, none; got %r" % settings["log_level"])

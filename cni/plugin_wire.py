@@ -16,6 +16,7 @@ except ImportError:  # pragma: no cover - non-CPython
 import _socket
 
 DEFAULT_TIMEOUT = 5.0  # seconds: an agent answer, as Istio's plugin client waits
+MAX_TIMEOUT = 3600  # seconds: the most agent_timeout may ask (runtimes give up far sooner)
 
 # JSON through the stdlib's C accelerator (same parser/encoder json.loads/dumps use) ---
 

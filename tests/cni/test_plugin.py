@@ -5,6 +5,7 @@ and a message naming the field, and leave nothing behind."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -154,6 +155,10 @@ BAD_INPUT = [
     ("relative run dir", cni_env(), net_conf("run"), 7, "cni_agent_run_dir"),
     ("bad log level", cni_env(), net_conf("/run/x", plugin_log_level="loud"), 7,
      "plugin_log_level"),
+    # 1e10 s overflowed the socket timeout (time_t): a traceback and no CNI error
+    *((f"agent_timeout {t}", cni_env(), json.dumps(net_conf("/run/x", agent_timeout=1.5))
+       .replace("1.5", t), 7, "agent_timeout must be > 0 and at most 3600 seconds")
+      for t in ("0", "-1", "1e10", "1e400")),
 ]
 
 
