@@ -585,15 +585,19 @@ class DirectorySource:
             self._stale_gauge.set(len(self._stale))
         if self._overlay:
             objects = [(self._overlaid(obj), where) for obj, where in objects]
+        held_before = self.store.objects_of_origin(path)
         self.store.replace_origin(path, objects)
         if self._overlay:
             self._drop_stale_overlay()
         if self._task is not None:  # after the initial load: say what the file holds now
             held = self.store.objects_of_origin(path)
             skipped = len(objects) - held + len(errors)
+            if path not in self.files and not refused:
+                # what went with it, not what it holds now (always 0)
+                log.info("config file %s removed: its %d objects deleted", path, held_before)
+                return
             log.info("config file %s %s: %d objects%s", path,
-                     "reloaded" if path in self.files else "refused" if refused else "removed",
-                     held,
+                     "reloaded" if path in self.files else "refused", held,
                      f", {skipped} skipped (reasons logged above)" if skipped else "")
 
     # --- annotations written by the agent (overlay) ---
@@ -721,8 +725,12 @@ def _file_kind(path: str) -> str:
 
     try:
         mode = os.stat(path).st_mode
-    except OSError:
-        return "a dangling symlink"
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symlink loop"
+        if e.errno == errno.ENOENT:
+            return "a dangling symlink"
+        return f"a symlink that cannot be followed: {e.strerror}"
     for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
                        (stat.S_ISDIR, "a directory")):

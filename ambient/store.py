@@ -36,6 +36,24 @@ NAMESPACED_KINDS = frozenset({
 CLUSTER_KINDS = frozenset({"Namespace", "Node", "GatewayClass"})
 KINDS = NAMESPACED_KINDS | CLUSTER_KINDS
 
+_GATEWAY_API = ("gateway.networking.k8s.io", ("v1", "v1beta1", "v1alpha2"))
+#: kind -> (API group, the versions of it taken): what the Kubernetes API server serves
+#: for the kind (Istio's CRDs: v1, v1beta1, v1alpha3; Gateway API: v1, v1beta1, v1alpha2,
+#: as istiod watches them). Another group's kind of the same name (Istio's ingress
+#: ``networking.istio.io`` Gateway) is refused, never read as the one the index uses.
+API_VERSIONS: dict[str, tuple[str, tuple[str, ...]]] = {
+    **{k: ("", ("v1",)) for k in ("Namespace", "Node", "Pod", "Service")},
+    "EndpointSlice": ("discovery.k8s.io", ("v1",)),
+    **{k: ("networking.istio.io", ("v1", "v1beta1", "v1alpha3"))
+       for k in ("ServiceEntry", "WorkloadEntry")},
+    **{k: ("security.istio.io", ("v1", "v1beta1"))
+       for k in ("AuthorizationPolicy", "PeerAuthentication")},
+    **{k: _GATEWAY_API for k in ("Gateway", "GatewayClass", "HTTPRoute", "GRPCRoute",
+                                 "TCPRoute")},
+    **{k: ("ztunnel.local", ("v1",)) for k in ("LocalWorkload", "LocalService",
+                                               "LocalPolicy")},
+}
+
 Key = tuple[str, str, str]  # (kind, namespace, name)
 
 
@@ -70,6 +88,7 @@ def validate(obj: object) -> Key:
         raise InvalidObject(f"field 'kind' must be a non-empty string, got {short_repr(kind)}")
     if kind not in KINDS:
         raise InvalidObject(f"kind {short_repr(kind)} is not one the ambient index uses")
+    _check_api_version(kind, obj.get("apiVersion"))
     meta = obj.get("metadata")
     if not isinstance(meta, dict):
         raise InvalidObject(f"field 'metadata' must be a mapping, got {short_repr(meta)}")
@@ -101,6 +120,18 @@ def validate(obj: object) -> Key:
     return kind, namespace, name
 
 
+def _check_api_version(kind: str, api_version: object) -> None:
+    """Refuse an ``apiVersion`` that is not one of ``kind``'s (:data:`API_VERSIONS`).
+    Left out, it is taken as the kind's (the files source's own objects may omit it)."""
+    if api_version is None:
+        return
+    group, versions = API_VERSIONS[kind]
+    wanted = [f"{group}/{v}" if group else v for v in versions]
+    if api_version not in wanted:
+        raise InvalidObject(f"field 'apiVersion' {short_repr(api_version)} is not an API of "
+                            f"kind {kind} (expected {' or '.join(wanted)})")
+
+
 class ObjectStore:
     """In-memory implementation of :class:`ambient.api.ObjectStore` with change events.
 
@@ -116,6 +147,10 @@ class ObjectStore:
         self._by_uid: dict[str, Key] = {}
         self._origin: dict[Key, str] = {}
         self._by_origin: dict[str, set[Key]] = {}
+        # the copies refused as "already defined by" another origin: key -> origin ->
+        # (object, where), first refused first. When the owner stops defining the key,
+        # the first of them takes its place, as a restart would load it.
+        self._shadows: dict[Key, dict[str, tuple[dict, str]]] = {}
         self._listeners: list[Listener] = []
         registry = registry if registry is not None else CollectorRegistry()
         self.rejected = Counter("ambient_agent_config_objects_rejected", "config objects skipped "
@@ -169,7 +204,7 @@ class ObjectStore:
         """
         events: list[StoreEvent] = []
         for key in deletes:
-            ev = self._delete(key)
+            ev = self._delete_or_promote(key)
             if ev:
                 events.append(ev)
         for obj, where in upserts:
@@ -193,8 +228,11 @@ class ObjectStore:
             ev = self._upsert(obj, where, origin, seen)
             if ev:
                 events.append(ev)
+        for key in [k for k, copies in self._shadows.items() if origin in copies]:
+            if key not in seen:  # this origin no longer defines its refused copy
+                self._drop_shadow(key, origin)
         for key in before - seen:
-            ev = self._delete(key)
+            ev = self._delete_or_promote(key)
             if ev:
                 events.append(ev)
         self._notify(events)
@@ -227,8 +265,12 @@ class ObjectStore:
             seen.add(key)
         owner = self._origin.get(key)
         if owner is not None and owner != origin:
-            self.reject("conflict", where, f"{label} is already defined by {owner}")
+            copies = self._shadows.setdefault(key, {})
+            if copies.get(origin, (None,))[0] != obj:  # a copy refused once is not re-logged
+                self.reject("conflict", where, f"{label} is already defined by {owner}")
+            copies[origin] = (obj, where)
             return None
+        self._drop_shadow(key, origin)
         uid = obj["metadata"].get("uid")
         if uid:
             other = self._by_uid.get(uid)
@@ -250,6 +292,31 @@ class ObjectStore:
         if uid:
             self._by_uid[uid] = key
         return StoreEvent(kind, namespace, name, old, obj)
+
+    def _drop_shadow(self, key: Key, origin: str) -> None:
+        copies = self._shadows.get(key)
+        if copies is not None and copies.pop(origin, None) is not None and not copies:
+            del self._shadows[key]
+
+    def _delete_or_promote(self, key: Key) -> StoreEvent | None:
+        """Delete ``key``; if another origin's copy of it was refused as a conflict, that
+        copy (the first refused) takes its place: one update event, not a delete."""
+        gone = self._delete(key)
+        copies = self._shadows.pop(key, None)
+        if gone is None or not copies:
+            if copies:
+                self._shadows[key] = copies
+            return gone
+        origin, (obj, where) = next(iter(copies.items()))
+        del copies[origin]
+        if copies:
+            self._shadows[key] = copies
+        came = self._upsert(obj, where, origin)
+        if came is None:
+            return gone
+        log.info("%s %s now comes from %s (the origin that defined it no longer does)",
+                 key[0], f"{key[1]}/{key[2]}" if key[1] else key[2], short_text(where, 400))
+        return StoreEvent(key[0], key[1], key[2], gone.old, came.new)
 
     def _delete(self, key: Key) -> StoreEvent | None:
         by_kind = self._by_kind.get(key[0])

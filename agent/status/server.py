@@ -69,7 +69,7 @@ from agent.core.scrapetargets import AnnotationsError, ScrapeTarget, parse_annot
 from agent.status import debug, metrics_merge, monitoring, probes
 from agent.status.access import is_loopback
 from agent.status.compression import compress_large
-from agent.status.readiness import EnvoyReadiness, NotReady, ReadinessLog, summary
+from agent.status.readiness import EnvoyReadiness, NotReady, ReadinessLog, clean_reason, summary
 from agent.status.mesh import DebugState, EnrolledPods, MeshIndex, MeshParts, WaypointStatus
 
 log = logging.getLogger(__name__)
@@ -339,8 +339,9 @@ class StatusServer(Component):
     async def _app_probe(self, request: web.Request) -> web.Response:
         probe = self.probes.get(request.path)
         if probe is None:
+            # upstream's text; the path escaped (an ESC or a newline in it came back raw)
             return web.Response(status=400, text=f"app prober config does not exists for "
-                                                 f"{request.path}\n")
+                                                 f"{clean_reason(request.path)}\n")
         result = await probes.run_probe(probe, self.probe_target, request.headers)
         return compress_large(web.Response(status=result.status, body=result.body))
 

@@ -34,3 +34,30 @@ async def test_symlink_to_fifo_or_device_is_refused_not_removed(tmp_path, caplog
         assert "pipe.yaml removed" not in caplog.text and "zero.yaml removed" not in caplog.text
     finally:
         await src.stop()
+
+
+async def test_symlink_loop_and_removed_file_are_named_for_what_they_are(tmp_path, caplog):
+    """A symlink loop was called "a dangling symlink", and a removed file was logged as
+    "removed: 0 objects" whatever it had held (newuser findings)."""
+    directory = tmp_path / "cluster"
+    directory.mkdir()
+    (directory / "svc.yaml").write_text(
+        "apiVersion: v1\nkind: Service\nmetadata: {name: a, namespace: demo}\nspec: {}\n"
+        "---\n"
+        "apiVersion: v1\nkind: Service\nmetadata: {name: b, namespace: demo}\nspec: {}\n")
+    src = DirectorySource(ObjectStore(), str(directory), run_blocking, debounce_ms=10)
+    await src.start()
+    try:
+        caplog.set_level(logging.INFO, logger="ambient")
+        (directory / "loop1.yaml").symlink_to("loop2.yaml")
+        (directory / "loop2.yaml").symlink_to("loop1.yaml")
+        (directory / "gone.yaml").symlink_to("nowhere.yaml")
+        await eventually(lambda: "loop1.yaml refused" in caplog.text
+                         and "gone.yaml refused" in caplog.text)
+        assert "loop1.yaml refused: not a regular file (a symlink loop)" in caplog.text
+        assert "gone.yaml refused: not a regular file (a dangling symlink)" in caplog.text
+        (directory / "svc.yaml").unlink()
+        await eventually(lambda: "svc.yaml removed" in caplog.text)
+        assert "svc.yaml removed: its 2 objects deleted" in caplog.text
+    finally:
+        await src.stop()

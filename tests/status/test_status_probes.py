@@ -93,6 +93,11 @@ async def test_http_probes_status_mapping(tmp_path):
             assert (await get(p, "/app-health/gone/livez"))[0] == 500     # refused
             status, body = await get(p, "/app-health/nope/livez")
             assert status == 400 and b"app prober config does not exists" in body
+            # control bytes of the path come back escaped, never raw (newuser finding)
+            status, body = await get(p, "/app-health/%1b%5b31mRED%0aX-Injected:%20y%00/readyz")
+            assert status == 400, body
+            assert b"\x1b" not in body and b"\n" not in body[:-1] and b"\x00" not in body, body
+            assert b"\\x1b[31mRED\\nX-Injected: y\\x00/readyz" in body, body
             assert (await get(p, "/bad-path"))[0] == 404
 
 
