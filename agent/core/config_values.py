@@ -190,7 +190,9 @@ def ip_of(version: int | None, allow_empty: bool = False) -> Callable[[Any], str
 
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+#: a Kubernetes object name (DNS-1123 subdomain), without its 253-character bound
+DNS_SUBDOMAIN = _DNS_SUBDOMAIN = re.compile(
+    r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 def check_namespace(name: str) -> str:

@@ -12,14 +12,37 @@ import ipaddress
 import json
 import sys
 
+from agent.core.config_values import DNS_SUBDOMAIN, check_namespace
 from ambient.waypoint.bootstrap import BootstrapOptions, bootstrap
 
 
 def _gateway(text: str) -> tuple[str, str]:
+    """``NS/NAME``, each as Kubernetes names them: both end up in the ``~``-separated node
+    id and the Envoy cluster name, where a ``~`` or a newline would change their meaning."""
     ns, sep, name = text.partition("/")
     if not sep or not ns or not name or "/" in name:
         raise argparse.ArgumentTypeError(f"--gateway must be NAMESPACE/NAME, got {text!r}")
-    return ns, name
+    try:
+        check_namespace(ns)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--gateway: {e}") from None
+    return ns, _name(name, "--gateway NAME")
+
+
+def _name(text: str, option: str) -> str:
+    if len(text) > 253 or not DNS_SUBDOMAIN.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{option} {text!r} is not a Kubernetes name (DNS-1123 subdomain: lowercase "
+            "letters, digits, '-' and '.', at most 253 characters)")
+    return text
+
+
+def _pod_name(text: str) -> str:
+    return _name(text, "--pod-name") if text else ""  # "": the default, NAME-0
+
+
+def _service_account(text: str) -> str:
+    return _name(text, "--service-account") if text else ""  # "": the Gateway's name
 
 
 def _hostport(text: str) -> tuple[str, int]:
@@ -55,8 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="name checked in the agent's certificate (default %(default)s)")
     b.add_argument("--admin-port", type=_port, default=15000, help="Envoy admin port on 127.0.0.1")
     b.add_argument("--node-ip", type=_ip, default="127.0.0.1", help="IP in the node id")
-    b.add_argument("--pod-name", default="", help="pod name in the node id (default NAME-0)")
-    b.add_argument("--service-account", default="", help="SERVICE_ACCOUNT (default the "
+    b.add_argument("--pod-name", default="", type=_pod_name, help="pod name in the node id (default NAME-0)")
+    b.add_argument("--service-account", default="", type=_service_account, help="SERVICE_ACCOUNT (default the "
                    "Gateway name, as istio's waypoint Deployments)")
     b.add_argument("--hbone-bind", type=_ip, default=None,
                    help="address connect_terminate listens on (default 0.0.0.0)")

@@ -70,6 +70,13 @@ def test_real_envoy_accepts_the_bootstrap(capsys, tmp_path):
     (["--gateway", "demo/wp", "--admin-port", "99999"],
      "argument --admin-port: must be a TCP port 1-65535, got '99999'"),
     (["--gateway", "demo/wp", "--admin-port", "0"], "argument --admin-port: must be a TCP port"),
+    # a '~' in them moved the node id's fields (newuser finding)
+    (["--gateway", "de~mo/wp"], "'de~mo' is not a valid namespace name"),
+    (["--gateway", "demo/a~b"], "--gateway NAME 'a~b' is not a Kubernetes name"),
+    (["--gateway", "demo/UPPER_bad"], "--gateway NAME 'UPPER_bad'"),
+    (["--gateway", "demo/wp\nx"], "is not a Kubernetes name"),
+    (["--gateway", "demo/wp", "--pod-name", "x~y"], "--pod-name 'x~y' is not a Kubernetes name"),
+    (["--gateway", "demo/wp", "--service-account", "A"], "--service-account 'A'"),
 ])
 def test_bad_arguments_name_the_option(capsys, argv, needle):
     with pytest.raises(SystemExit) as e:
