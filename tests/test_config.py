@@ -200,8 +200,14 @@ def test_port_check_blames_the_address_or_the_port():
 def test_malformed_yaml_and_unknown_keys(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("status_port: [1\n")
-    with pytest.raises(cfg.ConfigError, match="malformed YAML"):
+    # with the parser's reason (it said only "at line 2")
+    with pytest.raises(cfg.ConfigError, match="malformed YAML at line 2: .*expected"):
         cfg.load({"config_file": str(bad)}, env={})
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("status_port: 1234\nlog_level: info\nstatus_port: 5678\n")
+    with pytest.raises(cfg.ConfigError, match=r"line 3: key 'status_port' given twice "
+                                              r"\(first at line 1\)"):
+        cfg.load({"config_file": str(twice)}, env={})
     unknown = tmp_path / "unknown.yaml"
     unknown.write_text("no_such_setting: 1\n")
     with pytest.raises(cfg.ConfigError, match="no_such_setting"):

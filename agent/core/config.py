@@ -449,14 +449,17 @@ def _read_config_file(path: str) -> dict[str, Any]:
             problem = "" if _is_null_device(st) else trusted.public_file_problem(st)
             if problem:
                 raise ConfigError("config_file", path, problem + ": it sets every setting")
-            data = yamlsafe.load(f.read())
+            data = yamlsafe.load_strict(f.read())
     except FileNotFoundError:
         raise
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        why = (f": {e.problem}" if isinstance(e, yamlsafe.AliasBombError)
-               else f": {e}" if isinstance(e, yamlsafe.TooLargeError) else "")
+        # the parser's reason ("did not find expected key"): it names at most a character
+        # of the file, never a value
+        problem = getattr(e, "problem", None)
+        why = (f": {e}" if isinstance(e, yamlsafe.TooLargeError)
+               else f": {yamlsafe.short_text(problem, 200)}" if problem else "")
         raise ConfigError("config_file", path, f"malformed YAML{where}{why}") from None
     except UnicodeDecodeError as e:
         raise ConfigError("config_file", path, f"not UTF-8 text (byte {e.start})") from None

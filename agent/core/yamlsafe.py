@@ -127,6 +127,53 @@ class BoundedLoader(_BASE):
         return self.construct_document(node)
 
 
+class DuplicateKeyError(yaml.MarkedYAMLError):
+    """A mapping that gives the same key twice (:func:`load_strict`); ``problem`` names
+    the key and the line of its first occurrence, ``problem_mark`` the second."""
+
+
+def _check_duplicate_keys(root: yaml.Node) -> None:
+    """Raise :class:`DuplicateKeyError` for the first mapping in ``root`` with a scalar
+    key given twice (PyYAML keeps the last one silently). Iterative: no recursion."""
+    stack, seen_nodes = [root], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            keys: dict[str, yaml.Node] = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    first = keys.get(key.value)
+                    if first is not None:
+                        raise DuplicateKeyError(
+                            problem=f"key {short_repr(key.value)} given twice (first at line "
+                                    f"{first.start_mark.line + 1})",
+                            problem_mark=key.start_mark)
+                    keys[key.value] = key
+                stack.append(value)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+
+
+def load_strict(text: str | bytes) -> Any:
+    """As :func:`load`, and a mapping that gives a key twice raises
+    :class:`DuplicateKeyError` (settings files: the second value winning unseen is a
+    typo's doing)."""
+    loader = BoundedLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if loader._may_alias:
+            expanded_nodes(node, loader.max_alias_nodes)
+        _check_duplicate_keys(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def load(text: str | bytes) -> Any:
     """One document (None for an empty text). Raises ``yaml.YAMLError`` (syntax, several
     documents, :class:`AliasBombError`, :class:`TooLargeError`)."""
