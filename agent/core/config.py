@@ -457,9 +457,9 @@ def _read_config_file(path: str) -> dict[str, Any]:
         where = f" at line {mark.line + 1}" if mark else ""
         # the parser's reason ("did not find expected key"): it names at most a character
         # of the file, never a value
-        problem = getattr(e, "problem", None)
+        reason = getattr(e, "problem", None)
         why = (f": {e}" if isinstance(e, yamlsafe.TooLargeError)
-               else f": {yamlsafe.short_text(problem, 200)}" if problem else "")
+               else f": {yamlsafe.short_text(str(reason), 200)}" if reason else "")
         raise ConfigError("config_file", path, f"malformed YAML{where}{why}") from None
     except UnicodeDecodeError as e:
         raise ConfigError("config_file", path, f"not UTF-8 text (byte {e.start})") from None
