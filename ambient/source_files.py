@@ -48,6 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from agent.core import yamlsafe
 from agent.core.config import ConfigError
+from agent.core.config_values import DNS_LABEL, DNS_SUBDOMAIN
 from ambient import localconfig
 from ambient.store import ObjectStore
 
@@ -344,15 +345,13 @@ def parse_file(path: str, cache: Chunks | None = None) -> ParsedFile:
     return out
 
 
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 # kind -> (pattern, longest, rule): what the API server's validation requires of the
 # name (apimachinery ValidatePodName, ValidateNamespaceName, ValidateServiceName)
 _NAME_RULES = {
-    "Pod": (_DNS_SUBDOMAIN, 253, "DNS-1123 subdomain: lowercase letters, digits, '-' and "
+    "Pod": (DNS_SUBDOMAIN, 253, "DNS-1123 subdomain: lowercase letters, digits, '-' and "
                                  "'.', at most 253 characters"),
-    "Namespace": (_DNS_LABEL, 63, "DNS-1123 label: lowercase letters, digits and '-', at "
+    "Namespace": (DNS_LABEL, 63, "DNS-1123 label: lowercase letters, digits and '-', at "
                                   "most 63 characters"),
     "Service": (_DNS_1035, 63, "DNS-1035 label: lowercase letters, digits and '-', "
                                "starting with a letter, at most 63 characters"),
@@ -369,7 +368,7 @@ _LABEL_VALUE_RULE = ("empty or at most 63 of [A-Za-z0-9._-], beginning and endin
 
 def _label_key_ok(key: str) -> bool:
     prefix, slash, name = key.rpartition("/")
-    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix)):
+    if slash and (not prefix or len(prefix) > 253 or not DNS_SUBDOMAIN.fullmatch(prefix)):
         return False
     return 0 < len(name) <= 63 and bool(_LABEL_NAME.fullmatch(name))
 
@@ -417,7 +416,7 @@ def name_problem(obj: Any) -> str:
             return (f"field 'metadata.name' {_shown_repr(name)} is not a valid "
                     f"{_shown(kind)} name ({text})")
     ns = meta.get("namespace")
-    if isinstance(ns, str) and ns and (len(ns) > 63 or not _DNS_LABEL.fullmatch(ns)):
+    if isinstance(ns, str) and ns and (len(ns) > 63 or not DNS_LABEL.fullmatch(ns)):
         return (f"field 'metadata.namespace' {_shown_repr(ns)} is not a valid namespace name "
                 f"({_NAME_RULES['Namespace'][2]})")
     problem = _labels_problem(meta.get("labels"), "metadata.labels")
@@ -426,7 +425,7 @@ def name_problem(obj: Any) -> str:
         problem = _labels_problem(spec.get("labels"), "spec.labels")
     if not problem and kind == "Pod" and isinstance(spec, dict):
         sa = spec.get("serviceAccountName")
-        if isinstance(sa, str) and sa and (len(sa) > 253 or not _DNS_SUBDOMAIN.fullmatch(sa)):
+        if isinstance(sa, str) and sa and (len(sa) > 253 or not DNS_SUBDOMAIN.fullmatch(sa)):
             problem = (f"field 'spec.serviceAccountName' {_shown_repr(sa)} is not a valid "
                        f"ServiceAccount name ({_NAME_RULES['Pod'][2]})")
     return problem

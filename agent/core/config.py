@@ -449,7 +449,7 @@ def _read_config_file(path: str) -> dict[str, Any]:
             problem = "" if _is_null_device(st) else trusted.public_file_problem(st)
             if problem:
                 raise ConfigError("config_file", path, problem + ": it sets every setting")
-            data = yamlsafe.load_strict(f.read())
+            data = yamlsafe.load(f.read(), strict_keys=True)
     except FileNotFoundError:
         raise
     except yaml.YAMLError as e:

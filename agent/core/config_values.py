@@ -189,16 +189,15 @@ def ip_of(version: int | None, allow_empty: bool = False) -> Callable[[Any], str
     return parse
 
 
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-#: a Kubernetes object name (DNS-1123 subdomain), without its 253-character bound
-DNS_SUBDOMAIN = _DNS_SUBDOMAIN = re.compile(
-    r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+#: Kubernetes names, without their length bounds (63 for a label, 253 for a subdomain)
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 def check_namespace(name: str) -> str:
     """Raise ValueError unless ``name`` is a Kubernetes namespace name (DNS-1123 label:
     lowercase letters, digits and '-', at most 63 characters)."""
-    if len(name) > 63 or not _DNS_LABEL.fullmatch(name):
+    if len(name) > 63 or not DNS_LABEL.fullmatch(name):
         raise ValueError(f"{name!r} is not a valid namespace name (DNS-1123 label: lowercase "
                          "letters, digits and '-', at most 63 characters)")
     return name
@@ -243,7 +242,7 @@ def parse_token_file(value: Any) -> str:
 def parse_service_account(value: Any) -> str:
     """A Kubernetes service account name (DNS-1123 subdomain), or empty."""
     text = parse_str(value).strip()
-    if text and (len(text) > 253 or not _DNS_SUBDOMAIN.fullmatch(text)):
+    if text and (len(text) > 253 or not DNS_SUBDOMAIN.fullmatch(text)):
         raise ValueError("not a valid service account name (DNS-1123 subdomain: lowercase "
                          "letters, digits, '-' and '.')")
     return text

@@ -101,6 +101,7 @@ class BoundedLoader(_BASE):
     docstring). ``max_alias_nodes`` may be lowered on a subclass or an instance."""
 
     max_alias_nodes = MAX_ALIAS_NODES
+    strict_keys = False  # True: a key given twice in a mapping raises DuplicateKeyError
 
     def __init__(self, stream: Any):
         text = stream if isinstance(stream, (str, bytes)) else stream.read()
@@ -124,11 +125,14 @@ class BoundedLoader(_BASE):
             return None
         if self._may_alias:
             expanded_nodes(node, self.max_alias_nodes)
+        if self.strict_keys:
+            _check_duplicate_keys(node)
         return self.construct_document(node)
 
 
 class DuplicateKeyError(yaml.MarkedYAMLError):
-    """A mapping that gives the same key twice (:func:`load_strict`); ``problem`` names
+    """A mapping that gives the same key twice (``load(..., strict_keys=True)``: settings
+    files, where the second value winning unseen is a typo's doing); ``problem`` names
     the key and the line of its first occurrence, ``problem_mark`` the second."""
 
 
@@ -157,27 +161,12 @@ def _check_duplicate_keys(root: yaml.Node) -> None:
             stack.extend(node.value)
 
 
-def load_strict(text: str | bytes) -> Any:
-    """As :func:`load`, and a mapping that gives a key twice raises
-    :class:`DuplicateKeyError` (settings files: the second value winning unseen is a
-    typo's doing)."""
-    loader = BoundedLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        if loader._may_alias:
-            expanded_nodes(node, loader.max_alias_nodes)
-        _check_duplicate_keys(node)
-        return loader.construct_document(node)
-    finally:
-        loader.dispose()
-
-
-def load(text: str | bytes) -> Any:
+def load(text: str | bytes, strict_keys: bool = False) -> Any:
     """One document (None for an empty text). Raises ``yaml.YAMLError`` (syntax, several
-    documents, :class:`AliasBombError`, :class:`TooLargeError`)."""
+    documents, :class:`AliasBombError`, :class:`TooLargeError`, and with ``strict_keys``
+    :class:`DuplicateKeyError`)."""
     loader = BoundedLoader(text)
+    loader.strict_keys = strict_keys
     try:
         return loader.get_single_data()
     finally:

@@ -12,7 +12,7 @@ import ipaddress
 import json
 import sys
 
-from agent.core.config_values import DNS_SUBDOMAIN, check_namespace
+from agent.core.config_values import DNS_SUBDOMAIN, check_namespace, parse_service_account
 from ambient.waypoint.bootstrap import BootstrapOptions, bootstrap
 
 
@@ -42,7 +42,10 @@ def _pod_name(text: str) -> str:
 
 
 def _service_account(text: str) -> str:
-    return _name(text, "--service-account") if text else ""  # "": the Gateway's name
+    try:
+        return parse_service_account(text)  # "": the Gateway's name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--service-account {text!r}: {e}") from None
 
 
 def _hostport(text: str) -> tuple[str, int]:
@@ -78,8 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="name checked in the agent's certificate (default %(default)s)")
     b.add_argument("--admin-port", type=_port, default=15000, help="Envoy admin port on 127.0.0.1")
     b.add_argument("--node-ip", type=_ip, default="127.0.0.1", help="IP in the node id")
-    b.add_argument("--pod-name", default="", type=_pod_name, help="pod name in the node id (default NAME-0)")
-    b.add_argument("--service-account", default="", type=_service_account, help="SERVICE_ACCOUNT (default the "
+    b.add_argument("--pod-name", default="", type=_pod_name,
+                   help="pod name in the node id (default NAME-0)")
+    b.add_argument("--service-account", default="", type=_service_account,
+                   help="SERVICE_ACCOUNT (default the "
                    "Gateway name, as istio's waypoint Deployments)")
     b.add_argument("--hbone-bind", type=_ip, default=None,
                    help="address connect_terminate listens on (default 0.0.0.0)")

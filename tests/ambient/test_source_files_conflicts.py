@@ -91,14 +91,24 @@ async def test_istio_ingress_gateway_never_replaces_the_waypoint(tmp_path, caplo
         await src.stop()
 
 
-async def test_refused_duplicate_takes_over_when_the_winning_file_goes(tmp_path, caplog):
+LEGACY = ("Service", "legacy", "legacy")
+
+
+def _two_copies(tmp_path):
+    """A directory where ``services.yaml`` (read first) and ``zz-svc.yaml`` both define
+    :data:`LEGACY`; its store and (not started) source."""
     directory = tmp_path / "cluster"
     directory.mkdir()
     (directory / "services.yaml").write_text(SERVICE % "first")
     (directory / "zz-svc.yaml").write_text(SERVICE % "second")
     store = ObjectStore(CollectorRegistry())
-    src = DirectorySource(store, str(directory), run_blocking, debounce_ms=10)
-    key = ("Service", "legacy", "legacy")
+    return directory, store, DirectorySource(store, str(directory), run_blocking,
+                                             debounce_ms=10)
+
+
+async def test_refused_duplicate_takes_over_when_the_winning_file_goes(tmp_path, caplog):
+    directory, store, src = _two_copies(tmp_path)
+    key = LEGACY
     events: list = []
     store.subscribe(events.extend)
     caplog.set_level(logging.INFO)
@@ -124,13 +134,8 @@ async def test_refused_duplicate_takes_over_when_the_winning_file_goes(tmp_path,
 
 
 async def test_a_copy_its_file_no_longer_defines_never_comes_back(tmp_path):
-    directory = tmp_path / "cluster"
-    directory.mkdir()
-    (directory / "services.yaml").write_text(SERVICE % "first")
-    (directory / "zz-svc.yaml").write_text(SERVICE % "second")
-    store = ObjectStore(CollectorRegistry())
-    src = DirectorySource(store, str(directory), run_blocking, debounce_ms=10)
-    key = ("Service", "legacy", "legacy")
+    directory, store, src = _two_copies(tmp_path)
+    key = LEGACY
     try:
         await src.start()
         # the refused file now defines something else instead
