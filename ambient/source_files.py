@@ -62,9 +62,12 @@ class _TagLoader(yamlsafe.BoundedLoader):
     expand a document past :data:`agent.core.yamlsafe.MAX_ALIAS_NODES` extra nodes),
     plus local tags (``!Exact a``) read as :class:`ambient.localconfig.Tagged`: ztunnel's
     local-config format writes enums with them. ``tags_seen`` counts them so a Kubernetes
-    document carrying one is refused."""
+    document carrying one is refused. Strict keys: a mapping that gives a key twice
+    makes its file not parse (named by line), as kubectl and ztunnel refuse it, instead
+    of the later value winning unseen."""
 
     tags_seen = 0
+    strict_keys = True
 
 
 def _construct_tagged(loader: _TagLoader, suffix: str, node: yaml.Node) -> localconfig.Tagged:

@@ -125,40 +125,49 @@ class BoundedLoader(_BASE):
             return None
         if self._may_alias:
             expanded_nodes(node, self.max_alias_nodes)
-        if self.strict_keys:
-            _check_duplicate_keys(node)
         return self.construct_document(node)
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
+        """The safe constructor's mapping; with :attr:`strict_keys`, raises
+        :class:`DuplicateKeyError` for a key the mapping gives twice. Checked here, while
+        constructing, rather than by a second walk of the node graph: the constructed
+        dict has fewer entries than the node has pairs only when a key repeats (or a
+        ``<<`` merge supplied keys, which may be overridden: those mappings are checked
+        pair by pair)."""
+        if not self.strict_keys or not isinstance(node, yaml.MappingNode):
+            return super().construct_mapping(node, deep)
+        own = list(node.value)  # before the safe constructor flattens ``<<`` merges
+        mapping = super().construct_mapping(node, deep)
+        if len(mapping) != len(own) or len(node.value) != len(own):
+            _check_own_keys(own)
+        return mapping
 
 
 class DuplicateKeyError(yaml.MarkedYAMLError):
-    """A mapping that gives the same key twice (``load(..., strict_keys=True)``: settings
-    files, where the second value winning unseen is a typo's doing); ``problem`` names
-    the key and the line of its first occurrence, ``problem_mark`` the second."""
+    """A mapping that gives the same key twice (``strict_keys``: settings files and the
+    files source, where the second value winning unseen is a typo's doing, and which
+    kubectl and ztunnel refuse too); ``problem`` names the key and the line of its first
+    occurrence, ``problem_mark`` the second."""
 
 
-def _check_duplicate_keys(root: yaml.Node) -> None:
-    """Raise :class:`DuplicateKeyError` for the first mapping in ``root`` with a scalar
-    key given twice (PyYAML keeps the last one silently). Iterative: no recursion."""
-    stack, seen_nodes = [root], set()
-    while stack:
-        node = stack.pop()
-        if id(node) in seen_nodes:
+_MERGE = "tag:yaml.org,2002:merge"
+
+
+def _check_own_keys(pairs: list[tuple[yaml.Node, yaml.Node]]) -> None:
+    """Raise :class:`DuplicateKeyError` for the first scalar key among ``pairs`` (one
+    mapping's own pairs, ``<<`` merges excluded) that an earlier pair gave; no error when
+    none repeats (a merge accounted for the difference)."""
+    keys: dict[tuple[str, str], yaml.Node] = {}
+    for key, _ in pairs:
+        if not isinstance(key, yaml.ScalarNode) or key.tag == _MERGE:
             continue
-        seen_nodes.add(id(node))
-        if isinstance(node, yaml.MappingNode):
-            keys: dict[str, yaml.Node] = {}
-            for key, value in node.value:
-                if isinstance(key, yaml.ScalarNode):
-                    first = keys.get(key.value)
-                    if first is not None:
-                        raise DuplicateKeyError(
-                            problem=f"key {short_repr(key.value)} given twice (first at line "
-                                    f"{first.start_mark.line + 1})",
-                            problem_mark=key.start_mark)
-                    keys[key.value] = key
-                stack.append(value)
-        elif isinstance(node, yaml.SequenceNode):
-            stack.extend(node.value)
+        first = keys.get((key.tag, key.value))
+        if first is not None:
+            raise DuplicateKeyError(
+                problem=f"key {short_repr(key.value)} given twice (first at line "
+                        f"{first.start_mark.line + 1})",
+                problem_mark=key.start_mark)
+        keys[(key.tag, key.value)] = key
 
 
 def load(text: str | bytes, strict_keys: bool = False) -> Any:

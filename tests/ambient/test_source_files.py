@@ -267,6 +267,53 @@ async def test_syntax_error_keeps_the_files_last_good_objects(tmp_path, caplog):
         index.stop()
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_key_given_twice_breaks_the_file_naming_both_lines(tmp_path, cached):
+    """``name`` given twice in one document used to load the second value unseen (PyYAML
+    keeps the last key); kubectl and ztunnel refuse such a file, so the files source
+    treats it as not parsing (the file's last good objects stay, as for a syntax
+    error), naming the key and both lines. Chunked parse (with a cache) and the whole
+    parse say the same; a ``<<`` merge overridden by the mapping's own key is not a
+    duplicate."""
+    f = tmp_path / "ns.yaml"
+    f.write_text("apiVersion: v1\nkind: Namespace\nmetadata: {name: a}\n---\n"
+                 "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: b\n  name: c\n")
+    parsed = parse_file(str(f), {} if cached else None)
+    assert parsed.broken == "malformed YAML at line 9: key 'name' given twice (first at line 8)"
+    assert parsed.broken_kind == "syntax"
+    f.write_text("apiVersion: v1\nkind: Namespace\nmetadata:\n  <<: {name: a}\n  name: b\n")
+    parsed = parse_file(str(f), {} if cached else None)
+    assert not parsed.broken and [o["metadata"]["name"] for o, _ in parsed.objects] == ["b"]
+
+
+@pytest.mark.asyncio
+async def test_a_key_given_twice_keeps_the_files_last_good_objects(tmp_path, caplog):
+    """Through the source: a duplicate key saved into a good file keeps its objects
+    (one WARNING naming file, line and key), and the fixed file applies."""
+    store = ObjectStore(CollectorRegistry())
+    src = DirectorySource(store, str(tmp_path), run_blocking, debounce_ms=10,
+                          registry=CollectorRegistry())
+    f = tmp_path / "pods.yaml"
+    good = NS_AMBIENT + "---\n" + POD % ("a", "u-a", "10.0.0.1")
+    f.write_text(good)
+    try:
+        await src.start()
+        caplog.set_level(logging.INFO, logger="ambient")
+        f.write_text(good + "metadata: {name: other}\n")
+        await eventually(lambda: "given twice" in caplog.text, what="the duplicate named")
+        warning = [r for r in caplog.records if "given twice" in r.getMessage()]
+        assert len(warning) == 1 and warning[0].levelno == logging.WARNING
+        assert "keeping its 2 objects" in warning[0].getMessage()
+        assert "key 'metadata' given twice (first at line" in warning[0].getMessage()
+        assert store.get("Pod", "demo", "a") is not None
+        f.write_text(good.replace("u-a", "u-a2"))
+        await eventually(lambda: store.get("Pod", "demo", "a")["metadata"]["uid"] == "u-a2",
+                         what="the fixed file applied")
+        assert "config file %s parses again" % f in caplog.text
+    finally:
+        await src.stop()
+
+
 async def test_names_kubernetes_would_refuse_are_skipped_with_one_warning(tmp_path, caplog):
     """A hand-written Pod named ``UPPER_bad`` was loaded (newuser finding); an API server
     refuses it (DNS-1123 subdomain), so the files source does too, naming the object."""
