@@ -1,4 +1,5 @@
-"""gRPC server options shared by the agent's TCP-facing gRPC servers (xDS, CA).
+"""gRPC server options shared by the agent's TCP-facing gRPC servers (xDS, CA): keepalive
+enforcement and the connection bounds (:func:`grpc_server_bounds`).
 
 Keepalive enforcement (issue 13 item 5). ztunnel's control-plane client sends HTTP/2
 PINGs every 30 s (hyper ``http2_keep_alive_interval``, ``src/tls/control.rs``); istiod
@@ -35,3 +36,16 @@ KEEPALIVE_SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
 ]
+
+GRPC_HANDSHAKE_TIMEOUT_MS = 10_000  # a connection must finish its HTTP/2 (TLS) handshake
+GRPC_IDLE_MS = 300_000  # a connection without streams for 5 min is closed (GOAWAY)
+
+
+def grpc_server_bounds(max_connections: int) -> list[tuple[str, int]]:
+    """``grpc.aio.server`` options: past ``max_connections`` (0: no cap) gRPC core closes
+    new connections at once; handshakes and stream-less connections are timed out."""
+    options = [("grpc.server_handshake_timeout_ms", GRPC_HANDSHAKE_TIMEOUT_MS),
+               ("grpc.max_connection_idle_ms", GRPC_IDLE_MS)]
+    if max_connections > 0:
+        options.append(("grpc.max_allowed_incoming_connections", max_connections))
+    return options

@@ -20,8 +20,9 @@ host-network pod; the status port faces the network):
   most once a minute. Open connections: ``ambient_agent_listener_connections{listener}``.
 - **malformed HTTP** (:class:`HttpErrorLog`): aiohttp logs a bad request line or header
   with a full traceback at ERROR; here it is one DEBUG line per connection.
-- **gRPC servers** (:func:`grpc_server_bounds`): gRPC core's own connection cap, a
-  handshake timeout and an idle-connection limit.
+- **gRPC servers**: :func:`agent.core.grpc_options.grpc_server_bounds` (gRPC core's own
+  connection cap, a handshake timeout and an idle-connection limit; apart from this
+  module so the xDS server does not import ``aiohttp.web`` on the cold start's path).
 """
 
 from __future__ import annotations
@@ -357,17 +358,3 @@ class BoundedTCPSite(web.TCPSite):
             reuse_port=self._reuse_port)
         self._bound_port = (self._server.sockets[0].getsockname()[1] if self._server.sockets
                             else self._port)
-
-
-GRPC_HANDSHAKE_TIMEOUT_MS = 10_000  # a connection must finish its HTTP/2 (TLS) handshake
-GRPC_IDLE_MS = 300_000  # a connection without streams for 5 min is closed (GOAWAY)
-
-
-def grpc_server_bounds(max_connections: int) -> list[tuple[str, int]]:
-    """``grpc.aio.server`` options: past ``max_connections`` (0: no cap) gRPC core closes
-    new connections at once; handshakes and stream-less connections are timed out."""
-    options = [("grpc.server_handshake_timeout_ms", GRPC_HANDSHAKE_TIMEOUT_MS),
-               ("grpc.max_connection_idle_ms", GRPC_IDLE_MS)]
-    if max_connections > 0:
-        options.append(("grpc.max_allowed_incoming_connections", max_connections))
-    return options

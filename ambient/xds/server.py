@@ -48,10 +48,9 @@ from agent.core.config import ConfigError, ensure_tcp_port_free
 from agent.core.fdbudget import listener_caps
 from agent.core.grpc_closed import CLOSED_STREAM_ERRORS, retrieve_later
 from agent.core.grpc_decode import UndecodableRequest, add_service, decoding
-from agent.core.grpc_options import KEEPALIVE_SERVER_OPTIONS
+from agent.core.grpc_options import KEEPALIVE_SERVER_OPTIONS, grpc_server_bounds
 from agent.core.lifecycle import AgentContext, Component
 from agent.core.yamlsafe import MAX_LOGGED, short_text
-from agent.core.listeners import grpc_server_bounds
 from agent.tlsport.servercert import ServerCertificate
 from ambient.api import AmbientIndex, IndexChange, ObjectStore
 from ambient.xds.generators import ADDRESS_TYPE, Generator, default_generators

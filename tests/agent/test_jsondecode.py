@@ -63,3 +63,41 @@ def test_refused_with_the_standard_librarys_error(doc):
     with pytest.raises(ValueError) as got:
         jsondecode.loads(doc)
     assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+
+
+def test_a_hex_digest_with_19_decimal_digits_keeps_the_fast_decoder():
+    """A real pod's status holds an image digest and a container ID per container; at
+    1,000 pods some hex strings hold 19 decimal digits in a row, and counting those sent
+    the whole pods LIST to the standard library's decoder. A run inside a string (after
+    ``sha256:``, a letter, ``/`` or a ``-`` in a name) is not an integer."""
+    digest = "sha256:1234567890123456789abcdef" + "0" * 32
+    pod = {"status": {"containerStatuses": [{
+        "imageID": f"registry.local/app@{digest}",
+        "containerID": "containerd://ab1234567890123456789ef",
+        "name": "pod-1234567890123456789", "image": digest}]}}
+    for separators in ((",", ":"), (", ", ": ")):
+        doc = json.dumps(pod, separators=separators).encode()
+        assert not jsondecode.may_hold_big_integer(doc)
+        assert jsondecode.loads(doc) == pod
+
+
+def test_every_long_integer_is_found_wherever_json_puts_it():
+    """No document holding an integer of 19+ digits may reach orjson (it would round it):
+    integers of 17-40 digits, signed, in arrays, as values after keys, first in the
+    document, with compact, spaced and indented separators, beside digit runs inside
+    strings; each decodes exactly, as ``int``."""
+    import random
+    rnd = random.Random(28)
+    for _ in range(400):
+        n = rnd.choice([1, -1]) * rnd.randrange(10 ** rnd.randint(16, 39), 10 ** 40)
+        doc_obj = rnd.choice([
+            n, [n], [1, n], {"a": n}, {"a": "x1234567890123456789", "b": [n, 0]},
+            {"image": "sha256:1234567890123456789ab", "n": {"deep": [n]}}])
+        text = json.dumps(doc_obj, indent=rnd.choice([None, 0, 2]),
+                          separators=rnd.choice([None, (",", ":"), (" , ", " : ")]))
+        raw = text.encode()
+        if len(str(abs(n))) >= 19:
+            assert jsondecode.may_hold_big_integer(raw), text
+        got = jsondecode.loads(raw)
+        assert got == json.loads(raw) == doc_obj
+        assert repr(got) == repr(doc_obj)  # ints stay ints

@@ -11,7 +11,7 @@ keepalive options, each with an idle ztunnel stream (30 s pings) and a stream-le
 connection (15 s pings). The stream-less connection is expected to be closed by the
 xDS listener's idle bound (GOAWAY NO_ERROR "connection idle", never too_many_pings)
 while the idle ztunnel stream stays: in the per-commit run that bound is shortened to
-90 s (the test patches ``agent.core.listeners.GRPC_IDLE_MS``, which the listener reads
+90 s (the test patches ``agent.core.grpc_options.GRPC_IDLE_MS``, which the listener reads
 when it is built), so the 150 s run shows the idle close too.
 ``AMBIENT_TEST_KEEPALIVE_SECONDS=600`` (``bash .ci/run-long``) is the full 10 minutes
 with the real 5-minute bound. The frames on the wire are counted by the ztunnel-exact tunnel (hyperframe), so
@@ -28,8 +28,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from agent.core.grpc_options import KEEPALIVE_SERVER_OPTIONS
-from agent.core.listeners import GRPC_IDLE_MS
+from agent.core.grpc_options import GRPC_IDLE_MS, KEEPALIVE_SERVER_OPTIONS
 
 from tests.ztunnel_exact.conftest import NODE, ZTUNNEL_TOKEN
 from tests.ztunnel_exact.tls import ControlPlaneTunnel
@@ -63,9 +62,9 @@ async def _streamless(agent):
 @pytest.mark.timeout(DURATION + 120)
 async def test_idle_pings_are_accepted_with_and_without_streams(make_agent, monkeypatch):
     import ambient.xds.server as xds_server
-    from agent.core import listeners
+    from agent.core import grpc_options
 
-    monkeypatch.setattr(listeners, "GRPC_IDLE_MS", IDLE_MS)
+    monkeypatch.setattr(grpc_options, "GRPC_IDLE_MS", IDLE_MS)
     with monkeypatch.context() as m:  # the control: grpc core's default ping policy
         m.setattr(xds_server, "KEEPALIVE_SERVER_OPTIONS", [])
         control = await make_agent()
