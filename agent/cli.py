@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import importlib
 import json
 import os
 import re
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from agent.core import config as agent_config
 from agent.core.errors import ComponentStartError
@@ -68,36 +69,12 @@ class VersionAction(argparse.Action):
         parser.exit()
 
 
-# What each parser accepts, as `run --help` names it (the metavar).
-_TYPE_NAMES = {
-    "parse_duration": "SECONDS", "parse_bool": "BOOL", "parse_port": "PORT",
-    "parse_path": "PATH", "parse_dir_path": "DIR", "parse_existing_file": "FILE",
-    "parse_list": "LIST", "parse_namespace_list": "NAMESPACES", "parse_namespace": "NAMESPACE",
-    "parse_name": "NAME", "parse_service_account": "NS/SA", "parse_account_list": "NS/SA,...",
-    "parse_bind_address": "ADDRESS", "parse_host_port": "HOST:PORT", "parse_log_level": "LEVEL",
-    "parse_json": "JSON", "parse_app_probers": "JSON", "parse_ratio": "RATIO",
-    "parse_file_mode": "MODE", "parse_file_name": "FILENAME", "parse_trust_domain": "DOMAIN",
-    "parse_signature_algorithm": "ALGORITHM", "parse_positive": "SECONDS",
-}
-
-
-def setting_metavar(s: agent_config.Setting) -> str:
-    """``{a,b}`` for a choice, else the value's kind (``SECONDS``, ``PORT``, ``IP``...)."""
-    choices = getattr(s.parse, "choices", None)
-    if choices:
-        return "{" + ",".join(choices) + "}"
-    name = getattr(s.parse, "__name__", "")
-    if name == "parse" and "ip" in getattr(s.parse, "__qualname__", ""):
-        return "IP"
-    return _TYPE_NAMES.get(name, "VALUE")
-
-
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per setting; values stay raw strings until :func:`agent.core.config.load`.
     The help names the value's kind or choices, the default and the environment variable."""
     group = parser.add_argument_group("settings (flag > env > config file > default)")
     for s in agent_config.SETTINGS:
-        group.add_argument(s.flag, dest=s.name, default=None, metavar=setting_metavar(s),
+        group.add_argument(s.flag, dest=s.name, default=None, metavar=s.metavar,
                            help=f"{s.help} (default: {s.shown_default}; "
                                 f"env {s.env_name})".replace("%", "%%"))
 
@@ -135,6 +112,9 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 _STATES_DEFAULT = re.compile(r"\bdefault\b", re.IGNORECASE)
 
 
+USAGE_LINES = 8  # a longer usage is replaced by a pointer to --help in error messages
+
+
 class Parser(argparse.ArgumentParser):
     """The CLI's parser class: :class:`DefaultsHelpFormatter` unless told otherwise.
     Subparsers (``add_subparsers``) are of the parser's own class, so every subcommand,
@@ -151,8 +131,25 @@ class Parser(argparse.ArgumentParser):
         by the top-level parser, whose usage lists no subcommand's flags."""
         ns, extra = self.parse_known_args(args, namespace)
         if extra:
-            self.innermost(ns).error(f"unrecognized arguments: {' '.join(extra)}")
+            parser = self.innermost(ns)
+            flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+            unknown = next((e.split("=", 1)[0] for e in extra if e.startswith("--")), "")
+            close = difflib.get_close_matches(unknown, flags, n=1, cutoff=0.75) if unknown else []
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
         return ns
+
+    def error(self, message: str) -> NoReturn:
+        """argparse's error (exit 2, ``prog: error: message`` on stderr), with the usage
+        only when it is short: ``run``'s names every setting's flag (~70 lines), which
+        buried the one line that says what was wrong."""
+        usage = self.format_usage()
+        if usage.count("\n") <= USAGE_LINES:
+            self.print_usage(sys.stderr)
+        else:
+            print(f"usage: {self.prog} [options]  (`{self.prog} --help` lists them)",
+                  file=sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
     def innermost(self, ns: argparse.Namespace) -> argparse.ArgumentParser:
         """The (sub)parser that parsed the last subcommand named in ``ns``; this parser

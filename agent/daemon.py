@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from agent.core import config as agent_config, fdbudget, gcpause, sdnotify, unixsocket
+from agent.core.capabilities import has_net_admin
 from agent.core.uptime import process_age
 from agent.core.config import Config, ConfigError, prepare_state_dir
 from agent.core.errors import ComponentStartError
@@ -628,22 +629,6 @@ async def run(config: Config) -> int:
             for signum in IGNORED_SIGNALS:
                 signal.signal(signum, signal.SIG_IGN)
     return 0
-
-
-CAP_NET_ADMIN = 12  # linux/capability.h
-
-
-def has_net_admin(status_path: str = "/proc/self/status") -> bool:
-    """Whether this process has CAP_NET_ADMIN in its effective set (``CapEff`` of
-    ``/proc/self/status``); True when that can't be read (the components then say)."""
-    try:
-        with open(status_path) as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return True
 
 
 WORKER_JOIN_TIMEOUT = 10.0  # seconds the process waits for worker threads at exit

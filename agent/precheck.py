@@ -4,6 +4,10 @@ One line per check (``ok``, ``warn`` or ``FAIL``, the check's name, what was fou
 exit 1 when any check failed (2 for a bad setting, as every subcommand). Checks, with the
 settings they read (flags, env and config file as for ``run``):
 
+- ``privileges``: this process holds CAP_NET_ADMIN, as ``run`` needs (run precheck as the
+  agent runs, as root): without it the netlink checks below cannot tell anything.
+- ``state dir``: ``state_dir`` is a writable directory, or the nearest existing directory
+  above it is writable so ``run`` can create it (a read-only file system is not).
 - ``kernel modules``: the iptables (or, with ``native_nftables``, nftables) modules
   Istio's platform requirements list for ambient, IPv6 ones with ``ambient_ipv6``: each
   loaded (``/proc/modules``), built in (``modules.builtin``) or loadable (a ``.ko`` under
@@ -64,7 +68,10 @@ import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING, Any
 
+import errno
+
 from agent.core import unixsocket
+from agent.core.capabilities import has_net_admin
 from agent.core.kubeclient import client_configuration
 
 if TYPE_CHECKING:
@@ -161,6 +168,14 @@ def check_iptables(config: Config) -> Check:
                  f"({', '.join(tools)})")
 
 
+def check_privileges(status_path: str = "/proc/self/status") -> Check:
+    if not has_net_admin(status_path):
+        return Check("privileges", FAIL, "this process lacks CAP_NET_ADMIN, which the agent "
+                     "needs for its rules and sets: run precheck (and the agent) as root, "
+                     "or grant CAP_NET_ADMIN and CAP_SYS_ADMIN")
+    return Check("privileges", OK, "CAP_NET_ADMIN held")
+
+
 def check_ipset() -> Check:
     try:
         from pyroute2 import IPSet
@@ -172,9 +187,40 @@ def check_ipset() -> Check:
             ips.create(name, stype="hash:ip")
             ips.destroy(name)
     except Exception as e:  # noqa: BLE001 - any netlink failure is the answer
+        if getattr(e, "code", None) == errno.EPERM:  # pyroute2's NetlinkError
+            return Check("ipset", FAIL, "cannot create a hash:ip set: operation not "
+                         "permitted (needs CAP_NET_ADMIN: see privileges)")
         return Check("ipset", FAIL, f"cannot create a hash:ip set ({e}); load ip_set and "
                      "ip_set_hash_ip")
     return Check("ipset", OK, "hash:ip sets work (host probe set)")
+
+
+def _nearest_dir(path: str) -> str:
+    """``path`` if it is a directory, else its nearest existing ancestor directory."""
+    probe = path
+    while not os.path.isdir(probe):
+        up = os.path.dirname(probe)
+        if up == probe:
+            break
+        probe = up
+    return probe
+
+
+def check_state_dir(config: Config) -> Check:
+    path = config.state_dir
+    probe = _nearest_dir(path)
+    if not os.access(probe, os.W_OK | os.X_OK):
+        why = "read-only file system" if _read_only(probe) else "not writable"
+        return Check("state dir", FAIL, f"{probe} is {why} (for state_dir {path})")
+    where = "writable" if probe == path else f"{probe} writable (creates {path})"
+    return Check("state dir", OK, f"{path}: {where}")
+
+
+def _read_only(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def check_cni_config(config: Config) -> Check:
@@ -309,12 +355,7 @@ def check_ports(config: Config) -> Check:
 def check_zds(config: Config) -> Check:
     path = config.ztunnel_uds_address
     parent = os.path.dirname(path) or "."
-    probe_dir = parent
-    while not os.path.isdir(probe_dir):
-        up = os.path.dirname(probe_dir)
-        if up == probe_dir:
-            break
-        probe_dir = up
+    probe_dir = _nearest_dir(parent)
     if not os.access(probe_dir, os.W_OK | os.X_OK):
         return Check("ZDS socket", FAIL, f"{probe_dir} is not writable (for {path})")
     if os.path.exists(path) and unixsocket.answers(path, socket.SOCK_SEQPACKET):
@@ -510,11 +551,12 @@ def check_istio_crds(config: Config, timeout: float = 5.0) -> Check:
 
 def run_checks(config: Config) -> list[Check]:
     """Every check, in order; a check that raises is a FAIL naming the error."""
-    checks = [lambda: check_modules(config), lambda: check_iptables(config), check_ipset,
+    checks = [check_privileges, lambda: check_state_dir(config),
+              lambda: check_modules(config), lambda: check_iptables(config), check_ipset,
               lambda: check_cni_config(config), lambda: check_istio_cni(config),
               lambda: check_ports(config), lambda: check_zds(config), check_ztunnel,
               lambda: check_kube_api(config), lambda: check_istio_crds(config)]
-    names = ["kernel modules", "iptables", "ipset", "CNI config", "istio-cni", "ports",
+    names = ["privileges", "state dir", "kernel modules", "iptables", "ipset", "CNI config", "istio-cni", "ports",
              "ZDS socket", "ztunnel", "Kubernetes API", "Istio CRDs"]
     out = []
     for name, fn in zip(names, checks):

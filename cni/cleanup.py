@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("settings (flag > env > config file > default)")
     for name in CLI_SETTINGS:
         s = SETTINGS_BY_NAME[name]
-        group.add_argument(s.flag, dest=name, default=None, metavar="VALUE",
+        group.add_argument(s.flag, dest=name, default=None, metavar=s.metavar,
                            help=f"{s.help} (default: {s.shown_default}; env {s.env_name})"
                            .replace("%", "%%"))
 

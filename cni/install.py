@@ -402,9 +402,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         for name, flag in CLI_SETTINGS.items():
             s = SETTINGS_BY_NAME[name]
             default = DERIVED_DEFAULTS.get(name, s.default)
-            if isinstance(default, list):
+            if isinstance(default, (list, tuple)):
                 default = ",".join(default)
-            group.add_argument(flag, dest=name, default=None, metavar="VALUE",
+            group.add_argument(flag, dest=name, default=None, metavar=s.metavar,
                                help=f"{s.help} [setting {name}, env {s.env_name}, default "
                                f"{default or 'empty'}]".replace("%", "%%"))
 

@@ -112,6 +112,36 @@ def test_bad_values_name_the_setting(flags, name):
     assert "\n" not in str(e.value)
 
 
+REQUIRED_PATHS = ["state_dir", "config_dir", "ca_dir", "cni_event_socket", "cni_conf_dir",
+                  "cni_bin_dir", "ztunnel_uds_address", "sds_socket", "admin_socket"]
+
+
+@pytest.mark.parametrize("name", REQUIRED_PATHS)
+def test_an_empty_required_path_is_refused_from_flag_env_and_file(tmp_path, name):
+    """``--state-dir ''`` (or ``AMBIENT_AGENT_STATE_DIR=``) was read as "not set": the
+    agent wrote its CA, mesh root and sockets into the working directory, then failed on
+    "No such file or directory: ''" (newuser finding). An empty path the agent cannot do
+    without is refused naming the setting and where the value came from; the settings
+    whose empty value means "off" (mesh_root_file, workload_certs_dir, kubeconfig, ...)
+    still take it."""
+    setting = cfg.SETTINGS_BY_NAME[name]
+    with pytest.raises(cfg.ConfigError, match=rf"{name}='' \(from flag {setting.flag}\): "
+                                              r"must not be empty"):
+        cfg.load({name: ""}, env={})
+    with pytest.raises(cfg.ConfigError, match=rf"{name}='' \(from env {setting.env_name}\)"):
+        cfg.load({}, env={setting.env_name: ""})
+    f = tmp_path / "config.yaml"
+    f.write_text(f"{name}: ''\n")
+    with pytest.raises(cfg.ConfigError, match=rf"{name}=''.*must not be empty"):
+        cfg.load({"config_file": str(f)}, env={})
+
+
+def test_empty_paths_that_mean_off_are_accepted():
+    c = cfg.load({"mesh_root_file": "", "workload_certs_dir": "", "kubeconfig": "",
+                  "host_rules_netns": ""}, env={})
+    assert (c.mesh_root_file, c.workload_certs_dir, c.kubeconfig) == ("", "", "")
+
+
 def test_empty_lists_and_token_files(tmp_path):
     """An empty exclude list is the explicit "none"; an empty token file is refused at
     load naming the setting (every client was refused with no way to know why)."""
@@ -370,3 +400,42 @@ def test_unreachable_netns_file_says_eacces_not_missing():
     assert "host_rules_netns='/proc/1/ns/net'" in out and "EACCES" in out, out
     with pytest.raises(cfg.ConfigError, match="no such network namespace file"):
         cfg.load({"host_rules_netns": "/var/run/netns/nu-missing-xyz"}, env={})
+
+
+def test_every_setting_answers_to_the_project_prefix_and_typos_are_refused(tmp_path):
+    """``AMBIENT_AGENT_CNI_CONF_NAME`` (written so in docs/podman.md) and
+    ``AMBIENT_AGENT_STATUS_PORT`` were ignored without a word: the settings' variables
+    are Istio's ``CNI_CONF_NAME`` and ``STATUS_PORT``. Every setting now also answers to
+    ``AMBIENT_AGENT_<NAME>``; both names set differently is refused; an unknown
+    ``AMBIENT_AGENT_*`` variable is refused with the nearest real name (newuser
+    finding), and an unknown config-file key gets the same hint."""
+    c = cfg.load({}, env={"AMBIENT_AGENT_CNI_CONF_NAME": "mesh.conflist",
+                          "AMBIENT_AGENT_STATUS_PORT": "31999"})
+    assert (c.cni_conf_name, c.status_port) == ("mesh.conflist", 31999)
+    assert c.origins["status_port"] == "env AMBIENT_AGENT_STATUS_PORT"
+    same = cfg.load({}, env={"STATUS_PORT": "31999", "AMBIENT_AGENT_STATUS_PORT": "31999"})
+    assert same.status_port == 31999 and same.origins["status_port"] == "env STATUS_PORT"
+    with pytest.raises(cfg.ConfigError, match=r"set twice, differently: STATUS_PORT='2' and "
+                                              r"AMBIENT_AGENT_STATUS_PORT='1'"):
+        cfg.load({}, env={"STATUS_PORT": "2", "AMBIENT_AGENT_STATUS_PORT": "1"})
+    # a flag still wins, and a bad alias it hides must still parse
+    assert cfg.load({"status_port": "31998"},
+                    env={"AMBIENT_AGENT_STATUS_PORT": "1"}).status_port == 31998
+    with pytest.raises(cfg.ConfigError, match="overridden by flag --status-port"):
+        cfg.load({"status_port": "31998"}, env={"AMBIENT_AGENT_STATUS_PORT": "x"})
+    with pytest.raises(cfg.ConfigError) as e:
+        cfg.load({}, env={"AMBIENT_AGENT_STATUS_PROT": "1"})
+    assert str(e.value) == ("invalid setting status_prot='1' (from env "
+                            "AMBIENT_AGENT_STATUS_PROT): no such setting (unknown environment "
+                            "variable); did you mean AMBIENT_AGENT_STATUS_PORT?")
+    with pytest.raises(cfg.ConfigError, match=r"no such setting \(unknown environment "
+                                              r"variable\)$"):
+        cfg.load({}, env={"AMBIENT_AGENT_XYZZY": "1"})
+    # set by the agent on children it runs, not a setting: not refused
+    assert cfg.load({}, env={"AMBIENT_AGENT_EVENTS_OWNER": "x"}).status_port == 15020
+    # Istio's namespace is shared with other software: unknown names there are left alone
+    assert cfg.load({}, env={"STATUS_PROT": "1"}).status_port == 15020
+    f = tmp_path / "config.yaml"
+    f.write_text("status_prot: 1\n")
+    with pytest.raises(cfg.ConfigError, match="unknown setting in .*; did you mean status_port"):
+        cfg.load({"config_file": str(f)}, env={})

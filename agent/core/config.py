@@ -33,7 +33,7 @@ import socket
 import stat
 import types
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
@@ -45,7 +45,7 @@ from agent.core.config_values import (
     parse_file_name, parse_host_port, parse_json, parse_list, parse_log_level, parse_name,
     parse_cert_ttl, parse_namespace, parse_namespace_list, parse_path, parse_port, parse_ratio,
     parse_service_account, parse_signature_algorithm, parse_str, parse_token_file,
-    parse_trust_domain, positive,
+    parse_trust_domain, positive, required,
 )
 
 
@@ -60,6 +60,19 @@ class ConfigError(ValueError):
         self.setting, self.value, self.reason, self.origin = setting, value, reason, origin
         where = f" (from {origin})" if origin else ""
         super().__init__(f"invalid setting {setting}={value!r}{where}: {reason}")
+
+# What each parser accepts, as ``--help`` names it (:attr:`Setting.metavar`).
+_TYPE_NAMES = {
+    "parse_duration": "SECONDS", "parse_bool": "BOOL", "parse_port": "PORT",
+    "parse_path": "PATH", "parse_dir_path": "DIR", "parse_existing_file": "FILE",
+    "parse_list": "LIST", "parse_namespace_list": "NAMESPACES", "parse_namespace": "NAMESPACE",
+    "parse_name": "NAME", "parse_service_account": "NS/SA", "parse_account_list": "NS/SA,...",
+    "parse_bind_address": "ADDRESS", "parse_host_port": "HOST:PORT", "parse_log_level": "LEVEL",
+    "parse_json": "JSON", "parse_app_probers": "JSON", "parse_ratio": "RATIO",
+    "parse_file_mode": "MODE", "parse_file_name": "FILENAME", "parse_trust_domain": "DOMAIN",
+    "parse_signature_algorithm": "ALGORITHM", "parse_positive": "SECONDS",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
@@ -85,6 +98,26 @@ class Setting:
     @property
     def env_name(self) -> str:
         return self.env or "AMBIENT_AGENT_" + self.name.upper()
+
+    @property
+    def env_alias(self) -> str | None:
+        """``AMBIENT_AGENT_<NAME>`` for a setting whose variable is Istio's: every setting
+        answers to the project's prefix too (a user, and once our own docs, wrote
+        ``AMBIENT_AGENT_CNI_CONF_NAME`` for ``CNI_CONF_NAME`` and it was ignored)."""
+        alias = "AMBIENT_AGENT_" + self.name.upper()
+        return None if alias == self.env_name else alias
+
+    @property
+    def metavar(self) -> str:
+        """What ``--help`` names the value: ``{a,b}`` for a choice, else its kind
+        (``SECONDS``, ``PORT``, ``IP``, ``DIR``...; ``VALUE`` when none is known)."""
+        choices = getattr(self.parse, "choices", None)
+        if choices:
+            return "{" + ",".join(choices) + "}"
+        name = getattr(self.parse, "__name__", "")
+        if name == "parse" and "ip" in getattr(self.parse, "__qualname__", ""):
+            return "IP"
+        return _TYPE_NAMES.get(name, "VALUE")
 
     @property
     def shown_default(self) -> str:
@@ -116,7 +149,7 @@ _FD_BUDGET = ("; 0: as many as the open-files limit allows. The status, health a
 
 SETTINGS: list[Setting] = [
     # --- process ---
-    Setting("state_dir", "/var/run/ambient-agent", parse_dir_path,
+    Setting("state_dir", "/var/run/ambient-agent", required(parse_dir_path),
             "directory holding every socket and file the agent creates"),
     Setting("config_file", "/etc/ambient-agent/config.yaml", parse_path,
             "YAML file of settings (keys = setting names); a missing default file is ignored"),
@@ -132,7 +165,7 @@ SETTINGS: list[Setting] = [
     # --- ambient index / config source ---
     Setting("config_source", "files", choice("files", "kubernetes"),
             "where pods, services and policies come from", component="ambient"),
-    Setting("config_dir", _under_state("cluster"), parse_dir_path,
+    Setting("config_dir", _under_state("cluster"), required(parse_dir_path),
             "directory of Kubernetes/Istio YAML the files source reads and watches",
             component="ambient"),
     Setting("kubeconfig", "", parse_path, "kubeconfig for the kubernetes source "
@@ -162,15 +195,16 @@ SETTINGS: list[Setting] = [
             "workloadentry: how long a host's WorkloadEntries outlive its last heartbeat "
             "(Istio's PILOT_WORKLOAD_ENTRY_GRACE_PERIOD)", component="cni"),
     # --- CNI and enrollment ---
-    Setting("cni_event_socket", _under_state("pluginevent.sock"), parse_path,
+    Setting("cni_event_socket", _under_state("pluginevent.sock"), required(parse_path),
             "Unix socket the istio-cni plugin posts pod events to", component="cni"),
     Setting("cni_manage_config", False, parse_bool,
             "install istio-cni into the CNI conf dir at start and repair it (it stays at "
             "stop unless ambient_disable_safe_upgrade)",
             component="cni"),
-    Setting("cni_conf_dir", "/etc/cni/net.d", parse_path, "CNI network config directory",
+    Setting("cni_conf_dir", "/etc/cni/net.d", required(parse_path),
+            "CNI network config directory",
             env="MOUNTED_CNI_NET_DIR", component="cni"),
-    Setting("cni_bin_dir", "/opt/cni/bin", parse_path, "CNI plugin binary directory",
+    Setting("cni_bin_dir", "/opt/cni/bin", required(parse_path), "CNI plugin binary directory",
             env="CNI_BIN_DIR", component="cni"),
     Setting("cni_conf_name", "", parse_file_name, "conflist to chain into (empty: first by name)",
             env="CNI_CONF_NAME", component="cni"),
@@ -208,12 +242,12 @@ SETTINGS: list[Setting] = [
             "probe sets (empty: the agent's own netns; tests use a scratch netns)",
             component="cni"),
     # --- ZDS ---
-    Setting("ztunnel_uds_address", "/var/run/ztunnel/ztunnel.sock", parse_path,
+    Setting("ztunnel_uds_address", "/var/run/ztunnel/ztunnel.sock", required(parse_path),
             "ZDS socket ztunnel connects to", env="ZTUNNEL_UDS_ADDRESS", component="zds"),
     Setting("ztunnel_wait", 30.0, parse_duration,
             "how long a pod ADD waits for a ztunnel to connect", component="zds"),
     # --- SDS / CA ---
-    Setting("sds_socket", _under_state("workload-spiffe-uds", "socket"), parse_path,
+    Setting("sds_socket", _under_state("workload-spiffe-uds", "socket"), required(parse_path),
             "SDS Unix socket", env="WORKLOAD_SPIFFE_UDS", component="sds"),
     Setting("secret_ttl", 24 * 3600.0, parse_cert_ttl, "workload certificate lifetime (at "
             "least 10m)",
@@ -264,9 +298,9 @@ SETTINGS: list[Setting] = [
     Setting("ca_signer_process", False, parse_bool, "embedded CA: mint SDS workload "
             "certificates in a supervised child process (another CPU for the crypto, which "
             "holds the GIL; see docs/sds.md)", component="sds"),
-    Setting("ca_dir", _under_state("ca"), parse_dir_path, "directory of the embedded CA's "
-            "self-signed root (created once, reused at every start: keep it on persistent "
-            "storage)", component="sds"),
+    Setting("ca_dir", _under_state("ca"), required(parse_dir_path),
+            "directory of the embedded CA's self-signed root (created once, reused at every "
+            "start: keep it on persistent storage)", component="sds"),
     Setting("ca_trusted_node_accounts", ("istio-system/ztunnel",), parse_account_list,
             "namespace/serviceaccount allowed to request certificates for other identities "
             "(ImpersonatedIdentity)", env="CA_TRUSTED_NODE_ACCOUNTS", component="sds"),
@@ -318,8 +352,9 @@ SETTINGS: list[Setting] = [
             "agent's counters and histograms (prometheus-client's default; pilot-agent and "
             "istio-cni have none)", env="AMBIENT_AGENT_METRICS_CREATED_SERIES",
             component="status"),
-    Setting("admin_socket", _under_state("admin.sock"), parse_path, "Unix socket (0600, root) "
-            "serving /quitquitquit, /drain and /debug; `ambient-agent status` reads it",
+    Setting("admin_socket", _under_state("admin.sock"), required(parse_path),
+            "Unix socket (0600, root) serving /quitquitquit, /drain and /debug; "
+            "`ambient-agent status` reads it",
             component="status"),
     Setting("status_idle_timeout", 30.0, positive(parse_duration), "status, health and admin "
             "listeners close a connection idle (or stuck in its headers) this long",
@@ -390,6 +425,10 @@ SETTINGS: list[Setting] = [
 ]
 
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
+
+# ``AMBIENT_AGENT_*`` variables that are not settings (an unknown one is refused): set by
+# the agent on children it runs (cni/runtime_labels.py), never read by load().
+NOT_SETTINGS = frozenset({"AMBIENT_AGENT_EVENTS_OWNER"})
 
 # Settings that existed under another name: a config file or environment still using the
 # old name gets a ConfigError saying what to use instead (never a silent default).
@@ -473,7 +512,9 @@ def _read_config_file(path: str) -> dict[str, Any]:
         raise ConfigError(name, data[name], f"{RENAMED[name]} (in {path})")
     unknown = sorted(set(data) - set(SETTINGS_BY_NAME))
     if unknown:
-        raise ConfigError(unknown[0], data[unknown[0]], f"unknown setting in {path}")
+        close = _closest(unknown[0], SETTINGS_BY_NAME)
+        raise ConfigError(unknown[0], data[unknown[0]], f"unknown setting in {path}"
+                          f"{f'; did you mean {close}?' if close else ''}")
     return data
 
 
@@ -489,12 +530,14 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         if "AMBIENT_AGENT_" + name.upper() in env:
             raise ConfigError(name, env["AMBIENT_AGENT_" + name.upper()], why,
                               "env AMBIENT_AGENT_" + name.upper())
+    _check_env_names(env)
     raw: dict[str, tuple[Any, str]] = {}
     for s in SETTINGS:
+        from_env = _from_env(s, env)
         if s.name in flags and flags[s.name] is not None:
             raw[s.name] = (flags[s.name], "flag " + s.flag)
-        elif s.env_name in env:
-            raw[s.name] = (env[s.env_name], "env " + s.env_name)
+        elif from_env is not None:
+            raw[s.name] = from_env
 
     file_values: dict[str, Any] = {}
     file_origin = ""
@@ -537,6 +580,41 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
     return Config(**values, origins=types.MappingProxyType(origins))
 
 
+def _from_env(s: Setting, env: Mapping[str, str]) -> tuple[str, str] | None:
+    """``(value, origin)`` of setting ``s`` from its variable or its ``AMBIENT_AGENT_``
+    alias, None when neither is set. Raises :class:`ConfigError` when both are set to
+    different values (which one wins would be a guess)."""
+    got = [(env[name], "env " + name) for name in (s.env_name, s.env_alias)
+           if name and name in env]
+    if len(got) == 2 and got[0][0] != got[1][0]:
+        raise ConfigError(s.name, got[1][0], f"set twice, differently: {s.env_name}="
+                          f"{got[0][0]!r} and {s.env_alias}={got[1][0]!r} (keep one)",
+                          got[1][1])
+    return got[0] if got else None
+
+
+def _check_env_names(env: Mapping[str, str]) -> None:
+    """Refuse an ``AMBIENT_AGENT_*`` variable that names no setting (a typo such as
+    ``AMBIENT_AGENT_STATUS_PROT`` was ignored without a word, the setting left at its
+    default), with the nearest real name. Istio's own names (``STATUS_PORT``) are not
+    checked: unrelated processes share that namespace."""
+    known = {n for s in SETTINGS for n in (s.env_name, s.env_alias) if n} | NOT_SETTINGS
+    for name in sorted(env):
+        if name.startswith("AMBIENT_AGENT_") and name not in known:
+            setting = name[len("AMBIENT_AGENT_"):].lower()
+            close = _closest(setting, SETTINGS_BY_NAME)
+            hint = f"; did you mean AMBIENT_AGENT_{close.upper()}?" if close else ""
+            raise ConfigError(setting, env[name], "no such setting (unknown environment "
+                              f"variable){hint}", "env " + name)
+
+
+def _closest(name: str, known: Iterable[str]) -> str | None:
+    """The setting name of ``known`` closest to the mistyped ``name``, if any is close."""
+    import difflib
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
 def _check_overridden(raw: Mapping[str, tuple[Any, str]], env: Mapping[str, str],
                       file_values: Mapping[str, Any], file_origin: str) -> None:
     """A value a higher source overrides must still parse: a bad environment variable or
@@ -547,8 +625,9 @@ def _check_overridden(raw: Mapping[str, tuple[Any, str]], env: Mapping[str, str]
             continue
         origin = raw[s.name][1]
         lower = []
-        if origin.startswith("flag ") and s.env_name in env:
-            lower.append((env[s.env_name], "env " + s.env_name))
+        from_env = _from_env(s, env)
+        if origin.startswith("flag ") and from_env is not None:
+            lower.append(from_env)
         if s.name in file_values:
             lower.append((file_values[s.name], file_origin))
         for value, where in lower:

@@ -144,11 +144,27 @@ def parse_existing_file(value: Any) -> str:
 
 def parse_dir_path(value: Any) -> str:
     """An absolute directory path that need not exist yet (the agent creates it), but if
-    something exists there it must be a directory."""
+    something exists there it must be a directory; or empty (= not set)."""
     path = parse_path(value)
     if path and os.path.exists(path) and not os.path.isdir(path):
         raise ValueError("exists and is not a directory")
     return path
+
+
+def required(parse: Callable[[Any], str]) -> Callable[[Any], str]:
+    """``parse``, refusing an empty result: for the paths the agent cannot do without
+    (its state dir, sockets, the CNI directories). An empty ``--state-dir ''`` (or
+    ``AMBIENT_AGENT_STATE_DIR=``) was read as "not set" and the agent wrote its CA, mesh
+    root and sockets into the working directory before failing on an unnamed empty path.
+    Raises ``ValueError``."""
+    def parse_required(value: Any) -> str:
+        path = parse(value)
+        if not path:
+            raise ValueError("must not be empty (leave the setting out for its default)")
+        return path
+    parse_required.__doc__ = f"{parse.__doc__} Not empty."
+    parse_required.__name__ = parse.__name__  # what --help names the value (PATH, DIR)
+    return parse_required
 
 
 def parse_bind_address(value: Any) -> str:

@@ -140,3 +140,21 @@ def test_an_unknown_flag_is_reported_by_its_subcommand(argv, usage, capsys):
     assert err.startswith(usage), err
     prog = usage[len("usage: "):].split(" [")[0].strip()
     assert f"{prog}: error: unrecognized arguments: --bogus" in err, err
+
+
+def test_a_mistyped_flag_is_one_short_error_with_the_nearest_flag(capsys):
+    """``run --status-prot 1`` printed ~70 lines of usage (every setting's flag) before
+    the one line saying what was wrong (newuser finding): a long usage is replaced by a
+    pointer to ``--help`` and the nearest flag is named; a short one stays."""
+    from agent import cli
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", "--status-prot", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["usage: ambient-agent run [options]  (`ambient-agent run --help` lists them)",
+                   "ambient-agent run: error: unrecognized arguments: --status-prot 1 "
+                   "(did you mean --status-port?)"]
+    with pytest.raises(SystemExit):
+        cli.main(["status", "--bogus"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ambient-agent status [-h]") and "did you mean" not in err

@@ -192,3 +192,36 @@ def test_a_port_held_by_the_running_agent_says_so(tmp_path):
         busy.close()
         lock.release()
     assert precheck.running_agent(str(state)) is None
+
+
+def test_privileges_and_state_dir(tmp_path):
+    """As a plain user precheck blamed the kernel ("load ip_set") where the cause is the
+    missing CAP_NET_ADMIN that ``run`` names; and it passed with a state dir ``run``
+    cannot create (newuser finding). The capability is read from a status file the test
+    writes; the state dir cases are directories the test makes."""
+    status = tmp_path / "status"
+    status.write_text("Name:\tx\nCapEff:\t0000000000000000\n")
+    got = precheck.check_privileges(str(status))
+    assert got.state == precheck.FAIL and "lacks CAP_NET_ADMIN" in got.detail
+    status.write_text(f"CapEff:\t{1 << 12:016x}\n")
+    assert precheck.check_privileges(str(status)).state == precheck.OK
+    got = precheck.check_state_dir(config(tmp_path))
+    assert got.state == precheck.OK and f"{tmp_path} writable (creates" in got.detail
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores the mode: a read-only bind mount
+            import subprocess
+            if subprocess.run(["mount", "--bind", "-o", "ro", str(locked), str(locked)]).returncode:
+                import pytest
+                pytest.skip("cannot make a read-only bind mount here")
+            try:
+                got = precheck.check_state_dir(config(tmp_path, state_dir=str(locked / "s")))
+                assert got.state == precheck.FAIL and "read-only file system" in got.detail
+            finally:
+                subprocess.run(["umount", str(locked)], check=True)
+        else:
+            got = precheck.check_state_dir(config(tmp_path, state_dir=str(locked / "s")))
+            assert got.state == precheck.FAIL and "not writable" in got.detail
+    finally:
+        locked.chmod(0o700)
