@@ -72,6 +72,7 @@ import errno
 
 from agent.core import unixsocket
 from agent.core.capabilities import has_net_admin
+from agent.core.portholders import port_holders
 from agent.core.kubeclient import client_configuration
 
 if TYPE_CHECKING:
@@ -287,29 +288,6 @@ def running_agent(state_dir: str) -> int | None:
         return None
     finally:
         os.close(fd)
-
-
-def port_holders(ports: set[int]) -> dict[int, list[tuple[int, str]]]:
-    """Listening TCP ``port -> [(pid, process name)]`` for ``ports``, from the kernel's
-    socket table (psutil). Sockets of processes we may not inspect have no pid (0)."""
-    import psutil
-
-    out: dict[int, list[tuple[int, str]]] = {}
-    try:
-        conns = psutil.net_connections(kind="tcp")
-    except (psutil.Error, OSError):
-        return out
-    for c in conns:
-        if c.status != psutil.CONN_LISTEN or not c.laddr or c.laddr.port not in ports:
-            continue
-        pid = c.pid or 0
-        try:
-            name = psutil.Process(pid).name() if pid else "?"
-        except psutil.Error:
-            name = "?"
-        if (pid, name) not in out.setdefault(c.laddr.port, []):
-            out[c.laddr.port].append((pid, name))
-    return out
 
 
 def _held_by(port: int, holders: dict[int, list[tuple[int, str]]], agent_pid: int | None,

@@ -227,6 +227,21 @@ def test_port_check_blames_the_address_or_the_port():
     cfg.ensure_tcp_port_free("xds_tls_port", "::1", 0)
 
 
+def test_a_busy_port_at_start_names_its_origin_and_holder():
+    """``run`` on a busy port said "Address already in use" without the setting's origin
+    or who holds the port, which ``precheck`` names (newuser finding)."""
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        config = cfg.load({"status_port": str(port), "health_port": "0", "xds_port": "0",
+                           "xds_tls_port": "0", "monitoring_port": "0"}, env={})
+        with pytest.raises(cfg.ConfigError) as e:
+            cfg.ensure_ports_free(config)
+    assert e.value.setting == "status_port" and e.value.origin == "flag --status-port"
+    assert f"(held by pid {os.getpid()} " in str(e.value), str(e.value)
+
+
 def test_malformed_yaml_and_unknown_keys(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("status_port: [1\n")

@@ -710,12 +710,17 @@ def ensure_ports_free(config: "Config") -> None:
     """Raise :class:`ConfigError` naming every busy port of :func:`tcp_listeners`, so the
     agent refuses to start before any component touched the node (host probe rules, CNI
     config) rather than after the earlier ones did."""
+    from agent.core import portholders
+
     busy = []
     for setting, host, port in tcp_listeners(config):
         try:
             ensure_tcp_port_free(setting, host, port)
         except ConfigError as e:
-            busy.append(e)
+            origin = config.origins.get(e.setting, "")
+            held = portholders.describe(port) if e.setting == setting and port else ""
+            busy.append(ConfigError(e.setting, e.value, e.reason + held,
+                                    "" if origin == "default" else origin))
     distinct: dict[tuple[str, str], ConfigError] = {}
     for refused in busy:  # one address refused for three ports: said once
         distinct.setdefault((refused.setting, str(refused.value)), refused)
