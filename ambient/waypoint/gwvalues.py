@@ -358,7 +358,9 @@ def check_timeouts(rule: dict, where: str, errors: list[str]) -> None:
 
 def check_retry(rule: dict, where: str, errors: list[str]) -> None:
     """``retry``: ``attempts`` an integer >= 0 (Envoy's ``num_retries`` is a uint32),
-    ``codes`` integers 400-599 (``HTTPRouteRetryStatusCode``), ``backoff`` a duration."""
+    ``codes`` integers 400-599 (``HTTPRouteRetryStatusCode``), ``backoff`` a duration
+    longer than zero (the CRD takes ``0s``, but Envoy's ``retry_back_off.base_interval``
+    must be more than 0: the whole RouteConfiguration was NACKed)."""
     retry = _map(rule, "retry", where, errors)
     attempts = retry.get("attempts")
     if attempts is not None and (not _is_int(attempts) or not 0 <= attempts < 2**32):
@@ -368,7 +370,10 @@ def check_retry(rule: dict, where: str, errors: list[str]) -> None:
         if not _is_int(code) or not 400 <= code <= 599:
             errors.append(_err(f"{where}.retry.codes[{i}]", code,
                                "must be an HTTP status code 400-599"))
-    check_duration(retry.get("backoff"), f"{where}.retry.backoff", errors)
+    backoff = check_duration(retry.get("backoff"), f"{where}.retry.backoff", errors)
+    if backoff is not None and backoff <= 0:
+        errors.append(_err(f"{where}.retry.backoff", retry["backoff"],
+                           "must be longer than 0s (Envoy's retry base interval)"))
 
 
 def route_errors(route: dict) -> list[str]:

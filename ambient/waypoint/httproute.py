@@ -44,6 +44,11 @@ from ambient.waypoint import grpcroute, gwvalues, regex
 ROUTE_KINDS = ("HTTPRoute", "GRPCRoute", "TCPRoute")
 #: the kinds whose rules become the HTTP chains' routes
 HTTP_KINDS = ("HTTPRoute", "GRPCRoute")
+#: the HTTPRoute rule fields the waypoint carries (``name`` only names the rule); any
+#: other (``sessionPersistence``, a misspelling) is one warning and ignored
+RULE_FIELDS = frozenset({"name", "matches", "filters", "backendRefs", "timeouts", "retry"})
+#: the same for the match fields
+MATCH_FIELDS = frozenset({"path", "headers", "queryParams", "method"})
 #: istiod's default retry policy of a route (``route.DefaultRetryPolicy``): two retries on
 #: connection failures, refused streams and retriable codes, never the same host twice
 DEFAULT_RETRY: dict[str, Any] = {
@@ -156,6 +161,8 @@ class RouteBuilder:
                 where = f"{att.kind} {ns}/{name}: field 'spec.rules[{r}]"
                 if att.kind == "GRPCRoute":
                     grpcroute.check_rule(rule, where, self.problems)
+                else:
+                    _check_fields(rule, RULE_FIELDS, where, self.problems)
                 action = self._action(rule, ns, where, grpc=att.kind == "GRPCRoute")
                 found = rule.get("matches")
                 matches: list = found if isinstance(found, list) and found else []
@@ -181,6 +188,7 @@ class RouteBuilder:
         return out
 
     def _match(self, match: dict, where: str) -> tuple[dict, tuple] | None:
+        _check_fields(match, MATCH_FIELDS, where, self.problems)
         out: dict[str, Any] = {}
         path = match.get("path") or {}
         ptype = path.get("type") or "PathPrefix"
@@ -308,6 +316,14 @@ class RouteBuilder:
             else:
                 self.problems.append(f"{where}[{f}].type' {ftype!r} is not supported here: "
                                      f"filter skipped")
+
+
+def _check_fields(obj: dict, known: frozenset[str], where: str, problems: list[str]) -> None:
+    """One warning for each field of ``obj`` (a rule or a match) not in ``known``: the
+    YAML directory has no API server to prune unknown fields, and a field the waypoint
+    does not carry must not pass unseen."""
+    for key in sorted(k for k in obj if k not in known):
+        problems.append(f"{where}.{key}' is not supported: ignored")
 
 
 def _headers(mod: dict, out: dict, side: str) -> None:

@@ -65,6 +65,9 @@ BAD = {
                                            "set": [{"name": "host", "value": "x"}]}}]),
                      "spec.rules[0].filters[0].requestHeaderModifier.set[0].name"),
     "bad-retry": (_to_web(retry={"attempts": -3}), "spec.rules[0].retry.attempts"),
+    # the CRD takes 0s; Envoy's base interval must be > 0 (newuser finding: a NACK)
+    "zero-backoff": (_to_web(retry={"attempts": 3, "codes": [503], "backoff": "0s"}),
+                     "spec.rules[0].retry.backoff"),
 }
 
 

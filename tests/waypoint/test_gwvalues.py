@@ -23,6 +23,7 @@ from ambient.waypoint.status import statuses
 
 NS = "gv"
 GW = "gateway.networking.k8s.io/v1"
+ROUTES = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
 
 
 def _svc(name: str, ip: str, bound: bool = False) -> dict:
@@ -125,6 +126,8 @@ BAD_VALUES = [
      "spec.rules[0].retry.attempts", "-1"),
     ("retry-code", _rule(retry={"attempts": 1, "codes": [200]}),
      "spec.rules[0].retry.codes[0]", "200"),
+    ("retry-zero-backoff", _rule(retry={"attempts": 1, "backoff": "0s"}),
+     "spec.rules[0].retry.backoff", "'0s'"),
 ]
 
 
@@ -294,3 +297,31 @@ def test_message_is_bounded():
     errors = [f"field 'spec.rules[{i}].x' value {'v' * 60!r}: why" for i in range(100)]
     text = gwvalues.message(errors)
     assert len(text) <= gwvalues.MAX_MESSAGE + 20 and text.endswith("more")
+
+
+def test_unknown_and_unsupported_rule_fields_are_one_warning_each():
+    """``bogusField`` and ``sessionPersistence`` in an HTTPRoute rule (and an unknown
+    field in a match) were ignored without a word, the route ``Accepted=True``
+    (newuser finding); there is no API server in the YAML directory to prune them. Each
+    is one warning naming the route and the field, the route's status says
+    ``Accepted=False`` / ``UnsupportedValue`` naming them (issue 25's bad input), and
+    the rest of the route is still served, the fields ignored."""
+    rule = dict(GOOD_RULE, bogusField=1, sessionPersistence={"sessionName": "s"},
+                matches=[{"path": {"type": "PathPrefix", "value": "/ok"}, "pathh": {}}])
+    store, index = _world(_route("extra", rule))
+    model = build_model(store, index, NS, "wp")
+    _built, problems = resources.build(model)
+    mine = sorted({p for p in problems if f"HTTPRoute {NS}/extra" in p})
+    assert mine == [
+        f"HTTPRoute {NS}/extra: field 'spec.rules[0].bogusField' is not supported: ignored",
+        f"HTTPRoute {NS}/extra: field 'spec.rules[0].matches[0].pathh' is not supported: "
+        "ignored",
+        f"HTTPRoute {NS}/extra: field 'spec.rules[0].sessionPersistence' is not supported: "
+        "ignored"], mine
+    accepted = statuses(store)["httproutes"][f"{NS}/extra"]["parents"][0]["conditions"][0]
+    assert (accepted["status"], accepted["reason"]) == ("False", "UnsupportedValue")
+    assert "'spec.rules[0].bogusField' is not supported" in accepted["message"]
+    routes = [r["name"] for rc in _built[ROUTES].values()
+              for vh in json_format.MessageToDict(rc).get("virtualHosts", [])
+              for r in vh.get("routes", [])]
+    assert f"{NS}.extra.0.0" in routes, routes
