@@ -24,6 +24,7 @@ import re
 from typing import Any, TypeGuard
 
 from ambient.waypoint import regex
+from ambient.waypoints import HBONE_PORT
 
 #: RFC 7230 ``token`` (tchar+): Gateway API ``HTTPHeaderName``'s pattern, Envoy's
 #: ``HTTP_HEADER_NAME`` well-known regex for header matchers and header mutations
@@ -444,6 +445,35 @@ def gateway_errors(gateway: dict) -> list[str]:
             errors.append(_err(f"{here}.protocol", protocol,
                                "must be a protocol name (e.g. HBONE, HTTP)"))
     return errors
+
+
+#: the Gateway ``spec`` fields a waypoint reads (``addresses`` and ``infrastructure`` are
+#: the Gateway API's, but a waypoint's address comes from its Service: ignored, warned)
+GATEWAY_FIELDS = frozenset({"gatewayClassName", "listeners"})
+
+
+def gateway_ignored(gateway: dict) -> list[str]:
+    """What in an accepted waypoint Gateway's ``spec`` is ignored, one text per field:
+    a field other than :data:`GATEWAY_FIELDS`, and each listener but the one on port
+    15008 with protocol ``HBONE`` (its status says ``UnsupportedProtocol``, as
+    istiod's). In Kubernetes these reach the Gateway's status only; in the YAML
+    directory they would pass unseen."""
+    spec = gateway.get("spec")
+    if not isinstance(spec, dict):
+        return []
+    out = [f"field 'spec.{key}' is not supported for a waypoint: ignored"
+           for key in sorted(k for k in spec if k not in GATEWAY_FIELDS)]
+    found = spec.get("listeners")
+    listeners: list = found if isinstance(found, list) else []
+    hbone = [x for x in listeners if isinstance(x, dict) and x.get("port") == HBONE_PORT
+             and x.get("protocol") == "HBONE"]
+    for i, x in enumerate(listeners):
+        if isinstance(x, dict) and not (len(hbone) == 1 and x is hbone[0]):
+            out.append(f"field 'spec.listeners[{i}]' ({_v(x.get('name'))}, port "
+                       f"{_v(x.get('port'))}, protocol {_v(x.get('protocol'))}) is not "
+                       f"supported (a waypoint has one HBONE listener on {HBONE_PORT}): "
+                       f"ignored")
+    return out
 
 
 def message(errors: list[str]) -> str:

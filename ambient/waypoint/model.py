@@ -353,6 +353,8 @@ def accepted_gateway(store: ObjectStore, namespace: str, name: str,
         problems.append(f"Gateway {namespace}/{name} is not accepted ({gwvalues.message(errors)})"
                         f": serving an empty waypoint configuration")
         return None
+    problems.extend(f"Gateway {namespace}/{name}: {text}"
+                    for text in gwvalues.gateway_ignored(gw))
     return gw
 
 

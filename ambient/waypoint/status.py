@@ -54,13 +54,13 @@ from typing import Any
 
 from ambient import waypoints as wpmod
 from ambient.api import ObjectStore
-from ambient.objects import meta, spec
+from ambient.objects import labels, meta, selector_matches, spec, status as status_of
 from ambient.waypoint import gwvalues, tcproute
+from ambient.waypoints import HBONE_PORT
 from ambient.waypoint.httproute import Attached, RouteBuilder
 
 CONTROLLER = "istio.io/gateway-controller"
 WAYPOINT_CLASS = "istio-waypoint"
-HBONE_PORT = 15008
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 USE_WAYPOINT_LABEL = "istio.io/use-waypoint"
 #: route kind -> the filter types istiod converts (conversion.go convertHTTPRoute,
@@ -195,13 +195,24 @@ def _generation(obj: dict) -> int:
 
 
 def _has_instances(store: ObjectStore, ns: str, name: str) -> bool:
-    """True when an EndpointSlice of Service ``ns/name`` lists an endpoint."""
-    for sl in store.list("EndpointSlice", ns):
-        labels = meta(sl).get("labels") or {}
-        if labels.get(SERVICE_NAME_LABEL) == name and any(
-                isinstance(e, dict) and e.get("addresses") for e in sl.get("endpoints") or []):
-            return True
-    return False
+    """True when an EndpointSlice of Service ``ns/name`` lists an endpoint; with no
+    EndpointSlice of it at all (the YAML directory, where no controller writes them),
+    when a running pod with an IP matches the Service's selector, which is what the
+    EndpointSlice controller would list (the shipped example's waypoint was never
+    ``Programmed`` while ``status --services`` showed its endpoint: newuser finding)."""
+    slices = [sl for sl in store.list("EndpointSlice", ns)
+              if (meta(sl).get("labels") or {}).get(SERVICE_NAME_LABEL) == name]
+    if slices:
+        return any(isinstance(e, dict) and e.get("addresses")
+                   for sl in slices for e in sl.get("endpoints") or [])
+    svc = store.get("Service", ns, name)
+    selector = spec(svc).get("selector") if svc is not None else None
+    if not isinstance(selector, dict):
+        return False
+    return any(selector_matches(selector, labels(pod)) and status_of(pod).get("podIP")
+               and status_of(pod).get("phase") == "Running"
+               and not meta(pod).get("deletionTimestamp")
+               for pod in store.list("Pod", ns))
 
 
 def _listener_status(listener: dict, valid: bool) -> dict:

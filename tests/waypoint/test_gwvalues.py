@@ -325,3 +325,23 @@ def test_unknown_and_unsupported_rule_fields_are_one_warning_each():
               for vh in json_format.MessageToDict(rc).get("virtualHosts", [])
               for r in vh.get("routes", [])]
     assert f"{NS}.extra.0.0" in routes, routes
+
+
+def test_gateway_fields_a_waypoint_ignores_are_one_warning_each():
+    """``spec.addresses``, an unknown field and a second (HTTP) listener on an accepted
+    waypoint Gateway were ignored without a word (newuser finding): one warning each,
+    the Gateway still served (its status already says ``UnsupportedProtocol`` for the
+    listener)."""
+    gateway = copy.deepcopy(GATEWAY)
+    gateway["spec"]["addresses"] = [{"type": "IPAddress", "value": "10.0.0.9"}]
+    gateway["spec"]["bogus"] = 1
+    gateway["spec"]["listeners"].append({"name": "extra", "port": 8080, "protocol": "HTTP"})
+    store, index = _world(gateway=gateway)
+    model = build_model(store, index, NS, "wp")
+    assert model.found
+    mine = [p for p in model.problems if p.startswith(f"Gateway {NS}/wp: ")]
+    assert mine == [
+        f"Gateway {NS}/wp: field 'spec.addresses' is not supported for a waypoint: ignored",
+        f"Gateway {NS}/wp: field 'spec.bogus' is not supported for a waypoint: ignored",
+        f"Gateway {NS}/wp: field 'spec.listeners[1]' ('extra', port 8080, protocol 'HTTP') "
+        "is not supported (a waypoint has one HBONE listener on 15008): ignored"], mine

@@ -202,3 +202,28 @@ def test_status_waypoints_rows_carry_the_conditions():
         assert "Programmed=True" in text and "ResolvedRefs=False(InvalidKind" in text
     finally:
         index.stop()
+
+
+def test_the_shipped_example_waypoint_is_programmed_without_endpointslices():
+    """examples/cluster has no EndpointSlice (no controller writes them in the YAML
+    directory); its waypoint Gateway was ``Programmed=False`` (``AddressNotAssigned``)
+    while ``status --services`` listed the waypoint Service's endpoint (newuser
+    finding). Without any EndpointSlice of the Service, a running pod its selector
+    matches is an instance; once an EndpointSlice exists, it decides."""
+    from pathlib import Path
+
+    from ambient.source_files import parse_file, scan
+    store = ObjectStore(CollectorRegistry())
+    root = Path(__file__).resolve().parents[2] / "examples" / "cluster"
+    for path in scan(str(root)):
+        store.apply(list(parse_file(path).objects))
+    conds = {c["type"]: (c["status"], c["reason"])
+             for c in statuses(store)["gateways"]["demo/waypoint"]["conditions"]}
+    assert conds["Programmed"] == ("True", "Programmed"), conds
+    store.apply([({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                   "metadata": {"name": "waypoint-x", "namespace": "demo",
+                                "labels": {"kubernetes.io/service-name": "waypoint"}},
+                   "addressType": "IPv4", "endpoints": []}, "t")])
+    conds = {c["type"]: (c["status"], c["reason"])
+             for c in statuses(store)["gateways"]["demo/waypoint"]["conditions"]}
+    assert conds["Programmed"] == ("False", "AddressNotAssigned"), conds
