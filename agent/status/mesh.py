@@ -207,9 +207,12 @@ def _waypoints(index: MeshIndex, workloads: list[dict], services: list[dict],
         gateways = status.get("gateways") or {}
         gkey = f"{row['namespace']}/{row['name']}"
         if gkey not in gateways:
+            declared = status.get("declared_addresses") or {}
             gkey = next((k for k, g in gateways.items()
-                         if any(a.get("value") in row["ips"] for a in g.get("addresses") or [])),
-                        "")
+                         if any(a.get("value") in row["ips"] for a in g.get("addresses") or [])
+                         or any(v in row["ips"] for v in declared.get(k) or [])), "")
+        if gkey and not row["namespace"]:  # known to the index by address only
+            row["namespace"], row["name"] = gkey.split("/", 1)
         gw = gateways.get(gkey) or {}
         row["gateway"] = f"{gkey}: {_conditions(gw.get('conditions') or [])}" if gw else ""
         routes = []

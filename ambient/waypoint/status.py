@@ -364,13 +364,21 @@ def statuses(store: ObjectStore, domain: str = "cluster.local") -> dict[str, Any
     "grpcroutes": {...}, "tcproutes": {...}, "invalid": {"Kind ns/name": errors},
     "services": {"ns/name": {"conditions": [istio.io/WaypointBound]}}}`` (``invalid``:
     routes too malformed to have a parent status; ``services``: every Service asking
-    for a waypoint, :func:`service_waypoint_condition`)."""
-    gateways = {}
+    for a waypoint, :func:`service_waypoint_condition`), and ``declared_addresses``:
+    ``{"ns/name": [values]}`` of each Gateway object's own ``status.addresses`` (what a
+    YAML file declares for a waypoint addressed by IP; read by ``status --waypoints`` to
+    find the Gateway of such a waypoint, never written)."""
+    gateways, declared = {}, {}
     for gw in store.list("Gateway"):
         if spec(gw).get("gatewayClassName") == WAYPOINT_CLASS:
-            gateways[f"{meta(gw).get('namespace')}/{meta(gw).get('name')}"] = \
-                gateway_status(store, gw, domain)
-    out: dict[str, Any] = {"gateways": dict(sorted(gateways.items()))}
+            key = f"{meta(gw).get('namespace')}/{meta(gw).get('name')}"
+            gateways[key] = gateway_status(store, gw, domain)
+            found = status_of(gw).get("addresses")
+            declared[key] = [str(a.get("value")) for a in found
+                             if isinstance(a, dict) and a.get("value")] \
+                if isinstance(found, list) else []
+    out: dict[str, Any] = {"gateways": dict(sorted(gateways.items())),
+                           "declared_addresses": declared}
     invalid: dict[str, str] = {}
     for kind, section in ROUTE_SECTIONS.items():
         routes = {}

@@ -227,3 +227,33 @@ def test_the_shipped_example_waypoint_is_programmed_without_endpointslices():
     conds = {c["type"]: (c["status"], c["reason"])
              for c in statuses(store)["gateways"]["demo/waypoint"]["conditions"]}
     assert conds["Programmed"] == ("False", "AddressNotAssigned"), conds
+
+
+def test_a_waypoint_addressed_by_ip_shows_its_gateway_in_the_mesh_view():
+    """A plain host's Gateway with only ``status.addresses`` (an IP, no Service of that
+    name, as docs/waypoint.md suggests) was shown by ``status --waypoints`` under its IP
+    with no namespace, name or conditions (newuser finding): it is found by the
+    addresses its object declares."""
+    ghost = {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+             "metadata": {"name": "ghost", "namespace": NS},
+             "spec": {"gatewayClassName": "istio-waypoint",
+                      "listeners": [{"name": "mesh", "port": 15008, "protocol": "HBONE"}]},
+             "status": {"addresses": [{"type": "IPAddress", "value": "127.61.0.16"}]}}
+    bound = {"apiVersion": "v1", "kind": "Service",
+             "metadata": {"name": "api", "namespace": NS,
+                          "labels": {"istio.io/use-waypoint": "ghost"}},
+             "spec": {"clusterIP": "10.98.0.9", "selector": {"app": "api"},
+                      "ports": [{"name": "http", "port": 80}]}}
+    store = ObjectStore(CollectorRegistry())
+    store.apply([(o, "t") for o in [*_objects(), ghost, bound]])
+    index = AmbientIndex(store, Mesh(), CollectorRegistry())
+    index.start()
+    try:
+        view = mesh_view(MeshParts(index=index, waypoints=WaypointConfigs(store, index)))
+        rows = [r for r in view["waypoints"] if f"{NS}/api.{NS}.svc.cluster.local" in r["bound"]]
+        assert len(rows) == 1, view["waypoints"]
+        row = rows[0]
+        assert (row["namespace"], row["name"], row["ips"]) == (NS, "ghost", ["127.61.0.16"])
+        assert row["gateway"].startswith(f"{NS}/ghost: Accepted=True,"), row
+    finally:
+        index.stop()
