@@ -58,7 +58,8 @@ from ambient.xds.auth import AuthError, PlaintextAuth, spiffe_namespace
 from ambient.xds.connection import Connection, merge_changes
 from ambient.xds.metrics import XdsMetrics
 from ambient.xds.node import RequestError, parse_node
-from ambient.xds.stream import PreparedResponse, Request, Response, XdsStream, check_bounds
+from ambient.xds.stream import (PreparedResponse, Request, Response, XdsStream, check_bounds,
+                                 nack_detail)
 from ambient.xds.tls import TlsProvider, WorkloadCertificates, sds_tls_provider
 from ambient.xds.waypoint_stream import WaypointStream, is_waypoint_request
 from ambient.waypoint.options import AccessLog
@@ -462,7 +463,7 @@ class XdsServer(Component):
         more = int(last.get("count") or len(names)) - len(names)
         listed = ", ".join(names) + (f" and {more} more" if more > 0 else "")
         client = short_text(state.node.id if state.node else state.peer, MAX_LOGGED)
-        detail = short_text(req.error_detail.message, MAX_LOGGED * 2)
+        detail = nack_detail(req.error_detail.message, MAX_LOGGED * 2)
         allowed, held = self._nack_log.check(f"{client}\0{req.type_url}\0{detail}",
                                               time.monotonic())
         if not allowed:

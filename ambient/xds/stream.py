@@ -136,6 +136,32 @@ def nacked_names(sent: Iterable[str], message: str) -> list[str]:
     return found or sent
 
 
+_PROTO_VALIDATION = "Proto constraint validation failed ("
+
+
+def nack_reason(message: str) -> str:
+    """The innermost cause of an Envoy NACK detail, ``""`` when it has none to find.
+    Envoy words a resource its validation refuses as ``Proto constraint validation failed
+    (<Type>ValidationError.<Field>: embedded message failed validation | caused by ... |
+    caused by RetryBackOffValidationError.BaseInterval: value must be greater than 0s):
+    <the resource as text>``; the resource's text runs to kilobytes, and a detail cut to
+    its first few hundred characters lost the one clause that says what is wrong."""
+    start = message.find(_PROTO_VALIDATION)
+    if start < 0:
+        return ""
+    inner = message[start + len(_PROTO_VALIDATION):]
+    end = inner.find("): ")
+    inner = inner[:end] if end >= 0 else inner
+    return inner.rsplit(" | caused by ", 1)[-1].strip()
+
+
+def nack_detail(message: str, limit: int) -> str:
+    """``message`` cut to ``limit`` characters for a log line or ``/debug``, its
+    :func:`nack_reason` first when it has one."""
+    reason = nack_reason(message)
+    return short_text(f"{reason} (in: {message})" if reason else message, limit)
+
+
 def check_bounds(req: Request) -> None:
     """Refuse a request whose ``node.id`` is longer than MAX_NODE_ID_LENGTH, naming more
     than MAX_NAMES_PER_REQUEST resources in one list, or a name longer than
@@ -243,7 +269,7 @@ class XdsStream:
     def _record_nack(self, ts: TypeState, nonce: str, message: str, sent: list[str]) -> None:
         ts.nack_count += 1
         names = nacked_names(sent, message)
-        ts.nacks.append({"nonce": nonce, "detail": short_text(message, 1000), "at": time.time(),
+        ts.nacks.append({"nonce": nonce, "detail": nack_detail(message, 1000), "at": time.time(),
                          "names": names[:MAX_NACK_NAMES], "count": len(names)})
         del ts.nacks[:-_NACK_HISTORY]
         # ztunnel does not remember rejected resources as held: forget the names

@@ -168,6 +168,7 @@ async def test_nacked_resource_is_not_resent_and_its_fix_is_acked(injecting, cap
     lines = [r.getMessage() for r in caplog.records if " NACKed " in r.getMessage()]
     assert len(lines) == 1, lines
     assert f"NACKed {wr.CLUSTER_TYPE} [{name}]" in lines[0], lines[0]
+    assert "]: Invalid duration: Expected positive duration" in lines[0], lines[0]
     assert name not in _active_clusters(await config_dump(envoy))
 
     # a later push that changes another cluster: Envoy ACKs it (so the rejected cluster

@@ -68,3 +68,37 @@ def test_nacked_names_are_those_the_detail_names_else_all():
                               "inbound-vip|80|http|web.ns.svc.cluster.local: Proto constraint") \
         == ["inbound-vip|80|http|web.ns.svc.cluster.local"]
     assert nacked_names(list(reversed(sent)), "something else entirely") == sent
+
+
+# Envoy's wording of a resource its proto validation refuses (source/common/protobuf/
+# utility.cc: "Proto constraint validation failed (" + the validator's chain + "): " +
+# the resource's text), in that form for an HTTPRoute retry backoff of 0s (the cause a
+# trial user found only in Envoy's own log)
+ENVOY_PGV = (
+    "Proto constraint validation failed (RouteConfigurationValidationError.VirtualHosts[0]: "
+    "embedded message failed validation | caused by VirtualHostValidationError.Routes[0]: "
+    "embedded message failed validation | caused by field: \"route\", reason: embedded "
+    "message failed validation | caused by RouteActionValidationError.RetryPolicy: embedded "
+    "message failed validation | caused by RetryPolicyValidationError.RetryBackOff: embedded "
+    "message failed validation | caused by RetryBackOffValidationError.BaseInterval: value "
+    "must be greater than 0s): goo.gle/debugstr name: \"inbound-vip|80|http|server\" "
+    + "virtual_hosts { routes { match { prefix: \"/\" } } } " * 40)
+
+
+def test_the_nack_detail_leads_with_envoys_innermost_reason():
+    """The NACK's log line and ``/debug`` detail were the first characters of Envoy's
+    message: a chain of "embedded message failed validation" and the resource's text,
+    the reason itself cut off (newuser finding). The innermost cause comes first now;
+    a detail of another wording (ztunnel's, Envoy's other errors) is kept as it was."""
+    from ambient.xds.stream import nack_detail, nack_reason
+    assert nack_reason(ENVOY_PGV) == ("RetryBackOffValidationError.BaseInterval: value must "
+                                      "be greater than 0s")
+    detail = nack_detail(ENVOY_PGV, 400)
+    assert detail.startswith("RetryBackOffValidationError.BaseInterval: value must be greater "
+                             "than 0s (in: Proto constraint validation failed (")
+    assert detail.endswith("more characters)") and len(detail) < 450
+    flat = ("Proto constraint validation failed (ClusterValidationError.ConnectTimeout: "
+            "value must be greater than 0s): name: \"c\"")
+    assert nack_reason(flat) == "ClusterValidationError.ConnectTimeout: value must be greater than 0s"
+    for other in ("Kubernetes//Pod/a/b: unknown field", "Invalid duration: Expected positive"):
+        assert nack_reason(other) == "" and nack_detail(other, 400) == other
