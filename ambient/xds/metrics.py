@@ -8,7 +8,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 class XdsMetrics:
     """The xDS server's Prometheus series (``docs/xds.md``), in ``registry``."""
 
-    def __init__(self, registry: CollectorRegistry):
+    def __init__(self, registry: CollectorRegistry, type_urls: tuple[str, ...] = ()):
+        """``type_urls``: the types served, whose NACK counter starts at 0 (a rate or an
+        alert on it has a series before the first NACK, as ``ambient_agent_sds_nacks``)."""
         self.clients = Gauge("ambient_agent_xds_connected_clients",
                              "Connected workload xDS clients by proxy type and type URL",
                              ["proxy_type", "type_url"], registry=registry)
@@ -19,6 +21,8 @@ class XdsMetrics:
                                  ["type_url"], registry=registry)
         self.nacks = Counter("ambient_agent_xds_nacks", "NACKs received, by type URL",
                              ["type_url"], registry=registry)
+        for type_url in type_urls:
+            self.nacks.labels(type_url)
         self.slow = Counter("ambient_agent_xds_slow_clients_disconnected",
                             "streams closed because the client stopped reading its responses",
                             registry=registry)

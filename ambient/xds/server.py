@@ -53,7 +53,8 @@ from agent.core.lifecycle import AgentContext, Component
 from agent.core.yamlsafe import MAX_LOGGED, short_text
 from agent.tlsport.servercert import ServerCertificate
 from ambient.api import AmbientIndex, IndexChange, ObjectStore
-from ambient.xds.generators import ADDRESS_TYPE, Generator, default_generators
+from ambient.xds.generators import (ADDRESS_TYPE, AUTHORIZATION_TYPE, Generator,
+                                    default_generators)
 from ambient.xds.auth import AuthError, PlaintextAuth, spiffe_namespace
 from ambient.xds.connection import Connection, merge_changes
 from ambient.xds.metrics import XdsMetrics
@@ -62,6 +63,7 @@ from ambient.xds.stream import (PreparedResponse, Request, Response, XdsStream, 
                                  nack_detail)
 from ambient.xds.tls import TlsProvider, WorkloadCertificates, sds_tls_provider
 from ambient.xds.waypoint_stream import WaypointStream, is_waypoint_request
+from ambient.waypoint import options as waypoint_options
 from ambient.waypoint.options import AccessLog
 from ambient.waypoint.service import WaypointConfigs
 
@@ -71,6 +73,10 @@ SERVICE_NAME = ads_pb2.DESCRIPTOR.services_by_name["AggregatedDiscoveryService"]
 MAX_MESSAGE = 200 * 1024 * 1024  # ztunnel's max decode size
 STALL_TIMEOUT = 30.0  # seconds a response may wait for a client that does not read
 NACK_LOG_WINDOW = 60.0  # seconds: one NACK line per client, type and detail
+#: the types this server answers (ztunnel's; the waypoints' Envoy ones)
+SERVED_TYPES = (ADDRESS_TYPE, AUTHORIZATION_TYPE, waypoint_options.LISTENER_TYPE,
+                waypoint_options.CLUSTER_TYPE, waypoint_options.ENDPOINT_TYPE,
+                waypoint_options.ROUTE_TYPE, waypoint_options.SECRET_TYPE)
 
 
 
@@ -148,7 +154,7 @@ class XdsServer(Component):
         self.clock = clock
         self.debounce, self.debounce_max = debounce, debounce_max
         self.registry = registry or CollectorRegistry()
-        self.metrics = XdsMetrics(self.registry)
+        self.metrics = XdsMetrics(self.registry, SERVED_TYPES)
         self._nack_log = RepeatLimiter(NACK_LOG_WINDOW)
         # a client retrying with a bad or missing token: one line per source per minute
         self._refusal_log = RefusalLog(log, "xds")

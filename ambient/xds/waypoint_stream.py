@@ -38,14 +38,13 @@ from typing import Iterable
 
 from envoy.service.discovery.v3 import discovery_pb2
 
-from agent.core.yamlsafe import short_text
 from ambient.api import IndexChange
 from ambient.waypoint import options as wr
 from ambient.waypoint.service import WaypointConfigs
 from ambient.xds.node import NodeInfo, RequestError, parse_node
 from ambient.xds.stream import (_NACK_HISTORY, MAX_NACK_NAMES, SENT_HISTORY, Request,
                                 Response, TypeState, XdsStream, check_bounds,
-                                check_subscribed, nacked_names)
+                                check_subscribed, nack_detail, nacked_names)
 
 WILDCARD_TYPES = (wr.LISTENER_TYPE, wr.CLUSTER_TYPE)
 BIND_METADATA = "AMBIENT_HBONE_BIND_ADDRESS"
@@ -130,7 +129,7 @@ class WaypointStream:
             ts.nack_count += 1
             names = nacked_names(sent, detail.error_detail.message) if sent else \
                 sorted(ts.held)
-            ts.nacks.append({"nonce": nonce, "detail": short_text(detail.error_detail.message, 1000),
+            ts.nacks.append({"nonce": nonce, "detail": nack_detail(detail.error_detail.message, 1000),
                              "at": time.time(), "names": names[:MAX_NACK_NAMES],
                              "count": len(names)})
             del ts.nacks[:-_NACK_HISTORY]

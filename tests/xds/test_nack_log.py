@@ -36,6 +36,10 @@ def _counted(server) -> float:
 async def test_nack_logged_once_with_names_bounded_detail_and_counted(connect, index, server,
                                                                        caplog):
     caplog.set_level(logging.WARNING, logger=xds_server.__name__)
+    # every served type has its series at 0 before the first NACK (a rate has a start)
+    for type_url in xds_server.SERVED_TYPES:
+        assert server.registry.get_sample_value("ambient_agent_xds_nacks_total",
+                                                {"type_url": type_url}) == 0, type_url
     bad = [f"bad{i}" for i in range(MAX_NACK_NAMES + 3)]
     reason = "x" * 5000
     client = await connect(validator=lambda t, name, msg: reason if "/bad" in name else None)
