@@ -18,7 +18,8 @@ Row shapes (all values JSON scalars or lists of strings):
   EndpointSlice, from the uid), ``ips``, ``node``, ``protocol`` (HBONE / TCP),
   ``status`` (Healthy / Unhealthy), ``identity`` (``spiffe://...``), ``waypoint``,
   ``services`` (``namespace/hostname``), ``enrolled``, ``ztunnel`` (bool), ``uid``.
-- service: ``namespace``, ``name``, ``hostname``, ``vips``, ``ports`` (``80->8080``),
+- service: ``namespace``, ``name``, ``hostname``, ``vips``, ``ports`` (``80->8080``;
+  ``80->named`` for a named targetPort, resolved per pod),
   ``endpoints`` (workloads selecting it), ``waypoint``.
 - policy: ``namespace``, ``name``, ``scope``, ``action``, ``rules``, ``dry_run``.
 - waypoint: ``namespace``, ``name``, ``ips``, ``bound`` (services and workloads using it),
@@ -152,8 +153,9 @@ def mesh_view(parts: MeshParts) -> dict[str, Any]:
             services.append({
                 "namespace": s.namespace, "name": s.name, "hostname": s.hostname,
                 "vips": [_ip(a.address) for a in s.addresses],
-                "ports": [f"{p.service_port}->{p.target_port or p.service_port}"
-                          for p in s.ports],
+                # target 0: a named targetPort, which each pod resolves to its own number
+                # (the workload's ports; showing the service port there was wrong)
+                "ports": [f"{p.service_port}->{p.target_port or 'named'}" for p in s.ports],
                 "endpoints": 0, "waypoint": _gateway(s.waypoint) if s.HasField("waypoint")
                 else ""})
     by_host = {f"{s['namespace']}/{s['hostname']}": s for s in services}

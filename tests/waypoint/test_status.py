@@ -257,3 +257,23 @@ def test_a_waypoint_addressed_by_ip_shows_its_gateway_in_the_mesh_view():
         assert row["gateway"].startswith(f"{NS}/ghost: Accepted=True,"), row
     finally:
         index.stop()
+
+
+def test_a_named_target_port_is_shown_as_named_not_as_the_service_port():
+    """``status --services`` showed ``80->80`` for ``targetPort: http`` (the pods listen
+    on 8080): the Address leaves a named target unset, each pod resolves it (newuser
+    finding)."""
+    named = {"apiVersion": "v1", "kind": "Service",
+             "metadata": {"name": "named", "namespace": NS},
+             "spec": {"clusterIP": "10.98.0.8", "selector": {"app": "named"},
+                      "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}}
+    store = ObjectStore(CollectorRegistry())
+    store.apply([(o, "t") for o in [*_objects(), named]])
+    index = AmbientIndex(store, Mesh(), CollectorRegistry())
+    index.start()
+    try:
+        view = mesh_view(MeshParts(index=index))
+        ports = {s["name"]: s["ports"] for s in view["services"]}
+        assert ports["named"] == ["80->named"] and ports["web"] == ["80->8080"], ports
+    finally:
+        index.stop()
