@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -54,11 +55,46 @@ def envoy_path() -> str:
     return found
 
 
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_PICKED = 20000  # below it: the well-known and registered ports daemons use
+_GIVEN: set[int] = set()  # ports this process was given: never twice (until half are)
+
+
 def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1 (for Envoy's admin and listener ports)."""
+    """A TCP port free on every local IPv4 address now (for the demo's and the tests'
+    listeners), picked outside the kernel's ephemeral range: a port the kernel handed out
+    (``bind(0)``) is one it also hands to outgoing connections, and a CI run lost that
+    race (the agent's status port taken by a connection to the API server between the
+    pick and the agent's bind). Random within ``LOWEST_PICKED`` .. the range's start,
+    checked by binding ``0.0.0.0`` without ``SO_REUSEADDR``; the kernel's pick when that
+    span is empty or 200 tries found nothing."""
+    low = _ephemeral_low()
+    span = range(LOWEST_PICKED, low) if low - LOWEST_PICKED >= 1000 else range(0)
+    for _ in range(200 if span else 0):
+        port = random.choice(span)
+        if port in _GIVEN:  # picked for another listener not bound yet, perhaps
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        if len(_GIVEN) > len(span) // 2:
+            _GIVEN.clear()
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of ``net.ipv4.ip_local_port_range`` (32768 when unreadable)."""
+    try:
+        with open(EPHEMERAL_RANGE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _sds(name: str) -> dict:
