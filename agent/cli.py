@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import difflib
 import importlib
 import json
 import os
@@ -134,8 +133,8 @@ class Parser(argparse.ArgumentParser):
             parser = self.innermost(ns)
             flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
             unknown = next((e.split("=", 1)[0] for e in extra if e.startswith("--")), "")
-            close = difflib.get_close_matches(unknown, flags, n=1, cutoff=0.75) if unknown else []
-            hint = f" (did you mean {close[0]}?)" if close else ""
+            close = agent_config.closest(unknown, flags) if unknown else None
+            hint = f" (did you mean {close}?)" if close else ""
             parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
         return ns
 

@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import errno
 import os
 import platform
 import secrets
@@ -67,8 +68,6 @@ import sys
 import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING, Any
-
-import errno
 
 from agent.core import unixsocket
 from agent.core.capabilities import has_net_admin

@@ -61,6 +61,7 @@ class ConfigError(ValueError):
         where = f" (from {origin})" if origin else ""
         super().__init__(f"invalid setting {setting}={value!r}{where}: {reason}")
 
+
 # What each parser accepts, as ``--help`` names it (:attr:`Setting.metavar`).
 _TYPE_NAMES = {
     "parse_duration": "SECONDS", "parse_bool": "BOOL", "parse_port": "PORT",
@@ -512,7 +513,7 @@ def _read_config_file(path: str) -> dict[str, Any]:
         raise ConfigError(name, data[name], f"{RENAMED[name]} (in {path})")
     unknown = sorted(set(data) - set(SETTINGS_BY_NAME))
     if unknown:
-        close = _closest(unknown[0], SETTINGS_BY_NAME)
+        close = closest(unknown[0], SETTINGS_BY_NAME)
         raise ConfigError(unknown[0], data[unknown[0]], f"unknown setting in {path}"
                           f"{f'; did you mean {close}?' if close else ''}")
     return data
@@ -602,14 +603,15 @@ def _check_env_names(env: Mapping[str, str]) -> None:
     for name in sorted(env):
         if name.startswith("AMBIENT_AGENT_") and name not in known:
             setting = name[len("AMBIENT_AGENT_"):].lower()
-            close = _closest(setting, SETTINGS_BY_NAME)
+            close = closest(setting, SETTINGS_BY_NAME)
             hint = f"; did you mean AMBIENT_AGENT_{close.upper()}?" if close else ""
             raise ConfigError(setting, env[name], "no such setting (unknown environment "
                               f"variable){hint}", "env " + name)
 
 
-def _closest(name: str, known: Iterable[str]) -> str | None:
-    """The setting name of ``known`` closest to the mistyped ``name``, if any is close."""
+def closest(name: str, known: Iterable[str]) -> str | None:
+    """The one of ``known`` closest to the mistyped ``name`` (a setting, a flag), if any
+    is close enough to suggest."""
     import difflib
     close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
     return close[0] if close else None

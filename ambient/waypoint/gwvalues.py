@@ -452,6 +452,14 @@ def gateway_errors(gateway: dict) -> list[str]:
 GATEWAY_FIELDS = frozenset({"gatewayClassName", "listeners"})
 
 
+def hbone_listener(listeners: list) -> dict | None:
+    """The listener a waypoint serves: the single one on port 15008 with protocol
+    ``HBONE``; None when there is none or more than one (istiod's rule)."""
+    hbone = [x for x in listeners if isinstance(x, dict) and x.get("port") == HBONE_PORT
+             and x.get("protocol") == "HBONE"]
+    return hbone[0] if len(hbone) == 1 else None
+
+
 def gateway_ignored(gateway: dict) -> list[str]:
     """What in an accepted waypoint Gateway's ``spec`` is ignored, one text per field:
     a field other than :data:`GATEWAY_FIELDS`, and each listener but the one on port
@@ -465,10 +473,9 @@ def gateway_ignored(gateway: dict) -> list[str]:
            for key in sorted(k for k in spec if k not in GATEWAY_FIELDS)]
     found = spec.get("listeners")
     listeners: list = found if isinstance(found, list) else []
-    hbone = [x for x in listeners if isinstance(x, dict) and x.get("port") == HBONE_PORT
-             and x.get("protocol") == "HBONE"]
+    served = hbone_listener(listeners)
     for i, x in enumerate(listeners):
-        if isinstance(x, dict) and not (len(hbone) == 1 and x is hbone[0]):
+        if isinstance(x, dict) and x is not served:
             out.append(f"field 'spec.listeners[{i}]' ({_v(x.get('name'))}, port "
                        f"{_v(x.get('port'))}, protocol {_v(x.get('protocol'))}) is not "
                        f"supported (a waypoint has one HBONE listener on {HBONE_PORT}): "

@@ -194,19 +194,19 @@ def _generation(obj: dict) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def _has_instances(store: ObjectStore, ns: str, name: str) -> bool:
-    """True when an EndpointSlice of Service ``ns/name`` lists an endpoint; with no
+def _has_instances(store: ObjectStore, svc: dict) -> bool:
+    """True when an EndpointSlice of Service ``svc`` lists an endpoint; with no
     EndpointSlice of it at all (the YAML directory, where no controller writes them),
     when a running pod with an IP matches the Service's selector, which is what the
     EndpointSlice controller would list (the shipped example's waypoint was never
     ``Programmed`` while ``status --services`` showed its endpoint: newuser finding)."""
+    ns, name = meta(svc).get("namespace", ""), meta(svc).get("name", "")
     slices = [sl for sl in store.list("EndpointSlice", ns)
               if (meta(sl).get("labels") or {}).get(SERVICE_NAME_LABEL) == name]
     if slices:
         return any(isinstance(e, dict) and e.get("addresses")
                    for sl in slices for e in sl.get("endpoints") or [])
-    svc = store.get("Service", ns, name)
-    selector = spec(svc).get("selector") if svc is not None else None
+    selector = spec(svc).get("selector")
     if not isinstance(selector, dict):
         return False
     return any(selector_matches(selector, labels(pod)) and status_of(pod).get("podIP")
@@ -241,7 +241,7 @@ def gateway_status(store: ObjectStore, gateway: dict, domain: str = "cluster.loc
         programmed = _cond("Programmed", False, "AddressNotUsable",
                            f"Failed to assign to any requested addresses: hostname "
                            f"\"{host}\" not found", generation)
-    elif not _has_instances(store, ns, name):
+    elif not _has_instances(store, svc):
         programmed = _cond("Programmed", False, "AddressNotAssigned",
                            f"Failed to assign to any requested addresses: no instances found "
                            f"for hostname \"{host}\"", generation)
@@ -259,10 +259,10 @@ def gateway_status(store: ObjectStore, gateway: dict, domain: str = "cluster.loc
         addresses.append({"type": "Hostname", "value": host})
     found = spec(gateway).get("listeners") if isinstance(spec(gateway), dict) else None
     listeners = [x for x in found if isinstance(x, dict)] if isinstance(found, list) else []
-    hbone = [x for x in listeners if x.get("port") == HBONE_PORT and x.get("protocol") == "HBONE"]
+    served = gwvalues.hbone_listener(listeners)
     out_listeners = []
     for x in listeners:
-        st = _listener_status(x, len(hbone) == 1 and x is hbone[0])
+        st = _listener_status(x, x is served)
         for c in st["conditions"]:
             c["observedGeneration"] = generation
         out_listeners.append(st)

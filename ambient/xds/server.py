@@ -63,8 +63,7 @@ from ambient.xds.stream import (PreparedResponse, Request, Response, XdsStream, 
                                  nack_detail)
 from ambient.xds.tls import TlsProvider, WorkloadCertificates, sds_tls_provider
 from ambient.xds.waypoint_stream import WaypointStream, is_waypoint_request
-from ambient.waypoint import options as waypoint_options
-from ambient.waypoint.options import AccessLog
+from ambient.waypoint.options import ENVOY_TYPES, AccessLog
 from ambient.waypoint.service import WaypointConfigs
 
 log = logging.getLogger(__name__)
@@ -74,9 +73,7 @@ MAX_MESSAGE = 200 * 1024 * 1024  # ztunnel's max decode size
 STALL_TIMEOUT = 30.0  # seconds a response may wait for a client that does not read
 NACK_LOG_WINDOW = 60.0  # seconds: one NACK line per client, type and detail
 #: the types this server answers (ztunnel's; the waypoints' Envoy ones)
-SERVED_TYPES = (ADDRESS_TYPE, AUTHORIZATION_TYPE, waypoint_options.LISTENER_TYPE,
-                waypoint_options.CLUSTER_TYPE, waypoint_options.ENDPOINT_TYPE,
-                waypoint_options.ROUTE_TYPE, waypoint_options.SECRET_TYPE)
+SERVED_TYPES = (ADDRESS_TYPE, AUTHORIZATION_TYPE, *ENVOY_TYPES)
 
 
 

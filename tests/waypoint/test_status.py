@@ -183,25 +183,41 @@ def test_cross_namespace_backend_resolves_without_a_reference_grant_as_istiod():
     assert (c["ResolvedRefs"]["status"], c["ResolvedRefs"]["reason"]) == ("True", "ResolvedRefs")
 
 
-def test_status_waypoints_rows_carry_the_conditions():
-    store = _store()
+def _view(store: ObjectStore) -> dict:
+    """The mesh view ``status --services/--waypoints`` renders, of ``store``."""
     index = AmbientIndex(store, Mesh(), CollectorRegistry())
     index.start()
     try:
-        view = mesh_view(MeshParts(index=index, waypoints=WaypointConfigs(store, index)))
-        rows = [r for r in view["waypoints"] if f"{NS}/web.{NS}.svc.cluster.local" in r["bound"]]
-        assert len(rows) == 1, view["waypoints"]
-        row = rows[0]
-        assert row["gateway"] == f"{NS}/wp: Accepted=True,Programmed=True,ResolvedRefs=True"
-        routes = dict(r.split(": ", 1) for r in row["routes"])
-        assert routes[f"{NS}/good"] == "Accepted=True,ResolvedRefs=True,ResolvedWaypoints=True"
-        assert routes[f"{NS}/unsupported"].startswith("Accepted=False(UnsupportedValue)")
-        assert "ResolvedRefs=False(BackendNotFound)" in routes[f"{NS}/missing-backend"]
-        assert f"{NS}/no-parent" not in routes  # its parent is not bound to this waypoint
-        text = render(view, ["waypoints"])
-        assert "Programmed=True" in text and "ResolvedRefs=False(InvalidKind" in text
+        return mesh_view(MeshParts(index=index, waypoints=WaypointConfigs(store, index)))
     finally:
         index.stop()
+
+
+def _store_of(objects: list[dict]) -> ObjectStore:
+    store = ObjectStore(CollectorRegistry())
+    store.apply([(o, "t") for o in objects])
+    return store
+
+
+def _waypoint_row(view: dict, service: str) -> dict:
+    """The one waypoint row Service ``service`` of :data:`NS` is bound to."""
+    rows = [r for r in view["waypoints"]
+            if f"{NS}/{service}.{NS}.svc.cluster.local" in r["bound"]]
+    assert len(rows) == 1, view["waypoints"]
+    return rows[0]
+
+
+def test_status_waypoints_rows_carry_the_conditions():
+    view = _view(_store())
+    row = _waypoint_row(view, "web")
+    assert row["gateway"] == f"{NS}/wp: Accepted=True,Programmed=True,ResolvedRefs=True"
+    routes = dict(r.split(": ", 1) for r in row["routes"])
+    assert routes[f"{NS}/good"] == "Accepted=True,ResolvedRefs=True,ResolvedWaypoints=True"
+    assert routes[f"{NS}/unsupported"].startswith("Accepted=False(UnsupportedValue)")
+    assert "ResolvedRefs=False(BackendNotFound)" in routes[f"{NS}/missing-backend"]
+    assert f"{NS}/no-parent" not in routes  # its parent is not bound to this waypoint
+    text = render(view, ["waypoints"])
+    assert "Programmed=True" in text and "ResolvedRefs=False(InvalidKind" in text
 
 
 def test_the_shipped_example_waypoint_is_programmed_without_endpointslices():
@@ -244,19 +260,9 @@ def test_a_waypoint_addressed_by_ip_shows_its_gateway_in_the_mesh_view():
                           "labels": {"istio.io/use-waypoint": "ghost"}},
              "spec": {"clusterIP": "10.98.0.9", "selector": {"app": "api"},
                       "ports": [{"name": "http", "port": 80}]}}
-    store = ObjectStore(CollectorRegistry())
-    store.apply([(o, "t") for o in [*_objects(), ghost, bound]])
-    index = AmbientIndex(store, Mesh(), CollectorRegistry())
-    index.start()
-    try:
-        view = mesh_view(MeshParts(index=index, waypoints=WaypointConfigs(store, index)))
-        rows = [r for r in view["waypoints"] if f"{NS}/api.{NS}.svc.cluster.local" in r["bound"]]
-        assert len(rows) == 1, view["waypoints"]
-        row = rows[0]
-        assert (row["namespace"], row["name"], row["ips"]) == (NS, "ghost", ["127.61.0.16"])
-        assert row["gateway"].startswith(f"{NS}/ghost: Accepted=True,"), row
-    finally:
-        index.stop()
+    row = _waypoint_row(_view(_store_of([*_objects(), ghost, bound])), "api")
+    assert (row["namespace"], row["name"], row["ips"]) == (NS, "ghost", ["127.61.0.16"])
+    assert row["gateway"].startswith(f"{NS}/ghost: Accepted=True,"), row
 
 
 def test_a_named_target_port_is_shown_as_named_not_as_the_service_port():
@@ -267,13 +273,5 @@ def test_a_named_target_port_is_shown_as_named_not_as_the_service_port():
              "metadata": {"name": "named", "namespace": NS},
              "spec": {"clusterIP": "10.98.0.8", "selector": {"app": "named"},
                       "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}}
-    store = ObjectStore(CollectorRegistry())
-    store.apply([(o, "t") for o in [*_objects(), named]])
-    index = AmbientIndex(store, Mesh(), CollectorRegistry())
-    index.start()
-    try:
-        view = mesh_view(MeshParts(index=index))
-        ports = {s["name"]: s["ports"] for s in view["services"]}
-        assert ports["named"] == ["80->named"] and ports["web"] == ["80->8080"], ports
-    finally:
-        index.stop()
+    ports = {s["name"]: s["ports"] for s in _view(_store_of([*_objects(), named]))["services"]}
+    assert ports["named"] == ["80->named"] and ports["web"] == ["80->8080"], ports
